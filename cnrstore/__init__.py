@@ -1,0 +1,41 @@
+"""cnrstore — an embedded, log-structured checkpoint store for DLRM training (Check-N-Run).
+
+    import cnrstore
+    with cnrstore.open("ckpt", create=True) as store:
+        store.create_table("emb", num_rows=1_000_000, dim=64, codec="int4")
+        with store.checkpoint(step=100) as ck:
+            ck.put_rows("emb", rows, values)
+        store.read_rows("emb", [1, 2, 3], version=ck.version)
+
+API.md is the contract; DESIGN.md the architecture; docs/FORMAT.md the bytes on disk.
+"""
+
+from . import codecs, errors
+from .errors import (
+    CheckpointInProgress,
+    CnrError,
+    CorruptionError,
+    FormatVersionError,
+    InvalidArgument,
+    MissingRows,
+    ReadOnlyError,
+    StorageFull,
+    StoreClosed,
+    StoreLocked,
+    StoreNotFound,
+    TableNotFound,
+    VersionNotFound,
+)
+from .store import FORMAT_VERSION, Store, open
+from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
+from .writer import CheckpointWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "open", "Store", "CheckpointWriter", "TableInfo", "VersionInfo", "Snapshot", "VerifyReport",
+    "FORMAT_VERSION", "codecs", "errors",
+    "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "TableNotFound",
+    "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",
+    "CheckpointInProgress",
+]

@@ -1,0 +1,53 @@
+"""Codec registry: look a codec up by name (API) or by the id stored in each record (on disk).
+
+Ids are part of the on-disk format: never renumber one, never reuse a retired one. Taken: fp32=1,
+fp16=2, int8=3, int4=4, int2=5. Ids 6..255 are free for later codecs (int1/int3/int5-7, adaptive*,
+kmeans*).
+"""
+
+from __future__ import annotations
+
+import operator
+
+from cnrstore.codecs.base import Codec
+from cnrstore.codecs.lossless import FP16, FP32
+from cnrstore.codecs.rowwise import Int2, Int4, Int8
+from cnrstore.errors import InvalidArgument
+
+__all__ = ["Codec", "names", "get", "by_id"]
+
+_CODECS: tuple[Codec, ...] = (FP32(), FP16(), Int8(), Int4(), Int2())
+_BY_NAME: dict[str, Codec] = {c.name: c for c in _CODECS}
+_BY_ID: dict[int, Codec] = {c.codec_id: c for c in _CODECS}
+if len(_BY_NAME) != len(_CODECS) or len(_BY_ID) != len(_CODECS):  # pragma: no cover - a coding error
+    raise ImportError("cnrstore.codecs: duplicate codec name or id")
+if not all(0 < c.codec_id < 256 and (c.fallback is None or c.fallback in _BY_NAME) for c in _CODECS):
+    raise ImportError("cnrstore.codecs: codec id out of u8 range or unknown fallback")  # pragma: no cover
+
+
+def names() -> list[str]:
+    """Names of all codecs, in id order."""
+    return list(_BY_NAME)
+
+
+def get(name: str) -> Codec:
+    """The codec called ``name``; :class:`InvalidArgument` listing the known names if there is none."""
+    codec = _BY_NAME.get(name) if isinstance(name, str) else None
+    if codec is None:
+        raise InvalidArgument(f"unknown codec {name!r}; known codecs: {', '.join(_BY_NAME)}")
+    return codec
+
+
+def by_id(codec_id: int) -> Codec:
+    """The codec whose on-disk id is ``codec_id``; :class:`InvalidArgument` if there is none."""
+    try:
+        codec = _BY_ID.get(operator.index(codec_id))
+    except TypeError:
+        codec = None
+    if codec is None:
+        known = ", ".join(f"{c.codec_id} ({c.name})" for c in _CODECS)
+        raise InvalidArgument(
+            f"unknown codec id {codec_id!r}; this cnrstore knows {known}: data written by a newer "
+            "cnrstore needs a newer cnrstore"
+        )
+    return codec

@@ -1,0 +1,89 @@
+"""The one error hierarchy of cnrstore.
+
+Every failure a caller may want to handle is a subclass of :class:`CnrError`. Lookup failures also
+subclass :class:`LookupError` and bad arguments :class:`ValueError`, so generic handlers keep working.
+Errors a user can fix say how in their message. Third-party errors are wrapped at the boundary
+(``raise CorruptionError(...) from exc``); no bare ``RuntimeError`` escapes for a storage fault.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CnrError",
+    "StoreNotFound",
+    "StoreLocked",
+    "InvalidArgument",
+    "VersionNotFound",
+    "TableNotFound",
+    "MissingRows",
+    "CorruptionError",
+    "FormatVersionError",
+    "StorageFull",
+    "StoreClosed",
+    "ReadOnlyError",
+    "CheckpointInProgress",
+]
+
+
+class CnrError(Exception):
+    """Base class of every error raised by cnrstore."""
+
+
+class StoreNotFound(CnrError):
+    """The path is not a cnrstore store (open it with ``create=True`` to make one)."""
+
+
+class StoreLocked(CnrError):
+    """Another process holds the store open for writing. ``.pid`` is the holder's pid, if known."""
+
+    def __init__(self, message: str, pid: int | None = None):
+        super().__init__(message)
+        self.pid = pid
+
+
+class InvalidArgument(CnrError, ValueError):
+    """An argument is malformed; the message names what and how to fix it."""
+
+
+class VersionNotFound(CnrError, LookupError):
+    """The version was never committed, or was dropped by ``retain``."""
+
+
+class TableNotFound(CnrError, LookupError):
+    """No table of that name exists in the store."""
+
+
+class MissingRows(CnrError, LookupError):
+    """Rows asked for were never written at or before the version read."""
+
+
+class CorruptionError(CnrError):
+    """Stored bytes fail their checksum or are structurally invalid.
+
+    ``.path`` is the damaged file and ``.offset`` the byte offset of the damaged record (None if unknown).
+    """
+
+    def __init__(self, message: str, path: str | None = None, offset: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.offset = offset
+
+
+class FormatVersionError(CnrError):
+    """The store was written by a newer cnrstore format than this one reads: upgrade cnrstore."""
+
+
+class StorageFull(CnrError, OSError):
+    """The file system ran out of space (or quota) during a write; the checkpoint was aborted."""
+
+
+class StoreClosed(CnrError):
+    """The store (or writer) was used after ``close()``."""
+
+
+class ReadOnlyError(CnrError):
+    """A write was attempted on a store opened with ``readonly=True``."""
+
+
+class CheckpointInProgress(CnrError):
+    """A second checkpoint writer was opened while one is still open in this process."""

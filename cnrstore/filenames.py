@@ -1,0 +1,50 @@
+"""Every file and directory name of a store, in one place: nobody else builds paths.
+
+Layout of a store directory::
+
+    <store>/CNRSTORE            marker: format version, checksummed (written last at creation)
+    <store>/LOCK                advisory lock of the writing process; holds its pid
+    <store>/index/              the LMDB environment (data.mdb, lock.mdb)
+    <store>/segments/<id>.seg   append-only segment files, id as 16 hex digits
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+MARKER = "CNRSTORE"
+LOCK = "LOCK"
+INDEX_DIR = "index"
+SEGMENTS_DIR = "segments"
+_SEGMENT_RE = re.compile(r"^([0-9a-f]{16})\.seg$")
+
+
+def marker_path(root: str) -> str:
+    return os.path.join(root, MARKER)
+
+
+def marker_tmp_path(root: str) -> str:
+    return os.path.join(root, MARKER + ".tmp")
+
+
+def lock_path(root: str) -> str:
+    return os.path.join(root, LOCK)
+
+
+def index_dir(root: str) -> str:
+    return os.path.join(root, INDEX_DIR)
+
+
+def segments_dir(root: str) -> str:
+    return os.path.join(root, SEGMENTS_DIR)
+
+
+def segment_path(root: str, segment_id: int) -> str:
+    return os.path.join(root, SEGMENTS_DIR, f"{segment_id:016x}.seg")
+
+
+def parse_segment_name(name: str) -> int | None:
+    """Segment id of a file name in segments/, or None if the name is not a segment's."""
+    m = _SEGMENT_RE.match(name)
+    return int(m.group(1), 16) if m else None

@@ -1,0 +1,88 @@
+"""The file-system seam: every write-side effect of the engine goes through a ``FileSystem``.
+
+Tests substitute a subclass to inject faults (a full disk, a crash at a named point) the way
+leveldb's fault_injection_test drops unsynced data. Reads use mmap/pread directly: they have no
+effects to inject.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+from . import errors
+
+#: Environment variable naming a crash point; the process SIGKILLs itself on reaching it (tests only).
+CRASH_ENV = "CNRSTORE_CRASH_AT"
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def crash_point(name: str) -> None:
+    """Kill this process with SIGKILL if ``$CNRSTORE_CRASH_AT`` names this point (crash tests)."""
+    if os.environ.get(CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wrap_os_error(exc: OSError, what: str) -> errors.CnrError | OSError:
+    """Turn a full-disk OSError into StorageFull; leave other OSErrors as they are."""
+    if exc.errno in _NO_SPACE:
+        err = errors.StorageFull(f"{what}: {os.strerror(exc.errno)}; free disk space and retry the checkpoint")
+        err.errno = exc.errno
+        return err
+    return exc
+
+
+class FileSystem:
+    """Real file-system effects. Subclass and override to inject faults."""
+
+    def open_append(self, path: str, *, create: bool) -> int:
+        """Open ``path`` for writing (creating it if ``create``); returns a raw fd."""
+        flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0)
+        return os.open(path, flags, 0o644)
+
+    def pwritev(self, fd: int, buffers: list, offset: int) -> int:
+        """Write all ``buffers`` at ``offset``; returns bytes written (all of them) or raises OSError."""
+        total = sum(memoryview(b).nbytes for b in buffers)
+        written = os.pwritev(fd, buffers, offset)
+        while written < total:  # short write: finish it byte-exactly
+            rest = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)[written:]
+            n = os.pwrite(fd, rest, offset + written)
+            if n == 0:
+                raise OSError(errno.ENOSPC, "short write")
+            written += n
+        return written
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def truncate(self, path: str, length: int) -> None:
+        os.truncate(path, length)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def write_file_atomic(self, path: str, tmp_path: str, data: bytes) -> None:
+        """Write ``data`` to ``tmp_path``, fsync it, rename it over ``path`` and fsync the directory."""
+        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            self.pwritev(fd, [data], 0)
+            self.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp_path, path)
+        self.fsync_dir(os.path.dirname(path) or ".")
+
+    def remove(self, path: str) -> None:
+        os.remove(path)
+
+
+DEFAULT = FileSystem()

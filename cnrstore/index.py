@@ -1,0 +1,316 @@
+"""Layer 3 — the index: one LMDB environment with the catalogs and the row-block index.
+
+Named databases (keys big-endian so LMDB's byte order is numeric order; on disk, never change):
+
+    meta        ascii name → msgpack value          format, next_version, next_table_id, next_dense_id
+    tables      table name (utf-8) → msgpack dict   id, num_rows, dim, codec, block_rows, created
+    versions    version u64 → msgpack dict          step, meta, created, parent, tables, dense, bytes
+    segments    segment id u64 → msgpack dict       {"length": committed length}
+    rows        table u32 · block u64 · version u64 → ROW_LOC (segment, offset, length, count, flags)
+    dense_names name (utf-8) → dense id u32
+    dense       dense id u32 · version u64 → DENSE_LOC (segment, offset, length)
+
+"Newest record of block b at or before version v" is one ``set_range`` to (t, b, v+1) and one ``prev``.
+Only this module imports lmdb; every lmdb error is wrapped here. The map grows on demand: callers
+never see MapFullError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import threading
+from typing import Callable, Iterator, NamedTuple, TypeVar
+
+import lmdb
+import msgpack
+
+from . import knobs
+from .errors import CorruptionError
+
+T = TypeVar("T")
+
+ROW_KEY = struct.Struct(">IQQ")
+DENSE_KEY = struct.Struct(">IQ")
+VERSION_KEY = struct.Struct(">Q")
+ROW_LOC = struct.Struct("<IIIIB")  # segment, offset, length, count, flags
+DENSE_LOC = struct.Struct("<III")  # segment, offset, length
+_DBS = (b"meta", b"tables", b"versions", b"segments", b"rows", b"dense_names", b"dense")
+
+
+class RowLoc(NamedTuple):
+    """Where a row-block record lies, with its row count and record flags."""
+
+    segment: int
+    offset: int
+    length: int
+    count: int
+    flags: int
+
+
+class DenseLoc(NamedTuple):
+    segment: int
+    offset: int
+    length: int
+
+
+def _pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data) -> object:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+class _SharedExclusiveLock:
+    """Many holders of the shared side (transactions), or one of the exclusive side (map resizes).
+
+    LMDB's set_mapsize requires that no transaction of this process is active.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    def acquire_shared(self) -> None:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._shared += 1
+
+    def release_shared(self) -> None:
+        with self._cond:
+            self._shared -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        with self._cond:
+            while self._exclusive or self._shared:
+                self._cond.wait()
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class IndexView:
+    """Reads of one LMDB transaction: every answer comes from one consistent committed state."""
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict):
+        self._txn = txn
+        self._dbs = dbs
+        self._row_cursor = None
+
+    # catalogs -------------------------------------------------------------------------------------
+    def meta(self, key: str, default=None):
+        raw = self._txn.get(key.encode(), db=self._dbs[b"meta"])
+        return default if raw is None else _unpack(raw)
+
+    def table(self, name: str) -> dict | None:
+        raw = self._txn.get(name.encode(), db=self._dbs[b"tables"])
+        return None if raw is None else _unpack(raw)
+
+    def tables(self) -> dict[str, dict]:
+        with self._txn.cursor(db=self._dbs[b"tables"]) as cur:
+            return {k.decode(): _unpack(v) for k, v in cur}
+
+    def version(self, version: int) -> dict | None:
+        raw = self._txn.get(VERSION_KEY.pack(version), db=self._dbs[b"versions"])
+        return None if raw is None else _unpack(raw)
+
+    def versions(self) -> list[tuple[int, dict]]:
+        with self._txn.cursor(db=self._dbs[b"versions"]) as cur:
+            return [(VERSION_KEY.unpack(k)[0], _unpack(v)) for k, v in cur]
+
+    def latest(self) -> tuple[int, dict] | None:
+        with self._txn.cursor(db=self._dbs[b"versions"]) as cur:
+            if not cur.last():
+                return None
+            return VERSION_KEY.unpack(cur.key())[0], _unpack(cur.value())
+
+    def segments(self) -> dict[int, int]:
+        with self._txn.cursor(db=self._dbs[b"segments"]) as cur:
+            return {VERSION_KEY.unpack(k)[0]: _unpack(v)["length"] for k, v in cur}
+
+    def dense_id(self, name: str) -> int | None:
+        raw = self._txn.get(name.encode(), db=self._dbs[b"dense_names"])
+        return None if raw is None else struct.unpack(">I", raw)[0]
+
+    # row index ------------------------------------------------------------------------------------
+    def row_chain(self, table_id: int, block: int, version: int) -> Iterator[tuple[int, RowLoc]]:
+        """(version, location) of block's records at or before ``version``, newest first."""
+        cur = self._row_cursor
+        if cur is None:
+            cur = self._row_cursor = self._txn.cursor(db=self._dbs[b"rows"])
+        positioned = cur.set_range(ROW_KEY.pack(table_id, block, version + 1)) if version < 2**64 - 1 else False
+        ok = cur.prev() if positioned else cur.last()
+        while ok:
+            t, b, v = ROW_KEY.unpack(cur.key())
+            if t != table_id or b != block:
+                return
+            yield v, RowLoc._make(ROW_LOC.unpack(cur.value()))
+            ok = cur.prev()
+
+    def row_entries(self, table_id: int | None = None) -> Iterator[tuple[int, int, int, RowLoc]]:
+        """Every (table, block, version, location) of the row index, in key order."""
+        with self._txn.cursor(db=self._dbs[b"rows"]) as cur:
+            ok = cur.set_range(ROW_KEY.pack(table_id, 0, 0)) if table_id is not None else cur.first()
+            while ok:
+                t, b, v = ROW_KEY.unpack(cur.key())
+                if table_id is not None and t != table_id:
+                    return
+                yield t, b, v, RowLoc._make(ROW_LOC.unpack(cur.value()))
+                ok = cur.next()
+
+    def dense_at(self, dense_id: int, version: int) -> tuple[int, DenseLoc] | None:
+        """(version, location) of the newest record of a dense array at or before ``version``."""
+        with self._txn.cursor(db=self._dbs[b"dense"]) as cur:
+            ok = cur.prev() if cur.set_range(DENSE_KEY.pack(dense_id, version + 1)) else cur.last()
+            if not ok:
+                return None
+            d, v = DENSE_KEY.unpack(cur.key())
+            if d != dense_id:
+                return None
+            return v, DenseLoc._make(DENSE_LOC.unpack(cur.value()))
+
+    def dense_entries(self) -> Iterator[tuple[int, int, DenseLoc]]:
+        with self._txn.cursor(db=self._dbs[b"dense"]) as cur:
+            for k, val in cur:
+                d, v = DENSE_KEY.unpack(k)
+                yield d, v, DenseLoc._make(DENSE_LOC.unpack(val))
+
+    def dense_names(self) -> dict[str, int]:
+        with self._txn.cursor(db=self._dbs[b"dense_names"]) as cur:
+            return {k.decode(): struct.unpack(">I", v)[0] for k, v in cur}
+
+    def stat(self) -> dict[str, dict]:
+        return {name.decode(): self._txn.stat(db) for name, db in self._dbs.items()}
+
+
+class IndexWriter(IndexView):
+    """A write transaction: the reads of IndexView plus puts. Runs inside ``Index.write``."""
+
+    def put_meta(self, key: str, value) -> None:
+        self._txn.put(key.encode(), _pack(value), db=self._dbs[b"meta"])
+
+    def put_table(self, name: str, info: dict) -> None:
+        self._txn.put(name.encode(), _pack(info), db=self._dbs[b"tables"])
+
+    def put_version(self, version: int, info: dict) -> None:
+        self._txn.put(VERSION_KEY.pack(version), _pack(info), db=self._dbs[b"versions"])
+
+    def put_segment(self, segment: int, length: int) -> None:
+        self._txn.put(VERSION_KEY.pack(segment), _pack({"length": length}), db=self._dbs[b"segments"])
+
+    def put_row(self, table_id: int, block: int, version: int, loc: RowLoc) -> None:
+        self._txn.put(ROW_KEY.pack(table_id, block, version), ROW_LOC.pack(*loc), db=self._dbs[b"rows"])
+
+    def put_dense_name(self, name: str, dense_id: int) -> None:
+        self._txn.put(name.encode(), struct.pack(">I", dense_id), db=self._dbs[b"dense_names"])
+
+    def put_dense(self, dense_id: int, version: int, loc: DenseLoc) -> None:
+        self._txn.put(DENSE_KEY.pack(dense_id, version), DENSE_LOC.pack(*loc), db=self._dbs[b"dense"])
+
+
+class Index:
+    """The LMDB environment of a store. Thread-safe; one write transaction at a time."""
+
+    def __init__(self, path: str, *, readonly: bool, create: bool = False):
+        self.path = path
+        self.readonly = readonly
+        self._resize = _SharedExclusiveLock()
+        self._write_lock = threading.Lock()
+        try:
+            self._env = lmdb.open(
+                path,
+                subdir=True,
+                create=create,
+                readonly=readonly,
+                map_size=knobs.INDEX_MAP_BYTES,
+                max_dbs=len(_DBS),
+                max_readers=knobs.INDEX_MAX_READERS,
+                sync=True,
+                metasync=True,
+                readahead=False,
+                meminit=False,
+                lock=True,
+            )
+            with self._env.begin(write=not readonly) as txn:
+                self._dbs = {name: self._env.open_db(name, txn=txn, create=not readonly) for name in _DBS}
+        except lmdb.Error as exc:
+            raise CorruptionError(f"cannot open the index at {path}: {exc}", path, None) from exc
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[IndexView]:
+        """A read transaction, seeing the newest committed state as of its start."""
+        txn = self._begin(write=False)
+        try:
+            yield IndexView(txn, self._dbs)
+        except lmdb.Error as exc:
+            raise CorruptionError(f"index read failed at {self.path}: {exc}", self.path, None) from exc
+        finally:
+            txn.abort()
+            self._resize.release_shared()
+
+    def write(self, body: Callable[[IndexWriter], T]) -> T:
+        """Run ``body`` in one write transaction and commit it durably; returns body's result.
+
+        If the map is full, the transaction is aborted, the map doubled and ``body`` run again, so
+        ``body`` must only read and write through its argument. An exception from ``body`` aborts.
+        """
+        with self._write_lock:
+            while True:
+                txn = self._begin(write=True)
+                try:
+                    result = body(IndexWriter(txn, self._dbs))
+                    txn.commit()
+                    return result
+                except lmdb.MapFullError:
+                    txn.abort()
+                    self._resize.release_shared()
+                    txn = None
+                    with self._resize.exclusive():
+                        self._env.set_mapsize(self._env.info()["map_size"] * 2)
+                except lmdb.Error as exc:
+                    txn.abort()
+                    raise CorruptionError(f"index write failed at {self.path}: {exc}", self.path, None) from exc
+                except BaseException:
+                    txn.abort()
+                    raise
+                finally:
+                    if txn is not None:
+                        self._resize.release_shared()
+
+    def map_size(self) -> int:
+        return self._env.info()["map_size"]
+
+    def _begin(self, write: bool) -> lmdb.Transaction:
+        """Begin a transaction holding the shared side of the resize lock (the caller releases it)."""
+        while True:
+            self._resize.acquire_shared()
+            try:
+                return self._env.begin(write=write, buffers=False)
+            except lmdb.MapResizedError:
+                # another process grew the map: adopt its size with no transaction of ours active
+                self._resize.release_shared()
+                with self._resize.exclusive():
+                    self._env.set_mapsize(0)
+            except lmdb.Error as exc:
+                self._resize.release_shared()
+                raise CorruptionError(f"cannot begin an index transaction at {self.path}: {exc}", self.path, None) from exc
+            except BaseException:
+                self._resize.release_shared()
+                raise
+
+    def disk_bytes(self) -> int:
+        return sum(os.path.getsize(os.path.join(self.path, n)) for n in os.listdir(self.path))
+
+    def close(self) -> None:
+        with self._resize.exclusive():
+            self._env.close()

@@ -1,0 +1,35 @@
+"""Defaults and tunables, in one place so tests (and experts) can override them.
+
+Modules read these at call time (``knobs.SEGMENT_BYTES``, never ``from knobs import ...``), so
+``monkeypatch.setattr(cnrstore.knobs, "SEGMENT_BYTES", 4096)`` takes effect on the next operation.
+"""
+
+# Segment log -------------------------------------------------------------------------------------
+#: A segment is sealed and a new one started once it holds at least this many bytes.
+SEGMENT_BYTES = 256 << 20
+#: Largest single record (a record must fit the u32 length of an index entry).
+MAX_RECORD_BYTES = (1 << 32) - 1
+
+# Index -------------------------------------------------------------------------------------------
+#: Initial LMDB map size. The map doubles on demand; no MapFullError reaches a caller.
+INDEX_MAP_BYTES = 64 << 20
+#: LMDB reader slots (one per concurrent read transaction, across processes).
+INDEX_MAX_READERS = 256
+
+# Tables ------------------------------------------------------------------------------------------
+#: Default block_rows is the largest power of two whose block, encoded in the table's codec,
+#: stays within this many bytes (clamped to [MIN_BLOCK_ROWS, MAX_BLOCK_ROWS]).
+BLOCK_TARGET_BYTES = 64 << 10
+MIN_BLOCK_ROWS = 64
+#: Row offsets inside a block are stored as u16, so a block holds at most 65536 rows.
+MAX_BLOCK_ROWS = 1 << 16
+
+# Writer ------------------------------------------------------------------------------------------
+#: Rows encoded per codec call while writing; bounds the writer's transient memory.
+ENCODE_CHUNK_ROWS = 1 << 17
+#: Buffers handed to one writev call.
+WRITEV_BUFFERS = 512
+
+# Reader ------------------------------------------------------------------------------------------
+#: Worker threads used to decode large reads (codec kernels release the GIL).
+DECODE_THREADS = 2

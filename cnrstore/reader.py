@@ -1,0 +1,171 @@
+"""Point-in-time reads: resolve which record holds each asked row of a block at a version, and decode.
+
+A block's records at or before version v, newest first, form its *read chain*. A row reads as its
+value in the newest record of the chain that holds it; a baseline record (every row of the block)
+ends the chain. Every record is checksum-verified (record.parse) before any byte of it is used.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import codecs, knobs, record
+from .errors import CorruptionError, MissingRows
+from .index import IndexView
+from .segments import SegmentReader
+
+
+@dataclass
+class Piece:
+    """Encoded rows of one record to decode, and where they go inside their block."""
+
+    codec_id: int
+    encoded: np.ndarray  # uint8 (n, row_bytes)
+    dest: np.ndarray | None  # int64 block offsets, or None for rows 0..n-1
+
+
+class BlockResolver:
+    """Reads records of one table through a segment reader, within one index transaction."""
+
+    def __init__(self, view: IndexView, segments: SegmentReader, table: dict):
+        self.view = view
+        self.segments = segments
+        self.table = table
+        self.block_rows = table["block_rows"]
+        self.dim = table["dim"]
+
+    def load(self, loc) -> record.Record:
+        buf = self.segments.read(loc.segment, loc.offset, loc.length)
+        rec = record.parse(buf, self.segments.path(loc.segment), loc.offset)
+        if rec.kind != record.KIND_ROWS or rec.object_id != self.table["id"] or rec.count != loc.count:
+            path = self.segments.path(loc.segment)
+            raise CorruptionError(f"record at {path}:{loc.offset} is not the one the index names", path, loc.offset)
+        return rec
+
+    def resolve(self, block: int, want: np.ndarray | None, version: int) -> tuple[list[Piece], np.ndarray]:
+        """Pieces holding the rows ``want`` (sorted unique block offsets; None = every row) at ``version``.
+
+        Each wanted row appears in exactly one piece. Returns (pieces, offsets never written).
+        """
+        block_len = min(self.block_rows, self.table["num_rows"] - block * self.block_rows)
+        remaining = np.arange(block_len, dtype=np.int64) if want is None else want
+        pieces: list[Piece] = []
+        for _v, loc in self.view.row_chain(self.table["id"], block, version):
+            rec = self.load(loc)
+            codec = codecs.by_id(rec.codec_id)
+            rows = rec.body.reshape(rec.count, codec.row_bytes(self.dim))
+            if rec.flags & record.FLAG_FULL:
+                if want is None and not pieces and rec.count == block_len:
+                    pieces.append(Piece(rec.codec_id, rows, None))  # the common case: one baseline
+                    return pieces, remaining[:0]
+                found = remaining < rec.count
+                idx = remaining[found]
+            else:
+                offsets = rec.offsets()
+                idx = np.searchsorted(offsets, remaining)
+                np.minimum(idx, rec.count - 1, out=idx)
+                found = offsets[idx] == remaining
+                idx = idx[found]
+            if idx.size:
+                pieces.append(Piece(rec.codec_id, rows[idx], remaining[found]))
+                remaining = remaining[~found]
+            if not remaining.size or rec.flags & record.FLAG_BASELINE:
+                break
+        return pieces, remaining
+
+
+def _missing_error(table: str, missing: np.ndarray, version: int) -> MissingRows:
+    first = ", ".join(str(int(r)) for r in missing[:8])
+    return MissingRows(
+        f"{missing.size} row(s) of table {table!r} were never written at or before version {version} "
+        f"(first: {first})"
+    )
+
+
+def read_rows(view: IndexView, segments: SegmentReader, table: dict, rows: np.ndarray, version: int) -> np.ndarray:
+    """float32 (len(rows), dim): ``rows`` (validated int64, may repeat) as of ``version``."""
+    dim = table["dim"]
+    unique_rows, inverse = np.unique(rows, return_inverse=True)
+    shift = table["block_rows"].bit_length() - 1
+    blocks = unique_rows >> shift
+    starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]]) if blocks.size else blocks
+    bounds = np.r_[starts, blocks.size]
+    resolver = BlockResolver(view, segments, table)
+    by_codec: dict[int, tuple[list, list]] = {}
+    missing = []
+    for i in range(starts.size):
+        lo, hi = bounds[i], bounds[i + 1]
+        block = int(blocks[lo])
+        base = block << shift
+        pieces, absent = resolver.resolve(block, unique_rows[lo:hi] - base, version)
+        if absent.size:
+            missing.append(absent + base)
+        for p in pieces:
+            encs, dests = by_codec.setdefault(p.codec_id, ([], []))
+            encs.append(p.encoded)
+            # position in unique_rows of each decoded row
+            dests.append(lo + np.searchsorted(unique_rows[lo:hi], p.dest + base))
+    if missing:
+        raise _missing_error(table["name"], np.concatenate(missing), version)
+    out_unique = np.empty((unique_rows.size, dim), dtype=np.float32)
+    for codec_id, (encs, dests) in by_codec.items():
+        decoded = codecs.by_id(codec_id).decode(np.concatenate(encs), dim)
+        out_unique[np.concatenate(dests)] = decoded
+    return out_unique if unique_rows.size == rows.size and np.array_equal(unique_rows, rows) else out_unique[inverse]
+
+
+def read_table(view: IndexView, segments: SegmentReader, table: dict, version: int) -> np.ndarray:
+    """float32 (num_rows, dim): the whole table as of ``version``. Every row must have been written."""
+    num_rows, dim, block_rows = table["num_rows"], table["dim"], table["block_rows"]
+    out = np.empty((num_rows, dim), dtype=np.float32)
+    num_blocks = -(-num_rows // block_rows)
+    resolver = BlockResolver(view, segments, table)
+    plans = []
+    missing = []
+    for block in range(num_blocks):
+        pieces, absent = resolver.resolve(block, None, version)
+        if absent.size:
+            missing.append(absent + block * block_rows)
+        plans.append((block, pieces))
+    if missing:
+        raise _missing_error(table["name"], np.concatenate(missing), version)
+
+    def decode_range(part: list) -> None:
+        for block, pieces in part:
+            base = block * block_rows
+            for p in pieces:
+                values = codecs.by_id(p.codec_id).decode(p.encoded, dim)
+                if p.dest is None:
+                    out[base : base + values.shape[0]] = values
+                else:
+                    out[base + p.dest] = values
+
+    threads = max(1, min(knobs.DECODE_THREADS, len(plans) // 16))
+    if threads == 1:
+        decode_range(plans)
+    else:
+        step = -(-len(plans) // threads)
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(decode_range, [plans[i : i + step] for i in range(0, len(plans), step)]))
+    return out
+
+
+def read_dense(view: IndexView, segments: SegmentReader, dense_id: int, name: str, version: int):
+    """The dense array ``name`` as of ``version`` (exact dtype, shape and bytes), or None if never put."""
+    found = view.dense_at(dense_id, version)
+    if found is None:
+        return None
+    _v, loc = found
+    path = segments.path(loc.segment)
+    rec = record.parse(segments.read(loc.segment, loc.offset, loc.length), path, loc.offset)
+    if rec.kind != record.KIND_DENSE or rec.object_id != dense_id:
+        raise CorruptionError(f"record at {path}:{loc.offset} is not the one the index names", path, loc.offset)
+    try:
+        desc = rec.dense_descriptor()
+        dtype = np.dtype(desc["dtype"])
+        return rec.body.view(dtype).reshape(desc["shape"]).copy()
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptionError(f"dense record at {path}:{loc.offset} has a bad descriptor: {exc}", path, loc.offset) from exc

@@ -1,0 +1,124 @@
+"""Layer 1 — the bytes of one record. docs/FORMAT.md is the byte-level specification; keep both in step.
+
+A record is::
+
+    header  40 bytes, little-endian (HEADER below)
+    aux     aux_len bytes   ROWS: row offsets in the block, u16 LE, sorted, unique
+                            (absent when FLAG_FULL: the record holds rows 0..count-1)
+                            DENSE: msgpack {"dtype": str, "shape": [int, ...]}
+    body    body_len bytes  ROWS: count encoded rows of the codec, row after row
+                            DENSE: the array's raw bytes, C order
+    xxh3    8 bytes, u64 LE: XXH3-64 (seed 0) of every preceding byte of the record
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import xxhash
+
+from .errors import CorruptionError
+
+# On disk: never change these values. -------------------------------------------------------------
+MAGIC = b"CNRr"
+KIND_ROWS = 1
+KIND_DENSE = 2
+#: The record holds every row of its block as of its version: a read walking back stops here.
+FLAG_BASELINE = 0x1
+#: Rows are 0..count-1 of the block; no offsets are stored.
+FLAG_FULL = 0x2
+#: Written by compaction (a materialized baseline) rather than by a checkpoint.
+FLAG_COMPACTED = 0x4
+_KNOWN_FLAGS = FLAG_BASELINE | FLAG_FULL | FLAG_COMPACTED
+
+#: magic, kind u8, codec u8, flags u16, object_id u32, count u32, block u64, version u64,
+#: aux_len u32, body_len u32
+HEADER = struct.Struct("<4sBBHIIQQII")
+CHECKSUM = struct.Struct("<Q")
+HEADER_BYTES = HEADER.size  # 40
+TRAILER_BYTES = CHECKSUM.size  # 8
+OFFSET_DTYPE = np.dtype("<u2")
+
+assert HEADER_BYTES == 40
+
+
+@dataclass(frozen=True)
+class Record:
+    """A parsed, checksum-verified record. ``aux`` and ``body`` are read-only uint8 views."""
+
+    kind: int
+    codec_id: int
+    flags: int
+    object_id: int
+    count: int
+    block: int
+    version: int
+    aux: np.ndarray
+    body: np.ndarray
+
+    def offsets(self) -> np.ndarray:
+        """Row offsets inside the block (int64, sorted); for a FULL record, 0..count-1."""
+        if self.flags & FLAG_FULL:
+            return np.arange(self.count, dtype=np.int64)
+        return self.aux.view(OFFSET_DTYPE).astype(np.int64)
+
+    def dense_descriptor(self) -> dict:
+        return msgpack.unpackb(self.aux.tobytes())
+
+
+def rows_record(
+    codec_id: int, flags: int, object_id: int, block: int, version: int, offsets: np.ndarray | None, body: np.ndarray
+) -> tuple[list, int]:
+    """Buffers of one ROWS record (header, offsets, body, checksum) and its total length.
+
+    ``offsets`` must be None exactly when ``flags`` has FLAG_FULL; ``body`` is a C-contiguous uint8 array
+    of ``count`` encoded rows. The body is not copied.
+    """
+    count = body.shape[0]
+    aux = b"" if offsets is None else np.ascontiguousarray(offsets, dtype=OFFSET_DTYPE).tobytes()
+    return _assemble(KIND_ROWS, codec_id, flags, object_id, count, block, version, aux, body)
+
+
+def dense_record(object_id: int, version: int, array: np.ndarray) -> tuple[list, int]:
+    """Buffers of one DENSE record holding ``array`` exactly (dtype, shape and bytes)."""
+    arr = np.ascontiguousarray(array)
+    aux = msgpack.packb({"dtype": arr.dtype.str, "shape": list(arr.shape)})
+    body = arr.reshape(-1).view(np.uint8)
+    return _assemble(KIND_DENSE, 0, 0, object_id, 0, 0, version, aux, body)
+
+
+def _assemble(kind, codec_id, flags, object_id, count, block, version, aux: bytes, body: np.ndarray):
+    body_view = memoryview(body).cast("B")
+    header = HEADER.pack(MAGIC, kind, codec_id, flags, object_id, count, block, version, len(aux), body_view.nbytes)
+    h = xxhash.xxh3_64(header)
+    h.update(aux)
+    h.update(body_view)
+    trailer = CHECKSUM.pack(h.intdigest())
+    buffers = [header + aux, body_view, trailer] if body_view.nbytes else [header + aux + trailer]
+    return buffers, HEADER_BYTES + len(aux) + body_view.nbytes + TRAILER_BYTES
+
+
+def parse(buf: np.ndarray, path: str, offset: int) -> Record:
+    """Verify and parse the record that is exactly ``buf`` (a uint8 array), found at ``path``:``offset``.
+
+    Raises CorruptionError if the checksum, magic, kind, flags or lengths are wrong.
+    """
+    n = buf.shape[0]
+    if n < HEADER_BYTES + TRAILER_BYTES:
+        raise CorruptionError(f"record of {n} bytes is shorter than a header at {path}:{offset}", path, offset)
+    (stored,) = CHECKSUM.unpack_from(buf, n - TRAILER_BYTES)
+    if xxhash.xxh3_64_intdigest(buf[: n - TRAILER_BYTES]) != stored:
+        raise CorruptionError(f"record checksum mismatch at {path}:{offset} ({n} bytes)", path, offset)
+    magic, kind, codec_id, flags, object_id, count, block, version, aux_len, body_len = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC or kind not in (KIND_ROWS, KIND_DENSE) or flags & ~_KNOWN_FLAGS:
+        raise CorruptionError(f"bad record header at {path}:{offset}", path, offset)
+    if HEADER_BYTES + aux_len + body_len + TRAILER_BYTES != n:
+        raise CorruptionError(f"record lengths disagree with its extent at {path}:{offset}", path, offset)
+    if kind == KIND_ROWS and aux_len != (0 if flags & FLAG_FULL else 2 * count):
+        raise CorruptionError(f"record offsets length disagrees with its row count at {path}:{offset}", path, offset)
+    aux = buf[HEADER_BYTES : HEADER_BYTES + aux_len]
+    body = buf[HEADER_BYTES + aux_len : n - TRAILER_BYTES]
+    return Record(kind, codec_id, flags, object_id, count, block, version, aux, body)

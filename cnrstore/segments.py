@@ -1,0 +1,244 @@
+"""Layer 2 — the segment log: append-only segment files, rolled at a size limit, read through mmap.
+
+A segment file is a 32-byte header followed by records (record.py). Only the prefix up to the
+segment's *committed length* (kept in the index) holds data of committed versions; bytes past it are
+the torn tail of a crash or of an aborted checkpoint and are truncated by the writer on open.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+
+import numpy as np
+import xxhash
+
+from . import filenames, fs, knobs
+from .errors import CorruptionError
+
+# On disk: never change. magic, segment id u64, format version u32, reserved u32 (0), xxh3-64 of the
+# preceding 24 bytes.
+SEGMENT_MAGIC = b"CNRSEG\x00\x01"
+SEGMENT_HEADER = struct.Struct("<8sQII")
+SEGMENT_HEADER_BYTES = SEGMENT_HEADER.size + 8  # 32
+
+
+def segment_header(segment_id: int, format_version: int) -> bytes:
+    head = SEGMENT_HEADER.pack(SEGMENT_MAGIC, segment_id, format_version, 0)
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+
+
+def check_segment_header(buf, segment_id: int, path: str) -> None:
+    """Raise CorruptionError unless ``buf`` starts with a valid header of segment ``segment_id``."""
+    if len(buf) < SEGMENT_HEADER_BYTES:
+        raise CorruptionError(f"segment {path} is shorter than its header", path, 0)
+    head = bytes(buf[: SEGMENT_HEADER.size])
+    (stored,) = struct.unpack_from("<Q", buf, SEGMENT_HEADER.size)
+    magic, seg_id, _fmt, _ = SEGMENT_HEADER.unpack(head)
+    if xxhash.xxh3_64_intdigest(head) != stored or magic != SEGMENT_MAGIC or seg_id != segment_id:
+        raise CorruptionError(f"bad segment header in {path}", path, 0)
+
+
+class SegmentAppender:
+    """The writer's side of the log. Not thread-safe: one checkpoint writer uses it at a time.
+
+    ``committed`` maps segment id → committed length, as last recorded in the index. Appends go past
+    those lengths; ``sync`` makes them durable and returns the new lengths to commit; ``rollback``
+    throws them away.
+    """
+
+    def __init__(self, root: str, committed: dict[int, int], format_version: int, filesystem: fs.FileSystem):
+        self.root = root
+        self.fs = filesystem
+        self.format_version = format_version
+        self.committed = dict(committed)
+        self._sizes = dict(committed)  # current (possibly uncommitted) length of each segment
+        self._fds: dict[int, int] = {}  # open fds of segments written since the last sync/rollback
+        self._created: set[int] = set()  # segments created since the last sync/rollback
+        self._next_id = max(committed, default=0) + 1
+        self.active: int | None = max(committed) if committed else None
+
+    def append(self, buffers: list, length: int) -> tuple[int, int]:
+        """Append one record (its buffers, ``length`` bytes in all); returns (segment id, offset)."""
+        return self.append_many([(buffers, length)])[0]
+
+    def append_many(self, records: list[tuple[list, int]]) -> list[tuple[int, int]]:
+        """Append several records, coalescing them into few writes. Returns their (segment, offset).
+
+        On failure nothing is recorded as appended; whatever bytes reached the file lie past every
+        committed length and are truncated by ``rollback`` (or by ``recover`` at the next open).
+        """
+        if not records:
+            return []
+        seg = self.active
+        if seg is None or (self._sizes[seg] >= knobs.SEGMENT_BYTES and self._sizes[seg] > SEGMENT_HEADER_BYTES):
+            seg = self._new_segment()
+        locations, batch, start = [], [], self._sizes[seg]
+        pos = start
+        for buffers, length in records:
+            locations.append((seg, pos))
+            batch.extend(buffers)
+            pos += length
+        fd = self._fd(seg)
+        try:
+            for i in range(0, len(batch), knobs.WRITEV_BUFFERS):
+                chunk = batch[i : i + knobs.WRITEV_BUFFERS]
+                start += self.fs.pwritev(fd, chunk, start)
+        except OSError as exc:
+            raise fs.wrap_os_error(exc, f"appending to {filenames.segment_path(self.root, seg)}") from exc
+        self._sizes[seg] = pos
+        return locations
+
+    def dirty(self) -> bool:
+        return any(self._sizes[s] != self.committed.get(s) for s in self._fds)
+
+    def sync(self) -> dict[int, int]:
+        """fsync every segment written since the last sync (and the directory for new ones).
+
+        Returns {segment id: length} of those segments, for the index commit. Does not yet treat
+        them as committed: call ``mark_committed`` once the index transaction has committed.
+        """
+        for fd in self._fds.values():
+            self.fs.fsync(fd)
+        if self._created:
+            self.fs.fsync_dir(filenames.segments_dir(self.root))
+        return {s: self._sizes[s] for s in self._fds}
+
+    def mark_committed(self, lengths: dict[int, int]) -> None:
+        self.committed.update(lengths)
+        self._release_fds(keep=self.active)
+        self._created.clear()
+
+    def rollback(self) -> None:
+        """Throw away everything appended since the last commit (truncate; remove new segments)."""
+        for seg in list(self._fds):
+            path = filenames.segment_path(self.root, seg)
+            try:
+                if seg in self._created and seg not in self.committed:
+                    self.fs.close(self._fds.pop(seg))
+                    self.fs.remove(path)
+                    self._sizes.pop(seg, None)
+                else:
+                    self.fs.truncate(path, self.committed[seg])
+                    self._sizes[seg] = self.committed[seg]
+            except OSError:
+                pass  # the next open truncates or removes what is left: it is past every committed length
+        self._created.clear()
+        self._release_fds(keep=None)
+        self.active = max(self.committed) if self.committed else None
+        self._next_id = max([self._next_id, *(s + 1 for s in self.committed)])
+
+    def close(self) -> None:
+        self._release_fds(keep=None)
+
+    def _release_fds(self, keep: int | None) -> None:
+        for seg in list(self._fds):
+            if seg != keep:
+                self.fs.close(self._fds.pop(seg))
+
+    def _fd(self, seg: int) -> int:
+        fd = self._fds.get(seg)
+        if fd is None:
+            fd = self._fds[seg] = self.fs.open_append(filenames.segment_path(self.root, seg), create=False)
+        return fd
+
+    def _new_segment(self) -> int:
+        seg = self._next_id
+        self._next_id += 1
+        path = filenames.segment_path(self.root, seg)
+        self._fds[seg] = self.fs.open_append(path, create=True)
+        self._created.add(seg)
+        header = segment_header(seg, self.format_version)
+        try:
+            self.fs.pwritev(self._fds[seg], [header], 0)
+        except OSError as exc:
+            raise fs.wrap_os_error(exc, f"creating {path}") from exc
+        self._sizes[seg] = len(header)
+        self.active = seg
+        return seg
+
+
+def recover(root: str, committed: dict[int, int], filesystem: fs.FileSystem) -> list[str]:
+    """Bring segments/ in line with the index after a crash (writer only, at open).
+
+    Truncates each committed segment to its committed length (a torn tail), removes segment files the
+    index does not know (created by a checkpoint that never committed). Returns notes of what it did.
+    """
+    notes = []
+    seg_dir = filenames.segments_dir(root)
+    for name in sorted(os.listdir(seg_dir)):
+        seg = filenames.parse_segment_name(name)
+        path = os.path.join(seg_dir, name)
+        if seg is None:
+            continue
+        if seg not in committed:
+            filesystem.remove(path)
+            notes.append(f"removed uncommitted segment {name}")
+            continue
+        size = os.path.getsize(path)
+        if size > committed[seg]:
+            filesystem.truncate(path, committed[seg])
+            notes.append(f"truncated torn tail of {name}: {size - committed[seg]} bytes")
+    if notes:
+        filesystem.fsync_dir(seg_dir)
+    return notes
+
+
+class SegmentReader:
+    """Thread-safe mmap access to segment bytes. Mappings grow as segments do."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def read(self, seg: int, offset: int, length: int) -> np.ndarray:
+        """A read-only uint8 view of ``length`` bytes at ``offset`` of segment ``seg``.
+
+        Raises CorruptionError if the segment is missing or shorter than that.
+        """
+        entry = self._maps.get(seg)
+        if entry is None or offset + length > entry[1].shape[0]:
+            entry = self._map(seg, offset + length)
+        return entry[1][offset : offset + length]
+
+    def path(self, seg: int) -> str:
+        return filenames.segment_path(self.root, seg)
+
+    def _map(self, seg: int, need: int):
+        path = filenames.segment_path(self.root, seg)
+        with self._lock:
+            entry = self._maps.get(seg)
+            if entry is not None and need <= entry[1].shape[0]:
+                return entry
+            try:
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if size < need:
+                        raise CorruptionError(
+                            f"segment {path} holds {size} bytes but the index needs {need}", path, size
+                        )
+                    mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+            except FileNotFoundError:
+                raise CorruptionError(f"segment {path} is missing", path, None) from None
+            view = np.frombuffer(mm, dtype=np.uint8)
+            if entry is None:
+                check_segment_header(view, seg, path)
+            # an older mapping stays alive while views of it exist; it is closed when they are gone
+            self._maps[seg] = (mm, view)
+            return self._maps[seg]
+
+    def forget(self, seg: int) -> None:
+        with self._lock:
+            self._maps.pop(seg, None)
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = self._maps, {}
+        for mm, _view in maps.values():
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping is closed when it is collected

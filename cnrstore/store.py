@@ -1,0 +1,432 @@
+"""The Store: opening, tables, checkpoints, point-in-time reads, verify and stats (API.md's contract)."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import struct
+import threading
+import time
+from typing import Iterator
+
+import msgpack
+import numpy as np
+import xxhash
+
+from . import codecs, filenames, fs, knobs, reader, record, segments, validate
+from .errors import (
+    CheckpointInProgress,
+    CorruptionError,
+    FormatVersionError,
+    InvalidArgument,
+    MissingRows,
+    ReadOnlyError,
+    StoreClosed,
+    StoreNotFound,
+    TableNotFound,
+    VersionNotFound,
+)
+from .index import Index, IndexView, RowLoc
+from .lock import ProcessLock
+from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
+from .writer import CheckpointWriter, pack_meta
+
+#: On disk: the format this code writes and the newest it reads. Bump on any incompatible change.
+FORMAT_VERSION = 1
+MARKER_MAGIC = b"CNRSTORE"
+_MARKER_HEAD = struct.Struct("<8sII")  # magic, format version, msgpack length
+
+
+def open(path, *, create: bool = False, readonly: bool = False, compaction=None) -> "Store":  # noqa: A001
+    """Open the store at ``path`` (see API.md). ``create=True`` makes it if absent."""
+    if compaction is not None:
+        raise InvalidArgument("background compaction is not available in this version of cnrstore; "
+                              "open with compaction=None")
+    return Store(os.fspath(path), create=create, readonly=readonly, filesystem=fs.DEFAULT)
+
+
+def _marker_bytes() -> bytes:
+    payload = msgpack.packb({"format_version": FORMAT_VERSION, "created": time.time()})
+    head = _MARKER_HEAD.pack(MARKER_MAGIC, FORMAT_VERSION, len(payload)) + payload
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+
+
+def _read_marker(root: str) -> int:
+    """Format version recorded in the store's marker file (verified)."""
+    path = filenames.marker_path(root)
+    with builtins.open(path, "rb") as f:
+        data = f.read()
+    if len(data) < _MARKER_HEAD.size + 8:
+        raise CorruptionError(f"store marker {path} is truncated", path, 0)
+    magic, fmt, n = _MARKER_HEAD.unpack_from(data)
+    body = data[: _MARKER_HEAD.size + n]
+    if magic != MARKER_MAGIC or len(data) != len(body) + 8 or \
+            struct.unpack_from("<Q", data, len(body))[0] != xxhash.xxh3_64_intdigest(body):
+        raise CorruptionError(f"store marker {path} is corrupt", path, 0)
+    return fmt
+
+
+class Store:
+    """An open checkpoint store. Thread-safe for reads; one checkpoint writer at a time."""
+
+    def __init__(self, root: str, *, create: bool, readonly: bool, filesystem: fs.FileSystem):
+        self.path = os.path.abspath(root)
+        self.readonly = readonly
+        self._fs = filesystem
+        self._closed = False
+        self._lock: ProcessLock | None = None
+        self._writer: CheckpointWriter | None = None
+        self._writer_mutex = threading.Lock()
+        self._tables_cache: dict[str, dict] = {}
+        self._next_dense_id: int | None = None
+        self.recovery_notes: list[str] = []
+        if not os.path.exists(filenames.marker_path(self.path)):
+            if not create or readonly:
+                hint = "" if readonly else "; pass create=True to make a new store there"
+                raise StoreNotFound(f"no cnrstore store at {self.path!r}{hint}")
+            self._create()
+        fmt = _read_marker(self.path)
+        if fmt > FORMAT_VERSION:
+            raise FormatVersionError(f"store {self.path!r} has format version {fmt}, but this cnrstore reads "
+                                     f"up to {FORMAT_VERSION}: upgrade cnrstore to open it")
+        if not readonly:
+            self._lock = ProcessLock(self.path)
+            self._lock.acquire()
+        try:
+            self._index = Index(filenames.index_dir(self.path), readonly=readonly)
+            self._segments = segments.SegmentReader(self.path)
+            self._appender = None
+            if not readonly:
+                with self._index.read() as view:
+                    committed = view.segments()
+                self.recovery_notes = segments.recover(self.path, committed, self._fs)
+                self._appender = segments.SegmentAppender(self.path, committed, FORMAT_VERSION, self._fs)
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
+
+    def _create(self) -> None:
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise InvalidArgument(f"{self.path!r} is a file, not a directory; choose another path for the store")
+        os.makedirs(self.path, exist_ok=True)
+        leftovers = set(os.listdir(self.path)) - {
+            filenames.INDEX_DIR, filenames.SEGMENTS_DIR, filenames.LOCK, filenames.MARKER + ".tmp"}
+        if leftovers:
+            raise InvalidArgument(f"{self.path!r} is a non-empty directory that is not a store "
+                                  f"(it holds {sorted(leftovers)[:3]}); choose an empty or new directory")
+        lock = ProcessLock(self.path)
+        lock.acquire()
+        try:
+            if os.path.exists(filenames.marker_path(self.path)):
+                return  # another process created it while we waited
+            os.makedirs(filenames.segments_dir(self.path), exist_ok=True)
+            index = Index(filenames.index_dir(self.path), readonly=False, create=True)
+            try:
+                def init(w):
+                    if w.meta("format") is None:
+                        w.put_meta("format", FORMAT_VERSION)
+                        w.put_meta("next_version", 1)
+                        w.put_meta("next_table_id", 1)
+                        w.put_meta("next_dense_id", 1)
+                        w.put_meta("bytes_written", 0)
+                index.write(init)
+            finally:
+                index.close()
+            self._fs.fsync_dir(self.path)
+            # the marker is written last: a store exists exactly when its marker does
+            self._fs.write_file_atomic(filenames.marker_path(self.path), filenames.marker_tmp_path(self.path),
+                                       _marker_bytes())
+        finally:
+            lock.release()
+
+    # lifecycle --------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the store; idempotent. An open checkpoint writer is aborted."""
+        if self._closed:
+            return
+        if self._writer is not None:
+            self._writer.abort()
+        self._closed = True
+        if self._appender is not None:
+            self._appender.close()
+        self._segments.close()
+        self._index.close()
+        if self._lock is not None:
+            self._lock.release()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self._closed and getattr(self, "_index", None) is not None:
+                self.close()
+        except Exception:
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"store {self.path!r} is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyError(f"store {self.path!r} is open readonly; open it with readonly=False to write")
+
+    # tables -----------------------------------------------------------------------------------------
+    def create_table(self, name: str, num_rows: int, dim: int, *, codec: str = "int4",
+                     block_rows: int | None = None) -> TableInfo:
+        """Create a table (durably, at once). Duplicate names or bad sizes raise InvalidArgument."""
+        self._check_writable()
+        validate.name(name, "table name")
+        num_rows = validate.positive_int(num_rows, "num_rows")
+        dim = validate.positive_int(dim, "dim")
+        c = codecs.get(codec)
+        if block_rows is None:
+            fit = max(1, knobs.BLOCK_TARGET_BYTES // c.row_bytes(dim))
+            block_rows = 1 << (fit.bit_length() - 1)
+            block_rows = max(knobs.MIN_BLOCK_ROWS, min(knobs.MAX_BLOCK_ROWS, block_rows))
+        else:
+            block_rows = validate.positive_int(block_rows, "block_rows")
+            if block_rows & (block_rows - 1) or block_rows > knobs.MAX_BLOCK_ROWS:
+                raise InvalidArgument(f"block_rows must be a power of two at most {knobs.MAX_BLOCK_ROWS}, "
+                                      f"got {block_rows}")
+
+        def body(w):
+            if w.table(name) is not None:
+                raise InvalidArgument(f"a table named {name!r} already exists; choose another name")
+            tid = w.meta("next_table_id", 1)
+            w.put_meta("next_table_id", tid + 1)
+            info = {"id": tid, "name": name, "num_rows": num_rows, "dim": dim, "codec": c.name,
+                    "block_rows": block_rows, "created": time.time()}
+            w.put_table(name, info)
+            return info
+
+        info = self._index.write(body)
+        self._tables_cache[name] = info
+        return _table_info(info)
+
+    def tables(self) -> dict[str, TableInfo]:
+        self._check_open()
+        with self._index.read() as view:
+            return {name: _table_info(info) for name, info in sorted(view.tables().items())}
+
+    def _table_record(self, name: str, view: IndexView | None = None) -> dict | None:
+        info = self._tables_cache.get(name)
+        if info is None:
+            if view is not None:
+                info = view.table(name)
+            else:
+                with self._index.read() as v:
+                    info = v.table(name)
+            if info is not None:  # tables are immutable once created: safe to cache
+                self._tables_cache[name] = info
+        return info
+
+    # checkpoints ------------------------------------------------------------------------------------
+    def checkpoint(self, step: int | None = None, meta: dict | None = None) -> CheckpointWriter:
+        """Begin a new version; see API.md. Only one writer may be open at a time."""
+        self._check_writable()
+        pack_meta(meta)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
+            raise InvalidArgument(f"step must be an integer or None, got {step!r}")
+        with self._writer_mutex:
+            if self._writer is not None:
+                raise CheckpointInProgress(f"checkpoint {self._writer.version} is still open; commit or abort "
+                                           "it before starting another")
+
+            def allocate(w):  # durably, so that a version number is never handed out twice
+                v = w.meta("next_version", 1)
+                w.put_meta("next_version", v + 1)
+                latest = w.latest()
+                return v, (latest[0] if latest else None)
+
+            version, parent = self._index.write(allocate)
+            self._writer = CheckpointWriter(self, version, parent, None if step is None else int(step), meta)
+            return self._writer
+
+    def _writer_done(self, writer: CheckpointWriter) -> None:
+        with self._writer_mutex:
+            if self._writer is writer:
+                self._writer = None
+
+    def _dense_id_for(self, name: str) -> int:
+        with self._index.read() as view:
+            existing = view.dense_id(name)
+            if existing is not None:
+                return existing
+            if self._next_dense_id is None:
+                self._next_dense_id = view.meta("next_dense_id", 1)
+        dense_id = self._next_dense_id
+        self._next_dense_id += 1
+        return dense_id
+
+    def _load_pending(self, loc: RowLoc, info: dict) -> record.Record:
+        """A record this process appended but may not have committed yet."""
+        resolver = reader.BlockResolver(None, self._segments, info)
+        return resolver.load(loc)
+
+    # reads ------------------------------------------------------------------------------------------
+    def versions(self) -> list[VersionInfo]:
+        self._check_open()
+        with self._index.read() as view:
+            return [_version_info(v, info) for v, info in view.versions()]
+
+    def latest(self) -> VersionInfo | None:
+        self._check_open()
+        with self._index.read() as view:
+            found = view.latest()
+        return None if found is None else _version_info(*found)
+
+    def read_rows(self, table: str, rows, version: int | None = None) -> np.ndarray:
+        """float32 (len(rows), dim): the rows as of ``version`` (default: newest committed)."""
+        with self._read(version) as (view, v):
+            info = self._table_or_raise(table, view)
+            ids = validate.row_ids(rows, info["num_rows"], table)
+            return reader.read_rows(view, self._segments, info, ids, v)
+
+    def read_table(self, table: str, version: int | None = None) -> np.ndarray:
+        """float32 (num_rows, dim): the whole table as of ``version``."""
+        with self._read(version) as (view, v):
+            return reader.read_table(view, self._segments, self._table_or_raise(table, view), v)
+
+    def read_dense(self, name: str, version: int | None = None) -> np.ndarray:
+        """The dense array as put (dtype, shape, bytes), as of ``version``."""
+        with self._read(version) as (view, v):
+            dense_id = view.dense_id(name)
+            arr = None if dense_id is None else reader.read_dense(view, self._segments, dense_id, name, v)
+            if arr is None:
+                raise MissingRows(f"dense array {name!r} was never put at or before version {v}")
+            return arr
+
+    def restore(self, version: int | None = None) -> Snapshot:
+        """Every table and dense array as of ``version``, with its step and meta.
+
+        A table with no row written at or before the version is left out; a table only partly
+        written raises MissingRows (use read_rows for sparse tables).
+        """
+        with self._read(version) as (view, v):
+            info = view.version(v)
+            snap = Snapshot(version=v, step=info["step"], meta=info["meta"])
+            for name, tinfo in sorted(view.tables().items()):
+                if not _written_by(view, tinfo, v):
+                    continue
+                snap.tables[name] = reader.read_table(view, self._segments, tinfo, v)
+            for name, dense_id in sorted(view.dense_names().items()):
+                arr = reader.read_dense(view, self._segments, dense_id, name, v)
+                if arr is not None:
+                    snap.dense[name] = arr
+            return snap
+
+    def _table_or_raise(self, table: str, view: IndexView) -> dict:
+        info = self._table_record(table, view)
+        if info is None:
+            raise TableNotFound(f"no table {table!r} in this store (tables: {sorted(view.tables())[:10]})")
+        return info
+
+    def _read(self, version):
+        self._check_open()
+        version = validate.version_arg(version)
+        return _ReadContext(self._index, version)
+
+    # maintenance ------------------------------------------------------------------------------------
+    def verify(self, progress=None) -> VerifyReport:
+        """Check every checksum of live data and the index against the log; never raises for damage."""
+        from .verify import verify_store
+
+        self._check_open()
+        return verify_store(self, progress)
+
+    def stats(self) -> dict:
+        """Sizes and shape of the store (API.md lists the keys)."""
+        self._check_open()
+        with self._index.read() as view:
+            live = sum(loc.length for *_k, loc in view.row_entries())
+            live += sum(loc.length for *_k, loc in view.dense_entries())
+            seg_bytes = sum(view.segments().values())
+            versions = view.versions()
+            entries = view.stat()["rows"]["entries"]
+            stats = {
+                "bytes_written": view.meta("bytes_written", 0),
+                "bytes_on_disk": self._disk_bytes(),
+                "live_bytes": live,
+                "segment_bytes": seg_bytes,
+                "index_bytes": self._index.disk_bytes(),
+                "index_entries": entries,
+                "versions": len(versions),
+                "tables": len(view.tables()),
+                "max_read_chain": _max_read_chain(view),
+            }
+        return stats
+
+    def _disk_bytes(self) -> int:
+        total = 0
+        for directory in (self.path, filenames.segments_dir(self.path), filenames.index_dir(self.path)):
+            for entry in os.scandir(directory):
+                if entry.is_file(follow_symlinks=False):
+                    total += entry.stat().st_blocks * 512
+        return total
+
+
+class _ReadContext:
+    """One read transaction and the version it reads (resolving None to the newest committed)."""
+
+    def __init__(self, index: Index, version: int | None):
+        self._index = index
+        self._version = version
+        self._cm = None
+
+    def __enter__(self):
+        self._cm = self._index.read()
+        view = self._cm.__enter__()
+        try:
+            if self._version is None:
+                latest = view.latest()
+                if latest is None:
+                    raise VersionNotFound("the store has no committed version yet")
+                version = latest[0]
+            else:
+                version = self._version
+                if view.version(version) is None:
+                    raise VersionNotFound(f"version {version} does not exist (never committed, or dropped)")
+            return view, version
+        except BaseException:
+            self._cm.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+def _written_by(view: IndexView, tinfo: dict, version: int) -> bool:
+    """Whether any row of the table was written at or before ``version``."""
+    for _t, _b, v, _loc in view.row_entries(tinfo["id"]):
+        if v <= version:
+            return True
+    return False
+
+
+def _max_read_chain(view: IndexView) -> int:
+    """The most records a point read of one block at any retained version may visit."""
+    longest = run = 0
+    prev = None
+    for t, b, _v, loc in view.row_entries():
+        if (t, b) != prev:
+            prev, run = (t, b), 0
+        run = 1 if loc.flags & record.FLAG_BASELINE else run + 1
+        longest = max(longest, run)
+    return longest
+
+
+def _table_info(info: dict) -> TableInfo:
+    return TableInfo(info["name"], info["num_rows"], info["dim"], info["codec"], info["block_rows"])
+
+
+def _version_info(version: int, info: dict) -> VersionInfo:
+    return VersionInfo(version=version, step=info["step"], meta=info["meta"], created=info["created"],
+                       parent=info["parent"], tables=tuple(info["tables"]), bytes=info["bytes"],
+                       dense=tuple(info.get("dense", ())))

@@ -1,0 +1,90 @@
+"""Argument checks shared by writes and reads. Each raises InvalidArgument saying what to fix."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InvalidArgument
+
+
+def to_numpy(array, what: str) -> np.ndarray:
+    """A numpy view or copy of an array-like or a torch tensor (duck-typed: no torch import here)."""
+    if hasattr(array, "detach") and hasattr(array, "cpu"):
+        try:
+            return array.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as exc:
+            raise InvalidArgument(f"{what}: tensor of dtype {array.dtype} has no numpy equivalent ({exc}); "
+                                  "convert it (e.g. .float()) first") from exc
+    return np.asarray(array)
+
+
+def row_ids(rows, num_rows: int, table: str) -> np.ndarray:
+    """``rows`` as a 1-D int64 array, each in [0, num_rows); duplicates allowed (checked elsewhere)."""
+    arr = to_numpy(rows, f"rows of table {table!r}")
+    if arr.ndim != 1:
+        raise InvalidArgument(f"rows of table {table!r} must be a 1-D integer array, got shape {arr.shape}")
+    if arr.size and not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
+        raise InvalidArgument(f"rows of table {table!r} must be integers, got dtype {arr.dtype} "
+                              f"(first row {arr.flat[0]!r})")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
+        bad = int(np.flatnonzero(arr > np.iinfo(np.int64).max)[0])
+        raise InvalidArgument(f"row {arr[bad]} of table {table!r} is outside [0, {num_rows})")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.min() < 0 or arr.max() >= num_rows:
+        bad = int(np.flatnonzero((arr < 0) | (arr >= num_rows))[0])
+        raise InvalidArgument(f"row {int(arr[bad])} of table {table!r} is outside [0, {num_rows})")
+    return arr
+
+
+def sorted_unique_rows(rows: np.ndarray, table: str) -> np.ndarray | None:
+    """The permutation that sorts ``rows`` (None if already strictly increasing); raises on duplicates."""
+    if rows.size < 2 or bool(np.all(rows[1:] > rows[:-1])):
+        return None
+    order = np.argsort(rows, kind="stable")
+    srt = rows[order]
+    dup = np.flatnonzero(srt[1:] == srt[:-1])
+    if dup.size:
+        raise InvalidArgument(f"row {int(srt[dup[0]])} of table {table!r} is put twice in one call; "
+                              "rows must be unique within a call and a version")
+    return order
+
+
+def row_values(values, rows: np.ndarray, dim: int, table: str) -> np.ndarray:
+    """``values`` as C-contiguous float32 (len(rows), dim), all finite."""
+    arr = to_numpy(values, f"values of table {table!r}")
+    if arr.ndim != 2 or arr.shape != (rows.size, dim):
+        raise InvalidArgument(f"values of table {table!r} must have shape ({rows.size}, {dim}) "
+                              f"(one row of dim {dim} per row id), got {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.floating):
+        raise InvalidArgument(f"values of table {table!r} must be floating point, got dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if arr.size and not np.isfinite(arr.sum(axis=1)).all():
+        # the row sums overflow or propagate NaN/Inf; find the true first offender (if any)
+        bad_rows = np.flatnonzero(~np.isfinite(arr).all(axis=1))
+        if bad_rows.size:
+            i = int(bad_rows[0])
+            raise InvalidArgument(f"values of row {int(rows[i])} of table {table!r} are not finite "
+                                  f"(NaN or Inf, or beyond float32 range); fix the model before checkpointing")
+    return arr
+
+
+def name(value, what: str) -> str:
+    if not isinstance(value, str) or not value or "\x00" in value or len(value.encode()) > 400:
+        raise InvalidArgument(f"{what} must be a non-empty string of at most 400 bytes without NUL, got {value!r}")
+    return value
+
+
+def positive_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise InvalidArgument(f"{what} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def version_arg(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidArgument(f"version must be a non-negative integer or None, got {value!r}")
+    return int(value)

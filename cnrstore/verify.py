@@ -1,0 +1,122 @@
+"""fsck for a store: every checksum of live data, and the index against the log."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from . import codecs, filenames, record, segments
+from .errors import CnrError
+from .types import VerifyReport
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+def verify_store(store: "Store", progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+    """Check the store; damage is reported in ``problems``, never raised.
+
+    ``progress(done, total)`` is called as index entries are checked (for progress bars).
+    """
+    report = VerifyReport()
+    seg_reader = store._segments
+    with store._index.read() as view:
+        committed = view.segments()
+        for seg, length in sorted(committed.items()):
+            path = filenames.segment_path(store.path, seg)
+            if not os.path.exists(path):
+                report.problems.append(f"segment {path} is missing")
+                continue
+            size = os.path.getsize(path)
+            if size < length:
+                report.problems.append(f"segment {path} holds {size} bytes, fewer than its committed {length}")
+            try:
+                segments.check_segment_header(seg_reader.read(seg, 0, segments.SEGMENT_HEADER_BYTES), seg, path)
+            except CnrError as exc:
+                report.problems.append(str(exc))
+        tables = {info["id"]: info for info in view.tables().values()}
+        versions = dict(view.versions())
+        total = view.stat()["rows"]["entries"] + view.stat()["dense"]["entries"]
+        done = 0
+        for tid, block, version, loc in view.row_entries():
+            done += 1
+            where = f"table id {tid} block {block} version {version}"
+            info = tables.get(tid)
+            if info is None:
+                report.problems.append(f"index entry {where} names an unknown table")
+                continue
+            if version not in versions:
+                report.problems.append(f"index entry {where} names a version that is not in the catalog")
+            problem = _check_location(committed, loc.segment, loc.offset, loc.length)
+            if problem:
+                report.problems.append(f"{where}: {problem}")
+                continue
+            try:
+                buf = seg_reader.read(loc.segment, loc.offset, loc.length)
+                rec = record.parse(buf, seg_reader.path(loc.segment), loc.offset)
+                report.records_checked += 1
+                report.bytes_checked += loc.length
+                problem = _check_rows_record(rec, info, block, version, loc)
+            except CnrError as exc:
+                problem = str(exc)
+            if problem:
+                report.problems.append(f"{where}: {problem}")
+            if progress is not None and done % 256 == 0:
+                progress(done, total)
+        dense_names = {i: n for n, i in view.dense_names().items()}
+        for dense_id, version, loc in view.dense_entries():
+            done += 1
+            where = f"dense {dense_names.get(dense_id, dense_id)!r} version {version}"
+            problem = _check_location(committed, loc.segment, loc.offset, loc.length)
+            if not problem:
+                try:
+                    rec = record.parse(seg_reader.read(loc.segment, loc.offset, loc.length),
+                                       seg_reader.path(loc.segment), loc.offset)
+                    report.records_checked += 1
+                    report.bytes_checked += loc.length
+                    desc = rec.dense_descriptor()
+                    expect = np.dtype(desc["dtype"]).itemsize * int(np.prod(desc["shape"], dtype=np.int64))
+                    if rec.kind != record.KIND_DENSE or rec.object_id != dense_id or rec.body.size != expect:
+                        problem = "record does not match its index entry"
+                except CnrError as exc:
+                    problem = str(exc)
+                except (ValueError, TypeError, KeyError) as exc:
+                    problem = f"bad dense descriptor: {exc}"
+            if problem:
+                report.problems.append(f"{where}: {problem}")
+        for version, info in versions.items():
+            if info.get("parent") is not None and info["parent"] >= version:
+                report.problems.append(f"version {version} has parent {info['parent']} that is not older")
+        if progress is not None:
+            progress(total, total)
+    return report
+
+
+def _check_location(committed: dict[int, int], seg: int, offset: int, length: int) -> str | None:
+    if seg not in committed:
+        return f"points into segment {seg}, which the catalog does not hold"
+    if offset < segments.SEGMENT_HEADER_BYTES or offset + length > committed[seg]:
+        return f"points past the committed length of segment {seg}"
+    return None
+
+
+def _check_rows_record(rec: record.Record, info: dict, block: int, version: int, loc) -> str | None:
+    if rec.kind != record.KIND_ROWS or rec.object_id != info["id"] or rec.block != block:
+        return "record does not match its index entry (kind, table or block)"
+    if rec.count != loc.count or rec.flags != loc.flags:
+        return "record row count or flags disagree with the index"
+    try:
+        codec = codecs.by_id(rec.codec_id)
+    except CnrError:
+        return f"record has unknown codec id {rec.codec_id}"
+    if rec.body.size != rec.count * codec.row_bytes(info["dim"]):
+        return "record body length disagrees with its row count and codec"
+    block_len = min(info["block_rows"], info["num_rows"] - block * info["block_rows"])
+    offsets = rec.offsets()
+    if offsets.size and (offsets[-1] >= block_len or (np.diff(offsets) <= 0).any()):
+        return "record row offsets are out of range or not strictly increasing"
+    if rec.flags & record.FLAG_BASELINE and rec.count != block_len:
+        return "baseline record does not hold every row of its block"
+    return None

@@ -1,0 +1,317 @@
+"""CheckpointWriter: stream one version's records into the log, then commit it atomically.
+
+Durability protocol (DESIGN.md): (1) append the version's records, (2) fsync them, (3) one synced LMDB
+transaction inserts the index entries, the version record and the segments' committed lengths. The
+version exists exactly when (3) has committed. Abort (or any failure) truncates what was appended.
+
+A version holds at most one record per (table, block). A second ``put_rows`` that touches a block this
+version already wrote merges into a new record for that block: encoded bytes are copied when the codecs
+agree, and otherwise both parts are stored as fp32 of their decoded values (exact), never re-quantized.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import msgpack
+import numpy as np
+
+from . import codecs, fs, knobs, record, validate
+from .errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
+from .index import DenseLoc, IndexWriter, RowLoc
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+class CheckpointWriter:
+    """Writes one version. Use as a context manager: normal exit commits, an exception aborts."""
+
+    def __init__(self, store: "Store", version: int, parent: int | None, step: int | None, meta: dict | None):
+        self._store = store
+        self.version = version
+        self._parent = parent
+        self._step = step
+        self._meta = meta
+        self._rows: dict[str, dict[int, RowLoc]] = {}  # table name -> block -> record location
+        self._dense: dict[str, tuple[int, DenseLoc]] = {}  # name -> (dense id, location)
+        self._bytes = 0
+        self._state = "open"  # open | committed | aborted | failed
+        self._failure: BaseException | None = None
+
+    # context manager --------------------------------------------------------------------------------
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            if self._state == "open" or self._state == "failed":
+                self.commit()
+        elif self._state in ("open", "failed"):
+            self.abort()
+        return False
+
+    # puts -------------------------------------------------------------------------------------------
+    def put_rows(self, table: str, rows, values, *, codec: str | None = None) -> None:
+        """Write ``values[i]`` as row ``rows[i]`` of ``table`` in this version (see API.md).
+
+        Bad input raises InvalidArgument (naming the table and the first offending row) and leaves the
+        version as it was; TableNotFound for an unknown table.
+        """
+        self._check_open()
+        info = self._store._table_record(table)
+        if info is None:
+            raise TableNotFound(f"no table {table!r} in this store; create it with store.create_table()")
+        rows = validate.row_ids(rows, info["num_rows"], table)
+        values = validate.row_values(values, rows, info["dim"], table)
+        order = validate.sorted_unique_rows(rows, table)
+        if order is not None:
+            rows, values = rows[order], values[order]
+        chosen = codecs.get(codec if codec is not None else info["codec"])
+        if not rows.size:
+            self._rows.setdefault(table, {})
+            return
+        shift = info["block_rows"].bit_length() - 1
+        blocks = rows >> shift
+        pending = self._rows.get(table, {})
+        merging = np.isin(blocks, np.fromiter(pending, dtype=np.int64, count=len(pending))) if pending else None
+        merge_plans = self._plan_merges(table, info, rows, values, blocks, merging, chosen) if merging is not None and merging.any() else []
+        fresh = ~merging if merging is not None else slice(None)
+        before = dict(pending)
+        try:
+            records, keys = [], []
+            for group_codec, g_rows, g_values in _codec_groups(chosen, rows[fresh], values[fresh], shift):
+                for start, stop in _chunks(g_rows >> shift, knobs.ENCODE_CHUNK_ROWS):
+                    encoded = group_codec.encode(g_values[start:stop], check=False)
+                    self._block_records(info, group_codec, g_rows[start:stop], encoded, shift, records, keys)
+                    if len(records) >= knobs.WRITEV_BUFFERS:
+                        self._append(table, records, keys)
+                        records, keys = [], []
+            for block, merged_codec, m_rows, encoded in merge_plans:
+                self._block_records(info, merged_codec, m_rows, encoded, shift, records, keys)
+            self._append(table, records, keys)
+        except InvalidArgument:
+            self._rows[table] = before  # what this call appended is unreferenced: the version is unchanged
+            raise
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def put_dense(self, name: str, array) -> None:
+        """Store ``array`` (numpy array or torch tensor) exactly, as dense array ``name`` of this version."""
+        self._check_open()
+        validate.name(name, "dense array name")
+        if name in self._dense:
+            raise InvalidArgument(f"dense array {name!r} is put twice in version {self.version}")
+        arr = validate.to_numpy(array, f"dense array {name!r}")
+        if arr.dtype.hasobject or arr.dtype.fields is not None or arr.dtype.kind in "OVSUMm":
+            raise InvalidArgument(f"dense array {name!r} has dtype {arr.dtype}; only numeric and bool arrays "
+                                  "are stored (convert others, or pass them in meta=)")
+        dense_id = self._store._dense_id_for(name)
+        buffers, length = record.dense_record(dense_id, self.version, arr)
+        try:
+            (seg, off), = self._store._appender.append_many([(buffers, length)])
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._bytes += length
+        self._dense[name] = (dense_id, DenseLoc(seg, off, length))
+
+    # commit / abort ---------------------------------------------------------------------------------
+    def commit(self) -> int:
+        """Make this version durable and visible; returns its number. Idempotent once committed."""
+        if self._state == "committed":
+            return self.version
+        if self._state == "failed":
+            raise CnrError(f"checkpoint {self.version} failed earlier ({self._failure!r}) and cannot commit; "
+                           "it has been aborted") from self._failure
+        self._check_open()
+        store = self._store
+        fs.crash_point("after_append")
+        try:
+            lengths = store._appender.sync()
+            fs.crash_point("after_fsync")
+            info = {
+                "step": self._step,
+                "meta": self._meta,
+                "created": time.time(),
+                "parent": self._parent,
+                "tables": sorted(self._rows),
+                "dense": sorted(self._dense),
+                "bytes": self._bytes,
+            }
+            table_ids = {name: store._table_record(name)["id"] for name in self._rows}
+
+            def body(w: IndexWriter) -> None:
+                for name, blocks in self._rows.items():
+                    tid = table_ids[name]
+                    for block in sorted(blocks):
+                        w.put_row(tid, block, self.version, blocks[block])
+                for name, (dense_id, loc) in self._dense.items():
+                    if w.dense_id(name) is None:
+                        w.put_dense_name(name, dense_id)
+                        w.put_meta("next_dense_id", max(w.meta("next_dense_id", 1), dense_id + 1))
+                    w.put_dense(dense_id, self.version, loc)
+                for seg, length in lengths.items():
+                    w.put_segment(seg, length)
+                w.put_version(self.version, info)
+                w.put_meta("bytes_written", w.meta("bytes_written", 0) + self._bytes)
+                fs.crash_point("inside_index_commit")
+
+            store._index.write(body)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        store._appender.mark_committed(lengths)
+        self._state = "committed"
+        store._writer_done(self)
+        return self.version
+
+    def abort(self) -> None:
+        """Discard this version: nothing of it becomes visible. Idempotent."""
+        if self._state in ("committed", "aborted"):
+            return
+        self._state = "aborted"
+        self._store._appender.rollback()
+        self._store._writer_done(self)
+
+    # internals --------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._state == "failed":
+            raise CnrError(f"checkpoint {self.version} failed earlier ({self._failure!r}); abort it") from self._failure
+        if self._state != "open":
+            raise StoreClosed(f"checkpoint {self.version} is already {self._state}")
+        self._store._check_open()
+
+    def _fail(self, exc: BaseException) -> None:
+        """An I/O failure mid-version: throw the version's bytes away; the writer can only abort now."""
+        if isinstance(exc, InvalidArgument):
+            return  # raised before anything was appended: the version is unchanged and stays usable
+        self._failure = exc
+        if self._state == "open":
+            self._state = "failed"
+            self._store._appender.rollback()
+
+    def _append(self, table: str, records: list, keys: list) -> None:
+        if not records:
+            return
+        locations = self._store._appender.append_many(records)
+        blocks = self._rows.setdefault(table, {})
+        for (block, count, flags, length), (seg, off) in zip(keys, locations):
+            blocks[block] = RowLoc(seg, off, length, count, flags)
+            self._bytes += length
+
+    def _block_records(self, info: dict, codec, rows: np.ndarray, encoded: np.ndarray, shift: int,
+                       records: list, keys: list) -> None:
+        """One record per block of ``rows`` (sorted; ``encoded`` aligned with them)."""
+        block_rows, num_rows = info["block_rows"], info["num_rows"]
+        blocks = rows >> shift
+        starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
+        bounds = np.r_[starts, rows.size].tolist()
+        for i, start in enumerate(starts.tolist()):
+            stop = bounds[i + 1]
+            block = int(blocks[start])
+            base = block << shift
+            count = stop - start
+            block_len = min(block_rows, num_rows - base)
+            flags = 0
+            offsets = rows[start:stop] - base
+            if count == block_len:
+                flags, offsets = record.FLAG_BASELINE | record.FLAG_FULL, None
+            elif offsets[-1] == count - 1:
+                flags, offsets = record.FLAG_FULL, None
+            buffers, length = record.rows_record(codec.codec_id, flags, info["id"], block, self.version,
+                                                 offsets, encoded[start:stop])
+            if length > knobs.MAX_RECORD_BYTES:
+                raise InvalidArgument(f"a block of table {info['name']!r} encodes to {length} bytes, more than a "
+                                      "record holds; create the table with a smaller block_rows")
+            records.append((buffers, length))
+            keys.append((block, count, flags, length))
+
+    def _plan_merges(self, table, info, rows, values, blocks, merging, codec) -> list:
+        """For blocks this version already wrote: (block, codec, merged rows, merged encoded rows).
+
+        Raises InvalidArgument (before anything is written) if a row was already put in this version.
+        """
+        store = self._store
+        dim = info["dim"]
+        plans = []
+        m_rows, m_values, m_blocks = rows[merging], values[merging], blocks[merging]
+        starts = np.flatnonzero(np.r_[True, m_blocks[1:] != m_blocks[:-1]])
+        bounds = np.r_[starts, m_rows.size]
+        for i, start in enumerate(starts):
+            stop = bounds[i + 1]
+            block = int(m_blocks[start])
+            base = block << (info["block_rows"].bit_length() - 1)
+            old = store._load_pending(self._rows[table][block], info)
+            old_rows = old.offsets() + base
+            new_rows, new_values = m_rows[start:stop], m_values[start:stop]
+            dup = np.intersect1d(old_rows, new_rows)
+            if dup.size:
+                raise InvalidArgument(f"row {int(dup[0])} of table {table!r} is put twice in version "
+                                      f"{self.version}; rows must be unique within a version")
+            old_codec = codecs.by_id(old.codec_id)
+            old_encoded = old.body.reshape(old.count, old_codec.row_bytes(dim))
+            new_codec = _codec_for(codec, new_values)
+            if new_codec is old_codec:
+                merged_codec = old_codec
+                encoded = np.concatenate([old_encoded, new_codec.encode(new_values, check=False)])
+            else:  # exact in fp32: each part reads as its own codec decoded it
+                merged_codec = codecs.get("fp32")
+                parts = [old_codec.decode(old_encoded, dim), new_codec.decode(new_codec.encode(new_values, check=False), dim)]
+                encoded = merged_codec.encode(np.concatenate(parts), check=False)
+            all_rows = np.concatenate([old_rows, new_rows])
+            order = np.argsort(all_rows, kind="stable")
+            plans.append((block, merged_codec, all_rows[order], np.ascontiguousarray(encoded[order])))
+        return plans
+
+
+def _codec_for(codec, values: np.ndarray):
+    """The codec that stores ``values`` faithfully: ``codec``, or the first of its fallbacks that can."""
+    while codec.fallback is not None and values.size and codec.unrepresentable(values).any():
+        codec = codecs.get(codec.fallback)
+    return codec
+
+
+def _codec_groups(codec, rows: np.ndarray, values: np.ndarray, shift: int):
+    """Split rows into (codec, rows, values) groups: a block with a row ``codec`` cannot represent goes
+    to the codec's fallback (recursively), so each block's record has one codec."""
+    if codec.fallback is None or not rows.size:
+        if rows.size:
+            yield codec, rows, values
+        return
+    bad = codec.unrepresentable(values)
+    if not bad.any():
+        yield codec, rows, values
+        return
+    blocks = rows >> shift
+    demote = np.isin(blocks, np.unique(blocks[bad]))
+    if (~demote).any():
+        yield codec, rows[~demote], values[~demote]
+    yield from _codec_groups(codecs.get(codec.fallback), rows[demote], values[demote], shift)
+
+
+def _chunks(blocks: np.ndarray, target: int):
+    """(start, stop) ranges of about ``target`` rows that never split a block."""
+    n = blocks.size
+    start = 0
+    while start < n:
+        stop = min(start + target, n)
+        if stop < n:
+            # extend to the end of the block that straddles the cut
+            stop = int(np.searchsorted(blocks, blocks[stop - 1], side="right"))
+        yield start, stop
+        start = stop
+
+
+def pack_meta(meta) -> None:
+    """Raise InvalidArgument unless ``meta`` is None or a msgpack-able dict."""
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise InvalidArgument(f"meta must be a dict (or None), got {type(meta).__name__}")
+    try:
+        msgpack.packb(meta, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgument(f"meta must be msgpack-able (dicts, lists, str, bytes, numbers, bool, None): {exc}") from exc
