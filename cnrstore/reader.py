@@ -51,16 +51,13 @@ class BlockResolver:
         Each wanted row appears in exactly one piece. Returns (pieces, offsets never written).
         """
         block_len = min(self.block_rows, self.table["num_rows"] - block * self.block_rows)
-        remaining = np.arange(block_len, dtype=np.int64) if want is None else want
+        if want is None:
+            return self._resolve_all(block, block_len, version)
+        remaining = want
         pieces: list[Piece] = []
         for _v, loc in self.view.row_chain(self.table["id"], block, version):
-            rec = self.load(loc)
-            codec = codecs.by_id(rec.codec_id)
-            rows = rec.body.reshape(rec.count, codec.row_bytes(self.dim))
+            rec, rows = self._load_rows(loc)
             if rec.flags & record.FLAG_FULL:
-                if want is None and not pieces and rec.count == block_len:
-                    pieces.append(Piece(rec.codec_id, rows, None))  # the common case: one baseline
-                    return pieces, remaining[:0]
                 found = remaining < rec.count
                 idx = remaining[found]
             else:
@@ -75,6 +72,39 @@ class BlockResolver:
             if not remaining.size or rec.flags & record.FLAG_BASELINE:
                 break
         return pieces, remaining
+
+    def _resolve_all(self, block: int, block_len: int, version: int) -> tuple[list[Piece], np.ndarray]:
+        """``resolve`` for every row of the block: newest record first, each row taken once."""
+        pieces: list[Piece] = []
+        filled = None
+        left = block_len
+        for _v, loc in self.view.row_chain(self.table["id"], block, version):
+            rec, rows = self._load_rows(loc)
+            if filled is None and rec.flags & record.FLAG_BASELINE:
+                return [Piece(rec.codec_id, rows, None)], np.zeros(0, dtype=np.int64)  # the common case
+            offsets = rec.offsets()
+            if filled is None:
+                filled = np.zeros(block_len, dtype=bool)
+                take = None
+            else:
+                take = ~filled[offsets]
+                if take.all():
+                    take = None
+                else:
+                    offsets, rows = offsets[take], rows[take]
+            if offsets.size:
+                pieces.append(Piece(rec.codec_id, rows, offsets))
+                filled[offsets] = True
+                left -= offsets.size
+            if not left or rec.flags & record.FLAG_BASELINE:
+                break
+        if filled is None:
+            return pieces, np.arange(block_len, dtype=np.int64)
+        return pieces, (np.flatnonzero(~filled) if left else np.zeros(0, dtype=np.int64))
+
+    def _load_rows(self, loc) -> tuple[record.Record, np.ndarray]:
+        rec = self.load(loc)
+        return rec, rec.body.reshape(rec.count, codecs.by_id(rec.codec_id).row_bytes(self.dim))
 
 
 def _missing_error(table: str, missing: np.ndarray, version: int) -> MissingRows:

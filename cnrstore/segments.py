@@ -100,10 +100,13 @@ class SegmentAppender:
         Returns {segment id: length} of those segments, for the index commit. Does not yet treat
         them as committed: call ``mark_committed`` once the index transaction has committed.
         """
-        for fd in self._fds.values():
-            self.fs.fsync(fd)
-        if self._created:
-            self.fs.fsync_dir(filenames.segments_dir(self.root))
+        try:
+            for fd in self._fds.values():
+                self.fs.fsync(fd)
+            if self._created:
+                self.fs.fsync_dir(filenames.segments_dir(self.root))
+        except OSError as exc:
+            raise fs.wrap_os_error(exc, f"syncing segments of {self.root}") from exc
         return {s: self._sizes[s] for s in self._fds}
 
     def mark_committed(self, lengths: dict[int, int]) -> None:
@@ -192,6 +195,7 @@ class SegmentReader:
     def __init__(self, root: str):
         self.root = root
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
+        self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
 
     def read(self, seg: int, offset: int, length: int) -> np.ndarray:
@@ -205,7 +209,10 @@ class SegmentReader:
         return entry[1][offset : offset + length]
 
     def path(self, seg: int) -> str:
-        return filenames.segment_path(self.root, seg)
+        path = self._paths.get(seg)
+        if path is None:
+            path = self._paths[seg] = filenames.segment_path(self.root, seg)
+        return path
 
     def _map(self, seg: int, need: int):
         path = filenames.segment_path(self.root, seg)

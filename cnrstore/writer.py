@@ -80,17 +80,12 @@ class CheckpointWriter:
         fresh = ~merging if merging is not None else slice(None)
         before = dict(pending)
         try:
-            records, keys = [], []
             for group_codec, g_rows, g_values in _codec_groups(chosen, rows[fresh], values[fresh], shift):
                 for start, stop in _chunks(g_rows >> shift, knobs.ENCODE_CHUNK_ROWS):
                     encoded = group_codec.encode(g_values[start:stop], check=False)
-                    self._block_records(info, group_codec, g_rows[start:stop], encoded, shift, records, keys)
-                    if len(records) >= knobs.WRITEV_BUFFERS:
-                        self._append(table, records, keys)
-                        records, keys = [], []
-            for block, merged_codec, m_rows, encoded in merge_plans:
-                self._block_records(info, merged_codec, m_rows, encoded, shift, records, keys)
-            self._append(table, records, keys)
+                    self._append(table, *self._block_records(info, group_codec, g_rows[start:stop], encoded, shift))
+            for merged_codec, m_rows, encoded in merge_plans:
+                self._append(table, *self._block_records(info, merged_codec, m_rows, encoded, shift))
         except InvalidArgument:
             self._rows[table] = before  # what this call appended is unreferenced: the version is unchanged
             raise
@@ -111,7 +106,7 @@ class CheckpointWriter:
         dense_id = self._store._dense_id_for(name)
         buffers, length = record.dense_record(dense_id, self.version, arr)
         try:
-            (seg, off), = self._store._appender.append_many([(buffers, length)])
+            seg, off = self._store._appender.append(buffers, length)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -172,8 +167,10 @@ class CheckpointWriter:
         """Discard this version: nothing of it becomes visible. Idempotent."""
         if self._state in ("committed", "aborted"):
             return
+        failed = self._state == "failed"
         self._state = "aborted"
-        self._store._appender.rollback()
+        if not failed:  # a failed writer rolled back already; a newer writer may be appending now
+            self._store._appender.rollback()
         self._store._writer_done(self)
 
     # internals --------------------------------------------------------------------------------------
@@ -192,45 +189,49 @@ class CheckpointWriter:
         if self._state == "open":
             self._state = "failed"
             self._store._appender.rollback()
+            self._store._writer_done(self)  # the store may start a new checkpoint at once
 
-    def _append(self, table: str, records: list, keys: list) -> None:
-        if not records:
-            return
-        locations = self._store._appender.append_many(records)
+    def _append(self, table: str, buf: np.ndarray, keys: list) -> None:
+        """Append a buffer of consecutive records (one write) and note where each record lies."""
+        seg, off = self._store._appender.append([buf], buf.nbytes)
         blocks = self._rows.setdefault(table, {})
-        for (block, count, flags, length), (seg, off) in zip(keys, locations):
-            blocks[block] = RowLoc(seg, off, length, count, flags)
-            self._bytes += length
+        for block, count, flags, pos, length in keys:
+            blocks[block] = RowLoc(seg, off + pos, length, count, flags)
+        self._bytes += buf.nbytes
 
-    def _block_records(self, info: dict, codec, rows: np.ndarray, encoded: np.ndarray, shift: int,
-                       records: list, keys: list) -> None:
-        """One record per block of ``rows`` (sorted; ``encoded`` aligned with them)."""
+    def _block_records(self, info: dict, codec, rows: np.ndarray, encoded: np.ndarray,
+                       shift: int) -> tuple[np.ndarray, list]:
+        """Lay out one record per block of ``rows`` (sorted; ``encoded`` aligned with them) in one buffer.
+
+        Returns the buffer and, per record, (block, count, flags, position in the buffer, length).
+        """
         block_rows, num_rows = info["block_rows"], info["num_rows"]
+        row_bytes = encoded.shape[1]
         blocks = rows >> shift
         starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
-        bounds = np.r_[starts, rows.size].tolist()
-        for i, start in enumerate(starts.tolist()):
-            stop = bounds[i + 1]
-            block = int(blocks[start])
-            base = block << shift
-            count = stop - start
-            block_len = min(block_rows, num_rows - base)
-            flags = 0
-            offsets = rows[start:stop] - base
-            if count == block_len:
-                flags, offsets = record.FLAG_BASELINE | record.FLAG_FULL, None
-            elif offsets[-1] == count - 1:
-                flags, offsets = record.FLAG_FULL, None
-            buffers, length = record.rows_record(codec.codec_id, flags, info["id"], block, self.version,
-                                                 offsets, encoded[start:stop])
-            if length > knobs.MAX_RECORD_BYTES:
-                raise InvalidArgument(f"a block of table {info['name']!r} encodes to {length} bytes, more than a "
-                                      "record holds; create the table with a smaller block_rows")
-            records.append((buffers, length))
-            keys.append((block, count, flags, length))
+        stops = np.r_[starts[1:], rows.size]
+        counts = stops - starts
+        bases = blocks[starts] << shift
+        baseline = counts == np.minimum(block_rows, num_rows - bases)
+        full = baseline | (rows[stops - 1] - bases == counts - 1)  # rows 0..count-1: no offsets needed
+        sizes = record.HEADER_BYTES + record.TRAILER_BYTES + np.where(full, 0, 2 * counts) + counts * row_bytes
+        if sizes.max() > knobs.MAX_RECORD_BYTES:
+            raise InvalidArgument(f"a block of table {info['name']!r} encodes to {int(sizes.max())} bytes, more "
+                                  "than a record holds; create the table with a smaller block_rows")
+        positions = np.r_[0, np.cumsum(sizes)]
+        buf = np.empty(int(positions[-1]), dtype=np.uint8)
+        flags = np.where(full, record.FLAG_FULL, 0) | np.where(baseline, record.FLAG_BASELINE, 0)
+        keys = []
+        for start, stop, base, flag, pos, is_full in zip(starts.tolist(), stops.tolist(), bases.tolist(),
+                                                           flags.tolist(), positions.tolist(), full.tolist()):
+            offsets = None if is_full else rows[start:stop] - base
+            length = record.write_rows_record(buf, pos, codec.codec_id, flag, info["id"], base >> shift,
+                                              self.version, offsets, encoded[start:stop])
+            keys.append((base >> shift, stop - start, flag, pos, length))
+        return buf, keys
 
     def _plan_merges(self, table, info, rows, values, blocks, merging, codec) -> list:
-        """For blocks this version already wrote: (block, codec, merged rows, merged encoded rows).
+        """For blocks this version already wrote: (codec, merged rows, merged encoded rows) per block.
 
         Raises InvalidArgument (before anything is written) if a row was already put in this version.
         """
@@ -263,7 +264,7 @@ class CheckpointWriter:
                 encoded = merged_codec.encode(np.concatenate(parts), check=False)
             all_rows = np.concatenate([old_rows, new_rows])
             order = np.argsort(all_rows, kind="stable")
-            plans.append((block, merged_codec, all_rows[order], np.ascontiguousarray(encoded[order])))
+            plans.append((merged_codec, all_rows[order], np.ascontiguousarray(encoded[order])))
         return plans
 
 
