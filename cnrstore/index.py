@@ -121,6 +121,8 @@ class IndexView:
             return {k.decode(): _unpack(v) for k, v in cur}
 
     def version(self, version: int) -> dict | None:
+        if not 0 <= version < 2**64:
+            return None  # no such key can exist
         raw = self._txn.get(VERSION_KEY.pack(version), db=self._dbs[b"versions"])
         return None if raw is None else _unpack(raw)
 
@@ -148,8 +150,7 @@ class IndexView:
         cur = self._row_cursor
         if cur is None:
             cur = self._row_cursor = self._txn.cursor(db=self._dbs[b"rows"])
-        positioned = cur.set_range(ROW_KEY.pack(table_id, block, version + 1)) if version < 2**64 - 1 else False
-        ok = cur.prev() if positioned else cur.last()
+        ok = _seek_at_or_before(cur, ROW_KEY.pack(table_id, block, version))
         while ok:
             t, b, v = ROW_KEY.unpack(cur.key())
             if t != table_id or b != block:
@@ -171,7 +172,7 @@ class IndexView:
     def dense_at(self, dense_id: int, version: int) -> tuple[int, DenseLoc] | None:
         """(version, location) of the newest record of a dense array at or before ``version``."""
         with self._txn.cursor(db=self._dbs[b"dense"]) as cur:
-            ok = cur.prev() if cur.set_range(DENSE_KEY.pack(dense_id, version + 1)) else cur.last()
+            ok = _seek_at_or_before(cur, DENSE_KEY.pack(dense_id, version))
             if not ok:
                 return None
             d, v = DENSE_KEY.unpack(cur.key())
@@ -191,6 +192,16 @@ class IndexView:
 
     def stat(self) -> dict[str, dict]:
         return {name.decode(): self._txn.stat(db) for name, db in self._dbs.items()}
+
+
+def _seek_at_or_before(cur, key: bytes) -> bool:
+    """Position ``cur`` on the greatest key <= ``key``; False if there is none.
+
+    (Seeking to ``key + 1`` instead would overflow at the largest version, 2**64 - 1.)
+    """
+    if cur.set_range(key):
+        return True if cur.key() == key else cur.prev()
+    return cur.last()
 
 
 class IndexWriter(IndexView):
@@ -224,27 +235,11 @@ class Index:
     def __init__(self, path: str, *, readonly: bool, create: bool = False):
         self.path = path
         self.readonly = readonly
-        self._resize = _SharedExclusiveLock()
-        self._write_lock = threading.Lock()
-        try:
-            self._env = lmdb.open(
-                path,
-                subdir=True,
-                create=create,
-                readonly=readonly,
-                map_size=knobs.INDEX_MAP_BYTES,
-                max_dbs=len(_DBS),
-                max_readers=knobs.INDEX_MAX_READERS,
-                sync=True,
-                metasync=True,
-                readahead=False,
-                meminit=False,
-                lock=True,
-            )
-            with self._env.begin(write=not readonly) as txn:
-                self._dbs = {name: self._env.open_db(name, txn=txn, create=not readonly) for name in _DBS}
-        except lmdb.Error as exc:
-            raise CorruptionError(f"cannot open the index at {path}: {exc}", path, None) from exc
+        self._shared = _SharedEnv.acquire(path, readonly=readonly, create=create)
+        self._env = self._shared.env
+        self._dbs = self._shared.dbs
+        self._resize = self._shared.resize  # set_mapsize needs no active txn in the whole process
+        self._write_lock = self._shared.write_lock
 
     @contextlib.contextmanager
     def read(self) -> Iterator[IndexView]:
@@ -312,5 +307,89 @@ class Index:
         return sum(os.path.getsize(os.path.join(self.path, n)) for n in os.listdir(self.path))
 
     def close(self) -> None:
-        with self._resize.exclusive():
-            self._env.close()
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            shared.release()
+
+
+class _SharedEnv:
+    """One LMDB environment per index per process, shared by every Index open on it.
+
+    LMDB (and py-lmdb, which refuses a second open) allows an environment to be open only once per
+    process, so a readonly Store opened beside this process's writer shares the writer's environment.
+    The environment is opened writable whenever the files allow it, so that a writer opened after a
+    reader in this process can share it too; readonly Index objects never begin a write transaction.
+    """
+
+    _registry: dict = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, key, env, dbs, writable: bool):
+        self.key = key
+        self.env = env
+        self.dbs = dbs
+        self.writable = writable
+        self.resize = _SharedExclusiveLock()
+        self.write_lock = threading.Lock()
+        self.users = 0
+
+    @classmethod
+    def acquire(cls, path: str, *, readonly: bool, create: bool) -> "_SharedEnv":
+        with cls._registry_lock:
+            try:
+                st = os.stat(path)
+                key = (st.st_dev, st.st_ino)
+            except OSError:
+                key = None
+            shared = cls._registry.get(key) if key is not None else None
+            if shared is not None and not readonly and not shared.writable:
+                raise CorruptionError(f"the index at {path} is open readonly in this process and cannot be "
+                                      "written (its files are not writable)", path, None)
+            if shared is None:
+                writable = not readonly or _writable(path)
+                try:
+                    env = lmdb.open(
+                        path,
+                        subdir=True,
+                        create=create,
+                        readonly=not writable,
+                        map_size=knobs.INDEX_MAP_BYTES,
+                        max_dbs=len(_DBS),
+                        max_readers=knobs.INDEX_MAX_READERS,
+                        sync=True,
+                        metasync=True,
+                        readahead=False,
+                        meminit=False,
+                        lock=True,
+                    )
+                    try:
+                        if writable:
+                            with env.begin(write=True) as txn:
+                                dbs = {name: env.open_db(name, txn=txn, create=not readonly) for name in _DBS}
+                        else:
+                            # py-lmdb: handles opened inside a read transaction die with it; without a
+                            # transaction argument it opens them so that they stay valid
+                            dbs = {name: env.open_db(name, create=False) for name in _DBS}
+                    except BaseException:
+                        env.close()
+                        raise
+                except lmdb.Error as exc:
+                    raise CorruptionError(f"cannot open the index at {path}: {exc}", path, None) from exc
+                st = os.stat(path)
+                shared = cls(key=(st.st_dev, st.st_ino), env=env, dbs=dbs, writable=writable)
+                cls._registry[shared.key] = shared
+            shared.users += 1
+            return shared
+
+    def release(self) -> None:
+        with self._registry_lock:
+            self.users -= 1
+            if self.users:
+                return
+            self._registry.pop(self.key, None)
+        with self.resize.exclusive():
+            self.env.close()
+
+
+def _writable(path: str) -> bool:
+    return all(os.access(os.path.join(path, name), os.R_OK | os.W_OK) for name in ("data.mdb", "lock.mdb"))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import codecs, knobs, record
-from .errors import CorruptionError, MissingRows
+from .errors import CorruptionError, InvalidArgument, MissingRows
 from .index import IndexView
 from .segments import SegmentReader
 
@@ -37,10 +37,13 @@ class BlockResolver:
         self.block_rows = table["block_rows"]
         self.dim = table["dim"]
 
-    def load(self, loc) -> record.Record:
+    def load(self, loc, block: int | None = None, version: int | None = None) -> record.Record:
+        """The verified record at ``loc``; it must be the one its index entry (block, version) names."""
         buf = self.segments.read(loc.segment, loc.offset, loc.length)
         rec = record.parse(buf, self.segments.path(loc.segment), loc.offset)
-        if rec.kind != record.KIND_ROWS or rec.object_id != self.table["id"] or rec.count != loc.count:
+        if (rec.kind != record.KIND_ROWS or rec.object_id != self.table["id"] or rec.count != loc.count
+                or rec.flags != loc.flags or (block is not None and rec.block != block)
+                or (version is not None and rec.version != version)):
             path = self.segments.path(loc.segment)
             raise CorruptionError(f"record at {path}:{loc.offset} is not the one the index names", path, loc.offset)
         return rec
@@ -55,8 +58,8 @@ class BlockResolver:
             return self._resolve_all(block, block_len, version)
         remaining = want
         pieces: list[Piece] = []
-        for _v, loc in self.view.row_chain(self.table["id"], block, version):
-            rec, rows = self._load_rows(loc)
+        for v, loc in self.view.row_chain(self.table["id"], block, version):
+            rec, rows = self._load_rows(loc, block, v)
             if rec.flags & record.FLAG_FULL:
                 found = remaining < rec.count
                 idx = remaining[found]
@@ -78,8 +81,8 @@ class BlockResolver:
         pieces: list[Piece] = []
         filled = None
         left = block_len
-        for _v, loc in self.view.row_chain(self.table["id"], block, version):
-            rec, rows = self._load_rows(loc)
+        for v, loc in self.view.row_chain(self.table["id"], block, version):
+            rec, rows = self._load_rows(loc, block, v)
             if filled is None and rec.flags & record.FLAG_BASELINE:
                 return [Piece(rec.codec_id, rows, None)], np.zeros(0, dtype=np.int64)  # the common case
             offsets = rec.offsets()
@@ -102,9 +105,19 @@ class BlockResolver:
             return pieces, np.arange(block_len, dtype=np.int64)
         return pieces, (np.flatnonzero(~filled) if left else np.zeros(0, dtype=np.int64))
 
-    def _load_rows(self, loc) -> tuple[record.Record, np.ndarray]:
-        rec = self.load(loc)
-        return rec, rec.body.reshape(rec.count, codecs.by_id(rec.codec_id).row_bytes(self.dim))
+    def _load_rows(self, loc, block: int, version: int) -> tuple[record.Record, np.ndarray]:
+        """The verified record and its encoded rows as a (count, row_bytes) array."""
+        rec = self.load(loc, block, version)
+        path = self.segments.path(loc.segment)
+        try:
+            row_bytes = codecs.by_id(rec.codec_id).row_bytes(self.dim)
+        except InvalidArgument:
+            raise CorruptionError(f"record at {path}:{loc.offset} names unknown codec id {rec.codec_id}",
+                                  path, loc.offset) from None
+        if rec.body.size != rec.count * row_bytes:
+            raise CorruptionError(f"record at {path}:{loc.offset} holds {rec.body.size} body bytes, not "
+                                  f"{rec.count} rows of {row_bytes}", path, loc.offset)
+        return rec, rec.body.reshape(rec.count, row_bytes)
 
 
 def _missing_error(table: str, missing: np.ndarray, version: int) -> MissingRows:
@@ -188,10 +201,10 @@ def read_dense(view: IndexView, segments: SegmentReader, dense_id: int, name: st
     found = view.dense_at(dense_id, version)
     if found is None:
         return None
-    _v, loc = found
+    found_version, loc = found
     path = segments.path(loc.segment)
     rec = record.parse(segments.read(loc.segment, loc.offset, loc.length), path, loc.offset)
-    if rec.kind != record.KIND_DENSE or rec.object_id != dense_id:
+    if rec.kind != record.KIND_DENSE or rec.object_id != dense_id or rec.version != found_version:
         raise CorruptionError(f"record at {path}:{loc.offset} is not the one the index names", path, loc.offset)
     try:
         desc = rec.dense_descriptor()

@@ -99,7 +99,7 @@ def write_rows_record(
 
 def dense_record(object_id: int, version: int, array: np.ndarray) -> tuple[list, int]:
     """Buffers of one DENSE record holding ``array`` exactly (dtype, shape and bytes), and its length."""
-    arr = np.ascontiguousarray(array)
+    arr = np.ascontiguousarray(array).reshape(np.shape(array))  # ascontiguousarray makes 0-d arrays 1-d
     aux = msgpack.packb({"dtype": arr.dtype.str, "shape": list(arr.shape)})
     body = arr.reshape(-1).view(np.uint8)
     return _assemble(KIND_DENSE, 0, 0, object_id, 0, 0, version, aux, body)

@@ -53,6 +53,9 @@ def sorted_unique_rows(rows: np.ndarray, table: str) -> np.ndarray | None:
 
 def row_values(values, rows: np.ndarray, dim: int, table: str) -> np.ndarray:
     """``values`` as C-contiguous float32 (len(rows), dim), all finite."""
+    if hasattr(values, "detach") and callable(getattr(values, "is_floating_point", None)) \
+            and values.is_floating_point():
+        values = values.detach().float()  # any float tensor dtype (bfloat16 has no numpy equivalent)
     arr = to_numpy(values, f"values of table {table!r}")
     if arr.ndim != 2 or arr.shape != (rows.size, dim):
         raise InvalidArgument(f"values of table {table!r} must have shape ({rows.size}, {dim}) "

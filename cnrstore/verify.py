@@ -78,7 +78,8 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
                     report.bytes_checked += loc.length
                     desc = rec.dense_descriptor()
                     expect = np.dtype(desc["dtype"]).itemsize * int(np.prod(desc["shape"], dtype=np.int64))
-                    if rec.kind != record.KIND_DENSE or rec.object_id != dense_id or rec.body.size != expect:
+                    if (rec.kind != record.KIND_DENSE or rec.object_id != dense_id or rec.version != version
+                            or rec.body.size != expect):
                         problem = "record does not match its index entry"
                 except CnrError as exc:
                     problem = str(exc)
@@ -103,8 +104,8 @@ def _check_location(committed: dict[int, int], seg: int, offset: int, length: in
 
 
 def _check_rows_record(rec: record.Record, info: dict, block: int, version: int, loc) -> str | None:
-    if rec.kind != record.KIND_ROWS or rec.object_id != info["id"] or rec.block != block:
-        return "record does not match its index entry (kind, table or block)"
+    if rec.kind != record.KIND_ROWS or rec.object_id != info["id"] or rec.block != block or rec.version != version:
+        return "record does not match its index entry (kind, table, block or version)"
     if rec.count != loc.count or rec.flags != loc.flags:
         return "record row count or flags disagree with the index"
     try:

@@ -72,7 +72,9 @@ class Codec(abc.ABC):
         try:
             e = np.asarray(enc)
         except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"{self.name}: encoded rows must be a uint8 array, got {type(enc).__name__}") from exc
+            raise InvalidArgument(
+                f"{self.name}: encoded rows must be a uint8 array, got {type(enc).__name__}"
+            ) from exc
         if e.dtype != np.uint8:
             raise InvalidArgument(f"{self.name}: encoded rows must be uint8, got dtype {e.dtype}")
         if e.ndim != 2 or e.shape[1] != width:
@@ -172,12 +174,11 @@ def as_rows(values) -> np.ndarray:
     try:
         a = np.asarray(values)
         if a.dtype.kind not in _FLOAT_KINDS:
-            raise TypeError(a.dtype)
+            raise TypeError(f"dtype {a.dtype}")
         x = np.ascontiguousarray(a, dtype=np.float32)
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(
-            f"values must be a 2-D array of floats (rows, dim), got {type(values).__name__}"
-            f"{' of dtype ' + str(getattr(values, 'dtype', '')) if hasattr(values, 'dtype') else ''}"
+            f"values must be a 2-D array of floats (rows, dim), got {type(values).__name__}: {exc}"
         ) from exc
     if x.ndim != 2:
         raise InvalidArgument(f"values must be 2-D (rows, dim), got shape {x.shape}")

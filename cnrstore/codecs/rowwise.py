@@ -158,7 +158,9 @@ class Int4(_NBit):
     codec_id = 4  # on disk: never renumber
     bits = 4
     per_byte = 2
-    _range_hint = "int4 holds rows within ±65504 only (fp16 scale and bias); use the int8 or fp32 codec for such rows"
+    _range_hint = (
+        "int4 holds rows within ±65504 only (fp16 scale and bias); use the int8 or fp32 codec for such rows"
+    )
     _prepack = staticmethod(_ops.embedding_bag_4bit_prepack)
     _unpack = staticmethod(_ops.embedding_bag_4bit_unpack)
     __doc__ = (
@@ -178,7 +180,9 @@ class Int2(_NBit):
     codec_id = 5  # on disk: never renumber
     bits = 2
     per_byte = 4
-    _range_hint = "int2 holds rows within ±65504 only (fp16 scale and bias); use the int8 or fp32 codec for such rows"
+    _range_hint = (
+        "int2 holds rows within ±65504 only (fp16 scale and bias); use the int8 or fp32 codec for such rows"
+    )
     _prepack = staticmethod(_ops.embedding_bag_2bit_prepack)
     _unpack = staticmethod(_ops.embedding_bag_2bit_unpack)
     __doc__ = (
