@@ -73,10 +73,11 @@ class _SharedExclusiveLock:
         self._cond = threading.Condition()
         self._shared = 0
         self._exclusive = False
+        self._waiting = 0  # threads waiting for the exclusive side: new shared holders queue behind them
 
     def acquire_shared(self) -> None:
         with self._cond:
-            while self._exclusive:
+            while self._exclusive or self._waiting:  # else a stream of readers starves a map resize
                 self._cond.wait()
             self._shared += 1
 
@@ -88,8 +89,12 @@ class _SharedExclusiveLock:
     @contextlib.contextmanager
     def exclusive(self):
         with self._cond:
-            while self._exclusive or self._shared:
-                self._cond.wait()
+            self._waiting += 1
+            try:
+                while self._exclusive or self._shared:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
             self._exclusive = True
         try:
             yield
@@ -105,7 +110,6 @@ class IndexView:
     def __init__(self, txn: lmdb.Transaction, dbs: dict):
         self._txn = txn
         self._dbs = dbs
-        self._row_cursor = None
 
     # catalogs -------------------------------------------------------------------------------------
     def meta(self, key: str, default=None):
@@ -147,9 +151,7 @@ class IndexView:
     # row index ------------------------------------------------------------------------------------
     def row_chain(self, table_id: int, block: int, version: int) -> Iterator[tuple[int, RowLoc]]:
         """(version, location) of block's records at or before ``version``, newest first."""
-        cur = self._row_cursor
-        if cur is None:
-            cur = self._row_cursor = self._txn.cursor(db=self._dbs[b"rows"])
+        cur = self._txn.cursor(db=self._dbs[b"rows"])  # one per walk: walks may interleave
         ok = _seek_at_or_before(cur, ROW_KEY.pack(table_id, block, version))
         while ok:
             t, b, v = ROW_KEY.unpack(cur.key())
@@ -318,7 +320,8 @@ class _SharedEnv:
     LMDB (and py-lmdb, which refuses a second open) allows an environment to be open only once per
     process, so a readonly Store opened beside this process's writer shares the writer's environment.
     The environment is opened writable whenever the files allow it, so that a writer opened after a
-    reader in this process can share it too; readonly Index objects never begin a write transaction.
+    reader in this process can share it too; a readonly Index begins a write transaction only to open
+    the database handles (py-lmdb invalidates handles opened in a read transaction).
     """
 
     _registry: dict = {}

@@ -284,14 +284,14 @@ class Store:
 
     def read_rows(self, table: str, rows, version: int | None = None) -> np.ndarray:
         """float32 (len(rows), dim): the rows as of ``version`` (default: newest committed)."""
-        with self._read(version) as (view, v):
+        with self._read(version, table) as (view, v):
             info = self._table_or_raise(table, view)
             ids = validate.row_ids(rows, info["num_rows"], table)
             return reader.read_rows(view, self._segments, info, ids, v)
 
     def read_table(self, table: str, version: int | None = None) -> np.ndarray:
         """float32 (num_rows, dim): the whole table as of ``version``."""
-        with self._read(version) as (view, v):
+        with self._read(version, table) as (view, v):
             return reader.read_table(view, self._segments, self._table_or_raise(table, view), v)
 
     def read_dense(self, name: str, version: int | None = None) -> np.ndarray:
@@ -328,10 +328,12 @@ class Store:
             raise TableNotFound(f"no table {table!r} in this store (tables: {sorted(view.tables())[:10]})")
         return info
 
-    def _read(self, version):
+    def _read(self, version, table: str | None = None):
+        """A read transaction and the version it reads; an unknown ``table`` is named before any version."""
         self._check_open()
         version = validate.version_arg(version)
-        return _ReadContext(self._index, version)
+        check = None if table is None else (lambda view: self._table_or_raise(table, view))
+        return _ReadContext(self._index, version, check)
 
     # maintenance ------------------------------------------------------------------------------------
     def verify(self, progress=None) -> VerifyReport:
@@ -375,15 +377,18 @@ class Store:
 class _ReadContext:
     """One read transaction and the version it reads (resolving None to the newest committed)."""
 
-    def __init__(self, index: Index, version: int | None):
+    def __init__(self, index: Index, version: int | None, check=None):
         self._index = index
         self._version = version
+        self._check = check
         self._cm = None
 
     def __enter__(self):
         self._cm = self._index.read()
         view = self._cm.__enter__()
         try:
+            if self._check is not None:
+                self._check(view)
             if self._version is None:
                 latest = view.latest()
                 if latest is None:

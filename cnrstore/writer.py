@@ -70,8 +70,7 @@ class CheckpointWriter:
             rows, values = rows[order], values[order]
         chosen = codecs.get(codec if codec is not None else info["codec"])
         if not rows.size:
-            self._rows.setdefault(table, {})
-            return
+            return  # nothing to write: the table is not listed in this version
         shift = info["block_rows"].bit_length() - 1
         blocks = rows >> shift
         pending = self._rows.get(table, {})

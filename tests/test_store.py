@@ -921,11 +921,13 @@ class FullDiskFS(FileSystem):
         self.partial = False
         self.fail_fsync = False
         self.faults = 0
+        self.failed_offsets = []
 
     def pwritev(self, fd, buffers, offset):
         total = sum(memoryview(b).nbytes for b in buffers)
         if self.budget is not None and self.written + total > self.budget:
             self.faults += 1
+            self.failed_offsets.append(offset)
             room = max(0, self.budget - self.written)
             if self.partial and room:
                 data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)[:room]
@@ -951,8 +953,6 @@ def _segment_bytes(path):
 @pytest.mark.parametrize("where", ["put_rows", "put_rows_partial", "put_dense", "new_segment", "fsync"])
 def test_full_disk_aborts_checkpoint_and_keeps_committed_versions(store_path, monkeypatch, where):
     fs = FullDiskFS()
-    if where == "new_segment":
-        monkeypatch.setattr(knobs, "SEGMENT_BYTES", 4096)
     s = Store(store_path, create=True, readonly=False, filesystem=fs)
     s.create_table("emb", 512, DIM, codec="int8", block_rows=64)
     s.create_table("raw", 100, 3, codec="fp32", block_rows=64)
@@ -969,6 +969,9 @@ def test_full_disk_aborts_checkpoint_and_keeps_committed_versions(store_path, mo
     fs.fail_fsync = where == "fsync"
     if where != "fsync":
         fs.budget = fs.written + (0 if where == "new_segment" else 3000)
+    if where == "new_segment":  # the active segment is full now: the next append starts a new one
+        assert max(seg_before.values()) > 4096
+        monkeypatch.setattr(knobs, "SEGMENT_BYTES", 4096)
 
     with pytest.raises(cnrstore.StorageFull) as ei:
         with s.checkpoint(step=3) as ck:
@@ -978,6 +981,10 @@ def test_full_disk_aborts_checkpoint_and_keeps_committed_versions(store_path, mo
             else:
                 ck.put_rows("emb", np.arange(512), rand(512, seed=25))
     assert fs.faults >= 1
+    if where == "new_segment":
+        assert fs.failed_offsets == [0]  # the new segment's header did not fit
+    elif where != "fsync":
+        assert fs.failed_offsets and all(off > 0 for off in fs.failed_offsets)
     err = ei.value
     assert isinstance(err, OSError) and isinstance(err, cnrstore.CnrError) and err.errno == errno.ENOSPC
     assert "free disk space" in str(err)
@@ -1166,3 +1173,18 @@ def test_stats(store):
     store.close()
     with cnrstore.open(store.path, readonly=True) as ro:
         assert ro.stats()["bytes_written"] == sum(v.bytes for v in ro.versions())
+
+
+def test_unknown_table_is_named_before_a_missing_version(store):
+    # API.md: any call naming an unknown table raises TableNotFound, even before any version exists
+    with pytest.raises(cnrstore.TableNotFound):
+        store.read_rows("nope", [0])
+    with pytest.raises(cnrstore.TableNotFound):
+        store.read_table("nope", version=12345)
+
+
+def test_empty_put_does_not_list_the_table(store):
+    store.create_table("t", 10, 4, codec="fp32")
+    with store.checkpoint() as ck:
+        ck.put_rows("t", np.zeros(0, dtype=np.int64), np.zeros((0, 4), np.float32))
+    assert store.latest().tables == ()
