@@ -77,12 +77,17 @@ def median(xs) -> float:
 def machine_description() -> list[str]:
     cpu = platform.processor() or "unknown"
     try:
+        info = {}
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+        cpu = info.get("model name", cpu)
+        if "cpu MHz" in info:
+            cpu += f" @ {float(info['cpu MHz']):.0f} MHz"
+        simd = [f for f in ("avx2", "avx512f", "avx512_vnni") if f in info.get("flags", "").split()]
+        cpu += f" ({', '.join(simd) or 'no avx2'})"
+    except (OSError, ValueError):
         pass
     ram = "unknown"
     try:

@@ -269,20 +269,31 @@ class Index:
                     txn.commit()
                     return result
                 except lmdb.MapFullError:
-                    txn.abort()
-                    self._resize.release_shared()
-                    txn = None
+                    failed, txn = txn, None
+                    self._abort_alone(failed)
                     with self._resize.exclusive():
                         self._env.set_mapsize(self._env.info()["map_size"] * 2)
                 except lmdb.Error as exc:
-                    txn.abort()
+                    failed, txn = txn, None
+                    self._abort_alone(failed)
                     raise CorruptionError(f"index write failed at {self.path}: {exc}", self.path, None) from exc
                 except BaseException:
-                    txn.abort()
+                    failed, txn = txn, None
+                    self._abort_alone(failed)
                     raise
                 finally:
                     if txn is not None:
                         self._resize.release_shared()
+
+    def _abort_alone(self, txn: lmdb.Transaction) -> None:
+        """Abort a write transaction (releasing its shared side) while no read of this process runs.
+
+        py-lmdb 3 makes a write abort wait until no operation of any thread is in flight on the
+        environment, which a steady stream of reader threads can postpone forever.
+        """
+        self._resize.release_shared()
+        with self._resize.exclusive():
+            txn.abort()
 
     def map_size(self) -> int:
         return self._env.info()["map_size"]

@@ -31,7 +31,3 @@ MAX_BLOCK_ROWS = 1 << 16
 ENCODE_CHUNK_ROWS = 1 << 17
 #: Buffers handed to one writev call.
 WRITEV_BUFFERS = 512
-
-# Reader ------------------------------------------------------------------------------------------
-#: Worker threads used to decode large reads (codec kernels release the GIL).
-DECODE_THREADS = 2

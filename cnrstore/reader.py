@@ -7,12 +7,11 @@ ends the chain. Every record is checksum-verified (record.parse) before any byte
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import codecs, knobs, record
+from . import codecs, record
 from .errors import CorruptionError, InvalidArgument, MissingRows
 from .index import IndexView
 from .segments import SegmentReader
@@ -176,24 +175,29 @@ def read_table(view: IndexView, segments: SegmentReader, table: dict, version: i
     if missing:
         raise _missing_error(table["name"], np.concatenate(missing), version)
 
-    def decode_range(part: list) -> None:
-        for block, pieces in part:
-            base = block * block_rows
-            for p in pieces:
-                values = codecs.by_id(p.codec_id).decode(p.encoded, dim)
-                if p.dest is None:
-                    out[base : base + values.shape[0]] = values
-                else:
-                    out[base + p.dest] = values
-
-    threads = max(1, min(knobs.DECODE_THREADS, len(plans) // 16))
-    if threads == 1:
-        decode_range(plans)
-    else:
-        step = -(-len(plans) // threads)
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(decode_range, [plans[i : i + step] for i in range(0, len(plans), step)]))
+    # one thread: the codec kernels are multi-threaded already, and more threads only contend
+    for block, pieces in plans:
+        _decode_block(out, block * block_rows, pieces, dim)
     return out
+
+
+def _decode_block(out: np.ndarray, base: int, pieces: list[Piece], dim: int) -> None:
+    """Decode a block's pieces into ``out[base:...]``. Pieces of one codec are gathered as encoded rows
+    (cheap: a few bytes a row) and decoded with one kernel call straight into place."""
+    if len(pieces) == 1 and pieces[0].dest is None:
+        p = pieces[0]
+        out[base : base + p.encoded.shape[0]] = codecs.by_id(p.codec_id).decode(p.encoded, dim)
+        return
+    codec_id = pieces[0].codec_id
+    if all(p.codec_id == codec_id for p in pieces):
+        count = sum(p.encoded.shape[0] for p in pieces)
+        encoded = np.empty((count, pieces[0].encoded.shape[1]), dtype=np.uint8)
+        for p in pieces:  # every row of the block is in exactly one piece
+            encoded[p.dest] = p.encoded
+        out[base : base + count] = codecs.by_id(codec_id).decode(encoded, dim)
+        return
+    for p in pieces:
+        out[base + p.dest] = codecs.by_id(p.codec_id).decode(p.encoded, dim)
 
 
 def read_dense(view: IndexView, segments: SegmentReader, dense_id: int, name: str, version: int):

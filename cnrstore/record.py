@@ -69,32 +69,19 @@ class Record:
         return msgpack.unpackb(self.aux.tobytes())
 
 
-def rows_record_bytes(count: int, row_bytes: int, full: bool) -> int:
-    """Length of a ROWS record of ``count`` rows of ``row_bytes`` each."""
-    return HEADER_BYTES + (0 if full else 2 * count) + count * row_bytes + TRAILER_BYTES
-
-
-def write_rows_record(
-    buf: np.ndarray, pos: int, codec_id: int, flags: int, object_id: int, block: int, version: int,
-    offsets: np.ndarray | None, body: np.ndarray,
-) -> int:
-    """Lay one ROWS record out in ``buf`` (uint8) at ``pos``; returns its length.
+def rows_record(
+    codec_id: int, flags: int, object_id: int, block: int, version: int, offsets: np.ndarray | None,
+    body: np.ndarray,
+) -> tuple[list, int]:
+    """Buffers of one ROWS record (header+offsets, body, checksum) and its total length.
 
     ``offsets`` (row offsets in the block, sorted) must be None exactly when ``flags`` has FLAG_FULL;
-    ``body`` is a uint8 ``(count, row_bytes)`` array of the encoded rows.
+    ``body`` is a C-contiguous uint8 ``(count, row_bytes)`` array of the encoded rows. The body is not
+    copied: the buffers are written with one gathered write.
     """
-    count, row_bytes = body.shape
-    aux_len = 0 if offsets is None else 2 * count
-    body_len = count * row_bytes
-    HEADER.pack_into(buf, pos, MAGIC, KIND_ROWS, codec_id, flags, object_id, count, block, version, aux_len, body_len)
-    p = pos + HEADER_BYTES
-    if offsets is not None:
-        buf[p : p + aux_len].view(OFFSET_DTYPE)[:] = offsets
-        p += aux_len
-    buf[p : p + body_len].reshape(count, row_bytes)[:] = body
-    p += body_len
-    CHECKSUM.pack_into(buf, p, xxhash.xxh3_64_intdigest(buf[pos:p]))
-    return p + TRAILER_BYTES - pos
+    count = body.shape[0]
+    aux = b"" if offsets is None else np.ascontiguousarray(offsets, dtype=OFFSET_DTYPE).tobytes()
+    return _assemble(KIND_ROWS, codec_id, flags, object_id, count, block, version, aux, body)
 
 
 def dense_record(object_id: int, version: int, array: np.ndarray) -> tuple[list, int]:
@@ -106,7 +93,7 @@ def dense_record(object_id: int, version: int, array: np.ndarray) -> tuple[list,
 
 
 def _assemble(kind, codec_id, flags, object_id, count, block, version, aux: bytes, body: np.ndarray):
-    """Buffers of one record (header+aux, body, checksum) and its length; ``body`` is 1-D uint8."""
+    """Buffers of one record (header+aux, body, checksum) and its length; ``body`` is C-contiguous uint8."""
     body_len = body.nbytes
     header = HEADER.pack(MAGIC, kind, codec_id, flags, object_id, count, block, version, len(aux), body_len)
     h = xxhash.xxh3_64(header)

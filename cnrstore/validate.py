@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from . import codecs
 from .errors import InvalidArgument
 
 
@@ -51,8 +54,8 @@ def sorted_unique_rows(rows: np.ndarray, table: str) -> np.ndarray | None:
     return order
 
 
-def row_values(values, rows: np.ndarray, dim: int, table: str) -> np.ndarray:
-    """``values`` as C-contiguous float32 (len(rows), dim), all finite."""
+def row_values(values, rows: np.ndarray, dim: int, table: str) -> tuple[np.ndarray, tuple[float, float]]:
+    """``values`` as C-contiguous float32 (len(rows), dim), all finite, and their global (min, max)."""
     if hasattr(values, "detach") and callable(getattr(values, "is_floating_point", None)) \
             and values.is_floating_point():
         values = values.detach().float()  # any float tensor dtype (bfloat16 has no numpy equivalent)
@@ -62,15 +65,16 @@ def row_values(values, rows: np.ndarray, dim: int, table: str) -> np.ndarray:
                               f"(one row of dim {dim} per row id), got {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.floating):
         raise InvalidArgument(f"values of table {table!r} must be floating point, got dtype {arr.dtype}")
-    arr = np.ascontiguousarray(arr, dtype=np.float32)
-    if arr.size and not np.isfinite(arr.sum(axis=1)).all():
-        # the row sums overflow or propagate NaN/Inf; find the true first offender (if any)
-        bad_rows = np.flatnonzero(~np.isfinite(arr).all(axis=1))
-        if bad_rows.size:
-            i = int(bad_rows[0])
-            raise InvalidArgument(f"values of row {int(rows[i])} of table {table!r} are not finite "
-                                  f"(NaN or Inf, or beyond float32 range); fix the model before checkpointing")
-    return arr
+    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: reported below
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if not arr.size:
+        return arr, (0.0, 0.0)
+    lo, hi = codecs.value_range(arr)  # one multi-threaded pass; NaN and +-inf show up in min or max
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        i = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
+        raise InvalidArgument(f"values of row {int(rows[i])} of table {table!r} are not finite "
+                              f"(NaN or Inf, or beyond float32 range); fix the model before checkpointing")
+    return arr, (lo, hi)
 
 
 def name(value, what: str) -> str:

@@ -64,7 +64,7 @@ class CheckpointWriter:
         if info is None:
             raise TableNotFound(f"no table {table!r} in this store; create it with store.create_table()")
         rows = validate.row_ids(rows, info["num_rows"], table)
-        values = validate.row_values(values, rows, info["dim"], table)
+        values, value_range = validate.row_values(values, rows, info["dim"], table)
         order = validate.sorted_unique_rows(rows, table)
         if order is not None:
             rows, values = rows[order], values[order]
@@ -79,12 +79,14 @@ class CheckpointWriter:
         fresh = ~merging if merging is not None else slice(None)
         before = dict(pending)
         try:
-            for group_codec, g_rows, g_values in _codec_groups(chosen, rows[fresh], values[fresh], shift):
+            groups = _codec_groups(chosen, rows[fresh], values[fresh], shift,
+                                   value_range if merging is None else None)
+            for group_codec, g_rows, g_values in groups:
                 for start, stop in _chunks(g_rows >> shift, knobs.ENCODE_CHUNK_ROWS):
                     encoded = group_codec.encode(g_values[start:stop], check=False)
-                    self._append(table, *self._block_records(info, group_codec, g_rows[start:stop], encoded, shift))
+                    self._append(table, self._block_records(info, group_codec, g_rows[start:stop], encoded, shift))
             for merged_codec, m_rows, encoded in merge_plans:
-                self._append(table, *self._block_records(info, merged_codec, m_rows, encoded, shift))
+                self._append(table, self._block_records(info, merged_codec, m_rows, encoded, shift))
         except InvalidArgument:
             self._rows[table] = before  # what this call appended is unreferenced: the version is unchanged
             raise
@@ -190,22 +192,20 @@ class CheckpointWriter:
             self._store._appender.rollback()
             self._store._writer_done(self)  # the store may start a new checkpoint at once
 
-    def _append(self, table: str, buf: np.ndarray, keys: list) -> None:
-        """Append a buffer of consecutive records (one write) and note where each record lies."""
-        seg, off = self._store._appender.append([buf], buf.nbytes)
+    def _append(self, table: str, records: list) -> None:
+        """Append records (one gathered write per batch) and note where each lies."""
+        locations = self._store._appender.append_many([(buffers, length) for _key, buffers, length in records])
         blocks = self._rows.setdefault(table, {})
-        for block, count, flags, pos, length in keys:
-            blocks[block] = RowLoc(seg, off + pos, length, count, flags)
-        self._bytes += buf.nbytes
+        for ((block, count, flags), _buffers, length), (seg, off) in zip(records, locations):
+            blocks[block] = RowLoc(seg, off, length, count, flags)
+            self._bytes += length
 
-    def _block_records(self, info: dict, codec, rows: np.ndarray, encoded: np.ndarray,
-                       shift: int) -> tuple[np.ndarray, list]:
-        """Lay out one record per block of ``rows`` (sorted; ``encoded`` aligned with them) in one buffer.
+    def _block_records(self, info: dict, codec, rows: np.ndarray, encoded: np.ndarray, shift: int) -> list:
+        """One record per block of ``rows`` (sorted; ``encoded`` aligned with them).
 
-        Returns the buffer and, per record, (block, count, flags, position in the buffer, length).
+        Returns ((block, count, flags), buffers, length) per record; the buffers are views, not copies.
         """
         block_rows, num_rows = info["block_rows"], info["num_rows"]
-        row_bytes = encoded.shape[1]
         blocks = rows >> shift
         starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
         stops = np.r_[starts[1:], rows.size]
@@ -213,21 +213,19 @@ class CheckpointWriter:
         bases = blocks[starts] << shift
         baseline = counts == np.minimum(block_rows, num_rows - bases)
         full = baseline | (rows[stops - 1] - bases == counts - 1)  # rows 0..count-1: no offsets needed
-        sizes = record.HEADER_BYTES + record.TRAILER_BYTES + np.where(full, 0, 2 * counts) + counts * row_bytes
+        sizes = record.HEADER_BYTES + record.TRAILER_BYTES + np.where(full, 0, 2 * counts) + counts * encoded.shape[1]
         if sizes.max() > knobs.MAX_RECORD_BYTES:
             raise InvalidArgument(f"a block of table {info['name']!r} encodes to {int(sizes.max())} bytes, more "
                                   "than a record holds; create the table with a smaller block_rows")
-        positions = np.r_[0, np.cumsum(sizes)]
-        buf = np.empty(int(positions[-1]), dtype=np.uint8)
         flags = np.where(full, record.FLAG_FULL, 0) | np.where(baseline, record.FLAG_BASELINE, 0)
-        keys = []
-        for start, stop, base, flag, pos, is_full in zip(starts.tolist(), stops.tolist(), bases.tolist(),
-                                                           flags.tolist(), positions.tolist(), full.tolist()):
+        records = []
+        for start, stop, base, flag, is_full in zip(starts.tolist(), stops.tolist(), bases.tolist(),
+                                                    flags.tolist(), full.tolist()):
             offsets = None if is_full else rows[start:stop] - base
-            length = record.write_rows_record(buf, pos, codec.codec_id, flag, info["id"], base >> shift,
-                                              self.version, offsets, encoded[start:stop])
-            keys.append((base >> shift, stop - start, flag, pos, length))
-        return buf, keys
+            buffers, length = record.rows_record(codec.codec_id, flag, info["id"], base >> shift, self.version,
+                                                 offsets, encoded[start:stop])
+            records.append(((base >> shift, stop - start, flag), buffers, length))
+        return records
 
     def _plan_merges(self, table, info, rows, values, blocks, merging, codec) -> list:
         """For blocks this version already wrote: (codec, merged rows, merged encoded rows) per block.
@@ -274,14 +272,15 @@ def _codec_for(codec, values: np.ndarray):
     return codec
 
 
-def _codec_groups(codec, rows: np.ndarray, values: np.ndarray, shift: int):
+def _codec_groups(codec, rows: np.ndarray, values: np.ndarray, shift: int, value_range=None):
     """Split rows into (codec, rows, values) groups: a block with a row ``codec`` cannot represent goes
-    to the codec's fallback (recursively), so each block's record has one codec."""
+    to the codec's fallback (recursively), so each block's record has one codec. ``value_range`` is the
+    (min, max) of ``values`` if known."""
     if codec.fallback is None or not rows.size:
         if rows.size:
             yield codec, rows, values
         return
-    bad = codec.unrepresentable(values)
+    bad = codec.unrepresentable(values, value_range=value_range)
     if not bad.any():
         yield codec, rows, values
         return

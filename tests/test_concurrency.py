@@ -117,6 +117,9 @@ def test_reader_threads_see_whole_committed_versions(tmp_path, monkeypatch):
             while time.monotonic() < deadline or n < 15:
                 n += 1
                 abort = rng.random() < 0.2
+                if n % 4 == 0:  # a failed index write (its transaction aborts) amid the readers
+                    with pytest.raises(cnrstore.InvalidArgument):
+                        store.create_table("t", NUM_ROWS, DIM)
                 try:
                     with store.checkpoint() as ck:
                         v = ck.version
@@ -191,13 +194,15 @@ def test_reader_threads_see_whole_committed_versions(tmp_path, monkeypatch):
         except BaseException as exc:  # noqa: BLE001 - no reader may ever see an error
             errors.append(f"reader {seed}: {exc!r}")
 
-    threads = [threading.Thread(target=writer)]
-    threads += [threading.Thread(target=reader, args=(i, store if i % 2 else side)) for i in range(4)]
+    threads = [threading.Thread(target=writer, daemon=True)]
+    threads += [threading.Thread(target=reader, args=(i, store if i % 2 else side), daemon=True) for i in range(4)]
     for t in threads:
         t.start()
+    threads[0].join(60)
+    stop.set()  # should the writer hang, stop the readers anyway
     for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
+        t.join(10)
+    assert not any(t.is_alive() for t in threads), "the writer (or a reader) hung"
     try:
         assert not errors, errors[:10]
         assert counts["latest"] > 20 and counts["old"] > 10, counts

@@ -11,10 +11,10 @@ import operator
 
 from cnrstore.codecs.base import Codec
 from cnrstore.codecs.lossless import FP16, FP32
-from cnrstore.codecs.rowwise import Int2, Int4, Int8
+from cnrstore.codecs.rowwise import Int2, Int4, Int8, value_range
 from cnrstore.errors import InvalidArgument
 
-__all__ = ["Codec", "names", "get", "by_id"]
+__all__ = ["Codec", "names", "get", "by_id", "value_range"]
 
 _CODECS: tuple[Codec, ...] = (FP32(), FP16(), Int8(), Int4(), Int2())
 _BY_NAME: dict[str, Codec] = {c.name: c for c in _CODECS}

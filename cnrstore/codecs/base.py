@@ -85,12 +85,13 @@ class Codec(abc.ABC):
             e = np.ascontiguousarray(e)
         return self._decode(e, dim)
 
-    def unrepresentable(self, values) -> np.ndarray:
+    def unrepresentable(self, values, *, value_range: tuple[float, float] | None = None) -> np.ndarray:
         """Bool ``(n,)``: rows (finite float32, as ``encode`` takes them) this codec cannot store
-        faithfully. Vectorized; one pass over ``values`` when no row is out of range."""
+        faithfully. Vectorized; one pass over ``values`` when no row is out of range, none when the
+        caller passes the global ``value_range`` (min, max) of ``values`` it already computed."""
         x = as_rows(values)
         n = x.shape[0]
-        if n == 0 or not self._may_be_unrepresentable(x):
+        if n == 0 or not self._may_be_unrepresentable(x, value_range):
             return np.zeros(n, dtype=bool)
         lo, hi = self._row_minmax(x)
         return np.asarray(self._unrepresentable_range(lo, hi), dtype=bool)
@@ -127,8 +128,8 @@ class Codec(abc.ABC):
 
     # -- shared checks ------------------------------------------------------------------------------
 
-    def _may_be_unrepresentable(self, x: np.ndarray) -> bool:
-        lo, hi = self._minmax(x)
+    def _may_be_unrepresentable(self, x: np.ndarray, value_range: tuple[float, float] | None = None) -> bool:
+        lo, hi = self._minmax(x) if value_range is None else value_range
         return bool(self._unrepresentable_range(np.float32([lo]), np.float32([hi]))[0])
 
     def _check_values(self, x: np.ndarray) -> None:

@@ -49,6 +49,12 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_dlpack(a)
 
 
+def value_range(x: np.ndarray) -> tuple[float, float]:
+    """Global (min, max) of a non-empty float32 array in one multi-threaded pass; NaN if any is NaN."""
+    lo, hi = torch.aminmax(_tensor(x))
+    return lo.item(), hi.item()
+
+
 class _Rowwise(Codec):
     lossless = False
     #: Values per byte of the packed levels.
@@ -84,8 +90,7 @@ class _Rowwise(Codec):
         return out
 
     def _minmax(self, x: np.ndarray) -> tuple[float, float]:
-        lo, hi = torch.aminmax(_tensor(x))  # one multi-threaded pass; propagates NaN
-        return lo.item(), hi.item()
+        return value_range(x)
 
     def _row_minmax(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = torch.aminmax(_tensor(x), dim=1)
