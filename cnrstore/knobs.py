@@ -28,6 +28,6 @@ MAX_BLOCK_ROWS = 1 << 16
 
 # Writer ------------------------------------------------------------------------------------------
 #: Rows encoded per codec call while writing; bounds the writer's transient memory.
-ENCODE_CHUNK_ROWS = 1 << 17
+ENCODE_CHUNK_ROWS = 1 << 18
 #: Buffers handed to one writev call.
 WRITEV_BUFFERS = 512

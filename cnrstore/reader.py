@@ -162,7 +162,6 @@ def read_rows(view: IndexView, segments: SegmentReader, table: dict, rows: np.nd
 def read_table(view: IndexView, segments: SegmentReader, table: dict, version: int) -> np.ndarray:
     """float32 (num_rows, dim): the whole table as of ``version``. Every row must have been written."""
     num_rows, dim, block_rows = table["num_rows"], table["dim"], table["block_rows"]
-    out = np.empty((num_rows, dim), dtype=np.float32)
     num_blocks = -(-num_rows // block_rows)
     resolver = BlockResolver(view, segments, table)
     plans = []
@@ -175,7 +174,22 @@ def read_table(view: IndexView, segments: SegmentReader, table: dict, version: i
     if missing:
         raise _missing_error(table["name"], np.concatenate(missing), version)
 
-    # one thread: the codec kernels are multi-threaded already, and more threads only contend
+    codec_ids = {p.codec_id for _block, pieces in plans for p in pieces}
+    if len(codec_ids) == 1:
+        # the usual case: gather every row's encoded bytes (a few bytes a row) and decode the table
+        # with one kernel call, whose output is the result
+        codec = codecs.by_id(codec_ids.pop())
+        encoded = np.empty((num_rows, codec.row_bytes(dim)), dtype=np.uint8)
+        for block, pieces in plans:
+            base = block * block_rows
+            for p in pieces:
+                if p.dest is None:
+                    encoded[base : base + p.encoded.shape[0]] = p.encoded
+                else:
+                    encoded[base + p.dest] = p.encoded
+        return codec.decode(encoded, dim)
+    # blocks of several codecs: decode block by block, on one thread (the kernels are multi-threaded)
+    out = np.empty((num_rows, dim), dtype=np.float32)
     for block, pieces in plans:
         _decode_block(out, block * block_rows, pieces, dim)
     return out

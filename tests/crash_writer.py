@@ -18,8 +18,8 @@ it for the next, so a named crash point fires with K acknowledged versions behin
 
 Or as a fork server (``python tests/crash_writer.py serve``), which imports cnrstore once and forks
 one writer child per JSON command read from stdin (``{"store": ..., "count": ..., "segment_bytes":
-..., "crash_at": ..., "arm_after": ...}``); each child first prints ``pid <pid>`` and, once it is
-gone, the server prints ``exit <pid> <wait status>``. That spares each crash iteration the ~2 s of
+..., "crash_at": ..., "arm_after": ...}``); for each child the server prints ``pid <pid>`` (possibly
+after the child's first lines) and, once the child is gone, ``exit <pid> <wait status>``. That spares each crash iteration the ~2 s of
 importing torch.
 """
 
@@ -143,7 +143,11 @@ def check_version(store, model: Model, committed: list[int], v: int) -> None:
 # -- the writer process ------------------------------------------------------------------------------
 
 def _say(*words) -> None:
-    print(*words, flush=True)
+    """Print one line with one write(2): the server and its child share the pipe, and a line of
+    under PIPE_BUF bytes is never interleaved with another (print() may split it, e.g. under
+    PYTHONUNBUFFERED)."""
+    line = " ".join(str(w) for w in words)[:2000] + "\n"
+    os.write(sys.stdout.fileno(), line.encode())
 
 
 def run_writer(store_path: str, count: int | None, segment_bytes: int | None, arm_after: int | None) -> None:
@@ -176,12 +180,10 @@ def _serve() -> None:
 
     for line in sys.stdin:
         cmd = json.loads(line)
-        sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
             status = 0
             try:
-                _say("pid", os.getpid())
                 if cmd.get("crash_at"):
                     os.environ[fs.CRASH_ENV] = cmd["crash_at"]
                 run_writer(cmd["store"], cmd.get("count"), cmd.get("segment_bytes"), cmd.get("arm_after"))
@@ -189,8 +191,8 @@ def _serve() -> None:
                 _say("error", repr(exc).replace("\n", " "))
                 status = 1
             finally:
-                sys.stdout.flush()
                 os._exit(status)
+        _say("pid", pid)  # from the server, so the test can kill a child that hangs before saying anything
         _, wstatus = os.waitpid(pid, 0)
         _say("exit", pid, wstatus)
 

@@ -150,6 +150,11 @@ def read_bytes(path: str, offset: int, length: int) -> bytes:
         return f.read(length)
 
 
+def copy_record(built: Built, src, dst) -> None:
+    """Overwrite the record at location ``dst`` with the bytes of the record at ``src``."""
+    overwrite(seg_path(built, dst.segment), dst.offset, read_bytes(seg_path(built, src.segment), src.offset, src.length))
+
+
 def rewrite_header(built: Built, loc, **fields) -> None:
     """Change header fields of the record at ``loc`` and recompute its checksum (a well-formed lie)."""
     path = seg_path(built, loc.segment)
@@ -395,7 +400,7 @@ def test_record_written_to_the_wrong_place(built):
     key, loc = partial_record(built, "a", 1, 2)
     other = built.rows[("a", 2, 2)]
     assert other.length == loc.length
-    overwrite(seg_path(built, loc.segment), loc.offset, read_bytes(seg_path(built, other.segment), other.offset, other.length))
+    copy_record(built, other, loc)
     check_damage(built, {key: _where(built, loc)}, {})
 
 
@@ -404,7 +409,7 @@ def test_stale_record_of_an_older_version(built):
     key, loc = partial_record(built, "b", 0, 3)
     older = built.rows[("b", 0, 2)]
     assert older.length == loc.length
-    overwrite(seg_path(built, loc.segment), loc.offset, read_bytes(seg_path(built, older.segment), older.offset, older.length))
+    copy_record(built, older, loc)
     check_damage(built, {key: _where(built, loc)}, {})
 
 

@@ -29,7 +29,6 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 import cnrstore
@@ -147,6 +146,7 @@ class WriterServer:
                                      stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1,
                                      env=CHILD_ENV)
         self._lines: queue.Queue = queue.Queue()
+        self._early: list[list[str]] = []
         self._thread = threading.Thread(target=self._pump, daemon=True)
         self._thread.start()
 
@@ -159,7 +159,7 @@ class WriterServer:
         try:
             words = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError("crash writer server sent nothing in time") from None
+            raise TimeoutError(f"the crash writer server sent nothing for {timeout} s") from None
         assert words is not None, "crash writer server exited"
         return words
 
@@ -167,15 +167,27 @@ class WriterServer:
         """Fork a writer child; returns its pid (the child is already running)."""
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        words = self._next(60)
-        assert words[0] == "pid", words
-        return int(words[1])
-
-    def finish(self, pid: int, timeout: float = 60) -> "Run":
-        """Wait for the child to end; returns what it printed and how it ended."""
-        run = Run()
+        self._early = []
         while True:
-            words = self._next(timeout)
+            words = self._next(60)
+            if words[0] == "pid":
+                return int(words[1])
+            self._early.append(words)  # the child's first lines may overtake the server's
+
+    def finish(self, pid: int, timeout: float = 30) -> "Run":
+        """Wait for the child to end; returns what it printed and how it ended.
+
+        A child still running after ``timeout`` seconds without a word is killed, and the test fails.
+        """
+        run = Run()
+        for words in self._early:
+            run.add(words)
+        while True:
+            try:
+                words = self._next(timeout)
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                raise AssertionError(f"writer child {pid} hung; it printed {run.lines[-5:]}") from None
             if words[0] == "exit":
                 assert int(words[1]) == pid
                 run.status = int(words[2])

@@ -192,8 +192,9 @@ class StoreMachine(RuleBasedStateMachine):
         """A committed version number, or None (the newest)."""
         return data.draw(st.one_of(st.none(), st.sampled_from([v.version for v in self.versions])), label="version")
 
-    def draw_rows_to_put(self, data, table: TableModel, available: np.ndarray) -> np.ndarray:
-        mode = data.draw(st.sampled_from(["all", "range", "subset", "one", "empty"]), label="rows mode")
+    def draw_rows_to_put(self, data, table: TableModel, available: np.ndarray,
+                         modes=("all", "range", "subset", "one", "empty")) -> np.ndarray:
+        mode = data.draw(st.sampled_from(modes), label="rows mode")
         if mode == "all":
             rows = available
         elif mode == "range":
@@ -213,11 +214,12 @@ class StoreMachine(RuleBasedStateMachine):
             np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="shuffle seed")).shuffle(rows)
         return rows
 
-    def draw_values(self, data, n: int, dim: int) -> np.ndarray:
+    def draw_values(self, data, n: int, dim: int, kinds=None) -> np.ndarray:
         """float64 (n, dim) finite values, with some special rows (constants, out of fp16/int8 range...)."""
         seed = data.draw(st.integers(0, 2**32 - 1), label="values seed")
         scale = data.draw(st.sampled_from([1e-3, 1.0, 50.0, 3e4]), label="scale")
-        kinds = data.draw(st.lists(st.sampled_from(SPECIAL_KINDS), unique=True, max_size=3), label="special kinds")
+        if kinds is None:
+            kinds = data.draw(st.lists(st.sampled_from(SPECIAL_KINDS), unique=True, max_size=3), label="special kinds")
         p = data.draw(st.sampled_from([0.05, 0.3, 1.0]), label="special fraction")
         rng = np.random.default_rng(seed)
         v = rng.standard_normal((n, dim)) * scale
@@ -366,7 +368,7 @@ class StoreMachine(RuleBasedStateMachine):
         return np.array(sorted(set(range(self.tables[name].num_rows)) - pend.put_rows.get(name, set())),
                         dtype=np.int64)
 
-    def _put_rows(self, data, pend: PendingModel, ck, name: str | None = None, rows=None) -> None:
+    def _put_rows(self, data, pend: PendingModel, ck, name: str | None = None, rows=None, kinds=None) -> None:
         if name is None:
             name = data.draw(st.sampled_from(sorted(self.tables)), label="table")
         table = self.tables[name]
@@ -376,7 +378,7 @@ class StoreMachine(RuleBasedStateMachine):
             if not available.size:
                 return
             rows = self.draw_rows_to_put(data, table, available)
-        v64 = self.draw_values(data, rows.size, table.dim)
+        v64 = self.draw_values(data, rows.size, table.dim, kinds)
         values, v32 = self.draw_value_input(data, v64)
         codec = data.draw(st.one_of(st.none(), st.sampled_from(CODECS)), label="codec override")
         rows_arg = data.draw(st.sampled_from(["np", "list", "i32", "torch"]), label="rows form")
@@ -396,6 +398,8 @@ class StoreMachine(RuleBasedStateMachine):
                 if block in seen:
                     event("put_rows: merge into a block of this version, " +
                           ("same codec" if seen[block] == cname else "different codecs"))
+                    if cname != (codec or table.codec):
+                        event("put_rows: merge into a block of this version, the new part falls back")
                 seen.setdefault(block, cname)
             done.update(rows.tolist())
 
@@ -439,11 +443,13 @@ class StoreMachine(RuleBasedStateMachine):
         available = self.available_rows(self.pending, name)
         if available.size < 2:
             return
-        rows = self.draw_rows_to_put(data, self.tables[name], available)
+        rows = self.draw_rows_to_put(data, self.tables[name], available, modes=("all", "range", "subset"))
         rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="split seed"))
         part_of = rng.integers(parts, size=rows.size)
         for p in range(parts):
-            self._put_rows(data, self.pending, self.pending.ck, name, rows[part_of == p])
+            # often one part holds rows its codec cannot represent: the merge then mixes codecs
+            kinds = data.draw(st.sampled_from([None, ["large"], ["huge"]]), label="part kinds")
+            self._put_rows(data, self.pending, self.pending.ck, name, rows[part_of == p], kinds)
 
     @precondition(lambda self: self.pending is not None)
     @rule(data=st.data())
