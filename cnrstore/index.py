@@ -36,6 +36,8 @@ DENSE_KEY = struct.Struct(">IQ")
 VERSION_KEY = struct.Struct(">Q")
 ROW_LOC = struct.Struct("<IIIIB")  # segment, offset, length, count, flags
 DENSE_LOC = struct.Struct("<III")  # segment, offset, length
+#: Below this an empty store's catalogs do not fit the map (LMDB needs a few pages per database).
+_MIN_MAP_BYTES = 64 << 10
 _DBS = (b"meta", b"tables", b"versions", b"segments", b"rows", b"dense_names", b"dense")
 
 
@@ -367,7 +369,7 @@ class _SharedEnv:
                         subdir=True,
                         create=create,
                         readonly=not writable,
-                        map_size=knobs.INDEX_MAP_BYTES,
+                        map_size=max(knobs.INDEX_MAP_BYTES, _MIN_MAP_BYTES),
                         max_dbs=len(_DBS),
                         max_readers=knobs.INDEX_MAX_READERS,
                         sync=True,

@@ -1188,3 +1188,23 @@ def test_empty_put_does_not_list_the_table(store):
     with store.checkpoint() as ck:
         ck.put_rows("t", np.zeros(0, dtype=np.int64), np.zeros((0, 4), np.float32))
     assert store.latest().tables == ()
+
+
+def test_integer_and_bool_values_are_refused_as_the_contract_says(store):
+    # API.md: values are a float array-like; anything else raises InvalidArgument
+    store.create_table("t", 10, 4, codec="fp32")
+    with store.checkpoint() as ck:
+        for bad in ([[1, 2, 3, 4]], np.ones((1, 4), dtype=bool)):
+            with pytest.raises(cnrstore.InvalidArgument, match="floating point"):
+                ck.put_rows("t", [1], bad)
+        ck.put_rows("t", [1], [[1.0, 2.0, 3.0, 4.0]])
+    assert store.read_rows("t", [1]).tolist() == [[1.0, 2.0, 3.0, 4.0]]
+
+
+def test_tiny_initial_index_map_still_creates_a_store(store_path, monkeypatch):
+    monkeypatch.setattr(cnrstore.knobs, "INDEX_MAP_BYTES", 4096)
+    with cnrstore.open(store_path, create=True) as s:
+        s.create_table("t", 10, 4, codec="fp32")
+        with s.checkpoint() as ck:
+            ck.put_rows("t", [1], np.ones((1, 4), np.float32))
+        assert s.read_rows("t", [1]).sum() == 4.0
