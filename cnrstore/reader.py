@@ -63,8 +63,8 @@ class BlockResolver:
                 found = remaining < rec.count
                 idx = remaining[found]
             else:
-                offsets = rec.offsets()
-                idx = np.searchsorted(offsets, remaining)
+                offsets = rec.stored_offsets()  # u16, searched as is: no per-record copy
+                idx = np.searchsorted(offsets, remaining.astype(record.OFFSET_DTYPE))
                 np.minimum(idx, rec.count - 1, out=idx)
                 found = offsets[idx] == remaining
                 idx = idx[found]

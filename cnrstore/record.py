@@ -14,7 +14,7 @@ A record is::
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
@@ -45,9 +45,12 @@ OFFSET_DTYPE = np.dtype("<u2")
 assert HEADER_BYTES == 40
 
 
-@dataclass(frozen=True)
-class Record:
-    """A parsed, checksum-verified record. ``aux`` and ``body`` are read-only uint8 views."""
+class Record(NamedTuple):
+    """A parsed, checksum-verified record. ``aux`` and ``body`` are read-only uint8 views.
+
+    (A NamedTuple rather than a dataclass: a read builds one per record it visits, and this is the
+    cheapest immutable record Python has.)
+    """
 
     kind: int
     codec_id: int
@@ -64,6 +67,10 @@ class Record:
         if self.flags & FLAG_FULL:
             return np.arange(self.count, dtype=np.int64)
         return self.aux.view(OFFSET_DTYPE).astype(np.int64)
+
+    def stored_offsets(self) -> np.ndarray:
+        """The stored u16 row offsets as a view (no copy); only for records without FLAG_FULL."""
+        return self.aux.view(OFFSET_DTYPE)
 
     def dense_descriptor(self) -> dict:
         return msgpack.unpackb(self.aux.tobytes())
