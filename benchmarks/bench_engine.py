@@ -175,8 +175,8 @@ class Bench:
                  f"{gbs / ours:.2f} GB/s ({fmt_s(ours)})", f"{gbs / theirs:.2f} GB/s ({fmt_s(theirs)}) "
                  "FBGEMM 4bit prepack alone", f"{ratio:.2f}", ">= 0.5", ratio >= 0.5)
         put, commit = median(ours_put), median(ours_commit)
-        self.add("a'. write split: put_rows | commit (fsync + LMDB commit)",
-                 f"{fmt_s(put)} | {fmt_s(commit)}", f"prepack {fmt_s(theirs)}",
+        self.add("a'. write split: put_rows, then commit (fsync + LMDB commit)",
+                 f"{fmt_s(put)}, then {fmt_s(commit)}", f"prepack {fmt_s(theirs)}",
                  f"put_rows/prepack {put / theirs:.2f}x", "-", None)
         self.notes.append(f"a. every rep (ms): cnrstore {fmt_list(ours_total)} (put_rows {fmt_list(ours_put)}; "
                           f"commit {fmt_list(ours_commit)}); prepack {fmt_list(ref)}.")

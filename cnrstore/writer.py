@@ -75,9 +75,11 @@ class CheckpointWriter:
         blocks = rows >> shift
         pending = self._rows.get(table, {})
         merging = np.isin(blocks, np.fromiter(pending, dtype=np.int64, count=len(pending))) if pending else None
-        merge_plans = self._plan_merges(table, info, rows, values, blocks, merging, chosen) if merging is not None and merging.any() else []
+        merge_plans = []
+        if merging is not None and merging.any():
+            merge_plans = self._plan_merges(table, info, rows, values, blocks, merging, chosen)
         fresh = ~merging if merging is not None else slice(None)
-        before = dict(pending)
+        before = dict(pending) if table in self._rows else None
         try:
             groups = _codec_groups(chosen, rows[fresh], values[fresh], shift,
                                    value_range if merging is None else None)
@@ -88,7 +90,11 @@ class CheckpointWriter:
             for merged_codec, m_rows, encoded in merge_plans:
                 self._append(table, self._block_records(info, merged_codec, m_rows, encoded, shift))
         except InvalidArgument:
-            self._rows[table] = before  # what this call appended is unreferenced: the version is unchanged
+            # what this call appended is unreferenced: the version is as it was before the call
+            if before is None:
+                self._rows.pop(table, None)
+            else:
+                self._rows[table] = before
             raise
         except BaseException as exc:
             self._fail(exc)

@@ -1208,3 +1208,19 @@ def test_tiny_initial_index_map_still_creates_a_store(store_path, monkeypatch):
         with s.checkpoint() as ck:
             ck.put_rows("t", [1], np.ones((1, 4), np.float32))
         assert s.read_rows("t", [1]).sum() == 4.0
+
+
+def test_rejected_oversized_block_leaves_no_trace_of_the_table(store, monkeypatch):
+    # an InvalidArgument raised while records are being laid out (after validation) must not list the
+    # table in the version, nor leave rows of the failed call behind
+    store.create_table("t", 64, 4, codec="fp32", block_rows=64)
+    store.create_table("u", 8, 4, codec="fp32")
+    monkeypatch.setattr(cnrstore.knobs, "MAX_RECORD_BYTES", 100)
+    with store.checkpoint() as ck:
+        with pytest.raises(cnrstore.InvalidArgument, match="smaller block_rows"):
+            ck.put_rows("t", np.arange(64), np.ones((64, 4), np.float32))
+        monkeypatch.setattr(cnrstore.knobs, "MAX_RECORD_BYTES", (1 << 32) - 1)
+        ck.put_rows("u", [0], np.ones((1, 4), np.float32))
+    assert store.latest().tables == ("u",)
+    with pytest.raises(cnrstore.MissingRows):
+        store.read_rows("t", [0])
