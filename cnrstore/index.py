@@ -232,6 +232,22 @@ class IndexWriter(IndexView):
     def put_dense(self, dense_id: int, version: int, loc: DenseLoc) -> None:
         self._txn.put(DENSE_KEY.pack(dense_id, version), DENSE_LOC.pack(*loc), db=self._dbs[b"dense"])
 
+    def delete_row(self, table_id: int, block: int, version: int) -> None:
+        self._txn.delete(ROW_KEY.pack(table_id, block, version), db=self._dbs[b"rows"])
+
+    def delete_dense(self, dense_id: int, version: int) -> None:
+        self._txn.delete(DENSE_KEY.pack(dense_id, version), db=self._dbs[b"dense"])
+
+    def delete_version(self, version: int) -> None:
+        self._txn.delete(VERSION_KEY.pack(version), db=self._dbs[b"versions"])
+
+    def delete_segment(self, segment: int) -> None:
+        self._txn.delete(VERSION_KEY.pack(segment), db=self._dbs[b"segments"])
+
+    def txn_id(self) -> int:
+        """LMDB's id of this write transaction: readers that began before it commits have smaller ids."""
+        return self._txn.id()
+
 
 class Index:
     """The LMDB environment of a store. Thread-safe; one write transaction at a time."""
@@ -299,6 +315,20 @@ class Index:
 
     def map_size(self) -> int:
         return self._env.info()["map_size"]
+
+    def oldest_reader_txn(self) -> int | None:
+        """The smallest transaction id any active reader (of any process) sees, or None if none reads.
+
+        A reader with id t sees the state committed by transaction t; data a later transaction made
+        unreachable may still be read by it.
+        """
+        oldest = None
+        for line in self._env.readers().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 3 and fields[-1].isdigit():
+                txn = int(fields[-1])
+                oldest = txn if oldest is None else min(oldest, txn)
+        return oldest
 
     def _begin(self, write: bool) -> lmdb.Transaction:
         """Begin a transaction holding the shared side of the resize lock (the caller releases it)."""

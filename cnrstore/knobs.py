@@ -31,3 +31,7 @@ MAX_BLOCK_ROWS = 1 << 16
 ENCODE_CHUNK_ROWS = 1 << 18
 #: Buffers handed to one writev call.
 WRITEV_BUFFERS = 512
+
+# Compaction and GC ---------------------------------------------------------------------------------
+#: GC rewrites a sealed segment whose live records fill less than this fraction of it.
+GC_LIVE_FRACTION = 0.5

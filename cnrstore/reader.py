@@ -1,8 +1,8 @@
 """Point-in-time reads: resolve which record holds each asked row of a block at a version, and decode.
 
 A block's records at or before version v, newest first, form its *read chain*. A row reads as its
-value in the newest record of the chain that holds it; a baseline record (every row of the block)
-ends the chain. Every record is checksum-verified (record.parse) before any byte of it is used.
+value in the newest record of the chain that holds it; a baseline record (every row of the block
+written at or before its version) ends the chain: rows not found by then were never written. Every record is checksum-verified (record.parse) before any byte of it is used.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class BlockResolver:
         left = block_len
         for v, loc in self.view.row_chain(self.table["id"], block, version):
             rec, rows = self._load_rows(loc, block, v)
-            if filled is None and rec.flags & record.FLAG_BASELINE:
+            if filled is None and rec.flags & record.FLAG_FULL and rec.count == block_len:
                 return [Piece(rec.codec_id, rows, None)], np.zeros(0, dtype=np.int64)  # the common case
             offsets = rec.offsets()
             if filled is None:

@@ -133,6 +133,14 @@ class SegmentAppender:
         self.active = max(self.committed) if self.committed else None
         self._next_id = max([self._next_id, *(s + 1 for s in self.committed)])
 
+    def forget(self, segments: list[int]) -> None:
+        """Stop tracking segments that left the index (freed by GC; never the active one)."""
+        for seg in segments:
+            self.committed.pop(seg, None)
+            self._sizes.pop(seg, None)
+            if seg in self._fds:
+                self.fs.close(self._fds.pop(seg))
+
     def close(self) -> None:
         self._release_fds(keep=None)
 
@@ -163,18 +171,19 @@ class SegmentAppender:
         return seg
 
 
-def recover(root: str, committed: dict[int, int], filesystem: fs.FileSystem) -> list[str]:
+def recover(root: str, committed: dict[int, int], filesystem: fs.FileSystem, doomed=()) -> list[str]:
     """Bring segments/ in line with the index after a crash (writer only, at open).
 
     Truncates each committed segment to its committed length (a torn tail), removes segment files the
-    index does not know (created by a checkpoint that never committed). Returns notes of what it did.
+    index does not know (created by a checkpoint that never committed) except ``doomed`` ones (freed by
+    GC, deleted only once no reader needs them). Returns notes of what it did.
     """
     notes = []
     seg_dir = filenames.segments_dir(root)
     for name in sorted(os.listdir(seg_dir)):
         seg = filenames.parse_segment_name(name)
         path = os.path.join(seg_dir, name)
-        if seg is None:
+        if seg is None or seg in doomed:
             continue
         if seg not in committed:
             filesystem.remove(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import struct
 import threading
@@ -13,7 +14,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from . import codecs, filenames, fs, knobs, reader, record, segments, validate
+from . import codecs, compaction, filenames, fs, knobs, reader, record, segments, validate
 from .errors import (
     CheckpointInProgress,
     CorruptionError,
@@ -99,8 +100,11 @@ class Store:
             if not readonly:
                 with self._index.read() as view:
                     committed = view.segments()
-                self.recovery_notes = segments.recover(self.path, committed, self._fs)
+                    doomed = {int(k) for k in view.meta("doomed_segments", {})}
+                self.recovery_notes = segments.recover(self.path, committed, self._fs, doomed)
                 self._appender = segments.SegmentAppender(self.path, committed, FORMAT_VERSION, self._fs)
+                if doomed:  # segments GC freed before a restart: delete those no reader needs now
+                    compaction.delete_doomed(self, compaction.GCReport())
         except BaseException:
             if self._lock is not None:
                 self._lock.release()
@@ -236,7 +240,7 @@ class Store:
             raise InvalidArgument(f"step must be an integer or None, got {step!r}")
         with self._writer_mutex:
             if self._writer is not None:
-                raise CheckpointInProgress(f"checkpoint {self._writer.version} is still open; commit or abort "
+                raise CheckpointInProgress(f"{self._writer.activity} is still in progress; commit or abort "
                                            "it before starting another")
 
             def allocate(w):  # durably, so that a version number is never handed out twice
@@ -336,6 +340,50 @@ class Store:
         return _ReadContext(self._index, version, check)
 
     # maintenance ------------------------------------------------------------------------------------
+    def compact(self, version: int | None = None, progress=None) -> "compaction.CompactReport":
+        """Materialize a baseline at ``version`` (default: newest) for every block whose read chain there
+        is longer than one record. What every version reads is unchanged, bit for bit."""
+        with self._maintenance("compact"):
+            with self._read(version) as (_view, v):
+                pass
+            return compaction.materialize(self, v, progress)
+
+    def retain(self, keep_last: int) -> list[int]:
+        """Drop all but the newest ``keep_last`` versions; returns the dropped versions, oldest first.
+
+        Baselines are materialized at the oldest kept version where needed, so that ``gc`` can reclaim
+        every record only dropped versions read.
+        """
+        keep_last = validate.positive_int(keep_last, "keep_last")
+        with self._maintenance("retain"):
+            with self._index.read() as view:
+                versions = [v for v, _info in view.versions()]
+            if len(versions) <= keep_last:
+                return []
+            oldest_kept = versions[-keep_last]
+            compaction.materialize(self, oldest_kept)
+            return compaction.drop_before(self, oldest_kept)
+
+    def gc(self, progress=None) -> "compaction.GCReport":
+        """Reclaim the space of dropped and shadowed records (see compaction.collect)."""
+        with self._maintenance("gc"):
+            return compaction.collect(self, progress)
+
+    @contextlib.contextmanager
+    def _maintenance(self, what: str):
+        """Hold the writer slot for a maintenance operation: no checkpoint may be open meanwhile."""
+        self._check_writable()
+        with self._writer_mutex:
+            if self._writer is not None:
+                raise CheckpointInProgress(f"cannot {what} while {self._writer.activity} is in progress; "
+                                           "commit or abort it first")
+            self._writer = _MaintenanceSlot(what)
+        try:
+            yield
+        finally:
+            with self._writer_mutex:
+                self._writer = None
+
     def verify(self, progress=None) -> VerifyReport:
         """Check every checksum of live data and the index against the log; never raises for damage."""
         from .verify import verify_store
@@ -372,6 +420,17 @@ class Store:
                 if entry.is_file(follow_symlinks=False):
                     total += entry.stat().st_blocks * 512
         return total
+
+
+class _MaintenanceSlot:
+    """Occupies the writer slot while compact/retain/gc run (close() waits for nothing: they are
+    synchronous in the calling thread)."""
+
+    def __init__(self, what: str):
+        self.activity = what
+
+    def abort(self) -> None:
+        pass
 
 
 class _ReadContext:

@@ -118,6 +118,6 @@ def _check_rows_record(rec: record.Record, info: dict, block: int, version: int,
     offsets = rec.offsets()
     if offsets.size and (offsets[-1] >= block_len or (np.diff(offsets) <= 0).any()):
         return "record row offsets are out of range or not strictly increasing"
-    if rec.flags & record.FLAG_BASELINE and rec.count != block_len:
+    if rec.flags & record.FLAG_BASELINE and not rec.flags & record.FLAG_COMPACTED and rec.count != block_len:
         return "baseline record does not hold every row of its block"
     return None

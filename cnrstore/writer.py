@@ -40,6 +40,10 @@ class CheckpointWriter:
         self._state = "open"  # open | committed | aborted | failed
         self._failure: BaseException | None = None
 
+    @property
+    def activity(self) -> str:
+        return f"checkpoint {self.version}"
+
     # context manager --------------------------------------------------------------------------------
     def __enter__(self) -> "CheckpointWriter":
         return self
@@ -86,9 +90,9 @@ class CheckpointWriter:
             for group_codec, g_rows, g_values in groups:
                 for start, stop in _chunks(g_rows >> shift, knobs.ENCODE_CHUNK_ROWS):
                     encoded = group_codec.encode(g_values[start:stop], check=False)
-                    self._append(table, self._block_records(info, group_codec, g_rows[start:stop], encoded, shift))
+                    self._append(table, block_records(info, group_codec, g_rows[start:stop], encoded, self.version))
             for merged_codec, m_rows, encoded in merge_plans:
-                self._append(table, self._block_records(info, merged_codec, m_rows, encoded, shift))
+                self._append(table, block_records(info, merged_codec, m_rows, encoded, self.version))
         except InvalidArgument:
             # what this call appended is unreferenced: the version is as it was before the call
             if before is None:
@@ -206,33 +210,6 @@ class CheckpointWriter:
             blocks[block] = RowLoc(seg, off, length, count, flags)
             self._bytes += length
 
-    def _block_records(self, info: dict, codec, rows: np.ndarray, encoded: np.ndarray, shift: int) -> list:
-        """One record per block of ``rows`` (sorted; ``encoded`` aligned with them).
-
-        Returns ((block, count, flags), buffers, length) per record; the buffers are views, not copies.
-        """
-        block_rows, num_rows = info["block_rows"], info["num_rows"]
-        blocks = rows >> shift
-        starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
-        stops = np.r_[starts[1:], rows.size]
-        counts = stops - starts
-        bases = blocks[starts] << shift
-        baseline = counts == np.minimum(block_rows, num_rows - bases)
-        full = baseline | (rows[stops - 1] - bases == counts - 1)  # rows 0..count-1: no offsets needed
-        sizes = record.HEADER_BYTES + record.TRAILER_BYTES + np.where(full, 0, 2 * counts) + counts * encoded.shape[1]
-        if sizes.max() > knobs.MAX_RECORD_BYTES:
-            raise InvalidArgument(f"a block of table {info['name']!r} encodes to {int(sizes.max())} bytes, more "
-                                  "than a record holds; create the table with a smaller block_rows")
-        flags = np.where(full, record.FLAG_FULL, 0) | np.where(baseline, record.FLAG_BASELINE, 0)
-        records = []
-        for start, stop, base, flag, is_full in zip(starts.tolist(), stops.tolist(), bases.tolist(),
-                                                    flags.tolist(), full.tolist()):
-            offsets = None if is_full else rows[start:stop] - base
-            buffers, length = record.rows_record(codec.codec_id, flag, info["id"], base >> shift, self.version,
-                                                 offsets, encoded[start:stop])
-            records.append(((base >> shift, stop - start, flag), buffers, length))
-        return records
-
     def _plan_merges(self, table, info, rows, values, blocks, merging, codec) -> list:
         """For blocks this version already wrote: (codec, merged rows, merged encoded rows) per block.
 
@@ -269,6 +246,41 @@ class CheckpointWriter:
             order = np.argsort(all_rows, kind="stable")
             plans.append((merged_codec, all_rows[order], np.ascontiguousarray(encoded[order])))
         return plans
+
+
+def block_records(info: dict, codec, rows: np.ndarray, encoded: np.ndarray, version: int, *,
+                  compacted: bool = False) -> list:
+    """One ROWS record per block of ``rows`` (sorted, unique; ``encoded`` aligned with them).
+
+    Returns ((block, count, flags), buffers, length) per record; the buffers are views, not copies. A
+    record holding every row of its block is a baseline. With ``compacted``, every record is a
+    (compacted) baseline: it holds every row written to its block at or before ``version``.
+    """
+    block_rows, num_rows = info["block_rows"], info["num_rows"]
+    shift = block_rows.bit_length() - 1
+    blocks = rows >> shift
+    starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
+    stops = np.r_[starts[1:], rows.size]
+    counts = stops - starts
+    bases = blocks[starts] << shift
+    baseline = counts == np.minimum(block_rows, num_rows - bases)
+    full = baseline | (rows[stops - 1] - bases == counts - 1)  # rows 0..count-1: no offsets needed
+    sizes = record.HEADER_BYTES + record.TRAILER_BYTES + np.where(full, 0, 2 * counts) + counts * encoded.shape[1]
+    if sizes.max() > knobs.MAX_RECORD_BYTES:
+        raise InvalidArgument(f"a block of table {info['name']!r} encodes to {int(sizes.max())} bytes, more "
+                              "than a record holds; create the table with a smaller block_rows")
+    if compacted:
+        baseline = np.ones_like(baseline)
+    flags = (np.where(full, record.FLAG_FULL, 0) | np.where(baseline, record.FLAG_BASELINE, 0)
+             | (record.FLAG_COMPACTED if compacted else 0))
+    records = []
+    for start, stop, base, flag, is_full in zip(starts.tolist(), stops.tolist(), bases.tolist(),
+                                                flags.tolist(), full.tolist()):
+        offsets = None if is_full else rows[start:stop] - base
+        buffers, length = record.rows_record(codec.codec_id, flag, info["id"], base >> shift, version,
+                                             offsets, encoded[start:stop])
+        records.append(((base >> shift, stop - start, flag), buffers, length))
+    return records
 
 
 def _codec_for(codec, values: np.ndarray):

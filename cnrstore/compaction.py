@@ -1,0 +1,277 @@
+"""Layer 6 — compaction: baseline materialization, retention and garbage collection.
+
+None of these changes what a retained version reads, bit for bit (invariant I2): a materialized
+baseline holds the *encoded bytes* of the rows it gathers (a block whose chain mixes codecs is stored
+as fp32 of each row's decoded value, which decodes identically), and GC copies records byte for byte.
+
+Every operation commits in one synced index transaction after fsyncing what it appended, as a
+checkpoint does, so a crash at any point leaves every committed version intact. A segment file that
+GC freed is deleted only once no reader of any process can still see an index state that points into
+it (LMDB's reader table tells which states are still being read); until then it is listed in the index
+meta ``doomed_segments`` with the id of the transaction that freed it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from . import codecs, filenames, fs, knobs, reader, record
+from .index import DenseLoc, IndexView, IndexWriter, RowLoc
+from .segments import SEGMENT_HEADER_BYTES
+from .writer import block_records
+
+if TYPE_CHECKING:
+    from .store import Store
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class CompactReport:
+    """What ``Store.compact`` did: baselines written at ``version`` and the bytes they took."""
+
+    version: int
+    blocks_materialized: int = 0
+    bytes_written: int = 0
+
+
+@dataclass
+class GCReport:
+    """What ``Store.gc`` did. ``bytes_reclaimed`` were freed on disk now; ``bytes_pending`` belong to
+    segments that readers may still use, deleted by a later ``gc`` (or open) once they are done."""
+
+    bytes_reclaimed: int = 0
+    bytes_copied: int = 0
+    segments_deleted: int = 0
+    segments_rewritten: int = 0
+    bytes_pending: int = 0
+
+
+def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tuple[int, RowLoc]]]:
+    """For every (table id, block) with records at or before ``version``: its read chain at ``version``,
+    newest first, ending at a baseline or at the block's oldest record."""
+    chains: dict[tuple[int, int], list] = {}
+    for tid, block, v, loc in view.row_entries():
+        if v > version:
+            continue
+        chain = chains.setdefault((tid, block), [])
+        if loc.flags & record.FLAG_BASELINE:
+            chain.clear()  # entries come oldest first: a baseline shadows everything older
+        chain.append((v, loc))
+    for chain in chains.values():
+        chain.reverse()
+    return chains
+
+
+def materialize(store: "Store", version: int, progress: Progress | None = None) -> CompactReport:
+    """Write a baseline at ``version`` for every block whose read chain there is longer than one record.
+
+    The caller holds the store's writer slot. Reads of every version are unchanged.
+    """
+    report = CompactReport(version)
+    appender = store._appender
+    new_entries: list[tuple[int, int, RowLoc]] = []
+    with store._index.read() as view:
+        tables = {info["id"]: info for info in view.tables().values()}
+        chains = {key: chain for key, chain in block_chains(view, version).items() if len(chain) > 1}
+        done = 0
+        try:
+            for (tid, block), chain in sorted(chains.items()):
+                info = tables[tid]
+                resolver = reader.BlockResolver(view, store._segments, info)
+                pieces, _never_written = resolver.resolve(block, None, version)
+                codec, rows, encoded = _merge_pieces(pieces, block * info["block_rows"], info["dim"])
+                records = block_records(info, codec, rows, encoded, version, compacted=True)
+                locations = appender.append_many([(buffers, length) for _key, buffers, length in records])
+                for ((blk, count, flags), _buffers, length), (seg, off) in zip(records, locations):
+                    new_entries.append((tid, blk, RowLoc(seg, off, length, count, flags)))
+                    report.bytes_written += length
+                report.blocks_materialized += 1
+                done += 1
+                if progress is not None:
+                    progress(done, len(chains))
+            if not new_entries:
+                return report
+            fs.crash_point("compact_after_append")
+            lengths = appender.sync()
+
+            def body(w: IndexWriter) -> None:
+                for tid, blk, loc in new_entries:
+                    w.put_row(tid, blk, version, loc)  # replaces the entry this version may have had
+                for seg, length in lengths.items():
+                    w.put_segment(seg, length)
+                w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_written)
+                fs.crash_point("compact_inside_index_commit")
+
+            store._index.write(body)
+        except BaseException:
+            appender.rollback()
+            raise
+    appender.mark_committed(lengths)
+    return report
+
+
+def _merge_pieces(pieces: list, base: int, dim: int):
+    """(codec, global rows sorted, encoded rows aligned) holding every piece's rows exactly."""
+    rows = np.concatenate([np.arange(p.encoded.shape[0]) if p.dest is None else p.dest for p in pieces]) + base
+    order = np.argsort(rows, kind="stable")
+    ids = {p.codec_id for p in pieces}
+    if len(ids) == 1:
+        codec = codecs.by_id(ids.pop())
+        encoded = np.concatenate([p.encoded for p in pieces])
+    else:  # several codecs: fp32 of each row's decoded value reads back bit-identically
+        codec = codecs.get("fp32")
+        decoded = np.concatenate([codecs.by_id(p.codec_id).decode(p.encoded, dim) for p in pieces])
+        encoded = codec.encode(decoded, check=False)
+    return codec, rows[order], np.ascontiguousarray(encoded[order])
+
+
+def drop_before(store: "Store", oldest_kept: int) -> list[int]:
+    """Drop every version older than ``oldest_kept`` and the index entries only they read.
+
+    Blocks must already have a chain of one record at ``oldest_kept`` (``materialize`` first). Returns
+    the dropped versions.
+    """
+    def body(w: IndexWriter) -> list[int]:
+        dropped = [v for v, _info in w.versions() if v < oldest_kept]
+        heads = {key: chain[0][0] for key, chain in block_chains(w, oldest_kept).items()}
+        stale_rows = [(t, b, v) for t, b, v, _loc in w.row_entries() if v < heads.get((t, b), -1)]
+        for t, b, v in stale_rows:  # older than the block's chain head at oldest_kept: read by no kept version
+            w.delete_row(t, b, v)
+        newest_dense: dict[int, int] = {}
+        for dense_id, v, _loc in w.dense_entries():
+            if v <= oldest_kept:
+                newest_dense[dense_id] = max(newest_dense.get(dense_id, v), v)
+        stale_dense = [(d, v) for d, v, _loc in w.dense_entries() if v < newest_dense.get(d, -1)]
+        for d, v in stale_dense:
+            w.delete_dense(d, v)
+        for v in dropped:
+            w.delete_version(v)
+        return dropped
+
+    return store._index.write(body)
+
+
+def collect(store: "Store", progress: Progress | None = None) -> GCReport:
+    """Reclaim the space of records no index entry points to. The caller holds the writer slot.
+
+    A segment with no live record is freed; a sealed segment whose live fraction is under
+    ``knobs.GC_LIVE_FRACTION`` has its live records copied (byte for byte, checksum-verified) to the
+    active segment first. Freed segments are deleted once no reader can need them.
+    """
+    report = GCReport()
+    appender = store._appender
+    moved_rows: list[tuple[int, int, int, RowLoc]] = []
+    moved_dense: list[tuple[int, int, DenseLoc]] = []
+    freed: list[int] = []
+    with store._index.read() as view:
+        committed = view.segments()
+        live: dict[int, int] = {}
+        row_users: dict[int, list] = {}
+        dense_users: dict[int, list] = {}
+        for tid, block, v, loc in view.row_entries():
+            live[loc.segment] = live.get(loc.segment, 0) + loc.length
+            row_users.setdefault(loc.segment, []).append((tid, block, v, loc))
+        for dense_id, v, loc in view.dense_entries():
+            live[loc.segment] = live.get(loc.segment, 0) + loc.length
+            dense_users.setdefault(loc.segment, []).append((dense_id, v, loc))
+        candidates = []
+        for seg, length in sorted(committed.items()):
+            if seg == appender.active:
+                continue  # still being appended to
+            payload = max(1, length - SEGMENT_HEADER_BYTES)
+            if live.get(seg, 0) == 0:
+                freed.append(seg)
+            elif live[seg] / payload < knobs.GC_LIVE_FRACTION:
+                candidates.append(seg)
+        try:
+            for i, seg in enumerate(candidates):
+                copies = []
+                for tid, block, v, loc in row_users.get(seg, []):
+                    copies.append(("row", (tid, block, v, loc), _verified_bytes(store, loc)))
+                for dense_id, v, loc in dense_users.get(seg, []):
+                    copies.append(("dense", (dense_id, v, loc), _verified_bytes(store, loc)))
+                locations = appender.append_many([([data], data.nbytes) for _kind, _key, data in copies])
+                for (kind, key, data), (new_seg, off) in zip(copies, locations):
+                    if kind == "row":
+                        tid, block, v, loc = key
+                        moved_rows.append((tid, block, v, RowLoc(new_seg, off, loc.length, loc.count, loc.flags)))
+                    else:
+                        dense_id, v, loc = key
+                        moved_dense.append((dense_id, v, DenseLoc(new_seg, off, loc.length)))
+                    report.bytes_copied += data.nbytes
+                freed.append(seg)
+                report.segments_rewritten += 1
+                if progress is not None:
+                    progress(i + 1, len(candidates))
+            if not freed:
+                return delete_doomed(store, report)
+            lengths = appender.sync() if moved_rows or moved_dense else {}
+            fs.crash_point("gc_after_append")
+
+            def body(w: IndexWriter) -> None:
+                for tid, block, v, loc in moved_rows:
+                    w.put_row(tid, block, v, loc)
+                for dense_id, v, loc in moved_dense:
+                    w.put_dense(dense_id, v, loc)
+                for seg, length in lengths.items():
+                    w.put_segment(seg, length)
+                doomed = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
+                for seg in freed:
+                    w.delete_segment(seg)
+                    doomed[seg] = w.txn_id()
+                w.put_meta("doomed_segments", doomed)
+                w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_copied)
+                fs.crash_point("gc_inside_index_commit")
+
+            store._index.write(body)
+        except BaseException:
+            appender.rollback()
+            raise
+    appender.mark_committed(lengths)
+    appender.forget(freed)
+    return delete_doomed(store, report)
+
+
+def _verified_bytes(store: "Store", loc) -> np.ndarray:
+    """A record's bytes, checksum-verified: GC never copies damage into a new segment."""
+    buf = store._segments.read(loc.segment, loc.offset, loc.length)
+    record.parse(buf, store._segments.path(loc.segment), loc.offset)
+    return buf
+
+
+def delete_doomed(store: "Store", report: GCReport) -> GCReport:
+    """Delete freed segment files no reader can need any more; the rest wait for a later call."""
+    with store._index.read() as view:
+        doomed = {int(k): t for k, t in view.meta("doomed_segments", {}).items()}
+    if not doomed:
+        return report
+    oldest = store._index.oldest_reader_txn()
+    deletable = [seg for seg, freed_by in doomed.items() if oldest is None or oldest >= freed_by]
+    for seg in deletable:
+        path = filenames.segment_path(store.path, seg)
+        store._segments.forget(seg)
+        try:
+            size = os.path.getsize(path)
+            store._fs.remove(path)
+        except FileNotFoundError:
+            size = 0
+        report.bytes_reclaimed += size
+        report.segments_deleted += 1
+    for seg in doomed:
+        if seg not in deletable:
+            path = filenames.segment_path(store.path, seg)
+            report.bytes_pending += os.path.getsize(path) if os.path.exists(path) else 0
+    if deletable:
+        store._fs.fsync_dir(filenames.segments_dir(store.path))
+
+        def body(w: IndexWriter) -> None:
+            current = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
+            w.put_meta("doomed_segments", {s: t for s, t in current.items() if s not in deletable})
+
+        store._index.write(body)
+    return report
