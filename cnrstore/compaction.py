@@ -159,9 +159,10 @@ def drop_before(store: "Store", oldest_kept: int) -> list[int]:
 def collect(store: "Store", progress: Progress | None = None) -> GCReport:
     """Reclaim the space of records no index entry points to. The caller holds the writer slot.
 
-    A segment with no live record is freed; a sealed segment whose live fraction is under
+    A segment with no live record is freed; a segment whose live fraction is under
     ``knobs.GC_LIVE_FRACTION`` has its live records copied (byte for byte, checksum-verified) to the
-    active segment first. Freed segments are deleted once no reader can need them.
+    active segment first (the active segment itself is sealed first if it is that dead). Freed segments
+    are deleted once no reader can need them.
     """
     report = GCReport()
     appender = store._appender
@@ -180,6 +181,10 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
             dense_users.setdefault(loc.segment, []).append((dense_id, v, loc))
         candidates = []
+        active = appender.active
+        if active in committed and live.get(active, 0) / max(1, committed[active] - SEGMENT_HEADER_BYTES) \
+                < knobs.GC_LIVE_FRACTION:
+            appender.seal()  # mostly dead: collect it like a sealed one; copies go to a new segment
         for seg, length in sorted(committed.items()):
             if seg == appender.active:
                 continue  # still being appended to

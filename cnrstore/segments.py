@@ -133,6 +133,10 @@ class SegmentAppender:
         self.active = max(self.committed) if self.committed else None
         self._next_id = max([self._next_id, *(s + 1 for s in self.committed)])
 
+    def seal(self) -> None:
+        """Stop appending to the active segment: the next append starts a new one."""
+        self.active = None
+
     def forget(self, segments: list[int]) -> None:
         """Stop tracking segments that left the index (freed by GC; never the active one)."""
         for seg in segments:

@@ -1,0 +1,211 @@
+"""The ``cnrstore`` command: inspect, verify and maintain a store offline.
+
+    cnrstore ls STORE [--json]                      versions: step, time, bytes, read-chain length
+    cnrstore info STORE [--json]                    tables, codecs, disk use, live ratio
+    cnrstore verify STORE [--json]                  every checksum and the index (exit 1 on problems)
+    cnrstore compact STORE [--version V]            materialize baselines (default: newest version)
+    cnrstore retain STORE --keep-last N             drop all but the newest N versions
+    cnrstore gc STORE                               reclaim space of dropped and shadowed data
+    cnrstore export STORE --format F OUT [--version V]   fp32 tables + dense arrays: torch|safetensors|npz
+    cnrstore rows STORE TABLE ROW... [--version V]  print rows
+
+Exit status: 0 on success, 1 when verify finds problems, 2 on a usage error or a store error (not a
+store, locked by a trainer, unknown version ...), with the reason on stderr. Maintenance commands need
+the store not to be open for writing elsewhere: run them while no trainer holds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from . import compaction
+from .errors import CnrError
+from .export import FORMATS, export
+from .store import Store, open as open_store
+
+
+class Progress:
+    """A one-line progress bar on stderr (only when stderr is a terminal)."""
+
+    def __init__(self, label: str, stream=None):
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self._last < 0.1 and done < total):
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        self.stream.write(f"\r{self.label} [{bar:<30}] {done}/{total} {frac:6.1%}")
+        if done >= total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def _versions_rows(store: Store) -> list[dict]:
+    with store._index.read() as view:
+        versions = view.versions()
+        rows = []
+        for v, info in versions:
+            chains = compaction.block_chains(view, v)
+            rows.append({
+                "version": v,
+                "step": info["step"],
+                "created": info["created"],
+                "bytes": info["bytes"],
+                "tables": list(info["tables"]),
+                "read_chain": max((len(c) for c in chains.values()), default=0),
+            })
+    return rows
+
+
+def cmd_ls(args) -> int:
+    with open_store(args.store, readonly=True) as store:
+        rows = _versions_rows(store)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'version':>8} {'step':>10} {'created (UTC)':<20} {'bytes':>14} {'chain':>6}  tables")
+    for r in rows:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
+        step = "-" if r["step"] is None else r["step"]
+        print(f"{r['version']:>8} {step:>10} {created:<20} {r['bytes']:>14,} {r['read_chain']:>6}  "
+              f"{', '.join(r['tables'])}")
+    print(f"{len(rows)} version(s)")
+    return 0
+
+
+def cmd_info(args) -> int:
+    with open_store(args.store, readonly=True) as store:
+        tables = store.tables()
+        stats = store.stats()
+    live_ratio = stats["live_bytes"] / stats["segment_bytes"] if stats["segment_bytes"] else 1.0
+    if args.json:
+        print(json.dumps({"tables": {n: t.__dict__ for n, t in tables.items()}, "stats": stats,
+                          "live_ratio": live_ratio}, indent=2))
+        return 0
+    print(f"store {args.store}")
+    print(f"{'table':<24} {'rows':>12} {'dim':>6} {'codec':<10} {'block_rows':>10}")
+    for t in tables.values():
+        print(f"{t.name:<24} {t.num_rows:>12,} {t.dim:>6} {t.codec:<10} {t.block_rows:>10}")
+    for key in ("versions", "bytes_written", "bytes_on_disk", "live_bytes", "index_bytes", "max_read_chain"):
+        value = stats[key]
+        print(f"{key:<16} {value:>16,}" if isinstance(value, int) else f"{key:<16} {value}")
+    print(f"{'live_ratio':<16} {live_ratio:>16.1%}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    with open_store(args.store, readonly=True) as store:
+        report = store.verify(progress=Progress("verify"))
+    if args.json:
+        print(json.dumps({"ok": report.ok, "problems": report.problems,
+                          "records_checked": report.records_checked, "bytes_checked": report.bytes_checked},
+                         indent=2))
+    else:
+        for problem in report.problems:
+            print(f"problem: {problem}")
+        print(f"{'ok' if report.ok else 'DAMAGED'}: {report.records_checked} records, "
+              f"{report.bytes_checked:,} bytes checked, {len(report.problems)} problem(s)")
+    return 0 if report.ok else 1
+
+
+def cmd_compact(args) -> int:
+    with open_store(args.store) as store:
+        report = store.compact(args.version, progress=Progress("compact"))
+    print(f"compacted at version {report.version}: {report.blocks_materialized} block baseline(s), "
+          f"{report.bytes_written:,} bytes written")
+    return 0
+
+
+def cmd_retain(args) -> int:
+    with open_store(args.store) as store:
+        dropped = store.retain(keep_last=args.keep_last)
+    print(f"dropped {len(dropped)} version(s)" + (f": {', '.join(map(str, dropped))}" if dropped else "")
+          + "; run `cnrstore gc` to reclaim their space")
+    return 0
+
+
+def cmd_gc(args) -> int:
+    with open_store(args.store) as store:
+        report = store.gc(progress=Progress("gc"))
+    print(f"reclaimed {report.bytes_reclaimed:,} bytes ({report.segments_deleted} segment(s) deleted, "
+          f"{report.segments_rewritten} rewritten, {report.bytes_copied:,} bytes copied)"
+          + (f"; {report.bytes_pending:,} bytes wait for readers to finish" if report.bytes_pending else ""))
+    return 0
+
+
+def cmd_export(args) -> int:
+    with open_store(args.store, readonly=True) as store:
+        snapshot = store.restore(args.version)
+    export(snapshot, args.format, args.out)
+    print(f"exported version {snapshot.version} ({len(snapshot.tables)} table(s), {len(snapshot.dense)} dense "
+          f"array(s)) to {args.out} as {args.format}")
+    return 0
+
+
+def cmd_rows(args) -> int:
+    with open_store(args.store, readonly=True) as store:
+        values = store.read_rows(args.table, np.array(args.row, dtype=np.int64), args.version)
+    with np.printoptions(precision=6, suppress=False, linewidth=160):
+        for row, vec in zip(args.row, values):
+            print(f"{row}: {vec}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cnrstore", description="Inspect, verify and maintain a cnrstore checkpoint store.",
+        epilog="Exit status: 0 ok, 1 verify found problems, 2 usage or store error.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, func, help_text):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("store", help="path of the store")
+        p.set_defaults(func=func)
+        return p
+
+    add("ls", cmd_ls, "list versions: step, creation time, bytes appended, read-chain length").add_argument(
+        "--json", action="store_true", help="print JSON")
+    add("info", cmd_info, "tables, codecs, disk use and live ratio").add_argument(
+        "--json", action="store_true", help="print JSON")
+    add("verify", cmd_verify, "check every checksum and the index against the log (exit 1 on problems)"
+        ).add_argument("--json", action="store_true", help="print JSON")
+    add("compact", cmd_compact, "materialize baselines at a version (default: the newest)").add_argument(
+        "--version", type=int, default=None, help="version to compact at")
+    add("retain", cmd_retain, "drop all but the newest N versions").add_argument(
+        "--keep-last", type=int, required=True, metavar="N", help="versions to keep")
+    add("gc", cmd_gc, "reclaim the space of dropped and shadowed data")
+    p = add("export", cmd_export, "write a version's fp32 tables and dense arrays to a file")
+    p.add_argument("--format", choices=FORMATS, required=True, help="file format")
+    p.add_argument("--version", type=int, default=None, help="version to export (default: the newest)")
+    p.add_argument("out", help="output file")
+    p = add("rows", cmd_rows, "print rows of a table")
+    p.add_argument("table", help="table name")
+    p.add_argument("row", type=int, nargs="+", help="row ids")
+    p.add_argument("--version", type=int, default=None, help="version to read (default: the newest)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CnrError as exc:
+        print(f"cnrstore {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `cnrstore ls | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
