@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from . import codecs, filenames, fs, knobs, reader, record
+from .errors import CnrError
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
 from .segments import SEGMENT_HEADER_BYTES
+from .reader import unread_versions
 from .writer import block_records
 
 if TYPE_CHECKING:
@@ -70,14 +72,19 @@ def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tu
 def materialize(store: "Store", version: int, progress: Progress | None = None) -> CompactReport:
     """Write a baseline at ``version`` for every block whose read chain there is longer than one record.
 
-    The caller holds the store's writer slot. Reads of every version are unchanged.
+    The caller holds the store's maintenance lock; a checkpoint may be in progress meanwhile (compaction
+    appends to a segment of its own). Reads of every version are unchanged.
     """
     report = CompactReport(version)
-    appender = store._appender
+    appender = store._compaction_appender
     new_entries: list[tuple[int, int, RowLoc]] = []
+    lengths: dict[int, int] = {}
     with store._index.read() as view:
         tables = {info["id"]: info for info in view.tables().values()}
-        chains = {key: chain for key, chain in block_chains(view, version).items() if len(chain) > 1}
+        all_chains = block_chains(view, version)
+        chains = {key: chain for key, chain in all_chains.items() if len(chain) > 1}
+        # bytes of the state at `version` once materialized: what a full baseline there weighs
+        baseline_bytes = sum(chain[0][1].length for key, chain in all_chains.items() if key not in chains)
         done = 0
         try:
             for (tid, block), chain in sorted(chains.items()):
@@ -90,14 +97,13 @@ def materialize(store: "Store", version: int, progress: Progress | None = None) 
                 for ((blk, count, flags), _buffers, length), (seg, off) in zip(records, locations):
                     new_entries.append((tid, blk, RowLoc(seg, off, length, count, flags)))
                     report.bytes_written += length
+                    baseline_bytes += length
                 report.blocks_materialized += 1
                 done += 1
                 if progress is not None:
                     progress(done, len(chains))
-            if not new_entries:
-                return report
             fs.crash_point("compact_after_append")
-            lengths = appender.sync()
+            lengths = appender.sync() if new_entries else {}
 
             def body(w: IndexWriter) -> None:
                 for tid, blk, loc in new_entries:
@@ -105,6 +111,8 @@ def materialize(store: "Store", version: int, progress: Progress | None = None) 
                 for seg, length in lengths.items():
                     w.put_segment(seg, length)
                 w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_written)
+                if version >= w.meta("last_baseline", {}).get("version", 0):
+                    w.put_meta("last_baseline", {"version": version, "bytes": baseline_bytes})
                 fs.crash_point("compact_inside_index_commit")
 
             store._index.write(body)
@@ -130,25 +138,31 @@ def _merge_pieces(pieces: list, base: int, dim: int):
     return codec, rows[order], np.ascontiguousarray(encoded[order])
 
 
-def drop_before(store: "Store", oldest_kept: int) -> list[int]:
-    """Drop every version older than ``oldest_kept`` and the index entries only they read.
+def drop_versions(store: "Store", drop: set[int]) -> list[int]:
+    """Drop the versions in ``drop`` (never the newest) and every index entry no kept version reads.
 
-    Blocks must already have a chain of one record at ``oldest_kept`` (``materialize`` first). Returns
-    the dropped versions.
+    An entry at version v of a block is read by a kept version k >= v only if no baseline of the block
+    lies in (v, k]; it suffices to look at the smallest kept k >= v. Dense entries are each a whole
+    array, so each is a baseline. Returns the dropped versions, oldest first.
     """
     def body(w: IndexWriter) -> list[int]:
-        dropped = [v for v, _info in w.versions() if v < oldest_kept]
-        heads = {key: chain[0][0] for key, chain in block_chains(w, oldest_kept).items()}
-        stale_rows = [(t, b, v) for t, b, v, _loc in w.row_entries() if v < heads.get((t, b), -1)]
-        for t, b, v in stale_rows:  # older than the block's chain head at oldest_kept: read by no kept version
-            w.delete_row(t, b, v)
-        newest_dense: dict[int, int] = {}
-        for dense_id, v, _loc in w.dense_entries():
-            if v <= oldest_kept:
-                newest_dense[dense_id] = max(newest_dense.get(dense_id, v), v)
-        stale_dense = [(d, v) for d, v, _loc in w.dense_entries() if v < newest_dense.get(d, -1)]
-        for d, v in stale_dense:
-            w.delete_dense(d, v)
+        versions = [v for v, _info in w.versions()]
+        dropped = sorted(set(versions) & set(drop))
+        if dropped and dropped[-1] == versions[-1]:
+            raise CnrError("the newest version cannot be dropped")  # a policy bug, not a user input
+        kept = sorted(set(versions) - set(dropped))
+        by_block: dict[tuple[int, int], list] = {}
+        for t, b, v, loc in w.row_entries():
+            by_block.setdefault((t, b), []).append((v, bool(loc.flags & record.FLAG_BASELINE)))
+        for (t, b), entries in by_block.items():
+            for v in unread_versions(entries, kept):
+                w.delete_row(t, b, v)
+        by_dense: dict[int, list] = {}
+        for d, v, _loc in w.dense_entries():
+            by_dense.setdefault(d, []).append((v, True))
+        for d, entries in by_dense.items():
+            for v in unread_versions(entries, kept):
+                w.delete_dense(d, v)
         for v in dropped:
             w.delete_version(v)
         return dropped
@@ -157,7 +171,7 @@ def drop_before(store: "Store", oldest_kept: int) -> list[int]:
 
 
 def collect(store: "Store", progress: Progress | None = None) -> GCReport:
-    """Reclaim the space of records no index entry points to. The caller holds the writer slot.
+    """Reclaim the space of records no index entry points to. The caller holds the maintenance lock.
 
     A segment with no live record is freed; a segment whose live fraction is under
     ``knobs.GC_LIVE_FRACTION`` has its live records copied (byte for byte, checksum-verified) to the
@@ -165,7 +179,7 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
     are deleted once no reader can need them.
     """
     report = GCReport()
-    appender = store._appender
+    appender = store._compaction_appender
     moved_rows: list[tuple[int, int, int, RowLoc]] = []
     moved_dense: list[tuple[int, int, DenseLoc]] = []
     freed: list[int] = []
@@ -182,11 +196,12 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
             dense_users.setdefault(loc.segment, []).append((dense_id, v, loc))
         candidates = []
         active = appender.active
-        if active in committed and live.get(active, 0) / max(1, committed[active] - SEGMENT_HEADER_BYTES) \
+        if active in committed and active not in store._appender.busy() and live.get(active, 0) / max(1, committed[active] - SEGMENT_HEADER_BYTES) \
                 < knobs.GC_LIVE_FRACTION:
             appender.seal()  # mostly dead: collect it like a sealed one; copies go to a new segment
+        busy = store._appender.busy()  # the checkpoint writer's segments: possibly uncommitted bytes
         for seg, length in sorted(committed.items()):
-            if seg == appender.active:
+            if seg == appender.active or seg in busy:
                 continue  # still being appended to
             payload = max(1, length - SEGMENT_HEADER_BYTES)
             if live.get(seg, 0) == 0:

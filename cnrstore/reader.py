@@ -7,6 +7,8 @@ written at or before its version) ends the chain: rows not found by then were ne
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,6 +119,22 @@ class BlockResolver:
             raise CorruptionError(f"record at {path}:{loc.offset} holds {rec.body.size} body bytes, not "
                                   f"{rec.count} rows of {row_bytes}", path, loc.offset)
         return rec, rec.body.reshape(rec.count, row_bytes)
+
+
+def unread_versions(entries: list[tuple[int, bool]], kept: list[int]) -> list[int]:
+    """Versions of one block's ``entries`` ((version, is baseline), oldest first) no version in ``kept``
+    (sorted) reads. An entry at v is read by the smallest kept k >= v unless a baseline lies in (v, k]
+    (and then by no later kept version either)."""
+    unread = []
+    next_baseline = None  # version of the nearest baseline newer than the entry looked at
+    for v, is_baseline in reversed(entries):
+        i = bisect.bisect_left(kept, v)
+        reader_version = kept[i] if i < len(kept) else None
+        if reader_version is None or (next_baseline is not None and next_baseline <= reader_version):
+            unread.append(v)
+        if is_baseline:
+            next_baseline = v
+    return unread
 
 
 def _missing_error(table: str, missing: np.ndarray, version: int) -> MissingRows:

@@ -41,15 +41,39 @@ def check_segment_header(buf, segment_id: int, path: str) -> None:
         raise CorruptionError(f"bad segment header in {path}", path, 0)
 
 
-class SegmentAppender:
-    """The writer's side of the log. Not thread-safe: one checkpoint writer uses it at a time.
+_NEWEST = object()
 
-    ``committed`` maps segment id → committed length, as last recorded in the index. Appends go past
-    those lengths; ``sync`` makes them durable and returns the new lengths to commit; ``rollback``
-    throws them away.
+
+class SegmentIds:
+    """Hands out segment ids, never twice (thread-safe; shared by every appender of a store)."""
+
+    def __init__(self, first: int):
+        self._next = first
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            seg, self._next = self._next, self._next + 1
+            return seg
+
+
+class SegmentAppender:
+    """One appending side of the log. Not thread-safe: one user at a time (the checkpoint writer, or
+    compaction, each with an appender and an active segment of its own).
+
+    ``committed`` maps segment id → committed length of the segments this appender appends to, as last
+    recorded in the index. Appends go past those lengths; ``sync`` makes them durable and returns the
+    new lengths to commit; ``rollback`` throws them away.
     """
 
-    def __init__(self, root: str, committed: dict[int, int], format_version: int, filesystem: fs.FileSystem):
+    def __init__(self, root: str, committed: dict[int, int], format_version: int, filesystem: fs.FileSystem,
+                 ids: SegmentIds | None = None, active: int | None | object = _NEWEST):
+        """``ids`` defaults to an allocator of its own past ``committed``; ``active`` (the segment appends
+        go to first) to the newest committed segment, None meaning a new segment on the first append."""
+        if ids is None:
+            ids = SegmentIds(max(committed, default=0) + 1)
+        if active is _NEWEST:
+            active = max(committed) if committed else None
         self.root = root
         self.fs = filesystem
         self.format_version = format_version
@@ -57,8 +81,13 @@ class SegmentAppender:
         self._sizes = dict(committed)  # current (possibly uncommitted) length of each segment
         self._fds: dict[int, int] = {}  # open fds of segments written since the last sync/rollback
         self._created: set[int] = set()  # segments created since the last sync/rollback
-        self._next_id = max(committed, default=0) + 1
-        self.active: int | None = max(committed) if committed else None
+        self._ids = ids
+        self.active: int | None = active
+        self._committed_active = active  # where appends resume after a rollback
+
+    def busy(self) -> set[int]:
+        """Segments this appender is appending to: GC must leave them alone."""
+        return set(self._fds) | ({self.active} if self.active is not None else set())
 
     def append(self, buffers: list, length: int) -> tuple[int, int]:
         """Append one record (its buffers, ``length`` bytes in all); returns (segment id, offset)."""
@@ -113,6 +142,7 @@ class SegmentAppender:
         self.committed.update(lengths)
         self._release_fds(keep=self.active)
         self._created.clear()
+        self._committed_active = self.active
 
     def rollback(self) -> None:
         """Throw away everything appended since the last commit (truncate; remove new segments)."""
@@ -130,12 +160,11 @@ class SegmentAppender:
                 pass  # the next open truncates or removes what is left: it is past every committed length
         self._created.clear()
         self._release_fds(keep=None)
-        self.active = max(self.committed) if self.committed else None
-        self._next_id = max([self._next_id, *(s + 1 for s in self.committed)])
+        self.active = self._committed_active
 
     def seal(self) -> None:
         """Stop appending to the active segment: the next append starts a new one."""
-        self.active = None
+        self.active = self._committed_active = None
 
     def forget(self, segments: list[int]) -> None:
         """Stop tracking segments that left the index (freed by GC; never the active one)."""
@@ -160,8 +189,7 @@ class SegmentAppender:
         return fd
 
     def _new_segment(self) -> int:
-        seg = self._next_id
-        self._next_id += 1
+        seg = self._ids.take()
         path = filenames.segment_path(self.root, seg)
         self._fds[seg] = self.fs.open_append(path, create=True)
         self._created.add(seg)

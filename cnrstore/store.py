@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import builtins
-import contextlib
 import os
 import struct
 import threading
@@ -28,7 +27,9 @@ from .errors import (
     VersionNotFound,
 )
 from .index import Index, IndexView, RowLoc
+from .background import BackgroundCompactor
 from .lock import ProcessLock
+from .policy import compaction as compaction_policy
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 from .writer import CheckpointWriter, pack_meta
 
@@ -39,11 +40,18 @@ _MARKER_HEAD = struct.Struct("<8sII")  # magic, format version, msgpack length
 
 
 def open(path, *, create: bool = False, readonly: bool = False, compaction=None) -> "Store":  # noqa: A001
-    """Open the store at ``path`` (see API.md). ``create=True`` makes it if absent."""
-    if compaction is not None:
-        raise InvalidArgument("background compaction is not available in this version of cnrstore; "
-                              "open with compaction=None")
-    return Store(os.fspath(path), create=create, readonly=readonly, filesystem=fs.DEFAULT)
+    """Open the store at ``path`` (see API.md). ``create=True`` makes it if absent.
+
+    ``compaction`` is None (off), "auto" (``cnrstore.policy.CompactionPolicy()``: the paper's intermittent
+    rule) or a ``CompactionPolicy``: a background thread then carries it out after each commit.
+    """
+    policy = compaction_policy.resolve(compaction)
+    if policy is not None and readonly:
+        raise InvalidArgument("compaction= needs a writable store; open with readonly=False")
+    store = Store(os.fspath(path), create=create, readonly=readonly, filesystem=fs.DEFAULT)
+    if policy is not None:
+        store._compactor = BackgroundCompactor(store, policy)
+    return store
 
 
 def _marker_bytes() -> bytes:
@@ -78,6 +86,8 @@ class Store:
         self._lock: ProcessLock | None = None
         self._writer: CheckpointWriter | None = None
         self._writer_mutex = threading.Lock()
+        self._maintenance_lock = threading.Lock()  # compact, retain, gc: one at a time
+        self._compactor: BackgroundCompactor | None = None
         self._tables_cache: dict[str, dict] = {}
         self._next_dense_id: int | None = None
         self.recovery_notes: list[str] = []
@@ -96,13 +106,17 @@ class Store:
         try:
             self._index = Index(filenames.index_dir(self.path), readonly=readonly)
             self._segments = segments.SegmentReader(self.path)
-            self._appender = None
+            self._appender = self._compaction_appender = None
             if not readonly:
                 with self._index.read() as view:
                     committed = view.segments()
                     doomed = {int(k) for k in view.meta("doomed_segments", {})}
                 self.recovery_notes = segments.recover(self.path, committed, self._fs, doomed)
-                self._appender = segments.SegmentAppender(self.path, committed, FORMAT_VERSION, self._fs)
+                ids = segments.SegmentIds(max([0, *committed, *doomed]) + 1)
+                # the checkpoint writer and compaction append to active segments of their own
+                self._appender = segments.SegmentAppender(self.path, committed, FORMAT_VERSION, self._fs, ids)
+                self._compaction_appender = segments.SegmentAppender(self.path, {}, FORMAT_VERSION, self._fs,
+                                                                     ids, active=None)
                 if doomed:  # segments GC freed before a restart: delete those no reader needs now
                     compaction.delete_doomed(self, compaction.GCReport())
         except BaseException:
@@ -149,11 +163,14 @@ class Store:
         """Close the store; idempotent. An open checkpoint writer is aborted."""
         if self._closed:
             return
+        if self._compactor is not None:
+            self._compactor.close()  # finishes the step in flight
         if self._writer is not None:
             self._writer.abort()
         self._closed = True
-        if self._appender is not None:
-            self._appender.close()
+        for appender in (self._appender, self._compaction_appender):
+            if appender is not None:
+                appender.close()
         self._segments.close()
         self._index.close()
         if self._lock is not None:
@@ -240,7 +257,7 @@ class Store:
             raise InvalidArgument(f"step must be an integer or None, got {step!r}")
         with self._writer_mutex:
             if self._writer is not None:
-                raise CheckpointInProgress(f"{self._writer.activity} is still in progress; commit or abort "
+                raise CheckpointInProgress(f"checkpoint {self._writer.version} is still open; commit or abort "
                                            "it before starting another")
 
             def allocate(w):  # durably, so that a version number is never handed out twice
@@ -257,6 +274,20 @@ class Store:
         with self._writer_mutex:
             if self._writer is writer:
                 self._writer = None
+        if self._compactor is not None and writer._state == "committed":
+            self._compactor.notify()
+
+    def _history(self) -> "compaction_policy.History":
+        """Committed versions and the newest baseline, for compaction policies. Until the first
+        compaction, the first version (a trainer's full checkpoint) counts as the baseline."""
+        with self._index.read() as view:
+            versions = tuple(_version_info(v, info) for v, info in view.versions())
+            baseline = view.meta("last_baseline")
+        if baseline is not None:
+            return compaction_policy.History(versions, baseline["version"], baseline["bytes"])
+        if versions:
+            return compaction_policy.History(versions, versions[0].version, versions[0].bytes)
+        return compaction_policy.History(versions, None, 0)
 
     def _dense_id_for(self, name: str) -> int:
         with self._index.read() as view:
@@ -342,8 +373,10 @@ class Store:
     # maintenance ------------------------------------------------------------------------------------
     def compact(self, version: int | None = None, progress=None) -> "compaction.CompactReport":
         """Materialize a baseline at ``version`` (default: newest) for every block whose read chain there
-        is longer than one record. What every version reads is unchanged, bit for bit."""
-        with self._maintenance("compact"):
+        is longer than one record. What every version reads is unchanged, bit for bit. May run while a
+        checkpoint is being written."""
+        self._check_writable()
+        with self._maintenance_lock:
             with self._read(version) as (_view, v):
                 pass
             return compaction.materialize(self, v, progress)
@@ -355,34 +388,21 @@ class Store:
         every record only dropped versions read.
         """
         keep_last = validate.positive_int(keep_last, "keep_last")
-        with self._maintenance("retain"):
+        self._check_writable()
+        with self._maintenance_lock:
             with self._index.read() as view:
                 versions = [v for v, _info in view.versions()]
             if len(versions) <= keep_last:
                 return []
             oldest_kept = versions[-keep_last]
             compaction.materialize(self, oldest_kept)
-            return compaction.drop_before(self, oldest_kept)
+            return compaction.drop_versions(self, set(versions[:-keep_last]))
 
     def gc(self, progress=None) -> "compaction.GCReport":
         """Reclaim the space of dropped and shadowed records (see compaction.collect)."""
-        with self._maintenance("gc"):
-            return compaction.collect(self, progress)
-
-    @contextlib.contextmanager
-    def _maintenance(self, what: str):
-        """Hold the writer slot for a maintenance operation: no checkpoint may be open meanwhile."""
         self._check_writable()
-        with self._writer_mutex:
-            if self._writer is not None:
-                raise CheckpointInProgress(f"cannot {what} while {self._writer.activity} is in progress; "
-                                           "commit or abort it first")
-            self._writer = _MaintenanceSlot(what)
-        try:
-            yield
-        finally:
-            with self._writer_mutex:
-                self._writer = None
+        with self._maintenance_lock:
+            return compaction.collect(self, progress)
 
     def verify(self, progress=None) -> VerifyReport:
         """Check every checksum of live data and the index against the log; never raises for damage."""
@@ -420,17 +440,6 @@ class Store:
                 if entry.is_file(follow_symlinks=False):
                     total += entry.stat().st_blocks * 512
         return total
-
-
-class _MaintenanceSlot:
-    """Occupies the writer slot while compact/retain/gc run (close() waits for nothing: they are
-    synchronous in the calling thread)."""
-
-    def __init__(self, what: str):
-        self.activity = what
-
-    def abort(self) -> None:
-        pass
 
 
 class _ReadContext:

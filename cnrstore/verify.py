@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from . import codecs, filenames, record, segments
+from . import codecs, filenames, reader, record, segments
 from .errors import CnrError
 from .types import VerifyReport
 
@@ -38,6 +38,7 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
                 report.problems.append(str(exc))
         tables = {info["id"]: info for info in view.tables().values()}
         versions = dict(view.versions())
+        unread = _unread_entries(view, sorted(versions))
         total = view.stat()["rows"]["entries"] + view.stat()["dense"]["entries"]
         done = 0
         for tid, block, version, loc in view.row_entries():
@@ -47,8 +48,9 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
             if info is None:
                 report.problems.append(f"index entry {where} names an unknown table")
                 continue
-            if version not in versions:
-                report.problems.append(f"index entry {where} names a version that is not in the catalog")
+            if (tid, block, version) in unread:
+                report.problems.append(f"index entry {where} is read by no retained version "
+                                       "(its version is gone and a baseline shadows it)")
             problem = _check_location(committed, loc.segment, loc.offset, loc.length)
             if problem:
                 report.problems.append(f"{where}: {problem}")
@@ -93,6 +95,15 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
         if progress is not None:
             progress(total, total)
     return report
+
+
+def _unread_entries(view, kept: list[int]) -> set[tuple[int, int, int]]:
+    """Row-index entries that no retained version reads (retention must have deleted them). Entries of
+    dropped versions that a retained version still reads (e.g. a block's baseline) are fine."""
+    by_block: dict[tuple[int, int], list] = {}
+    for tid, block, version, loc in view.row_entries():
+        by_block.setdefault((tid, block), []).append((version, bool(loc.flags & record.FLAG_BASELINE)))
+    return {(t, b, v) for (t, b), entries in by_block.items() for v in reader.unread_versions(entries, kept)}
 
 
 def _check_location(committed: dict[int, int], seg: int, offset: int, length: int) -> str | None:

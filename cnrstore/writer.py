@@ -40,10 +40,6 @@ class CheckpointWriter:
         self._state = "open"  # open | committed | aborted | failed
         self._failure: BaseException | None = None
 
-    @property
-    def activity(self) -> str:
-        return f"checkpoint {self.version}"
-
     # context manager --------------------------------------------------------------------------------
     def __enter__(self) -> "CheckpointWriter":
         return self

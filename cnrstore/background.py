@@ -1,0 +1,91 @@
+"""Background compaction: a worker thread in the writing process that carries out a CompactionPolicy.
+
+After each commit the store wakes the worker; it asks the policy for a plan on the current history
+and materializes a baseline at the newest version, drops versions and collects garbage as planned.
+It appends to a segment of its own, so the trainer's next checkpoint never waits for it; the two
+share only the cores and the (short) index commits. Failures are logged and kept in ``errors``; a
+failed step leaves the store as it was (every step commits atomically or not at all).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from . import compaction
+from .policy.compaction import CompactionPolicy, History
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger("cnrstore.background")
+
+
+class BackgroundCompactor:
+    """Runs ``policy`` on ``store`` after commits, in a daemon thread. ``close()`` stops it cleanly."""
+
+    def __init__(self, store: "Store", policy: CompactionPolicy):
+        self._store = store
+        self.policy = policy
+        self.errors: list[BaseException] = []
+        self.steps = 0  # policy runs that did something (for tests and stats)
+        self._wake = threading.Condition()
+        self._pending = False
+        self._stopping = False
+        self._idle = True
+        self._thread = threading.Thread(target=self._run, name="cnrstore-compactor", daemon=True)
+        self._thread.start()
+
+    def notify(self) -> None:
+        """A version was committed: look at the policy again (soon, in the worker)."""
+        with self._wake:
+            self._pending = True
+            self._wake.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no work is pending or running (for tests and benchmarks)."""
+        with self._wake:
+            return self._wake.wait_for(lambda: (not self._pending and self._idle) or self._stopping, timeout)
+
+    def close(self) -> None:
+        """Finish the step in flight (if any), then stop the thread."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._pending or self._stopping)
+                if self._stopping:
+                    self._idle = True
+                    self._wake.notify_all()
+                    return
+                self._pending = False
+                self._idle = False
+            try:
+                self._step()
+            except BaseException as exc:  # noqa: BLE001 - a worker must not die silently
+                self.errors.append(exc)
+                log.exception("background compaction step failed; the store is unchanged by it")
+            finally:
+                with self._wake:
+                    self._idle = True
+                    self._wake.notify_all()
+
+    def _step(self) -> None:
+        store = self._store
+        with store._maintenance_lock:
+            history = store._history()
+            plan = self.policy.plan(history)
+            if not (plan.materialize or plan.drop):
+                return
+            if plan.materialize:
+                compaction.materialize(store, history.versions[-1].version)
+            if plan.drop:
+                compaction.drop_versions(store, set(plan.drop))
+            if plan.collect:
+                compaction.collect(store)
+            self.steps += 1
