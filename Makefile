@@ -21,7 +21,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet matplotlib  # for bench_policies' plot only
 	$(PY) benchmarks/bench_engine.py
+	$(PY) benchmarks/bench_codecs.py
+	$(PY) benchmarks/bench_policies.py --plot benchmarks/policies.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info
