@@ -1,8 +1,8 @@
 """Codec registry: look a codec up by name (API) or by the id stored in each record (on disk).
 
-Ids are part of the on-disk format: never renumber one, never reuse a retired one. Taken: fp32=1,
-fp16=2, int8=3, int4=4, int2=5. Ids 6..255 are free for later codecs (int1/int3/int5-7, adaptive*,
-kmeans*).
+Ids are part of the on-disk format: never renumber one, never reuse a retired one. Assigned: fp32=1,
+fp16=2, int8=3, int4=4, int2=5, int1=6, int3=7, int5=8, int6=9, int7=10, adaptive2=11, adaptive3=12,
+adaptive4=13, kmeans2=14, kmeans3=15, kmeans4=16. Ids 17..255 are free.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import operator
 
 from cnrstore.codecs.base import Codec
 from cnrstore.codecs.lossless import FP16, FP32
+from cnrstore.codecs.nbit import Int1, Int3, Int5, Int6, Int7
 from cnrstore.codecs.rowwise import Int2, Int4, Int8, value_range
 from cnrstore.errors import InvalidArgument
 
 __all__ = ["Codec", "names", "get", "by_id", "value_range"]
 
-_CODECS: tuple[Codec, ...] = (FP32(), FP16(), Int8(), Int4(), Int2())
+_CODECS: tuple[Codec, ...] = (FP32(), FP16(), Int8(), Int4(), Int2(), Int1(), Int3(), Int5(), Int6(), Int7())
 _BY_NAME: dict[str, Codec] = {c.name: c for c in _CODECS}
 _BY_ID: dict[int, Codec] = {c.codec_id: c for c in _CODECS}
 if len(_BY_NAME) != len(_CODECS) or len(_BY_ID) != len(_CODECS):  # pragma: no cover - a coding error
