@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import operator
 
+from cnrstore.codecs.adaptive import Adaptive2, Adaptive3, Adaptive4
 from cnrstore.codecs.base import Codec
+from cnrstore.codecs.kmeans import KMeans2, KMeans3, KMeans4
 from cnrstore.codecs.lossless import FP16, FP32
 from cnrstore.codecs.nbit import Int1, Int3, Int5, Int6, Int7
 from cnrstore.codecs.rowwise import Int2, Int4, Int8, value_range
@@ -17,7 +19,8 @@ from cnrstore.errors import InvalidArgument
 
 __all__ = ["Codec", "names", "get", "by_id", "value_range"]
 
-_CODECS: tuple[Codec, ...] = (FP32(), FP16(), Int8(), Int4(), Int2(), Int1(), Int3(), Int5(), Int6(), Int7())
+_CODECS: tuple[Codec, ...] = (FP32(), FP16(), Int8(), Int4(), Int2(), Int1(), Int3(), Int5(), Int6(), Int7(),
+                              Adaptive2(), Adaptive3(), Adaptive4(), KMeans2(), KMeans3(), KMeans4())
 _BY_NAME: dict[str, Codec] = {c.name: c for c in _CODECS}
 _BY_ID: dict[int, Codec] = {c.codec_id: c for c in _CODECS}
 if len(_BY_NAME) != len(_CODECS) or len(_BY_ID) != len(_CODECS):  # pragma: no cover - a coding error
