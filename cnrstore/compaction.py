@@ -102,23 +102,29 @@ def materialize(store: "Store", version: int, progress: Progress | None = None) 
                 done += 1
                 if progress is not None:
                     progress(done, len(chains))
-            fs.crash_point("compact_after_append")
-            lengths = appender.sync() if new_entries else {}
-
-            def body(w: IndexWriter) -> None:
-                for tid, blk, loc in new_entries:
-                    w.put_row(tid, blk, version, loc)  # replaces the entry this version may have had
-                for seg, length in lengths.items():
-                    w.put_segment(seg, length)
-                w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_written)
-                if version >= w.meta("last_baseline", {}).get("version", 0):
-                    w.put_meta("last_baseline", {"version": version, "bytes": baseline_bytes})
-                fs.crash_point("compact_inside_index_commit")
-
-            store._index.write(body)
         except BaseException:
             appender.rollback()
             raise
+    # commit with no read transaction of ours open: a commit that must grow the map waits for every
+    # transaction of this process to end
+    try:
+        fs.crash_point("compact_after_append")
+        lengths = appender.sync() if new_entries else {}
+
+        def body(w: IndexWriter) -> None:
+            for tid, blk, loc in new_entries:
+                w.put_row(tid, blk, version, loc)  # replaces the entry this version may have had
+            for seg, length in lengths.items():
+                w.put_segment(seg, length)
+            w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_written)
+            if version >= w.meta("last_baseline", {}).get("version", 0):
+                w.put_meta("last_baseline", {"version": version, "bytes": baseline_bytes})
+            fs.crash_point("compact_inside_index_commit")
+
+        store._index.write(body)
+    except BaseException:
+        appender.rollback()
+        raise
     appender.mark_committed(lengths)
     return report
 
@@ -228,30 +234,34 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
                 report.segments_rewritten += 1
                 if progress is not None:
                     progress(i + 1, len(candidates))
-            if not freed:
-                return delete_doomed(store, report)
-            lengths = appender.sync() if moved_rows or moved_dense else {}
-            fs.crash_point("gc_after_append")
-
-            def body(w: IndexWriter) -> None:
-                for tid, block, v, loc in moved_rows:
-                    w.put_row(tid, block, v, loc)
-                for dense_id, v, loc in moved_dense:
-                    w.put_dense(dense_id, v, loc)
-                for seg, length in lengths.items():
-                    w.put_segment(seg, length)
-                doomed = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
-                for seg in freed:
-                    w.delete_segment(seg)
-                    doomed[seg] = w.txn_id()
-                w.put_meta("doomed_segments", doomed)
-                w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_copied)
-                fs.crash_point("gc_inside_index_commit")
-
-            store._index.write(body)
         except BaseException:
             appender.rollback()
             raise
+    if not freed:
+        return delete_doomed(store, report)
+    try:  # with no read transaction of ours open (see materialize)
+        lengths = appender.sync() if moved_rows or moved_dense else {}
+        fs.crash_point("gc_after_append")
+
+        def body(w: IndexWriter) -> None:
+            for tid, block, v, loc in moved_rows:
+                w.put_row(tid, block, v, loc)
+            for dense_id, v, loc in moved_dense:
+                w.put_dense(dense_id, v, loc)
+            for seg, length in lengths.items():
+                w.put_segment(seg, length)
+            doomed = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
+            for seg in freed:
+                w.delete_segment(seg)
+                doomed[seg] = w.txn_id()
+            w.put_meta("doomed_segments", doomed)
+            w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_copied)
+            fs.crash_point("gc_inside_index_commit")
+
+        store._index.write(body)
+    except BaseException:
+        appender.rollback()
+        raise
     appender.mark_committed(lengths)
     appender.forget(freed)
     return delete_doomed(store, report)
@@ -292,6 +302,8 @@ def delete_doomed(store: "Store", report: GCReport) -> GCReport:
         def body(w: IndexWriter) -> None:
             current = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
             w.put_meta("doomed_segments", {s: t for s, t in current.items() if s not in deletable})
+            # the open after a restart allocates ids past this one (store.py)
+            w.put_meta("max_deleted_segment", max(w.meta("max_deleted_segment", 0), *deletable))
 
         store._index.write(body)
     return report

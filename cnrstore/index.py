@@ -323,6 +323,7 @@ class Index:
         unreachable may still be read by it.
         """
         oldest = None
+        self._env.reader_check()  # free the slots of dead processes (a reader killed mid-read)
         for line in self._env.readers().splitlines()[1:]:
             fields = line.split()
             if len(fields) >= 3 and fields[-1].isdigit():

@@ -111,8 +111,10 @@ class Store:
                 with self._index.read() as view:
                     committed = view.segments()
                     doomed = {int(k) for k in view.meta("doomed_segments", {})}
+                    deleted = view.meta("max_deleted_segment", 0)
                 self.recovery_notes = segments.recover(self.path, committed, self._fs, doomed)
-                ids = segments.SegmentIds(max([0, *committed, *doomed]) + 1)
+                # never reuse the id of a deleted segment: a long-lived reader may still map the old file
+                ids = segments.SegmentIds(max([0, *committed, *doomed, deleted]) + 1)
                 # the checkpoint writer and compaction append to active segments of their own
                 self._appender = segments.SegmentAppender(self.path, committed, FORMAT_VERSION, self._fs, ids)
                 self._compaction_appender = segments.SegmentAppender(self.path, {}, FORMAT_VERSION, self._fs,

@@ -18,7 +18,8 @@ it for the next, so a named crash point fires with K acknowledged versions behin
 
 Or as a fork server (``python tests/crash_writer.py serve``), which imports cnrstore once and forks
 one writer child per JSON command read from stdin (``{"store": ..., "count": ..., "segment_bytes":
-..., "crash_at": ..., "arm_after": ...}``); for each child the server prints ``pid <pid>`` (possibly
+..., "crash_at": ..., "arm_after": ...}``, or ``{"mode": "maintain", "store": ..., "ops": ...,
+"segment_bytes": ..., "crash_at": ..., "seed": ...}`` for ``run_maintainer``); for each child the server prints ``pid <pid>`` (possibly
 after the child's first lines) and, once the child is gone, ``exit <pid> <wait status>``. That spares each crash iteration the ~2 s of
 importing torch.
 """
@@ -174,6 +175,63 @@ def run_writer(store_path: str, count: int | None, segment_bytes: int | None, ar
     _say("done")
 
 
+def run_maintainer(store_path: str, ops: list | None, segment_bytes: int | None, seed: int = 0) -> None:
+    """Run maintenance on the store (tests/test_compaction_crash.py), printing, flushing each line::
+
+        ready                 the store is open (recovery done)
+        op <i> <name> <arg>   operation i begins (arg: a version, keep_last, or None)
+        begin / committed <v> as ``run_writer`` prints them, for a checkpoint operation
+        dropped <v> ...       the versions a retain returned
+        did <i>               operation i returned
+
+    ``ops`` is a list of [name, arg], name one of checkpoint, compact (arg: a version or None), retain
+    (arg: keep_last), gc and arm (arg: a crash point, armed from then on); None loops for ever over a checkpoint, sometimes a compact at a random
+    retained version, a retain of 1 to 4 versions and a gc.
+    """
+    import random
+
+    import cnrstore
+    from cnrstore import fs, knobs
+
+    if segment_bytes is not None:
+        knobs.SEGMENT_BYTES = segment_bytes
+    store = cnrstore.open(store_path)
+    _say("ready")
+    rng = random.Random(seed)
+
+    def plan():
+        if ops is not None:
+            yield from ops
+            return
+        while True:
+            yield ["checkpoint", None]
+            if rng.random() < 0.5:
+                yield ["compact", rng.choice([i.version for i in store.versions()])]
+            yield ["retain", rng.randint(1, 4)]
+            yield ["gc", None]
+
+    for i, (name, arg) in enumerate(plan()):
+        _say("op", i, name, arg)
+        if name == "checkpoint":
+            with store.checkpoint(step=STEP, meta=META) as ck:
+                _say("begin", ck.version)
+                write_version(ck)
+            _say("committed", ck.version)
+        elif name == "compact":
+            store.compact(arg)
+        elif name == "retain":
+            _say("dropped", *store.retain(keep_last=arg))
+        elif name == "gc":
+            store.gc()
+        elif name == "arm":  # from here on, die at the crash point named by arg
+            os.environ[fs.CRASH_ENV] = arg
+        else:
+            raise ValueError(f"unknown operation {name!r}")
+        _say("did", i)
+    store.close()
+    _say("done")
+
+
 def _serve() -> None:
     import cnrstore  # noqa: F401  (imported once, before any fork)
     from cnrstore import fs
@@ -186,7 +244,10 @@ def _serve() -> None:
             try:
                 if cmd.get("crash_at"):
                     os.environ[fs.CRASH_ENV] = cmd["crash_at"]
-                run_writer(cmd["store"], cmd.get("count"), cmd.get("segment_bytes"), cmd.get("arm_after"))
+                if cmd.get("mode") == "maintain":
+                    run_maintainer(cmd["store"], cmd.get("ops"), cmd.get("segment_bytes"), cmd.get("seed", 0))
+                else:
+                    run_writer(cmd["store"], cmd.get("count"), cmd.get("segment_bytes"), cmd.get("arm_after"))
             except BaseException as exc:  # report, never fall back into the server loop
                 _say("error", repr(exc).replace("\n", " "))
                 status = 1

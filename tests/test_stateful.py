@@ -8,9 +8,12 @@ are row-independent, so the model encodes each row alone.
 
 Rules begin, fill, commit and abort checkpoints (also through the ``with`` block, an exception in it
 aborting), create tables, read at random committed versions while a checkpoint is open or not, and
-close and reopen the store. After every step that changes what is committed (commit, abort, reopen,
-a new table), the invariant reads EVERY committed version back and compares it bit for bit with the
-model; MissingRows is expected exactly where the model has a row never written at or before it.
+close and reopen the store. Maintenance rules (I2) compact at a random retained version, retain the
+newest 1-4 versions (the model drops the others, which must raise VersionNotFound from then on) and
+collect garbage, while a checkpoint is open or not. After every step that changes what is committed
+(commit, abort, reopen, a new table, maintenance that did something), the invariant reads EVERY
+retained version back and compares it bit for bit with the model; MissingRows is expected exactly
+where the model has a row never written at or before it.
 
 In the style of zarr ``src/zarr/testing/stateful.py`` and leveldb's ModelDB test. A second machine
 runs the same rules with tiny knobs (segments of 2 KiB, a small LMDB map, 7-row encode chunks, short
@@ -33,7 +36,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import cnrstore
-from cnrstore import codecs, knobs
+from cnrstore import codecs, compaction, knobs
 from cnrstore.errors import (
     CheckpointInProgress,
     InvalidArgument,
@@ -678,6 +681,69 @@ class StoreMachine(RuleBasedStateMachine):
             if self.tables:
                 with pytest.raises(VersionNotFound):
                     self.store.read_table(next(iter(self.tables)), version=version)
+
+    # -- maintenance: compact, retain, gc (tests/test_compaction.py has the targeted tests) ----------
+
+    @precondition(lambda self: self.versions)
+    @rule(data=st.data())
+    def compact(self, data):
+        """Materialize baselines at a retained version (possibly while a checkpoint is open): every
+        block's read chain there is one record long, and every retained version reads as before."""
+        version = self.draw_version(data)
+        report = self.store.compact(version)
+        v = self.versions[-1].version if version is None else version
+        assert report.version == v
+        note(f"compact({version}): {report.blocks_materialized} blocks")
+        if report.blocks_materialized:
+            event("compact: materialized baselines")
+        with self.store._index.read() as view:
+            assert all(len(chain) == 1 for chain in compaction.block_chains(view, v).values())
+        self.dirty = self.dirty or report.blocks_materialized > 0  # (the invariant reads every version)
+
+    @precondition(lambda self: self.versions)
+    @rule(keep_last=st.integers(1, 4))
+    def retain(self, keep_last):
+        """Drop all but the newest ``keep_last`` versions: they raise VersionNotFound from now on (the
+        invariant checks them with the aborted ones); the others read as before."""
+        dropped = self.store.retain(keep_last=keep_last)
+        assert dropped == [vm.version for vm in self.versions[:-keep_last]]
+        assert self.store.retain(keep_last=keep_last) == []
+        note(f"retain({keep_last}) dropped {dropped}")
+        if dropped:
+            event("retain: dropped versions")
+        self.versions = self.versions[-keep_last:]
+        self.dead_versions.extend(dropped)
+        assert self.store.stats()["versions"] == len(self.versions)
+        self.dirty = self.dirty or bool(dropped)
+
+    @rule()
+    def gc(self):
+        """Collect garbage (possibly while a checkpoint is open): nothing retained changes, and the
+        store still verifies."""
+        report = self.store.gc()
+        note(f"gc: {report}")
+        if report.segments_deleted:
+            event("gc: deleted segments")
+        if report.segments_rewritten:
+            event("gc: rewrote segments")
+        assert report.bytes_pending == 0, "no reader holds a transaction"
+        if report.segments_deleted or report.segments_rewritten:
+            verified = self.store.verify()
+            assert verified.ok, verified.problems[:3]
+            self.dirty = True
+
+    @precondition(lambda self: self.pending is None and self.tables)
+    @rule(data=st.data(), commits=st.integers(2, 4))
+    def checkpoints_then_maintenance(self, data, commits):
+        """A few versions (so that read chains grow), then compact, retain and gc on them: alone, the
+        maintenance rules above mostly find too short a history to change anything."""
+        for _ in range(commits):
+            self.begin(None, None)
+            self._put_rows(data, self.pending, self.pending.ck)
+            self.finish("commit")
+        self.compact(data)
+        self.retain(data.draw(st.integers(1, 2), label="keep_last"))
+        self.gc()
 
     # -- reopen --------------------------------------------------------------------------------------
 
