@@ -23,9 +23,7 @@ noisy: every figure is a median, and the ratios in the notes compare figures fro
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import re
 import statistics
 import sys
@@ -34,8 +32,10 @@ import time
 import numpy as np
 import torch
 
-import cnrstore
-from cnrstore import codecs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_engine import load_average, machine_description  # noqa: E402  (the shared report header)
+
+from cnrstore import codecs  # noqa: E402
 
 DIM = 64
 #: A codec that encodes fewer fp32 bytes per second than this is timed on --slow-rows only.
@@ -48,48 +48,6 @@ _KINDS = {"lossless": "IEEE float", "rowwise": "uniform, FBGEMM kernel", "nbit":
 
 
 # -- machine description (as in bench_engine.py) ------------------------------------------------------------
-
-def machine_description() -> list[str]:
-    cpu = platform.processor() or "unknown"
-    try:
-        info = {}
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-        cpu = info.get("model name", cpu)
-        if "cpu MHz" in info:
-            cpu += f" @ {float(info['cpu MHz']):.0f} MHz"
-        simd = [f for f in ("avx2", "avx512f", "avx512_vnni") if f in info.get("flags", "").split()]
-        cpu += f" ({', '.join(simd) or 'no avx2'})"
-    except (OSError, ValueError):
-        pass
-    ram = "unknown"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal"):
-                    ram = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-                    break
-    except OSError:
-        pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return [
-        f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"cpu: {cpu}; cores: {os.cpu_count()} (usable {usable}); torch threads: {torch.get_num_threads()}",
-        f"ram: {ram}; os: {platform.system()} {platform.release()}",
-        f"python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, "
-        f"cnrstore {cnrstore.__version__}",
-    ]
-
-
-def load_average() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "unknown"
-
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from . import compaction
-from .policy.compaction import CompactionPolicy, History
+from .policy.compaction import CompactionPolicy
 
 if TYPE_CHECKING:
     from .store import Store

@@ -78,7 +78,6 @@ def materialize(store: "Store", version: int, progress: Progress | None = None) 
     report = CompactReport(version)
     appender = store._compaction_appender
     new_entries: list[tuple[int, int, RowLoc]] = []
-    lengths: dict[int, int] = {}
     with store._index.read() as view:
         tables = {info["id"]: info for info in view.tables().values()}
         all_chains = block_chains(view, version)
@@ -105,28 +104,40 @@ def materialize(store: "Store", version: int, progress: Progress | None = None) 
         except BaseException:
             appender.rollback()
             raise
-    # commit with no read transaction of ours open: a commit that must grow the map waits for every
-    # transaction of this process to end
+    def update(w: IndexWriter) -> None:
+        for tid, blk, loc in new_entries:
+            w.put_row(tid, blk, version, loc)  # replaces the entry this version may have had
+        w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_written)
+        if version >= w.meta("last_baseline", {}).get("version", 0):
+            w.put_meta("last_baseline", {"version": version, "bytes": baseline_bytes})
+
+    _commit(store, appender, bool(new_entries), "compact", update)
+    return report
+
+
+def _commit(store: "Store", appender, appended: bool, name: str, update: Callable[[IndexWriter], None]) -> None:
+    """fsync what ``appender`` appended (if anything), then record the segments' new lengths and run
+    ``update`` in one synced index commit; on any failure, throw the appended bytes away.
+
+    Call it with no read transaction of this thread open: a commit that must grow the index map waits
+    for every transaction of the process to end. Crash points: ``<name>_after_append`` and
+    ``<name>_inside_index_commit``.
+    """
     try:
-        fs.crash_point("compact_after_append")
-        lengths = appender.sync() if new_entries else {}
+        fs.crash_point(f"{name}_after_append")
+        lengths = appender.sync() if appended else {}
 
         def body(w: IndexWriter) -> None:
-            for tid, blk, loc in new_entries:
-                w.put_row(tid, blk, version, loc)  # replaces the entry this version may have had
             for seg, length in lengths.items():
                 w.put_segment(seg, length)
-            w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_written)
-            if version >= w.meta("last_baseline", {}).get("version", 0):
-                w.put_meta("last_baseline", {"version": version, "bytes": baseline_bytes})
-            fs.crash_point("compact_inside_index_commit")
+            update(w)
+            fs.crash_point(f"{name}_inside_index_commit")
 
         store._index.write(body)
     except BaseException:
         appender.rollback()
         raise
     appender.mark_committed(lengths)
-    return report
 
 
 def _merge_pieces(pieces: list, base: int, dim: int):
@@ -239,30 +250,19 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
             raise
     if not freed:
         return delete_doomed(store, report)
-    try:  # with no read transaction of ours open (see materialize)
-        lengths = appender.sync() if moved_rows or moved_dense else {}
-        fs.crash_point("gc_after_append")
+    def update(w: IndexWriter) -> None:
+        for tid, block, v, loc in moved_rows:
+            w.put_row(tid, block, v, loc)
+        for dense_id, v, loc in moved_dense:
+            w.put_dense(dense_id, v, loc)
+        doomed = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
+        for seg in freed:
+            w.delete_segment(seg)
+            doomed[seg] = w.txn_id()
+        w.put_meta("doomed_segments", doomed)
+        w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_copied)
 
-        def body(w: IndexWriter) -> None:
-            for tid, block, v, loc in moved_rows:
-                w.put_row(tid, block, v, loc)
-            for dense_id, v, loc in moved_dense:
-                w.put_dense(dense_id, v, loc)
-            for seg, length in lengths.items():
-                w.put_segment(seg, length)
-            doomed = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
-            for seg in freed:
-                w.delete_segment(seg)
-                doomed[seg] = w.txn_id()
-            w.put_meta("doomed_segments", doomed)
-            w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_copied)
-            fs.crash_point("gc_inside_index_commit")
-
-        store._index.write(body)
-    except BaseException:
-        appender.rollback()
-        raise
-    appender.mark_committed(lengths)
+    _commit(store, appender, bool(moved_rows or moved_dense), "gc", update)
     appender.forget(freed)
     return delete_doomed(store, report)
 

@@ -7,7 +7,6 @@ import os
 import struct
 import threading
 import time
-from typing import Iterator
 
 import msgpack
 import numpy as np
