@@ -102,6 +102,7 @@ class Store:
         if not readonly:
             self._lock = ProcessLock(self.path)
             self._lock.acquire()
+        self._index = None
         try:
             self._index = Index(filenames.index_dir(self.path), readonly=readonly)
             self._segments = segments.SegmentReader(self.path)
@@ -121,6 +122,9 @@ class Store:
                 if doomed:  # segments GC freed before a restart: delete those no reader needs now
                     compaction.delete_doomed(self, compaction.GCReport())
         except BaseException:
+            self._closed = True  # nothing for close() or __del__ to do
+            if self._index is not None:
+                self._index.close()
             if self._lock is not None:
                 self._lock.release()
             raise

@@ -1224,3 +1224,17 @@ def test_rejected_oversized_block_leaves_no_trace_of_the_table(store, monkeypatc
     assert store.latest().tables == ("u",)
     with pytest.raises(cnrstore.MissingRows):
         store.read_rows("t", [0])
+
+
+def test_a_failed_open_releases_the_lock_and_the_index(store_path, monkeypatch):
+    cnrstore.open(store_path, create=True).close()
+
+    def broken_recover(*args, **kwargs):
+        raise OSError("injected failure during recovery")
+
+    monkeypatch.setattr(cnrstore.segments, "recover", broken_recover)
+    with pytest.raises(OSError, match="injected"):
+        cnrstore.open(store_path)
+    monkeypatch.undo()
+    with cnrstore.open(store_path) as store:  # neither the lock nor the LMDB environment leaked
+        store.create_table("t", 4, 2, codec="fp32")
