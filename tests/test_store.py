@@ -1235,6 +1235,7 @@ def test_a_failed_open_releases_the_lock_and_the_index(store_path, monkeypatch):
     monkeypatch.setattr(cnrstore.segments, "recover", broken_recover)
     with pytest.raises(OSError, match="injected"):
         cnrstore.open(store_path)
+    assert not cnrstore.index._SharedEnv._registry, "the failed open left its LMDB environment open"
     monkeypatch.undo()
     with cnrstore.open(store_path) as store:  # neither the lock nor the LMDB environment leaked
         store.create_table("t", 4, 2, codec="fp32")
