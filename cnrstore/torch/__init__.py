@@ -1,4 +1,6 @@
-"""PyTorch integration. For now: exporting a version as a ``torch.save`` file (see ``export``).
+"""PyTorch integration: the trainer-side ``Checkpointer`` (row tracking, asynchronous checkpoints, restore;
+see ``checkpointer``) and exporting a version as a ``torch.save`` file (see ``export``)."""
 
-The trainer-side ``Checkpointer`` of API.md is built in a later issue.
-"""
+from .checkpointer import Checkpointer, PendingSave, SaveReport
+
+__all__ = ["Checkpointer", "PendingSave", "SaveReport"]

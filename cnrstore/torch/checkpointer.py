@@ -1,0 +1,530 @@
+"""Trainer integration: row tracking, decoupled asynchronous checkpoints and restore (API.md, ``cnrstore.torch``).
+
+What goes where in the store:
+
+- every ``nn.Embedding`` / ``nn.EmbeddingBag`` weight is a table named by its module path (``"emb.3"``;
+  a model that *is* an embedding uses ``"embedding"``), in ``codec``;
+- row-wise optimizer state of an embedding weight (a state tensor whose leading dimension is the
+  table's ``num_rows``: Adagrad's ``sum``, Adam's ``exp_avg`` / ``exp_avg_sq``, ...) is a table named
+  ``f"{table}.optim.{state_name}"`` in ``optimizer_codec``, written for the same rows as the weight;
+  trailing dimensions are flattened (a 1-D state is a table of dim 1);
+- every other parameter and persistent buffer is a dense array ``f"torch.model/{state_dict key}"``,
+  stored exactly (bfloat16 as its raw 16-bit pattern);
+- the rest (each optimizer's ``state_dict()`` without its row-wise tensors, the ``extra`` objects'
+  ``state_dict()``, dtypes) is one ``torch.save`` blob, the uint8 dense array ``"torch.state"``.
+
+Row tracking: a forward pre-hook on each embedding sets a bool mask (on the weight's device) at every
+looked-up index, while autograd is enabled (lookups under ``torch.no_grad()``, e.g. evaluation, are not
+tracked: they cannot change the weights). The tracking is exact for optimizers that leave rows with a zero
+gradient untouched (SGD without weight decay, Adagrad, sparse optimizers such as ``SparseAdam``). Dense
+Adam/AdamW with momentum or weight decay also move rows that were not looked up; use ``mode`` with care
+there (a full save, e.g. right after construction or ``restore``, is always exact). Weights changed outside
+a forward pass are not tracked either.
+
+Modes (what a save writes for the embedding tables; everything else is written in full every save):
+
+- ``"incremental"``: the rows looked up since the previous save;
+- ``"one-shot"``: the rows looked up since the last baseline;
+- ``"intermittent"``: one-shot, plus Check-N-Run's reset rule computed over all tables together: with
+  ``S_i`` the rows of the i-th differential since the baseline as a fraction of all embedding rows, when
+  ``1 + S_1 + … + S_i <= (i + 1) · S_i`` the i-th save is written as a new baseline instead.
+
+A baseline (every row) is written by the first save of a ``Checkpointer``, by the first save after a
+background failure, and by the first save after ``restore`` (except in incremental mode after restoring the
+newest version, where the store already holds exactly the model).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import codecs
+from ..errors import InvalidArgument, MissingRows, VersionNotFound
+from ..types import VersionInfo
+from ..writer import pack_meta
+
+__all__ = ["Checkpointer", "PendingSave", "SaveReport"]
+
+MODES = ("incremental", "one-shot", "intermittent")
+STATE_BLOB = "torch.state"
+DENSE_PREFIX = "torch.model/"
+_ROW_MARK = "__cnrstore_row_state__"
+_FORMAT = 1
+
+
+@dataclass
+class SaveReport:
+    """What one save wrote: rows per table (weights and row-wise optimizer state), whether it was a
+    baseline, and how long ``save()`` held the trainer (``stall_s``)."""
+
+    step: int | None
+    baseline: bool
+    rows: dict[str, int] = field(default_factory=dict)
+    stall_s: float = 0.0
+    version: int | None = None
+
+
+class PendingSave:
+    """A save whose snapshot is taken and whose write runs in the background."""
+
+    def __init__(self, report: SaveReport):
+        self.report = report
+        self._done = threading.Event()
+        self._version: int | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+        self._thread: threading.Thread | None = None
+
+    def done(self) -> bool:
+        """True once the background write has committed or failed."""
+        return self._done.is_set()
+
+    def wait(self) -> int:
+        """Block until the write ends; return the committed version, or re-raise its failure (the
+        exception the store raised)."""
+        self._done.wait()
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        assert self._version is not None
+        return self._version
+
+
+class _Table:
+    """One embedding module: its table, tracking masks and reusable host buffers."""
+
+    def __init__(self, path: str, module: nn.Module):
+        self.path = path
+        self.name = path or "embedding"
+        self.module = module
+        self.weight: torch.Tensor = module.weight
+        self.num_rows, self.dim = self.weight.shape
+        self.touched = torch.zeros(self.num_rows, dtype=torch.bool, device=self.weight.device)
+        self.since_baseline = torch.zeros_like(self.touched)
+        self.on_cpu = self.weight.device.type == "cpu"
+        self.buffers: dict[str, torch.Tensor] = {}  # host buffers by table name, reused across saves
+        self.full_written: set[str] = set()  # row-state tables written in full in this session
+        self.hooks = [module.register_forward_pre_hook(self._track, with_kwargs=True)]
+
+    def _track(self, module, args, kwargs) -> None:
+        if torch.is_grad_enabled():
+            ids = args[0] if args else kwargs["input"]
+            self.touched[ids.reshape(-1)] = True
+
+    # mask arithmetic on CPU goes through numpy views: single-threaded, so a save does not wait on
+    # intra-op worker threads of a busy machine for what are microseconds of work
+    def rows(self, mask: torch.Tensor) -> torch.Tensor:
+        if self.on_cpu:
+            return torch.from_numpy(np.flatnonzero(mask.numpy()))
+        return mask.nonzero().squeeze(1)
+
+    def count(self, mask: torch.Tensor) -> int:
+        return int(np.count_nonzero(mask.numpy())) if self.on_cpu else int(mask.sum())
+
+    def merge_touched(self) -> None:
+        if self.on_cpu:
+            np.logical_or(self.since_baseline.numpy(), self.touched.numpy(), out=self.since_baseline.numpy())
+        else:
+            self.since_baseline |= self.touched
+
+    @staticmethod
+    def clear(mask: torch.Tensor) -> None:
+        if mask.device.type == "cpu":
+            mask.numpy().fill(False)
+        else:
+            mask.zero_()
+
+    def host_buffer(self, table: str, n: int, width: int) -> torch.Tensor:
+        buf = self.buffers.get(table)
+        if buf is None or buf.shape[0] < n or buf.shape[1] != width:
+            buf = torch.empty((max(n, 1), width), dtype=torch.float32)
+            self.buffers[table] = buf
+        return buf[:n]
+
+
+def _as_list(optimizer) -> list:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    opts = list(optimizer)
+    for o in opts:
+        if not isinstance(o, torch.optim.Optimizer):
+            raise InvalidArgument(f"optimizer must be an Optimizer, a list of them or None; got {type(o).__name__}")
+    return opts
+
+
+def _as_extra(extra) -> dict:
+    if extra is None:
+        return {}
+    if isinstance(extra, Mapping):
+        items = {str(k): v for k, v in extra.items()}
+    elif isinstance(extra, (list, tuple)):
+        items = {str(i): v for i, v in enumerate(extra)}
+    else:
+        items = {"0": extra}
+    for k, v in items.items():
+        if not (callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))):
+            raise InvalidArgument(f"extra {k!r} ({type(v).__name__}) needs state_dict() and load_state_dict()")
+    return items
+
+
+def _host_copy(t: torch.Tensor) -> np.ndarray:
+    """An exact host copy as numpy (bfloat16 as its raw int16 pattern)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.to("cpu", copy=True).numpy()
+
+
+class Checkpointer:
+    """Checkpoints ``model`` (and ``optimizer``, ``extra``) into ``store``; see API.md and the module doc.
+
+    ``codec`` is a codec name or a ``cnrstore.policy.BitWidthPolicy`` (its ``codec()`` is asked at each
+    save, and ``restore`` records a restore with it). Tables are created if missing; an existing table of
+    another shape raises :class:`InvalidArgument`. Not thread-safe: call it from the training thread.
+    """
+
+    def __init__(self, store, model: nn.Module, optimizer=None, *, codec="int4", mode: str = "intermittent",
+                 optimizer_codec: str = "fp32", extra=None):
+        if mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if not isinstance(model, nn.Module):
+            raise InvalidArgument(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self._policy = None if isinstance(codec, str) else codec
+        if self._policy is not None and not callable(getattr(self._policy, "codec", None)):
+            raise InvalidArgument(f"codec must be a codec name or a BitWidthPolicy, got {codec!r}")
+        self._codec_str = codec if self._policy is None else None
+        codecs.get(self._weight_codec())  # unknown name -> InvalidArgument
+        codecs.get(optimizer_codec)
+        self.store = store
+        self.model = model
+        self.mode = mode
+        self.optimizer_codec = optimizer_codec
+        self._optimizers = _as_list(optimizer)
+        self._extra = _as_extra(extra)
+        self._tables: list[_Table] = []
+        self._by_weight: dict[int, _Table] = {}
+        existing = store.tables()
+        try:
+            for path, module in model.named_modules():
+                if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+                    continue
+                if id(module.weight) in self._by_weight:  # a weight shared by modules: one table
+                    shared = self._by_weight[id(module.weight)]
+                    shared.hooks.append(module.register_forward_pre_hook(shared._track, with_kwargs=True))
+                    continue
+                t = _Table(path, module)
+                self._tables.append(t)
+                self._by_weight[id(t.weight)] = t
+                self._ensure_table(existing, t.name, t.num_rows, t.dim, self._weight_codec())
+        except BaseException:
+            self._remove_hooks()
+            raise
+        self._dense = {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in self._by_weight}
+        self._total_rows = sum(t.num_rows for t in self._tables)
+        self._force_full = True
+        self._diffs: list[float] = []  # S_1..S_i since the last baseline (intermittent)
+        self._pending: PendingSave | None = None
+        self._error: BaseException | None = None  # a background failure not yet re-raised by save()
+        self._failed: PendingSave | None = None  # the save that failed with it
+        self._closed = False
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _weight_codec(self) -> str:
+        return self._policy.codec() if self._policy is not None else self._codec_str
+
+    def _ensure_table(self, existing: dict, name: str, num_rows: int, dim: int, codec: str) -> None:
+        info = existing.get(name)
+        if info is None:
+            self.store.create_table(name, num_rows, dim, codec=codec)
+            existing[name] = self.store.tables()[name]
+        elif (info.num_rows, info.dim) != (num_rows, dim):
+            raise InvalidArgument(
+                f"table {name!r} in the store has {info.num_rows} rows x {info.dim} dims but the model's has "
+                f"{num_rows} x {dim}; use a new store, or a model of the stored shape")
+
+    def _row_states(self, t: _Table):
+        """(state name, tensor) of the row-wise optimizer state of ``t``'s weight, in a stable order."""
+        for opt in self._optimizers:
+            state = opt.state.get(t.weight)
+            if not state:
+                continue
+            for key in sorted(state, key=str):
+                v = state[key]
+                if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == t.num_rows:
+                    yield str(key), v
+
+    def _remove_hooks(self) -> None:
+        for t in self._tables:
+            for h in t.hooks:
+                h.remove()
+
+    def _raise_pending_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _finish_inflight(self) -> None:
+        p, self._pending = self._pending, None
+        if p is not None:
+            p._done.wait()
+
+    # -- save -----------------------------------------------------------------------------------------
+    def save(self, step: int | None = None, meta: dict | None = None) -> PendingSave:
+        """Snapshot the state into host memory and write it in the background; see API.md.
+
+        Waits for the save in flight first. A failure of an earlier background write is raised here
+        (once) instead of taking a snapshot.
+        """
+        if self._closed:
+            raise InvalidArgument("this Checkpointer is closed")
+        self._finish_inflight()
+        self._raise_pending_error()
+        pack_meta(meta)  # bad arguments fail here, not in the background
+        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
+            raise InvalidArgument(f"step must be an integer or None, got {step!r}")
+        try:
+            return self._snapshot(step, meta)
+        except BaseException:
+            self._force_full = True  # the masks may be half-consumed: the next save writes everything
+            raise
+
+    def _snapshot(self, step, meta) -> PendingSave:
+        start = time.perf_counter()
+        codec = self._weight_codec()
+        baseline, picks = self._pick_rows()
+        report = SaveReport(step=step, baseline=baseline)
+        row_jobs = []  # (table, rows numpy, values tensor, codec)
+        existing = self.store.tables()
+        with torch.no_grad():
+            for t, rows in zip(self._tables, picks):
+                n = t.num_rows if rows is None else int(rows.numel())
+                buf = t.host_buffer(t.name, n, t.dim)
+                self._gather(t.weight, rows, buf)
+                rows_np = np.arange(t.num_rows, dtype=np.int64) if rows is None else rows.cpu().numpy()
+                row_jobs.append((t.name, rows_np, buf, codec))
+                report.rows[t.name] = n
+                for key, state in self._row_states(t):
+                    name = f"{t.name}.optim.{key}"
+                    width = int(np.prod(state.shape[1:], dtype=np.int64)) if state.dim() > 1 else 1
+                    self._ensure_table(existing, name, t.num_rows, width, self.optimizer_codec)
+                    s_rows, s_np = rows, rows_np
+                    if name not in t.full_written:
+                        s_rows, s_np = None, np.arange(t.num_rows, dtype=np.int64)
+                    m = t.num_rows if s_rows is None else int(s_rows.numel())
+                    sbuf = t.host_buffer(name, m, width)
+                    self._gather(state.reshape(t.num_rows, width), s_rows, sbuf)
+                    row_jobs.append((name, s_np, sbuf, None))
+                    report.rows[name] = m
+            dense = {k: _host_copy(v) for k, v in self._dense.items()}
+            blob = self._state_blob()
+        for t in self._tables:
+            t.clear(t.touched)
+            for name, _, _, _ in row_jobs:
+                if name.startswith(f"{t.name}.optim."):
+                    t.full_written.add(name)
+        report.stall_s = time.perf_counter() - start
+        pending = PendingSave(report)
+        thread = threading.Thread(target=self._write, args=(pending, step, meta, row_jobs, dense, blob),
+                                  name=f"cnrstore-save-{step}", daemon=True)
+        pending._thread = thread
+        self._pending = pending
+        thread.start()
+        return pending
+
+    def _pick_rows(self):
+        """(baseline?, per table: rows tensor to write, or None for all rows). Updates the masks."""
+        if self._force_full or not self._tables:
+            baseline = True
+        elif self.mode == "incremental":
+            return False, [t.rows(t.touched) for t in self._tables]
+        else:
+            for t in self._tables:
+                t.merge_touched()
+            count = sum(t.count(t.since_baseline) for t in self._tables)
+            baseline = False
+            if self.mode == "intermittent":
+                s = self._diffs + [count / self._total_rows]
+                i = len(s)
+                baseline = 1 + sum(s) <= (i + 1) * s[-1]
+                if not baseline:
+                    self._diffs = s
+            if not baseline:
+                return False, [t.rows(t.since_baseline) for t in self._tables]
+        self._force_full = False
+        self._diffs = []
+        for t in self._tables:
+            t.clear(t.since_baseline)
+        return True, [None] * len(self._tables)
+
+    @staticmethod
+    def _gather(src: torch.Tensor, rows, out: torch.Tensor) -> None:
+        src = src.detach()
+        if src.device.type == "cpu" and src.dtype == torch.float32:
+            # numpy: single-threaded copies (see _Table.rows); out is a reused host buffer
+            if rows is None:
+                np.copyto(out.numpy(), src.numpy())
+            else:
+                np.take(src.numpy(), rows.numpy(), axis=0, out=out.numpy())
+        elif rows is None:
+            out.copy_(src)
+        else:
+            out.copy_(src.index_select(0, rows))
+
+    def _state_blob(self) -> np.ndarray:
+        optims = []
+        for opt in self._optimizers:
+            sd = opt.state_dict()
+            params = [p for g in opt.param_groups for p in g["params"]]
+            state = {}
+            for idx, st in sd["state"].items():
+                t = self._by_weight.get(id(params[idx])) if idx < len(params) else None
+                row_keys = {k for k, _ in self._row_states(t)} if t is not None else set()
+                state[idx] = {k: ({_ROW_MARK: f"{t.name}.optim.{k}", "dtype": str(v.dtype).split(".")[-1],
+                                   "shape": tuple(v.shape)} if str(k) in row_keys else v)
+                              for k, v in st.items()}
+            optims.append({"state": state, "param_groups": sd["param_groups"]})
+        payload = {
+            "format": _FORMAT,
+            "mode": self.mode,
+            "tables": [t.name for t in self._tables],
+            "dense_dtypes": {k: str(v.dtype).split(".")[-1] for k, v in self._dense.items()},
+            "optimizers": optims,
+            "extra": {k: obj.state_dict() for k, obj in self._extra.items()},
+        }
+        out = io.BytesIO()
+        torch.save(payload, out)
+        return np.frombuffer(out.getbuffer(), dtype=np.uint8).copy()
+
+    def _write(self, pending: PendingSave, step, meta, row_jobs, dense, blob) -> None:
+        try:
+            with self.store.checkpoint(step, meta) as ck:
+                for name, rows, values, codec in row_jobs:
+                    if rows.size:
+                        ck.put_rows(name, rows, values.numpy(), codec=codec)
+                for key, arr in dense.items():
+                    ck.put_dense(DENSE_PREFIX + key, arr)
+                ck.put_dense(STATE_BLOB, blob)
+            pending._version = ck.version
+            pending.report.version = ck.version
+        except BaseException as exc:  # re-raised by wait() and the next save()
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(cnrstore.torch: the background write of the checkpoint of step {step} failed; "
+                             "the next save() re-raises this once, without taking a snapshot, and the one "
+                             "after writes a full baseline)")
+            pending._error = exc
+            self._error, self._failed = exc, pending
+            self._force_full = True
+        finally:
+            pending._done.set()
+
+    # -- restore --------------------------------------------------------------------------------------
+    def restore(self, version: int | None = None) -> VersionInfo:
+        """Load ``version`` (default newest) into the model, optimizers and ``extra`` in place.
+
+        Waits for an in-flight save (its failure, if any, is still raised by the next ``save``). A model
+        whose shapes differ from the stored ones raises :class:`InvalidArgument`.
+        """
+        if self._closed:
+            raise InvalidArgument("this Checkpointer is closed")
+        self._finish_inflight()
+        info = self.store.latest() if version is None else self._version_info(version)
+        if info is None:
+            raise InvalidArgument("the store holds no version to restore; save() one first")
+        v = info.version
+        tables = self.store.tables()
+        for t in self._tables:
+            ti = tables.get(t.name)
+            if ti is None:
+                raise InvalidArgument(f"version {v} has no table {t.name!r} for the model's embedding")
+            if (ti.num_rows, ti.dim) != (t.num_rows, t.dim):
+                raise InvalidArgument(
+                    f"table {t.name!r}: the store has {ti.num_rows} rows x {ti.dim} dims, the model "
+                    f"{t.num_rows} x {t.dim}; restore into a model of the stored shape")
+        payload = torch.load(io.BytesIO(self.store.read_dense(STATE_BLOB, v).tobytes()), weights_only=False)
+        dense = {}
+        for key, target in self._dense.items():
+            try:
+                arr = self.store.read_dense(DENSE_PREFIX + key, v)
+            except MissingRows as exc:
+                raise InvalidArgument(f"version {v} has no state {key!r} of the model") from exc
+            if tuple(arr.shape) != tuple(target.shape):
+                raise InvalidArgument(f"state {key!r}: version {v} has shape {tuple(arr.shape)}, the model "
+                                      f"{tuple(target.shape)}; restore into a model of the stored shape")
+            src = torch.from_numpy(arr.copy())
+            if target.dtype == torch.bfloat16:
+                src = src.view(torch.bfloat16)
+            dense[key] = src
+        if len(payload["optimizers"]) != len(self._optimizers):
+            raise InvalidArgument(f"version {v} holds {len(payload['optimizers'])} optimizer(s), this "
+                                  f"Checkpointer has {len(self._optimizers)}")
+        missing = [k for k in payload["extra"] if k not in self._extra]
+        if missing:
+            raise InvalidArgument(f"version {v} holds extra state {missing}, which this Checkpointer lacks")
+        weights = [torch.from_numpy(self.store.read_table(t.name, v)) for t in self._tables]
+        optim_sds = [self._optimizer_state(sd, v) for sd in payload["optimizers"]]
+        # everything read and checked: now change the live objects
+        with torch.no_grad():
+            for t, w in zip(self._tables, weights):
+                t.weight.copy_(w)
+            for key, src in dense.items():
+                self._dense[key].copy_(src)
+        for opt, sd in zip(self._optimizers, optim_sds):
+            opt.load_state_dict(sd)
+        for k, state in payload["extra"].items():
+            self._extra[k].load_state_dict(state)
+        for t in self._tables:
+            t.touched.zero_()
+            t.since_baseline.zero_()
+        latest = self.store.latest()
+        self._force_full = not (self.mode == "incremental" and latest is not None and latest.version == v)
+        self._diffs = []
+        if self._policy is not None and callable(getattr(self._policy, "record_restore", None)):
+            self._policy.record_restore()
+        return info
+
+    def _version_info(self, version: int) -> VersionInfo:
+        for vi in self.store.versions():
+            if vi.version == version:
+                return vi
+        raise VersionNotFound(f"version {version} is not in the store (see store.versions())")
+
+    def _optimizer_state(self, sd: dict, v: int) -> dict:
+        state = {}
+        for idx, st in sd["state"].items():
+            out = {}
+            for k, val in st.items():
+                if isinstance(val, dict) and _ROW_MARK in val:
+                    arr = torch.from_numpy(self.store.read_table(val[_ROW_MARK], v))
+                    val = arr.reshape(val["shape"]).to(getattr(torch, val["dtype"]))
+                out[k] = val
+            state[idx] = out
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the save in flight and remove the tracking hooks. Idempotent. A background failure
+        that neither ``wait()`` nor ``save()`` has raised yet is raised here (after closing)."""
+        if self._closed:
+            return
+        self._finish_inflight()
+        self._remove_hooks()
+        self._closed = True
+        if self._error is not None and self._failed is not None and not self._failed._reported:
+            err, self._error = self._error, None
+            raise err
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

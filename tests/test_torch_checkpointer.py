@@ -1,0 +1,474 @@
+"""cnrstore.torch.Checkpointer: row tracking, modes, asynchronous saves, exact restore."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import cnrstore
+from cnrstore.errors import InvalidArgument
+from cnrstore.policy import BitWidthPolicy
+from cnrstore.torch import Checkpointer
+
+
+class TinyDLRM(nn.Module):
+    def __init__(self, rows=(50, 40), dim=4, hidden=8):
+        super().__init__()
+        self.emb = nn.Embedding(rows[0], dim)
+        self.bag = nn.EmbeddingBag(rows[1], dim, mode="sum")
+        self.bottom = nn.Linear(3, dim)
+        self.norm = nn.BatchNorm1d(dim)  # buffers: running stats, num_batches_tracked
+        self.top = nn.Sequential(nn.Linear(3 * dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, dense, ids, bag_ids, offsets):
+        x = self.norm(self.bottom(dense))
+        return self.top(torch.cat([x, self.emb(ids), self.bag(bag_ids, offsets)], dim=1)).squeeze(1)
+
+
+def batch(i, n=8):
+    g = torch.Generator().manual_seed(1000 + i)
+    dense = torch.randn(n, 3, generator=g)
+    ids = torch.randint(0, 50, (n,), generator=g)
+    bag_ids = torch.randint(0, 40, (2 * n,), generator=g)
+    offsets = torch.arange(0, 2 * n, 2)
+    y = torch.randint(0, 2, (n,), generator=g).float()
+    return dense, ids, bag_ids, offsets, y
+
+
+class Loader:
+    """A data position with state_dict/load_state_dict, saved as `extra`."""
+
+    def __init__(self):
+        self.position = 0
+
+    def next(self):
+        b = batch(self.position)
+        self.position += 1
+        return b
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def train_step(model, opt, b):
+    dense, ids, bag_ids, offsets, y = b
+    opt.zero_grad()
+    loss = nn.functional.binary_cross_entropy_with_logits(model(dense, ids, bag_ids, offsets), y)
+    loss.backward()
+    opt.step()
+
+
+def make(seed, optim="adagrad"):
+    torch.manual_seed(seed)
+    model = TinyDLRM()
+    if optim == "adagrad":
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    elif optim == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, opt
+
+
+def assert_state_equal(a, b):
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_state_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_state_equal(x, y)
+    else:
+        assert a == b
+
+
+# -- exact round trip ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("optim", ["adagrad", "adam"])
+def test_lossless_save_train_restore_is_bit_exact(store, optim):
+    model, opt = make(0, optim)
+    loader = Loader()
+    ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental", extra={"loader": loader})
+    for _ in range(3):
+        train_step(model, opt, loader.next())
+    v = ck.save(step=loader.position, meta={"note": "x"}).wait()
+    if optim == "adagrad":  # and an incremental save on top (dense Adam moves untouched rows too)
+        train_step(model, opt, loader.next())
+        v = ck.save(step=loader.position, meta={"note": "x"}).wait()
+    expect_model = copy.deepcopy(model.state_dict())
+    expect_opt = copy.deepcopy(opt.state_dict())
+    expect_pos = loader.position
+    for _ in range(4):
+        train_step(model, opt, loader.next())
+    assert not torch.equal(model.emb.weight, expect_model["emb.weight"])
+    info = ck.restore()
+    assert info.version == v and info.meta == {"note": "x"}
+    assert_state_equal(expect_model, model.state_dict())
+    assert_state_equal(expect_opt, opt.state_dict())
+    assert loader.position == expect_pos
+    # row-wise optimizer state went to its own tables
+    names = set(store.tables())
+    if optim == "adagrad":
+        assert {"emb.optim.sum", "bag.optim.sum"} <= names
+    else:
+        assert {"emb.optim.exp_avg", "emb.optim.exp_avg_sq", "bag.optim.exp_avg_sq"} <= names
+    ck.close()
+
+
+def test_adam_restore_into_fresh_optimizer_without_state(store):
+    model, opt = make(0, "adam")
+    ck = Checkpointer(store, model, opt, codec="fp32")
+    train_step(model, opt, batch(0))
+    ck.save(1).wait()
+    expect_model, expect_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    ck.close()
+    model2, opt2 = make(5, "adam")  # no state yet: restore must create it
+    ck2 = Checkpointer(store, model2, opt2, codec="fp32")
+    ck2.restore()
+    assert_state_equal(expect_model, model2.state_dict())
+    assert_state_equal(expect_opt, opt2.state_dict())
+    ck2.close()
+
+
+def run(store_path, steps, *, fail_at=None, save_every=3, mode="intermittent"):
+    store = cnrstore.open(store_path, create=True)
+    model, opt = make(0)
+    loader = Loader()
+    ck = Checkpointer(store, model, opt, codec="fp32", mode=mode, extra=[loader])
+    failed = False
+    while loader.position < steps:
+        train_step(model, opt, loader.next())
+        if loader.position % save_every == 0:
+            ck.save(loader.position)
+        if not failed and loader.position == fail_at:
+            failed = True
+            # a failure: throw the in-memory state away, start over from the newest checkpoint
+            ck.close()
+            model, opt = make(123)
+            loader = Loader()
+            ck = Checkpointer(store, model, opt, codec="fp32", mode=mode, extra=[loader])
+            info = ck.restore()
+            assert info.step == loader.position and loader.position < fail_at
+    ck.close()
+    store.close()
+    return model, opt
+
+
+@pytest.mark.parametrize("mode", ["incremental", "one-shot", "intermittent"])
+def test_failed_and_restored_run_matches_uninterrupted_run(tmp_path, mode):
+    steps = 16
+    ref_model, ref_opt = run(str(tmp_path / "a"), steps, mode=mode)
+    got_model, got_opt = run(str(tmp_path / "b"), steps, fail_at=11, mode=mode)
+    assert_state_equal(ref_model.state_dict(), got_model.state_dict())
+    assert_state_equal(ref_opt.state_dict(), got_opt.state_dict())
+
+
+# -- modes write exactly their rows --------------------------------------------------------------------
+
+class Table(nn.Module):
+    def __init__(self, rows=100, dim=3):
+        super().__init__()
+        self.emb = nn.Embedding(rows, dim)
+
+    def forward(self, ids):
+        return self.emb(ids)
+
+
+def touch(model, ids):
+    model(torch.tensor(ids)).sum().backward()
+
+
+def check_written(store, model, version, prev, expected_rows):
+    """The version holds the model's current values exactly at expected_rows and the previous ones
+    elsewhere. Every row was moved (untracked) before the save, so an extra row would show."""
+    now = model.emb.weight.detach().numpy()
+    mask = np.zeros(len(now), dtype=bool)
+    mask[list(expected_rows)] = True
+    want = np.where(mask[:, None], now, prev)
+    got = store.read_table("emb", version)
+    np.testing.assert_array_equal(got, want)
+    return got
+
+
+@pytest.mark.parametrize("mode", ["incremental", "one-shot", "intermittent"])
+def test_each_mode_writes_exactly_its_rows(store, mode):
+    torch.manual_seed(0)
+    model = Table()
+    ck = Checkpointer(store, model, codec="fp32", mode=mode)
+    all_rows = set(range(100))
+    # (rows looked up before the save, expected rows written by mode)
+    plan = [
+        ([], {"incremental": all_rows, "one-shot": all_rows, "intermittent": all_rows}),
+        ([1, 2, 2], {"incremental": {1, 2}, "one-shot": {1, 2}, "intermittent": {1, 2}}),
+        ([3], {"incremental": {3}, "one-shot": {1, 2, 3}, "intermittent": {1, 2, 3}}),
+        (list(range(10, 30)), {"incremental": set(range(10, 30)), "one-shot": {1, 2, 3} | set(range(10, 30)),
+                               "intermittent": {1, 2, 3} | set(range(10, 30))}),
+        (list(range(30, 35)), {"incremental": set(range(30, 35)), "one-shot": {1, 2, 3} | set(range(10, 35)),
+                               "intermittent": {1, 2, 3} | set(range(10, 35))}),
+        # S = .02, .03, .23, .28, .53: 1 + 2.09 <= 6 * .53 -> intermittent takes a new baseline
+        # (one step earlier, 1 + 1.56 > 5 * .28: not yet)
+        (list(range(35, 60)), {"incremental": set(range(35, 60)), "one-shot": {1, 2, 3} | set(range(10, 60)),
+                               "intermittent": all_rows}),
+        ([5], {"incremental": {5}, "one-shot": {1, 2, 3, 5} | set(range(10, 60)), "intermittent": {5}}),
+    ]
+    prev = np.zeros((100, 3), dtype=np.float32)
+    for step, (ids, expected) in enumerate(plan):
+        if ids:
+            touch(model, ids)
+        with torch.no_grad():
+            model.emb.weight.add_(1.0)  # untracked: every row differs from the previous version
+        pending = ck.save(step)
+        v = pending.wait()
+        assert pending.done()
+        want = expected[mode]
+        assert pending.report.rows == {"emb": len(want)}
+        assert pending.report.baseline == (want == all_rows)
+        prev = check_written(store, model, v, prev, want)
+    ck.close()
+
+
+# -- tracking ------------------------------------------------------------------------------------------
+
+class Lookups(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 2, padding_idx=0)
+        self.bag = nn.EmbeddingBag(30, 2, mode="sum")
+        self.bag2d = nn.EmbeddingBag(30, 2, mode="mean", padding_idx=29)
+
+
+def tracked_rows(store, ck, model, step):
+    """Per table, the rows the next incremental save writes, read back from the store."""
+    names = ["emb", "bag", "bag2d"]
+    before = {n: store.read_table(n) for n in names}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # untracked: a row written by the save shows as changed
+    v = ck.save(step).wait()
+    return {n: set(np.flatnonzero((store.read_table(n, v) != before[n]).any(axis=1)).tolist()) for n in names}
+
+
+def test_tracking_catches_every_looked_up_row(store):
+    model = Lookups()
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental")
+    ck.save(0).wait()
+    model.emb(torch.tensor([[0, 3], [7, 3]]))  # 2-D input, padding_idx row 0 included (harmless)
+    model.bag(torch.tensor([4, 5, 6, 9]), torch.tensor([0, 1]), per_sample_weights=torch.rand(4))
+    model.bag2d(torch.tensor([[11, 12], [13, 29]]))  # 2-D input without offsets; 29 is padding_idx
+    assert tracked_rows(store, ck, model, 1) == {"emb": {0, 3, 7}, "bag": {4, 5, 6, 9}, "bag2d": {11, 12, 13, 29}}
+    with torch.no_grad():  # evaluation lookups cannot change weights: not tracked
+        model.emb(torch.tensor([20]))
+    model.emb(torch.tensor([21]))
+    model.bag(torch.tensor([[1, 2, 3]]), per_sample_weights=torch.ones(1, 3))
+    assert tracked_rows(store, ck, model, 2) == {"emb": {21}, "bag": {1, 2, 3}, "bag2d": set()}
+    model.bag(input=torch.tensor([7, 8]), offsets=torch.tensor([0]))  # keyword arguments
+    assert tracked_rows(store, ck, model, 3)["bag"] == {7, 8}
+    ck.close()
+    model.emb(torch.tensor([22]))  # hooks removed: nothing tracked, nothing raised
+    assert all(len(m._forward_pre_hooks) == 0 for m in model.modules())
+
+
+# -- asynchrony and failures ---------------------------------------------------------------------------
+
+def test_weight_shared_by_two_modules_is_one_table_tracked_through_both(store):
+    model = nn.Module()
+    model.a = nn.Embedding(20, 2)
+    model.b = nn.EmbeddingBag(20, 2)
+    model.b.weight = model.a.weight
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental")
+    assert set(store.tables()) == {"a"} and not ck._dense  # the tied weight is not saved twice
+    ck.save(0).wait()
+    model.b(torch.tensor([[4, 5]]))
+    model.a(torch.tensor([9]))
+    with torch.no_grad():
+        model.a.weight.add_(1.0)
+    p = ck.save(1)
+    p.wait()
+    assert p.report.rows == {"a": 3}
+    np.testing.assert_array_equal(store.read_rows("a", [4, 5, 9]), model.a.weight.detach().numpy()[[4, 5, 9]])
+    ck.close()
+
+
+def test_background_failure_surfaces_in_wait_and_next_save(store, monkeypatch):
+    torch.manual_seed(0)
+    model = Table()
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental")
+    ck.save(0).wait()
+    real = store.checkpoint
+
+    def broken(*a, **k):
+        raise OSError("disk unplugged")
+
+    monkeypatch.setattr(store, "checkpoint", broken)
+    touch(model, [1])
+    pending = ck.save(1)
+    with pytest.raises(OSError, match="disk unplugged"):
+        pending.wait()
+    assert pending.done()
+    with pytest.raises(OSError, match="disk unplugged"):
+        pending.wait()  # and again
+    monkeypatch.setattr(store, "checkpoint", real)
+    with pytest.raises(OSError, match="disk unplugged"):
+        ck.save(2)
+    # delivered once; the next save is a full baseline, so the rows of the lost save are not lost
+    p = ck.save(3)
+    p.wait()
+    assert p.report.baseline and p.report.rows == {"emb": 100}
+    np.testing.assert_array_equal(store.read_table("emb"), model.emb.weight.detach().numpy())
+    ck.close()
+
+
+def test_unreported_background_failure_is_raised_by_close(store, monkeypatch):
+    model = Table()
+    ck = Checkpointer(store, model, codec="fp32")
+
+    def broken(*a, **k):
+        raise OSError("disk unplugged")
+
+    monkeypatch.setattr(store, "checkpoint", broken)
+    ck.save(0)
+    with pytest.raises(OSError, match="disk unplugged"):
+        ck.close()
+    ck.close()  # idempotent
+
+
+def test_save_waits_for_the_one_in_flight(store, monkeypatch):
+    torch.manual_seed(0)
+    model = Table()
+    ck = Checkpointer(store, model, codec="fp32")
+    real = store.checkpoint
+    import threading
+    gate = threading.Event()
+
+    def slow(*a, **k):
+        gate.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(store, "checkpoint", slow)
+    first = ck.save(0)
+    assert not first.done()
+    threading.Timer(0.2, gate.set).start()
+    second = ck.save(1)  # blocks until the first one is written
+    assert first.done()
+    assert second.wait() > first.wait()
+    ck.close()
+
+
+# -- wrong shapes ---------------------------------------------------------------------------------------
+
+def test_wrong_shape_raises_clear_error(store):
+    torch.manual_seed(0)
+    model, opt = make(0)
+    ck = Checkpointer(store, model, opt, codec="fp32")
+    ck.save(0).wait()
+    ck.close()
+
+    class Wider(TinyDLRM):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 8)
+
+    with pytest.raises(InvalidArgument, match=r"'emb'.*50 rows x 4 dims.*50 x 8"):
+        Checkpointer(store, Wider(), codec="fp32")
+
+    other = TinyDLRM()
+    other.bottom = nn.Linear(5, 4)
+    before = copy.deepcopy(other.state_dict())
+    ck2 = Checkpointer(store, other, codec="fp32")
+    with pytest.raises(InvalidArgument, match=r"bottom.weight.*\(4, 3\).*\(4, 5\)"):
+        ck2.restore()
+    assert_state_equal(before, other.state_dict())  # nothing half-loaded
+    ck2.close()
+
+
+def test_list_of_optimizers_restores_exactly(store):
+    model, _ = make(0)
+    emb_params = [model.emb.weight, model.bag.weight]
+    rest = [p for p in model.parameters() if all(p is not q for q in emb_params)]
+    opts = [torch.optim.Adagrad(emb_params, lr=0.1), torch.optim.SGD(rest, lr=0.1, momentum=0.9)]
+
+    class Both:
+        def zero_grad(self):
+            for o in opts:
+                o.zero_grad()
+
+        def step(self):
+            for o in opts:
+                o.step()
+
+    ck = Checkpointer(store, model, opts, codec="fp32", mode="one-shot")
+    for i in range(3):
+        train_step(model, Both(), batch(i))
+        ck.save(i)
+    ck.save(3).wait()
+    expect = copy.deepcopy([model.state_dict()] + [o.state_dict() for o in opts])
+    for i in range(3):
+        train_step(model, Both(), batch(10 + i))
+    ck.restore()
+    assert_state_equal(expect, [model.state_dict()] + [o.state_dict() for o in opts])
+    ck.close()
+
+
+def test_bad_arguments(store):
+    with pytest.raises(InvalidArgument, match="mode"):
+        Checkpointer(store, Table(), mode="sometimes")
+    with pytest.raises(InvalidArgument):
+        Checkpointer(store, Table(), codec="int99")
+    ck = Checkpointer(store, Table(), codec="fp32")
+    with pytest.raises(InvalidArgument, match="meta"):
+        ck.save(0, meta={"f": object()})
+    with pytest.raises(InvalidArgument, match="step"):
+        ck.save("zero")
+    assert ck.save(0).wait() == store.latest().version
+    ck.close()
+
+
+# -- lossy codecs ----------------------------------------------------------------------------------------
+
+def test_int4_restore_gives_decoded_saved_rows(store):
+    torch.manual_seed(0)
+    model = TinyDLRM()
+    ck = Checkpointer(store, model, codec="int4")
+    saved = model.emb.weight.detach().numpy().copy()
+    saved_bag = model.bag.weight.detach().numpy().copy()
+    saved_dense = model.bottom.weight.detach().clone()
+    ck.save(0).wait()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ck.restore()
+    codec = cnrstore.codecs.get("int4")
+    np.testing.assert_array_equal(model.emb.weight.detach().numpy(), codec.decode(codec.encode(saved), 4))
+    np.testing.assert_array_equal(model.bag.weight.detach().numpy(), codec.decode(codec.encode(saved_bag), 4))
+    assert torch.equal(model.bottom.weight, saved_dense)  # dense parameters stay exact
+    ck.close()
+
+
+def test_bit_width_policy_picks_codec_and_counts_restores(store):
+    torch.manual_seed(0)
+    model = Table()
+    policy = BitWidthPolicy(expected_restores=0.5)  # -> 2 bits; 8 bits once a restore exceeds it
+    ck = Checkpointer(store, model, codec=policy, mode="incremental")
+    assert store.tables()["emb"].codec == "int2"
+    saved = model.emb.weight.detach().numpy().copy()
+    ck.save(0).wait()
+    ck.restore()
+    assert policy.restores == 1 and policy.codec() == "int8"
+    c2 = cnrstore.codecs.get("int2")
+    np.testing.assert_array_equal(model.emb.weight.detach().numpy(), c2.decode(c2.encode(saved), 3))
+    with torch.no_grad():
+        model.emb.weight.add_(0.5)
+    touch(model, list(range(100)))
+    saved = model.emb.weight.detach().numpy().copy()
+    ck.save(1).wait()  # every row touched: all written, now in int8
+    c8 = cnrstore.codecs.get("int8")
+    np.testing.assert_array_equal(store.read_table("emb"), c8.decode(c8.encode(saved), 3))
+    ck.close()
