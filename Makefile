@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) tools/demo.py
+	$(PY) tools/train_dlrm.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q

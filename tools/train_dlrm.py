@@ -1,0 +1,695 @@
+#!/usr/bin/env python3
+"""A reference DLRM trainer with failure injection, checkpointed by cnrstore (or ``torch.save``).
+
+The model is the DLRM of Naumov et al.: a bottom MLP over 13 dense features, 26 ``nn.EmbeddingBag``
+tables (sum pooling, one id per feature per sample) with the Criteo Kaggle cardinalities capped at
+``--max-rows``, a dot interaction of every pair of the 27 feature vectors, and a top MLP with a sigmoid
+output. The data is synthetic but shaped like Criteo Kaggle: 13 log-normal count features and 26
+Zipf-distributed categorical ids (a fixed random permutation per table, so hot rows are spread over
+the table), with labels ``Bernoulli(sigmoid(teacher(x)))`` from a fixed random teacher DLRM of the same
+architecture, so the task is learnable. Batch ``k`` is a pure function of ``(seed, k)``: the data
+loader's position is just the batch index, saved with every checkpoint.
+
+Every ``--ckpt-every`` steps the state is checkpointed; every ``--fail-every`` steps a failure strikes
+(after the step's update and before its checkpoint): model, optimizer and loader are thrown away and
+rebuilt from a *different* random init, the newest committed version is restored into them and
+training resumes from the saved data position (the steps since that checkpoint are replayed). The
+store is closed and reopened, as a restarted process would. An in-flight asynchronous save is allowed
+to finish first: it stands for a version that committed just before the crash.
+
+The run ends with a table comparing the cnrstore checkpoints against a full blocking ``torch.save`` of
+the same state (bytes written, trainer stall, restore time), and the final held-out logloss / AUC
+against the same run without failures (and without checkpoints), trained in the same invocation.
+
+    python tools/train_dlrm.py                    # the default (demo) configuration
+    python tools/train_dlrm.py --quick            # a smaller, faster configuration
+    python tools/train_dlrm.py --backend torch    # checkpoint with torch.save only
+    python tools/train_dlrm.py --codec fp32 --mode incremental   # lossless: same weights as no failures
+
+``--backend cnrstore`` needs ``cnrstore.torch.Checkpointer``; when it cannot be imported the run falls
+back to ``torch.save`` and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+import cnrstore
+
+#: Criteo Kaggle (Display Advertising Challenge) cardinalities of the 26 categorical features.
+CRITEO_KAGGLE_CARDINALITIES = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
+    5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)
+NUM_DENSE = 13
+ZIPF_EXPONENT = 1.05
+#: Seed offsets: the teacher, the held-out set and the per-restart student inits never share a stream.
+TEACHER_SEED_OFFSET = 10_007
+HOLDOUT_STREAM = 1
+TRAIN_STREAM = 0
+#: Teacher logits are standardized then scaled: a positive rate near Criteo's ~25%, a learnable signal.
+TEACHER_LOGIT_SCALE = 2.0
+TEACHER_LOGIT_BIAS = -1.4
+#: The teacher's embedding init range: small enough that the dense features and the hot rows carry most
+#: of the signal, so a student sees enough of it in a short run (AUC ~0.50 -> ~0.73 in 300 steps).
+TEACHER_EMB_SCALE = 0.1
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def mlp(sizes: list[int], final_sigmoid: bool = False) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    if final_sigmoid:
+        layers.append(nn.Sigmoid())
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    """Bottom MLP, EmbeddingBags (sum), pairwise dot interaction, top MLP. ``forward`` returns logits."""
+
+    def __init__(self, cardinalities: list[int], dim: int, bottom: list[int], top: list[int],
+                 emb_scale: float = 0.05):
+        super().__init__()
+        self.dim = dim
+        self.bottom = mlp([NUM_DENSE, *bottom, dim])
+        self.embs = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum") for n in cardinalities)
+        for e in self.embs:
+            nn.init.uniform_(e.weight, -emb_scale, emb_scale)
+        f = len(cardinalities) + 1
+        self._tri = torch.triu_indices(f, f, offset=1)
+        self.top = mlp([dim + f * (f - 1) // 2, *top, 1])
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)                                            # (B, d)
+        # One id per feature per sample: each row of the (B, 1) input is a bag of one.
+        embs = [e(ids[:, t:t + 1]) for t, e in enumerate(self.embs)]      # 26 x (B, d)
+        feats = torch.stack([x, *embs], dim=1)                            # (B, 27, d)
+        z = torch.bmm(feats, feats.transpose(1, 2))                       # (B, 27, 27)
+        inter = z[:, self._tri[0], self._tri[1]]                          # (B, 351)
+        return self.top(torch.cat([x, inter], dim=1)).squeeze(1)
+
+
+def build_model(args, seed: int, emb_scale: float = 0.05) -> DLRM:
+    torch.manual_seed(seed)
+    return DLRM(cardinalities(args), args.dim, [64, 32], [64, 32], emb_scale=emb_scale)
+
+
+def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.Adagrad(model.parameters(), lr=lr)
+
+
+def cardinalities(args) -> list[int]:
+    return [min(c, args.max_rows) for c in CRITEO_KAGGLE_CARDINALITIES]
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+class SyntheticCriteo:
+    """Criteo-Kaggle-shaped batches, each a pure function of ``(seed, stream, batch index)``.
+
+    Categorical ids follow a finite Zipf(``ZIPF_EXPONENT``) over each table's rows, ranked by a fixed
+    random permutation; labels are Bernoulli(sigmoid(teacher logits)). The loader's whole state is its
+    position (the next batch index): ``state_dict()`` / ``load_state_dict()`` save and restore it.
+    """
+
+    def __init__(self, args, stream: int = TRAIN_STREAM):
+        self.seed = args.seed
+        self.stream = stream
+        self.batch_size = args.batch_size
+        self.position = 0
+        rng = np.random.default_rng([args.seed, 7])
+        self.perms = []
+        self.cdfs = []
+        for n in cardinalities(args):
+            self.perms.append(rng.permutation(n).astype(np.int64))
+            w = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** ZIPF_EXPONENT
+            cdf = np.cumsum(w)
+            self.cdfs.append(cdf / cdf[-1])
+        self.teacher = build_model(args, args.seed + TEACHER_SEED_OFFSET, emb_scale=TEACHER_EMB_SCALE).eval()
+        with torch.no_grad():  # calibrate the teacher's logits once, on a fixed batch
+            d, i = self._features(np.random.default_rng([args.seed, 99]), 8192)
+            t = self.teacher(d, i)
+            self._t_mean, self._t_std = float(t.mean()), float(t.std()) + 1e-6
+
+    def _features(self, rng: np.random.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = np.floor(rng.lognormal(mean=1.0, sigma=1.5, size=(n, NUM_DENSE)))
+        dense = torch.from_numpy(np.log1p(counts).astype(np.float32))    # DLRM's log(1 + x) transform
+        ids = np.empty((n, len(self.perms)), dtype=np.int64)
+        u = rng.random((n, len(self.perms)))
+        for t, (perm, cdf) in enumerate(zip(self.perms, self.cdfs)):
+            ranks = np.minimum(np.searchsorted(cdf, u[:, t], side="right"), perm.size - 1)
+            ids[:, t] = perm[ranks]
+        return dense, torch.from_numpy(ids)
+
+    def batch(self, k: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Batch ``k`` of this stream: (dense float32 (B,13), ids int64 (B,26), labels float32 (B,))."""
+        rng = np.random.default_rng([self.seed, self.stream, k])
+        dense, ids = self._features(rng, n or self.batch_size)
+        with torch.no_grad():
+            logit = self.teacher(dense, ids)
+        p = self.teacher_probs(logit)
+        labels = (rng.random(p.shape[0]) < p).astype(np.float32)
+        return dense, ids, torch.from_numpy(labels)
+
+    def teacher_probs(self, logit: torch.Tensor) -> np.ndarray:
+        """P(label = 1) given the teacher's raw logits: standardized, scaled and shifted."""
+        logit = TEACHER_LOGIT_SCALE * (logit - self._t_mean) / self._t_std + TEACHER_LOGIT_BIAS
+        return torch.sigmoid(logit).numpy()
+
+    def next(self):
+        b = self.batch(self.position)
+        self.position += 1
+        return b
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "stream": self.stream,
+                "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["seed"], state["stream"], state["batch_size"]) != (self.seed, self.stream, self.batch_size):
+            raise ValueError(f"loader state is for seed/stream/batch size {state['seed']}/{state['stream']}/"
+                             f"{state['batch_size']}, this loader is {self.seed}/{self.stream}/{self.batch_size}")
+        self.position = int(state["position"])
+
+
+# -------------------------------------------------------------------------------------------- metrics
+
+
+def auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """ROC AUC by the rank-sum (Mann-Whitney) formula, ties given their average rank."""
+    labels = np.asarray(labels).astype(bool)
+    scores = np.asarray(scores, dtype=np.float64)
+    n_pos = int(labels.sum())
+    n_neg = labels.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(scores, kind="mergesort")
+    sorted_scores = scores[order]
+    ranks = np.empty(scores.size, dtype=np.float64)
+    # Average rank over each run of equal scores.
+    starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+    ends = np.r_[starts[1:], scores.size]
+    avg = (starts + ends + 1) / 2.0                                       # 1-based average rank of a run
+    ranks[order] = np.repeat(avg, ends - starts)
+    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def logloss(labels: np.ndarray, probs: np.ndarray) -> float:
+    p = np.clip(np.asarray(probs, dtype=np.float64), 1e-7, 1 - 1e-7)
+    y = np.asarray(labels, dtype=np.float64)
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+
+
+class Holdout:
+    """A fixed held-out set from its own stream of the same distribution."""
+
+    def __init__(self, args, batches: int):
+        data = SyntheticCriteo(args, stream=HOLDOUT_STREAM)
+        parts = [data.batch(k, 4096) for k in range(batches)]
+        self.dense = torch.cat([p[0] for p in parts])
+        self.ids = torch.cat([p[1] for p in parts])
+        self.labels = torch.cat([p[2] for p in parts]).numpy()
+        with torch.no_grad():   # the Bayes-optimal predictor: the teacher's own probabilities
+            self.ceiling = (logloss(self.labels, data.teacher_probs(data.teacher(self.dense, self.ids))),
+                            auc(self.labels, data.teacher_probs(data.teacher(self.dense, self.ids))))
+
+    def evaluate(self, model: nn.Module) -> tuple[float, float]:
+        with torch.no_grad():
+            probs = torch.sigmoid(model(self.dense, self.ids)).numpy()
+        return logloss(self.labels, probs), auc(self.labels, probs)
+
+
+# ------------------------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """One stderr line redrawn in place on a TTY; otherwise a plain line every ~10%."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True):
+        self.total, self.label, self.enabled = total, label, enabled
+        self.tty = sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+        self.last_draw = 0.0
+        self.last_step = -1
+        self.every = max(1, total // 10)
+        self.note = ""
+
+    def update(self, step: int, loss: float, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if force and step == self.last_step:
+            return
+        if self.tty and not force and now - self.last_draw < 0.1 and step < self.total:
+            return
+        if not self.tty and not force and step % self.every and step != self.total:
+            return
+        self.last_draw, self.last_step = now, step
+        el = now - self.t0
+        rate = step / el if el > 0 else 0.0
+        eta = (self.total - step) / rate if rate > 0 else float("inf")
+        width = 24
+        filled = int(width * step / max(self.total, 1))
+        bar = "#" * filled + "-" * (width - filled)
+        line = (f"{self.label} [{bar}] {step}/{self.total} loss {loss:.4f} {rate:5.1f} it/s "
+                f"eta {eta:4.0f}s {self.note}")
+        if self.tty:
+            sys.stderr.write("\r" + line[:150].ljust(150))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            sys.stderr.write("\r" + " " * 150 + "\r")
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+
+
+def full_state(model, optimizer, loader, step: int) -> dict:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "loader": loader.state_dict(), "step": step}
+
+
+def timed_torch_save(state: dict, path: str) -> tuple[float, float, int]:
+    """Blocking ``torch.save`` to ``path``: (seconds to return, seconds including fsync, file bytes)."""
+    t0 = time.perf_counter()
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        t1 = time.perf_counter()
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t0, os.path.getsize(path)
+
+
+class TorchSaveBackend:
+    """The reference: a full, blocking ``torch.save`` of model + optimizer + loader (fsynced, atomic)."""
+
+    name = "torch.save"
+
+    def __init__(self, root: str, model, optimizer, loader):
+        self.root = root
+        os.makedirs(root, exist_ok=True)
+        self.model, self.optimizer, self.loader = model, optimizer, loader
+        self.bytes_written = 0
+
+    def _path(self) -> str:
+        return os.path.join(self.root, "latest.pt")
+
+    def save(self, step: int) -> float:
+        t0 = time.perf_counter()
+        _, _, size = timed_torch_save(full_state(self.model, self.optimizer, self.loader, step), self._path())
+        self.bytes_written += size
+        return time.perf_counter() - t0
+
+    def restore(self) -> int:
+        state = torch.load(self._path(), weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.loader.load_state_dict(state["loader"])
+        return int(state["step"])
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class CnrstoreBackend:
+    """``cnrstore.torch.Checkpointer``: touched rows only, snapshot then background write."""
+
+    name = "cnrstore"
+
+    def __init__(self, root: str, model, optimizer, loader, args, Checkpointer):
+        self.root = root
+        self.store = cnrstore.open(root, create=True)
+        self.ckpt = Checkpointer(self.store, model, optimizer, codec=args.codec, mode=args.mode,
+                                 extra={"loader": loader})
+        self.pending = None
+
+    @property
+    def bytes_written(self) -> int:
+        return int(self.store.stats()["bytes_written"])
+
+    def save(self, step: int) -> float:
+        t0 = time.perf_counter()
+        self.pending = self.ckpt.save(step, meta={"step": step})
+        return time.perf_counter() - t0
+
+    def restore(self) -> int:
+        info = self.ckpt.restore()
+        return int(info.step)
+
+    def finish(self) -> None:
+        """Wait for the in-flight save (it re-raises a background failure)."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+    def close(self) -> None:
+        self.finish()
+        self.ckpt.close()
+        self.store.close()
+
+
+def load_checkpointer():
+    """``cnrstore.torch.Checkpointer`` if it can be imported, else None (with the reason)."""
+    try:
+        from cnrstore.torch import Checkpointer  # noqa: PLC0415
+        return Checkpointer, None
+    except ImportError as e:
+        return None, str(e)
+
+
+# ------------------------------------------------------------------------------------------- training
+
+
+@dataclass
+class RunResult:
+    label: str
+    wall_s: float = 0.0
+    steps_executed: int = 0
+    failures: int = 0
+    checkpoints: int = 0
+    stalls: list[float] = field(default_factory=list)
+    restores: list[float] = field(default_factory=list)
+    bytes_written: int = 0
+    curve: list[tuple[int, float, float]] = field(default_factory=list)
+    final: tuple[float, float] = (float("nan"), float("nan"))
+    torch_save: list[tuple[float, float, int]] = field(default_factory=list)   # (stall, durable, bytes)
+    torch_load_s: float = float("nan")
+    model: nn.Module | None = None
+
+
+def train(args, holdout: Holdout, *, label: str, checkpoint: bool, fail_every: int,
+          backend_name: str, Checkpointer, store_root: str | None) -> RunResult:
+    """Train ``args.steps`` steps; checkpoint and inject failures as asked. Returns the measurements."""
+    res = RunResult(label)
+    restarts = 0
+
+    def fresh():
+        # A restarted process builds its model again; a different init seed makes any state the
+        # restore misses show up in the final metrics instead of hiding behind an identical init.
+        model = build_model(args, args.seed + 1000 * restarts)
+        return model, build_optimizer(model, args.lr), SyntheticCriteo(args)
+
+    def open_backend(model, optimizer, loader):
+        if not checkpoint:
+            return None
+        if backend_name == "cnrstore":
+            return CnrstoreBackend(store_root, model, optimizer, loader, args, Checkpointer)
+        return TorchSaveBackend(store_root, model, optimizer, loader)
+
+    model, optimizer, loader = fresh()
+    backend = open_backend(model, optimizer, loader)
+    loss_fn = nn.BCEWithLogitsLoss()
+    prog = Progress(args.steps, label, enabled=not args.no_progress)
+    eval_every = max(1, args.steps // 4)
+    res.curve.append((0, *holdout.evaluate(model)))
+    bytes_before_restart = 0
+    torch_probe_at = {args.ckpt_every, (args.steps // args.ckpt_every) * args.ckpt_every}
+    t_start = time.perf_counter()
+    ema = None
+    step = 0
+    failed_at: set[int] = set()
+    while step < args.steps:
+        dense, ids, labels = loader.next()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(dense, ids), labels)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        res.steps_executed += 1
+        lv = float(loss.detach())
+        ema = lv if ema is None else 0.98 * ema + 0.02 * lv
+        prog.update(step, ema)
+
+        if checkpoint and fail_every and step % fail_every == 0 and step < args.steps \
+                and step not in failed_at:
+            # A failure strikes after this step's update, before its checkpoint; once per multiple of
+            # K (the replayed steps after a restore do not fail again).
+            failed_at.add(step)
+            res.failures += 1
+            restarts += 1
+            backend.close()                                   # a save in flight commits, as said above
+            bytes_before_restart += backend.bytes_written if backend.name == "torch.save" else 0
+            del model, optimizer, loader, backend
+            model, optimizer, loader = fresh()
+            t0 = time.perf_counter()
+            backend = open_backend(model, optimizer, loader)
+            step = backend.restore()
+            res.restores.append(time.perf_counter() - t0)
+            prog.message(f"  failure #{res.failures}: restored step {step} in {res.restores[-1]:.3f}s, "
+                         f"data position {loader.position}")
+            continue
+
+        if checkpoint and step % args.ckpt_every == 0:
+            res.stalls.append(backend.save(step))
+            res.checkpoints += 1
+            if backend.name == "cnrstore" and step in torch_probe_at:
+                # The reference on the same state: a full blocking torch.save (timed, sized, then reloaded).
+                probe = os.path.join(args.probe_dir, "probe.pt")
+                res.torch_save.append(timed_torch_save(full_state(model, optimizer, loader, step), probe))
+                # Its restore, timed like ours: into a freshly built model and optimizer.
+                m2 = build_model(args, args.seed + 1000 * (restarts + 1))
+                o2 = build_optimizer(m2, args.lr)
+                t0 = time.perf_counter()
+                st = torch.load(probe, weights_only=False)
+                m2.load_state_dict(st["model"])
+                o2.load_state_dict(st["optimizer"])
+                loader.load_state_dict(st["loader"])   # the same position: a no-op, but timed
+                res.torch_load_s = time.perf_counter() - t0
+                del st, m2, o2
+                os.remove(probe)
+
+        if step % eval_every == 0 and step < args.steps and step not in {c[0] for c in res.curve}:
+            res.curve.append((step, *holdout.evaluate(model)))
+            prog.message(f"  {label} step {step}: holdout logloss {res.curve[-1][1]:.4f} "
+                         f"AUC {res.curve[-1][2]:.4f}")
+    if backend is not None:
+        backend.finish()
+    res.wall_s = time.perf_counter() - t_start
+    prog.update(args.steps, ema if ema is not None else float("nan"), force=True)
+    prog.close()
+    res.final = holdout.evaluate(model)
+    res.curve.append((args.steps, *res.final))
+    if backend is not None:
+        if backend.name == "torch.save":
+            res.bytes_written = bytes_before_restart + backend.bytes_written
+            res.torch_load_s = float(np.mean(res.restores)) if res.restores else float("nan")
+        else:
+            res.bytes_written = backend.bytes_written
+        backend.close()
+    res.model = model
+    return res
+
+
+# -------------------------------------------------------------------------------------------- summary
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def fmt_ms(s: float) -> str:
+    return "n/a" if s != s else f"{1000 * s:.1f} ms"
+
+
+def summary(args, backend_name: str, run: RunResult, base: RunResult | None, torch_bytes: int,
+            torch_stall: float, torch_durable: float) -> str:
+    rows: list[tuple[str, str, str]] = []
+    ours = "cnrstore" if backend_name == "cnrstore" else "torch.save"
+    n = max(run.checkpoints, 1)
+    per_ckpt = run.bytes_written / n
+    rows.append(("checkpoints written / failures", f"{run.checkpoints} / {run.failures}", ""))
+    rows.append(("bytes written, all checkpoints", fmt_bytes(run.bytes_written),
+                 fmt_bytes(torch_bytes * run.checkpoints)))
+    rows.append(("bytes written per checkpoint", fmt_bytes(per_ckpt),
+                 f"{fmt_bytes(torch_bytes)}  ({per_ckpt / torch_bytes:.1%} of it)" if torch_bytes else ""))
+    if run.stalls:
+        rows.append(("trainer stall per ckpt, mean", fmt_ms(float(np.mean(run.stalls))),
+                     f"{fmt_ms(torch_stall)} (+fsync {fmt_ms(torch_durable)})"))
+        rows.append(("trainer stall per ckpt, max", fmt_ms(float(np.max(run.stalls))), ""))
+    rows.append(("restore time, mean", fmt_ms(float(np.mean(run.restores))) if run.restores else "n/a",
+                 fmt_ms(run.torch_load_s)))
+    rows.append(("steps executed (replayed)", f"{run.steps_executed} ({run.steps_executed - args.steps})",
+                 f"{args.steps} (no failures)"))
+    ll, a = run.final
+    if base is not None:
+        bll, ba = base.final
+        rows.append(("final holdout logloss", f"{ll:.5f}", f"{bll:.5f} (no failures)"))
+        rows.append(("final holdout AUC", f"{a:.5f}", f"{ba:.5f} (no failures)"))
+        diff = max(float((p - q).abs().max()) for p, q in
+                   zip(run.model.state_dict().values(), base.model.state_dict().values()))
+        rows.append(("max |weight diff| vs no failures", f"{diff:.3g}", ""))
+        rows.append(("training wall time", f"{run.wall_s:.1f} s", f"{base.wall_s:.1f} s (no ckpt)"))
+    else:
+        rows.append(("final holdout logloss / AUC", f"{ll:.5f} / {a:.5f}", ""))
+        rows.append(("training wall time", f"{run.wall_s:.1f} s", ""))
+    start_ll, start_auc = run.curve[0][1], run.curve[0][2]
+    rows.append(("holdout logloss / AUC at step 0", f"{start_ll:.5f} / {start_auc:.5f}", ""))
+
+    head = (f"{ours}" + (f" (codec {args.codec}, mode {args.mode})" if backend_name == "cnrstore" else ""),
+            "full blocking torch.save")
+    w0 = max(len(r[0]) for r in rows) + 2
+    w1 = max(max(len(r[1]) for r in rows), len(head[0])) + 2
+    lines = [f"{'':<{w0}}{head[0]:<{w1}}{head[1]}", "-" * (w0 + w1 + 34)]
+    lines += [f"{r[0]:<{w0}}{r[1]:<{w1}}{r[2]}" for r in rows]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the ``None`` ones that ``--quick`` resolves (their help states both)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 800; --quick 200)")
+    p.add_argument("--batch-size", type=int, default=512, help="samples per training step")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="cap on each table's Criteo Kaggle cardinality (default 50000; --quick 10000)")
+    p.add_argument("--dim", type=int, default=16, help="embedding dimension")
+    p.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate")
+    p.add_argument("--ckpt-every", type=int, default=None, help="checkpoint every N steps (default 50; --quick 25)")
+    p.add_argument("--fail-every", type=int, default=None,
+                   help="simulate a failure every K steps, 0 for none (default 170; --quick 70)")
+    p.add_argument("--backend", choices=("cnrstore", "torch"), default="cnrstore",
+                   help="checkpoint backend; cnrstore falls back to torch.save if its Checkpointer is missing")
+    p.add_argument("--codec", default="int4", help="embedding codec (cnrstore backend)")
+    p.add_argument("--mode", default="intermittent", choices=("incremental", "one-shot", "intermittent"),
+                   help="cnrstore checkpoint mode")
+    p.add_argument("--store", default=None, help="checkpoint directory, new or empty (default: a temp dir, removed)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the data, the teacher and the model init")
+    p.add_argument("--holdout-batches", type=int, default=8, help="held-out batches of 4096 samples")
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train the same run without failures or checkpoints, for the final metrics")
+    p.add_argument("--quick", action="store_true", help="a smaller configuration (tests, smoke runs)")
+    p.add_argument("--no-progress", action="store_true", help="no progress output")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (0: torch's default); 1 leaves a core to the background writer "
+                        "and avoids thread oversubscription on small machines")
+    args = p.parse_args(argv)
+    defaults = dict(steps=(200, 800), max_rows=(10_000, 50_000), ckpt_every=(25, 50), fail_every=(70, 170))
+    for k, (quick, full) in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, quick if args.quick else full)
+    if args.steps <= 0 or args.batch_size <= 0 or args.max_rows <= 0 or args.dim <= 0 or args.ckpt_every <= 0:
+        p.error("--steps, --batch-size, --max-rows, --dim and --ckpt-every must be positive")
+    if args.fail_every < 0:
+        p.error("--fail-every must be >= 0")
+    if args.fail_every and args.fail_every <= args.ckpt_every:
+        # A failure strikes before its step's checkpoint: the first one needs an earlier version.
+        p.error("--fail-every must be greater than --ckpt-every (else no checkpoint exists to restore)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backend_name = args.backend
+    Checkpointer = None
+    if backend_name == "cnrstore":
+        Checkpointer, why = load_checkpointer()
+        if Checkpointer is None:
+            print(f"note: cnrstore.torch.Checkpointer is not available ({why}); "
+                  "falling back to torch.save checkpoints", file=sys.stderr)
+            backend_name = "torch"
+        elif args.codec not in cnrstore.codecs.names():
+            print(f"error: unknown codec {args.codec!r}; one of {', '.join(cnrstore.codecs.names())}",
+                  file=sys.stderr)
+            return 2
+
+    tmp = tempfile.mkdtemp(prefix="train_dlrm-")
+    try:
+        if args.store:
+            if os.path.exists(args.store) and os.listdir(args.store):
+                print(f"error: --store {args.store} is not empty; give a new or empty directory",
+                      file=sys.stderr)
+                return 2
+            store_root = args.store
+        else:
+            store_root = os.path.join(tmp, "store")
+        args.probe_dir = tmp
+        t_all = time.perf_counter()
+        card = cardinalities(args)
+        print(f"DLRM: 26 EmbeddingBags, {sum(card):,} rows x dim {args.dim}, bottom 13-64-32-{args.dim}, "
+              f"top 64-32-1; {args.steps} steps x batch {args.batch_size}; checkpoint every "
+              f"{args.ckpt_every}, failure every {args.fail_every or 'never'}; backend "
+              f"{'cnrstore Checkpointer' if backend_name == 'cnrstore' else 'torch.save'}"
+              + (f" (codec {args.codec}, mode {args.mode})" if backend_name == "cnrstore" else ""))
+        holdout = Holdout(args, args.holdout_batches)
+        print(f"held-out set: {holdout.labels.size} samples, positive rate {holdout.labels.mean():.3f}, "
+              f"teacher (Bayes-optimal) logloss {holdout.ceiling[0]:.4f} AUC {holdout.ceiling[1]:.4f}")
+        run = train(args, holdout, label="with failures" if args.fail_every else "checkpointed",
+                    checkpoint=True, fail_every=args.fail_every, backend_name=backend_name,
+                    Checkpointer=Checkpointer, store_root=store_root)
+        base = None
+        if args.compare:
+            base = train(args, holdout, label="no failures", checkpoint=False, fail_every=0,
+                         backend_name=backend_name, Checkpointer=None, store_root=None)
+
+        # The reference numbers: a full blocking torch.save of the same state.
+        if backend_name == "cnrstore" and run.torch_save:
+            torch_stall = float(np.mean([t[0] for t in run.torch_save]))
+            torch_durable = float(np.mean([t[1] for t in run.torch_save]))
+            torch_bytes = run.torch_save[-1][2]
+        else:
+            torch_stall = float(np.mean(run.stalls)) if run.stalls else float("nan")
+            torch_durable = torch_stall
+            torch_bytes = run.bytes_written // max(run.checkpoints, 1)
+
+        print()
+        print("holdout logloss / AUC during training (" + run.label + "): " +
+              ", ".join(f"step {s}: {ll:.4f}/{a:.4f}" for s, ll, a in run.curve))
+        print()
+        print(summary(args, backend_name, run, base, torch_bytes, torch_stall, torch_durable))
+        print(f"\ntotal run time {time.perf_counter() - t_all:.1f} s")
+        return 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
