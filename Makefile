@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +20,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
-	$(PY) -m pip install --quiet matplotlib  # for bench_policies' plot only
-	$(PY) benchmarks/bench_engine.py
-	$(PY) benchmarks/bench_codecs.py
-	$(PY) benchmarks/bench_policies.py --plot benchmarks/policies.png
+bench: $(STAMP)  # every benchmark, ~30 min on 2 cores: rewrites benchmarks/RESULTS.md and its PNGs
+	$(PY) -m pip install --quiet matplotlib  # for the plots only
+	$(PY) benchmarks/make_results.py
+
+bench-quick: $(STAMP)  # reduced runs of each, a few minutes: writes benchmarks/RESULTS-quick.md
+	$(PY) -m pip install --quiet matplotlib
+	$(PY) benchmarks/make_results.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info

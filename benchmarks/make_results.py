@@ -1,0 +1,108 @@
+"""Run every benchmark and write benchmarks/RESULTS.md (``make bench``), or a quick pass (``make bench-quick``).
+
+Each benchmark prints a markdown report of what it measured on this machine (header with the machine and
+date, tables of medians and same-run ratios); this script runs them one after another, each in its own
+process, and assembles their reports into one file, with how to reproduce each. A benchmark that fails
+is reported as failed in the file (with the tail of its output), never silently left out.
+
+    python benchmarks/make_results.py              # full: writes benchmarks/RESULTS.md and the PNGs
+    python benchmarks/make_results.py --quick      # reduced: writes benchmarks/RESULTS-quick.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (script, title, what it answers, arguments of the full run, arguments of the quick run, PNG or None);
+# quick runs never write the committed PNGs
+SECTIONS = [
+    ("bench_peers.py", "Against the peers",
+     "cnrstore (adaptive 4-bit, intermittent, background compaction) against a blocking torch.save and "
+     "torch.distributed.checkpoint save/async_save on the reference DLRM: bytes written, trainer stall, "
+     "time until durable, restore time, disk use.", [], ["--quick"], None),
+    ("bench_accuracy.py", "Accuracy against the paper's bit-width table",
+     "Training with failures and quantized restores at 2, 3, 4 and 8 bits, uniform and adaptive: held-out "
+     "logloss and AUC against the run without failures.", ["--plot", "accuracy.png"],
+     ["--quick", "--plot", "none"], "accuracy.png"),
+    ("bench_policies.py", "Differential schemes and background compaction",
+     "30 checkpoints of 25% Zipf-modified rows under each scheme: bytes the trainer wrote, peak disk, "
+     "longest read chain, restore time, trainer checkpoint latency.", ["--plot", "policies.png"],
+     ["--quick", "--plot", "none"], "policies.png"),
+    ("bench_codecs.py", "Codecs",
+     "Encode and decode speed and relative L2 error of every codec beside FBGEMM's plain and greedy "
+     "kernels on the same rows, and bytes per row.", [], ["--quick"], None),
+    ("bench_engine.py", "Storage engine",
+     "int4 checkpoint write against FBGEMM's prepack kernel, full-table read against torch.load, 10k "
+     "random point reads at an old version, index bytes per stored row.", [], ["--quick"], None),
+]
+
+
+def run_section(script: str, args: list[str], timeout: float) -> tuple[str, float, bool]:
+    """Run one benchmark; returns (its markdown report or a failure note, seconds, ok)."""
+    path = os.path.join(HERE, script)
+    if not os.path.exists(path):
+        return f"*Not run: {script} does not exist yet.*\n", 0.0, False
+    with tempfile.NamedTemporaryFile("r", suffix=".md") as out:
+        cmd = [sys.executable, path, "--out", out.name, *args]
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=timeout)
+            ok = proc.returncode == 0
+            tail = (proc.stdout + proc.stderr)[-2000:]
+        except subprocess.TimeoutExpired as exc:
+            ok, tail = False, f"timed out after {timeout:.0f} s\n{(exc.stdout or b'')[-1500:]!r}"
+        seconds = time.monotonic() - t0
+        report = open(out.name).read() if ok else ""
+    if not ok or not report.strip():
+        return f"*Failed: `{' '.join(os.path.basename(c) for c in cmd)}`*\n\n```\n{tail}\n```\n", seconds, False
+    return report, seconds, True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="reduced runs; writes RESULTS-quick.md")
+    parser.add_argument("--out", help="output file (default: benchmarks/RESULTS.md, or RESULTS-quick.md)")
+    parser.add_argument("--only", nargs="*", help="run only these scripts (e.g. bench_engine.py)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per benchmark (default 900; 180 quick)")
+    args = parser.parse_args(argv)
+    out = args.out or os.path.join(HERE, "RESULTS-quick.md" if args.quick else "RESULTS.md")
+    timeout = args.timeout or (180.0 if args.quick else 900.0)
+    parts = [
+        "# Benchmark results\n",
+        "Written by `benchmarks/make_results.py` (`make bench`; `make bench-quick` writes the reduced "
+        "RESULTS-quick.md instead). Every figure was measured on the machine named in its section's header, "
+        "in one run; comparisons are ratios against a reference measured in the same run, because these "
+        "machines are shared and noisy. Re-run to refresh; don't edit by hand.\n",
+    ]
+    failed = []
+    t_all = time.monotonic()
+    for script, title, what, full_args, quick_args, png in SECTIONS:
+        if args.only and script not in args.only:
+            continue
+        print(f"== {script} ...", flush=True)
+        report, seconds, ok = run_section(script, quick_args if args.quick else full_args, timeout)
+        print(f"   {'ok' if ok else 'FAILED'} in {seconds:.0f} s", flush=True)
+        if not ok:
+            failed.append(script)
+        reproduce = f"`.venv/bin/python benchmarks/{script}{' --quick' if args.quick else ''}`"
+        parts.append(f"\n## {title}\n\n{what}\n\nReproduce: {reproduce} ({seconds:.0f} s here).\n")
+        if png and ok and not args.quick:
+            parts.append(f"\n![{title}]({png})\n")
+        # the report's own headings go one level under the section's
+        parts.append("\n" + "\n".join("#" + line if line.startswith("#") else line for line in report.splitlines()) + "\n")
+    parts.append(f"\n---\nAll benchmarks together took {time.monotonic() - t_all:.0f} s.\n")
+    with open(out, "w") as f:
+        f.write("".join(parts))
+    print(f"wrote {out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
