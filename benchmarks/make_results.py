@@ -26,11 +26,12 @@ SECTIONS = [
     ("bench_peers.py", "Against the peers",
      "cnrstore (adaptive 4-bit, intermittent, background compaction) against a blocking torch.save and "
      "torch.distributed.checkpoint save/async_save on the reference DLRM: bytes written, trainer stall, "
-     "time until durable, restore time, disk use.", [], ["--quick"], None),
+     "time until durable, restore time, disk use.", ["--plot", "peers_intervals.png"], ["--quick"],
+     "peers_intervals.png"),
     ("bench_accuracy.py", "Accuracy against the paper's bit-width table",
      "Training with failures and quantized restores at 2, 3, 4 and 8 bits, uniform and adaptive: held-out "
-     "logloss and AUC against the run without failures.", ["--plot", "accuracy.png"],
-     ["--quick", "--plot", "none"], "accuracy.png"),
+     "logloss and AUC against the run without failures.", ["--png", "accuracy.png"],
+     ["--quick", "--png", ""], "accuracy.png"),
     ("bench_policies.py", "Differential schemes and background compaction",
      "30 checkpoints of 25% Zipf-modified rows under each scheme: bytes the trainer wrote, peak disk, "
      "longest read chain, restore time, trainer checkpoint latency.", ["--plot", "policies.png"],
