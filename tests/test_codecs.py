@@ -277,7 +277,7 @@ def test_fp16_rounds_to_nearest_even():
 
 # -- determinism and row independence ------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", codecs.names())  # the contract of every registered codec
 @prop
 @given(x=row_batches(), other=row_batches(), seed=st.integers(0, 2**16))
 def test_deterministic_and_row_independent(name, x, other, seed):
@@ -313,7 +313,7 @@ def test_input_layouts_and_dtypes_give_same_bytes(name):
 
 # -- non-finite and unrepresentable rows -----------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", codecs.names())  # the contract of every registered codec
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("row", [0, 3, 6])
 def test_non_finite_rejected_naming_the_row(name, bad, row):
@@ -410,7 +410,7 @@ def test_decode_rejects_bad_input(name):
             c.decode(enc, dim)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", codecs.names())  # the contract of every registered codec
 @pytest.mark.parametrize("dim", [1, 3, 64])
 def test_empty_batches(name, dim):
     c = codecs.get(name)

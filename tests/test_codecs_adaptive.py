@@ -289,22 +289,6 @@ def test_constant_fp16_rows_exact(name, v, dim):
 # -- determinism and row independence -------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", NAMES)
-@prop
-@given(x=row_batches(), other=row_batches(), seed=st.integers(0, 2**16))
-def test_deterministic_and_row_independent(name, x, other, seed):
-    c = codecs.get(name)
-    enc = c.encode(x)
-    assert np.array_equal(enc, c.encode(x.copy()))
-    for i in range(len(x)):
-        assert np.array_equal(enc[i], c.encode(x[i : i + 1])[0])
-    perm = np.random.default_rng(seed).permutation(len(x))
-    assert np.array_equal(c.encode(x[perm]), enc[perm])
-    if other.shape[1] == x.shape[1]:
-        mixed = c.encode(np.concatenate([other, x, other]))
-        assert np.array_equal(mixed[len(other) : len(other) + len(x)], enc)
-
-
-@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dim", [7, 64, 1024])
 def test_row_independent_across_chunks(name, dim):
     # batches larger than one internal chunk, ending in a chunk of one row
