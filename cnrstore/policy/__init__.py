@@ -14,8 +14,10 @@ from cnrstore.policy.compaction import (
     Plan,
     Retention,
 )
+from cnrstore.policy.interval import CheckpointInterval, Overhead
 
 __all__ = [
     "BitWidthPolicy", "CompactionPolicy", "IntermittentRule", "MaxChain", "EveryN", "Retention", "KeepLast",
     "KeepEveryNSteps", "KeepVersions", "History", "Plan",
+    "CheckpointInterval", "Overhead",
 ]
