@@ -32,11 +32,30 @@ Modes (what a save writes for the embedding tables; everything else is written i
 A baseline (every row) is written by the first save of a ``Checkpointer``, by the first save after a
 background failure, and by the first save after ``restore`` (except in incremental mode after restoring the
 newest version, where the store already holds exactly the model).
+
+Priority saves (CPR, Maeng et al. MLSys'21): with ``priority="mfu"`` the pre-hook also counts, per row, the
+lookups since the row was last saved (int32, duplicates within a batch counted: the exact update count of
+an optimizer that updates each looked-up row once per lookup's gradient; not saturating: a row looked up
+2^31 times between two saves of it would wrap); with ``priority="ssu"`` it counts only a random sample of
+each batch's ids, ``ssu_rate`` of them on average (drawn with replacement from a private, deterministically
+seeded ``torch.Generator`` and ``random.Random``, so the training RNG stream is not disturbed), an unbiased
+estimate of ``ssu_rate`` times the exact count. ``save(top=r)`` then writes, for every table, the
+touched rows with the highest counts, at most ``ceil(r · num_rows)`` of them (a fraction of *all* the
+table's rows, as CPR-MFU saves the r% most frequently updated rows: the write volume of a priority save is
+bounded and known in advance), ties broken toward the lower row id, with their row-wise optimizer state;
+dense parameters and the state blob are written as in every save. A priority save clears the touched bit
+and count of the rows it writes and leaves the others' for the next regular save; it marks the rows it
+writes as changed since the baseline (so later differentials still hold them), is never a baseline and
+does not enter the intermittent rule's ``S_i``. When the next save must be a baseline (see above), ``top``
+is ignored and the save is a regular baseline (``SaveReport.priority`` is False). A regular save clears
+every count.
 """
 
 from __future__ import annotations
 
 import io
+import math
+import random
 import threading
 import time
 from collections.abc import Mapping
@@ -54,22 +73,26 @@ from ..writer import pack_meta
 __all__ = ["Checkpointer", "PendingSave", "SaveReport"]
 
 MODES = ("incremental", "one-shot", "intermittent")
+PRIORITIES = ("mfu", "ssu")
 STATE_BLOB = "torch.state"
 DENSE_PREFIX = "torch.model/"
 _ROW_MARK = "__cnrstore_row_state__"
 _FORMAT = 1
+_SSU_SEED = 0x5C5_0000  # + the table's index: each table's sampling stream is reproducible
 
 
 @dataclass
 class SaveReport:
     """What one save wrote: rows per table (weights and row-wise optimizer state), whether it was a
-    baseline, and how long ``save()`` held the trainer (``stall_s``)."""
+    baseline or a priority save (``save(top=...)``), and how long ``save()`` held the trainer
+    (``stall_s``)."""
 
     step: int | None
     baseline: bool
     rows: dict[str, int] = field(default_factory=dict)
     stall_s: float = 0.0
     version: int | None = None
+    priority: bool = False
 
 
 class PendingSave:
@@ -99,9 +122,15 @@ class PendingSave:
 
 
 class _Table:
-    """One embedding module: its table, tracking masks and reusable host buffers."""
+    """One embedding module: its table, tracking masks, update counts (priority saves) and reusable host
+    buffers.
 
-    def __init__(self, path: str, module: nn.Module):
+    ``counts`` (int32 per row, on the weight's device, or None without ``priority``) holds the lookups
+    since the row was last saved, all of them (``"mfu"``) or a sample (``"ssu"``); ``count_scale`` turns
+    a count into an estimate of the exact one (1, or ``1 / ssu_rate``)."""
+
+    def __init__(self, path: str, module: nn.Module, priority: str | None = None, ssu_rate: float = 1.0,
+                 seed: int = _SSU_SEED):
         self.path = path
         self.name = path or "embedding"
         self.module = module
@@ -110,14 +139,46 @@ class _Table:
         self.touched = torch.zeros(self.num_rows, dtype=torch.bool, device=self.weight.device)
         self.since_baseline = torch.zeros_like(self.touched)
         self.on_cpu = self.weight.device.type == "cpu"
+        self.counts: torch.Tensor | None = None
+        self.count_scale = 1.0
+        self.ssu_rate: float | None = None
+        if priority is not None:
+            self.counts = torch.zeros(self.num_rows, dtype=torch.int32, device=self.weight.device)
+            self._ones = torch.ones(0, dtype=torch.int32, device=self.weight.device)
+        if priority == "ssu":
+            self.ssu_rate = float(ssu_rate)
+            self.count_scale = 1.0 / self.ssu_rate
+            # private streams, so the training RNG is untouched: positions from a torch.Generator, the
+            # sample size's rounding from a random.Random (a Python float: no tensor op in the hook)
+            self.generator = torch.Generator().manual_seed(seed)
+            self._rounding = random.Random(seed)
         self.buffers: dict[str, torch.Tensor] = {}  # host buffers by table name, reused across saves
         self.full_written: set[str] = set()  # row-state tables written in full in this session
         self.hooks = [module.register_forward_pre_hook(self._track, with_kwargs=True)]
 
     def _track(self, module, args, kwargs) -> None:
         if torch.is_grad_enabled():
-            ids = args[0] if args else kwargs["input"]
-            self.touched[ids.reshape(-1)] = True
+            ids = (args[0] if args else kwargs["input"]).reshape(-1)
+            self.touched[ids] = True
+            if self.counts is not None:
+                self._count(ids)
+
+    def _count(self, ids: torch.Tensor) -> None:
+        """Add one per id (duplicates too), or per id of a random sample of ``ssu_rate · len(ids)`` ids
+        drawn with replacement (the sample size rounded stochastically, so the estimate stays unbiased)."""
+        if self.ssu_rate is not None:
+            expected = self.ssu_rate * ids.numel()
+            k = int(expected)
+            if self._rounding.random() < expected - k:
+                k += 1
+            if k == 0:
+                return
+            pos = torch.randint(ids.numel(), (k,), generator=self.generator)
+            ids = ids.index_select(0, pos if self.on_cpu else pos.to(ids.device, non_blocking=True))
+        n = ids.numel()
+        if self._ones.numel() < n:
+            self._ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.int32, device=self._ones.device)
+        self.counts.index_add_(0, ids, self._ones[:n])
 
     # mask arithmetic on CPU goes through numpy views: single-threaded, so a save does not wait on
     # intra-op worker threads of a busy machine for what are microseconds of work
@@ -129,6 +190,34 @@ class _Table:
     def count(self, mask: torch.Tensor) -> int:
         return int(np.count_nonzero(mask.numpy())) if self.on_cpu else int(mask.sum())
 
+    def host(self, t: torch.Tensor) -> np.ndarray:
+        """``t`` as numpy: a view on CPU (writes go through), a copy otherwise."""
+        return t.numpy() if self.on_cpu else t.cpu().numpy()
+
+    def top_rows(self, k: int) -> torch.Tensor:
+        """The touched rows with the highest counts, at most ``k``, ties to the lower row id; ascending,
+        on the weight's device."""
+        rows = np.flatnonzero(self.host(self.touched))
+        if rows.size > k:
+            rows = _top_rows(rows, self.host(self.counts)[rows], k)
+        out = torch.from_numpy(rows)
+        return out if self.on_cpu else out.to(self.weight.device)
+
+    def settle_priority(self, rows: torch.Tensor, keep_since_baseline: bool) -> None:
+        """After a priority save wrote ``rows``: clear their touched bit and count; record them as
+        changed since the baseline if ``keep_since_baseline`` (one-shot and intermittent modes)."""
+        if self.on_cpu:
+            r = rows.numpy()
+            self.touched.numpy()[r] = False
+            self.counts.numpy()[r] = 0
+            if keep_since_baseline:
+                self.since_baseline.numpy()[r] = True
+        else:
+            self.touched[rows] = False
+            self.counts[rows] = 0
+            if keep_since_baseline:
+                self.since_baseline[rows] = True
+
     def merge_touched(self) -> None:
         if self.on_cpu:
             np.logical_or(self.since_baseline.numpy(), self.touched.numpy(), out=self.since_baseline.numpy())
@@ -137,8 +226,9 @@ class _Table:
 
     @staticmethod
     def clear(mask: torch.Tensor) -> None:
+        """Zero a mask or a count tensor."""
         if mask.device.type == "cpu":
-            mask.numpy().fill(False)
+            mask.numpy().fill(0)
         else:
             mask.zero_()
 
@@ -148,6 +238,21 @@ class _Table:
             buf = torch.empty((max(n, 1), width), dtype=torch.float32)
             self.buffers[table] = buf
         return buf[:n]
+
+
+def _top_rows(rows: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` entries of ``rows`` (ascending) with the highest ``counts``, ties to the lower row;
+    ascending. Linear time: a partition finds the k-th highest count, the ties at it fill up in row order."""
+    threshold = np.partition(counts, rows.size - k)[rows.size - k]
+    above = rows[counts > threshold]
+    at = rows[counts == threshold][: k - above.size]
+    return np.union1d(above, at)
+
+
+def _is_fraction(x) -> bool:
+    """A real number in (0, 1] (not a bool)."""
+    return (not isinstance(x, bool) and isinstance(x, (int, float, np.integer, np.floating))
+            and 0 < float(x) <= 1)
 
 
 def _as_list(optimizer) -> list:
@@ -194,9 +299,16 @@ class Checkpointer:
     """
 
     def __init__(self, store, model: nn.Module, optimizer=None, *, codec="int4", mode: str = "intermittent",
-                 optimizer_codec: str = "fp32", extra=None):
+                 optimizer_codec: str = "fp32", extra=None, priority: str | None = None,
+                 ssu_rate: float = 0.125):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if priority is not None and priority not in PRIORITIES:
+            raise InvalidArgument(f"priority must be None, 'mfu' (exact update counts) or 'ssu' (sub-sampled); "
+                                  f"got {priority!r}")
+        if not _is_fraction(ssu_rate):
+            raise InvalidArgument(f"ssu_rate must be a number in (0, 1] (the fraction of looked-up ids counted); "
+                                  f"got {ssu_rate!r}")
         if not isinstance(model, nn.Module):
             raise InvalidArgument(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self._policy = None if isinstance(codec, str) else codec
@@ -209,6 +321,8 @@ class Checkpointer:
         self.model = model
         self.mode = mode
         self.optimizer_codec = optimizer_codec
+        self.priority = priority
+        self.ssu_rate = float(ssu_rate)
         self._optimizers = _as_list(optimizer)
         self._extra = _as_extra(extra)
         self._tables: list[_Table] = []
@@ -222,7 +336,7 @@ class Checkpointer:
                     shared = self._by_weight[id(module.weight)]
                     shared.hooks.append(module.register_forward_pre_hook(shared._track, with_kwargs=True))
                     continue
-                t = _Table(path, module)
+                t = _Table(path, module, priority, self.ssu_rate, _SSU_SEED + len(self._tables))
                 self._tables.append(t)
                 self._by_weight[id(t.weight)] = t
                 self._ensure_table(existing, t.name, t.num_rows, t.dim, self._weight_codec())
@@ -279,30 +393,42 @@ class Checkpointer:
             p._done.wait()
 
     # -- save -----------------------------------------------------------------------------------------
-    def save(self, step: int | None = None, meta: dict | None = None) -> PendingSave:
+    def save(self, step: int | None = None, meta: dict | None = None, *, top: float | None = None) -> PendingSave:
         """Snapshot the state into host memory and write it in the background; see API.md.
 
-        Waits for the save in flight first. A failure of an earlier background write is raised here
-        (once) instead of taking a snapshot.
+        ``top`` (a fraction in (0, 1], only with ``priority``) makes it a priority save: per table, at most
+        ``ceil(top · num_rows)`` of the touched rows, the most updated first (module doc). Waits for the
+        save in flight first. A failure of an earlier background write is raised here (once) instead of
+        taking a snapshot.
         """
         if self._closed:
             raise InvalidArgument("this Checkpointer is closed")
+        if top is not None:
+            if self.priority is None:
+                raise InvalidArgument("save(top=...) needs update counts: make the Checkpointer with "
+                                      "priority='mfu' or priority='ssu'")
+            if not _is_fraction(top):
+                raise InvalidArgument(f"top must be a fraction in (0, 1] of each table's rows; got {top!r}")
         self._finish_inflight()
         self._raise_pending_error()
         pack_meta(meta)  # bad arguments fail here, not in the background
         if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
             raise InvalidArgument(f"step must be an integer or None, got {step!r}")
         try:
-            return self._snapshot(step, meta)
+            return self._snapshot(step, meta, top)
         except BaseException:
             self._force_full = True  # the masks may be half-consumed: the next save writes everything
             raise
 
-    def _snapshot(self, step, meta) -> PendingSave:
+    def _snapshot(self, step, meta, top=None) -> PendingSave:
         start = time.perf_counter()
         codec = self._weight_codec()
-        baseline, picks = self._pick_rows()
-        report = SaveReport(step=step, baseline=baseline)
+        priority = top is not None and not self._force_full and bool(self._tables)
+        if priority:
+            baseline, picks = False, self._pick_priority(top)
+        else:
+            baseline, picks = self._pick_rows()
+        report = SaveReport(step=step, baseline=baseline, priority=priority)
         row_jobs = []  # (table, rows numpy, values tensor, codec)
         existing = self.store.tables()
         with torch.no_grad():
@@ -327,8 +453,13 @@ class Checkpointer:
                     report.rows[name] = m
             dense = {k: _host_copy(v) for k, v in self._dense.items()}
             blob = self._state_blob()
-        for t in self._tables:
-            t.clear(t.touched)
+        for t, rows in zip(self._tables, picks):
+            if priority:
+                t.settle_priority(rows, keep_since_baseline=self.mode != "incremental")
+            else:
+                t.clear(t.touched)
+                if t.counts is not None:
+                    t.clear(t.counts)
             for name, _, _, _ in row_jobs:
                 if name.startswith(f"{t.name}.optim."):
                     t.full_written.add(name)
@@ -366,6 +497,15 @@ class Checkpointer:
             t.clear(t.since_baseline)
         return True, [None] * len(self._tables)
 
+    def _pick_priority(self, top: float):
+        """Per table, the rows a priority save writes (``_Table.top_rows``); changes no mask."""
+        picks = []
+        for t in self._tables:
+            # the epsilon keeps 0.07 * 100 (= 7.000000000000001) at 7 rows
+            k = min(t.num_rows, max(1, math.ceil(top * t.num_rows - 1e-6)))
+            picks.append(t.top_rows(k))
+        return picks
+
     @staticmethod
     def _gather(src: torch.Tensor, rows, out: torch.Tensor) -> None:
         src = src.detach()
@@ -381,6 +521,11 @@ class Checkpointer:
             out.copy_(src.index_select(0, rows))
 
     def _state_blob(self) -> np.ndarray:
+        """The ``torch.save`` payload: format, mode, tables, dense dtypes, each optimizer's state without its
+        row-wise tensors (markers naming their tables instead), ``extra``, and ``param_names``: per
+        optimizer, the model's name of each parameter in ``param_groups`` order (None for a parameter
+        that is not the model's). Readers must accept payloads without ``param_names`` (older versions)."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
         optims = []
         for opt in self._optimizers:
             sd = opt.state_dict()
@@ -400,6 +545,8 @@ class Checkpointer:
             "dense_dtypes": {k: str(v.dtype).split(".")[-1] for k, v in self._dense.items()},
             "optimizers": optims,
             "extra": {k: obj.state_dict() for k, obj in self._extra.items()},
+            "param_names": [[names.get(id(p)) for g in opt.param_groups for p in g["params"]]
+                            for opt in self._optimizers],
         }
         out = io.BytesIO()
         torch.save(payload, out)
@@ -485,6 +632,8 @@ class Checkpointer:
         for t in self._tables:
             t.touched.zero_()
             t.since_baseline.zero_()
+            if t.counts is not None:
+                t.counts.zero_()
         latest = self.store.latest()
         self._force_full = not (self.mode == "incremental" and latest is not None and latest.version == v)
         self._diffs = []
