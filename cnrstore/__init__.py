@@ -16,6 +16,7 @@ from .errors import (
     CnrError,
     CorruptionError,
     FormatVersionError,
+    GlobalCommitError,
     InvalidArgument,
     MissingRows,
     ReadOnlyError,
@@ -37,5 +38,5 @@ __all__ = [
     "FORMAT_VERSION", "codecs", "errors",
     "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "TableNotFound",
     "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",
-    "CheckpointInProgress",
+    "CheckpointInProgress", "GlobalCommitError",
 ]

@@ -155,8 +155,11 @@ def _merge_pieces(pieces: list, base: int, dim: int):
     return codec, rows[order], np.ascontiguousarray(encoded[order])
 
 
-def drop_versions(store: "Store", drop: set[int]) -> list[int]:
-    """Drop the versions in ``drop`` (never the newest) and every index entry no kept version reads.
+def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False) -> list[int]:
+    """Drop the versions in ``drop`` and every index entry no kept version reads.
+
+    The newest version is dropped only with ``allow_newest`` (cnrstore.distributed reclaims local versions
+    that no global version refers to); version numbers are never reused either way.
 
     An entry at version v of a block is read by a kept version k >= v only if no baseline of the block
     lies in (v, k]; it suffices to look at the smallest kept k >= v. Dense entries are each a whole
@@ -165,7 +168,7 @@ def drop_versions(store: "Store", drop: set[int]) -> list[int]:
     def body(w: IndexWriter) -> list[int]:
         versions = [v for v, _info in w.versions()]
         dropped = sorted(set(versions) & set(drop))
-        if dropped and dropped[-1] == versions[-1]:
+        if dropped and dropped[-1] == versions[-1] and not allow_newest:
             raise CnrError("the newest version cannot be dropped")  # a policy bug, not a user input
         kept = sorted(set(versions) - set(dropped))
         by_block: dict[tuple[int, int], list] = {}

@@ -87,3 +87,14 @@ class ReadOnlyError(CnrError):
 
 class CheckpointInProgress(CnrError):
     """A second checkpoint writer was opened while one is still open in this process."""
+
+
+class GlobalCommitError(CnrError):
+    """A distributed save did not become a global version: a rank failed its local write, or a rank did
+    not answer the commit's collective in time (it may have died). ``.ranks`` lists the ranks known to have
+    failed (empty when the cause is a timeout). The previous global version is intact; the local versions
+    written for this save are orphans, reclaimed later."""
+
+    def __init__(self, message: str, ranks=()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)

@@ -1,0 +1,24 @@
+"""Multi-rank checkpoints over torch.distributed (API.md, ``cnrstore.distributed``).
+
+    plan = ShardingPlan.row_wise({"emb.0": (10_000_000, 64), ...}, world_size)
+    ckpt = DistributedCheckpointer(root, model, optimizer, plan=plan, codec="int4")
+    ckpt.save(step)                 # every rank; returns after the snapshot
+    ckpt.restore()                  # any global version, any plan or world size
+    ckpt.recover(failed_ranks=[3], step=step)   # CPR partial recovery
+
+See ``checkpointer`` for the commit protocol and ``manifest`` for the files under the root.
+"""
+
+from .checkpointer import DistributedCheckpointer, DistributedPendingSave, RecoveryReport
+from .manifest import GlobalVersion, Root
+from .plan import Shard, ShardingPlan
+
+__all__ = ["DistributedCheckpointer", "DistributedPendingSave", "RecoveryReport", "GlobalVersion", "Root",
+           "Shard", "ShardingPlan", "versions"]
+
+
+def versions(root) -> list[GlobalVersion]:
+    """The committed global versions under ``root``, oldest first (no process group needed)."""
+    r = Root(root)
+    r.check()
+    return r.versions()

@@ -1,0 +1,595 @@
+"""Multi-rank checkpoints over torch.distributed: sharded saves, an atomic global commit, resharding
+restores and CPR partial recovery.
+
+Every rank runs a :class:`DistributedCheckpointer` over its part of the model: the embedding shards the
+:class:`ShardingPlan` gives it (module path = table name, shard rows = module rows) and its replica of the
+dense layers. Each rank writes into its own ordinary cnrstore store under one root (see ``manifest``),
+through a ``cnrstore.torch.Checkpointer``: the trainer stalls only for the host snapshot.
+
+The global commit, in each rank's background thread after its local write:
+
+1. the local version commits (durable) or fails;
+2. ``all_gather_object`` over a gloo group of the checkpointer's own collects every rank's outcome;
+3. if all committed, rank 0 writes the manifest naming every local version (atomically, last);
+4. rank 0 broadcasts the outcome, and ``PendingSave.wait()`` returns the global version or raises
+   :class:`GlobalCommitError`.
+
+A crash of any rank at any point leaves the previous global version whole: a global version exists only
+once its manifest is written, and the manifest names local versions that are durable already. Local
+versions no manifest names are orphans; they are dropped when a rank starts up and as retention proceeds.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import compaction as _compaction
+from .. import store as _store
+from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
+from ..policy import compaction as compaction_policy
+from ..torch.checkpointer import DENSE_PREFIX, STATE_BLOB, Checkpointer, SaveReport, _ROW_MARK
+from .manifest import GlobalVersion, Root
+from .plan import ShardingPlan
+
+__all__ = ["DistributedCheckpointer", "DistributedPendingSave", "RecoveryReport"]
+
+
+@dataclass
+class RecoveryReport:
+    """What a partial recovery did. ``lost_update_fraction`` estimates the portion of all embedding
+    updates of the run that the failure lost: the failed ranks' share of embedding rows times the share of
+    training steps since the checkpoint (CPR's "portion of lost samples", assuming updates spread evenly
+    over the rows; rows saved more often by priority saves lose less than this)."""
+
+    global_version: int
+    checkpoint_step: int | None
+    step: int | None
+    failed_ranks: tuple[int, ...]
+    restored: bool  # this rank restored its shards from the checkpoint
+    lost_steps: int | None
+    lost_update_fraction: float | None
+    seconds: float = 0.0
+    discarded_save_error: str | None = None  # a save in flight when the failure struck, which failed
+
+
+class DistributedPendingSave:
+    """A distributed save: the local snapshot is taken; the local write and the global commit run in the
+    background. ``wait()`` returns the global version, or raises ``GlobalCommitError`` (or the local
+    write's own error on the rank where it failed)."""
+
+    def __init__(self, report: SaveReport):
+        self.report = report
+        self.global_version: int | None = None
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> int:
+        self._done.wait()
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        assert self.global_version is not None
+        return self.global_version
+
+
+def _check_dist() -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise InvalidArgument("torch.distributed is not initialized; call torch.distributed.init_process_group "
+                              "(gloo or nccl) on every rank before creating a DistributedCheckpointer")
+    return dist.get_rank(), dist.get_world_size()
+
+
+class DistributedCheckpointer:
+    """Checkpoints this rank's shards and replicas into ``root``; see the module doc and API.md.
+
+    Collective: construct, ``save``, ``recover`` and ``close`` on every rank of the default process group,
+    in the same order. ``restore`` reads files only, but every rank must restore the same version.
+
+    ``codec``, ``mode``, ``optimizer_codec``, ``extra``, ``priority`` and ``ssu_rate`` are those of
+    ``cnrstore.torch.Checkpointer``. ``compaction`` is the rank stores' background compaction (None,
+    "auto" or a ``CompactionPolicy`` without retention: versions are kept or dropped by the global
+    ``keep_last``, never by one rank alone). ``keep_last`` keeps that many newest global versions
+    (None: all). ``timeout_s`` bounds how long a commit waits for the slowest rank.
+    """
+
+    def __init__(self, root, model: nn.Module, optimizer=None, *, plan: ShardingPlan, codec="int4",
+                 mode: str = "intermittent", optimizer_codec: str = "fp32", extra=None, priority=None,
+                 ssu_rate: float | None = None, compaction=None, keep_last: int | None = None,
+                 timeout_s: float = 600.0):
+        self.rank, self.world_size = _check_dist()
+        if not isinstance(plan, ShardingPlan):
+            raise InvalidArgument(f"plan must be a cnrstore.distributed.ShardingPlan, got {type(plan).__name__}")
+        if plan.world_size != self.world_size:
+            raise InvalidArgument(f"the plan is for {plan.world_size} ranks, the process group has "
+                                  f"{self.world_size}; make a plan for this world size")
+        policy = compaction_policy.resolve(compaction)
+        if policy is not None and policy.retention is not None:
+            raise InvalidArgument("a rank store's compaction policy must not drop versions (retention=None): "
+                                  "a global version needs every rank's local version; use keep_last=")
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise InvalidArgument(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        if not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be positive, got {timeout_s!r}")
+        self.plan = plan
+        self.model = model
+        self.keep_last = keep_last
+        self.timeout_s = float(timeout_s)
+        self._shards = plan.shards_of(self.rank)
+        self._check_model(model)
+        self.root = Root(root)
+        self._group = None
+        self._world = None
+        self.generation = self._join()
+        self.store = _store.open(self.root.store_path(self.root.store_rel(self.generation, self.rank)),
+                                 create=True, compaction=policy)
+        try:
+            self._reclaim_local(startup=True)
+            kwargs = {}
+            if priority is not None:
+                kwargs["priority"] = priority
+            if ssu_rate is not None:
+                kwargs["ssu_rate"] = ssu_rate
+            self._local = Checkpointer(self.store, model, optimizer, codec=codec, mode=mode,
+                                       optimizer_codec=optimizer_codec, extra=extra, **kwargs)
+        except BaseException:
+            self.store.close()
+            raise
+        self._pending: DistributedPendingSave | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+
+    # -- set-up ---------------------------------------------------------------------------------------
+    def _check_model(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidArgument(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        seen = set()
+        for path, module in model.named_modules():
+            if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+                continue
+            name = path or "embedding"
+            shard = self._shards.get(name)
+            if shard is None:
+                raise InvalidArgument(f"rank {self.rank}'s model has embedding {name!r}, which the plan does not "
+                                      f"give this rank (it gives {sorted(self._shards)}); fix the plan or the model")
+            rows, dim = module.weight.shape
+            want = (shard.num_rows, self.plan.tables[name][1])
+            if (rows, dim) != want:
+                raise InvalidArgument(f"rank {self.rank}: embedding {name!r} is {rows} x {dim}, its shard in the "
+                                      f"plan is rows [{shard.row_start}, {shard.row_end}) x {want[1]}")
+            seen.add(name)
+        missing = sorted(set(self._shards) - seen)
+        if missing:
+            raise InvalidArgument(f"the plan gives rank {self.rank} shards of {missing}, but its model has no "
+                                  "embedding module of that name")
+
+    def _join(self) -> int:
+        """Create this checkpointer's gloo group over the current default group and agree on the
+        generation (collective). Rank 0 makes the root and the generation's plan file."""
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        self._world = dist.group.WORLD
+        answer: list = [None]
+        if self.rank == 0:
+            try:
+                self.root.create()
+                answer = [("ok", self.root.generation_for(self.plan))]
+            except BaseException as exc:  # every rank must hear of it, or the others wait forever
+                answer = [("error", f"{type(exc).__name__}: {exc}")]
+        dist.broadcast_object_list(answer, src=0, group=self._group)
+        status, value = answer[0]
+        if status != "ok":
+            raise CnrError(f"rank 0 could not prepare the distributed root {self.root.path}: {value}")
+        self.root.check()
+        return int(value)
+
+    def _referenced(self) -> set[int]:
+        return {gv.local_versions[self.rank] for gv in self.root.versions()
+                if gv.generation == self.generation and self.rank < len(gv.local_versions)}
+
+    def _reclaim_local(self, startup: bool = False) -> list[int]:
+        """Drop local versions no global version refers to, then collect their space.
+
+        At start-up every unreferenced version goes (no commit of this store can be in flight: we hold its
+        lock); later only those older than the newest referenced one (a newer one may be in a commit)."""
+        referenced = self._referenced()
+        newest = max(referenced, default=0)
+        drop = {vi.version for vi in self.store.versions()
+                if vi.version not in referenced and (startup or vi.version < newest)}
+        if not drop:
+            return []
+        with self.store._maintenance_lock:
+            dropped = _compaction.drop_versions(self.store, drop, allow_newest=startup)
+        self.store.gc()
+        return dropped
+
+    # -- queries --------------------------------------------------------------------------------------
+    def versions(self) -> list[GlobalVersion]:
+        """Committed global versions, oldest first."""
+        return self.root.versions()
+
+    def latest(self) -> GlobalVersion | None:
+        return self.root.latest()
+
+    @property
+    def local(self) -> Checkpointer:
+        """This rank's ``cnrstore.torch.Checkpointer`` (its store is ``self.store``)."""
+        return self._local
+
+    # -- save -----------------------------------------------------------------------------------------
+    def _finish(self) -> None:
+        t, self._thread = self._thread, None
+        if t is not None:
+            t.join()
+
+    def _raise_pending_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def save(self, step: int | None = None, meta: dict | None = None, *, top: float | None = None
+             ) -> DistributedPendingSave:
+        """Snapshot this rank's state and commit it as a global version in the background (collective).
+
+        Waits for the previous save's global commit first; if that failed, its error is raised here once
+        (whether or not ``wait()`` raised it already, so that every rank raises at the same call), without
+        taking a snapshot. ``top`` makes a CPR priority save
+        (see ``cnrstore.torch.Checkpointer.save``)."""
+        if self._closed:
+            raise InvalidArgument("this DistributedCheckpointer is closed")
+        self._finish()
+        if self._error is not None:
+            # surfaced here, once: the local checkpointer must not raise it again at its next save, or
+            # this rank would skip a collective the others enter
+            # (a local version that committed while the global commit failed is an orphan that later
+            # increments still read through: drop_versions keeps whatever a kept version reads)
+            self._local._error = None
+        self._raise_pending_error()
+        local = self._local.save(step, meta) if top is None else self._local.save(step, meta, top=top)
+        pending = DistributedPendingSave(local.report)
+        self._pending = pending
+        self._thread = threading.Thread(target=self._commit, args=(pending, local, step, meta),
+                                        name=f"cnrstore-dist-commit-{step}", daemon=True)
+        self._thread.start()
+        return pending
+
+    def _commit(self, pending: DistributedPendingSave, local, step, meta) -> None:
+        try:
+            pending.global_version = self._commit_global(local, step, meta)
+            if self.keep_last is not None:
+                self._reclaim_local()
+        except BaseException as exc:
+            pending._error = exc
+            self._error = exc
+        finally:
+            pending._done.set()
+
+    def _commit_global(self, local, step, meta) -> int:
+        ok, version, reason = True, None, ""
+        try:
+            version = local.wait()
+        except BaseException as exc:
+            ok, reason = False, f"{type(exc).__name__}: {exc}"
+            local_error = exc
+        outcomes: list = [None] * self.world_size
+        decision: list = [None]
+        try:
+            dist.all_gather_object(outcomes, (ok, version, reason), group=self._group)
+            if self.rank == 0:
+                decision = [self._decide(outcomes, step, meta)]
+            dist.broadcast_object_list(decision, src=0, group=self._group)
+        except Exception as exc:
+            raise GlobalCommitError(
+                f"rank {self.rank}: the global commit of step {step} did not complete ({exc}); a rank may have "
+                f"died or be slower than timeout_s={self.timeout_s:g}. The previous global version is intact.") from exc
+        status, value, failed = decision[0]
+        if status == "ok":
+            return int(value)
+        if not ok:
+            raise local_error
+        raise GlobalCommitError(f"the save of step {step} is not a global version: {value}", failed)
+
+    def _decide(self, outcomes, step, meta):
+        """Rank 0: write the manifest if every rank committed; returns (status, version | reason, ranks)."""
+        failed = [r for r, (ok, _v, _why) in enumerate(outcomes) if not ok]
+        if failed:
+            why = "; ".join(f"rank {r}: {outcomes[r][2]}" for r in failed)
+            return "error", f"the local write failed on rank(s) {failed} ({why})", failed
+        try:
+            number = max(self.root.version_numbers(), default=0) + 1
+            gv = GlobalVersion(version=number, step=step, meta=meta, created=time.time(),
+                               generation=self.generation, plan=self.plan,
+                               local_versions=tuple(int(v) for _ok, v, _why in outcomes),
+                               stores=tuple(self.root.store_rel(self.generation, r) for r in range(self.world_size)))
+            self.root.commit(gv)
+        except BaseException as exc:
+            return "error", f"rank 0 could not write the manifest: {type(exc).__name__}: {exc}", [0]
+        try:
+            if self.keep_last is not None:
+                numbers = self.root.version_numbers()
+                self.root.drop(numbers[:-self.keep_last])
+                self.root.remove_unreferenced_generations(self.generation)
+        except BaseException:  # retention is best effort: the version is committed
+            pass
+        return "ok", number, []
+
+    # -- restore --------------------------------------------------------------------------------------
+    def restore(self, version: int | None = None) -> GlobalVersion:
+        """Load global ``version`` (default newest) into this rank's model, optimizers and ``extra``.
+
+        A version written under this checkpointer's plan is restored from this rank's own store; one
+        written under another plan or world size is resharded: each shard's rows are read, at their
+        point in time, from the stores of the ranks that held them (read-only), dense state from rank 0's
+        store and optimizer state by parameter name. Every rank must restore the same version."""
+        if self._closed:
+            raise InvalidArgument("this DistributedCheckpointer is closed")
+        self._finish()
+        gv = self.root.latest() if version is None else self.root.read(version)
+        if gv is None:
+            raise InvalidArgument(f"{self.root.path} holds no global version to restore; save() one first")
+        if gv.generation == self.generation and gv.plan == self.plan:
+            self._local.restore(gv.local_versions[self.rank])
+        else:
+            _Resharder(self, gv).load()
+        return gv
+
+    # -- partial recovery (CPR) -----------------------------------------------------------------------
+    def recover(self, failed_ranks, step: int | None = None) -> RecoveryReport:
+        """Partial recovery after ``failed_ranks`` were replaced (collective, on the new process group).
+
+        The failed ranks (new processes with freshly built models) restore their shards, the row-wise
+        optimizer state and ``extra`` from the newest global version; every other rank keeps its live
+        state. Dense layers and their optimizer state, replicated on every rank, are copied to the failed
+        ranks from the lowest surviving rank, so the replicas stay equal. ``step`` is the survivors'
+        current training step (used for the lost-update estimate; a replaced rank may pass None).
+        Re-joins the default process group first if it was re-created since this checkpointer last did.
+        """
+        if self._closed:
+            raise InvalidArgument("this DistributedCheckpointer is closed")
+        start = time.perf_counter()
+        failed = tuple(sorted({int(r) for r in failed_ranks}))
+        if not failed or any(not 0 <= r < self.world_size for r in failed):
+            raise InvalidArgument(f"failed_ranks must name ranks in [0, {self.world_size}), got {failed_ranks!r}")
+        discarded = None
+        if self._thread is not None:
+            self._finish()
+        if self._error is not None:
+            discarded, self._error = f"{type(self._error).__name__}: {self._error}", None
+        if dist.group.WORLD is not self._world:
+            _check_dist()
+            self._join()
+        survivors = [r for r in range(self.world_size) if r not in failed]
+        answer: list = [None]
+        if self.rank == 0:
+            gv0 = self.root.latest()
+            answer = [None if gv0 is None else gv0.version]
+        dist.broadcast_object_list(answer, src=0, group=self._group)
+        if answer[0] is None:
+            raise InvalidArgument("no global version to recover from; restart the job from scratch")
+        gv = self.root.read(answer[0])
+        if gv.plan != self.plan:
+            raise InvalidArgument(f"global version {gv.version} was written under another plan; partial recovery "
+                                  "needs the same plan: restore() every rank instead")
+        restored = self.rank in failed
+        if restored:
+            if gv.generation == self.generation:
+                self._local.restore(gv.local_versions[self.rank])
+            else:
+                _Resharder(self, gv).load()
+        steps: list = [None] * self.world_size
+        dist.all_gather_object(steps, step, group=self._group)
+        if survivors:
+            payload = [self._replicated_state() if self.rank == survivors[0] else None]
+            dist.broadcast_object_list(payload, src=survivors[0], group=self._group)
+            if restored:
+                self._load_replicated_state(payload[0])
+        current = max((s for s in steps if s is not None), default=None)
+        lost_steps = fraction = None
+        if current is not None and gv.step is not None:
+            lost_steps = max(current - gv.step, 0)
+            share = sum(self.plan.rows_of(r) for r in failed) / max(self.plan.total_rows(), 1)
+            fraction = share * lost_steps / current if current > 0 else 0.0
+        return RecoveryReport(global_version=gv.version, checkpoint_step=gv.step, step=current,
+                              failed_ranks=failed, restored=restored, lost_steps=lost_steps,
+                              lost_update_fraction=fraction, seconds=time.perf_counter() - start,
+                              discarded_save_error=discarded)
+
+    def _param_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.model.named_parameters()}
+
+    def _replicated_state(self) -> dict:
+        """The dense parameters/buffers and their optimizer state, by name (sent to replaced ranks)."""
+        names = self._param_names()
+        dense_ids = {id(v) for v in self._local._dense.values()}
+        optims = []
+        for opt in self._local._optimizers:
+            optims.append({names[id(p)]: {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                                          for k, v in opt.state.get(p, {}).items()}
+                           for g in opt.param_groups for p in g["params"]
+                           if id(p) in dense_ids and id(p) in names})
+        return {"dense": {k: v.detach().cpu().clone() for k, v in self._local._dense.items()}, "optim": optims}
+
+    def _load_replicated_state(self, state: dict) -> None:
+        names = self._param_names()
+        with torch.no_grad():
+            for k, v in state["dense"].items():
+                if k in self._local._dense:
+                    self._local._dense[k].copy_(v)
+        for opt, by_name in zip(self._local._optimizers, state["optim"]):
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    st = by_name.get(names.get(id(p)))
+                    if st is not None:
+                        opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
+                                        for k, v in st.items()}
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the save in flight, close the local checkpointer and store. Idempotent. A commit
+        failure that neither ``wait()`` nor ``save()`` has raised is raised here (after closing)."""
+        if self._closed:
+            return
+        self._finish()
+        self._closed = True
+        try:
+            self._local.close()
+        finally:
+            self.store.close()
+        if self._error is not None and self._pending is not None and not self._pending._reported:
+            err, self._error = self._error, None
+            raise err
+
+    def __enter__(self) -> "DistributedCheckpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Resharder:
+    """Loads a global version written under another plan into one rank's checkpointer (read-only reads
+    of the other ranks' stores at their local versions)."""
+
+    def __init__(self, owner: DistributedCheckpointer, gv: GlobalVersion):
+        self.owner = owner
+        self.gv = gv
+        self.local = owner._local
+        self._stores: dict[int, object] = {}
+        new, old = owner.plan.tables, gv.plan.tables
+        if new != old:
+            diff = sorted(set(new.items()) ^ set(old.items()))
+            raise InvalidArgument(f"global version {gv.version} has tables {old}, this plan {new} (differences: "
+                                  f"{diff}); restore into a model with the same tables")
+
+    def _store(self, rank: int):
+        if rank not in self._stores:
+            self._stores[rank] = _store.open(self.owner.root.store_path(self.gv.stores[rank]), readonly=True)
+        return self._stores[rank]
+
+    def _payload(self, rank: int) -> dict:
+        blob = self._store(rank).read_dense(STATE_BLOB, self.gv.local_versions[rank])
+        return torch.load(io.BytesIO(blob.tobytes()), weights_only=False)
+
+    def rows(self, name: str, table: str, width: int) -> np.ndarray:
+        """Rows of this rank's shard of ``table`` from store table ``name`` (the weight or a row state)."""
+        shard = self.owner._shards[table]
+        out = np.empty((shard.num_rows, width), dtype=np.float32)
+        for s in self.gv.plan.shards_of_table(table):
+            lo, hi = max(shard.row_start, s.row_start), min(shard.row_end, s.row_end)
+            if lo >= hi:
+                continue
+            st, v = self._store(s.rank), self.gv.local_versions[s.rank]
+            try:
+                if (lo, hi) == (s.row_start, s.row_end):
+                    vals = st.read_table(name, v)
+                else:
+                    vals = st.read_rows(name, np.arange(lo - s.row_start, hi - s.row_start), v)
+            except (TableNotFound, MissingRows) as exc:
+                raise InvalidArgument(f"global version {self.gv.version}: rank {s.rank}'s store lacks {name!r} "
+                                      f"rows [{lo}, {hi}) ({exc})") from exc
+            if vals.shape[1] != width:
+                raise InvalidArgument(f"{name!r} has width {vals.shape[1]} in global version {self.gv.version}, "
+                                      f"{width} here")
+            out[lo - shard.row_start:hi - shard.row_start] = vals
+        return out
+
+    def _dense(self, key: str, shape) -> torch.Tensor:
+        for rank in range(self.gv.world_size):  # rank 0 first: replicas are equal
+            try:
+                arr = self._store(rank).read_dense(DENSE_PREFIX + key, self.gv.local_versions[rank])
+            except (MissingRows, TableNotFound):
+                continue
+            if tuple(arr.shape) != tuple(shape):
+                raise InvalidArgument(f"state {key!r}: global version {self.gv.version} has shape "
+                                      f"{tuple(arr.shape)}, the model {tuple(shape)}")
+            return torch.from_numpy(arr.copy())
+        raise InvalidArgument(f"global version {self.gv.version} has no state {key!r} of the model on any rank")
+
+    def _optimizer_states(self, payloads: dict[int, dict]) -> list[dict]:
+        names = self.owner._param_names()
+        table_of = {id(t.weight): t for t in self.local._tables}
+        out = []
+        for i, opt in enumerate(self.local._optimizers):
+            by_rank = {}
+            for r, payload in payloads.items():
+                if len(payload["optimizers"]) != len(self.local._optimizers):
+                    raise InvalidArgument(f"global version {self.gv.version} holds {len(payload['optimizers'])} "
+                                          f"optimizer(s) on rank {r}, this checkpointer has {len(self.local._optimizers)}")
+                pnames = payload.get("param_names")
+                if pnames is None:
+                    raise InvalidArgument(f"global version {self.gv.version} was saved without parameter names "
+                                          "(an older cnrstore); restore it under the plan it was written with")
+                saved = payload["optimizers"][i]
+                by_rank[r] = {n: saved["state"].get(j) for j, n in enumerate(pnames[i]) if n is not None}
+            current = opt.state_dict()
+            params = [p for g in opt.param_groups for p in g["params"]]
+            state = {}
+            for idx, p in enumerate(params):
+                name = names.get(id(p))
+                t = table_of.get(id(p))
+                ranks = ([s.rank for s in self.gv.plan.shards_of_table(t.name)] if t is not None
+                         else list(range(self.gv.world_size)))
+                src = next((by_rank[r][name] for r in ranks if by_rank[r].get(name) is not None), None)
+                if src is None:
+                    continue
+                st = {}
+                for k, val in src.items():
+                    if isinstance(val, dict) and _ROW_MARK in val:
+                        shape = (self.owner._shards[t.name].num_rows,) + tuple(val["shape"][1:])
+                        width = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+                        arr = torch.from_numpy(self.rows(val[_ROW_MARK], t.name, width))
+                        val = arr.reshape(shape).to(getattr(torch, val["dtype"]))
+                    st[k] = val
+                state[idx] = st
+            groups = current["param_groups"]
+            saved_groups = payloads[min(payloads)]["optimizers"][i]["param_groups"]
+            if len(saved_groups) == len(groups):
+                groups = [{**sg, "params": g["params"]} for g, sg in zip(groups, saved_groups)]
+            out.append({"state": state, "param_groups": groups})
+        return out
+
+    def load(self) -> None:
+        try:
+            weights = [torch.from_numpy(self.rows(t.name, t.name, t.dim)) for t in self.local._tables]
+            dense = {k: self._dense(k, v.shape) for k, v in self.local._dense.items()}
+            for k, v in self.local._dense.items():
+                if v.dtype == torch.bfloat16:
+                    dense[k] = dense[k].view(torch.bfloat16)
+            payloads = {r: self._payload(r) for r in range(self.gv.world_size)}
+            optim_sds = self._optimizer_states(payloads)
+            extra_src = payloads[self.owner.rank if self.owner.rank in payloads else 0]["extra"]
+            missing = [k for k in self.local._extra if k not in extra_src]
+            if missing:
+                raise InvalidArgument(f"global version {self.gv.version} holds no extra state {missing}")
+        finally:
+            for st in self._stores.values():
+                st.close()
+        with torch.no_grad():
+            for t, w in zip(self.local._tables, weights):
+                t.weight.copy_(w)
+            for k, v in dense.items():
+                self.local._dense[k].copy_(v)
+        for opt, sd in zip(self.local._optimizers, optim_sds):
+            opt.load_state_dict(sd)
+        for k, obj in self.local._extra.items():
+            obj.load_state_dict(extra_src[k])
+        for t in self.local._tables:
+            t.touched.zero_()
+            t.since_baseline.zero_()
+        self.local._force_full = True
+        self.local._diffs = []
+        policy = self.local._policy
+        if policy is not None and callable(getattr(policy, "record_restore", None)):
+            policy.record_restore()

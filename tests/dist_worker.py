@@ -1,0 +1,193 @@
+"""One rank of a spawned gloo job for tests/test_distributed.py.
+
+    python tests/dist_worker.py '<json config>'
+
+The config names the scenario, rank, world size, the FileStore path for init_process_group, the root, an
+output directory and scenario options. A rank dumps its state (shard rows of every table, row-wise
+optimizer state, dense parameters) as ``<out>/<tag>-rank<r>.npz``; the test assembles the global tables
+from the dumps of all ranks and compares. Exit status 0 means the rank's own checks passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cnrstore.distributed import DistributedCheckpointer, ShardingPlan  # noqa: E402
+from cnrstore.errors import GlobalCommitError  # noqa: E402
+
+TABLES = {"emb.t0": (97, 8), "emb.t1": (40, 4), "emb.t2": (64, 6)}
+
+
+class Loader:
+    """A data-loader position (the ``extra`` state)."""
+
+    def __init__(self):
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def make_plan(kind: str, world: int) -> ShardingPlan:
+    return ShardingPlan.row_wise(TABLES, world) if kind == "row" else ShardingPlan.table_wise(TABLES, world)
+
+
+class Model(nn.Module):
+    def __init__(self, plan: ShardingPlan, rank: int, seed: int):
+        super().__init__()
+        shards = plan.shards_of(rank)
+        self.emb = nn.ModuleDict()
+        for name, (num_rows, dim) in TABLES.items():
+            if name not in shards:
+                continue
+            full = torch.randn(num_rows, dim, generator=torch.Generator().manual_seed(seed + list(TABLES).index(name)))
+            s = shards[name]
+            bag = nn.EmbeddingBag(s.num_rows, dim, mode="mean")
+            with torch.no_grad():
+                bag.weight.copy_(full[s.row_start:s.row_end])
+            self.emb[name.split(".", 1)[1]] = bag
+        torch.manual_seed(seed)
+        self.mlp = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 1))
+
+
+def train(model: Model, opt, loader: Loader, steps: int, rank: int) -> None:
+    for _ in range(steps):
+        k = loader.position
+        g = torch.Generator().manual_seed(1000 * k + rank)
+        loss = model.mlp(torch.randn(16, 5, generator=torch.Generator().manual_seed(k))).pow(2).mean()
+        for bag in model.emb.values():
+            ids = torch.randint(bag.num_embeddings, (12,), generator=g)
+            loss = loss + bag(ids, torch.tensor([0, 5])).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        for p in model.mlp.parameters():  # DDP's job: keep the dense replicas equal
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        opt.step()
+        loader.position += 1
+
+
+def dump(model: Model, opt, loader: Loader, plan: ShardingPlan, rank: int, path: str) -> None:
+    out = {"position": np.array(loader.position)}
+    shards = plan.shards_of(rank)
+    for key, bag in model.emb.items():
+        name = f"emb.{key}"
+        out[f"{name}/start"] = np.array(shards[name].row_start)
+        out[f"{name}/weight"] = bag.weight.detach().numpy().copy()
+        state = opt.state.get(bag.weight, {})
+        if "sum" in state:
+            out[f"{name}/sum"] = state["sum"].numpy().copy()
+            out[f"{name}/step"] = np.array(float(state["step"]))
+    for n, p in model.mlp.named_parameters():
+        out[f"mlp/{n}"] = p.detach().numpy().copy()
+        state = opt.state.get(p, {})
+        if "sum" in state:
+            out[f"mlp/{n}/sum"] = state["sum"].numpy().copy()
+    np.savez(path, **out)
+
+
+def main() -> int:
+    cfg = json.loads(sys.argv[1])
+    rank, world = cfg["rank"], cfg["world"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg.get("pg_timeout", 60)))
+    plan = make_plan(cfg.get("plan", "row"), world)
+    model = Model(plan, rank, cfg.get("seed", 0))
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    loader = Loader()
+    kwargs = dict(plan=plan, codec=cfg.get("codec", "fp32"), mode=cfg.get("mode", "incremental"),
+                  extra={"loader": loader}, timeout_s=cfg.get("timeout", 60), keep_last=cfg.get("keep_last"))
+    out = lambda tag: os.path.join(cfg["out"], f"{tag}-rank{rank}.npz")  # noqa: E731
+    scenario = cfg["scenario"]
+    ck = DistributedCheckpointer(cfg["root"], model, opt, **kwargs)
+    if scenario == "save":
+        for i, steps in enumerate(cfg["train"]):
+            train(model, opt, loader, steps, rank)
+            g = ck.save(step=loader.position, meta={"i": i}).wait()
+            dump(model, opt, loader, plan, rank, out(f"g{g}"))
+        ck.close()
+    elif scenario == "restore":
+        gv = ck.restore(cfg.get("version"))
+        dump(model, opt, loader, plan, rank, out(f"restored-g{gv.version}"))
+        if cfg.get("then_save"):  # the restored state must be saveable under the new plan
+            train(model, opt, loader, 2, rank)
+            g = ck.save(step=loader.position).wait()
+            dump(model, opt, loader, plan, rank, out(f"g{g}"))
+        ck.close()
+    elif scenario == "crash":
+        train(model, opt, loader, 3, rank)
+        g1 = ck.save(step=loader.position).wait()
+        dump(model, opt, loader, plan, rank, out(f"g{g1}"))
+        train(model, opt, loader, 2, rank)
+        if rank == cfg["crash_rank"]:
+            os.environ["CNRSTORE_CRASH_AT"] = cfg["crash_at"]
+        try:
+            g2 = ck.save(step=loader.position).wait()
+        except GlobalCommitError as exc:
+            print(f"rank {rank}: commit failed as expected: {exc}", flush=True)
+            return 0
+        print(f"rank {rank}: committed g{g2} although rank {cfg['crash_rank']} crashed", flush=True)
+        return 0 if cfg["crash_at"] == "dist_after_manifest" else 3
+    elif scenario == "partial":
+        return partial(cfg, ck, model, opt, loader, plan, rank, out)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    dist.destroy_process_group()
+    return 0
+
+
+def partial(cfg, ck, model, opt, loader, plan, rank, out) -> int:
+    """Survivors: train, save, train; rank `fail` dies; the survivors re-form the group with a replacement
+    started by the test, and recover. The replacement runs this with cfg["replacement"]."""
+    fail = cfg["fail_rank"]
+    if cfg.get("replacement"):
+        rep = ck.recover([fail], step=None)
+        assert rep.restored, rep
+        dump(model, opt, loader, plan, rank, out("recovered"))
+        loader.position = rep.step  # the survivors' data position: the replacement goes on from there
+        train(model, opt, loader, 2, rank)
+        ck.save(step=loader.position).wait()
+        ck.close()
+        return 0
+    train(model, opt, loader, 4, rank)
+    g = ck.save(step=loader.position).wait()
+    dump(model, opt, loader, plan, rank, out(f"g{g}"))
+    train(model, opt, loader, 3, rank)
+    if rank == fail:
+        os.kill(os.getpid(), 9)
+    try:  # the next collective fails: the peer is gone
+        dist.all_reduce(torch.ones(1))
+        raise AssertionError("all_reduce succeeded with a dead peer")
+    except RuntimeError as exc:
+        print(f"rank {rank}: peer failure seen: {type(exc).__name__}", flush=True)
+    dump(model, opt, loader, plan, rank, out("live"))
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{cfg['init2']}", rank=rank, world_size=cfg["world"],
+                            timeout=timedelta(seconds=60))
+    rep = ck.recover([fail], step=loader.position)
+    assert not rep.restored and rep.failed_ranks == (fail,) and rep.lost_steps == 3, rep
+    print(f"rank {rank}: lost_update_fraction={rep.lost_update_fraction:.4f}", flush=True)
+    dump(model, opt, loader, plan, rank, out("recovered"))
+    train(model, opt, loader, 2, rank)  # training goes on with the replacement
+    g2 = ck.save(step=loader.position).wait()
+    assert g2 > g, (g, g2)
+    ck.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

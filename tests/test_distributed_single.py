@@ -1,0 +1,172 @@
+"""cnrstore.distributed in a one-rank gloo group inside the test process: retention, generations, errors,
+corruption and priority saves (the multi-process behaviour is in test_distributed.py)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import cnrstore
+from cnrstore.distributed import DistributedCheckpointer, Root, ShardingPlan, versions
+from cnrstore.errors import CorruptionError, InvalidArgument
+from cnrstore.policy import CompactionPolicy, KeepLast, Retention
+
+TABLES = {"emb.a": (50, 4), "emb.b": (30, 2)}
+
+
+@pytest.fixture
+def group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+class Model(nn.Module):
+    def __init__(self, tables=TABLES, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.ModuleDict({k.split(".")[1]: nn.EmbeddingBag(n, d, mode="sum") for k, (n, d) in tables.items()})
+        self.lin = nn.Linear(3, 1)
+
+
+def step(model, opt, rows=(1, 2, 3)):
+    loss = model.lin(torch.ones(2, 3)).sum()
+    for bag in model.emb.values():
+        loss = loss + bag(torch.tensor(rows), torch.tensor([0])).pow(2).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def make(root, model=None, **kw):
+    model = model or Model()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    kw.setdefault("codec", "fp32")
+    return DistributedCheckpointer(root, model, opt, plan=ShardingPlan.row_wise(TABLES, 1), **kw), model, opt
+
+
+def test_keep_last_drops_old_global_versions_and_their_local_versions(tmp_path, group):
+    ck, model, opt = make(tmp_path / "root", keep_last=2, mode="incremental")
+    for i in range(5):
+        step(model, opt, rows=(i, i + 1))
+        ck.save(step=i).wait()
+    gvs = ck.versions()
+    assert [g.version for g in gvs] == [4, 5]
+    assert {v.version for v in ck.store.versions()} >= {g.local_versions[0] for g in gvs}
+    # local versions older than the newest referenced one and referenced by no global version are gone
+    assert {v.version for v in ck.store.versions()} == {g.local_versions[0] for g in gvs}
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    step(model, opt)
+    ck.restore()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=0)
+    ck.close()
+
+
+def test_a_new_plan_starts_a_new_generation_and_old_ones_go_once_unreferenced(tmp_path, group):
+    root = tmp_path / "root"
+    ck, model, opt = make(root)
+    step(model, opt)
+    ck.save(step=1).wait()
+    ck.close()
+    # a model with one more table: another plan, so another generation; version 1 stays restorable
+    tables2 = dict(TABLES, **{"emb.c": (10, 3)})
+    model2 = Model(tables2, seed=1)
+    opt2 = torch.optim.Adagrad(model2.parameters(), lr=0.1)
+    with pytest.raises(InvalidArgument, match="tables"):  # a restore needs the same tables
+        with DistributedCheckpointer(root, model2, opt2, plan=ShardingPlan.row_wise(tables2, 1), codec="fp32") as ck2:
+            ck2.restore(1)
+    ck2 = DistributedCheckpointer(root, model2, opt2, plan=ShardingPlan.row_wise(tables2, 1), codec="fp32",
+                                  keep_last=1)
+    assert ck2.generation == 2
+    ck2.save(step=2).wait()
+    ck2.close()
+    assert [g.generation for g in versions(root)] == [2]
+    assert not os.path.exists(Root(root).gen_dir(1))  # nothing refers to generation 1 any more
+
+
+def test_model_and_plan_must_agree(tmp_path, group):
+    model = Model()
+    opt = torch.optim.Adagrad(model.parameters())
+    with pytest.raises(InvalidArgument, match="does not\\s+give this rank|not give"):
+        DistributedCheckpointer(tmp_path, model, opt, plan=ShardingPlan.row_wise({"emb.a": (50, 4)}, 1))
+    with pytest.raises(InvalidArgument, match="shard"):
+        DistributedCheckpointer(tmp_path, model, opt,
+                                plan=ShardingPlan.row_wise({"emb.a": (51, 4), "emb.b": (30, 2)}, 1))
+    with pytest.raises(InvalidArgument, match="no\\s+embedding module"):
+        DistributedCheckpointer(tmp_path, model, opt,
+                                plan=ShardingPlan.row_wise(dict(TABLES, **{"emb.z": (5, 1)}), 1))
+    with pytest.raises(InvalidArgument, match="ranks"):
+        DistributedCheckpointer(tmp_path, model, opt, plan=ShardingPlan.row_wise(TABLES, 2))
+    with pytest.raises(InvalidArgument, match="retention"):
+        DistributedCheckpointer(tmp_path, model, opt, plan=ShardingPlan.row_wise(TABLES, 1),
+                                compaction=CompactionPolicy(retention=Retention(KeepLast(2))))
+    with pytest.raises(InvalidArgument, match="keep_last"):
+        DistributedCheckpointer(tmp_path, model, opt, plan=ShardingPlan.row_wise(TABLES, 1), keep_last=0)
+
+
+def test_restore_without_versions_and_unknown_version(tmp_path, group):
+    ck, _model, _opt = make(tmp_path / "root")
+    with pytest.raises(InvalidArgument, match="save"):
+        ck.restore()
+    with pytest.raises(cnrstore.VersionNotFound):
+        ck.restore(7)
+    ck.close()
+
+
+def test_a_corrupted_manifest_is_reported(tmp_path, group):
+    ck, model, opt = make(tmp_path / "root")
+    step(model, opt)
+    ck.save(step=1).wait()
+    ck.close()
+    path = tmp_path / "root" / "global" / "g-000000000001.cnrg"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptionError) as info:
+        versions(tmp_path / "root")
+    assert info.value.path == str(path)
+
+
+def test_priority_saves_become_global_versions(tmp_path, group):
+    ck, model, opt = make(tmp_path / "root", priority="mfu", mode="incremental")
+    step(model, opt)
+    ck.save(step=1).wait()  # the first save is a baseline
+    for _ in range(3):
+        step(model, opt, rows=(7, 7, 8))
+    step(model, opt, rows=(20,))
+    pending = ck.save(step=2, top=0.04)  # 2 of 50 rows of emb.a, 2 of 30 of emb.b
+    g = pending.wait()
+    assert pending.report.priority
+    gv = ck.versions()[-1]
+    assert gv.version == g and gv.step == 2
+    local = ck.store.read_rows("emb.a", [7, 8], gv.local_versions[0])
+    np.testing.assert_array_equal(local, model.emb["a"].weight.detach().numpy()[[7, 8]])
+    # row 20 was not picked: it still reads as in version 1, and the next regular save writes it
+    assert not np.array_equal(ck.store.read_rows("emb.a", [20], gv.local_versions[0]),
+                              model.emb["a"].weight.detach().numpy()[[20]])
+    ck.save(step=3).wait()
+    np.testing.assert_array_equal(ck.store.read_rows("emb.a", [20]), model.emb["a"].weight.detach().numpy()[[20]])
+    ck.close()
+
+
+def test_orphaned_local_versions_are_dropped_at_start_up(tmp_path, group):
+    ck, model, opt = make(tmp_path / "root", mode="incremental")
+    step(model, opt)
+    ck.save(step=1).wait()
+    gv = ck.latest()
+    # a local version no manifest names: what a rank leaves when a peer dies during the commit
+    step(model, opt, rows=(4,))
+    ck.local.save(step=2).wait()
+    assert len(ck.store.versions()) == 2
+    ck.close()
+    ck, model, opt = make(tmp_path / "root", mode="incremental")
+    assert [v.version for v in ck.store.versions()] == [gv.local_versions[0]]
+    ck.close()
