@@ -9,6 +9,10 @@
     cnrstore export STORE --format F OUT [--version V]   fp32 tables + dense arrays: torch|safetensors|npz
     cnrstore rows STORE TABLE ROW... [--version V]  print rows
 
+``ls`` and ``verify`` also take the root of a multi-rank job (``cnrstore.distributed``): they list its
+global versions, and verify its manifests and every rank store they name. The other commands take one
+rank's store (``ROOT/gen-G/rank-R``).
+
 Exit status: 0 on success, 1 when verify finds problems, 2 on a usage error or a store error (not a
 store, locked by a trainer, unknown version ...), with the reason on stderr. Maintenance commands need
 the store not to be open for writing elsewhere: run them while no trainer holds it.
@@ -24,8 +28,10 @@ import time
 import numpy as np
 
 from . import compaction
-from .errors import CnrError
+from .errors import CnrError, InvalidArgument
 from .export import FORMATS, export
+from .distributed import manifest as dist_manifest
+from .distributed.verify import verify_root
 from .store import Store, open as open_store
 
 
@@ -68,7 +74,50 @@ def _versions_rows(store: Store) -> list[dict]:
     return rows
 
 
+def _is_root(path: str) -> bool:
+    return dist_manifest.Root(path).exists()
+
+
+def _refuse_root(args) -> None:
+    if _is_root(args.store):
+        raise InvalidArgument(f"{args.store} is the root of a multi-rank job; `cnrstore {args.command}` works on "
+                              f"one rank's store: {args.store}/gen-GGGGGG/rank-RRRRR (see `cnrstore ls {args.store}`)")
+
+
+def cmd_ls_root(args) -> int:
+    gvs = dist_manifest.Root(args.store).versions()
+    rows = [{"version": g.version, "step": g.step, "created": g.created, "world_size": g.world_size,
+             "generation": g.generation, "local_versions": list(g.local_versions), "stores": list(g.stores)}
+            for g in gvs]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'global':>8} {'step':>10} {'created (UTC)':<20} {'ranks':>5} {'gen':>4}  local versions")
+    for r in rows:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
+        step = "-" if r["step"] is None else r["step"]
+        print(f"{r['version']:>8} {step:>10} {created:<20} {r['world_size']:>5} {r['generation']:>4}  "
+              f"{' '.join(map(str, r['local_versions']))}")
+    print(f"{len(rows)} global version(s)")
+    return 0
+
+
+def cmd_verify_root(args) -> int:
+    report = verify_root(args.store, progress=Progress("verify"))
+    if args.json:
+        print(json.dumps(report.__dict__, indent=2))
+    else:
+        for problem in report.problems:
+            print(f"problem: {problem}")
+        print(f"{'ok' if report.ok else 'DAMAGED'}: {report.global_versions} global version(s), "
+              f"{report.stores_checked} rank store(s), {report.records_checked} records, "
+              f"{report.bytes_checked:,} bytes checked, {len(report.problems)} problem(s)")
+    return 0 if report.ok else 1
+
+
 def cmd_ls(args) -> int:
+    if _is_root(args.store):
+        return cmd_ls_root(args)
     with open_store(args.store, readonly=True) as store:
         rows = _versions_rows(store)
     if args.json:
@@ -85,6 +134,7 @@ def cmd_ls(args) -> int:
 
 
 def cmd_info(args) -> int:
+    _refuse_root(args)
     with open_store(args.store, readonly=True) as store:
         tables = store.tables()
         stats = store.stats()
@@ -105,6 +155,8 @@ def cmd_info(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    if _is_root(args.store):
+        return cmd_verify_root(args)
     with open_store(args.store, readonly=True) as store:
         report = store.verify(progress=Progress("verify"))
     if args.json:
@@ -120,6 +172,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_compact(args) -> int:
+    _refuse_root(args)
     with open_store(args.store) as store:
         report = store.compact(args.version, progress=Progress("compact"))
     print(f"compacted at version {report.version}: {report.blocks_materialized} block baseline(s), "
@@ -128,6 +181,7 @@ def cmd_compact(args) -> int:
 
 
 def cmd_retain(args) -> int:
+    _refuse_root(args)
     with open_store(args.store) as store:
         dropped = store.retain(keep_last=args.keep_last)
     print(f"dropped {len(dropped)} version(s)" + (f": {', '.join(map(str, dropped))}" if dropped else "")
@@ -136,6 +190,7 @@ def cmd_retain(args) -> int:
 
 
 def cmd_gc(args) -> int:
+    _refuse_root(args)
     with open_store(args.store) as store:
         report = store.gc(progress=Progress("gc"))
     print(f"reclaimed {report.bytes_reclaimed:,} bytes ({report.segments_deleted} segment(s) deleted, "
@@ -145,6 +200,7 @@ def cmd_gc(args) -> int:
 
 
 def cmd_export(args) -> int:
+    _refuse_root(args)
     with open_store(args.store, readonly=True) as store:
         snapshot = store.restore(args.version)
     export(snapshot, args.format, args.out)
@@ -154,6 +210,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_rows(args) -> int:
+    _refuse_root(args)
     with open_store(args.store, readonly=True) as store:
         values = store.read_rows(args.table, np.array(args.row, dtype=np.int64), args.version)
     with np.printoptions(precision=6, suppress=False, linewidth=160):
@@ -170,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name, func, help_text):
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("store", help="path of the store")
+        p.add_argument("store", help="path of the store (ls, verify: or of a multi-rank job's root)")
         p.set_defaults(func=func)
         return p
 

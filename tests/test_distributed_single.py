@@ -170,3 +170,30 @@ def test_orphaned_local_versions_are_dropped_at_start_up(tmp_path, group):
     ck, model, opt = make(tmp_path / "root", mode="incremental")
     assert [v.version for v in ck.store.versions()] == [gv.local_versions[0]]
     ck.close()
+
+
+def test_cli_lists_and_verifies_a_root_and_points_other_commands_at_rank_stores(tmp_path, group, capsys):
+    from cnrstore import cli
+    ck, model, opt = make(tmp_path / "root")
+    for i in range(2):
+        step(model, opt)
+        ck.save(step=10 * (i + 1)).wait()
+    ck.close()
+    root = str(tmp_path / "root")
+    assert cli.main(["ls", root]) == 0
+    out = capsys.readouterr().out
+    assert "2 global version(s)" in out and " 20 " in out
+    assert cli.main(["verify", root]) == 0
+    assert "ok: 2 global version(s), 1 rank store(s)" in capsys.readouterr().out
+    assert cli.main(["info", root]) == 2
+    assert "rank-RRRRR" in capsys.readouterr().err
+    # damage one byte of the rank store's log: verify of the root finds it
+    seg_dir = os.path.join(Root(root).store_path(Root(root).store_rel(1, 0)), "segments")
+    seg = os.path.join(seg_dir, sorted(os.listdir(seg_dir))[0])
+    with open(seg, "r+b") as f:
+        f.seek(200)
+        b = f.read(1)
+        f.seek(200)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert cli.main(["verify", root, "--json"]) == 1
+    assert "rank-00000" in capsys.readouterr().out
