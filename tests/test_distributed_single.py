@@ -146,7 +146,7 @@ def test_priority_saves_become_global_versions(tmp_path, group):
     g = pending.wait()
     assert pending.report.priority
     gv = ck.versions()[-1]
-    assert gv.version == g and gv.step == 2
+    assert gv.version == g and gv.step == 2 and gv.priority and not ck.versions()[0].priority
     local = ck.store.read_rows("emb.a", [7, 8], gv.local_versions[0])
     np.testing.assert_array_equal(local, model.emb["a"].weight.detach().numpy()[[7, 8]])
     # row 20 was not picked: it still reads as in version 1, and the next regular save writes it
@@ -197,3 +197,43 @@ def test_cli_lists_and_verifies_a_root_and_points_other_commands_at_rank_stores(
         f.write(bytes([b[0] ^ 0xFF]))
     assert cli.main(["verify", root, "--json"]) == 1
     assert "rank-00000" in capsys.readouterr().out
+
+
+def test_a_later_increment_that_reads_through_an_orphan_survives_its_reclaim(tmp_path, group):
+    ck, model, opt = make(tmp_path / "root", mode="incremental")
+    step(model, opt)
+    ck.save(step=1).wait()
+    step(model, opt, rows=(11, 12))
+    ck.local.save(step=2).wait()  # an orphan: rows 11 and 12 live only in this local version
+    step(model, opt, rows=(25,))
+    ck.save(step=3).wait()  # incremental: holds row 25 only, reads rows 11 and 12 through the orphan
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    want_sum = opt.state[model.emb["a"].weight]["sum"].clone()
+    ck.close()
+    ck, model, opt = make(tmp_path / "root", model=Model(seed=5), mode="incremental")
+    assert [v.version for v in ck.store.versions()] == [g.local_versions[0] for g in ck.versions()]
+    ck.restore()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=0)
+    torch.testing.assert_close(opt.state[model.emb["a"].weight]["sum"], want_sum, rtol=0, atol=0)
+    ck.store.gc()
+    assert ck.store.verify().ok
+    ck.close()
+
+
+def test_recover_estimates_lost_updates_from_the_checkpoint_and_the_last_regular_save(tmp_path, group):
+    ck, model, opt = make(tmp_path / "root", priority="mfu", mode="incremental")
+    step(model, opt)
+    ck.save(step=1).wait()
+    step(model, opt, rows=(9,))
+    ck.save(step=5, top=0.05).wait()
+    saved = model.emb["a"].weight.detach().clone()
+    step(model, opt, rows=(9, 10))
+    rep = ck.recover([0], step=9)  # one rank: the failed rank is this one, and it reloads version 2
+    assert rep.restored and rep.global_version == 2 and rep.lost_steps == 4
+    assert rep.lost_update_fraction == pytest.approx(4 / 9)
+    assert rep.lost_update_fraction_max == pytest.approx(8 / 9)
+    torch.testing.assert_close(model.emb["a"].weight.detach(), saved, rtol=0, atol=0)
+    with pytest.raises(InvalidArgument, match="failed_ranks"):
+        ck.recover([1], step=9)
+    ck.close()

@@ -26,6 +26,10 @@ against the same run without failures (and without checkpoints), trained in the 
     python tools/train_dlrm.py --backend torch    # checkpoint with torch.save only
     python tools/train_dlrm.py --codec fp32 --mode incremental   # lossless: same weights as no failures
 
+``--world-size N`` trains on N processes with sharded embeddings instead, checkpointed by
+``cnrstore.distributed``, where a failure kills one rank and ``--recovery full|partial`` picks how the
+job recovers (CPR's partial recovery, with ``--priority mfu|ssu`` priority saves): see tools/dlrm_dist.py.
+
 ``--backend cnrstore`` needs ``cnrstore.torch.Checkpointer``; when it cannot be imported the run falls
 back to ``torch.save`` and says so.
 """
@@ -609,11 +613,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (0: torch's default); 1 leaves a core to the background writer "
                         "and avoids thread oversubscription on small machines")
+    d = p.add_argument_group("multi-rank training (tools/dlrm_dist.py)")
+    d.add_argument("--world-size", type=int, default=None,
+                   help="train on N processes (gloo) with sharded embeddings, checkpointed by "
+                        "cnrstore.distributed; a failure kills one rank (default: one process, as above). "
+                        "Shorter defaults: --steps 240 (--quick 120), --max-rows 20000 (--quick 5000), "
+                        "--batch-size 256, --ckpt-every 20, --fail-every 70 (--quick 50)")
+    d.add_argument("--sharding", choices=("row", "table"), default="row", help="embedding sharding plan")
+    d.add_argument("--recovery", choices=("full", "partial"), default="partial",
+                   help="after a rank fails: every rank restores the newest global version (full), or only "
+                        "the replaced rank restores its shards (partial, CPR)")
+    d.add_argument("--fail-rank", type=int, default=None, help="the rank each failure kills (default: round-robin)")
+    d.add_argument("--priority", choices=("mfu", "ssu"), default=None,
+                   help="CPR priority saves of the most updated rows between regular checkpoints (partial recovery)")
+    d.add_argument("--priority-every", type=int, default=None,
+                   help="steps between priority saves (default: --ckpt-every / 4)")
+    d.add_argument("--priority-top", type=float, default=0.05,
+                   help="fraction of each table's rows a priority save writes (the most updated touched ones)")
+    d.add_argument("--job-timeout", type=float, default=600.0, help="seconds before the launcher gives up on a job")
     args = p.parse_args(argv)
     defaults = dict(steps=(200, 800), max_rows=(10_000, 50_000), ckpt_every=(25, 50), fail_every=(70, 170))
+    if args.world_size is not None:
+        defaults = dict(steps=(120, 240), max_rows=(5_000, 20_000), ckpt_every=(20, 20), fail_every=(50, 70))
+        if "--batch-size" not in (argv if argv is not None else sys.argv[1:]):
+            args.batch_size = 256
     for k, (quick, full) in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, quick if args.quick else full)
+    if args.priority_every is None:
+        args.priority_every = max(1, args.ckpt_every // 4)
     if args.steps <= 0 or args.batch_size <= 0 or args.max_rows <= 0 or args.dim <= 0 or args.ckpt_every <= 0:
         p.error("--steps, --batch-size, --max-rows, --dim and --ckpt-every must be positive")
     if args.fail_every < 0:
@@ -626,6 +654,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.world_size is not None:
+        import dlrm_dist  # noqa: PLC0415 (tools/, beside this file)
+        return dlrm_dist.run(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     backend_name = args.backend

@@ -48,7 +48,8 @@ class RecoveryReport:
     """What a partial recovery did. ``lost_update_fraction`` estimates the portion of all embedding
     updates of the run that the failure lost: the failed ranks' share of embedding rows times the share of
     training steps since the checkpoint (CPR's "portion of lost samples", assuming updates spread evenly
-    over the rows; rows saved more often by priority saves lose less than this)."""
+    over the rows). When the checkpoint is a priority save, only its most-updated rows are that fresh:
+    the truth lies between ``lost_update_fraction`` and ``lost_update_fraction_max``."""
 
     global_version: int
     checkpoint_step: int | None
@@ -57,6 +58,9 @@ class RecoveryReport:
     restored: bool  # this rank restored its shards from the checkpoint
     lost_steps: int | None
     lost_update_fraction: float | None
+    #: the same estimate from the newest regular (non-priority) global version: an upper bound when the
+    #: newest version is a priority save, whose rows not picked are only as fresh as the save before it
+    lost_update_fraction_max: float | None = None
     seconds: float = 0.0
     discarded_save_error: str | None = None  # a save in flight when the failure struck, which failed
 
@@ -176,9 +180,20 @@ class DistributedCheckpointer:
             raise InvalidArgument(f"the plan gives rank {self.rank} shards of {missing}, but its model has no "
                                   "embedding module of that name")
 
+    def _release_group(self) -> None:
+        """Destroy this checkpointer's gloo group while the default group it was made in is alive (after
+        the default group is destroyed, torch has released it already)."""
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized() and dist.group.WORLD is self._world:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # a group broken by a dead peer: nothing left to release
+                pass
+
     def _join(self) -> int:
         """Create this checkpointer's gloo group over the current default group and agree on the
         generation (collective). Rank 0 makes the root and the generation's plan file."""
+        self._release_group()
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         self._world = dist.group.WORLD
         answer: list = [None]
@@ -286,7 +301,8 @@ class DistributedCheckpointer:
         outcomes: list = [None] * self.world_size
         decision: list = [None]
         try:
-            dist.all_gather_object(outcomes, (ok, version, reason), group=self._group)
+            dist.all_gather_object(outcomes, (ok, version, reason, bool(local.report.priority)),
+                                   group=self._group)
             if self.rank == 0:
                 decision = [self._decide(outcomes, step, meta)]
             dist.broadcast_object_list(decision, src=0, group=self._group)
@@ -303,7 +319,7 @@ class DistributedCheckpointer:
 
     def _decide(self, outcomes, step, meta):
         """Rank 0: write the manifest if every rank committed; returns (status, version | reason, ranks)."""
-        failed = [r for r, (ok, _v, _why) in enumerate(outcomes) if not ok]
+        failed = [r for r, (ok, _v, _why, _prio) in enumerate(outcomes) if not ok]
         if failed:
             why = "; ".join(f"rank {r}: {outcomes[r][2]}" for r in failed)
             return "error", f"the local write failed on rank(s) {failed} ({why})", failed
@@ -311,8 +327,9 @@ class DistributedCheckpointer:
             number = max(self.root.version_numbers(), default=0) + 1
             gv = GlobalVersion(version=number, step=step, meta=meta, created=time.time(),
                                generation=self.generation, plan=self.plan,
-                               local_versions=tuple(int(v) for _ok, v, _why in outcomes),
-                               stores=tuple(self.root.store_rel(self.generation, r) for r in range(self.world_size)))
+                               local_versions=tuple(int(v) for _ok, v, _why, _prio in outcomes),
+                               stores=tuple(self.root.store_rel(self.generation, r) for r in range(self.world_size)),
+                               priority=any(prio for _ok, _v, _why, prio in outcomes))
             self.root.commit(gv)
         except BaseException as exc:
             return "error", f"rank 0 could not write the manifest: {type(exc).__name__}: {exc}", [0]
@@ -396,15 +413,20 @@ class DistributedCheckpointer:
             if restored:
                 self._load_replicated_state(payload[0])
         current = max((s for s in steps if s is not None), default=None)
-        lost_steps = fraction = None
-        if current is not None and gv.step is not None:
-            lost_steps = max(current - gv.step, 0)
-            share = sum(self.plan.rows_of(r) for r in failed) / max(self.plan.total_rows(), 1)
-            fraction = share * lost_steps / current if current > 0 else 0.0
+        share = sum(self.plan.rows_of(r) for r in failed) / max(self.plan.total_rows(), 1)
+
+        def lost(since):
+            if current is None or since is None:
+                return None
+            return share * max(current - since, 0) / current if current > 0 else 0.0
+
+        regular = next((g for g in reversed(self.root.versions()) if not g.priority and g.version <= gv.version), None)
         return RecoveryReport(global_version=gv.version, checkpoint_step=gv.step, step=current,
-                              failed_ranks=failed, restored=restored, lost_steps=lost_steps,
-                              lost_update_fraction=fraction, seconds=time.perf_counter() - start,
-                              discarded_save_error=discarded)
+                              failed_ranks=failed, restored=restored,
+                              lost_steps=None if current is None or gv.step is None else max(current - gv.step, 0),
+                              lost_update_fraction=lost(gv.step),
+                              lost_update_fraction_max=lost(regular.step) if regular is not None else None,
+                              seconds=time.perf_counter() - start, discarded_save_error=discarded)
 
     def _param_names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.model.named_parameters()}
@@ -447,6 +469,7 @@ class DistributedCheckpointer:
             self._local.close()
         finally:
             self.store.close()
+            self._release_group()
         if self._error is not None and self._pending is not None and not self._pending._reported:
             err, self._error = self._error, None
             raise err

@@ -58,6 +58,7 @@ class GlobalVersion:
     plan: ShardingPlan
     local_versions: tuple[int, ...]  # by rank
     stores: tuple[str, ...] = field(default=())  # by rank, relative to the root
+    priority: bool = False  # a CPR priority save on some rank: only its most-updated rows are fresh
 
     @property
     def world_size(self) -> int:
@@ -66,13 +67,15 @@ class GlobalVersion:
     def to_dict(self) -> dict:
         return {"format": DIST_FORMAT_VERSION, "version": self.version, "step": self.step, "meta": self.meta,
                 "created": self.created, "generation": self.generation, "plan": self.plan.to_dict(),
-                "local_versions": list(self.local_versions), "stores": list(self.stores)}
+                "local_versions": list(self.local_versions), "stores": list(self.stores),
+                "priority": self.priority}
 
     @classmethod
     def from_dict(cls, d: dict) -> "GlobalVersion":
         return cls(version=int(d["version"]), step=d["step"], meta=d["meta"], created=float(d["created"]),
                    generation=int(d["generation"]), plan=ShardingPlan.from_dict(d["plan"]),
-                   local_versions=tuple(int(v) for v in d["local_versions"]), stores=tuple(d["stores"]))
+                   local_versions=tuple(int(v) for v in d["local_versions"]), stores=tuple(d["stores"]),
+                   priority=bool(d.get("priority", False)))
 
 
 def _seal(kind: str, payload: dict) -> bytes:

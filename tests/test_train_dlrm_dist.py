@@ -1,0 +1,55 @@
+"""tools/train_dlrm.py --world-size 2: a spawned gloo job with one rank killed (SIGKILL) and replaced,
+end to end in a subprocess, under full and under partial (CPR) recovery."""
+
+import os
+import re
+import subprocess
+import sys
+
+TOOL = os.path.join(os.path.dirname(__file__), "..", "tools", "train_dlrm.py")
+# 80 steps, a checkpoint every 20, one failure at step 50 (rank 1): the newest global version is step 40
+SHORT = ("--world-size", "2", "--quick", "--no-progress", "--steps", "80", "--fail-every", "50",
+         "--holdout-batches", "2", "--job-timeout", "150")
+
+
+def run(*args):
+    proc = subprocess.run([sys.executable, TOOL, *SHORT, *args], capture_output=True, text=True, timeout=200,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def field(out: str, label: str) -> list[str]:
+    line = next(line for line in out.splitlines() if line.startswith(label))
+    return line[len(label):].split()
+
+
+def recovery_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if line.strip().startswith("recovery #")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_full_recovery_of_a_killed_rank_reproduces_the_run_without_failures():
+    out = run("--recovery", "full", "--codec", "fp32", "--mode", "incremental")
+    assert field(out, "saves per rank (priority saves) / failures")[-1] == "1"
+    line = recovery_line(out)
+    assert "at step 50" in line and "all ranks restored step 40; 10 steps re-computed" in line, line
+    assert float(field(out, "time lost to failures")[0]) > 0
+    # lossless checkpoints, every rank restored, the lost steps re-computed: the same weights exactly
+    assert field(out, "max |weight diff| vs no failures")[0] == "0"
+    logloss = field(out, "final holdout logloss")
+    assert logloss[0] == logloss[1]
+    assert float(field(out, "final holdout AUC")[0]) > 0.65
+
+
+def test_partial_recovery_restores_only_the_killed_rank_and_the_model_still_learns():
+    out = run("--recovery", "partial", "--no-compare")
+    line = recovery_line(out)
+    assert "at step 50" in line and "rank 1 restored global version 2 (step 40); 10 steps of its updates lost" \
+        in line, line
+    # rank 1 holds about half the rows (row-wise) and lost 10 of 80 steps: about 6.25% of the updates
+    assert abs(float(field(out, "lost updates (estimate)")[0].rstrip("%")) - 6.25) < 0.01
+    ll, auc = (float(x) for x in field(out, "final holdout logloss / AUC")[::2])
+    auc_start = float(re.search(r"step 0: [0-9.]+/([0-9.]+)", out).group(1))
+    assert auc > 0.65 and auc > auc_start + 0.1 and ll < 0.6, out

@@ -1,0 +1,649 @@
+#!/usr/bin/env python3
+"""The multi-rank mode of ``tools/train_dlrm.py`` (``--world-size N``): the same DLRM, data and metrics,
+trained by N processes on this machine over ``torch.distributed`` (gloo, FileStore rendezvous under the
+run's temp dir) and checkpointed with ``cnrstore.distributed.DistributedCheckpointer``.
+
+The parallel scheme (simple and exact, not fast):
+
+- the 26 embedding tables are sharded by a ``ShardingPlan`` (``--sharding row``: every table cut into N
+  row ranges; ``table``: whole tables spread over the ranks). A rank's model holds only its shards, at the
+  module paths ``embs.<t>`` the plan names. Every rank starts from the same global init (the single-process
+  model's, sliced), so a run on N ranks computes what the single-process run computes, up to the order of
+  float sums;
+- the dense layers (bottom and top MLP) are replicated: every rank runs the *same* global batch through
+  them. Each rank computes the pooled outputs of its own shards (zero where another rank holds the row),
+  an ``all_reduce`` (sum, non-differentiable) assembles the full pooled embeddings on every rank, the loss
+  is back-propagated through the dense part, and each rank back-propagates the gradient of the pooled
+  embeddings into its own shards. The dense gradients are averaged with an ``all_reduce`` (DDP's job:
+  the replicas stay bit-equal);
+- evaluation runs the same sharded forward under ``torch.no_grad()`` (a collective).
+
+Failure injection (``--fail-every K``): after the update of step K, 2K, ... (and before that step's
+checkpoint), one rank kills itself with SIGKILL (round-robin from rank 1, or ``--fail-rank``). The
+survivors notice at their next collective (gloo raises), re-form the process group under a new FileStore
+file with a replacement process that the launcher spawned, and recover:
+
+- ``--recovery full``: every rank builds a fresh model (a different init, as a restarted process would),
+  restores the newest global version and training resumes from its step (the steps since are re-computed);
+- ``--recovery partial`` (CPR): ``DistributedCheckpointer.recover()``: the replacement restores its shards
+  from the newest global version and gets the dense replicas from a survivor; the survivors keep their live
+  state and everyone goes on from the survivors' step. The failed shard's updates since the checkpoint are
+  lost (estimated as in ``RecoveryReport``); ``--priority mfu|ssu`` adds CPR priority saves
+  (``save(top=F)`` every ``--priority-every`` steps between the regular ones) so that less is lost.
+
+Each rank appends its measurements to ``events-rank<r>.jsonl`` in the run directory (a replacement appends
+to its predecessor's file); the launcher reads them after the job and prints the summary: held-out
+logloss/AUC (and the same sharded run without failures or checkpoints, with ``--compare``), the time lost
+to checkpoints (trainer stall) and to failures (from the kill to every rank training again, plus the
+re-computed steps), and the lost-update estimate.
+
+    python tools/train_dlrm.py --world-size 2 --quick                       # partial recovery
+    python tools/train_dlrm.py --world-size 2 --quick --recovery full
+    python tools/train_dlrm.py --world-size 2 --priority mfu --priority-top 0.05
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import train_dlrm  # noqa: E402
+
+from cnrstore.distributed import DistributedCheckpointer, ShardingPlan  # noqa: E402
+
+#: Seconds a collective may wait for a peer before gloo gives up (a dead peer is noticed at once: its
+#: sockets close). Also the DistributedCheckpointer's commit timeout.
+PG_TIMEOUT_S = 60.0
+SHARDINGS = ("row", "table")
+RECOVERIES = ("full", "partial")
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def table_shapes(args) -> dict[str, tuple[int, int]]:
+    """The global embedding tables, by module path: ``{"embs.<t>": (rows, dim)}``."""
+    return {f"embs.{t}": (n, args.dim) for t, n in enumerate(train_dlrm.cardinalities(args))}
+
+
+def make_plan(args, world_size: int) -> ShardingPlan:
+    tables = table_shapes(args)
+    if args.sharding == "row":
+        return ShardingPlan.row_wise(tables, world_size)
+    return ShardingPlan.table_wise(tables, world_size)
+
+
+class ShardedDLRM(nn.Module):
+    """One rank's part of ``train_dlrm.DLRM``: replicated bottom/top MLPs and this rank's embedding shards
+    (``embs.<t>``, rows ``[row_start, row_end)`` of table ``t``). ``forward`` is a collective."""
+
+    def __init__(self, args, plan: ShardingPlan, rank: int, seed: int):
+        super().__init__()
+        full = train_dlrm.build_model(args, seed)   # the global init, identical on every rank
+        self.dim = full.dim
+        self.num_tables = len(full.embs)
+        self.bottom, self.top = full.bottom, full.top
+        self._tri = full._tri
+        self.embs = nn.ModuleDict()
+        self.bounds: dict[int, tuple[int, int, bool]] = {}   # table -> (row_start, row_end, whole table)
+        for name, shard in plan.shards_of(rank).items():
+            t = int(name.split(".", 1)[1])
+            bag = nn.EmbeddingBag(shard.num_rows, self.dim, mode="sum")
+            with torch.no_grad():
+                bag.weight.copy_(full.embs[t].weight[shard.row_start:shard.row_end])
+            self.embs[str(t)] = bag
+            self.bounds[t] = (shard.row_start, shard.row_end, shard.num_rows == plan.tables[name][0])
+        del full
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        return [*self.bottom.parameters(), *self.top.parameters()]
+
+    def local_pooled(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, T, d): this rank's contribution to every table's pooled output (zero where the row lives on
+        another rank). Only the ids this rank holds are looked up, so row tracking sees exactly them."""
+        b = ids.shape[0]
+        zero = ids.new_zeros(()).float().expand(b, self.dim)
+        cols = []
+        for t in range(self.num_tables):
+            bag = self.embs[str(t)] if t in self.bounds else None
+            if bag is None:
+                cols.append(zero)
+                continue
+            start, end, whole = self.bounds[t]
+            col = ids[:, t]
+            if whole:
+                cols.append(bag(col.view(-1, 1)))
+                continue
+            mine = torch.nonzero((col >= start) & (col < end)).squeeze(1)
+            out = torch.zeros(b, self.dim)
+            cols.append(out.index_put((mine,), bag((col[mine] - start).view(-1, 1))))
+        return torch.stack(cols, dim=1)
+
+    def head(self, x: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        feats = torch.cat([x.unsqueeze(1), pooled], dim=1)                 # (B, 27, d)
+        z = torch.bmm(feats, feats.transpose(1, 2))
+        inter = z[:, self._tri[0], self._tri[1]]
+        return self.top(torch.cat([x, inter], dim=1)).squeeze(1)
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor):
+        """(logits, this rank's pooled part with its graph, the assembled pooled leaf). Collective."""
+        x = self.bottom(dense)
+        part = self.local_pooled(ids)
+        pooled = part.detach().clone()
+        dist.all_reduce(pooled)
+        if torch.is_grad_enabled():
+            pooled.requires_grad_(True)
+        return self.head(x, pooled), part, pooled
+
+
+def train_step(model: ShardedDLRM, optimizer, loss_fn, batch) -> float:
+    """One synchronous step on the global batch (collective); returns the loss."""
+    dense, ids, labels = batch
+    optimizer.zero_grad(set_to_none=True)
+    logits, part, pooled = model(dense, ids)
+    loss = loss_fn(logits, labels)
+    loss.backward()                                   # dense grads and d loss / d pooled
+    if part.requires_grad:
+        part.backward(pooled.grad)                    # into this rank's shards
+    grads = [p.grad for p in model.dense_parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    optimizer.step()
+    return float(loss.detach())
+
+
+def evaluate(model: ShardedDLRM, holdout: train_dlrm.Holdout) -> tuple[float, float]:
+    """Held-out (logloss, AUC) of the sharded model (collective; every rank gets the same numbers)."""
+    with torch.no_grad():
+        logits, _part, _pooled = model(holdout.dense, holdout.ids)
+        probs = torch.sigmoid(logits).numpy()
+    return train_dlrm.logloss(holdout.labels, probs), train_dlrm.auc(holdout.labels, probs)
+
+
+def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
+    """The largest |a - b| over the state of two models of this rank, maximized over ranks (collective)."""
+    d = max(float((p - q).abs().max()) for p, q in zip(a.state_dict().values(), b.state_dict().values())
+            if p.is_floating_point())
+    t = torch.tensor([d])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+# --------------------------------------------------------------------------------------------- worker
+
+
+def victim_of(failure: int, args) -> int:
+    """The rank that failure number ``failure`` (0-based) kills."""
+    if args.fail_rank is not None:
+        return args.fail_rank
+    return (failure + 1) % args.world_size
+
+
+class Events:
+    """Appends one JSON object per line to this rank's event file (flushed: a SIGKILL loses nothing)."""
+
+    def __init__(self, run_dir: str, rank: int):
+        self.path = os.path.join(run_dir, f"events-rank{rank}.jsonl")
+
+    def log(self, kind: str, **fields) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"kind": kind, "time": time.time(), **fields}) + "\n")
+
+
+class Worker:
+    """One rank's process: train, checkpoint, fail on schedule, recover; see the module doc."""
+
+    def __init__(self, args, rank: int, epoch: int, run_dir: str):
+        self.args = args
+        self.rank = rank
+        self.world = args.world_size
+        self.epoch = epoch                   # failures so far: names the rendezvous file
+        self.run_dir = run_dir
+        self.events = Events(run_dir, rank)
+        self.plan = make_plan(args, self.world)
+        self.loss_fn = nn.BCEWithLogitsLoss()
+        self.pending = None
+        self.ckpt: DistributedCheckpointer | None = None
+        self.prog = None
+
+    # -- process group ------------------------------------------------------------------------------------
+    def rendezvous(self) -> None:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(self.run_dir, f'rdzv-{self.epoch}')}",
+                                rank=self.rank, world_size=self.world, timeout=timedelta(seconds=PG_TIMEOUT_S))
+
+    def leave_broken_group(self) -> None:
+        """After a peer died: let the save in flight fail, then drop the process group."""
+        if self.pending is not None:
+            try:
+                self.pending.wait()
+            except Exception:  # its global commit could not complete: the peer is gone
+                pass
+            self.pending = None
+        dist.destroy_process_group()
+
+    # -- state --------------------------------------------------------------------------------------------
+    def fresh(self, restarts: int):
+        """A freshly built model, optimizer and loader (a restart uses another init: what a restore misses
+        shows up in the metrics)."""
+        model = ShardedDLRM(self.args, self.plan, self.rank, self.args.seed + 1000 * restarts)
+        return model, train_dlrm.build_optimizer(model, self.args.lr), train_dlrm.SyntheticCriteo(self.args)
+
+    def open_checkpointer(self) -> DistributedCheckpointer:
+        a = self.args
+        return DistributedCheckpointer(a.store_root, self.model, self.optimizer, plan=self.plan, codec=a.codec,
+                                       mode=a.mode, extra={"loader": self.loader}, priority=a.priority,
+                                       timeout_s=PG_TIMEOUT_S)
+
+    # -- the run ------------------------------------------------------------------------------------------
+    def main(self, replacement: bool) -> int:
+        a = self.args
+        torch.set_num_threads(max(a.threads, 1))
+        self.holdout = train_dlrm.Holdout(a, a.holdout_batches)
+        self.rendezvous()
+        self.model, self.optimizer, self.loader = self.fresh(self.epoch if replacement else 0)
+        self.ckpt = self.open_checkpointer()
+        self.step = 0
+        if replacement:
+            self.recover_as_replacement()
+        elif self.rank == 0:
+            self.events.log("eval", step=0, result=evaluate(self.model, self.holdout))
+        else:
+            evaluate(self.model, self.holdout)
+        self.train_loop()
+        self.pending = None
+        self.ckpt.close()
+        if a.compare:
+            self.compare()
+        dist.destroy_process_group()
+        return 0
+
+    def train_loop(self) -> None:
+        a = self.args
+        eval_every = max(1, a.steps // 4)
+        self.prog = train_dlrm.Progress(a.steps, f"rank {self.rank}", enabled=self.rank == 0 and not a.no_progress)
+        ema = None
+        replay_until = None            # full recovery: (failure, step it struck, time training resumed)
+        while self.step < a.steps:
+            try:
+                lv = train_step(self.model, self.optimizer, self.loss_fn, self.loader.next())
+                self.step += 1
+                ema = lv if ema is None else 0.98 * ema + 0.02 * lv
+                self.prog.update(self.step, ema)
+                if replay_until is not None and self.step >= replay_until[1]:
+                    self.events.log("replayed", failure=replay_until[0], steps=self.step - replay_until[3],
+                                    seconds=time.perf_counter() - replay_until[2])
+                    replay_until = None
+                if a.fail_every and self.step % a.fail_every == 0 and self.step // a.fail_every > self.epoch \
+                        and self.step < a.steps:
+                    if self.rank == victim_of(self.epoch, a):
+                        self.events.log("kill", failure=self.epoch, step=self.step)
+                        os.kill(os.getpid(), signal.SIGKILL)
+                self.checkpoint()
+                if self.step % eval_every == 0 and self.step < a.steps:
+                    result = evaluate(self.model, self.holdout)
+                    if self.rank == 0:
+                        self.events.log("eval", step=self.step, result=result)
+                        self.prog.message(f"  step {self.step}: holdout logloss {result[0]:.4f} AUC {result[1]:.4f}")
+            except RuntimeError as exc:   # gloo: a peer died (torch.distributed.DistBackendError and kin)
+                if not a.fail_every or self.epoch >= self.scheduled_failures():
+                    raise
+                replay_until = self.recover_as_survivor(exc)
+        self.prog.close()
+        if self.pending is not None:
+            self.pending.wait()
+        result = evaluate(self.model, self.holdout)
+        if self.rank == 0:
+            self.events.log("final", step=self.step, result=result, ceiling=self.holdout.ceiling)
+
+    def scheduled_failures(self) -> int:
+        a = self.args
+        return (a.steps - 1) // a.fail_every if a.fail_every else 0
+
+    def checkpoint(self) -> None:
+        a = self.args
+        regular = self.step % a.ckpt_every == 0
+        priority = not regular and a.priority is not None and self.step % a.priority_every == 0
+        if not (regular or priority):
+            return
+        t0 = time.perf_counter()
+        pending = self.ckpt.save(self.step, meta={"step": self.step, "priority": priority},
+                                 top=a.priority_top if priority else None)
+        stall = time.perf_counter() - t0
+        self.pending = pending
+        self.events.log("save", step=self.step, stall=stall, priority=priority,
+                        written_priority=bool(pending.report.priority))
+
+    # -- recovery -----------------------------------------------------------------------------------------
+    def recover_as_survivor(self, exc: BaseException):
+        """A peer died (``exc``): re-form the group with its replacement and recover."""
+        a = self.args
+        failure = self.epoch
+        detected = time.time()
+        self.prog.message(f"  rank {self.rank}: peer failure #{failure + 1} seen at step {self.step} "
+                          f"({type(exc).__name__})")
+        self.leave_broken_group()
+        self.epoch += 1
+        self.loader.position = self.step        # a batch drawn for the step that failed is drawn again
+        self.rendezvous()
+        if a.recovery == "partial":
+            t0 = time.perf_counter()
+            rep = self.ckpt.recover([victim_of(failure, a)], step=self.step)
+            self.events.log("recovered", failure=failure, role="survivor", detected=detected,
+                            recover_s=time.perf_counter() - t0, global_version=rep.global_version,
+                            checkpoint_step=rep.checkpoint_step, step=self.step, lost_steps=rep.lost_steps,
+                            lost_update_fraction=rep.lost_update_fraction, victim=victim_of(failure, a),
+                            discarded=rep.discarded_save_error)
+            self.prog.message(f"  partial recovery #{failure + 1}: rank {victim_of(failure, a)} restored global "
+                              f"version {rep.global_version} (step {rep.checkpoint_step}); survivors kept step "
+                              f"{self.step}; lost steps {rep.lost_steps}, lost-update estimate "
+                              f"{rep.lost_update_fraction:.4%}")
+            return None
+        failed_step = self.step
+        t0 = time.perf_counter()
+        self.restart_full()
+        self.events.log("recovered", failure=failure, role="survivor", detected=detected,
+                        recover_s=time.perf_counter() - t0, checkpoint_step=self.step, step=failed_step,
+                        lost_steps=failed_step - self.step, victim=victim_of(failure, a))
+        self.prog.message(f"  full recovery #{failure + 1}: every rank restored step {self.step}; re-computing "
+                          f"{failed_step - self.step} steps")
+        return (failure, failed_step, time.perf_counter(), self.step)
+
+    def restart_full(self) -> None:
+        """Full recovery on this rank: rebuild everything, restore the newest global version."""
+        try:
+            self.ckpt.close()
+        except Exception:  # the save the failure cut short: its error is expected
+            pass
+        del self.model, self.optimizer, self.loader
+        self.model, self.optimizer, self.loader = self.fresh(self.epoch)
+        self.ckpt = self.open_checkpointer()
+        gv = self.ckpt.restore()
+        self.step = int(gv.step)
+        if self.loader.position != self.step:
+            raise RuntimeError(f"restored data position {self.loader.position} != step {self.step}")
+
+    def recover_as_replacement(self) -> None:
+        a = self.args
+        failure = self.epoch - 1
+        t0 = time.perf_counter()
+        if a.recovery == "partial":
+            rep = self.ckpt.recover([self.rank], step=None)
+            self.step = int(rep.step)
+            self.loader.position = self.step   # the survivors' data position: go on from there
+            self.events.log("recovered", failure=failure, role="replacement", recover_s=time.perf_counter() - t0,
+                            global_version=rep.global_version, checkpoint_step=rep.checkpoint_step, step=self.step)
+        else:
+            gv = self.ckpt.restore()
+            self.step = int(gv.step)
+            self.events.log("recovered", failure=failure, role="replacement", recover_s=time.perf_counter() - t0,
+                            checkpoint_step=self.step)
+
+    # -- the comparison run -------------------------------------------------------------------------------
+    def compare(self) -> None:
+        """The same sharded run without failures or checkpoints (same init as the run's first model)."""
+        a = self.args
+        model, optimizer, loader = self.fresh(0)
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            train_step(model, optimizer, self.loss_fn, loader.next())
+        wall = time.perf_counter() - t0
+        result = evaluate(model, self.holdout)
+        diff = max_abs_diff(self.model, model)
+        if self.rank == 0:
+            self.events.log("compare", result=result, wall_s=wall, max_weight_diff=diff)
+
+
+def worker_entry(cfg: dict) -> int:
+    import argparse  # noqa: PLC0415
+    args = argparse.Namespace(**cfg["args"])
+    return Worker(args, cfg["rank"], cfg["epoch"], cfg["run_dir"]).main(cfg["replacement"])
+
+
+def exit_now(rc: int) -> None:
+    """Leave the process without interpreter teardown. Everything this worker reports is flushed to its
+    event file already; a process that re-formed its gloo group after a peer died was once seen to abort
+    in teardown ("terminate called without an active exception", 1 run in ~6), after its work was done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+# ------------------------------------------------------------------------------------------- launcher
+
+
+def _spawn(args, rank: int, epoch: int, run_dir: str, replacement: bool) -> subprocess.Popen:
+    cfg = {"args": vars(args), "rank": rank, "epoch": epoch, "run_dir": run_dir, "replacement": replacement}
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(args.threads, 1)))
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", json.dumps(cfg)], env=env)
+
+
+def supervise(args, run_dir: str) -> tuple[int, list[str]]:
+    """Run the job: spawn the ranks, replace a rank SIGKILL took (up to the scheduled failures), wait.
+    Returns (exit status, problems)."""
+    procs = {r: _spawn(args, r, 0, run_dir, False) for r in range(args.world_size)}
+    deaths = 0
+    allowed = (args.steps - 1) // args.fail_every if args.fail_every else 0
+    done: set[int] = set()
+    problems: list[str] = []
+    deadline = time.monotonic() + args.job_timeout
+    while len(done) < args.world_size:
+        if time.monotonic() > deadline:
+            problems.append(f"the job did not finish within {args.job_timeout:.0f} s")
+            break
+        time.sleep(0.02)
+        for r, p in list(procs.items()):
+            if r in done:
+                continue
+            rc = p.poll()
+            if rc is None:
+                continue
+            if rc == -signal.SIGKILL and deaths < allowed:
+                deaths += 1
+                procs[r] = _spawn(args, r, deaths, run_dir, True)
+            elif rc == 0:
+                done.add(r)
+            else:
+                problems.append(f"rank {r} exited with status {rc}")
+        if problems:
+            break
+    for r, p in procs.items():      # on a problem: stop the ranks this launcher started
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return (1 if problems else 0), problems
+
+
+def read_events(run_dir: str, world: int) -> dict[int, list[dict]]:
+    out = {}
+    for r in range(world):
+        path = os.path.join(run_dir, f"events-rank{r}.jsonl")
+        out[r] = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    return out
+
+
+def summarize(args, events: dict[int, list[dict]], plan: ShardingPlan) -> dict:
+    """The run's numbers, from every rank's events."""
+    every = [e for evs in events.values() for e in evs]
+    by_kind = lambda k: [e for e in every if e["kind"] == k]  # noqa: E731
+    saves = by_kind("save")
+    stall_per_rank = [sum(e["stall"] for e in evs if e["kind"] == "save") for evs in events.values()]
+    failures = []
+    for kill in sorted(by_kind("kill"), key=lambda e: e["failure"]):
+        i = kill["failure"]
+        recs = [e for e in by_kind("recovered") if e["failure"] == i]
+        surv = [e for e in recs if e["role"] == "survivor"]
+        replayed = [e for e in by_kind("replayed") if e["failure"] == i]
+        resumed = max((e["time"] for e in recs), default=float("nan"))
+        s0 = surv[0] if surv else {}
+        share = plan.rows_of(kill_victim(kill, events)) / plan.total_rows()
+        failures.append({
+            "failure": i, "step": kill["step"], "victim": kill_victim(kill, events),
+            "recovery_s": resumed - kill["time"],
+            "detect_s": (min(e["detected"] for e in surv) - kill["time"]) if surv else float("nan"),
+            "recover_call_s": max((e["recover_s"] for e in recs), default=float("nan")),
+            "checkpoint_step": s0.get("checkpoint_step"), "lost_steps": s0.get("lost_steps"),
+            "global_version": s0.get("global_version"),
+            "lost_update_fraction": s0.get("lost_update_fraction"), "row_share": share,
+            "replayed_steps": max((e["steps"] for e in replayed), default=0),
+            "replayed_s": max((e["seconds"] for e in replayed), default=0.0),
+        })
+    final = next((e for e in by_kind("final")), None)
+    compare = next((e for e in by_kind("compare")), None)
+    evals = {e["step"]: e for e in by_kind("eval")}
+    start = evals.get(0)
+    train_s = final["time"] - start["time"] if final is not None and start is not None else float("nan")
+    if final is not None:
+        evals[final["step"]] = final
+    curve = [(st, e["result"]) for st, e in sorted(evals.items())]
+    return {"saves": saves, "stall_per_rank": stall_per_rank, "failures": failures,
+            "final": final, "compare": compare, "curve": curve, "train_s": train_s}
+
+
+def kill_victim(kill: dict, events: dict[int, list[dict]]) -> int:
+    return next(r for r, evs in events.items() if kill in evs)
+
+
+def format_summary(args, s: dict, wall_s: float) -> str:
+    rows: list[tuple[str, str, str]] = []
+    regular = [e for e in s["saves"] if not e["priority"]]
+    prio = [e for e in s["saves"] if e["priority"]]
+    n_ranks = args.world_size
+    rows.append(("saves per rank (priority saves) / failures",
+                 f"{len(regular) / n_ranks:.0f} ({len(prio) / n_ranks:.0f}) / {len(s['failures'])}", ""))
+    stalls = [e["stall"] for e in s["saves"]]
+    if stalls:
+        rows.append(("trainer stall per save, median / max", f"{train_dlrm.fmt_ms(float(np.median(stalls)))} / "
+                     f"{train_dlrm.fmt_ms(float(np.max(stalls)))}", "all ranks' saves"))
+    stall_total = max(s["stall_per_rank"]) if s["stall_per_rank"] else 0.0
+    rec_total = sum(f["recovery_s"] for f in s["failures"])
+    replay_total = sum(f["replayed_s"] for f in s["failures"])
+    rows.append(("time lost to checkpoints (stall)", f"{stall_total:.2f} s ({stall_total / wall_s:.1%})",
+                 "the most stalled rank's sum"))
+    lost_s = rec_total + replay_total
+    rows.append(("time lost to failures", f"{lost_s:.2f} s ({lost_s / wall_s:.1%})",
+                 f"recovery {rec_total:.2f} s + re-computed steps {replay_total:.2f} s"))
+    for f in s["failures"]:
+        if args.recovery == "partial":
+            what = (f"rank {f['victim']} restored global version {f['global_version']} (step "
+                    f"{f['checkpoint_step']}); {f['lost_steps']} steps of its updates lost")
+        else:
+            what = f"all ranks restored step {f['checkpoint_step']}; {f['replayed_steps']} steps re-computed"
+        rows.append((f"  recovery #{f['failure'] + 1} at step {f['step']}",
+                     f"{f['recovery_s']:.2f} s", f"{what}; detected after {f['detect_s']:.2f} s, "
+                     f"recover call {f['recover_call_s']:.2f} s"))
+    if args.recovery == "partial" and s["failures"]:
+        lost = sum(f["row_share"] * (f["lost_steps"] or 0) for f in s["failures"]) / args.steps
+        rows.append(("lost updates (estimate)", f"{lost:.3%}",
+                     "sum over failures of the failed shard's row share x steps lost, / steps"))
+    else:
+        rows.append(("lost updates (estimate)", "0", "full recovery re-computes them" if s["failures"] else ""))
+    if s["final"] is None:
+        rows.append(("final holdout logloss / AUC", "n/a (no final evaluation)", ""))
+    else:
+        ll, a = s["final"]["result"]
+        if s["compare"] is not None:
+            bll, ba = s["compare"]["result"]
+            rows.append(("final holdout logloss", f"{ll:.5f}", f"{bll:.5f} (no failures)"))
+            rows.append(("final holdout AUC", f"{a:.5f}", f"{ba:.5f} (no failures)"))
+            rows.append(("max |weight diff| vs no failures", f"{s['compare']['max_weight_diff']:.3g}", ""))
+            rows.append(("training wall time", f"{wall_s:.1f} s", f"{s['compare']['wall_s']:.1f} s (no failures, "
+                         "no checkpoints)"))
+        else:
+            rows.append(("final holdout logloss / AUC", f"{ll:.5f} / {a:.5f}", ""))
+            rows.append(("training wall time", f"{wall_s:.1f} s", "step 0 evaluation to the final one"))
+    if s["curve"]:
+        rows.append(("holdout logloss / AUC at step 0", f"{s['curve'][0][1][0]:.5f} / {s['curve'][0][1][1]:.5f}", ""))
+    head = (f"{args.world_size} ranks, {args.recovery} recovery", "")
+    w0 = max(len(r[0]) for r in rows) + 2
+    w1 = max(max(len(r[1]) for r in rows), len(head[0])) + 2
+    lines = [f"{'':<{w0}}{head[0]:<{w1}}{head[1]}", "-" * (w0 + w1 + 40)]
+    lines += [f"{r[0]:<{w0}}{r[1]:<{w1}}{r[2]}" for r in rows]
+    return "\n".join(lines)
+
+
+def check_args(args) -> str | None:
+    """A message saying what to fix, or None."""
+    if args.world_size < 1:
+        return "--world-size must be >= 1"
+    if args.fail_rank is not None and not 0 <= args.fail_rank < args.world_size:
+        return f"--fail-rank must name a rank in [0, {args.world_size})"
+    if args.priority is not None:
+        if args.recovery != "partial":
+            return ("--priority goes with --recovery partial: a full restore of a priority save would mix rows "
+                    "of different steps")
+        if not 0 < args.priority_top <= 1:
+            return "--priority-top must be a fraction in (0, 1]"
+        if args.priority_every <= 0:
+            return "--priority-every must be positive"
+    return None
+
+
+def run(args) -> int:
+    """The launcher: ``train_dlrm.main`` calls this for ``--world-size N``."""
+    problem = check_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    tmp = tempfile.mkdtemp(prefix="train_dlrm-dist-")
+    try:
+        if args.store:
+            if os.path.exists(args.store) and os.listdir(args.store):
+                print(f"error: --store {args.store} is not empty; give a new or empty directory", file=sys.stderr)
+                return 2
+            args.store_root = os.path.abspath(args.store)
+        else:
+            args.store_root = os.path.join(tmp, "root")
+        plan = make_plan(args, args.world_size)
+        card = train_dlrm.cardinalities(args)
+        prio = (f", priority saves {args.priority} top {args.priority_top:g} every {args.priority_every}"
+                if args.priority else "")
+        print(f"DLRM on {args.world_size} ranks (gloo, FileStore rendezvous; {args.sharding}-wise sharding: "
+              f"{', '.join(str(plan.rows_of(r)) for r in range(args.world_size))} rows per rank): 26 EmbeddingBags, "
+              f"{sum(card):,} rows x dim {args.dim}; {args.steps} steps x batch {args.batch_size}; checkpoint every "
+              f"{args.ckpt_every}{prio}, failure every {args.fail_every or 'never'} ({args.recovery} recovery); "
+              f"cnrstore DistributedCheckpointer (codec {args.codec}, mode {args.mode})", flush=True)
+        t0 = time.perf_counter()
+        rc, problems = supervise(args, tmp)
+        wall = time.perf_counter() - t0
+        events = read_events(tmp, args.world_size)
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        s = summarize(args, events, plan)
+        if s["final"] is not None:
+            ceiling = s["final"]["ceiling"]
+            print(f"teacher (Bayes-optimal) held-out logloss {ceiling[0]:.4f} AUC {ceiling[1]:.4f}")
+        print("\nholdout logloss / AUC during training: " +
+              ", ".join(f"step {st}: {r[0]:.4f}/{r[1]:.4f}" for st, r in s["curve"]))
+        print()
+        print(format_summary(args, s, s["train_s"]))
+        print(f"\ntotal run time {wall:.1f} s (processes, set-up and the comparison run included)")
+        return rc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "worker":
+        exit_now(worker_entry(json.loads(sys.argv[2])))
+    sys.exit(train_dlrm.main(sys.argv[1:]))
