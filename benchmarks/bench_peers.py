@@ -4,27 +4,39 @@
 The model, optimizer (Adagrad) and data are those of ``tools/train_dlrm.py`` (26 EmbeddingBags with the
 Criteo Kaggle cardinalities capped at a ``--max-rows`` chosen so the tables hold ``--emb-mib`` MiB of fp32
 weights at dim 16; Zipf-distributed ids). Training runs ``--intervals`` checkpoint intervals of
-``--steps`` steps each; after every interval the same state is checkpointed by four methods, one after
+``--steps`` steps each; after every interval the same state is checkpointed by every method, one after
 the other, all in ONE run (each method's write is waited for before the next method starts, so no
-method's background work overlaps another's measurement; cnrstore's background compaction may still run
+method's foreground work overlaps another's measurement; cnrstore's background compaction may still run
 while the others save, as it would beside a trainer):
 
-  - cnrstore: ``Checkpointer(store, model, opt, codec="adaptive4", mode="intermittent")`` on a store
-    opened with ``compaction="auto"`` (background baselines);
+  - cnrstore, the issue's scheme: ``Checkpointer(codec="adaptive4", mode="intermittent")`` on a store
+    opened with ``compaction="auto"`` (the trainer writes intermittent differentials and its own
+    baselines; compaction materializes baselines too; every version kept);
+  - cnrstore, the design's scheme: ``Checkpointer(codec="adaptive4", mode="incremental")`` on a store
+    opened with ``compaction=CompactionPolicy(IntermittentRule(), Retention(KeepLast(--keep)))``: the
+    trainer writes only the rows touched since its previous save, the background compactor materializes
+    baselines by the paper's intermittent rule and drops all but the last ``--keep`` versions (GC on);
+  - each of them with Adagrad's state lossless (``optimizer_codec="fp32"``, the API default) and in int8;
   - torch.save: a blocking ``torch.save`` of model + optimizer state to a new file, then fsync;
   - DCP save: ``torch.distributed.checkpoint.save`` (single-process gloo group, loopback) to a new dir;
   - DCP async_save: ``torch.distributed.checkpoint.async_save`` to a new dir.
 
-Every method keeps all its checkpoints (cnrstore keeps every version too), so the disk use after the
-run compares like with like. Per method: bytes written (per interval, median, and total), the trainer
-stall (time until the call returns: for cnrstore ``save()``'s snapshot; for async_save its staging,
-until it returns the future; for the blocking methods the whole save), the time until durable
-(cnrstore: until ``pending.wait()`` returns; async_save: until ``future.result()``; torch.save: with the
-fsync; DCP save: until it returns — DCP does not fsync by default), the restore time of the newest
-checkpoint into a freshly built model and optimizer (median of ``--restores``), and the disk use (``du``)
-of each method's directory after the last interval.
+Per method: bytes written (per interval, median, and total; cnrstore's include compaction's), the trainer
+stall (time until the call returns: for cnrstore ``save()``'s snapshot; for async_save its staging, until
+it returns the future; for the blocking methods the whole save), the time until durable (cnrstore: until
+``pending.wait()`` returns; async_save: until ``future.result()``; torch.save: with the fsync; DCP save:
+until it returns — DCP does not fsync by default), the restore time of the newest checkpoint into a
+freshly built model and optimizer (median of ``--restores``), and the disk use.
 
-    python benchmarks/bench_peers.py                 # full run (256 MiB of embeddings, see --emb-mib)
+Disk and retention: the peers keep their last ``--keep`` checkpoints on disk (older files are deleted
+after each interval, as a trainer with that retention would; keeping all of them at 1 GiB would need
+~120 GiB). Their disk use is reported two ways: as measured (``du``, last ``--keep`` kept), and for
+keeping all checkpoints (the sum of every checkpoint's ``du``, measured right after it was written;
+each is an independent file or directory). The issue's cnrstore scheme keeps every version and compares
+with the peers' all-kept figure; the design's scheme keeps the last ``--keep`` and compares with the
+peers' measured figure.
+
+    python benchmarks/bench_peers.py                 # full run (see --emb-mib for the scale)
     python benchmarks/bench_peers.py --quick         # smoke run (< 60 s)
     python benchmarks/bench_peers.py --out FILE --plot benchmarks/peers_intervals.png
 """
@@ -32,6 +44,7 @@ of each method's directory after the last interval.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import socket
@@ -39,6 +52,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,12 +65,35 @@ from bench_engine import load_average, machine_description, median  # noqa: E402
 import train_dlrm  # noqa: E402
 
 import cnrstore  # noqa: E402
+from cnrstore.policy import CompactionPolicy, IntermittentRule, KeepLast, Retention  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
 
-METHODS = ("cnrstore", "cnrstore, optimizer int8", "torch.save", "DCP save", "DCP async_save")
-#: The cnrstore configurations: the issue's (optimizer state lossless, the API default) and a variant
-#: that also stores Adagrad's row-wise accumulators in int8 (the goals are judged on the first).
-CNR = {"cnrstore": "fp32", "cnrstore, optimizer int8": "int8"}
+WEIGHT_CODEC = "adaptive4"
+PEERS = ("torch.save", "DCP save", "DCP async_save")
+SCHEMES = ("issue", "design")
+OPTIMIZER_CODECS = ("fp32", "int8")
+
+
+@dataclass(frozen=True)
+class CnrConfig:
+    """One cnrstore configuration: the scheme (issue's or design's) and the optimizer state's codec."""
+
+    scheme: str
+    optimizer_codec: str
+
+    @property
+    def name(self) -> str:
+        base = f"cnrstore, {self.scheme}'s scheme"
+        return base if self.optimizer_codec == "fp32" else f"{base}, optimizer {self.optimizer_codec}"
+
+    @property
+    def mode(self) -> str:
+        return "intermittent" if self.scheme == "issue" else "incremental"
+
+    def compaction(self, keep: int):
+        if self.scheme == "issue":
+            return "auto"
+        return CompactionPolicy(materialize=IntermittentRule(), retention=Retention(KeepLast(keep)), gc=True)
 
 
 def rows_cap_for(total_rows: int) -> int:
@@ -72,7 +109,9 @@ def rows_cap_for(total_rows: int) -> int:
 
 
 def du(path: str) -> int:
-    """Bytes allocated under ``path`` (``du -sb`` would count apparent size; this counts blocks)."""
+    """Bytes allocated for the file or directory tree ``path`` (blocks, as ``du``; not apparent size)."""
+    if os.path.isfile(path):
+        return os.lstat(path).st_blocks * 512
     total = 0
     for root, _, files in os.walk(path):
         for f in files:
@@ -120,6 +159,32 @@ def fresh(args, seed: int):
     return model, train_dlrm.build_optimizer(model, args.lr)
 
 
+def remove_path(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+class PeerRetention:
+    """Keeps a peer's last ``keep`` checkpoints on disk; remembers every checkpoint's ``du`` as written."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.paths: list[str] = []
+        self.sizes: list[int] = []
+
+    def written(self, path: str) -> None:
+        self.paths.append(path)
+        self.sizes.append(du(path))
+        while len(self.paths) > self.keep:
+            remove_path(self.paths.pop(0))
+
+    @property
+    def all_kept(self) -> int:
+        return sum(self.sizes)
+
+
 def run(args) -> tuple[str, dict]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -130,6 +195,9 @@ def run(args) -> tuple[str, dict]:
     card = train_dlrm.cardinalities(args)
     emb_bytes = sum(card) * args.dim * 4
     has_async = hasattr(dcp, "async_save")
+    configs = [CnrConfig(s, oc) for s in args.schemes for oc in args.optimizer_codecs]
+    cnr = {c.name: c for c in configs}
+    methods = [c.name for c in configs] + list(PEERS)
     notes: list[str] = []
 
     root = tempfile.mkdtemp(prefix="bench_peers-", dir=args.tmp)
@@ -141,22 +209,29 @@ def run(args) -> tuple[str, dict]:
         model, opt = fresh(args, args.seed)
         loss_fn = nn.BCEWithLogitsLoss()
         setup_s = time.perf_counter() - t0
-        dirs = {m: os.path.join(root, "".join(c if c.isalnum() else "_" for c in m)) for m in METHODS}
+        dirs = {m: os.path.join(root, "".join(ch if ch.isalnum() else "_" for ch in m)) for m in methods}
         for d in dirs.values():
             os.makedirs(d)
-        stores = {m: cnrstore.open(dirs[m], create=True, compaction="auto") for m in CNR}
-        ckpts = {m: Checkpointer(stores[m], model, opt, codec="adaptive4", mode="intermittent",
-                                 optimizer_codec=oc) for m, oc in CNR.items()}
-        stall = {m: [] for m in METHODS}
-        durable = {m: [] for m in METHODS}
-        written = {m: [] for m in METHODS}
-        trainer_bytes = {m: 0 for m in CNR}
-        touched_frac, baselines, train_s = [], {m: 0 for m in CNR}, []
+        stores = {m: cnrstore.open(dirs[m], create=True, compaction=c.compaction(args.keep))
+                  for m, c in cnr.items()}
+        ckpts = {m: Checkpointer(stores[m], model, opt, codec=WEIGHT_CODEC, mode=c.mode,
+                                 optimizer_codec=c.optimizer_codec) for m, c in cnr.items()}
+        keepers = {m: PeerRetention(args.keep) for m in PEERS}
+        stall = {m: [] for m in methods}
+        durable = {m: [] for m in methods}
+        written = {m: [] for m in methods}
+        disk_trace = {m: [] for m in methods}
+        method_s = {m: [] for m in methods}  # wall time of each method's part of an interval
+        trainer_bytes = {m: 0 for m in cnr}
+        trainer_baselines = {m: 0 for m in cnr}
+        baselines_seen = {m: set() for m in cnr}
+        touched_frac, train_s = [], []
         step = 0
-        prev_cnr_bytes = {m: 0 for m in CNR}
+        prev_cnr_bytes = {m: 0 for m in cnr}
         for interval in range(args.intervals):
             seen = [torch.zeros(n, dtype=torch.bool) for n in card]
             t0 = time.perf_counter()
+            torch.set_num_threads(args.train_threads)  # training is not measured; checkpoints are, at --threads
             for _ in range(args.steps):
                 dense, ids, labels = loader.next()
                 for t in range(len(card)):
@@ -165,6 +240,7 @@ def run(args) -> tuple[str, dict]:
                 loss_fn(model(dense, ids), labels).backward()
                 opt.step()
                 step += 1
+            torch.set_num_threads(args.threads)
             train_s.append(time.perf_counter() - t0)
             touched_frac.append(sum(int(s.sum()) for s in seen) / sum(card))
 
@@ -175,11 +251,14 @@ def run(args) -> tuple[str, dict]:
                 stall[m].append(time.perf_counter() - t0)
                 pending.wait()
                 durable[m].append(time.perf_counter() - t0)
-                baselines[m] += bool(pending.report.baseline)
+                trainer_baselines[m] += bool(pending.report.baseline)
                 trainer_bytes[m] += int(stores[m].latest().bytes)
                 b = int(stores[m].stats()["bytes_written"])  # the trainer's writes plus compaction's so far
                 written[m].append(b - prev_cnr_bytes[m])
                 prev_cnr_bytes[m] = b
+                baselines_seen[m].add(stores[m]._history().baseline_version)
+                disk_trace[m].append(du(dirs[m]))
+                method_s[m].append(time.perf_counter() - t0)
 
             state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
             # torch.save: blocking, then fsync (file and directory).
@@ -193,6 +272,8 @@ def run(args) -> tuple[str, dict]:
             fsync_dir(dirs["torch.save"])
             durable["torch.save"].append(time.perf_counter() - t0)
             written["torch.save"].append(os.path.getsize(path))
+            keepers["torch.save"].written(path)
+            method_s["torch.save"].append(time.perf_counter() - t0)
 
             # DCP save: blocking; returns once the files are written (no fsync of its own).
             d = os.path.join(dirs["DCP save"], f"step_{interval:03d}")
@@ -201,6 +282,8 @@ def run(args) -> tuple[str, dict]:
             stall["DCP save"].append(time.perf_counter() - t0)
             durable["DCP save"].append(stall["DCP save"][-1])
             written["DCP save"].append(dir_bytes(d))
+            keepers["DCP save"].written(d)
+            method_s["DCP save"].append(time.perf_counter() - t0)
 
             # DCP async_save: the stall is its staging (until it returns the future).
             if has_async:
@@ -211,62 +294,80 @@ def run(args) -> tuple[str, dict]:
                 fut.result()
                 durable["DCP async_save"].append(time.perf_counter() - t0)
                 written["DCP async_save"].append(dir_bytes(d))
+                keepers["DCP async_save"].written(d)
+                method_s["DCP async_save"].append(time.perf_counter() - t0)
             del state
+            for m in PEERS:
+                if stall[m]:
+                    disk_trace[m].append(du(dirs[m]))
             if not args.quiet:
-                print(f"  interval {interval + 1}/{args.intervals}: step {step}, "
-                      f"{touched_frac[-1]:.1%} of rows touched, stall ms "
-                      + " / ".join(f"{stall[m][-1] * 1e3:.0f}" for m in METHODS if stall[m]),
+                print(f"  interval {interval + 1}/{args.intervals}: step {step}, {touched_frac[-1]:.2%} of rows "
+                      f"touched, train {train_s[-1]:.1f} s; per method s "
+                      + " / ".join(f"{method_s[m][-1]:.1f}" for m in methods if method_s[m]),
                       file=sys.stderr, flush=True)
 
         # Let background compaction finish (it is part of the bytes written and of the disk use).
-        drain_s, versions = {}, {}
+        drain_s, versions, max_chain = {}, {}, {}
         for m, store in stores.items():
             t0 = time.perf_counter()
             if store._compactor is not None:
                 store._compactor.wait_idle()
             drain_s[m] = time.perf_counter() - t0
             written[m][-1] += int(store.stats()["bytes_written"]) - prev_cnr_bytes[m]
-            versions[m] = len(store.versions())
+            baselines_seen[m].add(store._history().baseline_version)
+            st = store.stats()
+            versions[m], max_chain[m] = st["versions"], st["max_read_chain"]
             ckpts[m].close()
             store.close()
+        del ckpts  # their host buffers (a full table each) before the restores allocate more
+        gc.collect()
         disk = {m: du(d) for m, d in dirs.items()}
+        disk_all = {m: (keepers[m].all_kept if m in keepers else
+                        (disk[m] if cnr[m].scheme == "issue" else float("nan"))) for m in methods}
+        disk_last = {m: (disk[m] if m in keepers or cnr[m].scheme == "design" else float("nan"))
+                     for m in methods}
+        compaction_baselines = {m: len(baselines_seen[m] - {None}) - 1 for m in cnr}  # the first is the trainer's
 
         # Restore the newest checkpoint into a freshly built model and optimizer (a restarted process).
-        final = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        restore = {m: [] for m in METHODS}
+        final = {k: v.detach().clone() for k, v in model.state_dict().items() if "embs" in k}
+        final_sum = [opt.state[p]["sum"].abs().max() for p in model.parameters()]
+        restore = {m: [] for m in methods}
         check = {}
+        last = args.intervals - 1
         for r in range(args.restores):
-            for m in METHODS:
-                if m == "DCP async_save" and not has_async:
+            for m in methods:
+                if not stall[m]:
                     continue
                 m2, o2 = fresh(args, args.seed + 1000 + r)
                 t0 = time.perf_counter()
-                if m in CNR:
+                if m in cnr:
                     s2 = cnrstore.open(dirs[m])
-                    c2 = Checkpointer(s2, m2, o2, codec="adaptive4", mode="intermittent", optimizer_codec=CNR[m])
+                    c2 = Checkpointer(s2, m2, o2, codec=WEIGHT_CODEC, mode=cnr[m].mode,
+                                      optimizer_codec=cnr[m].optimizer_codec)
                     c2.restore()
                     restore[m].append(time.perf_counter() - t0)
                     c2.close()
                     s2.close()
                 elif m == "torch.save":
-                    st = torch.load(os.path.join(dirs[m], f"ckpt_{args.intervals - 1:03d}.pt"),
-                                    weights_only=False)
+                    st = torch.load(os.path.join(dirs[m], f"ckpt_{last:03d}.pt"), weights_only=False)
                     m2.load_state_dict(st["model"])
                     o2.load_state_dict(st["optimizer"])
                     restore[m].append(time.perf_counter() - t0)
+                    del st
                 else:
                     st = {"model": m2.state_dict(), "optimizer": o2.state_dict()}
-                    dcp.load(st, checkpoint_id=os.path.join(dirs[m], f"step_{args.intervals - 1:03d}"))
+                    dcp.load(st, checkpoint_id=os.path.join(dirs[m], f"step_{last:03d}"))
                     m2.load_state_dict(st["model"])
                     o2.load_state_dict(st["optimizer"])
                     restore[m].append(time.perf_counter() - t0)
+                    del st
                 if r == 0:  # how far the restored embeddings / optimizer state are from the trained ones
                     sd = m2.state_dict()
-                    check[m] = (max(float((sd[k] - final[k]).abs().max()) for k in final if "embs" in k),
-                                max(float((o2.state[p]["sum"] - opt.state[q]["sum"]).abs().max()
-                                          / (opt.state[q]["sum"].abs().max() + 1e-30))
-                                    for p, q in zip(m2.parameters(), model.parameters())))
+                    check[m] = (max(float((sd[k] - final[k]).abs().max()) for k in final),
+                                max(float((o2.state[p]["sum"] - opt.state[q]["sum"]).abs().max() / (s + 1e-30))
+                                    for p, q, s in zip(m2.parameters(), model.parameters(), final_sum)))
                 del m2, o2
+                gc.collect()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -278,73 +379,92 @@ def run(args) -> tuple[str, dict]:
 
     full = median(written["torch.save"])
     rows = []
-    for m in METHODS:
+    for m in methods:
         if not stall[m]:
-            rows.append((m, *["n/a"] * 8))
+            rows.append((m, *["n/a"] * 10))
             continue
         rows.append((m, fmt_bytes(median(written[m])), fmt_bytes(sum(written[m])),
-                     f"{full / (sum(written[m]) / len(written[m])):.1f}x",
+                     f"{sum(written['torch.save']) / sum(written[m]):.1f}x",
                      fmt_s(median(stall[m])), fmt_s(max(stall[m])), fmt_s(median(durable[m])),
-                     fmt_s(median(restore[m])), fmt_bytes(disk[m])))
-    res = dict(stall=stall, durable=durable, written=written, disk=disk, restore=restore)
+                     fmt_s(median(restore[m])),
+                     fmt_bytes(disk_all[m]) if disk_all[m] == disk_all[m] else "-",
+                     fmt_bytes(disk_last[m]) if disk_last[m] == disk_last[m] else "-",
+                     fmt_bytes(max(disk_trace[m]))))
+    res = dict(methods=methods, stall=stall, durable=durable, written=written, disk_trace=disk_trace,
+               restore=restore)
 
     def goal(name, ratio, target):
         ok = ratio == ratio and ratio >= target
-        return f"- {name}: {ratio:.1f}x (goal >= {target}x): **{'met' if ok else 'not met'}**"
+        return f"  - {name}: {ratio:.1f}x (goal >= {target}x): **{'met' if ok else 'not met'}**"
 
     goals = []
-    for m in CNR:
-        goals += [f"{m}:",
-                  goal("write volume, full fp32 checkpoints (torch.save, all intervals) / " + m + " (all bytes "
-                       "written, compaction included)", sum(written["torch.save"]) / sum(written[m]), 20),
-                  goal("disk use after the run, torch.save / " + m, disk["torch.save"] / disk[m], 8)]
+    for m, c in cnr.items():
+        if c.scheme == "issue":
+            disk_ref, disk_what = disk_all["torch.save"], f"torch.save keeping all {args.intervals} checkpoints"
+        else:
+            disk_ref, disk_what = disk_last["torch.save"], f"torch.save keeping its last {args.keep}"
+        goals += [f"- {m}:",
+                  goal("write volume, torch.save's full fp32 checkpoints / this (all bytes written, compaction "
+                       "included)", sum(written["torch.save"]) / sum(written[m]), 20),
+                  goal(f"disk use after {args.intervals} intervals, {disk_what} / this", disk_ref / disk[m], 8)]
         if has_async:
-            goals.append(goal(f"trainer stall, DCP async_save staging / {m} save() (medians)",
+            goals.append(goal("trainer stall, DCP async_save's staging / this save() (medians)",
                               median(stall["DCP async_save"]) / median(stall[m]), 10))
         else:
-            goals.append("- trainer stall vs async_save staging: cannot be checked (async_save unavailable)")
+            goals.append("  - trainer stall vs async_save staging: cannot be checked (async_save unavailable)")
 
     head = machine_description()
     lines = ["## cnrstore against torch.save and torch.distributed.checkpoint", ""]
     lines += [f"- {h}" for h in head]
     lines += [
-        f"- load average (1/5/15 min) at start: {args.load_start}; "
-        f"at end: {load_average()}",
+        f"- load average (1/5/15 min) at start: {args.load_start}; at end: {load_average()}",
         f"- model: reference DLRM of tools/train_dlrm.py, 26 EmbeddingBags, {sum(card):,} rows x dim "
         f"{args.dim} (--max-rows {args.max_rows:,}) = {fmt_bytes(emb_bytes)} of fp32 embeddings, Adagrad "
-        f"(row-wise state of the same size); full state per checkpoint {fmt_bytes(full)}",
+        f"(element-wise state of the same size); full state per checkpoint {fmt_bytes(full)}",
         f"- {args.intervals} checkpoint intervals of {args.steps} steps x batch {args.batch_size}; rows "
         f"touched per interval: median {median(touched_frac):.2%} (min {min(touched_frac):.2%}, max "
-        f"{max(touched_frac):.2%}); training {median(train_s):.2f} s per interval (median)",
-        "- cnrstore: Checkpointer(codec=\"adaptive4\", mode=\"intermittent\") on a store opened with "
-        "compaction=\"auto\"; bytes written from store.stats() (trainer + compaction); "
-        + "; ".join(f"{m} (optimizer_codec {oc}): {baselines[m]} baseline(s) by the trainer, "
-                    f"{fmt_bytes(trainer_bytes[m])} by the trainer and {fmt_bytes(sum(written[m]) - trainer_bytes[m])} "
-                    f"by compaction, {versions[m]} versions kept, compaction drained {fmt_s(drain_s[m])} "
-                    "after the last save" for m, oc in CNR.items()),
-        "- torch.save / DCP keep all their checkpoints (one file / directory per interval); DCP save and "
-        "async_save do not fsync (their 'durable' is when the write returns); torch.save's includes fsync",
+        f"{max(touched_frac):.2%}); training {median(train_s):.2f} s per interval (median, {args.train_threads} "
+        f"thread(s)); checkpoints and restores measured with {args.threads} torch thread(s)",
+        f"- weights in {WEIGHT_CODEC}; issue's scheme: Checkpointer(mode=\"intermittent\") on "
+        "open(compaction=\"auto\"), every version kept; design's scheme: Checkpointer(mode=\"incremental\") on "
+        f"open(compaction=CompactionPolicy(IntermittentRule(), Retention(KeepLast({args.keep})), gc=True))",
+    ]
+    for m, c in cnr.items():
+        lines.append(
+            f"- {m}: {trainer_baselines[m]} baseline(s) written by the trainer, {compaction_baselines[m]} "
+            f"materialized by compaction; {fmt_bytes(trainer_bytes[m])} written by the trainer, "
+            f"{fmt_bytes(sum(written[m]) - trainer_bytes[m])} by compaction (baselines and GC copies); "
+            f"{versions[m]} version(s) kept, longest read chain {max_chain[m]}; compaction drained "
+            f"{fmt_s(drain_s[m])} after the last save; cnrstore's time per interval (save to durable, median) "
+            f"{fmt_s(median(method_s[m]))}")
+    lines += [
+        f"- retention: the peers delete all but their last {args.keep} checkpoints after each interval; "
+        "'disk, all kept' of a peer is the sum of its checkpoints' du, each measured right after it was "
+        "written; 'disk, last K kept' is du at the end. 'disk peak' is the largest du sampled after each "
+        "interval's save",
+        "- DCP save and async_save do not fsync (their 'durable' is when the write returns); torch.save's "
+        "includes fsync",
         f"- restore: newest checkpoint into a fresh model + optimizer, median of {args.restores}; max |emb "
-        "diff| to the trained weights / max relative error of Adagrad's accumulators: "
+        "diff| to the trained weights / max error of Adagrad's accumulators relative to their largest value: "
         + ", ".join(f"{m} {v[0]:.3g} / {v[1]:.3g}" for m, v in check.items()),
         f"- whole benchmark {total_s:.0f} s (setup {setup_s:.0f} s); reproduce: "
         f"`python benchmarks/bench_peers.py{' --quick' if args.quick else ''}"
-        f"{f' --emb-mib {args.emb_mib}' if args.emb_mib != (16 if args.quick else 256) else ''}`",
+        f"{f' --emb-mib {args.emb_mib}' if args.emb_mib != args.default_emb_mib else ''}`",
         "",
-        "| method | bytes written / interval (median) | bytes written, total | full ckpt / mean written "
+        "| method | bytes written / interval (median) | bytes written, total | full ckpts / all written "
         "| trainer stall (median) | stall (max) | until durable (median) | restore newest (median) "
-        f"| disk use after {args.intervals} intervals |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| disk, all {args.intervals} kept | disk, last {args.keep} kept | disk peak |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    lines += ["", "Goals (issue 6):", *goals]
+    lines += ["", "Goals (issue 6), ratios from this run:", *goals]
     if notes:
         lines += ["", *[f"Note: {n}" for n in notes]]
     return "\n".join(lines) + "\n", res
 
 
 def plot(res: dict, path: str) -> str | None:
-    """Per-interval bytes written and trainer stall per method (log scale); None or why it was skipped."""
+    """Per-interval bytes written, trainer stall and disk use per method (log scale); None or why skipped."""
     try:
         import matplotlib
     except ImportError:
@@ -352,46 +472,71 @@ def plot(res: dict, path: str) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_w, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    for m in METHODS:
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), constrained_layout=True)
+    for m in res["methods"]:
         if not res["stall"][m]:
             continue
         xs = np.arange(1, len(res["stall"][m]) + 1)
-        ax_w.plot(xs, np.asarray(res["written"][m]) / 2**20, marker="o", ms=3, label=m)
-        ax_s.plot(xs, np.asarray(res["stall"][m]) * 1e3, marker="o", ms=3, label=m)
-    ax_w.set(yscale="log", xlabel="checkpoint interval", ylabel="MiB written", title="bytes written per interval")
-    ax_s.set(yscale="log", xlabel="checkpoint interval", ylabel="ms", title="trainer stall per checkpoint")
-    for ax in (ax_w, ax_s):
+        style = dict(marker="o", ms=3, label=m, linestyle="-" if m in PEERS else "--")
+        axes[0].plot(xs, np.asarray(res["written"][m]) / 2**20, **style)
+        axes[1].plot(xs, np.asarray(res["stall"][m]) * 1e3, **style)
+        axes[2].plot(xs, np.asarray(res["disk_trace"][m]) / 2**20, **style)
+    axes[0].set(yscale="log", xlabel="checkpoint interval", ylabel="MiB", title="bytes written per interval")
+    axes[1].set(yscale="log", xlabel="checkpoint interval", ylabel="ms", title="trainer stall per checkpoint")
+    axes[2].set(yscale="log", xlabel="checkpoint interval", ylabel="MiB",
+                title="disk use after each interval (peers: last K kept)")
+    for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+    axes[2].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def csv_list(text: str, allowed: tuple, what: str, parser) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if s not in allowed]
+    if bad or not items:
+        parser.error(f"{what} takes a comma-separated list of {', '.join(allowed)}; got {text!r}")
+    return items
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small smoke run (< 60 s)")
     p.add_argument("--emb-mib", type=int, default=None,
-                   help="fp32 embedding MiB (default 256; --quick 16). 1024 (the issue's ~1 GiB) needs "
-                        "~120 GiB of disk for 20 kept checkpoints of 3 peers and does not fit this machine")
+                   help="fp32 embedding MiB (default 1024, the issue's ~1 GiB; --quick 16)")
     p.add_argument("--intervals", type=int, default=None, help="checkpoint intervals (default 20; --quick 6)")
     p.add_argument("--steps", type=int, default=None, help="training steps per interval (default 4; --quick 2)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default 4096; --quick 1024)")
+    p.add_argument("--keep", type=int, default=None,
+                   help="checkpoints kept by the peers and by the design's scheme (KeepLast; default 5; --quick 3)")
+    p.add_argument("--schemes", default="issue,design", help="cnrstore schemes to run: issue, design")
+    p.add_argument("--optimizer-codecs", default="fp32,int8", help="cnrstore optimizer_codec values to run")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--restores", type=int, default=3, help="restores per method (median)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads while checkpointing and restoring (what is measured)")
+    p.add_argument("--train-threads", type=int, default=None,
+                   help="torch intra-op threads for the training steps between checkpoints (default: usable cores)")
     p.add_argument("--tmp", default=None, help="directory for the checkpoints (default: system temp)")
     p.add_argument("--out", default=None, help="also write the markdown to FILE")
     p.add_argument("--plot", default=None, help="write a PNG (e.g. benchmarks/peers_intervals.png); needs matplotlib")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    for k, (quick, full) in dict(emb_mib=(16, 256), intervals=(6, 20), steps=(2, 4),
-                                 batch_size=(1024, 4096)).items():
+    defaults = dict(emb_mib=(16, 1024), intervals=(6, 20), steps=(2, 4), batch_size=(1024, 4096), keep=(3, 5))
+    for k, (quick, full) in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, quick if args.quick else full)
+    if args.train_threads is None:
+        args.train_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    args.default_emb_mib = defaults["emb_mib"][0 if args.quick else 1]
+    if args.keep < 1 or args.intervals < 1 or args.restores < 1:
+        p.error("--keep, --intervals and --restores must be positive")
+    args.schemes = csv_list(args.schemes, SCHEMES, "--schemes", p)
+    args.optimizer_codecs = csv_list(args.optimizer_codecs, OPTIMIZER_CODECS, "--optimizer-codecs", p)
     args.load_start = load_average()
     warnings.filterwarnings("ignore")
     md, res = run(args)
