@@ -74,6 +74,20 @@ def _versions_rows(store: Store) -> list[dict]:
     return rows
 
 
+def _print_versions(args, rows: list[dict], header: str, noun: str, rest) -> int:
+    """Print ``rows`` as JSON (``--json``) or as a table: version, step, creation time, then ``rest(row)``."""
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(header)
+    for r in rows:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
+        step = "-" if r["step"] is None else r["step"]
+        print(f"{r['version']:>8} {step:>10} {created:<20} {rest(r)}")
+    print(f"{len(rows)} {noun}")
+    return 0
+
+
 def _is_root(path: str) -> bool:
     return dist_manifest.Root(path).exists()
 
@@ -89,17 +103,9 @@ def cmd_ls_root(args) -> int:
     rows = [{"version": g.version, "step": g.step, "created": g.created, "world_size": g.world_size,
              "generation": g.generation, "local_versions": list(g.local_versions), "stores": list(g.stores)}
             for g in gvs]
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    print(f"{'global':>8} {'step':>10} {'created (UTC)':<20} {'ranks':>5} {'gen':>4}  local versions")
-    for r in rows:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
-        step = "-" if r["step"] is None else r["step"]
-        print(f"{r['version']:>8} {step:>10} {created:<20} {r['world_size']:>5} {r['generation']:>4}  "
-              f"{' '.join(map(str, r['local_versions']))}")
-    print(f"{len(rows)} global version(s)")
-    return 0
+    return _print_versions(args, rows, f"{'global':>8} {'step':>10} {'created (UTC)':<20} {'ranks':>5} {'gen':>4}  "
+                                       "local versions", "global version(s)",
+                           lambda r: f"{r['world_size']:>5} {r['generation']:>4}  {' '.join(map(str, r['local_versions']))}")
 
 
 def cmd_verify_root(args) -> int:
@@ -120,17 +126,9 @@ def cmd_ls(args) -> int:
         return cmd_ls_root(args)
     with open_store(args.store, readonly=True) as store:
         rows = _versions_rows(store)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    print(f"{'version':>8} {'step':>10} {'created (UTC)':<20} {'bytes':>14} {'chain':>6}  tables")
-    for r in rows:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
-        step = "-" if r["step"] is None else r["step"]
-        print(f"{r['version']:>8} {step:>10} {created:<20} {r['bytes']:>14,} {r['read_chain']:>6}  "
-              f"{', '.join(r['tables'])}")
-    print(f"{len(rows)} version(s)")
-    return 0
+    return _print_versions(args, rows, f"{'version':>8} {'step':>10} {'created (UTC)':<20} {'bytes':>14} {'chain':>6}  "
+                                       "tables", "version(s)",
+                           lambda r: f"{r['bytes']:>14,} {r['read_chain']:>6}  {', '.join(r['tables'])}")
 
 
 def cmd_info(args) -> int:
