@@ -34,8 +34,9 @@ SECTIONS = [
      "time, disk use.", ["--plot", "peers_intervals.png"], ["--quick"], "peers_intervals.png"),
     ("bench_accuracy.py", "Accuracy against the paper's bit-width table",
      "Training with failures and quantized restores at 2, 3, 4 and 8 bits, uniform and adaptive, over "
-     "several seeds: held-out logloss and AUC against the run without failures, with 95% intervals, an "
-     "fp16 control (the noise floor) at every restore count, and a verdict per cell.", ["--png", "accuracy.png"],
+     "5 seeds: held-out logloss and AUC against the run without failures; each cell's verdict is on its "
+     "excess over an fp16 control on the same seed and restore count (paired, 95% interval over seeds); an "
+     "fp32 control on every seed checks that restores are exact.", ["--png", "accuracy.png"],
      ["--quick", "--png", ""], "accuracy.png"),
     ("bench_policies.py", "Differential schemes and background compaction",
      "30 checkpoints of 25% Zipf-modified rows under each scheme: bytes the trainer wrote, peak disk, "
@@ -91,7 +92,8 @@ def main(argv=None) -> int:
         "Written by `benchmarks/make_results.py` (`make bench`; `make bench-quick` writes the reduced "
         "RESULTS-quick.md instead). Every figure was measured on the machine named in its section's header, "
         "in one run; comparisons are ratios against a reference measured in the same run, because these "
-        "machines are shared and noisy. Re-run to refresh; don't edit by hand.\n",
+        "machines are shared and noisy. Re-run to refresh; don't edit by hand. How to read the figures, and the "
+        "runs of earlier issues, are in `docs/BENCHMARK-NOTES.md`.\n",
     ]
     failed = []
     walls: list[tuple[str, float, bool]] = []
