@@ -1,4 +1,4 @@
-"""Multi-rank checkpoints over torch.distributed (API.md, ``cnrstore.distributed``).
+"""Multi-rank checkpoints over torch.distributed (``cnrstore.distributed``; docs/DESIGN.md, "Multi-rank jobs").
 
     plan = ShardingPlan.row_wise({"emb.0": (10_000_000, 64), ...}, world_size)
     ckpt = DistributedCheckpointer(root, model, optimizer, plan=plan, codec="int4")

@@ -97,7 +97,7 @@ def _check_dist() -> tuple[int, int]:
 
 
 class DistributedCheckpointer:
-    """Checkpoints this rank's shards and replicas into ``root``; see the module doc and API.md.
+    """Checkpoints this rank's shards and replicas into ``root``; see the module doc and docs/DESIGN.md.
 
     Collective: construct, ``save``, ``recover`` and ``close`` on every rank of the default process group,
     in the same order. ``restore`` reads files only, but every rank must restore the same version.
