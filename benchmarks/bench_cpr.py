@@ -428,7 +428,7 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--sharding", choices=("row", "table"), default="row")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 400; --quick 150)")
-    p.add_argument("--mtbf-steps", type=int, default=None, help="mean steps between failures (default 120; --quick 50)")
+    p.add_argument("--mtbf-steps", type=int, default=None, help="mean steps between failures (default 60; --quick 50)")
     p.add_argument("--max-rows", type=int, default=None, help="table size cap (default 20000; --quick 2000)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default 256; --quick 128)")
     p.add_argument("--repeats", type=int, default=None, help="repeats of every run (default 2; --quick 1)")
@@ -436,7 +436,7 @@ def main(argv=None) -> int:
     p.add_argument("--pls-target", type=float, default=0.05,
                    help="partial recovery's target portion of lost samples (CPR's rule)")
     p.add_argument("--priority-top", type=float, default=0.05, help="fraction of rows a priority save writes")
-    p.add_argument("--priority-splits", type=int, default=2, help="priority saves split a regular interval in N")
+    p.add_argument("--priority-splits", type=int, default=4, help="priority saves split a regular interval in N")
     p.add_argument("--ssu-rate", type=float, default=0.125, help="SSU's sampling rate")
     p.add_argument("--codec", default="int4")
     p.add_argument("--mode", default="intermittent")
@@ -454,7 +454,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return BenchWorker(json.loads(args.worker)).main()
-    defaults = dict(steps=(150, 400), mtbf_steps=(50, 120), max_rows=(2_000, 20_000), batch_size=(128, 256),
+    defaults = dict(steps=(150, 400), mtbf_steps=(50, 60), max_rows=(2_000, 20_000), batch_size=(128, 256),
                     repeats=(1, 2), holdout_batches=(2, 4))
     for k, (quick, full) in defaults.items():
         if getattr(args, k) is None:
