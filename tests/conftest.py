@@ -38,3 +38,15 @@ def store(store_path):
     s = cnrstore.open(store_path, create=True)
     yield s
     s.close()
+
+
+@pytest.fixture(scope="module")
+def single_threaded_torch():
+    """torch (FBGEMM) on one thread for a module that makes many small codec calls in the test process:
+    on a loaded 2-core machine, OpenMP barriers make each small call up to ~500x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

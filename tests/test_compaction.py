@@ -59,16 +59,8 @@ CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CHILD_ENV.pop("CNRSTORE_CRASH_AT", None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded_kernels():
-    """FBGEMM on one thread: on a loaded 2-core machine its OpenMP barriers make each of the many small
-    decode calls here several times slower."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+#: FBGEMM on one thread: its OpenMP barriers slow each of the many small decode calls here (conftest.py)
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
 
 @pytest.fixture(autouse=True)

@@ -45,15 +45,8 @@ tc = _load("test_crash")  # its fork-server client (WriterServer, Run) and segme
 SEGMENT_BYTES = 12 << 10  # a version of the workload is ~10-20 KiB: a store of 8 versions has ~15 segments
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded_kernels():
-    """The expected values are computed with the codecs here: keep that fast (tests/test_crash.py)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+#: the expected values are computed with the codecs here too: keep that fast (conftest.py)
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
 
 @pytest.fixture(scope="module")

@@ -47,15 +47,8 @@ CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CHILD_ENV.pop(fs.CRASH_ENV, None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded_kernels():
-    """The expected values are computed with the codecs here too: keep that fast (see CHILD_ENV)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+#: the expected values are computed with the codecs here too: keep that fast (conftest.py)
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
 
 # -- helpers ------------------------------------------------------------------------------------------
