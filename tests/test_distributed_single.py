@@ -133,6 +133,10 @@ def test_a_corrupted_manifest_is_reported(tmp_path, group):
     with pytest.raises(CorruptionError) as info:
         versions(tmp_path / "root")
     assert info.value.path == str(path)
+    from cnrstore.distributed.verify import verify_root
+    report = verify_root(tmp_path / "root")
+    assert not report.ok and report.global_versions == 0
+    assert report.problems[0].startswith("global version 1: CorruptionError")
 
 
 def test_priority_saves_become_global_versions(tmp_path, group):

@@ -380,8 +380,7 @@ class DistributedCheckpointer:
         if not failed or any(not 0 <= r < self.world_size for r in failed):
             raise InvalidArgument(f"failed_ranks must name ranks in [0, {self.world_size}), got {failed_ranks!r}")
         discarded = None
-        if self._thread is not None:
-            self._finish()
+        self._finish()
         if self._error is not None:
             discarded, self._error = f"{type(self._error).__name__}: {self._error}", None
         if dist.group.WORLD is not self._world:
