@@ -83,29 +83,29 @@ def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions
     versions) time, vectorized after the pass; O(entries + versions) memory.
     """
     starts: list[int] = []  # version of each entry
-    ends: list[int] = []  # version of the block's next entry, or -1 for the block's newest
+    ends: list[int] = []  # version of the block's next entry (0 for the block's newest: see has_next)
+    has_next: list[bool] = []
     lengths: list[int] = []  # chain length from the entry on
     prev = None
     run = 0
     for t, b, v, loc in entries:
         if (t, b) == prev:
-            ends[-1] = v
+            ends[-1], has_next[-1] = v, True
             run = 1 if loc.flags & record.FLAG_BASELINE else run + 1
         else:
             prev, run = (t, b), 1
         starts.append(v)
-        ends.append(-1)
+        ends.append(0)
+        has_next.append(False)
         lengths.append(run)
     vers = np.asarray(versions, dtype=np.uint64)
     n = vers.size
     out = np.zeros(n, dtype=np.int64)
     if not n or not starts:
         return out
-    end_arr = np.asarray(ends, dtype=np.int64)
     lo = np.searchsorted(vers, np.asarray(starts, dtype=np.uint64), side="left").astype(np.int64)
-    hi = np.full(lo.size, n, dtype=np.int64)
-    has_next = end_arr >= 0
-    hi[has_next] = np.searchsorted(vers, end_arr[has_next].astype(np.uint64), side="left")
+    hi = np.searchsorted(vers, np.asarray(ends, dtype=np.uint64), side="left").astype(np.int64)
+    hi[~np.asarray(has_next, dtype=bool)] = n  # the block's newest entry holds for every later version
     keep = lo < hi  # the versions in [lo, hi) read this entry's chain length for its block
     lo, hi, val = lo[keep], hi[keep], np.asarray(lengths, dtype=np.int64)[keep]
     if not lo.size:

@@ -109,6 +109,15 @@ def test_read_chain_lengths_match_the_per_version_definition(blocks, versions):
     assert compaction.read_chain_lengths(iter(entries), versions).tolist() == naive_chain_lengths(entries, versions)
 
 
+def test_read_chain_lengths_at_the_largest_versions():
+    plain = RowLoc(0, 0, 0, 1, 0)
+    entries = [(1, 0, 5, plain), (1, 0, 2**64 - 1, plain), (1, 1, 2**64 - 2, plain)]
+    versions = [4, 5, 2**64 - 2, 2**64 - 1]
+    assert compaction.read_chain_lengths(iter(entries), versions).tolist() == [0, 1, 1, 2]
+    assert compaction.read_chain_lengths(iter([]), versions).tolist() == [0, 0, 0, 0]
+    assert compaction.read_chain_lengths(iter(entries), []).tolist() == []
+
+
 ops = st.lists(st.one_of(
     st.tuples(st.just("increment"), st.lists(st.integers(0, 47), min_size=1, max_size=12)),
     st.tuples(st.just("full"), st.just(None)),
