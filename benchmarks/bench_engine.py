@@ -415,7 +415,7 @@ def parse_args(argv=None):
     p.add_argument("--block-rows", type=int, default=None,
                    help="block_rows of the tables (default: the engine's default for int4 x 64)")
     p.add_argument("--versions", type=int, default=None,
-                   help="versions of the history benchmark (e.; default 10000; 2000 with --quick; 0 skips it)")
+                   help="versions of the history benchmark (e.; default 10000; 1000 with --quick; 0 skips it)")
     p.add_argument("--profile", action="store_true", help="also cProfile the write and read paths and print the top functions")
     args = p.parse_args(argv)
     if args.repeat is None:
@@ -423,7 +423,7 @@ def parse_args(argv=None):
     if args.rows is None:
         args.rows = 200_000 if args.quick else 2_000_000
     if args.versions is None:
-        args.versions = 2_000 if args.quick else 10_000
+        args.versions = 1_000 if args.quick else 10_000
     if args.repeat < 1 or args.rows < 1 or args.versions < 0:
         p.error("--repeat and --rows must be positive, --versions not negative")
     return args
