@@ -13,6 +13,9 @@ with it (A B A B ...), so that drift hits both alike.
   c. 10k random point reads: store.read_rows at an old version (v5: baseline v1, 4 increments before,
      5 after) and at the newest, one call each; against a gather from the table in RAM (a floor).
   d. index bytes per stored row after workload (c): LMDB size over all rows stored in all versions.
+  e. listing a long history: ``cnrstore ls`` (every version's read-chain length), a readonly open and
+     stats() of a store of --versions versions (default 10,000; built on /dev/shm where it exists),
+     against iterating the versions catalog (store.versions()) in the same run.
 
     python benchmarks/bench_engine.py                 # full run (a few minutes on 2 cores)
     python benchmarks/bench_engine.py --quick         # smoke run (< 30 s)
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 import cnrstore
+from cnrstore.compaction import block_chains as compaction_block_chains
 
 TABLE = "emb"
 DIM = 64
@@ -299,6 +303,63 @@ class Bench:
             f"LMDB high-water mark {high_water:,} B; "
             f"max_read_chain {stats['max_read_chain']}.")
 
+    # e. long histories ---------------------------------------------------------------------------
+    def bench_history(self) -> None:
+        """ls / open / stats at ``--versions`` versions: each must stay linear in versions and index
+        entries (one pass over the row index), so a long history lists in well under a second."""
+        from cnrstore import cli
+
+        count = self.args.versions
+        shm = "/dev/shm" if self.args.dir is None and os.path.isdir("/dev/shm") else self.args.dir
+        root = tempfile.mkdtemp(prefix="cnrstore-bench-history-", dir=shm)
+        path = os.path.join(root, "store")
+        try:
+            self.log(f"building a store of {count:,} versions ...")
+            t0 = time.perf_counter()
+            rng = np.random.default_rng(self.args.seed)
+            with cnrstore.open(path, create=True) as store:
+                store.create_table("t", 1 << 16, 8, codec="int8", block_rows=256)
+                with store.checkpoint(step=0) as ck:
+                    ck.put_rows("t", np.arange(1 << 16), np.ones((1 << 16, 8), np.float32))
+                for i in range(1, count):
+                    with store.checkpoint(step=i) as ck:
+                        rows = np.unique(rng.integers(0, 1 << 16, 16))
+                        ck.put_rows("t", rows, np.ones((rows.size, 8), np.float32))
+                    if i % 500 == 0:
+                        store.compact()
+            build = time.perf_counter() - t0
+
+            def open_close():
+                cnrstore.open(path, readonly=True).close()
+
+            ref_ts, ls_ts, open_ts, stats_ts = [], [], [], []
+            for _ in range(self.args.repeat):  # interleaved: A B C D A B C D ...
+                open_ts.append(timed(open_close)[0])  # no other handle open: a real LMDB open
+                with cnrstore.open(path, readonly=True) as store:
+                    ref_ts.append(timed(store.versions)[0])
+                    ls_ts.append(timed(lambda: cli._versions_rows(store))[0])
+                    stats_ts.append(timed(store.stats)[0])
+            with cnrstore.open(path, readonly=True) as store:
+                entries = store.stats()["index_entries"]
+                # the old listing walked the whole row index once per version: time one such walk
+                with store._index.read() as view:
+                    walk = median([timed(lambda: compaction_block_chains(view, count))[0]
+                                   for _ in range(self.args.repeat)])
+            ref = median(ref_ts)
+            label = f"{count:,} versions, {entries:,} row-index entries"
+            for name, ts, goal, limit in (("ls (versions + read chains)", ls_ts, "< 1 s", 1.0),
+                                          ("open readonly + close", open_ts, "< 0.1 s", 0.1),
+                                          ("stats()", stats_ts, "< 1 s", 1.0)):
+                ours = median(ts)
+                self.add(f"e. {name}, {label}", fmt_s(ours), f"{fmt_s(ref)} store.versions()",
+                         f"{ours / ref:.2g}x", goal, ours < limit)
+            self.notes.append(
+                f"e. store of {count:,} versions built in {build:.0f} s on {shm or 'the temp dir'}; the "
+                f"listing before one-pass chain lengths walked the row index once per version: one walk "
+                f"takes {fmt_s(walk)} here, {count:,} walks about {fmt_s(walk * count)}.")
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
     # profile -------------------------------------------------------------------------------------
     def profile(self, values: np.ndarray, w: dict) -> str:
         out = io.StringIO()
@@ -353,14 +414,18 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-rows", type=int, default=None,
                    help="block_rows of the tables (default: the engine's default for int4 x 64)")
+    p.add_argument("--versions", type=int, default=None,
+                   help="versions of the history benchmark (e.; default 10000; 1000 with --quick; 0 skips it)")
     p.add_argument("--profile", action="store_true", help="also cProfile the write and read paths and print the top functions")
     args = p.parse_args(argv)
     if args.repeat is None:
         args.repeat = 3 if args.quick else 5
     if args.rows is None:
         args.rows = 200_000 if args.quick else 2_000_000
-    if args.repeat < 1 or args.rows < 1:
-        p.error("--repeat and --rows must be positive")
+    if args.versions is None:
+        args.versions = 1_000 if args.quick else 10_000
+    if args.repeat < 1 or args.rows < 1 or args.versions < 0:
+        p.error("--repeat and --rows must be positive, --versions not negative")
     return args
 
 
@@ -382,6 +447,8 @@ def main(argv=None) -> int:
             bench.bench_read_table(w)
             bench.bench_point_reads(w)
             bench.bench_index(w)
+            if args.versions:
+                bench.bench_history()
             prof = bench.profile(values, w) if args.profile else ""
         finally:
             w["store"].close()

@@ -47,7 +47,8 @@ SECTIONS = [
      "kernels on the same rows, and bytes per row.", [], ["--quick"], None),
     ("bench_engine.py", "Storage engine",
      "int4 checkpoint write against FBGEMM's prepack kernel, full-table read against torch.load, 10k "
-     "random point reads at an old version, index bytes per stored row.", [], ["--quick"], None),
+     "random point reads at an old version, index bytes per stored row; `cnrstore ls`, open and stats() of a "
+     "10,000-version history against iterating its versions catalog.", [], ["--quick"], None),
     ("bench_cpr.py", "CPR: full against partial recovery",
      "A sharded DLRM on 2 gloo processes under one simulated failure schedule (MTBF as a parameter): full "
      "recovery against CPR's partial recovery, plain, MFU and SSU, each at the interval "

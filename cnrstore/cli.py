@@ -58,18 +58,20 @@ class Progress:
 
 
 def _versions_rows(store: Store) -> list[dict]:
+    """One row per version; every version's read-chain length comes from one pass over the row index
+    (``compaction.read_chain_lengths``), so a listing is linear in versions and index entries."""
     with store._index.read() as view:
         versions = view.versions()
+        chain_lengths = compaction.read_chain_lengths(view.row_entries(), [v for v, _info in versions])
         rows = []
-        for v, info in versions:
-            chains = compaction.block_chains(view, v)
+        for (v, info), chain in zip(versions, chain_lengths.tolist()):
             rows.append({
                 "version": v,
                 "step": info["step"],
                 "created": info["created"],
                 "bytes": info["bytes"],
                 "tables": list(info["tables"]),
-                "read_chain": max((len(c) for c in chains.values()), default=0),
+                "read_chain": chain,
             })
     return rows
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -67,6 +67,62 @@ def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tu
     for chain in chains.values():
         chain.reverse()
     return chains
+
+
+def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions: Sequence[int]) -> np.ndarray:
+    """int64 array: for each of ``versions`` (ascending), its longest read chain over every block, i.e.
+    ``max(len(c) for c in block_chains(view, v).values())`` (0 if no block has a record at or before v),
+    for all versions in ONE pass over ``entries`` (``view.row_entries()``: key order, so each block's
+    entries come together, oldest first).
+
+    A block's chain length is a step function of the version: from its i-th entry up to (not
+    including) its next one it is the number of entries since, and including, the newest baseline at
+    or before the i-th. Each entry thus raises the answer over one range of ``versions`` to its
+    length; the ranges are folded with a sparse table (a range of length 2^k is written at level k
+    as two overlapping halves, then levels are pushed down). O(entries log versions + versions log
+    versions) time, vectorized after the pass; O(entries + versions) memory.
+    """
+    starts: list[int] = []  # version of each entry
+    ends: list[int] = []  # version of the block's next entry (0 for the block's newest: see has_next)
+    has_next: list[bool] = []
+    lengths: list[int] = []  # chain length from the entry on
+    prev = None
+    run = 0
+    for t, b, v, loc in entries:
+        if (t, b) == prev:
+            ends[-1], has_next[-1] = v, True
+            run = 1 if loc.flags & record.FLAG_BASELINE else run + 1
+        else:
+            prev, run = (t, b), 1
+        starts.append(v)
+        ends.append(0)
+        has_next.append(False)
+        lengths.append(run)
+    vers = np.asarray(versions, dtype=np.uint64)
+    n = vers.size
+    out = np.zeros(n, dtype=np.int64)
+    if not n or not starts:
+        return out
+    lo = np.searchsorted(vers, np.asarray(starts, dtype=np.uint64), side="left").astype(np.int64)
+    hi = np.searchsorted(vers, np.asarray(ends, dtype=np.uint64), side="left").astype(np.int64)
+    hi[~np.asarray(has_next, dtype=bool)] = n  # the block's newest entry holds for every later version
+    keep = lo < hi  # the versions in [lo, hi) read this entry's chain length for its block
+    lo, hi, val = lo[keep], hi[keep], np.asarray(lengths, dtype=np.int64)[keep]
+    if not lo.size:
+        return out
+    level = np.frexp((hi - lo).astype(np.float64))[1].astype(np.int64) - 1  # floor(log2(hi - lo))
+    row = np.zeros(n, dtype=np.int64)  # row[i]: max over [i, i + 2**level) at the level being folded
+    for k in range(int(level.max()), -1, -1):
+        at = level == k
+        if at.any():
+            np.maximum.at(row, lo[at], val[at])
+            np.maximum.at(row, hi[at] - (1 << k), val[at])
+        if k:
+            half = 1 << (k - 1)
+            pushed = row.copy()
+            np.maximum(pushed[half:], row[: n - half], out=pushed[half:])
+            row = pushed
+    return row
 
 
 def materialize(store: "Store", version: int, progress: Progress | None = None) -> CompactReport:

@@ -173,6 +173,19 @@ class IndexView:
                 yield t, b, v, RowLoc._make(ROW_LOC.unpack(cur.value()))
                 ok = cur.next()
 
+    def row_blocks(self, table_id: int) -> Iterator[tuple[int, int]]:
+        """(block, version of its oldest record) of every block of the table with an index entry, in
+        block order: one seek per such block, however many versions it holds and however many blocks
+        of the table were never written."""
+        with self._txn.cursor(db=self._dbs[b"rows"]) as cur:
+            block = 0
+            while block < 2**64 and cur.set_range(ROW_KEY.pack(table_id, block, 0)):
+                t, b, v = ROW_KEY.unpack(cur.key())
+                if t != table_id:
+                    return
+                yield b, v
+                block = b + 1
+
     def dense_at(self, dense_id: int, version: int) -> tuple[int, DenseLoc] | None:
         """(version, location) of the newest record of a dense array at or before ``version``."""
         with self._txn.cursor(db=self._dbs[b"dense"]) as cur:

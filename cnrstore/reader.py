@@ -137,16 +137,49 @@ def unread_versions(entries: list[tuple[int, bool]], kept: list[int]) -> list[in
     return unread
 
 
-def _missing_error(table: str, missing: np.ndarray, version: int) -> MissingRows:
-    first = ", ".join(str(int(r)) for r in missing[:8])
-    return MissingRows(
-        f"{missing.size} row(s) of table {table!r} were never written at or before version {version} "
-        f"(first: {first})"
-    )
+#: How many missing row ids a MissingRows message names (the count is always exact).
+MISSING_SHOWN = 8
+
+
+class _Missing:
+    """Rows found missing, block by block in ascending row order: the exact count and the first
+    ``MISSING_SHOWN`` ids. Memory is constant however many rows are missing."""
+
+    def __init__(self):
+        self.count = 0
+        self.first: list[int] = []
+
+    def add(self, rows: np.ndarray) -> None:
+        """Missing row ids (ascending, after every id added before)."""
+        self.count += int(rows.size)
+        if len(self.first) < MISSING_SHOWN:
+            self.first.extend(int(r) for r in rows[: MISSING_SHOWN - len(self.first)])
+
+    def add_range(self, start: int, stop: int) -> None:
+        """Rows ``start`` .. ``stop - 1``, counted arithmetically (never materialized)."""
+        if stop <= start:
+            return
+        self.count += stop - start
+        if len(self.first) < MISSING_SHOWN:
+            self.first.extend(range(start, min(stop, start + MISSING_SHOWN - len(self.first))))
+
+    def error(self, table: str, version: int, *, whole_table: bool = False) -> MissingRows:
+        first = ", ".join(map(str, self.first)) + (", ..." if self.count > len(self.first) else "")
+        hint = ("restore a table only once every row is written (write the missing rows in a checkpoint, "
+                "or read the written rows with read_rows)" if whole_table else
+                "ask only for rows written at or before this version, or read a later version")
+        return MissingRows(
+            f"{self.count} row(s) of table {table!r} were never written at or before version {version} "
+            f"(first: {first}); {hint}"
+        )
 
 
 def read_rows(view: IndexView, segments: SegmentReader, table: dict, rows: np.ndarray, version: int) -> np.ndarray:
-    """float32 (len(rows), dim): ``rows`` (validated int64, may repeat) as of ``version``."""
+    """float32 (len(rows), dim): ``rows`` (validated int64, may repeat) as of ``version``.
+
+    Raises MissingRows (its exact count and the first ids) before allocating the output if any row
+    was never written at or before ``version``.
+    """
     dim = table["dim"]
     unique_rows, inverse = np.unique(rows, return_inverse=True)
     shift = table["block_rows"].bit_length() - 1
@@ -155,21 +188,23 @@ def read_rows(view: IndexView, segments: SegmentReader, table: dict, rows: np.nd
     bounds = np.r_[starts, blocks.size]
     resolver = BlockResolver(view, segments, table)
     by_codec: dict[int, tuple[list, list]] = {}
-    missing = []
+    missing = _Missing()
     for i in range(starts.size):
         lo, hi = bounds[i], bounds[i + 1]
         block = int(blocks[lo])
         base = block << shift
         pieces, absent = resolver.resolve(block, unique_rows[lo:hi] - base, version)
         if absent.size:
-            missing.append(absent + base)
+            missing.add(absent + base)
+        if missing.count:
+            continue  # the read fails: keep counting, stop gathering
         for p in pieces:
             encs, dests = by_codec.setdefault(p.codec_id, ([], []))
             encs.append(p.encoded)
             # position in unique_rows of each decoded row
             dests.append(lo + np.searchsorted(unique_rows[lo:hi], p.dest + base))
-    if missing:
-        raise _missing_error(table["name"], np.concatenate(missing), version)
+    if missing.count:
+        raise missing.error(table["name"], version)
     out_unique = np.empty((unique_rows.size, dim), dtype=np.float32)
     for codec_id, (encs, dests) in by_codec.items():
         decoded = codecs.by_id(codec_id).decode(np.concatenate(encs), dim)
@@ -178,19 +213,36 @@ def read_rows(view: IndexView, segments: SegmentReader, table: dict, rows: np.nd
 
 
 def read_table(view: IndexView, segments: SegmentReader, table: dict, version: int) -> np.ndarray:
-    """float32 (num_rows, dim): the whole table as of ``version``. Every row must have been written."""
+    """float32 (num_rows, dim): the whole table as of ``version``. Every row must have been written.
+
+    Only blocks with index entries are visited (one seek to find each, ``IndexView.row_blocks``):
+    rows of the others are counted as missing arithmetically, so a sparsely written table of billions
+    of rows raises MissingRows (exact count, first ids) in time and memory proportional to what was
+    written, before the output is allocated.
+    """
     num_rows, dim, block_rows = table["num_rows"], table["dim"], table["block_rows"]
     num_blocks = -(-num_rows // block_rows)
     resolver = BlockResolver(view, segments, table)
     plans = []
-    missing = []
-    for block in range(num_blocks):
+    missing = _Missing()
+    next_block = 0  # blocks before it are accounted for
+    for block, oldest in view.row_blocks(table["id"]):
+        if block >= num_blocks:
+            break  # an index entry past the table's end: verify reports it; no row reads it
+        if oldest > version:
+            continue  # written only later: counted with the gap before the next written block
+        missing.add_range(next_block * block_rows, block * block_rows)
+        next_block = block + 1
         pieces, absent = resolver.resolve(block, None, version)
         if absent.size:
-            missing.append(absent + block * block_rows)
-        plans.append((block, pieces))
-    if missing:
-        raise _missing_error(table["name"], np.concatenate(missing), version)
+            missing.add(absent + block * block_rows)
+        if missing.count:
+            plans = []  # the read fails: keep counting, hold no rows
+        else:
+            plans.append((block, pieces))
+    missing.add_range(next_block * block_rows, num_rows)
+    if missing.count:
+        raise missing.error(table["name"], version, whole_table=True)
 
     codec_ids = {p.codec_id for _block, pieces in plans for p in pieces}
     if len(codec_ids) == 1:

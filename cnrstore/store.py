@@ -420,10 +420,10 @@ class Store:
         """Sizes and shape of the store (API.md lists the keys)."""
         self._check_open()
         with self._index.read() as view:
-            live = sum(loc.length for *_k, loc in view.row_entries())
+            versions = view.versions()
+            live, max_chain = _scan_row_index(view, [v for v, _info in versions])
             live += sum(loc.length for *_k, loc in view.dense_entries())
             seg_bytes = sum(view.segments().values())
-            versions = view.versions()
             entries = view.stat()["rows"]["entries"]
             stats = {
                 "bytes_written": view.meta("bytes_written", 0),
@@ -434,7 +434,7 @@ class Store:
                 "index_entries": entries,
                 "versions": len(versions),
                 "tables": len(view.tables()),
-                "max_read_chain": _max_read_chain(view),
+                "max_read_chain": max_chain,
             }
         return stats
 
@@ -481,23 +481,24 @@ class _ReadContext:
 
 
 def _written_by(view: IndexView, tinfo: dict, version: int) -> bool:
-    """Whether any row of the table was written at or before ``version``."""
-    for _t, _b, v, _loc in view.row_entries(tinfo["id"]):
-        if v <= version:
-            return True
-    return False
+    """Whether any row of the table was written at or before ``version``: one index seek per block
+    that has records (usually the first answers), however many versions or rows the table has."""
+    return any(oldest <= version for _block, oldest in view.row_blocks(tinfo["id"]))
 
 
-def _max_read_chain(view: IndexView) -> int:
-    """The most records a point read of one block at any retained version may visit."""
-    longest = run = 0
-    prev = None
-    for t, b, _v, loc in view.row_entries():
-        if (t, b) != prev:
-            prev, run = (t, b), 0
-        run = 1 if loc.flags & record.FLAG_BASELINE else run + 1
-        longest = max(longest, run)
-    return longest
+def _scan_row_index(view: IndexView, versions: list[int]) -> tuple[int, int]:
+    """(bytes of every row record the index names, the longest read chain of any block at any of
+    ``versions``) in one pass over the row index."""
+    live = 0
+
+    def entries():
+        nonlocal live
+        for entry in view.row_entries():
+            live += entry[3].length
+            yield entry
+
+    chains = compaction.read_chain_lengths(entries(), versions)
+    return live, int(chains.max(initial=0))
 
 
 def _table_info(info: dict) -> TableInfo:

@@ -99,11 +99,21 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
 
 def _unread_entries(view, kept: list[int]) -> set[tuple[int, int, int]]:
     """Row-index entries that no retained version reads (retention must have deleted them). Entries of
-    dropped versions that a retained version still reads (e.g. a block's baseline) are fine."""
-    by_block: dict[tuple[int, int], list] = {}
+    dropped versions that a retained version still reads (e.g. a block's baseline) are fine.
+
+    One pass over the row index, one block's entries held at a time: O(entries log versions)."""
+    unread: set[tuple[int, int, int]] = set()
+    key = None
+    entries: list[tuple[int, bool]] = []
     for tid, block, version, loc in view.row_entries():
-        by_block.setdefault((tid, block), []).append((version, bool(loc.flags & record.FLAG_BASELINE)))
-    return {(t, b, v) for (t, b), entries in by_block.items() for v in reader.unread_versions(entries, kept)}
+        if (tid, block) != key:
+            if key is not None:
+                unread.update((*key, v) for v in reader.unread_versions(entries, kept))
+            key, entries = (tid, block), []
+        entries.append((version, bool(loc.flags & record.FLAG_BASELINE)))
+    if key is not None:
+        unread.update((*key, v) for v in reader.unread_versions(entries, kept))
+    return unread
 
 
 def _check_location(committed: dict[int, int], seg: int, offset: int, length: int) -> str | None:
