@@ -17,6 +17,7 @@ from .errors import (
     CorruptionError,
     FormatVersionError,
     GlobalCommitError,
+    IndexDamaged,
     InvalidArgument,
     MissingRows,
     ReadOnlyError,
@@ -38,5 +39,5 @@ __all__ = [
     "FORMAT_VERSION", "codecs", "errors",
     "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "TableNotFound",
     "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",
-    "CheckpointInProgress", "GlobalCommitError",
+    "CheckpointInProgress", "GlobalCommitError", "IndexDamaged",
 ]

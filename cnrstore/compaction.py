@@ -130,6 +130,7 @@ def _commit(store: "Store", appender, appended: bool, name: str, update: Callabl
         def body(w: IndexWriter) -> None:
             for seg, length in lengths.items():
                 w.put_segment(seg, length)
+            w.put_meta("segment_ids", appender.ids_state(lengths))
             update(w)
             fs.crash_point(f"{name}_inside_index_commit")
 

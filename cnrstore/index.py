@@ -27,7 +27,7 @@ import lmdb
 import msgpack
 
 from . import knobs
-from .errors import CorruptionError
+from .errors import CorruptionError, IndexDamaged
 
 T = TypeVar("T")
 
@@ -358,6 +358,70 @@ class Index:
             shared.release()
 
 
+#: LMDB's meta page (pages 0 and 1 of data.mdb): a 16-byte page header, then MDB_meta: magic u32,
+#: version u32, address u64, mapsize u64, two MDB_db of 48 bytes (the first one's leading u32 is the
+#: page size), last_pgno u64, txnid u64.
+LMDB_MAGIC = 0xBEEFC0DE
+_META_MAGIC = struct.Struct("<I")
+_META_TAIL = struct.Struct("<QQ")  # last_pgno, txnid at byte 136 of the page
+_META_PSIZE_AT, _META_TAIL_AT = 40, 136
+
+
+def damage_hint(index_path: str) -> str:
+    root = os.path.dirname(os.path.abspath(index_path))
+    return (f"nothing was deleted: the segment log still holds the data. Run `cnrstore repair {root}` "
+            "to rebuild the index from it")
+
+
+def check_data_file(path: str) -> None:
+    """Raise IndexDamaged unless the LMDB environment in directory ``path`` is whole enough to map.
+
+    LMDB maps data.mdb and trusts it: a file shorter than its meta page says kills the process with
+    SIGBUS on first touch. So before LMDB opens it: data.mdb exists, and its newest valid meta page (the
+    larger txnid of pages 0 and 1) has ``(last_pgno + 1) * page_size <= file size``.
+    """
+    data = os.path.join(path, "data.mdb")
+
+    def damaged(why: str):
+        return IndexDamaged(f"the index of the store is damaged: {why}; {damage_hint(path)}", data, None)
+
+    if not os.path.isdir(path):
+        raise damaged(f"the index directory {path} is missing")
+    try:
+        with open(data, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(65536 * 2)
+    except FileNotFoundError:
+        raise damaged(f"{data} is missing") from None
+    except OSError as exc:
+        raise damaged(f"{data} cannot be read ({exc})") from exc
+    if size == 0:
+        raise damaged(f"{data} is empty")
+    metas = []
+    psize0 = None
+    if len(head) >= _META_TAIL_AT + 16 and _META_MAGIC.unpack_from(head, 16)[0] == LMDB_MAGIC:
+        psize0 = _META_MAGIC.unpack_from(head, _META_PSIZE_AT)[0]
+        metas.append((_META_TAIL.unpack_from(head, _META_TAIL_AT)[1], _META_TAIL.unpack_from(head, _META_TAIL_AT)[0],
+                       psize0))
+    for psize in ([psize0] if psize0 else [os.sysconf("SC_PAGE_SIZE"), 4096, 8192, 16384, 65536]):
+        if not psize or psize & (psize - 1) or psize < 512 or psize > 65536:
+            continue
+        at = psize
+        if len(head) >= at + _META_TAIL_AT + 16 and _META_MAGIC.unpack_from(head, at + 16)[0] == LMDB_MAGIC \
+                and _META_MAGIC.unpack_from(head, at + _META_PSIZE_AT)[0] == psize:
+            last, txn = _META_TAIL.unpack_from(head, at + _META_TAIL_AT)
+            metas.append((txn, last, psize))
+            break
+    if not metas:
+        raise damaged(f"{data} has no valid LMDB meta page ({size} bytes)")
+    _txn, last_pgno, psize = max(metas)
+    if psize & (psize - 1) or not 512 <= psize <= 65536:
+        raise damaged(f"{data} records an impossible page size {psize}")
+    need = (last_pgno + 1) * psize
+    if size < need:
+        raise damaged(f"{data} is truncated: {size} bytes, but its meta page says {need}")
+
+
 class _SharedEnv:
     """One LMDB environment per index per process, shared by every Index open on it.
 
@@ -393,6 +457,8 @@ class _SharedEnv:
                 raise CorruptionError(f"the index at {path} is open readonly in this process and cannot be "
                                       "written (its files are not writable)", path, None)
             if shared is None:
+                if not create:
+                    check_data_file(path)
                 writable = not readonly or _writable(path)
                 try:
                     env = lmdb.open(

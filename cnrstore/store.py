@@ -17,6 +17,7 @@ from .errors import (
     CheckpointInProgress,
     CorruptionError,
     FormatVersionError,
+    IndexDamaged,
     InvalidArgument,
     MissingRows,
     ReadOnlyError,
@@ -25,7 +26,7 @@ from .errors import (
     TableNotFound,
     VersionNotFound,
 )
-from .index import Index, IndexView, RowLoc
+from .index import Index, IndexView, RowLoc, damage_hint
 from .background import BackgroundCompactor
 from .lock import ProcessLock
 from .policy import compaction as compaction_policy
@@ -107,14 +108,21 @@ class Store:
             self._index = Index(filenames.index_dir(self.path), readonly=readonly)
             self._segments = segments.SegmentReader(self.path)
             self._appender = self._compaction_appender = None
+            with self._index.read() as view:
+                if view.meta("format") is None:  # an empty environment LMDB made in place of a lost one
+                    raise IndexDamaged(f"the index of store {self.path!r} holds no catalog (was index/data.mdb "
+                                       f"replaced?); {damage_hint(self._index.path)}", self._index.path, None)
             if not readonly:
                 with self._index.read() as view:
                     committed = view.segments()
                     doomed = {int(k) for k in view.meta("doomed_segments", {})}
                     deleted = view.meta("max_deleted_segment", 0)
-                self.recovery_notes = segments.recover(self.path, committed, self._fs, doomed)
+                    seg_ids = view.meta("segment_ids")
+                self.recovery_notes = segments.recover(self.path, committed, self._fs, doomed,
+                                                       max_deleted=deleted, ids=seg_ids)
                 # never reuse the id of a deleted segment: a long-lived reader may still map the old file
-                ids = segments.SegmentIds(max([0, *committed, *doomed, deleted]) + 1)
+                high, _pending = segments.leftover_rule(committed, doomed, deleted, seg_ids)
+                ids = segments.SegmentIds(high + 1)
                 # the checkpoint writer and compaction append to active segments of their own
                 self._appender = segments.SegmentAppender(self.path, committed, FORMAT_VERSION, self._fs, ids)
                 self._compaction_appender = segments.SegmentAppender(self.path, {}, FORMAT_VERSION, self._fs,
@@ -156,6 +164,7 @@ class Store:
                 index.write(init)
             finally:
                 index.close()
+            self._fs.fsync_dir(filenames.index_dir(self.path))  # data.mdb's entry, before the marker exists
             self._fs.fsync_dir(self.path)
             # the marker is written last: a store exists exactly when its marker does
             self._fs.write_file_atomic(filenames.marker_path(self.path), filenames.marker_tmp_path(self.path),

@@ -157,6 +157,7 @@ class CheckpointWriter:
                     w.put_dense(dense_id, self.version, loc)
                 for seg, length in lengths.items():
                     w.put_segment(seg, length)
+                w.put_meta("segment_ids", store._appender.ids_state(lengths))
                 w.put_version(self.version, info)
                 w.put_meta("bytes_written", w.meta("bytes_written", 0) + self._bytes)
                 fs.crash_point("inside_index_commit")
