@@ -9,6 +9,8 @@ Named databases (keys big-endian so LMDB's byte order is numeric order; on disk,
     rows        table u32 · block u64 · version u64 → ROW_LOC (segment, offset, length, count, flags)
     dense_names name (utf-8) → dense id u32
     dense       dense id u32 · version u64 → DENSE_LOC (segment, offset, length)
+    log         record kind u8 · version u64 → DENSE_LOC of the COMMIT / ANCHOR record (format 2; a
+                format-1 index opened readonly may lack it: it then reads as empty)
 
 "Newest record of block b at or before version v" is one ``set_range`` to (t, b, v+1) and one ``prev``.
 Only this module imports lmdb; every lmdb error is wrapped here. The map grows on demand: callers
@@ -34,11 +36,13 @@ T = TypeVar("T")
 ROW_KEY = struct.Struct(">IQQ")
 DENSE_KEY = struct.Struct(">IQ")
 VERSION_KEY = struct.Struct(">Q")
+LOG_KEY = struct.Struct(">BQ")
 ROW_LOC = struct.Struct("<IIIIB")  # segment, offset, length, count, flags
 DENSE_LOC = struct.Struct("<III")  # segment, offset, length
 #: Below this an empty store's catalogs do not fit the map (LMDB needs a few pages per database).
 _MIN_MAP_BYTES = 64 << 10
-_DBS = (b"meta", b"tables", b"versions", b"segments", b"rows", b"dense_names", b"dense")
+_DBS = (b"meta", b"tables", b"versions", b"segments", b"rows", b"dense_names", b"dense", b"log")
+_OPTIONAL_DBS = (b"log",)  # added by format 2: absent from a format-1 index until a writable open
 
 
 class RowLoc(NamedTuple):
@@ -194,8 +198,22 @@ class IndexView:
         with self._txn.cursor(db=self._dbs[b"dense_names"]) as cur:
             return {k.decode(): struct.unpack(">I", v)[0] for k, v in cur}
 
+    def log_entries(self, kind: int | None = None) -> Iterator[tuple[int, int, DenseLoc]]:
+        """Every (kind, version, location) of the COMMIT / ANCHOR records the index keeps, in key order."""
+        db = self._dbs.get(b"log")
+        if db is None:
+            return
+        with self._txn.cursor(db=db) as cur:
+            ok = cur.set_range(LOG_KEY.pack(kind, 0)) if kind is not None else cur.first()
+            while ok:
+                k, v = LOG_KEY.unpack(cur.key())
+                if kind is not None and k != kind:
+                    return
+                yield k, v, DenseLoc._make(DENSE_LOC.unpack(cur.value()))
+                ok = cur.next()
+
     def stat(self) -> dict[str, dict]:
-        return {name.decode(): self._txn.stat(db) for name, db in self._dbs.items()}
+        return {name.decode(): self._txn.stat(db) for name, db in self._dbs.items() if db is not None}
 
 
 def _seek_at_or_before(cur, key: bytes) -> bool:
@@ -231,6 +249,12 @@ class IndexWriter(IndexView):
 
     def put_dense(self, dense_id: int, version: int, loc: DenseLoc) -> None:
         self._txn.put(DENSE_KEY.pack(dense_id, version), DENSE_LOC.pack(*loc), db=self._dbs[b"dense"])
+
+    def put_log(self, kind: int, version: int, loc: DenseLoc) -> None:
+        self._txn.put(LOG_KEY.pack(kind, version), DENSE_LOC.pack(*loc), db=self._dbs[b"log"])
+
+    def delete_log(self, kind: int, version: int) -> None:
+        self._txn.delete(LOG_KEY.pack(kind, version), db=self._dbs[b"log"])
 
     def delete_row(self, table_id: int, block: int, version: int) -> None:
         self._txn.delete(ROW_KEY.pack(table_id, block, version), db=self._dbs[b"rows"])
@@ -478,11 +502,25 @@ class _SharedEnv:
                     try:
                         if writable:
                             with env.begin(write=True) as txn:
-                                dbs = {name: env.open_db(name, txn=txn, create=not readonly) for name in _DBS}
+                                dbs = {}
+                                for name in _DBS:
+                                    try:
+                                        dbs[name] = env.open_db(name, txn=txn, create=not readonly)
+                                    except lmdb.NotFoundError:
+                                        if name not in _OPTIONAL_DBS:
+                                            raise
+                                        dbs[name] = None
                         else:
                             # py-lmdb: handles opened inside a read transaction die with it; without a
                             # transaction argument it opens them so that they stay valid
-                            dbs = {name: env.open_db(name, create=False) for name in _DBS}
+                            dbs = {}
+                            for name in _DBS:
+                                try:
+                                    dbs[name] = env.open_db(name, create=False)
+                                except lmdb.NotFoundError:
+                                    if name not in _OPTIONAL_DBS:
+                                        raise
+                                    dbs[name] = None
                     except BaseException:
                         env.close()
                         raise

@@ -409,7 +409,7 @@ class Store:
             if len(versions) <= keep_last:
                 return []
             oldest_kept = versions[-keep_last]
-            compaction.materialize(self, oldest_kept)
+            compaction.materialize(self, oldest_kept, drop_below=oldest_kept)
             return compaction.drop_versions(self, set(versions[:-keep_last]))
 
     def gc(self, progress=None) -> "compaction.GCReport":
