@@ -29,13 +29,14 @@ from .errors import (
     VersionNotFound,
 )
 from .store import FORMAT_VERSION, Store, open
+from .repair import RepairReport, repair
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 from .writer import CheckpointWriter
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "open", "Store", "CheckpointWriter", "TableInfo", "VersionInfo", "Snapshot", "VerifyReport",
+    "open", "repair", "RepairReport", "Store", "CheckpointWriter", "TableInfo", "VersionInfo", "Snapshot", "VerifyReport",
     "FORMAT_VERSION", "codecs", "errors",
     "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "TableNotFound",
     "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",

@@ -156,12 +156,16 @@ def prune_log(w: IndexWriter) -> None:
 
     With k(u) the smallest kept version >= u: the COMMIT of a dropped version u is dead once an anchor
     lies in (u, k(u)] (or no kept version is newer); an ANCHOR at a is dead once a newer anchor lies in
-    (a, k(a)] (or no kept version is newer). COMMITs of kept versions and their anchors stay.
+    (a, k(a)] (or no kept version is newer). COMMITs of kept versions and their anchors stay. Only the
+    newest DROP record is needed: it lists every version kept at that drop.
     """
     kept = [v for v, _info in w.versions()]
     anchors = [v for _k, v, _loc in w.log_entries(record.KIND_ANCHOR)]
-    dead = []
+    drops = [seq for _k, seq, _loc in w.log_entries(record.KIND_DROP)]
+    dead = [(record.KIND_DROP, seq) for seq in drops[:-1]]  # the newest DROP lists every kept version
     for kind, u, _loc in list(w.log_entries()):
+        if kind == record.KIND_DROP:
+            continue
         i = int(np.searchsorted(kept, u))
         if i < len(kept) and kept[i] == u and kind == record.KIND_COMMIT:
             continue
@@ -224,6 +228,22 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
     lies in (v, k]; it suffices to look at the smallest kept k >= v. Dense entries are each a whole
     array, so each is a baseline. Returns the dropped versions, oldest first.
     """
+    with store._index.read() as view:
+        present = [v for v, _info in view.versions()]
+        seq = view.meta("drop_seq", 0) + 1
+    if not set(present) & set(drop):
+        return []
+    # the log records the drop, so that repair leaves these versions dropped (docs/FORMAT.md, DROP)
+    drop_body = {"seq": seq, "latest": present[-1], "kept": sorted(set(present) - set(drop))}
+    appender = store._compaction_appender
+    try:
+        buffers, length = record.log_record(record.KIND_DROP, present[-1], drop_body)
+        drop_loc = DenseLoc(*appender.append(buffers, length), length)
+    except BaseException:
+        appender.rollback()
+        raise
+    result: list[int] = []
+
     def body(w: IndexWriter) -> list[int]:
         versions = [v for v, _info in w.versions()]
         dropped = sorted(set(versions) & set(drop))
@@ -244,10 +264,14 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
                 w.delete_dense(d, v)
         for v in dropped:
             w.delete_version(v)
+        w.put_meta("drop_seq", seq)
+        w.put_log(record.KIND_DROP, seq, drop_loc)
         prune_log(w)
+        result[:] = dropped
         return dropped
 
-    return store._index.write(body)
+    _commit(store, appender, True, "drop", body)
+    return result
 
 
 def collect(store: "Store", progress: Progress | None = None) -> GCReport:

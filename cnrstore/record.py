@@ -6,10 +6,10 @@ A record is::
     aux     aux_len bytes   ROWS: row offsets in the block, u16 LE, sorted, unique
                             (absent when FLAG_FULL: the record holds rows 0..count-1)
                             DENSE: msgpack {"dtype": str, "shape": [int, ...]}
-                            COMMIT, ANCHOR: empty
+                            COMMIT, ANCHOR, DROP: empty
     body    body_len bytes  ROWS: count encoded rows of the codec, row after row
                             DENSE: the array's raw bytes, C order
-                            COMMIT, ANCHOR: a msgpack map (docs/FORMAT.md), what repair rebuilds from
+                            COMMIT, ANCHOR, DROP: a msgpack map (docs/FORMAT.md), what repair rebuilds from
     xxh3    8 bytes, u64 LE: XXH3-64 (seed 0) of every preceding byte of the record
 """
 
@@ -32,7 +32,9 @@ KIND_DENSE = 2
 KIND_COMMIT = 3
 #: The head of every block's read chain at a version after compaction there: appended by compaction.
 KIND_ANCHOR = 4
-_KINDS = (KIND_ROWS, KIND_DENSE, KIND_COMMIT, KIND_ANCHOR)
+#: The versions kept after versions were dropped (retain, a retention policy): appended by each drop.
+KIND_DROP = 5
+_KINDS = (KIND_ROWS, KIND_DENSE, KIND_COMMIT, KIND_ANCHOR, KIND_DROP)
 #: The record holds every row of its block as of its version: a read walking back stops here.
 FLAG_BASELINE = 0x1
 #: Rows are 0..count-1 of the block; no offsets are stored.
@@ -107,13 +109,13 @@ def dense_record(object_id: int, version: int, array: np.ndarray) -> tuple[list,
 
 
 def log_record(kind: int, version: int, body: dict) -> tuple[list, int]:
-    """Buffers of one COMMIT or ANCHOR record (msgpack ``body``, stamped with ``version``) and its length."""
+    """Buffers of one COMMIT, ANCHOR or DROP record (msgpack ``body``, stamped with ``version``) and its length."""
     payload = np.frombuffer(msgpack.packb(body, use_bin_type=True), dtype=np.uint8)
     return _assemble(kind, 0, 0, 0, 0, 0, version, b"", payload)
 
 
 def log_body(rec: Record) -> dict:
-    """The msgpack map of a COMMIT or ANCHOR record."""
+    """The msgpack map of a COMMIT, ANCHOR or DROP record."""
     return msgpack.unpackb(rec.body.tobytes(), raw=False, strict_map_key=False)
 
 

@@ -102,7 +102,8 @@ def _check_log_records(view, committed, seg_reader, versions: dict, report: Veri
     """The COMMIT and ANCHOR records repair rebuilds the index from: checksums and what they claim.
     (A format-1 store has none; versions committed before format 2 have no COMMIT record.)"""
     for kind, version, loc in view.log_entries():
-        where = f"{'commit' if kind == record.KIND_COMMIT else 'anchor'} record of version {version}"
+        what = {record.KIND_COMMIT: "commit", record.KIND_ANCHOR: "anchor"}.get(kind, "drop")
+        where = f"{what} record of version {version}" if what != "drop" else f"drop record {version}"
         problem = _check_location(committed, loc.segment, loc.offset, loc.length)
         if not problem:
             try:
@@ -111,7 +112,8 @@ def _check_log_records(view, committed, seg_reader, versions: dict, report: Veri
                 report.records_checked += 1
                 report.bytes_checked += loc.length
                 body = record.log_body(rec)
-                if rec.kind != kind or rec.version != version or body.get("version") != version:
+                if rec.kind != kind or (kind != record.KIND_DROP and (rec.version != version or
+                                                                       body.get("version") != version)):
                     problem = "record does not match its index entry"
                 elif kind == record.KIND_COMMIT and version in versions and \
                         body.get("parent") != versions[version].get("parent"):
