@@ -34,7 +34,9 @@ from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 from .writer import CheckpointWriter, pack_meta
 
 #: On disk: the format this code writes and the newest it reads. Bump on any incompatible change.
-FORMAT_VERSION = 1
+#: 2: COMMIT / ANCHOR / DROP records and the index's ``log`` database (repair). Format 1 is still read;
+#: a writable open upgrades its marker (docs/FORMAT.md).
+FORMAT_VERSION = 2
 MARKER_MAGIC = b"CNRSTORE"
 _MARKER_HEAD = struct.Struct("<8sII")  # magic, format version, msgpack length
 
@@ -129,6 +131,10 @@ class Store:
                                                                      ids, active=None)
                 if doomed:  # segments GC freed before a restart: delete those no reader needs now
                     compaction.delete_doomed(self, compaction.GCReport())
+                if fmt < FORMAT_VERSION:  # from now on it holds format-2 records an older GC would drop
+                    self._fs.write_file_atomic(filenames.marker_path(self.path),
+                                               filenames.marker_tmp_path(self.path), _marker_bytes())
+                    self.recovery_notes.append(f"upgraded the store's format from {fmt} to {FORMAT_VERSION}")
         except BaseException:
             self._closed = True  # nothing for close() or __del__ to do
             if self._index is not None:

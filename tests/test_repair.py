@@ -403,3 +403,35 @@ def test_repair_refuses_while_a_writer_holds_the_store(tmp_path):
     with cnrstore.open(path):
         with pytest.raises(cnrstore.StoreLocked):
             cnrstore.repair(path)
+
+
+GOLDEN1 = os.path.join(os.path.dirname(__file__), "data", "format1", "store")
+
+
+def test_format1_store_reads_and_a_writable_open_upgrades_its_marker(tmp_path):
+    from cnrstore.store import _read_marker
+
+    path = tmp_path / "s"
+    shutil.copytree(GOLDEN1, path)
+    assert _read_marker(str(path)) == 1
+    with cnrstore.open(path, readonly=True) as s:
+        assert [v.version for v in s.versions()] == [1, 2]
+    assert _read_marker(str(path)) == 1  # a readonly open changes nothing
+    with cnrstore.open(path) as s:
+        assert any("upgraded" in n for n in s.recovery_notes)
+        with s.checkpoint(step=3) as ck:
+            ck.put_rows("t_int4", [1], np.ones((1, 7), np.float32))
+    assert _read_marker(str(path)) == cnrstore.FORMAT_VERSION == 2
+    with cnrstore.open(path) as s:
+        assert s.verify().ok
+
+
+def test_repair_of_format1_versions_says_they_cannot_be_proven(tmp_path):
+    path = tmp_path / "s"
+    shutil.copytree(GOLDEN1, path)
+    segs = _segment_digests(path)
+    report = cnrstore.repair(path)
+    assert not report.ok and report.versions_recovered == []
+    assert sorted(report.versions_lost) == [1, 2]
+    assert "before format 2" in report.versions_lost[1]
+    assert _segment_digests(path) == segs
