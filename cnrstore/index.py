@@ -480,6 +480,15 @@ class _SharedEnv:
             if shared is not None and not readonly and not shared.writable:
                 raise CorruptionError(f"the index at {path} is open readonly in this process and cannot be "
                                       "written (its files are not writable)", path, None)
+            if shared is not None and not readonly and any(shared.dbs[n] is None for n in _OPTIONAL_DBS):
+                # a format-1 index a readonly Store of this process opened first: add what a writer needs
+                try:
+                    with shared.resize.exclusive(), shared.env.begin(write=True) as txn:
+                        for name in _OPTIONAL_DBS:
+                            if shared.dbs[name] is None:
+                                shared.dbs[name] = shared.env.open_db(name, txn=txn, create=True)
+                except lmdb.Error as exc:
+                    raise CorruptionError(f"cannot open the index at {path}: {exc}", path, None) from exc
             if shared is None:
                 if not create:
                     check_data_file(path)

@@ -435,3 +435,37 @@ def test_repair_of_format1_versions_says_they_cannot_be_proven(tmp_path):
     assert sorted(report.versions_lost) == [1, 2]
     assert "before format 2" in report.versions_lost[1]
     assert _segment_digests(path) == segs
+
+
+def test_format1_store_opened_readonly_then_writable_in_one_process(tmp_path):
+    path = tmp_path / "s"
+    shutil.copytree(GOLDEN1, path)
+    open(os.path.join(filenames.index_dir(str(path)), "lock.mdb"), "wb").close()  # so LMDB opens it writable
+    with cnrstore.open(path, readonly=True) as ro:
+        with cnrstore.open(path) as s:
+            with s.checkpoint(step=3) as ck:
+                ck.put_rows("t_int4", [1], np.ones((1, 7), np.float32))
+        assert [v.version for v in ro.versions()] == [1, 2, 3]
+
+
+def test_create_fsyncs_the_index_directory_before_writing_the_marker(tmp_path, monkeypatch):
+    from cnrstore import fs
+
+    calls = []
+    fsync_dir, write_atomic = fs.FileSystem.fsync_dir, fs.FileSystem.write_file_atomic
+
+    def record_dir(self, p):
+        calls.append(("dir", os.path.abspath(p)))
+        fsync_dir(self, p)
+
+    def record_atomic(self, p, tmp, data):
+        calls.append(("marker", os.path.abspath(p)))
+        write_atomic(self, p, tmp, data)
+
+    monkeypatch.setattr(fs.FileSystem, "fsync_dir", record_dir)
+    monkeypatch.setattr(fs.FileSystem, "write_file_atomic", record_atomic)
+    path = str(tmp_path / "s")
+    cnrstore.open(path, create=True).close()
+    marker = calls.index(("marker", filenames.marker_path(path)))
+    assert ("dir", filenames.index_dir(path)) in calls[:marker]
+    assert ("dir", path) in calls[:marker]
