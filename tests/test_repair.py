@@ -469,3 +469,26 @@ def test_create_fsyncs_the_index_directory_before_writing_the_marker(tmp_path, m
     marker = calls.index(("marker", filenames.marker_path(path)))
     assert ("dir", filenames.index_dir(path)) in calls[:marker]
     assert ("dir", path) in calls[:marker]
+
+
+def test_verify_checks_commit_records(tmp_path, monkeypatch):
+    path = tmp_path / "s"
+    _linear_store(path, monkeypatch)
+    loc = _record_location(path, "commit", 2)
+    with open(filenames.segment_path(str(path), loc.segment), "r+b") as f:
+        f.seek(loc.offset + 45)
+        f.write(b"\xff\xfe")
+    with cnrstore.open(path, readonly=True) as s:
+        report = s.verify()
+        assert not report.ok
+        assert any("commit record of version 2" in p for p in report.problems)
+        assert s.read_table("t", 2)[2, 0] == 2.0  # reads do not need the commit record
+
+
+def test_repair_reports_progress(tmp_path):
+    path = tmp_path / "s"
+    _make_store(path, versions=2)
+    calls = []
+    cnrstore.repair(path, progress=lambda done, total: calls.append((done, total)))
+    assert calls and calls[-1][0] == calls[-1][1] > 0
+    assert all(d <= t for d, t in calls)
