@@ -312,7 +312,11 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
         return repr(table_name.get(tid, f"id {tid}"))
 
     nodes = sorted(set(found.commits) | set(found.anchors))
-    states: dict[int, _State] = {}
+    states: dict[int, _State] = {}  # only of versions some unprocessed version names as parent
+    waiting: dict[int, int] = {}
+    for body, _loc in found.commits.values():
+        if body.get("parent") is not None:
+            waiting[body["parent"]] = waiting.get(body["parent"], 0) + 1
     empty = _State(None, {}, {})
     for v in nodes:
         commit = found.commits.get(v)
@@ -324,6 +328,9 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
                 base = empty
             elif parent in states:
                 base = states[parent]
+                waiting[parent] -= 1
+                if not waiting[parent]:
+                    del states[parent]  # memory: only the states still needed are kept
             else:
                 base = _State(f"the commit record of version {parent} (an ancestor) is missing", {}, {})
         st = _State(base.unknown, dict(base.blocks), dict(base.dense))
@@ -375,7 +382,8 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
                 dense[did] = head if head is not None else st.dense.get(did, st.unknown) or \
                     f"the record of dense array {dense_name.get(did, did)!r} (anchor at {v}) is missing"
             st = _State(None, blocks, dense)
-        states[v] = st  # kept for the versions naming v as parent (memory: O(versions x blocks))
+        if waiting.get(v):
+            states[v] = st
         # decide v
         if commit is None:
             continue
@@ -396,11 +404,10 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
                     plan.rows[(tid, block, hv)] = loc
         for did, (hv, loc) in st.dense.items():
             plan.dense[(did, hv)] = loc
+        if v in found.anchors:  # versions ascend: the newest recovered anchor wins
+            plan.last_baseline = {"version": v, "bytes": sum(c[0][1].length for c in st.blocks.values())}
     for a, lst in found.anchors.items():
         plan.log[(record.KIND_ANCHOR, a)] = lst[-1][1]
-        if a in plan.versions and (plan.last_baseline is None or a >= plan.last_baseline["version"]):
-            st = states[a]
-            plan.last_baseline = {"version": a, "bytes": sum(c[0][1].length for c in st.blocks.values())}
     # versions seen in records without a commit record: uncommitted checkpoints, or lost commit records
     parents = {b.get("parent") for b, _l in found.commits.values()}
     for v in sorted(found.seen_versions - set(found.commits)):
