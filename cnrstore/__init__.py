@@ -17,6 +17,7 @@ from .errors import (
     CorruptionError,
     FormatVersionError,
     GlobalCommitError,
+    IndexDamaged,
     InvalidArgument,
     MissingRows,
     ReadOnlyError,
@@ -28,15 +29,16 @@ from .errors import (
     VersionNotFound,
 )
 from .store import FORMAT_VERSION, Store, open
+from .repair import RepairReport, repair
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 from .writer import CheckpointWriter
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "open", "Store", "CheckpointWriter", "TableInfo", "VersionInfo", "Snapshot", "VerifyReport",
+    "open", "repair", "RepairReport", "Store", "CheckpointWriter", "TableInfo", "VersionInfo", "Snapshot", "VerifyReport",
     "FORMAT_VERSION", "codecs", "errors",
     "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "TableNotFound",
     "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",
-    "CheckpointInProgress", "GlobalCommitError",
+    "CheckpointInProgress", "GlobalCommitError", "IndexDamaged",
 ]

@@ -8,12 +8,14 @@
     cnrstore gc STORE                               reclaim space of dropped and shadowed data
     cnrstore export STORE --format F OUT [--version V]   fp32 tables + dense arrays: torch|safetensors|npz
     cnrstore rows STORE TABLE ROW... [--version V]  print rows
+    cnrstore repair STORE [--json]                  rebuild a lost or damaged index from the segment log
 
 ``ls`` and ``verify`` also take the root of a multi-rank job (``cnrstore.distributed``): they list its
 global versions, and verify its manifests and every rank store they name. The other commands take one
 rank's store (``ROOT/gen-G/rank-R``).
 
-Exit status: 0 on success, 1 when verify finds problems, 2 on a usage error or a store error (not a
+Exit status: 0 on success, 1 when verify finds problems or repair could not recover every version it
+found, 2 on a usage error or a store error (not a
 store, locked by a trainer, unknown version ...), with the reason on stderr. Maintenance commands need
 the store not to be open for writing elsewhere: run them while no trainer holds it.
 """
@@ -30,6 +32,7 @@ import numpy as np
 from . import compaction
 from .errors import CnrError, InvalidArgument
 from .export import FORMATS, export
+from .repair import repair as repair_store
 from .distributed import manifest as dist_manifest
 from .distributed.verify import verify_root
 from .store import Store, open as open_store
@@ -219,10 +222,34 @@ def cmd_rows(args) -> int:
     return 0
 
 
+def cmd_repair(args) -> int:
+    _refuse_root(args)
+    report = repair_store(args.store, progress=Progress("repair"))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        for line in report.bad_records:
+            print(f"bad record: {line}")
+        for line in report.notes:
+            print(f"note: {line}")
+        for v, why in sorted(report.versions_lost.items()):
+            print(f"NOT RECOVERED: {why if why.startswith('version') else f'version {v}: {why}'}")
+        if report.versions_dropped:
+            print(f"left dropped (retain dropped them before): {len(report.versions_dropped)} version(s)")
+        if report.old_index:
+            print(f"the previous index was moved to {report.old_index}")
+        print(f"{'ok' if report.ok else 'DAMAGED'}: {len(report.versions_recovered)} version(s) recovered, "
+              f"{len(report.versions_lost)} not recovered; {len(report.tables_recovered)} table(s); "
+              f"{report.segments_scanned} segment(s), {report.records_scanned} records scanned, "
+              f"{len(report.bad_records)} bad")
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cnrstore", description="Inspect, verify and maintain a cnrstore checkpoint store.",
-        epilog="Exit status: 0 ok, 1 verify found problems, 2 usage or store error.")
+        epilog="Exit status: 0 ok, 1 verify found problems or repair could not recover every version, "
+               "2 usage or store error.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, func, help_text):
@@ -246,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=FORMATS, required=True, help="file format")
     p.add_argument("--version", type=int, default=None, help="version to export (default: the newest)")
     p.add_argument("out", help="output file")
+    add("repair", cmd_repair, "rebuild the index from the segment log (after index loss or damage); keeps "
+        "every version it can prove whole and says which it cannot (exit 1 then)").add_argument(
+        "--json", action="store_true", help="print JSON")
     p = add("rows", cmd_rows, "print rows of a table")
     p.add_argument("table", help="table name")
     p.add_argument("row", type=int, nargs="+", help="row ids")

@@ -125,8 +125,12 @@ def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions
     return row
 
 
-def materialize(store: "Store", version: int, progress: Progress | None = None) -> CompactReport:
-    """Write a baseline at ``version`` for every block whose read chain there is longer than one record.
+def materialize(store: "Store", version: int, progress: Progress | None = None, *,
+                drop_below: int | None = None) -> CompactReport:
+    """Write a baseline at ``version`` for every block whose read chain there is longer than one record,
+    then an ANCHOR record: the head of every block's (now one-record) read chain at ``version``, the dense
+    heads and the whole catalog, so that repair can prove versions from there on without older COMMIT
+    records. ``drop_below`` (retain) records in it that every version older than that is being dropped.
 
     The caller holds the store's maintenance lock; a checkpoint may be in progress meanwhile (compaction
     appends to a segment of its own). Reads of every version are unchanged.
@@ -157,6 +161,14 @@ def materialize(store: "Store", version: int, progress: Progress | None = None) 
                 done += 1
                 if progress is not None:
                     progress(done, len(chains))
+            heads = {key: (chain[0][0], chain[0][1].count, chain[0][1].flags)
+                     for key, chain in all_chains.items() if key not in chains}
+            for tid, blk, loc in new_entries:
+                heads[(tid, blk)] = (version, loc.count, loc.flags)
+            floor = max(view.meta("dropped_below", 0), drop_below or 0)
+            body = anchor_body(view, version, heads, floor)
+            buffers, length = record.log_record(record.KIND_ANCHOR, version, body)
+            anchor_loc = DenseLoc(*appender.append(buffers, length), length)
         except BaseException:
             appender.rollback()
             raise
@@ -166,9 +178,59 @@ def materialize(store: "Store", version: int, progress: Progress | None = None) 
         w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_written)
         if version >= w.meta("last_baseline", {}).get("version", 0):
             w.put_meta("last_baseline", {"version": version, "bytes": baseline_bytes})
+        w.put_meta("dropped_below", floor)
+        w.put_log(record.KIND_ANCHOR, version, anchor_loc)
+        prune_log(w)
 
-    _commit(store, appender, bool(new_entries), "compact", update)
+    _commit(store, appender, True, "compact", update)
     return report
+
+
+def anchor_body(view: IndexView, version: int, heads: dict, dropped_below: int) -> dict:
+    """The body of an ANCHOR record at ``version`` (docs/FORMAT.md). ``heads``: (table id, block) ->
+    (version, count, flags) of the one record of the block's read chain at ``version``."""
+    by_table: dict[int, list] = {}
+    for (tid, blk), head in sorted(heads.items()):
+        by_table.setdefault(tid, []).append((blk, *head))
+    packed = {}
+    for tid, items in by_table.items():
+        arr = np.array(items, dtype=np.int64).reshape(-1, 4)
+        packed[tid] = [arr[:, 0].astype("<u8").tobytes(), arr[:, 1].astype("<u8").tobytes(),
+                       arr[:, 2].astype("<u4").tobytes(), arr[:, 3].astype("<u1").tobytes()]
+    dense: dict[int, int] = {}
+    for dense_id, v, _loc in view.dense_entries():
+        if v <= version:
+            dense[dense_id] = v  # entries come oldest first
+    catalog = [{k: info[k] for k in ("id", "name", "num_rows", "dim", "codec", "block_rows", "created")}
+               for info in view.tables().values()]
+    return {"version": version, "dropped_below": dropped_below, "catalog": catalog,
+            "dense_names": view.dense_names(), "heads": packed, "dense": dense}
+
+
+def prune_log(w: IndexWriter) -> None:
+    """Forget (so that GC may reclaim) the COMMIT and ANCHOR records repair no longer needs.
+
+    With k(u) the smallest kept version >= u: the COMMIT of a dropped version u is dead once an anchor
+    lies in (u, k(u)] (or no kept version is newer); an ANCHOR at a is dead once a newer anchor lies in
+    (a, k(a)] (or no kept version is newer). COMMITs of kept versions and their anchors stay. Only the
+    newest DROP record is needed: it lists every version kept at that drop.
+    """
+    kept = [v for v, _info in w.versions()]
+    anchors = [v for _k, v, _loc in w.log_entries(record.KIND_ANCHOR)]
+    drops = [seq for _k, seq, _loc in w.log_entries(record.KIND_DROP)]
+    dead = [(record.KIND_DROP, seq) for seq in drops[:-1]]  # the newest DROP lists every kept version
+    for kind, u, _loc in list(w.log_entries()):
+        if kind == record.KIND_DROP:
+            continue
+        i = int(np.searchsorted(kept, u))
+        if i < len(kept) and kept[i] == u and kind == record.KIND_COMMIT:
+            continue
+        k = kept[i] if i < len(kept) else None
+        j = int(np.searchsorted(anchors, u, side="right"))  # first anchor > u
+        if k is None or (j < len(anchors) and anchors[j] <= k):
+            dead.append((kind, u))
+    for kind, u in dead:
+        w.delete_log(kind, u)
 
 
 def _commit(store: "Store", appender, appended: bool, name: str, update: Callable[[IndexWriter], None]) -> None:
@@ -186,6 +248,7 @@ def _commit(store: "Store", appender, appended: bool, name: str, update: Callabl
         def body(w: IndexWriter) -> None:
             for seg, length in lengths.items():
                 w.put_segment(seg, length)
+            w.put_meta("segment_ids", appender.ids_state(lengths))
             update(w)
             fs.crash_point(f"{name}_inside_index_commit")
 
@@ -221,6 +284,22 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
     lies in (v, k]; it suffices to look at the smallest kept k >= v. Dense entries are each a whole
     array, so each is a baseline. Returns the dropped versions, oldest first.
     """
+    with store._index.read() as view:
+        present = [v for v, _info in view.versions()]
+        seq = view.meta("drop_seq", 0) + 1
+    if not set(present) & set(drop):
+        return []
+    # the log records the drop, so that repair leaves these versions dropped (docs/FORMAT.md, DROP)
+    drop_body = {"seq": seq, "latest": present[-1], "kept": sorted(set(present) - set(drop))}
+    appender = store._compaction_appender
+    try:
+        buffers, length = record.log_record(record.KIND_DROP, present[-1], drop_body)
+        drop_loc = DenseLoc(*appender.append(buffers, length), length)
+    except BaseException:
+        appender.rollback()
+        raise
+    result: list[int] = []
+
     def body(w: IndexWriter) -> list[int]:
         versions = [v for v, _info in w.versions()]
         dropped = sorted(set(versions) & set(drop))
@@ -241,9 +320,14 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
                 w.delete_dense(d, v)
         for v in dropped:
             w.delete_version(v)
+        w.put_meta("drop_seq", seq)
+        w.put_log(record.KIND_DROP, seq, drop_loc)
+        prune_log(w)
+        result[:] = dropped
         return dropped
 
-    return store._index.write(body)
+    _commit(store, appender, True, "drop", body)
+    return result
 
 
 def collect(store: "Store", progress: Progress | None = None) -> GCReport:
@@ -258,6 +342,7 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
     appender = store._compaction_appender
     moved_rows: list[tuple[int, int, int, RowLoc]] = []
     moved_dense: list[tuple[int, int, DenseLoc]] = []
+    moved_log: list[tuple[int, int, DenseLoc]] = []
     freed: list[int] = []
     with store._index.read() as view:
         committed = view.segments()
@@ -270,6 +355,10 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
         for dense_id, v, loc in view.dense_entries():
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
             dense_users.setdefault(loc.segment, []).append((dense_id, v, loc))
+        log_users: dict[int, list] = {}
+        for kind, v, loc in view.log_entries():  # COMMIT / ANCHOR records repair needs
+            live[loc.segment] = live.get(loc.segment, 0) + loc.length
+            log_users.setdefault(loc.segment, []).append((kind, v, loc))
         candidates = []
         active = appender.active
         if active in committed and active not in store._appender.busy() and live.get(active, 0) / max(1, committed[active] - SEGMENT_HEADER_BYTES) \
@@ -291,11 +380,16 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
                     copies.append(("row", (tid, block, v, loc), _verified_bytes(store, loc)))
                 for dense_id, v, loc in dense_users.get(seg, []):
                     copies.append(("dense", (dense_id, v, loc), _verified_bytes(store, loc)))
+                for kind, v, loc in log_users.get(seg, []):
+                    copies.append(("log", (kind, v, loc), _verified_bytes(store, loc)))
                 locations = appender.append_many([([data], data.nbytes) for _kind, _key, data in copies])
                 for (kind, key, data), (new_seg, off) in zip(copies, locations):
                     if kind == "row":
                         tid, block, v, loc = key
                         moved_rows.append((tid, block, v, RowLoc(new_seg, off, loc.length, loc.count, loc.flags)))
+                    elif kind == "log":
+                        log_kind, v, loc = key
+                        moved_log.append((log_kind, v, DenseLoc(new_seg, off, loc.length)))
                     else:
                         dense_id, v, loc = key
                         moved_dense.append((dense_id, v, DenseLoc(new_seg, off, loc.length)))
@@ -314,6 +408,8 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
             w.put_row(tid, block, v, loc)
         for dense_id, v, loc in moved_dense:
             w.put_dense(dense_id, v, loc)
+        for kind, v, loc in moved_log:
+            w.put_log(kind, v, loc)
         doomed = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
         for seg in freed:
             w.delete_segment(seg)
@@ -321,7 +417,7 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
         w.put_meta("doomed_segments", doomed)
         w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_copied)
 
-    _commit(store, appender, bool(moved_rows or moved_dense), "gc", update)
+    _commit(store, appender, bool(moved_rows or moved_dense or moved_log), "gc", update)
     appender.forget(freed)
     return delete_doomed(store, report)
 

@@ -17,6 +17,7 @@ __all__ = [
     "TableNotFound",
     "MissingRows",
     "CorruptionError",
+    "IndexDamaged",
     "FormatVersionError",
     "StorageFull",
     "StoreClosed",
@@ -67,6 +68,11 @@ class CorruptionError(CnrError):
         super().__init__(message)
         self.path = path
         self.offset = offset
+
+
+class IndexDamaged(CorruptionError):
+    """The store's index (``index/``) is missing or damaged. Nothing was deleted: the segment log still
+    holds the data. Run ``cnrstore repair PATH`` (or ``cnrstore.repair(path)``) to rebuild the index."""
 
 
 class FormatVersionError(CnrError):

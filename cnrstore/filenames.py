@@ -5,6 +5,8 @@ Layout of a store directory::
     <store>/CNRSTORE            marker: format version, checksummed (written last at creation)
     <store>/LOCK                advisory lock of the writing process; holds its pid
     <store>/index/              the LMDB environment (data.mdb, lock.mdb)
+    <store>/index.repair-tmp/   the index `cnrstore repair` is building (swapped in when done)
+    <store>/index.damaged-<time>/  an index repair replaced (kept as evidence; delete it by hand)
     <store>/segments/<id>.seg   append-only segment files, id as 16 hex digits
 """
 
@@ -34,6 +36,14 @@ def lock_path(root: str) -> str:
 
 def index_dir(root: str) -> str:
     return os.path.join(root, INDEX_DIR)
+
+
+def index_repair_tmp(root: str) -> str:
+    return os.path.join(root, INDEX_DIR + ".repair-tmp")
+
+
+def index_damaged(root: str, stamp: str) -> str:
+    return os.path.join(root, f"{INDEX_DIR}.damaged-{stamp}")
 
 
 def segments_dir(root: str) -> str:

@@ -9,6 +9,8 @@ Named databases (keys big-endian so LMDB's byte order is numeric order; on disk,
     rows        table u32 · block u64 · version u64 → ROW_LOC (segment, offset, length, count, flags)
     dense_names name (utf-8) → dense id u32
     dense       dense id u32 · version u64 → DENSE_LOC (segment, offset, length)
+    log         record kind u8 · version u64 → DENSE_LOC of the COMMIT / ANCHOR record (format 2; a
+                format-1 index opened readonly may lack it: it then reads as empty)
 
 "Newest record of block b at or before version v" is one ``set_range`` to (t, b, v+1) and one ``prev``.
 Only this module imports lmdb; every lmdb error is wrapped here. The map grows on demand: callers
@@ -27,18 +29,20 @@ import lmdb
 import msgpack
 
 from . import knobs
-from .errors import CorruptionError
+from .errors import CorruptionError, IndexDamaged
 
 T = TypeVar("T")
 
 ROW_KEY = struct.Struct(">IQQ")
 DENSE_KEY = struct.Struct(">IQ")
 VERSION_KEY = struct.Struct(">Q")
+LOG_KEY = struct.Struct(">BQ")
 ROW_LOC = struct.Struct("<IIIIB")  # segment, offset, length, count, flags
 DENSE_LOC = struct.Struct("<III")  # segment, offset, length
 #: Below this an empty store's catalogs do not fit the map (LMDB needs a few pages per database).
 _MIN_MAP_BYTES = 64 << 10
-_DBS = (b"meta", b"tables", b"versions", b"segments", b"rows", b"dense_names", b"dense")
+_DBS = (b"meta", b"tables", b"versions", b"segments", b"rows", b"dense_names", b"dense", b"log")
+_OPTIONAL_DBS = (b"log",)  # added by format 2: absent from a format-1 index until a writable open
 
 
 class RowLoc(NamedTuple):
@@ -207,8 +211,22 @@ class IndexView:
         with self._txn.cursor(db=self._dbs[b"dense_names"]) as cur:
             return {k.decode(): struct.unpack(">I", v)[0] for k, v in cur}
 
+    def log_entries(self, kind: int | None = None) -> Iterator[tuple[int, int, DenseLoc]]:
+        """Every (kind, version, location) of the COMMIT / ANCHOR records the index keeps, in key order."""
+        db = self._dbs.get(b"log")
+        if db is None:
+            return
+        with self._txn.cursor(db=db) as cur:
+            ok = cur.set_range(LOG_KEY.pack(kind, 0)) if kind is not None else cur.first()
+            while ok:
+                k, v = LOG_KEY.unpack(cur.key())
+                if kind is not None and k != kind:
+                    return
+                yield k, v, DenseLoc._make(DENSE_LOC.unpack(cur.value()))
+                ok = cur.next()
+
     def stat(self) -> dict[str, dict]:
-        return {name.decode(): self._txn.stat(db) for name, db in self._dbs.items()}
+        return {name.decode(): self._txn.stat(db) for name, db in self._dbs.items() if db is not None}
 
 
 def _seek_at_or_before(cur, key: bytes) -> bool:
@@ -244,6 +262,12 @@ class IndexWriter(IndexView):
 
     def put_dense(self, dense_id: int, version: int, loc: DenseLoc) -> None:
         self._txn.put(DENSE_KEY.pack(dense_id, version), DENSE_LOC.pack(*loc), db=self._dbs[b"dense"])
+
+    def put_log(self, kind: int, version: int, loc: DenseLoc) -> None:
+        self._txn.put(LOG_KEY.pack(kind, version), DENSE_LOC.pack(*loc), db=self._dbs[b"log"])
+
+    def delete_log(self, kind: int, version: int) -> None:
+        self._txn.delete(LOG_KEY.pack(kind, version), db=self._dbs[b"log"])
 
     def delete_row(self, table_id: int, block: int, version: int) -> None:
         self._txn.delete(ROW_KEY.pack(table_id, block, version), db=self._dbs[b"rows"])
@@ -371,6 +395,70 @@ class Index:
             shared.release()
 
 
+#: LMDB's meta page (pages 0 and 1 of data.mdb): a 16-byte page header, then MDB_meta: magic u32,
+#: version u32, address u64, mapsize u64, two MDB_db of 48 bytes (the first one's leading u32 is the
+#: page size), last_pgno u64, txnid u64.
+LMDB_MAGIC = 0xBEEFC0DE
+_META_MAGIC = struct.Struct("<I")
+_META_TAIL = struct.Struct("<QQ")  # last_pgno, txnid at byte 136 of the page
+_META_PSIZE_AT, _META_TAIL_AT = 40, 136
+
+
+def damage_hint(index_path: str) -> str:
+    root = os.path.dirname(os.path.abspath(index_path))
+    return (f"nothing was deleted: the segment log still holds the data. Run `cnrstore repair {root}` "
+            "to rebuild the index from it")
+
+
+def check_data_file(path: str) -> None:
+    """Raise IndexDamaged unless the LMDB environment in directory ``path`` is whole enough to map.
+
+    LMDB maps data.mdb and trusts it: a file shorter than its meta page says kills the process with
+    SIGBUS on first touch. So before LMDB opens it: data.mdb exists, and its newest valid meta page (the
+    larger txnid of pages 0 and 1) has ``(last_pgno + 1) * page_size <= file size``.
+    """
+    data = os.path.join(path, "data.mdb")
+
+    def damaged(why: str):
+        return IndexDamaged(f"the index of the store is damaged: {why}; {damage_hint(path)}", data, None)
+
+    if not os.path.isdir(path):
+        raise damaged(f"the index directory {path} is missing")
+    try:
+        with open(data, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(65536 * 2)
+    except FileNotFoundError:
+        raise damaged(f"{data} is missing") from None
+    except OSError as exc:
+        raise damaged(f"{data} cannot be read ({exc})") from exc
+    if size == 0:
+        raise damaged(f"{data} is empty")
+    metas = []
+    psize0 = None
+    if len(head) >= _META_TAIL_AT + 16 and _META_MAGIC.unpack_from(head, 16)[0] == LMDB_MAGIC:
+        psize0 = _META_MAGIC.unpack_from(head, _META_PSIZE_AT)[0]
+        metas.append((_META_TAIL.unpack_from(head, _META_TAIL_AT)[1], _META_TAIL.unpack_from(head, _META_TAIL_AT)[0],
+                       psize0))
+    for psize in ([psize0] if psize0 else [os.sysconf("SC_PAGE_SIZE"), 4096, 8192, 16384, 65536]):
+        if not psize or psize & (psize - 1) or psize < 512 or psize > 65536:
+            continue
+        at = psize
+        if len(head) >= at + _META_TAIL_AT + 16 and _META_MAGIC.unpack_from(head, at + 16)[0] == LMDB_MAGIC \
+                and _META_MAGIC.unpack_from(head, at + _META_PSIZE_AT)[0] == psize:
+            last, txn = _META_TAIL.unpack_from(head, at + _META_TAIL_AT)
+            metas.append((txn, last, psize))
+            break
+    if not metas:
+        raise damaged(f"{data} has no valid LMDB meta page ({size} bytes)")
+    _txn, last_pgno, psize = max(metas)
+    if psize & (psize - 1) or not 512 <= psize <= 65536:
+        raise damaged(f"{data} records an impossible page size {psize}")
+    need = (last_pgno + 1) * psize
+    if size < need:
+        raise damaged(f"{data} is truncated: {size} bytes, but its meta page says {need}")
+
+
 class _SharedEnv:
     """One LMDB environment per index per process, shared by every Index open on it.
 
@@ -405,7 +493,18 @@ class _SharedEnv:
             if shared is not None and not readonly and not shared.writable:
                 raise CorruptionError(f"the index at {path} is open readonly in this process and cannot be "
                                       "written (its files are not writable)", path, None)
+            if shared is not None and not readonly and any(shared.dbs[n] is None for n in _OPTIONAL_DBS):
+                # a format-1 index a readonly Store of this process opened first: add what a writer needs
+                try:
+                    with shared.resize.exclusive(), shared.env.begin(write=True) as txn:
+                        for name in _OPTIONAL_DBS:
+                            if shared.dbs[name] is None:
+                                shared.dbs[name] = shared.env.open_db(name, txn=txn, create=True)
+                except lmdb.Error as exc:
+                    raise CorruptionError(f"cannot open the index at {path}: {exc}", path, None) from exc
             if shared is None:
+                if not create:
+                    check_data_file(path)
                 writable = not readonly or _writable(path)
                 try:
                     env = lmdb.open(
@@ -425,11 +524,25 @@ class _SharedEnv:
                     try:
                         if writable:
                             with env.begin(write=True) as txn:
-                                dbs = {name: env.open_db(name, txn=txn, create=not readonly) for name in _DBS}
+                                dbs = {}
+                                for name in _DBS:
+                                    try:
+                                        dbs[name] = env.open_db(name, txn=txn, create=not readonly)
+                                    except lmdb.NotFoundError:
+                                        if name not in _OPTIONAL_DBS:
+                                            raise
+                                        dbs[name] = None
                         else:
                             # py-lmdb: handles opened inside a read transaction die with it; without a
                             # transaction argument it opens them so that they stay valid
-                            dbs = {name: env.open_db(name, create=False) for name in _DBS}
+                            dbs = {}
+                            for name in _DBS:
+                                try:
+                                    dbs[name] = env.open_db(name, create=False)
+                                except lmdb.NotFoundError:
+                                    if name not in _OPTIONAL_DBS:
+                                        raise
+                                    dbs[name] = None
                     except BaseException:
                         env.close()
                         raise

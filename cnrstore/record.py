@@ -6,8 +6,10 @@ A record is::
     aux     aux_len bytes   ROWS: row offsets in the block, u16 LE, sorted, unique
                             (absent when FLAG_FULL: the record holds rows 0..count-1)
                             DENSE: msgpack {"dtype": str, "shape": [int, ...]}
+                            COMMIT, ANCHOR, DROP: empty
     body    body_len bytes  ROWS: count encoded rows of the codec, row after row
                             DENSE: the array's raw bytes, C order
+                            COMMIT, ANCHOR, DROP: a msgpack map (docs/FORMAT.md), what repair rebuilds from
     xxh3    8 bytes, u64 LE: XXH3-64 (seed 0) of every preceding byte of the record
 """
 
@@ -26,6 +28,13 @@ from .errors import CorruptionError
 MAGIC = b"CNRr"
 KIND_ROWS = 1
 KIND_DENSE = 2
+#: A version's catalog facts (step, meta, parent, tables, blocks written): appended by each commit.
+KIND_COMMIT = 3
+#: The head of every block's read chain at a version after compaction there: appended by compaction.
+KIND_ANCHOR = 4
+#: The versions kept after versions were dropped (retain, a retention policy): appended by each drop.
+KIND_DROP = 5
+_KINDS = (KIND_ROWS, KIND_DENSE, KIND_COMMIT, KIND_ANCHOR, KIND_DROP)
 #: The record holds every row of its block as of its version: a read walking back stops here.
 FLAG_BASELINE = 0x1
 #: Rows are 0..count-1 of the block; no offsets are stored.
@@ -99,6 +108,17 @@ def dense_record(object_id: int, version: int, array: np.ndarray) -> tuple[list,
     return _assemble(KIND_DENSE, 0, 0, object_id, 0, 0, version, aux, body)
 
 
+def log_record(kind: int, version: int, body: dict) -> tuple[list, int]:
+    """Buffers of one COMMIT, ANCHOR or DROP record (msgpack ``body``, stamped with ``version``) and its length."""
+    payload = np.frombuffer(msgpack.packb(body, use_bin_type=True), dtype=np.uint8)
+    return _assemble(kind, 0, 0, 0, 0, 0, version, b"", payload)
+
+
+def log_body(rec: Record) -> dict:
+    """The msgpack map of a COMMIT, ANCHOR or DROP record."""
+    return msgpack.unpackb(rec.body.tobytes(), raw=False, strict_map_key=False)
+
+
 def _assemble(kind, codec_id, flags, object_id, count, block, version, aux: bytes, body: np.ndarray):
     """Buffers of one record (header+aux, body, checksum) and its length; ``body`` is C-contiguous uint8."""
     body_len = body.nbytes
@@ -123,7 +143,7 @@ def parse(buf: np.ndarray, path: str, offset: int) -> Record:
     if xxhash.xxh3_64_intdigest(buf[: n - TRAILER_BYTES]) != stored:
         raise CorruptionError(f"record checksum mismatch at {path}:{offset} ({n} bytes)", path, offset)
     magic, kind, codec_id, flags, object_id, count, block, version, aux_len, body_len = HEADER.unpack_from(buf, 0)
-    if magic != MAGIC or kind not in (KIND_ROWS, KIND_DENSE) or flags & ~_KNOWN_FLAGS:
+    if magic != MAGIC or kind not in _KINDS or flags & ~_KNOWN_FLAGS:
         raise CorruptionError(f"bad record header at {path}:{offset}", path, offset)
     if HEADER_BYTES + aux_len + body_len + TRAILER_BYTES != n:
         raise CorruptionError(f"record lengths disagree with its extent at {path}:{offset}", path, offset)

@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from . import filenames, fs, knobs
-from .errors import CorruptionError
+from .errors import CorruptionError, IndexDamaged
 
 # On disk: never change. magic, segment id u64, format version u32, reserved u32 (0), xxh3-64 of the
 # preceding 24 bytes.
@@ -45,16 +45,34 @@ _NEWEST = object()
 
 
 class SegmentIds:
-    """Hands out segment ids, never twice (thread-safe; shared by every appender of a store)."""
+    """Hands out segment ids, never twice (thread-safe; shared by every appender of a store).
+
+    It also tracks the ids handed out whose segment is not yet committed (nor removed): each index commit
+    records ``state()`` (meta ``segment_ids``), which is what lets ``recover`` prove that a segment file
+    the index does not know is the leftover of an uncommitted write rather than lost data.
+    """
 
     def __init__(self, first: int):
         self._next = first
+        self._outstanding: set[int] = set()
         self._lock = threading.Lock()
 
     def take(self) -> int:
         with self._lock:
             seg, self._next = self._next, self._next + 1
+            self._outstanding.add(seg)
             return seg
+
+    def settled(self, segments) -> None:
+        """These segments were committed (or their file removed): no longer outstanding."""
+        with self._lock:
+            self._outstanding.difference_update(segments)
+
+    def state(self, committing=()) -> dict:
+        """{"high": largest id handed out, "pending": ids handed out and not committed by now, except
+        ``committing`` (the ones the caller's index transaction commits)}: for meta ``segment_ids``."""
+        with self._lock:
+            return {"high": self._next - 1, "pending": sorted(self._outstanding - set(committing))}
 
 
 class SegmentAppender:
@@ -138,8 +156,13 @@ class SegmentAppender:
             raise fs.wrap_os_error(exc, f"syncing segments of {self.root}") from exc
         return {s: self._sizes[s] for s in self._fds}
 
+    def ids_state(self, committing=()) -> dict:
+        """The id allocator's ``state`` to record in an index commit (meta ``segment_ids``)."""
+        return self._ids.state(committing)
+
     def mark_committed(self, lengths: dict[int, int]) -> None:
         self.committed.update(lengths)
+        self._ids.settled(lengths)
         self._release_fds(keep=self.active)
         self._created.clear()
         self._committed_active = self.active
@@ -153,6 +176,7 @@ class SegmentAppender:
                     self.fs.close(self._fds.pop(seg))
                     self.fs.remove(path)
                     self._sizes.pop(seg, None)
+                    self._ids.settled([seg])
                 else:
                     self.fs.truncate(path, self.committed[seg])
                     self._sizes[seg] = self.committed[seg]
@@ -203,16 +227,39 @@ class SegmentAppender:
         return seg
 
 
-def recover(root: str, committed: dict[int, int], filesystem: fs.FileSystem, doomed=()) -> list[str]:
+def leftover_rule(committed, doomed=(), max_deleted: int = 0, ids: dict | None = None):
+    """(high, pending): a segment id the index does not know is *provably* the leftover of an uncommitted
+    write exactly when it is > high (handed out after the last commit that recorded ids) or in pending
+    (handed out, not committed, as of that commit). ``ids`` is meta ``segment_ids`` (absent in stores
+    written before it existed: then only ids past every id the index knows count as leftovers)."""
+    ids = ids or {}
+    high = max([0, *committed, *doomed, max_deleted, ids.get("high", 0)])
+    return high, set(ids.get("pending", ()))
+
+
+def recover(root: str, committed: dict[int, int], filesystem: fs.FileSystem, doomed=(), *,
+            max_deleted: int = 0, ids: dict | None = None) -> list[str]:
     """Bring segments/ in line with the index after a crash (writer only, at open).
 
-    Truncates each committed segment to its committed length (a torn tail), removes segment files the
-    index does not know (created by a checkpoint that never committed) except ``doomed`` ones (freed by
-    GC, deleted only once no reader needs them). Returns notes of what it did.
+    Truncates each committed segment to its committed length (a torn tail) and removes segment files the
+    index does not know that are provably leftovers of a write that never committed (``leftover_rule``);
+    ``doomed`` ones (freed by GC) are left for GC to delete once no reader needs them. Any other unknown
+    segment file means the index lost track of data: raises IndexDamaged (naming ``cnrstore repair``)
+    before deleting or truncating anything. Returns notes of what it did.
     """
     notes = []
     seg_dir = filenames.segments_dir(root)
-    for name in sorted(os.listdir(seg_dir)):
+    high, pending = leftover_rule(committed, doomed, max_deleted, ids)
+    names = sorted(os.listdir(seg_dir))
+    unknown = [n for n in names if (s := filenames.parse_segment_name(n)) is not None
+               and s not in committed and s not in doomed and s <= high and s not in pending]
+    if unknown:
+        raise IndexDamaged(
+            f"segment file(s) {', '.join(unknown[:5])} in {seg_dir} hold data the index of "
+            f"{os.path.dirname(seg_dir)} does not know about (the index is damaged or was replaced); "
+            f"nothing was deleted. Run `cnrstore repair {os.path.dirname(seg_dir)}` to rebuild the index "
+            "from the segment log", os.path.join(seg_dir, unknown[0]), None)
+    for name in names:
         seg = filenames.parse_segment_name(name)
         path = os.path.join(seg_dir, name)
         if seg is None or seg in doomed:

@@ -17,6 +17,7 @@ from .errors import (
     CheckpointInProgress,
     CorruptionError,
     FormatVersionError,
+    IndexDamaged,
     InvalidArgument,
     MissingRows,
     ReadOnlyError,
@@ -25,7 +26,7 @@ from .errors import (
     TableNotFound,
     VersionNotFound,
 )
-from .index import Index, IndexView, RowLoc
+from .index import Index, IndexView, RowLoc, damage_hint
 from .background import BackgroundCompactor
 from .lock import ProcessLock
 from .policy import compaction as compaction_policy
@@ -33,7 +34,9 @@ from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 from .writer import CheckpointWriter, pack_meta
 
 #: On disk: the format this code writes and the newest it reads. Bump on any incompatible change.
-FORMAT_VERSION = 1
+#: 2: COMMIT / ANCHOR / DROP records and the index's ``log`` database (repair). Format 1 is still read;
+#: a writable open upgrades its marker (docs/FORMAT.md).
+FORMAT_VERSION = 2
 MARKER_MAGIC = b"CNRSTORE"
 _MARKER_HEAD = struct.Struct("<8sII")  # magic, format version, msgpack length
 
@@ -107,20 +110,31 @@ class Store:
             self._index = Index(filenames.index_dir(self.path), readonly=readonly)
             self._segments = segments.SegmentReader(self.path)
             self._appender = self._compaction_appender = None
+            with self._index.read() as view:
+                if view.meta("format") is None:  # an empty environment LMDB made in place of a lost one
+                    raise IndexDamaged(f"the index of store {self.path!r} holds no catalog (was index/data.mdb "
+                                       f"replaced?); {damage_hint(self._index.path)}", self._index.path, None)
             if not readonly:
                 with self._index.read() as view:
                     committed = view.segments()
                     doomed = {int(k) for k in view.meta("doomed_segments", {})}
                     deleted = view.meta("max_deleted_segment", 0)
-                self.recovery_notes = segments.recover(self.path, committed, self._fs, doomed)
+                    seg_ids = view.meta("segment_ids")
+                self.recovery_notes = segments.recover(self.path, committed, self._fs, doomed,
+                                                       max_deleted=deleted, ids=seg_ids)
                 # never reuse the id of a deleted segment: a long-lived reader may still map the old file
-                ids = segments.SegmentIds(max([0, *committed, *doomed, deleted]) + 1)
+                high, _pending = segments.leftover_rule(committed, doomed, deleted, seg_ids)
+                ids = segments.SegmentIds(high + 1)
                 # the checkpoint writer and compaction append to active segments of their own
                 self._appender = segments.SegmentAppender(self.path, committed, FORMAT_VERSION, self._fs, ids)
                 self._compaction_appender = segments.SegmentAppender(self.path, {}, FORMAT_VERSION, self._fs,
                                                                      ids, active=None)
                 if doomed:  # segments GC freed before a restart: delete those no reader needs now
                     compaction.delete_doomed(self, compaction.GCReport())
+                if fmt < FORMAT_VERSION:  # from now on it holds format-2 records an older GC would drop
+                    self._fs.write_file_atomic(filenames.marker_path(self.path),
+                                               filenames.marker_tmp_path(self.path), _marker_bytes())
+                    self.recovery_notes.append(f"upgraded the store's format from {fmt} to {FORMAT_VERSION}")
         except BaseException:
             self._closed = True  # nothing for close() or __del__ to do
             if self._index is not None:
@@ -156,6 +170,7 @@ class Store:
                 index.write(init)
             finally:
                 index.close()
+            self._fs.fsync_dir(filenames.index_dir(self.path))  # data.mdb's entry, before the marker exists
             self._fs.fsync_dir(self.path)
             # the marker is written last: a store exists exactly when its marker does
             self._fs.write_file_atomic(filenames.marker_path(self.path), filenames.marker_tmp_path(self.path),
@@ -400,7 +415,7 @@ class Store:
             if len(versions) <= keep_last:
                 return []
             oldest_kept = versions[-keep_last]
-            compaction.materialize(self, oldest_kept)
+            compaction.materialize(self, oldest_kept, drop_below=oldest_kept)
             return compaction.drop_versions(self, set(versions[:-keep_last]))
 
     def gc(self, progress=None) -> "compaction.GCReport":

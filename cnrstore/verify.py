@@ -89,12 +89,41 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
                     problem = f"bad dense descriptor: {exc}"
             if problem:
                 report.problems.append(f"{where}: {problem}")
+        _check_log_records(view, committed, seg_reader, versions, report)
         for version, info in versions.items():
             if info.get("parent") is not None and info["parent"] >= version:
                 report.problems.append(f"version {version} has parent {info['parent']} that is not older")
         if progress is not None:
             progress(total, total)
     return report
+
+
+def _check_log_records(view, committed, seg_reader, versions: dict, report: VerifyReport) -> None:
+    """The COMMIT and ANCHOR records repair rebuilds the index from: checksums and what they claim.
+    (A format-1 store has none; versions committed before format 2 have no COMMIT record.)"""
+    for kind, version, loc in view.log_entries():
+        what = {record.KIND_COMMIT: "commit", record.KIND_ANCHOR: "anchor"}.get(kind, "drop")
+        where = f"{what} record of version {version}" if what != "drop" else f"drop record {version}"
+        problem = _check_location(committed, loc.segment, loc.offset, loc.length)
+        if not problem:
+            try:
+                rec = record.parse(seg_reader.read(loc.segment, loc.offset, loc.length),
+                                   seg_reader.path(loc.segment), loc.offset)
+                report.records_checked += 1
+                report.bytes_checked += loc.length
+                body = record.log_body(rec)
+                if rec.kind != kind or (kind != record.KIND_DROP and (rec.version != version or
+                                                                       body.get("version") != version)):
+                    problem = "record does not match its index entry"
+                elif kind == record.KIND_COMMIT and version in versions and \
+                        body.get("parent") != versions[version].get("parent"):
+                    problem = "record disagrees with the version's parent in the index"
+            except CnrError as exc:
+                problem = str(exc)
+            except (ValueError, TypeError, AttributeError) as exc:
+                problem = f"bad record body: {exc}"
+        if problem:
+            report.problems.append(f"{where}: {problem}")
 
 
 def _unread_entries(view, kept: list[int]) -> set[tuple[int, int, int]]:

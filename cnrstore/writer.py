@@ -1,6 +1,7 @@
 """CheckpointWriter: stream one version's records into the log, then commit it atomically.
 
-Durability protocol (DESIGN.md): (1) append the version's records, (2) fsync them, (3) one synced LMDB
+Durability protocol (DESIGN.md): (1) append the version's records and its COMMIT record (what repair
+rebuilds the index from), (2) fsync them, (3) one synced LMDB
 transaction inserts the index entries, the version record and the segments' committed lengths. The
 version exists exactly when (3) has committed. Abort (or any failure) truncates what was appended.
 
@@ -130,10 +131,7 @@ class CheckpointWriter:
                            "it has been aborted") from self._failure
         self._check_open()
         store = self._store
-        fs.crash_point("after_append")
         try:
-            lengths = store._appender.sync()
-            fs.crash_point("after_fsync")
             info = {
                 "step": self._step,
                 "meta": self._meta,
@@ -144,6 +142,13 @@ class CheckpointWriter:
                 "bytes": self._bytes,
             }
             table_ids = {name: store._table_record(name)["id"] for name in self._rows}
+            # the version's catalog facts travel in the log too, so that repair can rebuild the index
+            buffers, length = record.log_record(record.KIND_COMMIT, self.version,
+                                                commit_body(store, self.version, info, self._rows, self._dense))
+            commit_loc = DenseLoc(*store._appender.append(buffers, length), length)
+            fs.crash_point("after_append")
+            lengths = store._appender.sync()
+            fs.crash_point("after_fsync")
 
             def body(w: IndexWriter) -> None:
                 for name, blocks in self._rows.items():
@@ -157,6 +162,8 @@ class CheckpointWriter:
                     w.put_dense(dense_id, self.version, loc)
                 for seg, length in lengths.items():
                     w.put_segment(seg, length)
+                w.put_meta("segment_ids", store._appender.ids_state(lengths))
+                w.put_log(record.KIND_COMMIT, self.version, commit_loc)
                 w.put_version(self.version, info)
                 w.put_meta("bytes_written", w.meta("bytes_written", 0) + self._bytes)
                 fs.crash_point("inside_index_commit")
@@ -242,6 +249,21 @@ class CheckpointWriter:
             order = np.argsort(all_rows, kind="stable")
             plans.append((merged_codec, all_rows[order], np.ascontiguousarray(encoded[order])))
         return plans
+
+
+def commit_body(store: "Store", version: int, info: dict, rows: dict, dense: dict) -> dict:
+    """The body of version ``version``'s COMMIT record (docs/FORMAT.md): its version info, the catalog
+    entries of the tables it wrote, the dense ids it wrote, and (count, flags) of every block it wrote."""
+    catalog, blocks = [], {}
+    for name, by_block in rows.items():
+        tinfo = store._table_record(name)
+        catalog.append({k: tinfo[k] for k in ("id", "name", "num_rows", "dim", "codec", "block_rows", "created")})
+        ids = sorted(by_block)
+        blocks[tinfo["id"]] = [np.array(ids, dtype="<u8").tobytes(),
+                               np.array([by_block[b].count for b in ids], dtype="<u4").tobytes(),
+                               np.array([by_block[b].flags for b in ids], dtype="<u1").tobytes()]
+    return {**info, "version": version, "catalog": catalog,
+            "dense_ids": {name: dense_id for name, (dense_id, _loc) in dense.items()}, "blocks": blocks}
 
 
 def block_records(info: dict, codec, rows: np.ndarray, encoded: np.ndarray, version: int, *,
