@@ -23,7 +23,16 @@ def to_numpy(array, what: str) -> np.ndarray:
 
 def row_ids(rows, num_rows: int, table: str) -> np.ndarray:
     """``rows`` as a 1-D int64 array, each in [0, num_rows); duplicates allowed (checked elsewhere)."""
-    arr = to_numpy(rows, f"rows of table {table!r}")
+    try:
+        arr = to_numpy(rows, f"rows of table {table!r}")
+    except OverflowError as exc:  # e.g. a torch or array-like int beyond int64
+        raise InvalidArgument(f"rows of table {table!r} hold an id beyond int64 ({exc}); row ids are in "
+                              f"[0, {num_rows})") from exc
+    if arr.dtype == object and arr.ndim == 1:  # Python ints beyond int64 (or mixed objects)
+        big = next((r for r in arr if isinstance(r, int) and not isinstance(r, bool)
+                    and not 0 <= r < num_rows), None)
+        if big is not None:
+            raise InvalidArgument(f"row {big} of table {table!r} is outside [0, {num_rows})")
     if arr.ndim != 1:
         raise InvalidArgument(f"rows of table {table!r} must be a 1-D integer array, got shape {arr.shape}")
     if arr.size and not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
@@ -89,9 +98,17 @@ def positive_int(value, what: str) -> int:
     return int(value)
 
 
+#: Versions, steps and row/block ids are u64 (or i64) on disk and in the index keys.
+U64_MAX = (1 << 64) - 1
+
+
 def version_arg(value) -> int | None:
+    """None, or a version number: a non-negative integer below 2**64 (the index's version key is a u64)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise InvalidArgument(f"version must be a non-negative integer or None, got {value!r}")
+    if int(value) > U64_MAX:
+        raise InvalidArgument(f"version {value} is beyond the largest version number 2**64-1; "
+                              "list the versions with store.versions() (or `cnrstore ls`)")
     return int(value)
