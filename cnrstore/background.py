@@ -4,7 +4,9 @@ After each commit the store wakes the worker; it asks the policy for a plan on t
 and materializes a baseline at the newest version, drops versions and collects garbage as planned.
 It appends to a segment of its own, so the trainer's next checkpoint never waits for it; the two
 share only the cores and the (short) index commits. Failures are logged and kept in ``errors``; a
-failed step leaves the store as it was (every step commits atomically or not at all).
+failed step leaves the store as it was (every step commits atomically or not at all), and the worker
+keeps running: the next commit wakes it and it tries again. The store surfaces failures through
+``Store.compaction_error``, ``stats()["compaction_errors"]`` and, once, ``Store.close()``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class BackgroundCompactor:
     def __init__(self, store: "Store", policy: CompactionPolicy):
         self._store = store
         self.policy = policy
-        self.errors: list[BaseException] = []
+        self.errors: list[BaseException] = []  # every failure, oldest first
+        self.reported = 0  # how many of ``errors`` the store has raised (close() raises the rest once)
         self.steps = 0  # policy runs that did something (for tests and stats)
         self._wake = threading.Condition()
         self._pending = False

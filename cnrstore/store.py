@@ -15,6 +15,7 @@ import xxhash
 from . import codecs, compaction, filenames, fs, knobs, reader, record, segments, validate
 from .errors import (
     CheckpointInProgress,
+    CompactionFailed,
     CorruptionError,
     FormatVersionError,
     InvalidArgument,
@@ -165,7 +166,12 @@ class Store:
 
     # lifecycle --------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close the store; idempotent. An open checkpoint writer is aborted."""
+        """Close the store; idempotent. An open checkpoint writer is aborted.
+
+        If background compaction failed since the last report, the store is still closed completely
+        and then CompactionFailed is raised (once; ``__cause__`` is the newest failure). Every committed
+        version is intact: a failed compaction step commits nothing.
+        """
         if self._closed:
             return
         if self._compactor is not None:
@@ -180,12 +186,37 @@ class Store:
         self._index.close()
         if self._lock is not None:
             self._lock.release()
+        self._raise_compaction_failure()
 
     def __enter__(self) -> "Store":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.close()
+        except CompactionFailed:
+            if exc_type is None:
+                raise  # else the failure in the with-block matters more; compaction's is logged
+
+    @property
+    def compaction_error(self) -> BaseException | None:
+        """The newest failure of background compaction since open (the exception a step raised), or None.
+        A failure leaves the store intact and checkpoints working; the worker retries after the next commit."""
+        errors = self._compactor.errors if self._compactor is not None else ()
+        return errors[-1] if errors else None
+
+    def _raise_compaction_failure(self) -> None:
+        compactor = self._compactor
+        if compactor is None or len(compactor.errors) <= compactor.reported:
+            return
+        new = compactor.errors[compactor.reported:]
+        compactor.reported = len(compactor.errors)
+        cause = new[-1]
+        raise CompactionFailed(
+            f"background compaction of store {self.path!r} failed {len(new)} time(s); the newest failure: "
+            f"{type(cause).__name__}: {cause}. Every committed version is intact (a failed step commits "
+            "nothing), but read chains may be longer and space not reclaimed: fix the cause (e.g. free "
+            "space), then run `cnrstore compact`/`cnrstore gc` or reopen with compaction on") from cause
 
     def __del__(self):
         try:
@@ -435,6 +466,7 @@ class Store:
                 "versions": len(versions),
                 "tables": len(view.tables()),
                 "max_read_chain": _max_read_chain(view),
+                "compaction_errors": len(self._compactor.errors) if self._compactor is not None else 0,
             }
         return stats
 

@@ -98,17 +98,11 @@ def positive_int(value, what: str) -> int:
     return int(value)
 
 
-#: Versions, steps and row/block ids are u64 (or i64) on disk and in the index keys.
-U64_MAX = (1 << 64) - 1
-
-
 def version_arg(value) -> int | None:
-    """None, or a version number: a non-negative integer below 2**64 (the index's version key is a u64)."""
+    """None, or a non-negative integer. One beyond what was ever committed (2**64 and up included) is left
+    for the read to report as VersionNotFound (API.md)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise InvalidArgument(f"version must be a non-negative integer or None, got {value!r}")
-    if int(value) > U64_MAX:
-        raise InvalidArgument(f"version {value} is beyond the largest version number 2**64-1; "
-                              "list the versions with store.versions() (or `cnrstore ls`)")
     return int(value)
