@@ -242,21 +242,30 @@ class Store:
         validate.name(name, "table name")
         num_rows = validate.positive_int(num_rows, "num_rows")
         dim = validate.positive_int(dim, "dim")
+        validate.table_shape(name, num_rows, dim)  # int64 row ids; a row must fit a record
         c = codecs.get(codec)
+        most = validate.max_block_rows(dim)  # a block's record must fit its u32 length in every codec
         if block_rows is None:
             fit = max(1, knobs.BLOCK_TARGET_BYTES // c.row_bytes(dim))
             block_rows = 1 << (fit.bit_length() - 1)
-            block_rows = max(knobs.MIN_BLOCK_ROWS, min(knobs.MAX_BLOCK_ROWS, block_rows))
+            block_rows = min(most, max(knobs.MIN_BLOCK_ROWS, min(knobs.MAX_BLOCK_ROWS, block_rows)))
         else:
             block_rows = validate.positive_int(block_rows, "block_rows")
             if block_rows & (block_rows - 1) or block_rows > knobs.MAX_BLOCK_ROWS:
                 raise InvalidArgument(f"block_rows must be a power of two at most {knobs.MAX_BLOCK_ROWS}, "
                                       f"got {block_rows}")
+            if block_rows > most:
+                raise InvalidArgument(f"table {name!r}: a block of {block_rows} rows of dim {dim} does not fit "
+                                      f"one record (at most {knobs.MAX_RECORD_BYTES} bytes); choose block_rows "
+                                      f"at most {most}, or leave it to the default")
 
         def body(w):
             if w.table(name) is not None:
                 raise InvalidArgument(f"a table named {name!r} already exists; choose another name")
             tid = w.meta("next_table_id", 1)
+            if tid > 0xFFFFFFFF:  # the index keys hold table ids as u32
+                raise InvalidArgument(f"store {self.path!r} has used up its 2**32 table ids; put new tables "
+                                      "in a new store")
             w.put_meta("next_table_id", tid + 1)
             info = {"id": tid, "name": name, "num_rows": num_rows, "dim": dim, "codec": c.name,
                     "block_rows": block_rows, "created": time.time()}
@@ -289,8 +298,7 @@ class Store:
         """Begin a new version; see API.md. Only one writer may be open at a time."""
         self._check_writable()
         pack_meta(meta)
-        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
-            raise InvalidArgument(f"step must be an integer or None, got {step!r}")
+        step = validate.step_arg(step)
         with self._writer_mutex:
             if self._writer is not None:
                 raise CheckpointInProgress(f"checkpoint {self._writer.version} is still open; commit or abort "
