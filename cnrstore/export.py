@@ -100,7 +100,11 @@ def _remove(tmp: str) -> None:
 
 def _write(snapshot: Snapshot, fmt: str, path: str) -> None:
     if fmt == "torch":
-        from .torch.export import save
+        try:
+            from .torch.export import save
+        except ImportError as exc:
+            raise InvalidArgument("export to torch needs PyTorch (pip install torch), or choose --format "
+                                  "npz or safetensors") from exc
 
         with open(path, "wb") as f:
             save(snapshot, f)

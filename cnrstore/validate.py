@@ -144,6 +144,12 @@ def max_block_rows(dim: int) -> int:
     return 1 << (max(1, fit).bit_length() - 1)
 
 
+def max_dense_bytes() -> int:
+    """The most bytes one dense array may hold: a record (u32 length) less its header, trailer and the
+    msgpack descriptor of dtype and shape (at most 656 bytes for numpy's 64 dimensions)."""
+    return knobs.MAX_RECORD_BYTES - record.HEADER_BYTES - record.TRAILER_BYTES - 656
+
+
 def dense_size(name: str, arr) -> None:
     """Raise InvalidArgument unless ``arr`` (a numpy array or a tensor: anything with ``nbytes`` and
     ``shape``) fits one DENSE record. Uses the logical size only: nothing is copied or touched."""
@@ -151,7 +157,7 @@ def dense_size(name: str, arr) -> None:
     if nbytes is None:
         return
     nbytes = int(nbytes)
-    limit = knobs.MAX_RECORD_BYTES - record.HEADER_BYTES - record.TRAILER_BYTES - 64 * 10 - 16  # aux: the shape
+    limit = max_dense_bytes()
     if nbytes > limit:
         raise InvalidArgument(f"dense array {name!r} is {nbytes:,} bytes (shape {tuple(arr.shape)}); one dense "
                               f"array is one record of at most {limit:,} bytes (u32 lengths on disk): split the "

@@ -284,3 +284,14 @@ def test_rows_beyond_int64_is_an_invalid_argument(made_store):
     proc = run("rows", path, "emb", 2 ** 70, check_rc=2)
     assert "InvalidArgument" in proc.stderr and "outside" in proc.stderr and "Traceback" not in proc.stderr
 
+
+
+def test_export_to_torch_without_torch_is_an_invalid_argument(made_store, tmp_path, monkeypatch):
+    from cnrstore.export import export
+
+    monkeypatch.setitem(sys.modules, "cnrstore.torch.export", None)  # as if PyTorch were not installed
+    with cnrstore.open(made_store[0], readonly=True) as store:
+        snap = store.restore()
+    with pytest.raises(cnrstore.InvalidArgument, match="needs PyTorch"):
+        export(snap, "torch", tmp_path / "x.pt")
+    assert not os.listdir(tmp_path)

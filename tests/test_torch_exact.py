@@ -138,3 +138,49 @@ def test_weight_decay_writes_every_row_and_unknown_optimizers_are_treated_as_cha
                 pending.wait()
                 assert not pending.report.baseline and pending.report.rows["emb"] == ROWS
                 assert np.array_equal(store.read_table("emb"), model.emb.weight.detach().numpy())
+
+
+# --- bad arguments and sizes fail in save(), not in the background write ----------------------------------
+
+def test_save_with_a_step_the_store_cannot_hold_fails_at_once_and_the_next_save_stays_partial(tmp_path):
+    model = Model()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        with Checkpointer(store, model, opt, codec="fp32", mode="incremental") as ck:
+            _step(model, opt, 0)
+            ck.save(step=0).wait()
+            _step(model, opt, 1)
+            with pytest.raises(cnrstore.InvalidArgument, match="step"):
+                ck.save(step=2**64)
+            pending = ck.save(step=1)
+            pending.wait()
+            assert not pending.report.baseline and pending.report.rows["emb"] == 4
+        assert [v.step for v in store.versions()] == [0, 1]
+
+
+def test_save_refuses_dense_state_beyond_one_record_before_the_background_write(tmp_path, monkeypatch):
+    from cnrstore import validate
+
+    class Wide(Model):
+        def __init__(self):
+            super().__init__()
+            self.wide = nn.Linear(DIM, 250)  # 4000 bytes of weight
+
+        def forward(self, ids):
+            return self.wide(self.emb(ids)).sum()
+
+    model = Wide()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        with Checkpointer(store, model, opt, codec="fp32", mode="incremental") as ck:
+            _step(model, opt, 0)
+            monkeypatch.setattr(validate, "max_dense_bytes", lambda: 3000)
+            with pytest.raises(cnrstore.InvalidArgument, match="'wide.weight' is 4,000 bytes.*nn.Embedding"):
+                ck.save(step=0)
+            blob_limit = 12_000  # the parameters fit; Adam's moments of `wide` (8 KB) in the blob do not
+            monkeypatch.setattr(validate, "max_dense_bytes", lambda: blob_limit)
+            with pytest.raises(cnrstore.InvalidArgument, match="optimizer state outside the embedding tables"):
+                ck.save(step=0)
+            monkeypatch.undo()
+            ck.save(step=0).wait()  # nothing failed in the background: the next save just works
+        assert len(store.versions()) == 1

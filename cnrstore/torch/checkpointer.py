@@ -78,7 +78,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import codecs
+from .. import codecs, validate
 from ..errors import InvalidArgument, MissingRows, VersionNotFound
 from ..types import VersionInfo
 from ..writer import pack_meta
@@ -275,7 +275,7 @@ _SCAN_ELEMENTS = 1 << 24
 def _drift(opt: torch.optim.Optimizer, group: dict) -> str | None:
     """Which rows ``opt`` may change without a lookup, for a weight in param group ``group``: None (none),
     "state" (those with non-zero row-wise state) or "all" (module doc)."""
-    if group.get("weight_decay") or group.get("lambd"):
+    if group.get("weight_decay"):
         return "all"
     if isinstance(opt, torch.optim.SGD):
         return "state" if group.get("momentum") else None
@@ -503,8 +503,14 @@ class Checkpointer:
         self._finish_inflight()
         self._raise_pending_error()
         pack_meta(meta)  # bad arguments fail here, not in the background
-        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
-            raise InvalidArgument(f"step must be an integer or None, got {step!r}")
+        step = validate.step_arg(step)
+        for key, v in self._dense.items():  # a dense array the format cannot hold: fail now, not in the background
+            if v.nbytes > validate.max_dense_bytes():
+                raise InvalidArgument(
+                    f"model state {key!r} is {v.nbytes:,} bytes; the Checkpointer stores each parameter or "
+                    f"buffer that is not an embedding as one dense array of at most "
+                    f"{validate.max_dense_bytes():,} bytes: make it an nn.Embedding (a table, saved by rows) "
+                    "or split it into several parameters")
         try:
             return self._snapshot(step, meta, top)
         except BaseException:
@@ -544,6 +550,11 @@ class Checkpointer:
                     report.rows[name] = m
             dense = {k: _host_copy(v) for k, v in self._dense.items()}
             blob = self._state_blob()
+            if blob.nbytes > validate.max_dense_bytes():  # the optimizers' dense state can outgrow a record
+                raise InvalidArgument(
+                    f"the optimizer state outside the embedding tables (and extra) pickles to {blob.nbytes:,} "
+                    f"bytes, more than one dense array holds ({validate.max_dense_bytes():,}); keep large "
+                    "row-wise state on nn.Embedding weights (saved as tables) or split the dense layers")
         for t, rows in zip(self._tables, picks):
             if priority:
                 t.settle_priority(rows, keep_since_baseline=self.mode != "incremental")
