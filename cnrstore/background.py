@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from .store import Store
 
 log = logging.getLogger("cnrstore.background")
+#: Failures kept in ``BackgroundCompactor.errors``; older ones are only counted (and logged).
+KEEP_ERRORS = 8
 
 
 class BackgroundCompactor:
@@ -30,8 +32,10 @@ class BackgroundCompactor:
     def __init__(self, store: "Store", policy: CompactionPolicy):
         self._store = store
         self.policy = policy
-        self.errors: list[BaseException] = []  # every failure, oldest first
-        self.reported = 0  # how many of ``errors`` the store has raised (close() raises the rest once)
+        #: the newest failures, oldest first (at most ``KEEP_ERRORS``: each holds its traceback's frames)
+        self.errors: list[BaseException] = []
+        self.failures = 0  # failed steps since start
+        self.reported = 0  # failures the store has raised already (close() raises the rest once)
         self.steps = 0  # policy runs that did something (for tests and stats)
         self._wake = threading.Condition()
         self._pending = False
@@ -72,6 +76,8 @@ class BackgroundCompactor:
                 self._step()
             except BaseException as exc:  # noqa: BLE001 - a worker must not die silently
                 self.errors.append(exc)
+                del self.errors[:-KEEP_ERRORS]
+                self.failures += 1
                 log.exception("background compaction step failed; the store is unchanged by it")
             finally:
                 with self._wake:

@@ -207,13 +207,13 @@ class Store:
 
     def _raise_compaction_failure(self) -> None:
         compactor = self._compactor
-        if compactor is None or len(compactor.errors) <= compactor.reported:
+        if compactor is None or compactor.failures <= compactor.reported:
             return
-        new = compactor.errors[compactor.reported:]
-        compactor.reported = len(compactor.errors)
-        cause = new[-1]
+        new = compactor.failures - compactor.reported
+        compactor.reported = compactor.failures
+        cause = compactor.errors[-1]
         raise CompactionFailed(
-            f"background compaction of store {self.path!r} failed {len(new)} time(s); the newest failure: "
+            f"background compaction of store {self.path!r} failed {new} time(s); the newest failure: "
             f"{type(cause).__name__}: {cause}. Every committed version is intact (a failed step commits "
             "nothing), but read chains may be longer and space not reclaimed: fix the cause (e.g. free "
             "space), then run `cnrstore compact`/`cnrstore gc` or reopen with compaction on") from cause
@@ -474,7 +474,7 @@ class Store:
                 "versions": len(versions),
                 "tables": len(view.tables()),
                 "max_read_chain": _max_read_chain(view),
-                "compaction_errors": len(self._compactor.errors) if self._compactor is not None else 0,
+                "compaction_errors": self._compactor.failures if self._compactor is not None else 0,
             }
         return stats
 

@@ -138,3 +138,19 @@ def test_compaction_failure_does_not_mask_the_with_blocks_own_error(store_path, 
     with cnrstore.open(store_path) as store:  # no compactor: nothing to report
         assert store.compaction_error is None and store.stats()["compaction_errors"] == 0
         assert len(store.versions()) == 4 and store.verify().ok
+
+
+def test_a_compaction_failing_at_every_commit_keeps_few_exceptions_and_counts_all(store_path, monkeypatch):
+    """Each kept exception holds its traceback's frames (and their arrays): a long run of failures must not
+    grow memory; the count stays exact."""
+    from cnrstore import background
+    from cnrstore.errors import CompactionFailed
+
+    monkeypatch.setattr(background, "KEEP_ERRORS", 2)
+    _failing_materialize(monkeypatch, failures=10**6)
+    store = cnrstore.open(store_path, create=True, compaction=CompactionPolicy(materialize=MaxChain(1)))
+    store.create_table("e", 4000, 8, codec="int4", block_rows=1024)
+    _write(store, np.random.default_rng(8), 7)
+    assert store.stats()["compaction_errors"] == 6 and len(store._compactor.errors) == 2
+    with pytest.raises(CompactionFailed, match="failed 6 time"):
+        store.close()
