@@ -295,3 +295,14 @@ def test_export_to_torch_without_torch_is_an_invalid_argument(made_store, tmp_pa
     with pytest.raises(cnrstore.InvalidArgument, match="needs PyTorch"):
         export(snap, "torch", tmp_path / "x.pt")
     assert not os.listdir(tmp_path)
+
+
+def test_verify_exits_1_when_the_check_itself_meets_damage_it_cannot_step_over(made_store, capsys, monkeypatch):
+    path, _ = made_store
+
+    def broken(self, progress=None):
+        raise cnrstore.CorruptionError("index entry of version 3 is not msgpack", "/x/index", None)
+
+    monkeypatch.setattr(cnrstore.Store, "verify", broken)
+    rc, out, err = _main(capsys, "verify", path)
+    assert rc == 1 and "DAMAGED" in out and "not msgpack" in out and not err
