@@ -4,7 +4,9 @@ After each commit the store wakes the worker; it asks the policy for a plan on t
 and materializes a baseline at the newest version, drops versions and collects garbage as planned.
 It appends to a segment of its own, so the trainer's next checkpoint never waits for it; the two
 share only the cores and the (short) index commits. Failures are logged and kept in ``errors``; a
-failed step leaves the store as it was (every step commits atomically or not at all).
+failed step leaves the store as it was (every step commits atomically or not at all), and the worker
+keeps running: the next commit wakes it and it tries again. The store surfaces failures through
+``Store.compaction_error``, ``stats()["compaction_errors"]`` and, once, ``Store.close()``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from .store import Store
 
 log = logging.getLogger("cnrstore.background")
+#: Failures kept in ``BackgroundCompactor.errors``; older ones are only counted (and logged).
+KEEP_ERRORS = 8
 
 
 class BackgroundCompactor:
@@ -28,7 +32,10 @@ class BackgroundCompactor:
     def __init__(self, store: "Store", policy: CompactionPolicy):
         self._store = store
         self.policy = policy
+        #: the newest failures, oldest first (at most ``KEEP_ERRORS``: each holds its traceback's frames)
         self.errors: list[BaseException] = []
+        self.failures = 0  # failed steps since start
+        self.reported = 0  # failures the store has raised already (close() raises the rest once)
         self.steps = 0  # policy runs that did something (for tests and stats)
         self._wake = threading.Condition()
         self._pending = False
@@ -69,6 +76,8 @@ class BackgroundCompactor:
                 self._step()
             except BaseException as exc:  # noqa: BLE001 - a worker must not die silently
                 self.errors.append(exc)
+                del self.errors[:-KEEP_ERRORS]
+                self.failures += 1
                 log.exception("background compaction step failed; the store is unchanged by it")
             finally:
                 with self._wake:

@@ -14,24 +14,35 @@
 global versions, and verify its manifests and every rank store they name. The other commands take one
 rank's store (``ROOT/gen-G/rank-R``).
 
-Exit status: 0 on success, 1 when verify finds problems or repair could not recover every version it
-found, 2 on a usage error or a store error (not a
-store, locked by a trainer, unknown version ...), with the reason on stderr. Maintenance commands need
-the store not to be open for writing elsewhere: run them while no trainer holds it.
+Exit status (every failure prints one line on stderr: the error type, what happened and what to do):
+
+    0    success
+    1    ``verify`` found damage: a bad checksum, a corrupt or missing store marker beside store files,
+         a missing or damaged index (the store cannot be opened), a missing segment ...; or ``repair``
+         could not recover every version it found. Only verify and repair exit 1.
+    2    anything else that stopped a command: a usage error (bad option, --version out of range), not a
+         store at all (no marker and no store files), locked by a trainer, unknown version or table, an
+         export path that cannot be written (missing or read-only directory, disk full), another OS error
+    130  interrupted (Ctrl-C); an interrupted export leaves no partial file
+
+Maintenance commands need the store not to be open for writing elsewhere: run them while no trainer
+holds it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
 from . import compaction
-from .errors import CnrError, InvalidArgument
-from .export import FORMATS, export
+from . import filenames
+from .errors import CnrError, CorruptionError, InvalidArgument, StoreNotFound
+from .export import FORMATS, check_path, export
 from .repair import repair as repair_store
 from .distributed import manifest as dist_manifest
 from .distributed.verify import verify_root
@@ -157,21 +168,46 @@ def cmd_info(args) -> int:
     return 0
 
 
-def cmd_verify(args) -> int:
-    if _is_root(args.store):
-        return cmd_verify_root(args)
-    with open_store(args.store, readonly=True) as store:
-        report = store.verify(progress=Progress("verify"))
+def _store_like(path: str) -> bool:
+    """Whether ``path`` holds what a store holds (its index or segments directory) without its marker."""
+    return any(os.path.exists(p) for p in (filenames.index_dir(path), filenames.segments_dir(path)))
+
+
+def _print_verify(args, ok: bool, problems: list[str], records: int, nbytes: int) -> int:
     if args.json:
-        print(json.dumps({"ok": report.ok, "problems": report.problems,
-                          "records_checked": report.records_checked, "bytes_checked": report.bytes_checked},
+        print(json.dumps({"ok": ok, "problems": problems, "records_checked": records, "bytes_checked": nbytes},
                          indent=2))
     else:
-        for problem in report.problems:
+        for problem in problems:
             print(f"problem: {problem}")
-        print(f"{'ok' if report.ok else 'DAMAGED'}: {report.records_checked} records, "
-              f"{report.bytes_checked:,} bytes checked, {len(report.problems)} problem(s)")
-    return 0 if report.ok else 1
+        print(f"{'ok' if ok else 'DAMAGED'}: {records} records, {nbytes:,} bytes checked, "
+              f"{len(problems)} problem(s)")
+    return 0 if ok else 1
+
+
+def cmd_verify(args) -> int:
+    """Exit 1 whenever the store is damaged, including damage that keeps it from opening (a corrupt
+    marker, a missing or damaged index: CorruptionError) and a missing marker beside store files;
+    exit 2 (via main) only when the path is not a store at all, or for usage and OS errors."""
+    if _is_root(args.store):
+        return cmd_verify_root(args)
+    try:
+        store = open_store(args.store, readonly=True)
+    except CorruptionError as exc:
+        hint = "" if "cnrstore repair" in str(exc) else "; restore it from a copy or recover what is readable"
+        return _print_verify(args, False, [f"the store cannot be opened: {exc} ({type(exc).__name__}){hint}"],
+                             0, 0)
+    except StoreNotFound:
+        if not _store_like(args.store):
+            raise
+        return _print_verify(args, False, [f"store marker {filenames.marker_path(args.store)} is missing "
+                                           "but the directory holds store files (index/, segments/)"], 0, 0)
+    with store:
+        try:
+            report = store.verify(progress=Progress("verify"))
+        except CorruptionError as exc:  # verify reports damage; this is a backstop for what it did not foresee
+            return _print_verify(args, False, [f"verify stopped at damage it could not step over: {exc}"], 0, 0)
+    return _print_verify(args, report.ok, report.problems, report.records_checked, report.bytes_checked)
 
 
 def cmd_compact(args) -> int:
@@ -204,6 +240,7 @@ def cmd_gc(args) -> int:
 
 def cmd_export(args) -> int:
     _refuse_root(args)
+    check_path(args.out)  # before the (long) restore: a bad path fails at once
     with open_store(args.store, readonly=True) as store:
         snapshot = store.restore(args.version)
     export(snapshot, args.format, args.out)
@@ -215,7 +252,7 @@ def cmd_export(args) -> int:
 def cmd_rows(args) -> int:
     _refuse_root(args)
     with open_store(args.store, readonly=True) as store:
-        values = store.read_rows(args.table, np.array(args.row, dtype=np.int64), args.version)
+        values = store.read_rows(args.table, args.row, args.version)
     with np.printoptions(precision=6, suppress=False, linewidth=160):
         for row, vec in zip(args.row, values):
             print(f"{row}: {vec}")
@@ -248,8 +285,10 @@ def cmd_repair(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cnrstore", description="Inspect, verify and maintain a cnrstore checkpoint store.",
-        epilog="Exit status: 0 ok, 1 verify found problems or repair could not recover every version, "
-               "2 usage or store error.")
+        epilog="Exit status: 0 ok; 1 verify found damage (including a store that cannot be opened because "
+               "its marker or index is corrupt or missing) or repair could not recover every version; 2 any other error (usage, not a store, locked, "
+               "unknown version, export path not writable, disk full, OS error), with one line on stderr "
+               "saying what to do; 130 interrupted.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, func, help_text):
@@ -284,14 +323,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status (see the module docstring). Never shows a traceback for
+    a store error, an OS error, a closed pipe or Ctrl-C."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except CnrError as exc:
         print(f"cnrstore {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # e.g. `cnrstore ls | head`
+    except BrokenPipeError:  # e.g. `cnrstore ls | head`: the reader is gone; say nothing more
+        _silence_stdout()
         return 0
+    except OSError as exc:
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) and str(exc.filename) not in str(exc) else ""
+        print(f"cnrstore {args.command}: {type(exc).__name__}: {exc}{where}; check that the path exists and is "
+              "accessible, and the file system's health and free space", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"cnrstore {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not fail on the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

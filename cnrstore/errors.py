@@ -23,6 +23,8 @@ __all__ = [
     "StoreClosed",
     "ReadOnlyError",
     "CheckpointInProgress",
+    "ExportFailed",
+    "CompactionFailed",
 ]
 
 
@@ -104,3 +106,22 @@ class GlobalCommitError(CnrError):
     def __init__(self, message: str, ranks=()):
         super().__init__(message)
         self.ranks = tuple(ranks)
+
+
+class ExportFailed(CnrError, OSError):
+    """Writing an export file failed for a reason other than a bad path or a full disk (an I/O error, say).
+    ``.path`` is the export file; nothing was written there (exports are atomic)."""
+
+    def __init__(self, message: str, path: str | None = None):
+        CnrError.__init__(self, message)
+        self.path = path
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class CompactionFailed(CnrError):
+    """A background compaction step failed (``__cause__`` is the failure, e.g. StorageFull). The store is
+    intact: a failed step commits nothing, checkpoints keep working and the worker retries after the next
+    commit. Raised once by ``Store.close()``; ``Store.compaction_error`` and ``stats()["compaction_errors"]``
+    show failures while the store is open."""

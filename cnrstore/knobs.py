@@ -9,6 +9,9 @@ Modules read these at call time (``knobs.SEGMENT_BYTES``, never ``from knobs imp
 SEGMENT_BYTES = 256 << 20
 #: Largest single record (a record must fit the u32 length of an index entry).
 MAX_RECORD_BYTES = (1 << 32) - 1
+#: Largest offset a record may start at (index entries hold u32 offsets): one append that would place a
+#: record beyond it continues in a new segment.
+MAX_SEGMENT_OFFSET = (1 << 32) - 1
 
 # Index -------------------------------------------------------------------------------------------
 #: Initial LMDB map size. The map doubles on demand; no MapFullError reaches a caller.

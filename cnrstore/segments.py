@@ -120,14 +120,23 @@ class SegmentAppender:
         if not records:
             return []
         seg = self.active
-        if seg is None or (self._sizes[seg] >= knobs.SEGMENT_BYTES and self._sizes[seg] > SEGMENT_HEADER_BYTES):
+        if seg is None or (self._sizes[seg] > SEGMENT_HEADER_BYTES and (
+                self._sizes[seg] >= knobs.SEGMENT_BYTES or self._sizes[seg] > knobs.MAX_SEGMENT_OFFSET)):
             seg = self._new_segment()
         locations, batch, start = [], [], self._sizes[seg]
         pos = start
-        for buffers, length in records:
+        for i, (buffers, length) in enumerate(records):
+            if pos > knobs.MAX_SEGMENT_OFFSET and i:  # index entries hold u32 offsets: go on in a new segment
+                self._write_batch(seg, batch, start, pos)
+                self._new_segment()
+                return locations + self.append_many(records[i:])
             locations.append((seg, pos))
             batch.extend(buffers)
             pos += length
+        self._write_batch(seg, batch, start, pos)
+        return locations
+
+    def _write_batch(self, seg: int, batch: list, start: int, pos: int) -> None:
         fd = self._fd(seg)
         try:
             for i in range(0, len(batch), knobs.WRITEV_BUFFERS):
@@ -136,7 +145,6 @@ class SegmentAppender:
         except OSError as exc:
             raise fs.wrap_os_error(exc, f"appending to {filenames.segment_path(self.root, seg)}") from exc
         self._sizes[seg] = pos
-        return locations
 
     def dirty(self) -> bool:
         return any(self._sizes[s] != self.committed.get(s) for s in self._fds)

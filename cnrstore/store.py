@@ -15,6 +15,7 @@ import xxhash
 from . import codecs, compaction, filenames, fs, knobs, reader, record, segments, validate
 from .errors import (
     CheckpointInProgress,
+    CompactionFailed,
     CorruptionError,
     FormatVersionError,
     IndexDamaged,
@@ -180,7 +181,12 @@ class Store:
 
     # lifecycle --------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close the store; idempotent. An open checkpoint writer is aborted."""
+        """Close the store; idempotent. An open checkpoint writer is aborted.
+
+        If background compaction failed since the last report, the store is still closed completely
+        and then CompactionFailed is raised (once; ``__cause__`` is the newest failure). Every committed
+        version is intact: a failed compaction step commits nothing.
+        """
         if self._closed:
             return
         if self._compactor is not None:
@@ -195,12 +201,37 @@ class Store:
         self._index.close()
         if self._lock is not None:
             self._lock.release()
+        self._raise_compaction_failure()
 
     def __enter__(self) -> "Store":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.close()
+        except CompactionFailed:
+            if exc_type is None:
+                raise  # else the failure in the with-block matters more; compaction's is logged
+
+    @property
+    def compaction_error(self) -> BaseException | None:
+        """The newest failure of background compaction since open (the exception a step raised), or None.
+        A failure leaves the store intact and checkpoints working; the worker retries after the next commit."""
+        errors = self._compactor.errors if self._compactor is not None else ()
+        return errors[-1] if errors else None
+
+    def _raise_compaction_failure(self) -> None:
+        compactor = self._compactor
+        if compactor is None or compactor.failures <= compactor.reported:
+            return
+        new = compactor.failures - compactor.reported
+        compactor.reported = compactor.failures
+        cause = compactor.errors[-1]
+        raise CompactionFailed(
+            f"background compaction of store {self.path!r} failed {new} time(s); the newest failure: "
+            f"{type(cause).__name__}: {cause}. Every committed version is intact (a failed step commits "
+            "nothing), but read chains may be longer and space not reclaimed: fix the cause (e.g. free "
+            "space), then run `cnrstore compact`/`cnrstore gc` or reopen with compaction on") from cause
 
     def __del__(self):
         try:
@@ -226,21 +257,30 @@ class Store:
         validate.name(name, "table name")
         num_rows = validate.positive_int(num_rows, "num_rows")
         dim = validate.positive_int(dim, "dim")
+        validate.table_shape(name, num_rows, dim)  # int64 row ids; a row must fit a record
         c = codecs.get(codec)
+        most = validate.max_block_rows(dim)  # a block's record must fit its u32 length in every codec
         if block_rows is None:
             fit = max(1, knobs.BLOCK_TARGET_BYTES // c.row_bytes(dim))
             block_rows = 1 << (fit.bit_length() - 1)
-            block_rows = max(knobs.MIN_BLOCK_ROWS, min(knobs.MAX_BLOCK_ROWS, block_rows))
+            block_rows = min(most, max(knobs.MIN_BLOCK_ROWS, min(knobs.MAX_BLOCK_ROWS, block_rows)))
         else:
             block_rows = validate.positive_int(block_rows, "block_rows")
             if block_rows & (block_rows - 1) or block_rows > knobs.MAX_BLOCK_ROWS:
                 raise InvalidArgument(f"block_rows must be a power of two at most {knobs.MAX_BLOCK_ROWS}, "
                                       f"got {block_rows}")
+            if block_rows > most:
+                raise InvalidArgument(f"table {name!r}: a block of {block_rows} rows of dim {dim} does not fit "
+                                      f"one record (at most {knobs.MAX_RECORD_BYTES} bytes); choose block_rows "
+                                      f"at most {most}, or leave it to the default")
 
         def body(w):
             if w.table(name) is not None:
                 raise InvalidArgument(f"a table named {name!r} already exists; choose another name")
             tid = w.meta("next_table_id", 1)
+            if tid > 0xFFFFFFFF:  # the index keys hold table ids as u32
+                raise InvalidArgument(f"store {self.path!r} has used up its 2**32 table ids; put new tables "
+                                      "in a new store")
             w.put_meta("next_table_id", tid + 1)
             info = {"id": tid, "name": name, "num_rows": num_rows, "dim": dim, "codec": c.name,
                     "block_rows": block_rows, "created": time.time()}
@@ -273,8 +313,7 @@ class Store:
         """Begin a new version; see API.md. Only one writer may be open at a time."""
         self._check_writable()
         pack_meta(meta)
-        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
-            raise InvalidArgument(f"step must be an integer or None, got {step!r}")
+        step = validate.step_arg(step)
         with self._writer_mutex:
             if self._writer is not None:
                 raise CheckpointInProgress(f"checkpoint {self._writer.version} is still open; commit or abort "
@@ -450,6 +489,7 @@ class Store:
                 "versions": len(versions),
                 "tables": len(view.tables()),
                 "max_read_chain": max_chain,
+                "compaction_errors": self._compactor.failures if self._compactor is not None else 0,
             }
         return stats
 

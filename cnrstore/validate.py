@@ -6,8 +6,13 @@ import math
 
 import numpy as np
 
-from . import codecs
+from . import codecs, knobs, record
 from .errors import InvalidArgument
+
+#: Row ids are int64 (in memory and as the index's block keys), so a table has fewer than 2**63 rows.
+MAX_NUM_ROWS = (1 << 63) - 1
+#: Steps are stored as msgpack integers (int64 or uint64).
+MIN_STEP, MAX_STEP = -(1 << 63), (1 << 64) - 1
 
 
 def to_numpy(array, what: str) -> np.ndarray:
@@ -23,7 +28,16 @@ def to_numpy(array, what: str) -> np.ndarray:
 
 def row_ids(rows, num_rows: int, table: str) -> np.ndarray:
     """``rows`` as a 1-D int64 array, each in [0, num_rows); duplicates allowed (checked elsewhere)."""
-    arr = to_numpy(rows, f"rows of table {table!r}")
+    try:
+        arr = to_numpy(rows, f"rows of table {table!r}")
+    except OverflowError as exc:  # e.g. a torch or array-like int beyond int64
+        raise InvalidArgument(f"rows of table {table!r} hold an id beyond int64 ({exc}); row ids are in "
+                              f"[0, {num_rows})") from exc
+    if arr.dtype == object and arr.ndim == 1:  # Python ints beyond int64 (or mixed objects)
+        big = next((r for r in arr if isinstance(r, int) and not isinstance(r, bool)
+                    and not 0 <= r < num_rows), None)
+        if big is not None:
+            raise InvalidArgument(f"row {big} of table {table!r} is outside [0, {num_rows})")
     if arr.ndim != 1:
         raise InvalidArgument(f"rows of table {table!r} must be a 1-D integer array, got shape {arr.shape}")
     if arr.size and not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
@@ -90,8 +104,74 @@ def positive_int(value, what: str) -> int:
 
 
 def version_arg(value) -> int | None:
+    """None, or a non-negative integer. One beyond what was ever committed (2**64 and up included) is left
+    for the read to report as VersionNotFound (API.md)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise InvalidArgument(f"version must be a non-negative integer or None, got {value!r}")
+    return int(value)
+
+
+def widest_row_bytes(dim: int) -> int:
+    """Bytes of one encoded row of ``dim`` floats in the widest codec: any codec may be chosen per
+    ``put_rows`` (or a fallback / an fp32 merge), so the table's records must fit in every one."""
+    return max(codecs.get(n).row_bytes(dim) for n in codecs.names())
+
+
+def _record_bytes(rows: int, row_bytes: int) -> int:
+    """Bytes of a ROWS record of ``rows`` rows, with row offsets (its largest form)."""
+    return record.HEADER_BYTES + record.TRAILER_BYTES + rows * (2 + row_bytes)
+
+
+def table_shape(name: str, num_rows: int, dim: int) -> None:
+    """Raise InvalidArgument unless a table of ``num_rows`` rows of ``dim`` floats fits the format:
+    row ids are int64 and one encoded row (in any codec) must fit a record (u32 length)."""
+    if num_rows > MAX_NUM_ROWS:
+        raise InvalidArgument(f"table {name!r}: num_rows {num_rows} is beyond the format's limit of 2**63-1 "
+                              "rows (row ids are int64); use a smaller num_rows (e.g. hash ids into a smaller "
+                              "table) or split the table")
+    if _record_bytes(1, widest_row_bytes(dim)) > knobs.MAX_RECORD_BYTES:
+        most = (knobs.MAX_RECORD_BYTES - _record_bytes(1, 0)) // 4
+        raise InvalidArgument(f"table {name!r}: a row of dim {dim} does not fit one record (at most "
+                              f"{knobs.MAX_RECORD_BYTES} bytes, u32 lengths); use a smaller dim (at most {most}) "
+                              "or store such arrays with put_dense in pieces")
+
+
+def max_block_rows(dim: int) -> int:
+    """The largest power of two of rows whose block record fits MAX_RECORD_BYTES in every codec."""
+    fit = (knobs.MAX_RECORD_BYTES - _record_bytes(0, 0)) // (2 + widest_row_bytes(dim))
+    return 1 << (max(1, fit).bit_length() - 1)
+
+
+def max_dense_bytes() -> int:
+    """The most bytes one dense array may hold: a record (u32 length) less its header, trailer and the
+    msgpack descriptor of dtype and shape (at most 656 bytes for numpy's 64 dimensions)."""
+    return knobs.MAX_RECORD_BYTES - record.HEADER_BYTES - record.TRAILER_BYTES - 656
+
+
+def dense_size(name: str, arr) -> None:
+    """Raise InvalidArgument unless ``arr`` (a numpy array or a tensor: anything with ``nbytes`` and
+    ``shape``) fits one DENSE record. Uses the logical size only: nothing is copied or touched."""
+    nbytes = getattr(arr, "nbytes", None)
+    if nbytes is None:
+        return
+    nbytes = int(nbytes)
+    limit = max_dense_bytes()
+    if nbytes > limit:
+        raise InvalidArgument(f"dense array {name!r} is {nbytes:,} bytes (shape {tuple(arr.shape)}); one dense "
+                              f"array is one record of at most {limit:,} bytes (u32 lengths on disk): split the "
+                              f"dense array into several put_dense names (e.g. {name + '/0'!r}, "
+                              f"{name + '/1'!r}, ...) or store it as a table with put_rows")
+
+
+def step_arg(value) -> int | None:
+    """None, or an integer step that the version record can store (int64 or uint64)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(f"step must be an integer or None, got {value!r}")
+    if not MIN_STEP <= int(value) <= MAX_STEP:
+        raise InvalidArgument(f"step {value} is outside [-2**63, 2**64-1], the range a step is stored in; "
+                              "pass a smaller step (e.g. the training iteration)")
     return int(value)

@@ -107,7 +107,9 @@ class CheckpointWriter:
         validate.name(name, "dense array name")
         if name in self._dense:
             raise InvalidArgument(f"dense array {name!r} is put twice in version {self.version}")
+        validate.dense_size(name, array)  # from shape and dtype, before any copy (a tensor on a GPU, a view)
         arr = validate.to_numpy(array, f"dense array {name!r}")
+        validate.dense_size(name, arr)
         if arr.dtype.hasobject or arr.dtype.fields is not None or arr.dtype.kind in "OVSUMm":
             raise InvalidArgument(f"dense array {name!r} has dtype {arr.dtype}; only numeric and bool arrays "
                                   "are stored (convert others, or pass them in meta=)")

@@ -80,3 +80,77 @@ def test_compaction_argument_is_checked(store_path):
     cnrstore.open(store_path, create=True).close()
     with pytest.raises(cnrstore.InvalidArgument):
         cnrstore.open(store_path, readonly=True, compaction="auto")
+
+
+# --- hardening (issue 11, item 15): background compaction failures reach the caller --------------------------
+
+def _failing_materialize(monkeypatch, failures):
+    """compaction.materialize raises StorageFull for its first ``failures`` calls, then works."""
+    from cnrstore import compaction
+
+    real = compaction.materialize
+    calls = {"n": 0}
+
+    def materialize(store, version, progress=None):
+        calls["n"] += 1
+        if calls["n"] <= failures:
+            raise cnrstore.StorageFull(f"injected: no space left on device while compacting at {version}")
+        return real(store, version, progress)
+
+    monkeypatch.setattr(compaction, "materialize", materialize)
+    return calls
+
+
+def test_background_compaction_failure_is_surfaced_then_raised_once_at_close(store_path, monkeypatch):
+    from cnrstore.errors import CompactionFailed
+
+    calls = _failing_materialize(monkeypatch, failures=1)
+    rng = np.random.default_rng(5)
+    store = cnrstore.open(store_path, create=True, compaction=CompactionPolicy(materialize=MaxChain(2)))
+    store.create_table("e", 4000, 8, codec="int4", block_rows=1024)
+    assert store.compaction_error is None and store.stats()["compaction_errors"] == 0
+    expected = _write(store, rng, 3)  # the third commit makes a chain of 3: the first step fails
+    assert calls["n"] >= 1
+    assert isinstance(store.compaction_error, cnrstore.StorageFull)
+    assert store.stats()["compaction_errors"] == 1
+    # the store is intact and training keeps checkpointing; the worker is alive and retries, and succeeds
+    expected.update(_write(store, rng, 3))
+    assert store._compactor._thread.is_alive() and store._compactor.steps > 0
+    assert store.stats()["compaction_errors"] == 1  # the retry did not fail
+    _check(store, {v.version: expected[v.version] for v in store.versions()})
+    with pytest.raises(CompactionFailed, match="failed 1 time") as info:
+        store.close()
+    assert isinstance(info.value.__cause__, cnrstore.StorageFull) and store_path in str(info.value)
+    store.close()  # raised once: a second close is quiet
+    with cnrstore.open(store_path) as again:  # nothing was lost
+        _check(again, expected)
+
+
+def test_compaction_failure_does_not_mask_the_with_blocks_own_error(store_path, monkeypatch):
+    _failing_materialize(monkeypatch, failures=100)
+    rng = np.random.default_rng(6)
+    with pytest.raises(KeyError, match="the trainer's own failure"):
+        with cnrstore.open(store_path, create=True, compaction=CompactionPolicy(materialize=MaxChain(2))) as store:
+            store.create_table("e", 4000, 8, codec="int4", block_rows=1024)
+            _write(store, rng, 4)
+            assert store.stats()["compaction_errors"] >= 1
+            raise KeyError("the trainer's own failure")
+    with cnrstore.open(store_path) as store:  # no compactor: nothing to report
+        assert store.compaction_error is None and store.stats()["compaction_errors"] == 0
+        assert len(store.versions()) == 4 and store.verify().ok
+
+
+def test_a_compaction_failing_at_every_commit_keeps_few_exceptions_and_counts_all(store_path, monkeypatch):
+    """Each kept exception holds its traceback's frames (and their arrays): a long run of failures must not
+    grow memory; the count stays exact."""
+    from cnrstore import background
+    from cnrstore.errors import CompactionFailed
+
+    monkeypatch.setattr(background, "KEEP_ERRORS", 2)
+    _failing_materialize(monkeypatch, failures=10**6)
+    store = cnrstore.open(store_path, create=True, compaction=CompactionPolicy(materialize=MaxChain(1)))
+    store.create_table("e", 4000, 8, codec="int4", block_rows=1024)
+    _write(store, np.random.default_rng(8), 7)
+    assert store.stats()["compaction_errors"] == 6 and len(store._compactor.errors) == 2
+    with pytest.raises(CompactionFailed, match="failed 6 time"):
+        store.close()

@@ -142,3 +142,167 @@ def test_maintenance_on_a_store_a_trainer_holds_is_refused(made_store, tmp_path)
         proc = run("gc", path, check_rc=2)
         assert "StoreLocked" in proc.stderr and str(os.getpid()) in proc.stderr
         assert "5 version(s)" in run("ls", path).stdout  # readonly commands still work
+
+
+# --- hardening (issue 11, item 12): every failure a typed one-line error; verify's exit contract ------------
+
+from cnrstore import cli  # noqa: E402
+
+
+def _main(capsys, *argv):
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _copy(src, dst):
+    subprocess.run(["cp", "-r", src, str(dst)], check=True)
+    return dst
+
+
+def test_export_to_a_missing_directory_exits_2_with_one_line_and_no_traceback(made_store, tmp_path):
+    path, _ = made_store
+    proc = run("export", path, "--format", "npz", tmp_path / "nodir" / "x.npz", check_rc=2)
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "InvalidArgument" in proc.stderr and "does not exist" in proc.stderr and "nodir" in proc.stderr
+    proc = run("export", path, "--format", "npz", tmp_path, check_rc=2)  # a directory
+    assert "is a directory" in proc.stderr
+    assert not (tmp_path / "nodir").exists()
+
+
+@pytest.mark.parametrize("fmt", ["npz", "torch", "safetensors"])
+def test_export_disk_full_raises_storage_full_and_leaves_no_partial_file(made_store, tmp_path, capsys,
+                                                                        monkeypatch, fmt):
+    import errno
+
+    from cnrstore import export as export_mod
+
+    path, _ = made_store
+    out = tmp_path / "x.out"
+    out.write_bytes(b"older export")
+
+    def full(snapshot, fmt, tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export_mod, "_write", full)
+    rc, _out, err = _main(capsys, "export", path, "--format", fmt, out)
+    assert rc == 2 and "StorageFull" in err and "space" in err and len(err.strip().splitlines()) == 1
+    assert out.read_bytes() == b"older export"
+    assert os.listdir(tmp_path) == ["x.out"]  # the temporary file is gone
+
+
+def test_export_to_an_unwritable_path_exits_2(made_store, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from cnrstore import export as export_mod
+
+    path, _ = made_store
+
+    def denied(snapshot, fmt, tmp):
+        raise PermissionError(errno.EACCES, "Permission denied", tmp)
+
+    monkeypatch.setattr(export_mod, "_write", denied)
+    rc, _out, err = _main(capsys, "export", path, "--format", "npz", tmp_path / "x.npz")
+    assert rc == 2 and "InvalidArgument" in err and "writable" in err
+    monkeypatch.setattr(export_mod.os, "access", lambda *a, **k: False)  # checked before the restore
+    rc, _out, err = _main(capsys, "export", path, "--format", "npz", tmp_path / "x.npz")
+    assert rc == 2 and "not writable" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_export_io_error_is_export_failed(made_store, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from cnrstore import export as export_mod
+
+    path, _ = made_store
+    monkeypatch.setattr(export_mod, "_write", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    rc, _out, err = _main(capsys, "export", path, "--format", "npz", tmp_path / "x.npz")
+    assert rc == 2 and "ExportFailed" in err and os.listdir(tmp_path) == []
+
+
+def test_export_bad_version_exits_2(made_store, tmp_path):
+    path, _ = made_store
+    assert "VersionNotFound" in run("export", path, "--format", "npz", tmp_path / "x.npz", "--version", 99,
+                                    check_rc=2).stderr
+    proc = run("export", path, "--format", "npz", tmp_path / "x.npz", "--version", 2 ** 70, check_rc=2)
+    assert "VersionNotFound" in proc.stderr and "Traceback" not in proc.stderr
+    assert "InvalidArgument" in run("export", path, "--format", "npz", tmp_path / "x.npz", "--version", -1,
+                                    check_rc=2).stderr
+    assert not os.listdir(tmp_path)
+
+
+def test_verify_exits_1_when_marker_or_index_is_corrupt_or_missing(made_store, tmp_path, capsys):
+    path, _ = made_store
+    bad_marker = _copy(path, tmp_path / "marker")
+    (bad_marker / "CNRSTORE").write_bytes(b"garbage")
+    no_index = _copy(path, tmp_path / "noindex")
+    subprocess.run(["rm", "-rf", str(no_index / "index")], check=True)
+    no_data = _copy(path, tmp_path / "nodata")
+    os.unlink(no_data / "index" / "data.mdb")
+    no_marker = _copy(path, tmp_path / "nomarker")
+    os.unlink(no_marker / "CNRSTORE")
+    for damaged in (bad_marker, no_index, no_data, no_marker):
+        rc, out, err = _main(capsys, "verify", damaged)
+        assert rc == 1, (damaged, out, err)
+        assert "DAMAGED" in out and "problem:" in out
+        rc, out, _err = _main(capsys, "verify", damaged, "--json")
+        report = json.loads(out)
+        assert rc == 1 and report["ok"] is False and report["problems"]
+    proc = run("verify", no_index, check_rc=1)  # and as a real process
+    assert "Traceback" not in proc.stderr
+
+
+def test_verify_of_something_not_a_store_exits_2(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    rc, _out, err = _main(capsys, "verify", tmp_path / "empty")
+    assert rc == 2 and "StoreNotFound" in err
+    rc, _out, err = _main(capsys, "verify", tmp_path / "absent")
+    assert rc == 2 and "StoreNotFound" in err
+
+
+def test_os_errors_and_interrupts_never_show_a_traceback(made_store, capsys, monkeypatch):
+    path, _ = made_store
+
+    def raiser(exc):
+        def cmd(args):
+            raise exc
+        return cmd
+
+    monkeypatch.setattr(cli, "cmd_info", raiser(PermissionError(13, "Permission denied", "/x/segments")))
+    rc, _out, err = _main(capsys, "info", path)
+    assert rc == 2 and "PermissionError" in err and "/x/segments" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(cli, "cmd_info", raiser(KeyboardInterrupt()))
+    rc, _out, err = _main(capsys, "info", path)
+    assert rc == 130 and "interrupted" in err and "Traceback" not in err
+
+
+def test_rows_beyond_int64_is_an_invalid_argument(made_store):
+    path, _ = made_store
+    proc = run("rows", path, "emb", 2 ** 70, check_rc=2)
+    assert "InvalidArgument" in proc.stderr and "outside" in proc.stderr and "Traceback" not in proc.stderr
+
+
+
+def test_export_to_torch_without_torch_is_an_invalid_argument(made_store, tmp_path, monkeypatch):
+    from cnrstore.export import export
+
+    monkeypatch.setitem(sys.modules, "cnrstore.torch.export", None)  # as if PyTorch were not installed
+    with cnrstore.open(made_store[0], readonly=True) as store:
+        snap = store.restore()
+    with pytest.raises(cnrstore.InvalidArgument, match="needs PyTorch"):
+        export(snap, "torch", tmp_path / "x.pt")
+    assert not os.listdir(tmp_path)
+
+
+def test_verify_exits_1_when_the_check_itself_meets_damage_it_cannot_step_over(made_store, capsys, monkeypatch):
+    path, _ = made_store
+
+    def broken(self, progress=None):
+        raise cnrstore.CorruptionError("index entry of version 3 is not msgpack", "/x/index", None)
+
+    monkeypatch.setattr(cnrstore.Store, "verify", broken)
+    rc, out, err = _main(capsys, "verify", path)
+    assert rc == 1 and "DAMAGED" in out and "not msgpack" in out and not err

@@ -15,11 +15,24 @@ What goes where in the store:
 
 Row tracking: a forward pre-hook on each embedding sets a bool mask (on the weight's device) at every
 looked-up index, while autograd is enabled (lookups under ``torch.no_grad()``, e.g. evaluation, are not
-tracked: they cannot change the weights). The tracking is exact for optimizers that leave rows with a zero
-gradient untouched (SGD without weight decay, Adagrad, sparse optimizers such as ``SparseAdam``). Dense
-Adam/AdamW with momentum or weight decay also move rows that were not looked up; use ``mode`` with care
-there (a full save, e.g. right after construction or ``restore``, is always exact). Weights changed outside
-a forward pass are not tracked either.
+tracked: they cannot change the weights). Weights changed outside a forward pass and an optimizer step
+are not tracked.
+
+Every mode is exact with every optimizer: a regular save adds to the looked-up rows those the optimizer
+may have changed without a lookup, judged per table from the optimizers holding its weight, with the
+hyper-parameters of the weight's param group at save time (``_drift``):
+
+- none: plain SGD (no momentum), Adagrad and ``SparseAdam``, all without weight decay, leave a row with a
+  zero gradient untouched: the looked-up rows are all that changed;
+- ``"state"``: SGD with momentum, Adam, AdamW (weight_decay=0), NAdam, RAdam, Adamax, RMSprop, Adadelta,
+  Rprop move a row, and change its row-wise state, exactly while that state is non-zero (a zero state
+  and a zero gradient give a zero update; Adamax's zero infinity norm becomes ``eps`` at once). A save
+  adds the rows whose row-wise state is non-zero now or was at the previous regular save (a state that
+  decayed to zero in between) -- a vectorized scan of the state, chunked to bound memory;
+- ``"all"``: any non-zero ``weight_decay`` (it shrinks every row), and any optimizer class cnrstore does
+  not know (it may change any row): every row is written, as in a baseline.
+
+Priority saves (``top``) write only the top looked-up rows; the next regular save adds what they left.
 
 Modes (what a save writes for the embedding tables; everything else is written in full every save):
 
@@ -65,7 +78,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import codecs
+from .. import codecs, validate
 from ..errors import InvalidArgument, MissingRows, VersionNotFound
 from ..types import VersionInfo
 from ..writer import pack_meta
@@ -153,6 +166,8 @@ class _Table:
             self.generator = torch.Generator().manual_seed(seed)
             self._rounding = random.Random(seed)
         self.buffers: dict[str, torch.Tensor] = {}  # host buffers by table name, reused across saves
+        # rows whose row-wise optimizer state was non-zero at the last regular save ("state" drift only)
+        self.nonzero_saved: torch.Tensor | None = None
         self.full_written: set[str] = set()  # row-state tables written in full in this session
         self.hooks = [module.register_forward_pre_hook(self._track, with_kwargs=True)]
 
@@ -247,6 +262,44 @@ def _top_rows(rows: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
     above = rows[counts > threshold]
     at = rows[counts == threshold][: k - above.size]
     return np.union1d(above, at)
+
+
+#: Optimizers that change a row without a lookup exactly while its row-wise state is non-zero.
+_STATE_DRIFT = tuple(getattr(torch.optim, n) for n in (
+    "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "RMSprop", "Adadelta", "Rprop") if hasattr(torch.optim, n))
+_DRIFT_ORDER = {None: 0, "state": 1, "all": 2}
+#: Elements scanned per chunk when looking for non-zero optimizer state (bounds the temporary memory).
+_SCAN_ELEMENTS = 1 << 24
+
+
+def _drift(opt: torch.optim.Optimizer, group: dict) -> str | None:
+    """Which rows ``opt`` may change without a lookup, for a weight in param group ``group``: None (none),
+    "state" (those with non-zero row-wise state) or "all" (module doc)."""
+    if group.get("weight_decay"):
+        return "all"
+    if isinstance(opt, torch.optim.SGD):
+        return "state" if group.get("momentum") else None
+    if isinstance(opt, (torch.optim.Adagrad, torch.optim.SparseAdam)):
+        return None
+    if isinstance(opt, _STATE_DRIFT):
+        return "state"
+    return "all"
+
+
+def _nonzero_rows(states: list, num_rows: int, device) -> torch.Tensor:
+    """Bool per row: any element of any of ``states`` (each ``(num_rows, ...)``) has non-zero bits (so -0.0
+    and NaN count as non-zero). Vectorized, in chunks of about ``_SCAN_ELEMENTS`` elements."""
+    nz = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    for state in states:
+        flat = state.detach().reshape(num_rows, -1)
+        if flat.is_floating_point() and flat.element_size() in ints:
+            flat = flat.view(ints[flat.element_size()])
+        chunk = max(1, _SCAN_ELEMENTS // max(1, flat.shape[1]))
+        for start in range(0, num_rows, chunk):
+            part = flat[start:start + chunk]
+            nz[start:start + chunk] |= (part != 0).any(dim=1).to(nz.device)
+    return nz
 
 
 def _is_fraction(x) -> bool:
@@ -377,6 +430,44 @@ class Checkpointer:
                 if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == t.num_rows:
                     yield str(key), v
 
+    def _table_drift(self, t: _Table) -> str | None:
+        """The widest drift of the optimizers holding ``t``'s weight (see ``_drift``)."""
+        worst = None
+        for opt in self._optimizers:
+            for group in opt.param_groups:
+                if any(p is t.weight for p in group["params"]):
+                    d = _drift(opt, group)
+                    if _DRIFT_ORDER[d] > _DRIFT_ORDER[worst]:
+                        worst = d
+        return worst
+
+    def _add_drifted_rows(self) -> None:
+        """Before a regular save: mark as touched the rows the optimizers may have changed without a lookup
+        since the previous regular save, so that every mode writes them (module doc)."""
+        for t in self._tables:
+            drift = self._table_drift(t)
+            if drift == "all":
+                if t.on_cpu:
+                    t.touched.numpy().fill(True)
+                else:
+                    t.touched.fill_(True)
+                t.nonzero_saved = None
+            elif drift == "state":
+                nz = _nonzero_rows([v for _k, v in self._row_states(t)], t.num_rows, t.touched.device)
+                changed = nz if t.nonzero_saved is None else nz | t.nonzero_saved
+                t.touched |= changed
+                t.nonzero_saved = nz
+            else:
+                t.nonzero_saved = None
+
+    def _note_restored_state(self) -> None:
+        """After a restore: the optimizer state now equals the stored one; remember where it is non-zero."""
+        for t in self._tables:
+            t.nonzero_saved = None
+            if self._table_drift(t) == "state":
+                t.nonzero_saved = _nonzero_rows([v for _k, v in self._row_states(t)], t.num_rows,
+                                                t.touched.device)
+
     def _remove_hooks(self) -> None:
         for t in self._tables:
             for h in t.hooks:
@@ -412,8 +503,14 @@ class Checkpointer:
         self._finish_inflight()
         self._raise_pending_error()
         pack_meta(meta)  # bad arguments fail here, not in the background
-        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
-            raise InvalidArgument(f"step must be an integer or None, got {step!r}")
+        step = validate.step_arg(step)
+        for key, v in self._dense.items():  # a dense array the format cannot hold: fail now, not in the background
+            if v.nbytes > validate.max_dense_bytes():
+                raise InvalidArgument(
+                    f"model state {key!r} is {v.nbytes:,} bytes; the Checkpointer stores each parameter or "
+                    f"buffer that is not an embedding as one dense array of at most "
+                    f"{validate.max_dense_bytes():,} bytes: make it an nn.Embedding (a table, saved by rows) "
+                    "or split it into several parameters")
         try:
             return self._snapshot(step, meta, top)
         except BaseException:
@@ -453,6 +550,11 @@ class Checkpointer:
                     report.rows[name] = m
             dense = {k: _host_copy(v) for k, v in self._dense.items()}
             blob = self._state_blob()
+            if blob.nbytes > validate.max_dense_bytes():  # the optimizers' dense state can outgrow a record
+                raise InvalidArgument(
+                    f"the optimizer state outside the embedding tables (and extra) pickles to {blob.nbytes:,} "
+                    f"bytes, more than one dense array holds ({validate.max_dense_bytes():,}); keep large "
+                    "row-wise state on nn.Embedding weights (saved as tables) or split the dense layers")
         for t, rows in zip(self._tables, picks):
             if priority:
                 t.settle_priority(rows, keep_since_baseline=self.mode != "incremental")
@@ -474,6 +576,7 @@ class Checkpointer:
 
     def _pick_rows(self):
         """(baseline?, per table: rows tensor to write, or None for all rows). Updates the masks."""
+        self._add_drifted_rows()
         if self._force_full or not self._tables:
             baseline = True
         elif self.mode == "incremental":
@@ -634,6 +737,7 @@ class Checkpointer:
             t.since_baseline.zero_()
             if t.counts is not None:
                 t.counts.zero_()
+        self._note_restored_state()
         latest = self.store.latest()
         self._force_full = not (self.mode == "incremental" and latest is not None and latest.version == v)
         self._diffs = []

@@ -7,8 +7,9 @@ import torch
 from ..types import Snapshot
 
 
-def save(snapshot: Snapshot, path: str) -> None:
-    """Save every table (fp32 tensors) and dense array of ``snapshot`` to ``path`` with ``torch.save``."""
+def save(snapshot: Snapshot, path) -> None:
+    """Save every table (fp32 tensors) and dense array of ``snapshot`` to ``path`` (a path or a binary file
+    object) with ``torch.save``."""
     torch.save(
         {
             "version": snapshot.version,
