@@ -1,0 +1,254 @@
+"""Faults of the disk and of the index's resources (issue 11): a full disk or an I/O error during an index
+commit, GC on a full disk, a segment file deleted by hand, many threads reading at once, a failed fsync.
+
+Each fault must surface as a typed error saying what to do, leave every committed version reading back
+bit for bit, and leave the store usable once the fault is gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import lmdb
+import numpy as np
+import pytest
+
+import cnrstore
+from cnrstore import errors, filenames, index as index_mod, knobs, reader
+from cnrstore.fs import FileSystem
+from cnrstore.store import Store
+
+DIM = 8
+
+
+def rand(n, dim=DIM, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, dim)).astype(np.float32)
+
+
+def state(store) -> dict:
+    """Every table at every committed version, as bytes."""
+    out = {}
+    for info in store.versions():
+        for name in store.tables():
+            try:
+                out[(info.version, name)] = store.read_table(name, version=info.version).tobytes()
+            except cnrstore.MissingRows:
+                out[(info.version, name)] = None
+    return out
+
+
+class FaultFS(FileSystem):
+    """pwritev fails with ENOSPC while ``full``; fsync fails with ``fsync_errno`` while it is set."""
+
+    def __init__(self):
+        self.full = False
+        self.fsync_errno: int | None = None
+        self.faults = 0
+
+    def pwritev(self, fd, buffers, offset):
+        if self.full:
+            self.faults += 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().pwritev(fd, buffers, offset)
+
+    def fsync(self, fd):
+        if self.fsync_errno is not None:
+            self.faults += 1
+            raise OSError(self.fsync_errno, os.strerror(self.fsync_errno))
+        super().fsync(fd)
+
+
+class _FailingCommitTxn:
+    """A write transaction whose commit fails the way py-lmdb reports a failed LMDB commit."""
+
+    def __init__(self, txn, code: int):
+        self._txn = txn
+        self._code = code
+
+    def __getattr__(self, name):
+        return getattr(self._txn, name)
+
+    def commit(self):
+        self._txn.abort()
+        exc = (lmdb.DiskError if self._code == errno.ENOSPC else lmdb.Error)(
+            f"mdb_txn_commit: {os.strerror(self._code)}")
+        exc.code = self._code
+        raise exc
+
+
+def _fail_index_commits(monkeypatch, code: int):
+    """Make every index write transaction's commit fail with ``code``; returns a function lifting it."""
+    real_begin = index_mod.Index._begin
+
+    def begin(self, write):
+        txn = real_begin(self, write)
+        return _FailingCommitTxn(txn, code) if write else txn
+
+    monkeypatch.setattr(index_mod.Index, "_begin", begin)
+    return lambda: monkeypatch.setattr(index_mod.Index, "_begin", real_begin)
+
+
+def _two_versions(s):
+    s.create_table("emb", 512, DIM, codec="int8", block_rows=64)
+    with s.checkpoint(step=1) as ck:
+        ck.put_rows("emb", np.arange(512), rand(512, seed=1))
+    with s.checkpoint(step=2) as ck:
+        ck.put_rows("emb", np.arange(0, 512, 3), rand(171, seed=2))
+        ck.put_dense("d", np.arange(5.0))
+
+
+# 7. a full disk during the index commit -------------------------------------------------------------
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, "EIO_full"])
+def test_full_disk_during_index_commit_raises_storage_full_and_keeps_store(store_path, monkeypatch, code):
+    s = cnrstore.open(store_path, create=True)
+    _two_versions(s)
+    before = state(s)
+    if code == "EIO_full":  # LMDB's EIO from a failed page write, on a file system with no space left
+        code = errno.EIO
+        monkeypatch.setattr(index_mod, "_free_bytes", lambda path: 0)
+    lift = _fail_index_commits(monkeypatch, code)
+
+    with pytest.raises(cnrstore.StorageFull) as ei:
+        s.create_table("other", 10, DIM)
+    assert "free disk space" in str(ei.value) and ei.value.errno in (errno.ENOSPC, errno.EDQUOT)
+    assert "other" not in s.tables()
+    with pytest.raises(cnrstore.StorageFull):  # the version-number allocation commits too
+        s.checkpoint(step=3)
+    lift()
+    ck = s.checkpoint(step=3)
+    ck.put_rows("emb", [0, 1], rand(2, seed=3))
+    _fail_index_commits(monkeypatch, code)
+    with pytest.raises(cnrstore.StorageFull):
+        ck.commit()
+    assert ck.version not in [v.version for v in s.versions()]
+    assert state(s) == before
+
+    lift()  # space returns: the same store works on
+    s.create_table("other", 10, DIM)
+    with s.checkpoint(step=4) as ck4:
+        ck4.put_rows("emb", [5], rand(1, seed=4))
+    assert {k: v for k, v in state(s).items() if k[1] == "emb" and k[0] != ck4.version} == before
+    assert s.verify().ok
+    s.close()
+    with cnrstore.open(store_path) as s2:
+        assert {k: v for k, v in state(s2).items() if k[1] == "emb" and k[0] != ck4.version} == before
+
+
+def test_io_error_during_index_commit_with_free_space_is_storage_io_error(store_path, monkeypatch):
+    s = cnrstore.open(store_path, create=True)
+    _two_versions(s)
+    before = state(s)
+    monkeypatch.setattr(index_mod, "_free_bytes", lambda path: 10 << 30)
+    lift = _fail_index_commits(monkeypatch, errno.EIO)
+    with pytest.raises(errors.StorageIOError) as ei:
+        s.create_table("other", 10, DIM)
+    assert not isinstance(ei.value, cnrstore.StorageFull) and isinstance(ei.value, cnrstore.CnrError)
+    assert "cnrstore verify" in str(ei.value) and ei.value.errno == errno.EIO
+    lift()
+    assert state(s) == before
+    with s.checkpoint(step=3) as ck:
+        ck.put_rows("emb", [0], rand(1, seed=5))
+    assert s.verify().ok
+    s.close()
+
+
+def test_real_lmdb_disk_error_is_mapped_by_errno():
+    """py-lmdb's own exceptions carry LMDB's return code: the mapping must read it, not the class."""
+    idx_err = lmdb.Error("mdb_txn_commit: Input/output error")
+    assert index_mod._lmdb_errno(idx_err) == errno.EIO
+    assert index_mod._lmdb_errno(lmdb.DiskError("mdb_txn_commit")) == errno.ENOSPC
+    assert index_mod._lmdb_errno(lmdb.ReadersFullError("mdb_txn_begin")) is None
+
+
+# a failed fsync (fsyncgate) -------------------------------------------------------------------------
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+def test_failed_fsync_never_commits_the_version_and_is_not_retried(store_path, code):
+    fs = FaultFS()
+    s = Store(store_path, create=True, readonly=False, filesystem=fs)
+    _two_versions(s)
+    before = state(s)
+    fs.fsync_errno = code
+    ck = s.checkpoint(step=3)
+    ck.put_rows("emb", np.arange(512), rand(512, seed=6))
+    expected = errors.StorageIOError if code == errno.EIO else cnrstore.StorageFull
+    with pytest.raises(expected) as ei:
+        ck.commit()
+    assert ei.value.errno == code
+    fs.fsync_errno = None
+    faults = fs.faults
+    with pytest.raises(cnrstore.CnrError, match="failed earlier"):  # never "retried" into a commit
+        ck.commit()
+    assert fs.faults == faults
+    assert ck.version not in [v.version for v in s.versions()] and state(s) == before
+    with s.checkpoint(step=4) as ck4:
+        ck4.put_rows("emb", [3], rand(1, seed=7))
+    assert s.verify().ok
+    s.close()
+
+
+# 10. many threads reading at once --------------------------------------------------------------------
+def test_many_threads_reading_at_once_never_exhaust_reader_slots(store_path, monkeypatch):
+    monkeypatch.setattr(knobs, "INDEX_MAX_READERS", 4)
+    s = cnrstore.open(store_path, create=True)
+    _two_versions(s)
+    expected = s.read_rows("emb", np.arange(10), version=1)
+    real = reader.read_rows
+
+    def slow_read_rows(*args, **kwargs):
+        time.sleep(0.01)  # inside the read transaction: the 16 threads' reads overlap
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reader, "read_rows", slow_read_rows)
+    failures, results = [], []
+
+    def work():
+        try:
+            for _ in range(3):
+                results.append(s.read_rows("emb", np.arange(10), version=1))
+        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert len(results) == 48 and all(r.tobytes() == expected.tobytes() for r in results)
+    s.close()
+
+
+def test_reader_slots_held_elsewhere_are_waited_for(store_path, monkeypatch):
+    """MDB_READERS_FULL (slots held by other processes) is retried with backoff, not raised."""
+    s = cnrstore.open(store_path, create=True)
+    _two_versions(s)
+    real_begin = lmdb.Environment.begin
+    calls = {"n": 0}
+
+    class Env:
+        def __init__(self, env):
+            self._env = env
+
+        def __getattr__(self, name):
+            return getattr(self._env, name)
+
+        def begin(self, write=False, buffers=False):
+            calls["n"] += 1
+            if not write and calls["n"] <= 3:
+                raise lmdb.ReadersFullError("mdb_txn_begin")
+            return self._env.begin(write=write, buffers=buffers)
+
+    s._index._env = Env(s._index._env)
+    assert s.read_rows("emb", [0], version=1).shape == (1, DIM)
+    assert calls["n"] == 4
+    monkeypatch.setattr(index_mod, "_READER_WAIT_S", 0.05)
+    s._index._env = Env(s._index._env._env)
+    calls["n"] = -10**9  # always full now
+    with pytest.raises(errors.IndexBusy, match="fewer threads"):
+        s.read_rows("emb", [0], version=1)
+    s._index._env = s._index._env._env
+    assert real_begin is lmdb.Environment.begin
+    s.close()
