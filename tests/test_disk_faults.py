@@ -252,3 +252,61 @@ def test_reader_slots_held_elsewhere_are_waited_for(store_path, monkeypatch):
     s._index._env = s._index._env._env
     assert real_begin is lmdb.Environment.begin
     s.close()
+
+
+# 8. a segment file deleted by hand --------------------------------------------------------------------
+def _newest_segment(store_path) -> str:
+    seg_dir = filenames.segments_dir(store_path)
+    return os.path.join(seg_dir, max(n for n in os.listdir(seg_dir) if filenames.parse_segment_name(n) is not None))
+
+
+@pytest.mark.parametrize("while_open", [False, True])
+def test_deleted_segment_file_fails_its_reads_but_not_later_checkpoints(store_path, while_open):
+    s = cnrstore.open(store_path, create=True)
+    s.create_table("emb", 512, DIM, codec="int8", block_rows=64)
+    with s.checkpoint(step=1) as ck:
+        ck.put_rows("emb", np.arange(512), rand(512, seed=1))
+    if not while_open:
+        s.close()
+    os.remove(_newest_segment(store_path))  # the only segment: version 1's records are gone
+    if not while_open:
+        s = cnrstore.open(store_path)  # the writable open must not crash on it
+    for attempt in range(3):  # not once, and not forever: every later checkpoint works
+        new = rand(512, seed=10 + attempt)
+        with s.checkpoint(step=2 + attempt) as ck:
+            ck.put_rows("emb", np.arange(512), new)
+        assert s.read_rows("emb", np.arange(512), version=ck.version).tobytes() == \
+            s.read_table("emb", version=ck.version).tobytes()
+    assert any("missing" in note for note in s._appender.notes)
+    last = ck.version
+    last_read = s.read_table("emb", version=last).tobytes()
+    s.close()
+    with cnrstore.open(store_path) as s2:
+        with pytest.raises(cnrstore.CorruptionError, match="missing"):
+            s2.read_table("emb", version=1)
+        report = s2.verify()
+        assert not report.ok and any("missing" in p for p in report.problems)
+        assert s2.read_table("emb", version=last).tobytes() == last_read
+        with s2.checkpoint(step=9) as ck:
+            ck.put_rows("emb", [0], rand(1, seed=99))
+
+
+def test_segment_deleted_during_a_checkpoint_aborts_it_once(store_path):
+    s = cnrstore.open(store_path, create=True)
+    s.create_table("emb", 512, DIM, codec="int8", block_rows=64)
+    with s.checkpoint(step=1) as ck:
+        ck.put_rows("emb", np.arange(512), rand(512, seed=1))
+    ck = s.checkpoint(step=2)
+    ck.put_rows("emb", np.arange(64), rand(64, seed=2))
+    os.remove(_newest_segment(store_path))  # the file this checkpoint is appending to
+    with pytest.raises(cnrstore.CorruptionError, match="retry") as ei:
+        ck.commit()
+    assert "cnrstore verify" in str(ei.value)
+    assert [v.version for v in s.versions()] == [1]
+    with s.checkpoint(step=3) as ck3:  # the retry goes to a new segment
+        ck3.put_rows("emb", np.arange(64), rand(64, seed=3))
+    s.close()
+    with cnrstore.open(store_path) as s2:
+        assert s2.read_rows("emb", np.arange(64), version=ck3.version).shape == (64, DIM)
+        with pytest.raises(cnrstore.CorruptionError):
+            s2.read_table("emb", version=1)
