@@ -310,3 +310,84 @@ def test_segment_deleted_during_a_checkpoint_aborts_it_once(store_path):
         assert s2.read_rows("emb", np.arange(64), version=ck3.version).shape == (64, DIM)
         with pytest.raises(cnrstore.CorruptionError):
             s2.read_table("emb", version=1)
+
+
+# 6. gc on a full disk -------------------------------------------------------------------------------
+def _gc_layout(s):
+    """Versions whose retention leaves wholly dead segments and one under-full (1/4 live) segment."""
+    s.create_table("emb", 512, DIM, codec="int8", block_rows=64)
+    with s.checkpoint(step=1) as ck:
+        ck.put_rows("emb", np.arange(256), rand(256, seed=1))  # blocks 0-3: a segment of its own
+        ck.put_rows("emb", np.arange(256, 512), rand(256, seed=2))  # blocks 4-7
+    with s.checkpoint(step=2) as ck:
+        ck.put_rows("emb", np.arange(256), rand(256, seed=3))
+        ck.put_rows("emb", np.arange(256, 448), rand(192, seed=4))  # blocks 4-6: block 7 stays live
+    with s.checkpoint(step=3) as ck:
+        ck.put_dense("d", np.arange(7.0))
+    s.retain(keep_last=1)
+
+
+def _segment_census(s):
+    """(wholly dead segments, under-full segments) as GC will see them."""
+    with s._index.read() as view:
+        committed = view.segments()
+        live = {}
+        for *_k, loc in view.row_entries():
+            live[loc.segment] = live.get(loc.segment, 0) + loc.length
+        for *_k, loc in view.dense_entries():
+            live[loc.segment] = live.get(loc.segment, 0) + loc.length
+    busy = s._appender.busy() | {s._compaction_appender.active}
+    dead = [g for g in committed if g not in busy and not live.get(g)]
+    under = [g for g in committed if g not in busy and live.get(g) and
+             live[g] / (committed[g] - 32) < knobs.GC_LIVE_FRACTION]
+    return dead, under
+
+
+def test_gc_on_full_disk_reclaims_dead_segments_and_finishes_later(store_path, monkeypatch):
+    monkeypatch.setattr(knobs, "SEGMENT_BYTES", 1024)
+    fs = FaultFS()
+    s = Store(store_path, create=True, readonly=False, filesystem=fs)
+    _gc_layout(s)
+    before = state(s)
+    dense = s.read_dense("d").tobytes()
+    dead, under = _segment_census(s)
+    assert len(dead) >= 1 and len(under) == 1, (dead, under)
+    dead_bytes = sum(os.path.getsize(filenames.segment_path(store_path, g)) for g in dead)
+
+    fs.full = True
+    report = s.gc()
+    assert fs.faults >= 1
+    assert report.segments_deleted == len(dead) and report.bytes_reclaimed == dead_bytes
+    assert report.segments_rewritten == 0 and report.bytes_copied == 0
+    assert report.incomplete and "free disk space" in report.incomplete and "gc again" in report.incomplete
+    assert not any(os.path.exists(filenames.segment_path(store_path, g)) for g in dead)
+    assert state(s) == before and s.read_dense("d").tobytes() == dense
+    assert s.verify().ok
+
+    fs.full = False  # space returns: a second gc finishes the job
+    report = s.gc()
+    assert report.incomplete is None
+    assert report.segments_rewritten == 1 and report.bytes_copied > 0 and report.segments_deleted == 1
+    assert _segment_census(s) == ([], [])
+    assert state(s) == before and s.read_dense("d").tobytes() == dense
+    assert s.verify().ok
+    s.close()
+    with cnrstore.open(store_path, readonly=True) as s2:
+        assert state(s2) == before
+
+
+def test_gc_when_even_the_index_is_full_raises_storage_full_and_changes_nothing(store_path, monkeypatch):
+    monkeypatch.setattr(knobs, "SEGMENT_BYTES", 1024)
+    s = cnrstore.open(store_path, create=True)
+    _gc_layout(s)
+    before = state(s)
+    files = sorted(os.listdir(filenames.segments_dir(store_path)))
+    lift = _fail_index_commits(monkeypatch, errno.ENOSPC)
+    with pytest.raises(cnrstore.StorageFull, match="free disk space"):
+        s.gc()
+    lift()
+    assert sorted(os.listdir(filenames.segments_dir(store_path))) == files
+    assert state(s) == before
+    report = s.gc()
+    assert report.incomplete is None and report.segments_deleted >= 2 and state(s) == before  # dead + rewritten
+    s.close()
