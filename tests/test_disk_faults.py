@@ -391,3 +391,17 @@ def test_gc_when_even_the_index_is_full_raises_storage_full_and_changes_nothing(
     report = s.gc()
     assert report.incomplete is None and report.segments_deleted >= 2 and state(s) == before  # dead + rewritten
     s.close()
+
+
+def test_full_disk_while_writing_the_marker_at_create_is_storage_full_and_create_can_retry(store_path):
+    fs = FaultFS()
+    fs.full = True
+    with pytest.raises(cnrstore.StorageFull, match="free disk space"):
+        Store(store_path, create=True, readonly=False, filesystem=fs)
+    with pytest.raises(cnrstore.StoreNotFound):  # no marker: no store, half-made or not
+        cnrstore.open(store_path)
+    fs.full = False
+    s = Store(store_path, create=True, readonly=False, filesystem=fs)
+    _two_versions(s)
+    assert s.verify().ok
+    s.close()
