@@ -397,8 +397,12 @@ class Index:
         unreachable may still be read by it.
         """
         oldest = None
-        self._env.reader_check()  # free the slots of dead processes (a reader killed mid-read)
-        for line in self._env.readers().splitlines()[1:]:
+        try:
+            self._env.reader_check()  # free the slots of dead processes (a reader killed mid-read)
+            table = self._env.readers()
+        except lmdb.Error as exc:
+            raise self._error(exc, "reading the index's reader table") from exc
+        for line in table.splitlines()[1:]:
             fields = line.split()
             if len(fields) >= 3 and fields[-1].isdigit():
                 txn = int(fields[-1])
@@ -477,7 +481,7 @@ class _SharedEnv:
         self.writable = writable
         self.resize = _SharedExclusiveLock()
         self.write_lock = threading.Lock()
-        self.read_gate = _ReadGate(knobs.INDEX_MAX_READERS)
+        self.read_gate = _ReadGate(env.max_readers())  # the lock file's slot count, whoever made it
         self.users = 0
 
     @classmethod
