@@ -321,7 +321,9 @@ class SegmentReader:
                         )
                     mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
             except FileNotFoundError:
-                raise CorruptionError(f"segment {path} is missing", path, None) from None
+                raise CorruptionError(f"segment {path} is missing (deleted?): the versions that read it are damaged; "
+                                      "run `cnrstore verify` to list them and read or restore another version",
+                                      path, None) from None
             view = np.frombuffer(mm, dtype=np.uint8)
             if entry is None:
                 check_segment_header(view, seg, path)
