@@ -372,5 +372,11 @@ def delete_doomed(store: "Store", report: GCReport) -> GCReport:
         except StorageFull as exc:
             # the files are gone (their space is free); doomed_segments still lists them, which keeps
             # their ids from being reused, and the next gc or open drops them from it
-            report.incomplete = report.incomplete or f"the index could not record the deleted segments ({exc}); run gc again"
+            report.incomplete = report.incomplete or f"{_UNRECORDED} ({exc}); free disk space and run gc again"
+        else:
+            if report.incomplete and report.incomplete.startswith(_UNRECORDED):
+                report.incomplete = None  # a later call of this pass recorded them after all
     return report
+
+
+_UNRECORDED = "the index could not record the deletion of freed segments"

@@ -435,3 +435,39 @@ def test_full_disk_during_compact_or_retain_is_storage_full_and_changes_nothing(
     assert {k: v for k, v in state(s).items()} == {k: v for k, v in before.items() if op == "compact" or k[0] == latest}
     assert s.verify().ok
     s.close()
+
+
+def test_full_disk_when_gc_records_deleted_segments_loses_nothing(store_path, monkeypatch):
+    """The files are deleted first, then the index forgets them: if that commit hits a full disk, the
+    space is free all the same, the report says the rest is pending, and the next gc records it."""
+    monkeypatch.setattr(knobs, "SEGMENT_BYTES", 1024)
+    s = cnrstore.open(store_path, create=True)
+    _gc_layout(s)
+    before = state(s)
+    dead, _under = _segment_census(s)
+    real_begin = index_mod.Index._begin
+    writes = {"n": 0}
+
+    def begin(self, write):
+        txn = real_begin(self, write)
+        if write:
+            writes["n"] += 1
+            if writes["n"] >= 2:  # 1: free the dead segments; then every commit fails
+                return _FailingCommitTxn(txn, errno.ENOSPC)
+        return txn
+
+    monkeypatch.setattr(index_mod.Index, "_begin", begin)
+    report = s.gc()
+    monkeypatch.setattr(index_mod.Index, "_begin", real_begin)
+    assert report.segments_deleted >= len(dead) and report.incomplete and "gc again" in report.incomplete
+    assert not any(os.path.exists(filenames.segment_path(store_path, g)) for g in dead)
+    with s._index.read() as view:
+        assert set(dead) <= {int(k) for k in view.meta("doomed_segments", {})}  # ids stay reserved
+    assert state(s) == before and s.verify().ok
+    report = s.gc()
+    assert report.incomplete is None
+    with s._index.read() as view:
+        assert view.meta("doomed_segments", {}) == {} and view.meta("max_deleted_segment") >= max(dead)
+    s.close()
+    with cnrstore.open(store_path) as s2:
+        assert state(s2) == before and s2.verify().ok
