@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import numpy as np
 
 from . import codecs, filenames, fs, knobs, reader, record
-from .errors import CnrError
+from .errors import CnrError, StorageFull
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
 from .segments import SEGMENT_HEADER_BYTES
 from .reader import unread_versions
@@ -44,13 +44,19 @@ class CompactReport:
 @dataclass
 class GCReport:
     """What ``Store.gc`` did. ``bytes_reclaimed`` were freed on disk now; ``bytes_pending`` belong to
-    segments that readers may still use, deleted by a later ``gc`` (or open) once they are done."""
+    segments that readers may still use, deleted by a later ``gc`` (or open) once they are done.
+
+    ``incomplete`` is None when the pass did everything; otherwise it says what was left undone and
+    why (the disk filled while copying live records out of under-full segments): what the report counts
+    was reclaimed all the same, and a later ``gc`` with free space finishes the job.
+    """
 
     bytes_reclaimed: int = 0
     bytes_copied: int = 0
     segments_deleted: int = 0
     segments_rewritten: int = 0
     bytes_pending: int = 0
+    incomplete: str | None = None
 
 
 def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tuple[int, RowLoc]]]:
@@ -337,13 +343,16 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
     ``knobs.GC_LIVE_FRACTION`` has its live records copied (byte for byte, checksum-verified) to the
     active segment first (the active segment itself is sealed first if it is that dead). Freed segments
     are deleted once no reader can need them.
+
+    Works on a full disk as far as it can: the wholly dead segments are freed first, in one index
+    transaction that needs no segment space, and deleted at once where no reader needs them; then the
+    under-full segments are copied in batches of about ``_GC_BATCH_BYTES``, each committed on its own.
+    A full disk during a copy rolls back that batch only and stops copying: the report's ``incomplete``
+    says so, and a later ``gc`` (once there is space) finishes the job. A full disk during the first
+    index transaction raises StorageFull with the store unchanged.
     """
     report = GCReport()
     appender = store._compaction_appender
-    moved_rows: list[tuple[int, int, int, RowLoc]] = []
-    moved_dense: list[tuple[int, int, DenseLoc]] = []
-    moved_log: list[tuple[int, int, DenseLoc]] = []
-    freed: list[int] = []
     with store._index.read() as view:
         committed = view.segments()
         live: dict[int, int] = {}
@@ -359,22 +368,48 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
         for kind, v, loc in view.log_entries():  # COMMIT / ANCHOR records repair needs
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
             log_users.setdefault(loc.segment, []).append((kind, v, loc))
-        candidates = []
-        active = appender.active
-        if active in committed and active not in store._appender.busy() and live.get(active, 0) / max(1, committed[active] - SEGMENT_HEADER_BYTES) \
-                < knobs.GC_LIVE_FRACTION:
-            appender.seal()  # mostly dead: collect it like a sealed one; copies go to a new segment
-        busy = store._appender.busy()  # the checkpoint writer's segments: possibly uncommitted bytes
-        for seg, length in sorted(committed.items()):
-            if seg == appender.active or seg in busy:
-                continue  # still being appended to
-            payload = max(1, length - SEGMENT_HEADER_BYTES)
-            if live.get(seg, 0) == 0:
-                freed.append(seg)
-            elif live[seg] / payload < knobs.GC_LIVE_FRACTION:
-                candidates.append(seg)
+    candidates = []
+    dead: list[int] = []
+    active = appender.active
+    if active in committed and active not in store._appender.busy() and live.get(active, 0) / max(1, committed[active] - SEGMENT_HEADER_BYTES) \
+            < knobs.GC_LIVE_FRACTION:
+        appender.seal()  # mostly dead: collect it like a sealed one; copies go to a new segment
+    busy = store._appender.busy()  # the checkpoint writer's segments: possibly uncommitted bytes
+    for seg, length in sorted(committed.items()):
+        if seg == appender.active or seg in busy:
+            continue  # still being appended to
+        payload = max(1, length - SEGMENT_HEADER_BYTES)
+        if live.get(seg, 0) == 0:
+            dead.append(seg)
+        elif live[seg] / payload < knobs.GC_LIVE_FRACTION:
+            candidates.append(seg)
+
+    # 1. free the wholly dead segments: no segment bytes to write (LMDB may need a page or two)
+    if dead:
+        def free(w: IndexWriter) -> None:
+            _doom(w, dead)
+
+        store._index.write(free)  # StorageFull here: nothing changed
+        appender.forget(dead)
+    delete_doomed(store, report)  # the space the copies below may need
+
+    # 2. copy the live records of under-full segments, one committed batch at a time
+    batches: list[list[int]] = []
+    size = _GC_BATCH_BYTES
+    for seg in candidates:
+        if size >= _GC_BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(seg)
+        size += live[seg]
+    done = 0
+    for batch in batches:
+        moved_rows: list[tuple[int, int, int, RowLoc]] = []
+        moved_dense: list[tuple[int, int, DenseLoc]] = []
+        moved_log: list[tuple[int, int, DenseLoc]] = []
+        copied = 0
         try:
-            for i, seg in enumerate(candidates):
+            for seg in batch:
                 copies = []
                 for tid, block, v, loc in row_users.get(seg, []):
                     copies.append(("row", (tid, block, v, loc), _verified_bytes(store, loc)))
@@ -393,33 +428,57 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
                     else:
                         dense_id, v, loc = key
                         moved_dense.append((dense_id, v, DenseLoc(new_seg, off, loc.length)))
-                    report.bytes_copied += data.nbytes
-                freed.append(seg)
-                report.segments_rewritten += 1
-                if progress is not None:
-                    progress(i + 1, len(candidates))
+                    copied += data.nbytes
+        except StorageFull as exc:
+            appender.rollback()
+            report.incomplete = _incomplete(candidates, done, exc)
+            break
         except BaseException:
             appender.rollback()
             raise
-    if not freed:
-        return delete_doomed(store, report)
-    def update(w: IndexWriter) -> None:
-        for tid, block, v, loc in moved_rows:
-            w.put_row(tid, block, v, loc)
-        for dense_id, v, loc in moved_dense:
-            w.put_dense(dense_id, v, loc)
-        for kind, v, loc in moved_log:
-            w.put_log(kind, v, loc)
-        doomed = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
-        for seg in freed:
-            w.delete_segment(seg)
-            doomed[seg] = w.txn_id()
-        w.put_meta("doomed_segments", doomed)
-        w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_copied)
 
-    _commit(store, appender, bool(moved_rows or moved_dense or moved_log), "gc", update)
-    appender.forget(freed)
+        def update(w: IndexWriter, moved_rows=moved_rows, moved_dense=moved_dense, moved_log=moved_log,
+                   batch=batch, copied=copied) -> None:
+            for tid, block, v, loc in moved_rows:
+                w.put_row(tid, block, v, loc)
+            for dense_id, v, loc in moved_dense:
+                w.put_dense(dense_id, v, loc)
+            for kind, v, loc in moved_log:
+                w.put_log(kind, v, loc)
+            _doom(w, batch)
+            w.put_meta("bytes_written", w.meta("bytes_written", 0) + copied)
+
+        try:
+            _commit(store, appender, bool(moved_rows or moved_dense or moved_log), "gc", update)  # rolls back on failure
+        except StorageFull as exc:
+            report.incomplete = _incomplete(candidates, done, exc)
+            break
+        appender.forget(batch)
+        report.bytes_copied += copied
+        report.segments_rewritten += len(batch)
+        done += len(batch)
+        if progress is not None:
+            progress(done, len(candidates))
+        delete_doomed(store, report)  # each batch's sources, as soon as no reader needs them
     return delete_doomed(store, report)
+
+
+#: GC copies the live records of about this many bytes of under-full segments per index commit.
+_GC_BATCH_BYTES = 64 << 20
+
+
+def _doom(w: IndexWriter, segments: list[int]) -> None:
+    """Take ``segments`` out of the index; their files wait in ``doomed_segments`` for readers to finish."""
+    doomed = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
+    for seg in segments:
+        w.delete_segment(seg)
+        doomed[seg] = w.txn_id()
+    w.put_meta("doomed_segments", doomed)
+
+
+def _incomplete(candidates: list[int], done: int, exc: BaseException) -> str:
+    return (f"{len(candidates) - done} of {len(candidates)} under-full segments were not rewritten ({exc}); "
+            "free disk space and run gc again to reclaim them")
 
 
 def _verified_bytes(store: "Store", loc) -> np.ndarray:
@@ -460,5 +519,16 @@ def delete_doomed(store: "Store", report: GCReport) -> GCReport:
             # the open after a restart allocates ids past this one (store.py)
             w.put_meta("max_deleted_segment", max(w.meta("max_deleted_segment", 0), *deletable))
 
-        store._index.write(body)
+        try:
+            store._index.write(body)
+        except StorageFull as exc:
+            # the files are gone (their space is free); doomed_segments still lists them, which keeps
+            # their ids from being reused, and the next gc or open drops them from it
+            report.incomplete = report.incomplete or f"{_UNRECORDED} ({exc}); free disk space and run gc again"
+        else:
+            if report.incomplete and report.incomplete.startswith(_UNRECORDED):
+                report.incomplete = None  # a later call of this pass recorded them after all
     return report
+
+
+_UNRECORDED = "the index could not record the deletion of freed segments"

@@ -25,6 +25,8 @@ __all__ = [
     "CheckpointInProgress",
     "ExportFailed",
     "CompactionFailed",
+    "StorageIOError",
+    "IndexBusy",
 ]
 
 
@@ -83,6 +85,17 @@ class FormatVersionError(CnrError):
 
 class StorageFull(CnrError, OSError):
     """The file system ran out of space (or quota) during a write; the checkpoint was aborted."""
+
+
+class StorageIOError(CnrError, OSError):
+    """The device reported an I/O error (EIO) during a write or fsync; the operation was aborted and
+    nothing it wrote was committed (what was committed before is untouched). Check the device, then run
+    ``cnrstore verify``; a failed fsync is never retried as if it had succeeded."""
+
+
+class IndexBusy(CnrError):
+    """Every reader slot of the index stayed taken (by this and other processes) for too long; retry
+    with fewer concurrent readers, or close idle readonly stores of other processes."""
 
 
 class StoreClosed(CnrError):

@@ -7,6 +7,7 @@ effects to inject.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -26,9 +27,15 @@ def crash_point(name: str) -> None:
 
 
 def wrap_os_error(exc: OSError, what: str) -> errors.CnrError | OSError:
-    """Turn a full-disk OSError into StorageFull; leave other OSErrors as they are."""
+    """Turn a full-disk OSError into StorageFull and an I/O error (EIO, e.g. a failed fsync: the data may be
+    gone, so nothing written since the last commit is trusted) into StorageIOError; leave others as they are."""
     if exc.errno in _NO_SPACE:
         err = errors.StorageFull(f"{what}: {os.strerror(exc.errno)}; free disk space and retry the checkpoint")
+        err.errno = exc.errno
+        return err
+    if exc.errno == errno.EIO:
+        err = errors.StorageIOError(f"{what}: input/output error; nothing of the operation was committed: check "
+                                    "the device (dmesg), run `cnrstore verify`, then retry")
         err.errno = exc.errno
         return err
     return exc
@@ -71,13 +78,21 @@ class FileSystem:
         os.close(fd)
 
     def write_file_atomic(self, path: str, tmp_path: str, data: bytes) -> None:
-        """Write ``data`` to ``tmp_path``, fsync it, rename it over ``path`` and fsync the directory."""
-        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        """Write ``data`` to ``tmp_path``, fsync it, rename it over ``path`` and fsync the directory.
+
+        A full disk (StorageFull) or I/O error (StorageIOError) while writing leaves ``path`` as it was.
+        """
         try:
-            self.pwritev(fd, [data], 0)
-            self.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                self.pwritev(fd, [data], 0)
+                self.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.remove(tmp_path)
+            raise wrap_os_error(exc, f"writing {path}") from exc
         os.replace(tmp_path, path)
         self.fsync_dir(os.path.dirname(path) or ".")
 

@@ -20,16 +20,18 @@ never see MapFullError.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import struct
 import threading
+import time
 from typing import Callable, Iterator, NamedTuple, TypeVar
 
 import lmdb
 import msgpack
 
 from . import knobs
-from .errors import CorruptionError, IndexDamaged
+from .errors import CorruptionError, IndexBusy, IndexDamaged, StorageFull, StorageIOError
 
 T = TypeVar("T")
 
@@ -43,6 +45,11 @@ DENSE_LOC = struct.Struct("<III")  # segment, offset, length
 _MIN_MAP_BYTES = 64 << 10
 _DBS = (b"meta", b"tables", b"versions", b"segments", b"rows", b"dense_names", b"dense", b"log")
 _OPTIONAL_DBS = (b"log",)  # added by format 2: absent from a format-1 index until a writable open
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+#: An EIO from a commit counts as a full disk when the file system has less than this free.
+_FULL_MARGIN_BYTES = 1 << 20
+#: How long a reader waits, in all, for a free LMDB reader slot before raising IndexBusy.
+_READER_WAIT_S = 30.0
 
 
 class RowLoc(NamedTuple):
@@ -229,6 +236,27 @@ class IndexView:
         return {name.decode(): self._txn.stat(db) for name, db in self._dbs.items() if db is not None}
 
 
+def _lmdb_errno(exc: BaseException) -> int | None:
+    """The errno behind an lmdb error (py-lmdb keeps LMDB's return code in ``.code``), if any."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, int) and code > 0:
+        return code
+    if isinstance(exc, lmdb.DiskError):
+        return errno.ENOSPC
+    for candidate in (*_NO_SPACE, errno.EIO):
+        if str(exc).endswith(os.strerror(candidate)):
+            return candidate
+    return None
+
+
+def _free_bytes(path: str) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def _seek_at_or_before(cur, key: bytes) -> bool:
     """Position ``cur`` on the greatest key <= ``key``; False if there is none.
 
@@ -300,15 +328,32 @@ class Index:
 
     @contextlib.contextmanager
     def read(self) -> Iterator[IndexView]:
-        """A read transaction, seeing the newest committed state as of its start."""
-        txn = self._begin(write=False)
+        """A read transaction, seeing the newest committed state as of its start.
+
+        Safe from any number of threads: the outermost read of a thread takes one of a bounded number
+        of permits shared by every Index of this environment (below LMDB's reader slots), so many
+        threads queue instead of exhausting the slots; a read nested in another of the same thread
+        takes none. Slots held by other processes are waited for too (``_begin``).
+        """
+        gate = self._shared.read_gate
+        outer = not getattr(gate.nested, "depth", 0)
+        if outer and not gate.slots.acquire(timeout=_READER_WAIT_S):
+            raise IndexBusy(f"no index reader slot of {self.path} came free in {_READER_WAIT_S:.0f} s: "
+                            f"{gate.size} reads of this process are in flight; read from fewer threads at once")
+        gate.nested.depth = getattr(gate.nested, "depth", 0) + 1
         try:
-            yield IndexView(txn, self._dbs)
-        except lmdb.Error as exc:
-            raise CorruptionError(f"index read failed at {self.path}: {exc}", self.path, None) from exc
+            txn = self._begin(write=False)
+            try:
+                yield IndexView(txn, self._dbs)
+            except lmdb.Error as exc:
+                raise self._error(exc, "index read") from exc
+            finally:
+                txn.abort()
+                self._resize.release_shared()
         finally:
-            txn.abort()
-            self._resize.release_shared()
+            gate.nested.depth -= 1
+            if outer:
+                gate.slots.release()
 
     def write(self, body: Callable[[IndexWriter], T]) -> T:
         """Run ``body`` in one write transaction and commit it durably; returns body's result.
@@ -331,7 +376,7 @@ class Index:
                 except lmdb.Error as exc:
                     failed, txn = txn, None
                     self._abort_alone(failed)
-                    raise CorruptionError(f"index write failed at {self.path}: {exc}", self.path, None) from exc
+                    raise self._error(exc, "index commit") from exc
                 except BaseException:
                     failed, txn = txn, None
                     self._abort_alone(failed)
@@ -350,6 +395,35 @@ class Index:
         with self._resize.exclusive():
             txn.abort()
 
+    def _error(self, exc: lmdb.Error, what: str) -> Exception:
+        """The typed error for an lmdb error: a full disk is StorageFull and an I/O error StorageIOError
+        (both leave the committed state as it was: LMDB writes its meta page only after the data pages
+        are written and synced); anything else is CorruptionError.
+
+        LMDB reports a failed page write or fsync as EIO when the file system gives no better errno; an
+        EIO while the file system is (nearly) full is taken for what it almost surely is, a full disk.
+        """
+        code = _lmdb_errno(exc)
+        if code == errno.EIO:
+            free = _free_bytes(self.path)
+            if free is not None and free < _FULL_MARGIN_BYTES:
+                code = errno.ENOSPC
+        if code in _NO_SPACE:
+            err = StorageFull(f"{what} failed at {self.path}: {os.strerror(code)} ({exc}); nothing was changed: "
+                              "free disk space and retry")
+            err.errno = code
+            return err
+        if code == errno.EIO:
+            err = StorageIOError(f"{what} failed at {self.path}: input/output error ({exc}); nothing was changed "
+                                 "and committed versions are intact: check the device (dmesg), then run "
+                                 "`cnrstore verify` before writing again")
+            err.errno = code
+            return err
+        if isinstance(exc, lmdb.PanicError):
+            return CorruptionError(f"{what} failed at {self.path}: {exc}; the index environment is unusable "
+                                   "after an earlier failed write: close and reopen the store", self.path, None)
+        return CorruptionError(f"{what} failed at {self.path}: {exc}", self.path, None)
+
     def map_size(self) -> int:
         return self._env.info()["map_size"]
 
@@ -360,8 +434,12 @@ class Index:
         unreachable may still be read by it.
         """
         oldest = None
-        self._env.reader_check()  # free the slots of dead processes (a reader killed mid-read)
-        for line in self._env.readers().splitlines()[1:]:
+        try:
+            self._env.reader_check()  # free the slots of dead processes (a reader killed mid-read)
+            table = self._env.readers()
+        except lmdb.Error as exc:
+            raise self._error(exc, "reading the index's reader table") from exc
+        for line in table.splitlines()[1:]:
             fields = line.split()
             if len(fields) >= 3 and fields[-1].isdigit():
                 txn = int(fields[-1])
@@ -369,7 +447,12 @@ class Index:
         return oldest
 
     def _begin(self, write: bool) -> lmdb.Transaction:
-        """Begin a transaction holding the shared side of the resize lock (the caller releases it)."""
+        """Begin a transaction holding the shared side of the resize lock (the caller releases it).
+
+        If every reader slot is taken (readers of other processes count too), waits with a bounded
+        backoff for one to come free; IndexBusy if none does within ``_READER_WAIT_S``.
+        """
+        delay, deadline = 0.001, None
         while True:
             self._resize.acquire_shared()
             try:
@@ -379,9 +462,19 @@ class Index:
                 self._resize.release_shared()
                 with self._resize.exclusive():
                     self._env.set_mapsize(0)
+            except lmdb.ReadersFullError as exc:
+                self._resize.release_shared()
+                now = time.monotonic()
+                deadline = now + _READER_WAIT_S if deadline is None else deadline
+                if now >= deadline:
+                    raise IndexBusy(f"every reader slot of the index at {self.path} stayed taken for "
+                                    f"{_READER_WAIT_S:.0f} s ({exc}); read from fewer threads or processes at "
+                                    "once, or close idle readonly stores") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
             except lmdb.Error as exc:
                 self._resize.release_shared()
-                raise CorruptionError(f"cannot begin an index transaction at {self.path}: {exc}", self.path, None) from exc
+                raise self._error(exc, "beginning an index transaction") from exc
             except BaseException:
                 self._resize.release_shared()
                 raise
@@ -459,6 +552,16 @@ def check_data_file(path: str) -> None:
         raise damaged(f"{data} is truncated: {size} bytes, but its meta page says {need}")
 
 
+class _ReadGate:
+    """Permits for the read transactions of one environment in this process: fewer than LMDB's reader
+    slots, leaving room for nested reads, py-lmdb's spare transaction and readers of other processes."""
+
+    def __init__(self, max_readers: int):
+        self.size = max(1, max_readers - max(2, max_readers // 8))
+        self.slots = threading.BoundedSemaphore(self.size)
+        self.nested = threading.local()
+
+
 class _SharedEnv:
     """One LMDB environment per index per process, shared by every Index open on it.
 
@@ -479,6 +582,7 @@ class _SharedEnv:
         self.writable = writable
         self.resize = _SharedExclusiveLock()
         self.write_lock = threading.Lock()
+        self.read_gate = _ReadGate(env.max_readers())  # the lock file's slot count, whoever made it
         self.users = 0
 
     @classmethod

@@ -7,6 +7,7 @@ the torn tail of a crash or of an aborted checkpoint and are truncated by the wr
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -18,6 +19,7 @@ import xxhash
 from . import filenames, fs, knobs
 from .errors import CorruptionError, IndexDamaged
 
+log = logging.getLogger("cnrstore.segments")
 # On disk: never change. magic, segment id u64, format version u32, reserved u32 (0), xxh3-64 of the
 # preceding 24 bytes.
 SEGMENT_MAGIC = b"CNRSEG\x00\x01"
@@ -102,6 +104,8 @@ class SegmentAppender:
         self._ids = ids
         self.active: int | None = active
         self._committed_active = active  # where appends resume after a rollback
+        #: What the appender noticed and worked around (a segment file deleted behind its back).
+        self.notes: list[str] = []
 
     def busy(self) -> set[int]:
         """Segments this appender is appending to: GC must leave them alone."""
@@ -120,6 +124,11 @@ class SegmentAppender:
         if not records:
             return []
         seg = self.active
+        if seg is not None and not self._present(seg):
+            if self._sizes[seg] != self.committed.get(seg):  # this operation's appends went to the lost file
+                raise self._lost(seg)
+            self._abandon(seg)
+            seg = None
         if seg is None or (self._sizes[seg] > SEGMENT_HEADER_BYTES and (
                 self._sizes[seg] >= knobs.SEGMENT_BYTES or self._sizes[seg] > knobs.MAX_SEGMENT_OFFSET)):
             seg = self._new_segment()
@@ -155,6 +164,9 @@ class SegmentAppender:
         Returns {segment id: length} of those segments, for the index commit. Does not yet treat
         them as committed: call ``mark_committed`` once the index transaction has committed.
         """
+        for seg, fd in list(self._fds.items()):
+            if os.fstat(fd).st_nlink == 0:
+                raise self._lost(seg)
         try:
             for fd in self._fds.values():
                 self.fs.fsync(fd)
@@ -219,6 +231,45 @@ class SegmentAppender:
         if fd is None:
             fd = self._fds[seg] = self.fs.open_append(filenames.segment_path(self.root, seg), create=False)
         return fd
+
+    # A segment file deleted by hand (or by a tool) must not fail every later checkpoint: appends move on
+    # to a new segment. The versions that read the lost one fail their reads with CorruptionError and
+    # ``verify`` reports them.
+    def _present(self, seg: int) -> bool:
+        """Whether segment ``seg``'s file still exists (opening it for appending if it is not open)."""
+        fd = self._fds.get(seg)
+        if fd is not None:
+            return os.fstat(fd).st_nlink > 0  # an open fd of an unlinked file would swallow the appends
+        try:
+            self._fd(seg)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise fs.wrap_os_error(exc, f"opening {filenames.segment_path(self.root, seg)}") from exc
+
+    def _abandon(self, seg: int) -> None:
+        """Seal a segment whose file is gone: the next append starts a new segment."""
+        if seg in self._fds:
+            self.fs.close(self._fds.pop(seg))
+        path = filenames.segment_path(self.root, seg)
+        note = (f"segment {path} is missing (deleted by hand?): appending to a new segment; versions that "
+                "read it are damaged: run `cnrstore verify`, then restore an older version or retain past them")
+        self.notes.append(note)
+        log.warning(note)
+        if self._committed_active == seg:
+            self._committed_active = None
+        if self.active == seg:
+            self.active = None
+
+    def _lost(self, seg: int) -> CorruptionError:
+        """The error for appends (not yet committed) that went to a segment file deleted meanwhile."""
+        path = filenames.segment_path(self.root, seg)
+        self._abandon(seg)
+        return CorruptionError(f"segment {path} was deleted while being appended to: this operation is aborted "
+                               "and nothing of it was committed; retry it (it goes to a new segment), and run "
+                               "`cnrstore verify` to find the committed versions that read the lost segment",
+                               path, None)
 
     def _new_segment(self) -> int:
         seg = self._ids.take()
@@ -325,7 +376,9 @@ class SegmentReader:
                         )
                     mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
             except FileNotFoundError:
-                raise CorruptionError(f"segment {path} is missing", path, None) from None
+                raise CorruptionError(f"segment {path} is missing (deleted?): the versions that read it are damaged; "
+                                      "run `cnrstore verify` to list them and read or restore another version",
+                                      path, None) from None
             view = np.frombuffer(mm, dtype=np.uint8)
             if entry is None:
                 check_segment_header(view, seg, path)

@@ -450,8 +450,9 @@ def _power_cut_trial(path: str, cut_at: int | None, rng: random.Random | None, v
                 cw.write_version(ck)
             acked.append(ck.version)
             in_flight = None
-    except PowerLoss:
+    except (PowerLoss, cnrstore.errors.StorageIOError) as exc:  # EIO from the seam is typed on the way up
         assert cut_at is not None
+        assert isinstance(exc, PowerLoss) or isinstance(exc.__cause__, PowerLoss)
     finally:
         knobs.SEGMENT_BYTES = old
         store.close()
