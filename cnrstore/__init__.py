@@ -14,7 +14,10 @@ from . import codecs, errors
 from .errors import (
     CheckpointInProgress,
     CnrError,
+    CompactionFailed,
     CorruptionError,
+    ExportFailed,
+    IndexBusy,
     FormatVersionError,
     GlobalCommitError,
     IndexDamaged,
@@ -22,6 +25,7 @@ from .errors import (
     MissingRows,
     ReadOnlyError,
     StorageFull,
+    StorageIOError,
     StoreClosed,
     StoreLocked,
     StoreNotFound,
@@ -40,5 +44,6 @@ __all__ = [
     "FORMAT_VERSION", "codecs", "errors",
     "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "TableNotFound",
     "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",
-    "CheckpointInProgress", "GlobalCommitError", "IndexDamaged",
+    "CheckpointInProgress", "GlobalCommitError", "IndexDamaged", "StorageIOError", "IndexBusy", "CompactionFailed",
+    "ExportFailed",
 ]

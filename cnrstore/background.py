@@ -16,6 +16,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from . import compaction
+from .errors import StorageFull
 from .policy.compaction import CompactionPolicy
 
 if TYPE_CHECKING:
@@ -96,5 +97,7 @@ class BackgroundCompactor:
             if plan.drop:
                 compaction.drop_versions(store, set(plan.drop))
             if plan.collect:
-                compaction.collect(store)
+                report = compaction.collect(store)
+                if report.incomplete:  # a full disk stopped the copies: surface it like a failed step
+                    raise StorageFull(f"background gc: {report.incomplete}")
             self.steps += 1

@@ -22,7 +22,8 @@ Exit status (every failure prints one line on stderr: the error type, what happe
          could not recover every version it found. Only verify and repair exit 1.
     2    anything else that stopped a command: a usage error (bad option, --version out of range), not a
          store at all (no marker and no store files), locked by a trainer, unknown version or table, an
-         export path that cannot be written (missing or read-only directory, disk full), another OS error
+         export path that cannot be written (missing or read-only directory, disk full), a gc that a
+         full disk stopped part way (what needed no space was reclaimed: see the report), another OS error
     130  interrupted (Ctrl-C); an interrupted export leaves no partial file
 
 Maintenance commands need the store not to be open for writing elsewhere: run them while no trainer
@@ -235,6 +236,9 @@ def cmd_gc(args) -> int:
     print(f"reclaimed {report.bytes_reclaimed:,} bytes ({report.segments_deleted} segment(s) deleted, "
           f"{report.segments_rewritten} rewritten, {report.bytes_copied:,} bytes copied)"
           + (f"; {report.bytes_pending:,} bytes wait for readers to finish" if report.bytes_pending else ""))
+    if report.incomplete:
+        print(f"cnrstore gc: incomplete: {report.incomplete}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -30,7 +30,7 @@ def wrap_os_error(exc: OSError, what: str) -> errors.CnrError | OSError:
     """Turn a full-disk OSError into StorageFull and an I/O error (EIO, e.g. a failed fsync: the data may be
     gone, so nothing written since the last commit is trusted) into StorageIOError; leave others as they are."""
     if exc.errno in _NO_SPACE:
-        err = errors.StorageFull(f"{what}: {os.strerror(exc.errno)}; free disk space and retry the checkpoint")
+        err = errors.StorageFull(f"{what}: {os.strerror(exc.errno)}; free disk space and retry; nothing of the operation was committed")
         err.errno = exc.errno
         return err
     if exc.errno == errno.EIO:

@@ -471,3 +471,45 @@ def test_full_disk_when_gc_records_deleted_segments_loses_nothing(store_path, mo
     s.close()
     with cnrstore.open(store_path) as s2:
         assert state(s2) == before and s2.verify().ok
+
+
+def test_cli_gc_stopped_by_a_full_disk_says_so_and_exits_2(store_path, monkeypatch, capsys):
+    """`cnrstore gc` prints what it reclaimed, then the unfinished part on stderr, and exits 2."""
+    from cnrstore import cli, compaction
+
+    with cnrstore.open(store_path, create=True) as s:
+        s.create_table("t", 64, DIM, codec="fp32")
+        with s.checkpoint() as ck:
+            ck.put_rows("t", np.arange(64), rand(64))
+
+    def stopped(store, progress=None):
+        return compaction.GCReport(bytes_reclaimed=4096, segments_deleted=1,
+                                   incomplete="1 of 1 under-full segments were not rewritten (no space); "
+                                              "free disk space and run gc again to reclaim them")
+
+    monkeypatch.setattr(compaction, "collect", stopped)
+    assert cli.main(["gc", store_path]) == 2
+    out, err = capsys.readouterr()
+    assert "reclaimed 4,096 bytes" in out
+    assert "incomplete" in err and "run gc again" in err and "Traceback" not in err
+
+
+def test_background_gc_stopped_by_a_full_disk_is_a_surfaced_compaction_failure(store_path, monkeypatch):
+    """A background gc that a full disk stopped part way counts as a failed step (StorageFull), so the
+    trainer sees it through compaction_error / stats() and close(), and checkpoints keep working."""
+    from cnrstore import compaction
+    from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention
+
+    monkeypatch.setattr(compaction, "collect",
+                        lambda store, progress=None: compaction.GCReport(incomplete="free disk space and run gc again"))
+    store = cnrstore.open(store_path, create=True,
+                          compaction=CompactionPolicy(materialize=MaxChain(2), retention=Retention(KeepLast(2))))
+    store.create_table("t", 64, DIM, codec="fp32", block_rows=64)
+    for i in range(4):
+        with store.checkpoint() as ck:
+            ck.put_rows("t", np.arange(i, 64, 4), rand(16, seed=i))
+        store._compactor.wait_idle(30)
+    assert isinstance(store.compaction_error, cnrstore.StorageFull)
+    assert "run gc again" in str(store.compaction_error) and store.stats()["compaction_errors"] >= 1
+    with pytest.raises(cnrstore.CompactionFailed):
+        store.close()
