@@ -13,6 +13,7 @@ meta ``doomed_segments`` with the id of the transaction that freed it.
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
@@ -215,18 +216,18 @@ def prune_log(w: IndexWriter) -> None:
     (a, k(a)] (or no kept version is newer). COMMITs of kept versions and their anchors stay. Only the
     newest DROP record is needed: it lists every version kept at that drop.
     """
-    kept = [v for v, _info in w.versions()]
+    kept = w.version_numbers()
     anchors = [v for _k, v, _loc in w.log_entries(record.KIND_ANCHOR)]
     drops = [seq for _k, seq, _loc in w.log_entries(record.KIND_DROP)]
     dead = [(record.KIND_DROP, seq) for seq in drops[:-1]]  # the newest DROP lists every kept version
     for kind, u, _loc in list(w.log_entries()):
         if kind == record.KIND_DROP:
             continue
-        i = int(np.searchsorted(kept, u))
+        i = bisect.bisect_left(kept, u)  # not np.searchsorted: it would convert the list on each call
         if i < len(kept) and kept[i] == u and kind == record.KIND_COMMIT:
             continue
         k = kept[i] if i < len(kept) else None
-        j = int(np.searchsorted(anchors, u, side="right"))  # first anchor > u
+        j = bisect.bisect_right(anchors, u)  # first anchor > u
         if k is None or (j < len(anchors) and anchors[j] <= k):
             dead.append((kind, u))
     for kind, u in dead:
@@ -285,7 +286,7 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
     array, so each is a baseline. Returns the dropped versions, oldest first.
     """
     with store._index.read() as view:
-        present = [v for v, _info in view.versions()]
+        present = view.version_numbers()
         seq = view.meta("drop_seq", 0) + 1
     if not set(present) & set(drop):
         return []
@@ -301,7 +302,7 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
     result: list[int] = []
 
     def body(w: IndexWriter) -> list[int]:
-        versions = [v for v, _info in w.versions()]
+        versions = w.version_numbers()
         dropped = sorted(set(versions) & set(drop))
         if dropped and dropped[-1] == versions[-1] and not allow_newest:
             raise CnrError("the newest version cannot be dropped")  # a policy bug, not a user input

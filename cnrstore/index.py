@@ -140,6 +140,11 @@ class IndexView:
         with self._txn.cursor(db=self._dbs[b"versions"]) as cur:
             return [(VERSION_KEY.unpack(k)[0], _unpack(v)) for k, v in cur]
 
+    def version_numbers(self) -> list[int]:
+        """Every version number, ascending, without unpacking the records."""
+        with self._txn.cursor(db=self._dbs[b"versions"]) as cur:
+            return [VERSION_KEY.unpack(k)[0] for k in cur.iternext(keys=True, values=False)]
+
     def versions_after(self, version: int) -> list[tuple[int, dict]]:
         """The versions newer than ``version``, oldest first: one seek, then only those records."""
         with self._txn.cursor(db=self._dbs[b"versions"]) as cur:

@@ -225,3 +225,36 @@ def test_a_distributed_save_parses_only_its_own_manifest(tmp_path, group, count_
         assert [gv.step for gv in ck.versions()] == list(range(9))
     finally:
         ck.close()
+
+
+def _msgpack_records_read(store_path, versions, monkeypatch):
+    """msgpack records unpacked by one background-style materialize + drop at ``versions`` versions."""
+    import cnrstore.index as index_module
+
+    with cnrstore.open(store_path, create=True) as store:
+        store.create_table("e", 64, 2, codec="fp32", block_rows=16)
+        rng = np.random.default_rng(0)
+        for i in range(versions):
+            ids = np.arange(64) if i == 0 else rng.choice(64, 3, replace=False)
+            with store.checkpoint(step=i) as ck:
+                ck.put_rows("e", np.sort(ids), rng.standard_normal((ids.size, 2)).astype(np.float32))
+        calls = [0]
+        real = index_module._unpack
+
+        def counting(data):
+            calls[0] += 1
+            return real(data)
+
+        monkeypatch.setattr(index_module, "_unpack", counting)
+        with store._maintenance_lock:
+            compaction.materialize(store, versions)
+            compaction.drop_versions(store, {2, 3})
+        monkeypatch.setattr(index_module, "_unpack", real)
+        return calls[0]
+
+
+def test_materialize_and_drop_unpack_no_version_record_per_version(tmp_path, monkeypatch):
+    # prune_log and drop_versions need version numbers only: reading every version's record made a
+    # background step cost grow with the history
+    assert _msgpack_records_read(tmp_path / "a", 10, monkeypatch) == \
+        _msgpack_records_read(tmp_path / "b", 120, monkeypatch)
