@@ -56,17 +56,21 @@ class GCReport:
 
 def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tuple[int, RowLoc]]]:
     """For every (table id, block) with records at or before ``version``: its read chain at ``version``,
-    newest first, ending at a baseline or at the block's oldest record."""
+    newest first, ending at a baseline or at the block's oldest record.
+
+    One seek per block with records, then only the chain itself is read (walking back from
+    ``version``): the cost does not grow with the records of other versions, so that a background
+    materialization after many versions costs what the blocks' chains hold, not the whole history."""
     chains: dict[tuple[int, int], list] = {}
-    for tid, block, v, loc in view.row_entries():
-        if v > version:
-            continue
-        chain = chains.setdefault((tid, block), [])
-        if loc.flags & record.FLAG_BASELINE:
-            chain.clear()  # entries come oldest first: a baseline shadows everything older
-        chain.append((v, loc))
-    for chain in chains.values():
-        chain.reverse()
+    for tid in sorted(info["id"] for info in view.tables().values()):
+        for block, oldest in view.row_blocks(tid):
+            if oldest > version:
+                continue
+            chain = chains[(tid, block)] = []
+            for v, loc in view.row_chain(tid, block, version):
+                chain.append((v, loc))
+                if loc.flags & record.FLAG_BASELINE:
+                    break  # a baseline shadows everything older
     return chains
 
 

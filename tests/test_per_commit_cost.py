@@ -258,3 +258,42 @@ def test_materialize_and_drop_unpack_no_version_record_per_version(tmp_path, mon
     # background step cost grow with the history
     assert _msgpack_records_read(tmp_path / "a", 10, monkeypatch) == \
         _msgpack_records_read(tmp_path / "b", 120, monkeypatch)
+
+
+def _chain_entries_read(store_path, versions, monkeypatch):
+    """Row-index entries block_chains reads at the newest of ``versions`` (a baseline every 5)."""
+    from cnrstore.index import IndexView
+
+    with cnrstore.open(store_path, create=True) as store:
+        store.create_table("e", 32, 2, codec="fp32", block_rows=16)
+        for i in range(versions):
+            ids = np.arange(32) if i == 0 else np.array([i % 16, 16 + i % 16])
+            with store.checkpoint(step=i) as ck:
+                ck.put_rows("e", ids, np.full((ids.size, 2), i, np.float32))
+            if i % 5 == 4:
+                store.compact()
+        read = [0]
+        chain, entries = IndexView.row_chain, IndexView.row_entries
+
+        def counted(method):
+            def wrapper(self, *args):
+                for item in method(self, *args):
+                    read[0] += 1
+                    yield item
+            return wrapper
+
+        monkeypatch.setattr(IndexView, "row_chain", counted(chain))
+        monkeypatch.setattr(IndexView, "row_entries", counted(entries))
+        with store._index.read() as view:
+            chains = compaction.block_chains(view, versions)
+        monkeypatch.setattr(IndexView, "row_chain", chain)
+        monkeypatch.setattr(IndexView, "row_entries", entries)
+        assert sorted(chains) == [(1, 0), (1, 1)] and all(len(c) == 4 for c in chains.values())
+        return read[0]
+
+
+def test_materialize_reads_the_chains_not_every_record_of_the_history(tmp_path, monkeypatch):
+    # background materialization (block_chains) walked the whole row index: every step cost grew
+    # with the number of versions
+    assert _chain_entries_read(tmp_path / "a", 13, monkeypatch) == \
+        _chain_entries_read(tmp_path / "b", 153, monkeypatch)
