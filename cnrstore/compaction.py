@@ -13,6 +13,7 @@ meta ``doomed_segments`` with the id of the transaction that freed it.
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
@@ -61,17 +62,21 @@ class GCReport:
 
 def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tuple[int, RowLoc]]]:
     """For every (table id, block) with records at or before ``version``: its read chain at ``version``,
-    newest first, ending at a baseline or at the block's oldest record."""
+    newest first, ending at a baseline or at the block's oldest record.
+
+    One seek per block with records, then only the chain itself is read (walking back from
+    ``version``): the cost does not grow with the records of other versions, so that a background
+    materialization after many versions costs what the blocks' chains hold, not the whole history."""
     chains: dict[tuple[int, int], list] = {}
-    for tid, block, v, loc in view.row_entries():
-        if v > version:
-            continue
-        chain = chains.setdefault((tid, block), [])
-        if loc.flags & record.FLAG_BASELINE:
-            chain.clear()  # entries come oldest first: a baseline shadows everything older
-        chain.append((v, loc))
-    for chain in chains.values():
-        chain.reverse()
+    for tid in sorted(info["id"] for info in view.tables().values()):
+        for block, oldest in view.row_blocks(tid):
+            if oldest > version:
+                continue
+            chain = chains[(tid, block)] = []
+            for v, loc in view.row_chain(tid, block, version):
+                chain.append((v, loc))
+                if loc.flags & record.FLAG_BASELINE:
+                    break  # a baseline shadows everything older
     return chains
 
 
@@ -221,18 +226,18 @@ def prune_log(w: IndexWriter) -> None:
     (a, k(a)] (or no kept version is newer). COMMITs of kept versions and their anchors stay. Only the
     newest DROP record is needed: it lists every version kept at that drop.
     """
-    kept = [v for v, _info in w.versions()]
+    kept = w.version_numbers()
     anchors = [v for _k, v, _loc in w.log_entries(record.KIND_ANCHOR)]
     drops = [seq for _k, seq, _loc in w.log_entries(record.KIND_DROP)]
     dead = [(record.KIND_DROP, seq) for seq in drops[:-1]]  # the newest DROP lists every kept version
     for kind, u, _loc in list(w.log_entries()):
         if kind == record.KIND_DROP:
             continue
-        i = int(np.searchsorted(kept, u))
+        i = bisect.bisect_left(kept, u)  # not np.searchsorted: it would convert the list on each call
         if i < len(kept) and kept[i] == u and kind == record.KIND_COMMIT:
             continue
         k = kept[i] if i < len(kept) else None
-        j = int(np.searchsorted(anchors, u, side="right"))  # first anchor > u
+        j = bisect.bisect_right(anchors, u)  # first anchor > u
         if k is None or (j < len(anchors) and anchors[j] <= k):
             dead.append((kind, u))
     for kind, u in dead:
@@ -291,7 +296,7 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
     array, so each is a baseline. Returns the dropped versions, oldest first.
     """
     with store._index.read() as view:
-        present = [v for v, _info in view.versions()]
+        present = view.version_numbers()
         seq = view.meta("drop_seq", 0) + 1
     if not set(present) & set(drop):
         return []
@@ -307,7 +312,7 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
     result: list[int] = []
 
     def body(w: IndexWriter) -> list[int]:
-        versions = [v for v, _info in w.versions()]
+        versions = w.version_numbers()
         dropped = sorted(set(versions) & set(drop))
         if dropped and dropped[-1] == versions[-1] and not allow_newest:
             raise CnrError("the newest version cannot be dropped")  # a policy bug, not a user input

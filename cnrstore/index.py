@@ -147,6 +147,22 @@ class IndexView:
         with self._txn.cursor(db=self._dbs[b"versions"]) as cur:
             return [(VERSION_KEY.unpack(k)[0], _unpack(v)) for k, v in cur]
 
+    def version_numbers(self) -> list[int]:
+        """Every version number, ascending, without unpacking the records."""
+        with self._txn.cursor(db=self._dbs[b"versions"]) as cur:
+            return [VERSION_KEY.unpack(k)[0] for k in cur.iternext(keys=True, values=False)]
+
+    def versions_after(self, version: int) -> list[tuple[int, dict]]:
+        """The versions newer than ``version``, oldest first: one seek, then only those records."""
+        with self._txn.cursor(db=self._dbs[b"versions"]) as cur:
+            if not cur.set_range(VERSION_KEY.pack(version + 1)):
+                return []
+            return [(VERSION_KEY.unpack(k)[0], _unpack(v)) for k, v in cur]
+
+    def version_count(self) -> int:
+        """How many versions the index holds (LMDB keeps the count: no scan)."""
+        return self._txn.stat(self._dbs[b"versions"])["entries"]
+
     def latest(self) -> tuple[int, dict] | None:
         with self._txn.cursor(db=self._dbs[b"versions"]) as cur:
             if not cur.last():

@@ -92,6 +92,7 @@ class Store:
         self._maintenance_lock = threading.Lock()  # compact, retain, gc: one at a time
         self._compactor: BackgroundCompactor | None = None
         self._tables_cache: dict[str, dict] = {}
+        self._history_cache: tuple[VersionInfo, ...] | None = None  # see _history
         self._next_dense_id: int | None = None
         self.recovery_notes: list[str] = []
         if not os.path.exists(filenames.marker_path(self.path)):
@@ -338,10 +339,25 @@ class Store:
 
     def _history(self) -> "compaction_policy.History":
         """Committed versions and the newest baseline, for compaction policies. Until the first
-        compaction, the first version (a trainer's full checkpoint) counts as the baseline."""
+        compaction, the first version (a trainer's full checkpoint) counts as the baseline.
+
+        Called after every commit (background compaction), so its cost must not grow with the number
+        of versions: the versions are kept in memory and only those newer than the last one seen are
+        read from the index. Versions only ever appear newest-last (commits) or disappear (drops):
+        when the index holds fewer than the cache plus the new ones, something dropped versions, and
+        the list is read afresh. Callers hold ``_maintenance_lock``.
+        """
         with self._index.read() as view:
-            versions = tuple(_version_info(v, info) for v, info in view.versions())
+            cached = self._history_cache
+            if cached is None:
+                versions = tuple(_version_info(v, info) for v, info in view.versions())
+            else:
+                newer = view.versions_after(cached[-1].version) if cached else view.versions()
+                versions = cached + tuple(_version_info(v, info) for v, info in newer)
+                if len(versions) != view.version_count():  # versions were dropped (or repaired)
+                    versions = tuple(_version_info(v, info) for v, info in view.versions())
             baseline = view.meta("last_baseline")
+        self._history_cache = versions
         if baseline is not None:
             return compaction_policy.History(versions, baseline["version"], baseline["bytes"])
         if versions:

@@ -103,6 +103,8 @@ class Root:
     def __init__(self, path: str, filesystem: fs.FileSystem = fs.DEFAULT):
         self.path = os.fspath(path)
         self.fs = filesystem
+        # manifests parsed by versions(), by file name -> (inode, GlobalVersion); see versions()
+        self._parsed: dict[str, tuple[int, GlobalVersion]] = {}
 
     # -- paths ----------------------------------------------------------------------------------------
     def gen_dir(self, generation: int) -> str:
@@ -199,13 +201,37 @@ class Root:
         return GlobalVersion.from_dict(d)
 
     def versions(self) -> list[GlobalVersion]:
-        """Every committed global version, oldest first (manifests removed meanwhile are skipped)."""
+        """Every committed global version, oldest first (manifests removed meanwhile are skipped).
+
+        A manifest is immutable once written (``commit`` renames a new file into place and never
+        overwrites one), so each is read and verified once per ``Root`` and remembered by file name and
+        inode: a save, which lists the versions, parses only manifests it has not seen. ``read`` always
+        reads the file afresh."""
+        gdir = os.path.join(self.path, GLOBAL_DIR)
+        if not os.path.isdir(gdir):
+            self._parsed.clear()
+            return []
+        found = {}
+        with os.scandir(gdir) as entries:
+            for entry in entries:
+                m = _MANIFEST_RE.match(entry.name)
+                if m:
+                    found[int(m.group(1))] = (entry.name, entry.inode())
+        parsed = {}
         out = []
-        for v in self.version_numbers():
-            try:
-                out.append(self.read(v))
-            except VersionNotFound:
-                continue
+        for v in sorted(found):
+            name, inode = found[v]
+            known = self._parsed.get(name)
+            if known is not None and known[0] == inode:
+                gv = known[1]
+            else:
+                try:
+                    gv = self.read(v)
+                except VersionNotFound:
+                    continue
+            parsed[name] = (inode, gv)
+            out.append(gv)
+        self._parsed = parsed
         return out
 
     def latest(self) -> GlobalVersion | None:
@@ -218,7 +244,7 @@ class Root:
 
     def commit(self, gv: GlobalVersion) -> None:
         """Write ``gv``'s manifest durably: from this moment the global version exists."""
-        if gv.version in self.version_numbers():
+        if os.path.exists(self._manifest_path(gv.version)):
             raise InvalidArgument(f"global version {gv.version} exists already")
         path = self._manifest_path(gv.version)
         fs.crash_point("dist_before_manifest")

@@ -19,6 +19,7 @@ The newest version is always kept, and so is every record a kept version reads.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
@@ -35,10 +36,16 @@ class History:
     baseline_bytes: int
 
     def since_baseline(self) -> list[VersionInfo]:
-        """Versions committed after the newest baseline, oldest first."""
+        """Versions committed after the newest baseline, oldest first. ``versions`` ascend (as the store
+        lists them), so this costs a binary search plus the versions returned, not the whole history."""
         if self.baseline_version is None:
             return list(self.versions[1:])
-        return [v for v in self.versions if v.version > self.baseline_version]
+        start = bisect.bisect_right(self.versions, self.baseline_version, key=_version_number)
+        return list(self.versions[start:])
+
+
+def _version_number(info: VersionInfo) -> int:
+    return info.version
 
 
 class MaterializeRule(Protocol):
