@@ -17,6 +17,8 @@ from . import errors
 CRASH_ENV = "CNRSTORE_CRASH_AT"
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+#: errnos of a refused permission: file modes or ownership, an immutable file, a read-only file system
+NO_PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def crash_point(name: str) -> None:
@@ -26,12 +28,39 @@ def crash_point(name: str) -> None:
 
 
 def wrap_os_error(exc: OSError, what: str) -> errors.CnrError | OSError:
-    """Turn a full-disk OSError into StorageFull; leave other OSErrors as they are."""
+    """Turn a full-disk OSError into StorageFull and a refused permission into PermissionDenied; leave
+    other OSErrors as they are."""
     if exc.errno in _NO_SPACE:
         err = errors.StorageFull(f"{what}: {os.strerror(exc.errno)}; free disk space and retry the checkpoint")
         err.errno = exc.errno
         return err
+    if exc.errno in NO_PERMISSION:
+        return permission_denied(exc, what, needs="write")
     return exc
+
+
+def permission_denied(exc: OSError | None, what: str, path: str | None = None, *, needs: str = "read and write",
+                      writing: bool = True) -> errors.PermissionDenied:
+    """The PermissionDenied for a refused ``exc`` (or for a check that found ``path`` lacking ``needs``).
+
+    ``what`` says what was being done ("cannot open store X for writing"); ``writing`` picks the advice
+    (a refused write can still be read with ``readonly=True``). An error that already is a CnrError is
+    returned as it is.
+    """
+    if isinstance(exc, errors.CnrError):
+        return exc
+    code = exc.errno if exc is not None and exc.errno else errno.EACCES
+    path = path or (exc.filename if exc is not None else None)
+    why = "the file system is read-only" if code == errno.EROFS else os.strerror(code).lower()
+    where = f" on {path}" if path else ""
+    fix = "fix the permissions (chown/chmod)"
+    if code == errno.EROFS:
+        fix = "remount the file system read-write"
+    if writing:
+        fix = f"open it readonly=True to read it, or {fix}"
+    err = errors.PermissionDenied(f"{what}: {why}{where} (needs {needs}); {fix}", path)
+    err.errno = code
+    return err
 
 
 class FileSystem:

@@ -185,13 +185,20 @@ class SegmentAppender:
     def _fd(self, seg: int) -> int:
         fd = self._fds.get(seg)
         if fd is None:
-            fd = self._fds[seg] = self.fs.open_append(filenames.segment_path(self.root, seg), create=False)
+            path = filenames.segment_path(self.root, seg)
+            try:
+                fd = self._fds[seg] = self.fs.open_append(path, create=False)
+            except OSError as exc:
+                raise fs.wrap_os_error(exc, f"opening {path} to append") from exc
         return fd
 
     def _new_segment(self) -> int:
         seg = self._ids.take()
         path = filenames.segment_path(self.root, seg)
-        self._fds[seg] = self.fs.open_append(path, create=True)
+        try:
+            self._fds[seg] = self.fs.open_append(path, create=True)
+        except OSError as exc:
+            raise fs.wrap_os_error(exc, f"creating {path}") from exc
         self._created.add(seg)
         header = segment_header(seg, self.format_version)
         try:
@@ -271,6 +278,9 @@ class SegmentReader:
                     mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
             except FileNotFoundError:
                 raise CorruptionError(f"segment {path} is missing", path, None) from None
+            except PermissionError as exc:
+                raise fs.permission_denied(exc, f"cannot read segment {path}", path, needs="read",
+                                           writing=False) from None
             view = np.frombuffer(mm, dtype=np.uint8)
             if entry is None:
                 check_segment_header(view, seg, path)
