@@ -42,6 +42,7 @@ class ProcessLock:
         except PermissionError as exc:
             raise fs.permission_denied(exc, what, self.root, needs="read and search (r-x)") from None
         deadline = time.monotonic() + timeout
+        unknown = 0  # tries that found no holder: it may just have let go, so try again a few times
         while True:
             try:
                 fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -51,6 +52,10 @@ class ProcessLock:
                     time.sleep(0.01)
                     continue
                 holder = _flock_holder(dir_fd) or _read_pid(self.path)
+                if holder is None and unknown < 20:
+                    unknown += 1
+                    time.sleep(0.005)
+                    continue
                 os.close(dir_fd)
                 raise _locked(self.root, holder) from None
         self._dir_fd = dir_fd
