@@ -148,6 +148,8 @@ class SegmentAppender:
         """Throw away everything appended since the last commit (truncate; remove new segments)."""
         for seg in list(self._fds):
             path = filenames.segment_path(self.root, seg)
+            if not _same_file(self._fds[seg], path):
+                continue  # the store was moved (StoreMoved): that path is not ours to truncate or remove
             try:
                 if seg in self._created and seg not in self.committed:
                     self.fs.close(self._fds.pop(seg))
@@ -208,6 +210,15 @@ class SegmentAppender:
         self._sizes[seg] = len(header)
         self.active = seg
         return seg
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def recover(root: str, committed: dict[int, int], filesystem: fs.FileSystem, doomed=()) -> list[str]:

@@ -55,7 +55,7 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None)
 
 
 #: How long ``open(create=True)`` waits for another process's creation of the same store to finish.
-CREATE_WAIT_S = 30.0
+CREATE_WAIT_S = 10.0
 
 
 def _opening(root: str, readonly: bool) -> str:

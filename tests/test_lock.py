@@ -133,8 +133,10 @@ def test_store_directory_renamed_while_writing_refuses_commit_with_store_moved(t
     s, v1 = _writer_with_one_version(old)
     try:
         os.rename(old, new)
-        with cnrstore.open(old, create=True) as other:  # another store now lives at the old path
-            other.create_table("x", 4, 2, codec="fp32")
+        with cnrstore.open(old, create=True) as other:  # another store now lives at the old path, with
+            other.create_table("x", 1000, 4, codec="fp32")  # segment files of the same ids, and longer
+            with other.checkpoint() as ck:
+                ck.put_rows("x", np.arange(1000), np.ones((1000, 4)))
         with pytest.raises(cnrstore.errors.StoreMoved) as ei:
             with s.checkpoint(step=2) as ck:
                 ck.put_rows("emb", np.arange(10), _values(2))
@@ -145,16 +147,21 @@ def test_store_directory_renamed_while_writing_refuses_commit_with_store_moved(t
         assert [v.version for v in s.versions()] == [v1]
         assert s.read_table("emb").tobytes() == _values(1).tobytes()
         assert s.verify().ok
-    with cnrstore.open(old) as other:  # and the store at the old path got nothing of it
-        assert other.versions() == [] and list(other.tables()) == ["x"]
-        assert other.verify().ok
+    with cnrstore.open(old) as other:  # and the store at the old path was not touched (nor truncated)
+        assert len(other.versions()) == 1 and list(other.tables()) == ["x"]
+        assert other.verify().ok and other.read_table("x").tolist() == np.ones((1000, 4)).tolist()
 
 
-def test_marker_deleted_while_open_is_restored_by_create_and_keeps_versions(store_path):
+def test_marker_deleted_while_open_is_restored_by_create_and_keeps_versions(store_path, monkeypatch):
     s, v1 = _writer_with_one_version(store_path)
     os.remove(filenames.marker_path(store_path))
     with s.checkpoint(step=2) as ck:  # the open writer is unaffected
         ck.put_rows("emb", [0], _values(2)[:1])
+    # a creator finds it held with no marker: it waits (briefly here) as for a creation, then is locked out
+    monkeypatch.setattr(cnrstore.store, "CREATE_WAIT_S", 0.2)
+    with pytest.raises(cnrstore.StoreLocked) as ei:
+        cnrstore.open(store_path, create=True)
+    assert ei.value.pid == os.getpid()
     s.close()
     with pytest.raises(cnrstore.StoreNotFound) as ei:
         cnrstore.open(store_path)
