@@ -256,6 +256,13 @@ class SegmentReader:
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
+        # segments are opened relative to the directory as it was at open: a store renamed while open
+        # goes on reading its own files, never those of whatever the old path names now
+        try:
+            self._dir_fd: int | None = os.open(filenames.segments_dir(root), os.O_RDONLY | os.O_DIRECTORY |
+                                               os.O_CLOEXEC)
+        except OSError:
+            self._dir_fd = None  # (missing or unreadable: each read then names the problem)
 
     def read(self, seg: int, offset: int, length: int) -> np.ndarray:
         """A read-only uint8 view of ``length`` bytes at ``offset`` of segment ``seg``.
@@ -280,7 +287,9 @@ class SegmentReader:
             if entry is not None and need <= entry[1].shape[0]:
                 return entry
             try:
-                with open(path, "rb") as f:
+                opened = os.open(os.path.basename(path), os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dir_fd) \
+                    if self._dir_fd is not None else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                with open(opened, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
                     if size < need:
                         raise CorruptionError(
@@ -306,6 +315,9 @@ class SegmentReader:
     def close(self) -> None:
         with self._lock:
             maps, self._maps = self._maps, {}
+            dir_fd, self._dir_fd = self._dir_fd, None
+        if dir_fd is not None:
+            os.close(dir_fd)
         for mm, _view in maps.values():
             try:
                 mm.close()

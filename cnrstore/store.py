@@ -308,6 +308,7 @@ class Store:
         self._check_open()
         if self.readonly:
             raise ReadOnlyError(f"store {self.path!r} is open readonly; open it with readonly=False to write")
+        self._lock.verify()  # StoreMoved once the directory was renamed away: paths would name another
 
     # tables -----------------------------------------------------------------------------------------
     def create_table(self, name: str, num_rows: int, dim: int, *, codec: str = "int4",

@@ -141,6 +141,10 @@ def test_store_directory_renamed_while_writing_refuses_commit_with_store_moved(t
             with s.checkpoint(step=2) as ck:
                 ck.put_rows("emb", np.arange(10), _values(2))
         assert old in str(ei.value) and new in str(ei.value) and "reopen" in str(ei.value)
+        for write in (s.gc, s.compact, lambda: s.create_table("y", 4, 2), lambda: s.checkpoint()):
+            with pytest.raises(cnrstore.errors.StoreMoved):  # nor does any other write touch the old path
+                write()
+        assert s.read_table("emb").tobytes() == _values(1).tobytes()  # reads go on
     finally:
         s.close()
     with cnrstore.open(new) as s:  # the moved store keeps its versions and took nothing of the failed one
