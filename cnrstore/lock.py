@@ -27,6 +27,7 @@ class ProcessLock:
         self.path = filenames.lock_path(root)
         self._dir_fd: int | None = None
         self._fd: int | None = None
+        self.dir_locked = True  #: False where the file system cannot flock the directory (LOCK is the lock)
 
     def acquire(self, *, write_pid: bool = True, wait: Callable[[], bool] | None = None,
                 timeout: float = 0.0) -> None:
@@ -58,6 +59,13 @@ class ProcessLock:
                     continue
                 os.close(dir_fd)
                 raise _locked(self.root, holder) from None
+            except OSError:
+                # a file system that cannot flock a directory (NFS turns flock into an fcntl lock, which
+                # needs a writable fd): lock LOCK alone, as before, and check at each commit that it was
+                # not deleted or replaced (verify)
+                self.dir_locked = False
+                write_pid = True
+                break
         self._dir_fd = dir_fd
         if write_pid:
             try:
@@ -68,6 +76,8 @@ class ProcessLock:
 
     def lock_pid_file(self) -> None:
         """Lock LOCK too and write this process's pid there (``acquire`` does it unless write_pid=False)."""
+        if self._fd is not None:
+            return
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
@@ -85,13 +95,20 @@ class ProcessLock:
         self._fd = fd
 
     def verify(self) -> None:
-        """Raise StoreMoved unless the store's path still names the directory this lock holds.
+        """Raise StoreMoved unless the store's path still names the directory this lock holds (and, where
+        LOCK is the lock, StoreLocked if LOCK was deleted or replaced).
 
         Called before each commit: a writer whose directory was renamed away would otherwise create its
         next segment files under the old path (perhaps in another store made there since).
         """
         if self._dir_fd is None:
             return
+        if not self.dir_locked and self._fd is not None and not _same_file(self._fd, self.path):
+            raise errors.StoreLocked(
+                f"the LOCK file of store {self.root!r} was deleted or replaced while this process held it, on "
+                "a file system where the store directory cannot be locked: another process may be writing "
+                "the store now, so nothing more is committed here; close this store and reopen it",
+                pid=_read_pid(self.path))
         held = os.fstat(self._dir_fd)
         try:
             st = os.stat(self.root)
@@ -117,6 +134,14 @@ class ProcessLock:
             fd, self._dir_fd = self._dir_fd, None
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _locked(root: str, holder: int | None) -> errors.StoreLocked:
