@@ -42,6 +42,9 @@ _MARKER_HEAD = struct.Struct("<8sII")  # magic, format version, msgpack length
 def open(path, *, create: bool = False, readonly: bool = False, compaction=None) -> "Store":  # noqa: A001
     """Open the store at ``path`` (see API.md). ``create=True`` makes it if absent.
 
+    Processes racing ``create=True`` on one path create it once; the others open it, or get StoreLocked
+    while another holds it for writing. A file the process may not read or write raises PermissionDenied.
+
     ``compaction`` is None (off), "auto" (``cnrstore.policy.CompactionPolicy()``: the paper's intermittent
     rule) or a ``CompactionPolicy``: a background thread then carries it out after each commit.
     """
@@ -113,8 +116,11 @@ def _check_writable_files(root: str) -> None:
               if filenames.parse_segment_name(n) is not None]
     for path, mode, what in needs:
         if not os.access(path, mode):
-            ro = os.statvfs(path).f_flag & os.ST_RDONLY
-            exc = OSError(errno.EROFS if ro else errno.EACCES, os.strerror(errno.EROFS if ro else errno.EACCES))
+            try:
+                code = errno.EROFS if os.statvfs(path).f_flag & os.ST_RDONLY else errno.EACCES
+            except OSError:
+                code = errno.EACCES
+            exc = OSError(code, os.strerror(code))
             raise fs.permission_denied(exc, _opening(root, False), path, needs=what)
 
 
