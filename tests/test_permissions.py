@@ -255,3 +255,20 @@ def test_permission_denied_is_exported_and_a_permission_error():
     assert "PermissionDenied" in cnrstore.errors.__all__ and "PermissionDenied" in cnrstore.__all__
     assert issubclass(cnrstore.PermissionDenied, PermissionError)
     assert issubclass(cnrstore.PermissionDenied, cnrstore.CnrError)
+
+
+def test_distributed_root_in_a_mode_700_directory_is_permission_denied(base):
+    from cnrstore.distributed.manifest import Root
+
+    path = os.path.join(base, "root")
+    Root(path).create()
+    os.chmod(path, 0o700)
+    assert_denied(unprivileged(lambda: Root(path).check()), path, "distributed root", "search")
+    os.chmod(path, 0o755)
+    marker = [n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))][0]
+    os.chmod(os.path.join(path, marker), 0o600)
+    assert_denied(unprivileged(lambda: Root(path).check()), os.path.join(path, marker), "read")
+    parent = os.path.join(base, "ro")
+    os.mkdir(parent, 0o555)
+    out = unprivileged(lambda: Root(os.path.join(parent, "root")).create())
+    assert out["raised"] == "PermissionDenied" and parent in out["message"] and "write" in out["message"], out
