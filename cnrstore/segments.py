@@ -136,6 +136,13 @@ class SegmentAppender:
                 self.fs.fsync_dir(filenames.segments_dir(self.root))
         except OSError as exc:
             raise fs.wrap_os_error(exc, f"syncing segments of {self.root}") from exc
+        for seg, fd in self._fds.items():  # bytes in a file unlinked meanwhile would be lost once committed
+            path = filenames.segment_path(self.root, seg)
+            if not _same_file(fd, path):
+                raise CorruptionError(
+                    f"segment {path} was deleted or replaced while open for appending; the checkpoint was not "
+                    "committed. Close the store and reopen it, then run verify: versions stored in that "
+                    "file are lost with it", path, None)
         return {s: self._sizes[s] for s in self._fds}
 
     def mark_committed(self, lengths: dict[int, int]) -> None:

@@ -311,3 +311,23 @@ def test_file_system_that_cannot_lock_a_directory_falls_back_to_lock_file_and_re
         s.close()
     with cnrstore.open(store_path) as s:
         assert [v.version for v in s.versions()] == [v1] and s.verify().ok
+
+
+def test_segment_deleted_under_the_writer_refuses_commit_instead_of_acknowledging_a_lost_version(store_path):
+    s, v1 = _writer_with_one_version(store_path)
+    seg_dir = filenames.segments_dir(store_path)
+    (seg,) = os.listdir(seg_dir)
+    os.remove(os.path.join(seg_dir, seg))  # the writer still appends to it through its open fd
+    try:
+        with pytest.raises(cnrstore.CorruptionError) as ei:
+            with s.checkpoint(step=2) as ck:
+                ck.put_rows("emb", [0], _values(2)[:1])
+        assert ei.value.path == os.path.join(seg_dir, seg) and "deleted" in str(ei.value)
+        assert [v.version for v in s.versions()] == [v1]
+    finally:
+        s.close()
+    with cnrstore.open(store_path) as s:
+        assert [v.version for v in s.versions()] == [v1]
+        assert not s.verify().ok  # what the deleted file held is reported lost, never returned
+        with pytest.raises(cnrstore.CorruptionError):
+            s.read_table("emb")
