@@ -253,6 +253,8 @@ def _commit(store: "Store", appender, appended: bool, name: str, update: Callabl
     ``<name>_inside_index_commit``.
     """
     try:
+        if store._lock is not None:
+            store._lock.verify()  # StoreMoved: after a rename our paths may name another store's files
         fs.crash_point(f"{name}_after_append")
         lengths = appender.sync() if appended else {}
 
@@ -495,6 +497,8 @@ def _verified_bytes(store: "Store", loc) -> np.ndarray:
 
 def delete_doomed(store: "Store", report: GCReport) -> GCReport:
     """Delete freed segment files no reader can need any more; the rest wait for a later call."""
+    if store._lock is not None:
+        store._lock.verify()  # never delete files under a path that no longer names this store
     with store._index.read() as view:
         doomed = {int(k): t for k, t in view.meta("doomed_segments", {}).items()}
     if not doomed:

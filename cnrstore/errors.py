@@ -23,10 +23,13 @@ __all__ = [
     "StoreClosed",
     "ReadOnlyError",
     "CheckpointInProgress",
+    "GlobalCommitError",
     "ExportFailed",
     "CompactionFailed",
     "StorageIOError",
     "IndexBusy",
+    "PermissionDenied",
+    "StoreMoved",
 ]
 
 
@@ -104,6 +107,22 @@ class StoreClosed(CnrError):
 
 class ReadOnlyError(CnrError):
     """A write was attempted on a store opened with ``readonly=True``."""
+
+
+class PermissionDenied(CnrError, PermissionError):
+    """The process may not read or write a file of the store (file modes, ownership, a read-only file
+    system). The message names the path and the permission it needs; ``.path`` is that path. Nothing was
+    changed: fix the permissions (or open ``readonly=True`` where only writing is refused) and retry."""
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class StoreMoved(CnrError):
+    """The directory of a store open for writing was renamed or removed while open: its path now names
+    another directory (or none). The version being committed was not committed; close the store and reopen
+    it where it now lies."""
 
 
 class CheckpointInProgress(CnrError):

@@ -3,7 +3,7 @@
 Layout of a store directory::
 
     <store>/CNRSTORE            marker: format version, checksummed (written last at creation)
-    <store>/LOCK                advisory lock of the writing process; holds its pid
+    <store>/LOCK                pid of the writing process (which flocks the store directory)
     <store>/index/              the LMDB environment (data.mdb, lock.mdb)
     <store>/index.repair-tmp/   the index `cnrstore repair` is building (swapped in when done)
     <store>/index.damaged-<time>/  an index repair replaced (kept as evidence; delete it by hand)

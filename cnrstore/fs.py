@@ -18,6 +18,8 @@ from . import errors
 CRASH_ENV = "CNRSTORE_CRASH_AT"
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+#: errnos of a refused permission: file modes or ownership, an immutable file, a read-only file system
+NO_PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def crash_point(name: str) -> None:
@@ -27,8 +29,9 @@ def crash_point(name: str) -> None:
 
 
 def wrap_os_error(exc: OSError, what: str) -> errors.CnrError | OSError:
-    """Turn a full-disk OSError into StorageFull and an I/O error (EIO, e.g. a failed fsync: the data may be
-    gone, so nothing written since the last commit is trusted) into StorageIOError; leave others as they are."""
+    """Turn a full-disk OSError into StorageFull, an I/O error (EIO, e.g. a failed fsync: the data may be
+    gone, so nothing written since the last commit is trusted) into StorageIOError and a refused
+    permission into PermissionDenied; leave other OSErrors as they are."""
     if exc.errno in _NO_SPACE:
         err = errors.StorageFull(f"{what}: {os.strerror(exc.errno)}; free disk space and retry; nothing of the operation was committed")
         err.errno = exc.errno
@@ -38,7 +41,33 @@ def wrap_os_error(exc: OSError, what: str) -> errors.CnrError | OSError:
                                     "the device (dmesg), run `cnrstore verify`, then retry")
         err.errno = exc.errno
         return err
+    if exc.errno in NO_PERMISSION:
+        return permission_denied(exc, what, needs="write")
     return exc
+
+
+def permission_denied(exc: OSError | None, what: str, path: str | None = None, *, needs: str = "read and write",
+                      writing: bool = True) -> errors.PermissionDenied:
+    """The PermissionDenied for a refused ``exc`` (or for a check that found ``path`` lacking ``needs``).
+
+    ``what`` says what was being done ("cannot open store X for writing"); ``writing`` picks the advice
+    (a refused write can still be read with ``readonly=True``). An error that already is a CnrError is
+    returned as it is.
+    """
+    if isinstance(exc, errors.CnrError):
+        return exc
+    code = exc.errno if exc is not None and exc.errno else errno.EACCES
+    path = path or (exc.filename if exc is not None else None)
+    why = "the file system is read-only" if code == errno.EROFS else os.strerror(code).lower()
+    where = f" on {path}" if path else ""
+    fix = "fix the permissions (chown/chmod)"
+    if code == errno.EROFS:
+        fix = "remount the file system read-write"
+    if writing:
+        fix = f"open it readonly=True to read it, or {fix}"
+    err = errors.PermissionDenied(f"{what}: {why}{where} (needs {needs}); {fix}", path)
+    err.errno = code
+    return err
 
 
 class FileSystem:

@@ -30,8 +30,8 @@ from typing import Callable, Iterator, NamedTuple, TypeVar
 import lmdb
 import msgpack
 
-from . import knobs
-from .errors import CorruptionError, IndexBusy, IndexDamaged, StorageFull, StorageIOError
+from . import fs, knobs
+from .errors import CorruptionError, IndexBusy, IndexDamaged, PermissionDenied, StorageFull, StorageIOError
 
 T = TypeVar("T")
 
@@ -611,8 +611,7 @@ class _SharedEnv:
                 key = None
             shared = cls._registry.get(key) if key is not None else None
             if shared is not None and not readonly and not shared.writable:
-                raise CorruptionError(f"the index at {path} is open readonly in this process and cannot be "
-                                      "written (its files are not writable)", path, None)
+                raise _permission_error(path, readonly, None)
             if shared is not None and not readonly and any(shared.dbs[n] is None for n in _OPTIONAL_DBS):
                 # a format-1 index a readonly Store of this process opened first: add what a writer needs
                 try:
@@ -667,6 +666,8 @@ class _SharedEnv:
                         env.close()
                         raise
                 except lmdb.Error as exc:
+                    if _is_permission_error(exc):
+                        raise _permission_error(path, readonly, exc) from exc
                     raise CorruptionError(f"cannot open the index at {path}: {exc}", path, None) from exc
                 st = os.stat(path)
                 shared = cls(key=(st.st_dev, st.st_ino), env=env, dbs=dbs, writable=writable)
@@ -686,3 +687,33 @@ class _SharedEnv:
 
 def _writable(path: str) -> bool:
     return all(os.access(os.path.join(path, name), os.R_OK | os.W_OK) for name in ("data.mdb", "lock.mdb"))
+
+
+_DENIED = tuple(os.strerror(e) for e in (errno.EACCES, errno.EPERM, errno.EROFS))
+
+
+def _is_permission_error(exc: lmdb.Error) -> bool:
+    """py-lmdb raises ReadonlyError for EACCES and a plain Error naming strerror for EPERM/EROFS."""
+    return isinstance(exc, lmdb.ReadonlyError) or any(text in str(exc) for text in _DENIED)
+
+
+def _permission_error(path: str, readonly: bool, exc: lmdb.Error | None) -> PermissionDenied:
+    """PermissionDenied naming the first index file (or the directory) this process may not use as needed.
+
+    A writer needs to read and write data.mdb and lock.mdb; a reader needs to read data.mdb and to read
+    and write lock.mdb (LMDB records its readers there).
+    """
+    root = os.path.dirname(path)
+    what = f"cannot open store {root!r} " + ("readonly" if readonly else "for writing")
+    needs = [(path, os.R_OK | os.X_OK, "read and search (r-x)"),
+             (os.path.join(path, "data.mdb"), os.R_OK | (0 if readonly else os.W_OK),
+              "read" if readonly else "read and write"),
+             (os.path.join(path, "lock.mdb"), os.R_OK | os.W_OK, "read and write" + (
+                 ": LMDB records its readers there, even for readonly opens" if readonly else ""))]
+    code = errno.EROFS if exc is not None and os.strerror(errno.EROFS) in str(exc) else errno.EACCES
+    for name, mode, what_needed in needs:
+        if os.path.exists(name) and not os.access(name, mode):
+            return fs.permission_denied(OSError(code, os.strerror(code)), what, name, needs=what_needed,
+                                        writing=not readonly)
+    return fs.permission_denied(OSError(code, os.strerror(code)), what, path, needs="read and write",
+                                writing=not readonly)

@@ -174,6 +174,13 @@ class SegmentAppender:
                 self.fs.fsync_dir(filenames.segments_dir(self.root))
         except OSError as exc:
             raise fs.wrap_os_error(exc, f"syncing segments of {self.root}") from exc
+        for seg, fd in self._fds.items():  # bytes in a file unlinked meanwhile would be lost once committed
+            path = filenames.segment_path(self.root, seg)
+            if not _same_file(fd, path):
+                raise CorruptionError(
+                    f"segment {path} was deleted or replaced while open for appending; the checkpoint was not "
+                    "committed. Close the store and reopen it, then run verify: versions stored in that "
+                    "file are lost with it", path, None)
         return {s: self._sizes[s] for s in self._fds}
 
     def ids_state(self, committing=()) -> dict:
@@ -191,6 +198,8 @@ class SegmentAppender:
         """Throw away everything appended since the last commit (truncate; remove new segments)."""
         for seg in list(self._fds):
             path = filenames.segment_path(self.root, seg)
+            if not _same_file(self._fds[seg], path):
+                continue  # the store was moved (StoreMoved): that path is not ours to truncate or remove
             try:
                 if seg in self._created and seg not in self.committed:
                     self.fs.close(self._fds.pop(seg))
@@ -229,7 +238,14 @@ class SegmentAppender:
     def _fd(self, seg: int) -> int:
         fd = self._fds.get(seg)
         if fd is None:
-            fd = self._fds[seg] = self.fs.open_append(filenames.segment_path(self.root, seg), create=False)
+            path = filenames.segment_path(self.root, seg)
+            try:
+                fd = self._fds[seg] = self.fs.open_append(path, create=False)
+            except OSError as exc:
+                err = fs.wrap_os_error(exc, f"opening {path} to append")
+                if err is exc:
+                    raise  # e.g. FileNotFoundError: the caller decides (_present)
+                raise err from exc
         return fd
 
     # A segment file deleted by hand (or by a tool) must not fail every later checkpoint: appends move on
@@ -245,8 +261,6 @@ class SegmentAppender:
             return True
         except FileNotFoundError:
             return False
-        except OSError as exc:
-            raise fs.wrap_os_error(exc, f"opening {filenames.segment_path(self.root, seg)}") from exc
 
     def _abandon(self, seg: int) -> None:
         """Seal a segment whose file is gone: the next append starts a new segment."""
@@ -274,7 +288,10 @@ class SegmentAppender:
     def _new_segment(self) -> int:
         seg = self._ids.take()
         path = filenames.segment_path(self.root, seg)
-        self._fds[seg] = self.fs.open_append(path, create=True)
+        try:
+            self._fds[seg] = self.fs.open_append(path, create=True)
+        except OSError as exc:
+            raise fs.wrap_os_error(exc, f"creating {path}") from exc
         self._created.add(seg)
         header = segment_header(seg, self.format_version)
         try:
@@ -284,6 +301,15 @@ class SegmentAppender:
         self._sizes[seg] = len(header)
         self.active = seg
         return seg
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def leftover_rule(committed, doomed=(), max_deleted: int = 0, ids: dict | None = None):
@@ -344,6 +370,13 @@ class SegmentReader:
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
+        # segments are opened relative to the directory as it was at open: a store renamed while open
+        # goes on reading its own files, never those of whatever the old path names now
+        try:
+            self._dir_fd: int | None = os.open(filenames.segments_dir(root), os.O_RDONLY | os.O_DIRECTORY |
+                                               os.O_CLOEXEC)
+        except OSError:
+            self._dir_fd = None  # (missing or unreadable: each read then names the problem)
 
     def read(self, seg: int, offset: int, length: int) -> np.ndarray:
         """A read-only uint8 view of ``length`` bytes at ``offset`` of segment ``seg``.
@@ -368,7 +401,9 @@ class SegmentReader:
             if entry is not None and need <= entry[1].shape[0]:
                 return entry
             try:
-                with open(path, "rb") as f:
+                opened = os.open(os.path.basename(path), os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dir_fd) \
+                    if self._dir_fd is not None else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                with open(opened, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
                     if size < need:
                         raise CorruptionError(
@@ -379,6 +414,9 @@ class SegmentReader:
                 raise CorruptionError(f"segment {path} is missing (deleted?): the versions that read it are damaged; "
                                       "run `cnrstore verify` to list them and read or restore another version",
                                       path, None) from None
+            except PermissionError as exc:
+                raise fs.permission_denied(exc, f"cannot read segment {path}", path, needs="read",
+                                           writing=False) from None
             view = np.frombuffer(mm, dtype=np.uint8)
             if entry is None:
                 check_segment_header(view, seg, path)
@@ -393,6 +431,9 @@ class SegmentReader:
     def close(self) -> None:
         with self._lock:
             maps, self._maps = self._maps, {}
+            dir_fd, self._dir_fd = self._dir_fd, None
+        if dir_fd is not None:
+            os.close(dir_fd)
         for mm, _view in maps.values():
             try:
                 mm.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import errno
 import os
 import struct
 import threading
@@ -45,6 +46,9 @@ _MARKER_HEAD = struct.Struct("<8sII")  # magic, format version, msgpack length
 def open(path, *, create: bool = False, readonly: bool = False, compaction=None) -> "Store":  # noqa: A001
     """Open the store at ``path`` (see API.md). ``create=True`` makes it if absent.
 
+    Processes racing ``create=True`` on one path create it once; the others open it, or get StoreLocked
+    while another holds it for writing. A file the process may not read or write raises PermissionDenied.
+
     ``compaction`` is None (off), "auto" (``cnrstore.policy.CompactionPolicy()``: the paper's intermittent
     rule) or a ``CompactionPolicy``: a background thread then carries it out after each commit.
     """
@@ -55,6 +59,73 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None)
     if policy is not None:
         store._compactor = BackgroundCompactor(store, policy)
     return store
+
+
+#: How long ``open(create=True)`` waits for another process's creation of the same store to finish.
+CREATE_WAIT_S = 10.0
+
+
+def _opening(root: str, readonly: bool) -> str:
+    return f"cannot open store {root!r} " + ("readonly" if readonly else "for writing")
+
+
+def _denied_dir(path: str) -> str | None:
+    """The outermost directory on ``path`` this process may not search (None if it may search all)."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        d = os.sep.join(parts[:i]) or os.sep
+        if os.path.isdir(d) and not os.access(d, os.X_OK):
+            return d
+    return None
+
+
+def _marker_exists(root: str, readonly: bool) -> bool:
+    """Whether the store's marker exists; PermissionDenied if a directory on the way may not be searched."""
+    try:
+        os.stat(filenames.marker_path(root))
+        return True
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except PermissionError as exc:
+        path = _denied_dir(root) or root
+        raise fs.permission_denied(exc, _opening(root, readonly), path, needs="search (x)",
+                                   writing=not readonly) from None
+
+
+def _not_found_message(root: str, readonly: bool) -> str:
+    if os.path.isdir(filenames.index_dir(root)) and os.path.isdir(filenames.segments_dir(root)):
+        return (f"no cnrstore store at {root!r}: it holds a store's index/ and segments/ but no marker "
+                f"{filenames.MARKER} (its creation did not finish, or the marker was deleted); open it with "
+                "create=True (and readonly=False) to finish it: the files there are kept")
+    hint = "" if readonly else "; pass create=True to make a new store there"
+    return f"no cnrstore store at {root!r}{hint}"
+
+
+def _check_writable_files(root: str) -> None:
+    """PermissionDenied unless this process may write what a writer writes (segments/ and its files).
+
+    (The LOCK file and the index are checked where they are opened.) Checked at open, so that a store
+    the process may only read fails there, not at its first checkpoint.
+    """
+    seg_dir = filenames.segments_dir(root)
+    needs = [(seg_dir, os.W_OK | os.X_OK, "write and search (-wx)")]
+    try:
+        names = sorted(os.listdir(seg_dir))
+    except FileNotFoundError:
+        names = []
+    except PermissionError as exc:
+        raise fs.permission_denied(exc, _opening(root, False), seg_dir, needs="read, write and search (rwx)") \
+            from None
+    needs += [(os.path.join(seg_dir, n), os.R_OK | os.W_OK, "read and write") for n in names
+              if filenames.parse_segment_name(n) is not None]
+    for path, mode, what in needs:
+        if not os.access(path, mode):
+            try:
+                code = errno.EROFS if os.statvfs(path).f_flag & os.ST_RDONLY else errno.EACCES
+            except OSError:
+                code = errno.EACCES
+            exc = OSError(code, os.strerror(code))
+            raise fs.permission_denied(exc, _opening(root, False), path, needs=what)
 
 
 def _marker_bytes() -> bytes:
@@ -95,18 +166,29 @@ class Store:
         self._history_cache: tuple[VersionInfo, ...] | None = None  # see _history
         self._next_dense_id: int | None = None
         self.recovery_notes: list[str] = []
-        if not os.path.exists(filenames.marker_path(self.path)):
+        if not _marker_exists(self.path, readonly):
             if not create or readonly:
-                hint = "" if readonly else "; pass create=True to make a new store there"
-                raise StoreNotFound(f"no cnrstore store at {self.path!r}{hint}")
-            self._create()
-        fmt = _read_marker(self.path)
-        if fmt > FORMAT_VERSION:
-            raise FormatVersionError(f"store {self.path!r} has format version {fmt}, but this cnrstore reads "
-                                     f"up to {FORMAT_VERSION}: upgrade cnrstore to open it")
-        if not readonly:
-            self._lock = ProcessLock(self.path)
-            self._lock.acquire()
+                raise StoreNotFound(_not_found_message(self.path, readonly))
+            self._lock = self._create()  # holds the store locked for writing once it returns
+        try:
+            try:
+                fmt = _read_marker(self.path)
+            except PermissionError as exc:
+                raise fs.permission_denied(exc, _opening(self.path, readonly), filenames.marker_path(self.path),
+                                           needs="read", writing=not readonly) from None
+            if fmt > FORMAT_VERSION:
+                raise FormatVersionError(f"store {self.path!r} has format version {fmt}, but this cnrstore reads "
+                                         f"up to {FORMAT_VERSION}: upgrade cnrstore to open it")
+            if not readonly:
+                if self._lock is None:
+                    self._lock = ProcessLock(self.path)
+                    self._lock.acquire()
+                _check_writable_files(self.path)
+        except BaseException:
+            self._closed = True
+            if self._lock is not None:
+                self._lock.release()
+            raise
         self._index = None
         try:
             self._index = Index(filenames.index_dir(self.path), readonly=readonly)
@@ -145,40 +227,70 @@ class Store:
                 self._lock.release()
             raise
 
-    def _create(self) -> None:
+    def _create(self) -> ProcessLock:
+        """Make the store (or finish a half-made one); returns its lock, held for writing.
+
+        Concurrent creators are safe: the directory is locked before its contents are checked, so one
+        process creates while the others wait (up to ``CREATE_WAIT_S``) for its marker; they then open
+        the store it made, or get StoreLocked while the creator holds it for writing. A directory with
+        no marker and only a store's own files (a creation that crashed) is created over, keeping them.
+        """
+        what = f"cannot create store {self.path!r}"
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise InvalidArgument(f"{self.path!r} is a file, not a directory; choose another path for the store")
-        os.makedirs(self.path, exist_ok=True)
-        leftovers = set(os.listdir(self.path)) - {
-            filenames.INDEX_DIR, filenames.SEGMENTS_DIR, filenames.LOCK, filenames.MARKER + ".tmp"}
-        if leftovers:
-            raise InvalidArgument(f"{self.path!r} is a non-empty directory that is not a store "
-                                  f"(it holds {sorted(leftovers)[:3]}); choose an empty or new directory")
-        lock = ProcessLock(self.path)
-        lock.acquire()
         try:
-            if os.path.exists(filenames.marker_path(self.path)):
-                return  # another process created it while we waited
-            os.makedirs(filenames.segments_dir(self.path), exist_ok=True)
-            index = Index(filenames.index_dir(self.path), readonly=False, create=True)
-            try:
-                def init(w):
-                    if w.meta("format") is None:
-                        w.put_meta("format", FORMAT_VERSION)
-                        w.put_meta("next_version", 1)
-                        w.put_meta("next_table_id", 1)
-                        w.put_meta("next_dense_id", 1)
-                        w.put_meta("bytes_written", 0)
-                index.write(init)
-            finally:
-                index.close()
-            self._fs.fsync_dir(filenames.index_dir(self.path))  # data.mdb's entry, before the marker exists
-            self._fs.fsync_dir(self.path)
-            # the marker is written last: a store exists exactly when its marker does
-            self._fs.write_file_atomic(filenames.marker_path(self.path), filenames.marker_tmp_path(self.path),
-                                       _marker_bytes())
-        finally:
+            os.makedirs(self.path, exist_ok=True)
+        except FileExistsError:
+            raise InvalidArgument(f"{self.path!r} is a file, not a directory; choose another path for the store") \
+                from None
+        except OSError as exc:
+            if exc.errno in fs.NO_PERMISSION:
+                parent = _denied_dir(os.path.dirname(self.path)) or os.path.dirname(self.path)
+                raise fs.permission_denied(exc, what, parent, needs="write and search (-wx)", writing=False) \
+                    from None
+            raise
+        marker = filenames.marker_path(self.path)
+        lock = ProcessLock(self.path)
+        lock.acquire(write_pid=False, wait=lambda: not os.path.exists(marker), timeout=CREATE_WAIT_S)
+        try:
+            if not os.path.exists(marker):  # (else another process created it while we waited)
+                leftovers = set(os.listdir(self.path)) - {
+                    filenames.INDEX_DIR, filenames.SEGMENTS_DIR, filenames.LOCK, filenames.MARKER + ".tmp"}
+                if leftovers:
+                    raise InvalidArgument(f"{self.path!r} is a non-empty directory that is not a store "
+                                          f"(it holds {sorted(leftovers)[:3]}); choose an empty or new directory")
+                try:
+                    self._create_files()
+                except OSError as exc:
+                    if exc.errno in fs.NO_PERMISSION:
+                        raise fs.permission_denied(exc, what, needs="write", writing=False) from None
+                    raise
+            lock.lock_pid_file()
+        except BaseException:
             lock.release()
+            raise
+        return lock
+
+    def _create_files(self) -> None:
+        os.makedirs(filenames.segments_dir(self.path), exist_ok=True)
+        index = Index(filenames.index_dir(self.path), readonly=False, create=True)
+        try:
+            def init(w):
+                if w.meta("format") is None:
+                    w.put_meta("format", FORMAT_VERSION)
+                    w.put_meta("next_version", 1)
+                    w.put_meta("next_table_id", 1)
+                    w.put_meta("next_dense_id", 1)
+                    w.put_meta("bytes_written", 0)
+            index.write(init)
+        finally:
+            index.close()
+        self._fs.fsync_dir(filenames.index_dir(self.path))  # data.mdb's entry, before the marker exists
+        self._fs.fsync_dir(self.path)
+        fs.crash_point("create_before_marker")
+        # the marker is written last: a store exists exactly when its marker does
+        self._fs.write_file_atomic(filenames.marker_path(self.path), filenames.marker_tmp_path(self.path),
+                                   _marker_bytes())
 
     # lifecycle --------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -249,6 +361,7 @@ class Store:
         self._check_open()
         if self.readonly:
             raise ReadOnlyError(f"store {self.path!r} is open readonly; open it with readonly=False to write")
+        self._lock.verify()  # StoreMoved once the directory was renamed away: paths would name another
 
     # tables -----------------------------------------------------------------------------------------
     def create_table(self, name: str, num_rows: int, dim: int, *, codec: str = "int4",

@@ -170,6 +170,7 @@ class CheckpointWriter:
                 w.put_meta("bytes_written", w.meta("bytes_written", 0) + self._bytes)
                 fs.crash_point("inside_index_commit")
 
+            store._lock.verify()  # StoreMoved if the store's directory was renamed away since it was opened
             store._index.write(body)
         except BaseException as exc:
             self._fail(exc)

@@ -84,8 +84,12 @@ def _seal(kind: str, payload: dict) -> bytes:
 
 
 def _unseal(kind: str, path: str) -> dict:
-    with builtins.open(path, "rb") as f:
-        data = f.read()
+    try:
+        with builtins.open(path, "rb") as f:
+            data = f.read()
+    except PermissionError as exc:
+        raise fs.permission_denied(exc, f"cannot read {kind} file {path}", path, needs="read", writing=False) \
+            from None
     magic = _MAGIC[kind]
     if len(data) < len(magic) + 8 or not data.startswith(magic) or \
             struct.unpack_from("<Q", data, len(data) - 8)[0] != xxhash.xxh3_64_intdigest(data[:-8]):
@@ -126,7 +130,15 @@ class Root:
     def check(self) -> None:
         """Raise StoreNotFound / FormatVersionError / CorruptionError unless this is a readable root."""
         marker = os.path.join(self.path, MARKER)
-        if not os.path.exists(marker):
+        try:
+            os.stat(marker)
+            found = True
+        except (FileNotFoundError, NotADirectoryError):
+            found = False
+        except PermissionError as exc:  # not "no root here": a directory on the way may not be searched
+            raise fs.permission_denied(exc, f"cannot open the distributed root {self.path!r}", self.path,
+                                       needs="read and search (r-x)", writing=False) from None
+        if not found:
             raise StoreNotFound(f"{self.path} is not a distributed cnrstore root (no {MARKER}); create it "
                                 "with DistributedCheckpointer, or check the path")
         fmt = _unseal(MARKER, marker).get("format")
@@ -136,11 +148,17 @@ class Root:
 
     def create(self) -> None:
         """Make the root (rank 0, at start-up); idempotent. Removes manifests a crash left half-written."""
-        os.makedirs(os.path.join(self.path, GLOBAL_DIR), exist_ok=True)
         marker = os.path.join(self.path, MARKER)
-        if not os.path.exists(marker):
-            self.fs.write_file_atomic(marker, marker + ".tmp",
-                                      _seal(MARKER, {"format": DIST_FORMAT_VERSION, "created": time.time()}))
+        try:
+            os.makedirs(os.path.join(self.path, GLOBAL_DIR), exist_ok=True)
+            if not os.path.exists(marker):
+                self.fs.write_file_atomic(marker, marker + ".tmp",
+                                          _seal(MARKER, {"format": DIST_FORMAT_VERSION, "created": time.time()}))
+        except OSError as exc:
+            if exc.errno in fs.NO_PERMISSION:
+                raise fs.permission_denied(exc, f"cannot create the distributed root {self.path!r}",
+                                           needs="write", writing=False) from None
+            raise
         self.check()
         gdir = os.path.join(self.path, GLOBAL_DIR)
         for name in os.listdir(gdir):
