@@ -112,7 +112,9 @@ def _check_writable_files(root: str) -> None:
     try:
         names = sorted(os.listdir(seg_dir))
     except FileNotFoundError:
-        names = []
+        raise CorruptionError(f"the segments directory {seg_dir} of store {root!r} is missing: the data of every "
+                              "version that wrote to it is gone. Restore the directory from a copy; `cnrstore "
+                              "verify` lists what is lost", seg_dir, None) from None
     except PermissionError as exc:
         raise fs.permission_denied(exc, _opening(root, False), seg_dir, needs="read, write and search (rwx)") \
             from None

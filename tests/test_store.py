@@ -1239,3 +1239,24 @@ def test_a_failed_open_releases_the_lock_and_the_index(store_path, monkeypatch):
     monkeypatch.undo()
     with cnrstore.open(store_path) as store:  # neither the lock nor the LMDB environment leaked
         store.create_table("t", 4, 2, codec="fp32")
+
+
+def test_missing_segments_directory_is_corruption_not_a_raw_or_permission_error(store_path):
+    """segments/ deleted by hand: a writable open says the data is gone (CorruptionError naming the
+    directory), not FileNotFoundError or PermissionDenied; a readonly open's reads report it too."""
+    import shutil
+
+    with cnrstore.open(store_path, create=True) as s:
+        s.create_table("t", 16, 4, codec="fp32")
+        with s.checkpoint() as ck:
+            ck.put_rows("t", np.arange(16), np.ones((16, 4)))
+    seg_dir = os.path.join(store_path, "segments")
+    shutil.rmtree(seg_dir)
+    with pytest.raises(cnrstore.CorruptionError, match="segments directory .* is missing") as ei:
+        cnrstore.open(store_path)
+    assert not isinstance(ei.value, PermissionError) and ei.value.path == seg_dir
+    assert not os.path.exists(seg_dir)  # the open created nothing in its place
+    with cnrstore.open(store_path, readonly=True) as r:
+        with pytest.raises(cnrstore.CorruptionError, match="missing"):
+            r.read_table("t")
+        assert not r.verify().ok
