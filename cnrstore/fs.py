@@ -70,6 +70,15 @@ def permission_denied(exc: OSError | None, what: str, path: str | None = None, *
     return err
 
 
+def same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 class FileSystem:
     """Real file-system effects. Subclass and override to inject faults."""
 

@@ -103,7 +103,7 @@ class ProcessLock:
         """
         if self._dir_fd is None:
             return
-        if not self.dir_locked and self._fd is not None and not _same_file(self._fd, self.path):
+        if not self.dir_locked and self._fd is not None and not fs.same_file(self._fd, self.path):
             raise errors.StoreLocked(
                 f"the LOCK file of store {self.root!r} was deleted or replaced while this process held it, on "
                 "a file system where the store directory cannot be locked: another process may be writing "
@@ -134,14 +134,6 @@ class ProcessLock:
             fd, self._dir_fd = self._dir_fd, None
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
-
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        a, b = os.fstat(fd), os.stat(path)
-    except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _locked(root: str, holder: int | None) -> errors.StoreLocked:

@@ -176,7 +176,7 @@ class SegmentAppender:
             raise fs.wrap_os_error(exc, f"syncing segments of {self.root}") from exc
         for seg, fd in self._fds.items():  # bytes in a file unlinked meanwhile would be lost once committed
             path = filenames.segment_path(self.root, seg)
-            if not _same_file(fd, path):
+            if not fs.same_file(fd, path):
                 raise CorruptionError(
                     f"segment {path} was deleted or replaced while open for appending; the checkpoint was not "
                     "committed. Close the store and reopen it, then run verify: versions stored in that "
@@ -198,7 +198,7 @@ class SegmentAppender:
         """Throw away everything appended since the last commit (truncate; remove new segments)."""
         for seg in list(self._fds):
             path = filenames.segment_path(self.root, seg)
-            if not _same_file(self._fds[seg], path):
+            if not fs.same_file(self._fds[seg], path):
                 continue  # the store was moved (StoreMoved): that path is not ours to truncate or remove
             try:
                 if seg in self._created and seg not in self.committed:
@@ -301,15 +301,6 @@ class SegmentAppender:
         self._sizes[seg] = len(header)
         self.active = seg
         return seg
-
-
-def _same_file(fd: int, path: str) -> bool:
-    """Whether ``path`` still names the file open as ``fd``."""
-    try:
-        a, b = os.fstat(fd), os.stat(path)
-    except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def leftover_rule(committed, doomed=(), max_deleted: int = 0, ids: dict | None = None):

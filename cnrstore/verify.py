@@ -56,10 +56,7 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
                 report.problems.append(f"{where}: {problem}")
                 continue
             try:
-                buf = seg_reader.read(loc.segment, loc.offset, loc.length)
-                rec = record.parse(buf, seg_reader.path(loc.segment), loc.offset)
-                report.records_checked += 1
-                report.bytes_checked += loc.length
+                rec = _parse_counted(seg_reader, loc, report)
                 problem = _check_rows_record(rec, info, block, version, loc)
             except CnrError as exc:
                 problem = str(exc)
@@ -74,10 +71,7 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
             problem = _check_location(committed, loc.segment, loc.offset, loc.length)
             if not problem:
                 try:
-                    rec = record.parse(seg_reader.read(loc.segment, loc.offset, loc.length),
-                                       seg_reader.path(loc.segment), loc.offset)
-                    report.records_checked += 1
-                    report.bytes_checked += loc.length
+                    rec = _parse_counted(seg_reader, loc, report)
                     desc = rec.dense_descriptor()
                     expect = np.dtype(desc["dtype"]).itemsize * int(np.prod(desc["shape"], dtype=np.int64))
                     if (rec.kind != record.KIND_DENSE or rec.object_id != dense_id or rec.version != version
@@ -98,6 +92,15 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
     return report
 
 
+def _parse_counted(seg_reader, loc, report: VerifyReport) -> record.Record:
+    """The checksum-verified record at ``loc``, counted in the report (CorruptionError if damaged)."""
+    rec = record.parse(seg_reader.read(loc.segment, loc.offset, loc.length), seg_reader.path(loc.segment),
+                       loc.offset)
+    report.records_checked += 1
+    report.bytes_checked += loc.length
+    return rec
+
+
 def _check_log_records(view, committed, seg_reader, versions: dict, report: VerifyReport) -> None:
     """The COMMIT and ANCHOR records repair rebuilds the index from: checksums and what they claim.
     (A format-1 store has none; versions committed before format 2 have no COMMIT record.)"""
@@ -107,10 +110,7 @@ def _check_log_records(view, committed, seg_reader, versions: dict, report: Veri
         problem = _check_location(committed, loc.segment, loc.offset, loc.length)
         if not problem:
             try:
-                rec = record.parse(seg_reader.read(loc.segment, loc.offset, loc.length),
-                                   seg_reader.path(loc.segment), loc.offset)
-                report.records_checked += 1
-                report.bytes_checked += loc.length
+                rec = _parse_counted(seg_reader, loc, report)
                 body = record.log_body(rec)
                 if rec.kind != kind or (kind != record.KIND_DROP and (rec.version != version or
                                                                        body.get("version") != version)):
