@@ -74,20 +74,17 @@ class Progress:
 
 def _versions_rows(store: Store) -> list[dict]:
     """One row per version; every version's read-chain length comes from one pass over the row index
-    (``compaction.read_chain_lengths``), so a listing is linear in versions and index entries."""
-    with store._index.read() as view:
-        versions = view.versions()
-        chain_lengths = compaction.read_chain_lengths(view.row_entries(), [v for v, _info in versions])
-        rows = []
-        for (v, info), chain in zip(versions, chain_lengths.tolist()):
-            rows.append({
-                "version": v,
-                "step": info["step"],
-                "created": info["created"],
-                "bytes": info["bytes"],
-                "tables": list(info["tables"]),
-                "read_chain": chain,
-            })
+    (``compaction.versions_with_read_chains``), so a listing is linear in versions and index entries."""
+    rows = []
+    for v, info, chain in compaction.versions_with_read_chains(store):
+        rows.append({
+            "version": v,
+            "step": info["step"],
+            "created": info["created"],
+            "bytes": info["bytes"],
+            "tables": list(info["tables"]),
+            "read_chain": chain,
+        })
     return rows
 
 

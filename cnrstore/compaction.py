@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
+from . import blocks as blocks_math
 from . import codecs, filenames, fs, knobs, reader, record
 from .errors import CnrError, StorageFull
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
@@ -78,6 +79,16 @@ def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tu
                 if loc.flags & record.FLAG_BASELINE:
                     break  # a baseline shadows everything older
     return chains
+
+
+def versions_with_read_chains(store: "Store") -> list[tuple[int, dict, int]]:
+    """(version, version info, longest read chain) for every version of ``store``, oldest first, from
+    one read transaction and one pass over the row index (``read_chain_lengths``): linear in versions
+    and index entries. What ``cnrstore ls`` lists."""
+    with store._index.read() as view:
+        versions = view.versions()
+        chain_lengths = read_chain_lengths(view.row_entries(), [v for v, _info in versions])
+    return [(v, info, chain) for (v, info), chain in zip(versions, chain_lengths.tolist())]
 
 
 def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions: Sequence[int]) -> np.ndarray:
@@ -161,7 +172,7 @@ def materialize(store: "Store", version: int, progress: Progress | None = None, 
                 info = tables[tid]
                 resolver = reader.BlockResolver(view, store._segments, info)
                 pieces, _never_written = resolver.resolve(block, None, version)
-                codec, rows, encoded = _merge_pieces(pieces, block * info["block_rows"], info["dim"])
+                codec, rows, encoded = _merge_pieces(pieces, blocks_math.base(block, info["block_rows"]), info["dim"])
                 records = block_records(info, codec, rows, encoded, version, compacted=True)
                 locations = appender.append_many([(buffers, length) for _key, buffers, length in records])
                 for ((blk, count, flags), _buffers, length), (seg, off) in zip(records, locations):

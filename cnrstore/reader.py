@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import blocks as blocks_math
 from . import codecs, record
 from .errors import CorruptionError, InvalidArgument, MissingRows
 from .index import IndexView
@@ -54,7 +55,7 @@ class BlockResolver:
 
         Each wanted row appears in exactly one piece. Returns (pieces, offsets never written).
         """
-        block_len = min(self.block_rows, self.table["num_rows"] - block * self.block_rows)
+        block_len = blocks_math.length(block, self.block_rows, self.table["num_rows"])
         if want is None:
             return self._resolve_all(block, block_len, version)
         remaining = want
@@ -182,10 +183,9 @@ def read_rows(view: IndexView, segments: SegmentReader, table: dict, rows: np.nd
     """
     dim = table["dim"]
     unique_rows, inverse = np.unique(rows, return_inverse=True)
-    shift = table["block_rows"].bit_length() - 1
+    shift = blocks_math.shift(table["block_rows"])
     blocks = unique_rows >> shift
-    starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]]) if blocks.size else blocks
-    bounds = np.r_[starts, blocks.size]
+    starts, bounds = blocks_math.runs(blocks)
     resolver = BlockResolver(view, segments, table)
     by_codec: dict[int, tuple[list, list]] = {}
     missing = _Missing()
@@ -221,7 +221,7 @@ def read_table(view: IndexView, segments: SegmentReader, table: dict, version: i
     written, before the output is allocated.
     """
     num_rows, dim, block_rows = table["num_rows"], table["dim"], table["block_rows"]
-    num_blocks = -(-num_rows // block_rows)
+    num_blocks = blocks_math.count(num_rows, block_rows)
     resolver = BlockResolver(view, segments, table)
     plans = []
     missing = _Missing()
@@ -231,16 +231,16 @@ def read_table(view: IndexView, segments: SegmentReader, table: dict, version: i
             break  # an index entry past the table's end: verify reports it; no row reads it
         if oldest > version:
             continue  # written only later: counted with the gap before the next written block
-        missing.add_range(next_block * block_rows, block * block_rows)
+        missing.add_range(blocks_math.base(next_block, block_rows), blocks_math.base(block, block_rows))
         next_block = block + 1
         pieces, absent = resolver.resolve(block, None, version)
         if absent.size:
-            missing.add(absent + block * block_rows)
+            missing.add(absent + blocks_math.base(block, block_rows))
         if missing.count:
             plans = []  # the read fails: keep counting, hold no rows
         else:
             plans.append((block, pieces))
-    missing.add_range(next_block * block_rows, num_rows)
+    missing.add_range(blocks_math.base(next_block, block_rows), num_rows)
     if missing.count:
         raise missing.error(table["name"], version, whole_table=True)
 
@@ -251,7 +251,7 @@ def read_table(view: IndexView, segments: SegmentReader, table: dict, version: i
         codec = codecs.by_id(codec_ids.pop())
         encoded = np.empty((num_rows, codec.row_bytes(dim)), dtype=np.uint8)
         for block, pieces in plans:
-            base = block * block_rows
+            base = blocks_math.base(block, block_rows)
             for p in pieces:
                 if p.dest is None:
                     encoded[base : base + p.encoded.shape[0]] = p.encoded
@@ -261,7 +261,7 @@ def read_table(view: IndexView, segments: SegmentReader, table: dict, version: i
     # blocks of several codecs: decode block by block, on one thread (the kernels are multi-threaded)
     out = np.empty((num_rows, dim), dtype=np.float32)
     for block, pieces in plans:
-        _decode_block(out, block * block_rows, pieces, dim)
+        _decode_block(out, blocks_math.base(block, block_rows), pieces, dim)
     return out
 
 

@@ -13,6 +13,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from . import blocks as blocks_math
 from . import codecs, compaction, filenames, fs, knobs, reader, record, segments, validate
 from .errors import (
     CheckpointInProgress,
@@ -377,9 +378,7 @@ class Store:
         c = codecs.get(codec)
         most = validate.max_block_rows(dim)  # a block's record must fit its u32 length in every codec
         if block_rows is None:
-            fit = max(1, knobs.BLOCK_TARGET_BYTES // c.row_bytes(dim))
-            block_rows = 1 << (fit.bit_length() - 1)
-            block_rows = min(most, max(knobs.MIN_BLOCK_ROWS, min(knobs.MAX_BLOCK_ROWS, block_rows)))
+            block_rows = blocks_math.default_block_rows(c.row_bytes(dim), most)
         else:
             block_rows = validate.positive_int(block_rows, "block_rows")
             if block_rows & (block_rows - 1) or block_rows > knobs.MAX_BLOCK_ROWS:

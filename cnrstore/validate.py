@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from . import blocks as blocks_math
 from . import codecs, knobs, record
 from .errors import InvalidArgument
 
@@ -141,7 +142,7 @@ def table_shape(name: str, num_rows: int, dim: int) -> None:
 def max_block_rows(dim: int) -> int:
     """The largest power of two of rows whose block record fits MAX_RECORD_BYTES in every codec."""
     fit = (knobs.MAX_RECORD_BYTES - _record_bytes(0, 0)) // (2 + widest_row_bytes(dim))
-    return 1 << (max(1, fit).bit_length() - 1)
+    return blocks_math.floor_pow2(fit)
 
 
 def max_dense_bytes() -> int:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from . import blocks as blocks_math
 from . import codecs, filenames, reader, record, segments
 from .errors import CnrError
 from .types import VerifyReport
@@ -164,7 +165,7 @@ def _check_rows_record(rec: record.Record, info: dict, block: int, version: int,
         return f"record has unknown codec id {rec.codec_id}"
     if rec.body.size != rec.count * codec.row_bytes(info["dim"]):
         return "record body length disagrees with its row count and codec"
-    block_len = min(info["block_rows"], info["num_rows"] - block * info["block_rows"])
+    block_len = blocks_math.length(block, info["block_rows"], info["num_rows"])
     offsets = rec.offsets()
     if offsets.size and (offsets[-1] >= block_len or (np.diff(offsets) <= 0).any()):
         return "record row offsets are out of range or not strictly increasing"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import msgpack
 import numpy as np
 
+from . import blocks as blocks_math
 from . import codecs, fs, knobs, record, validate
 from .errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
 from .index import DenseLoc, IndexWriter, RowLoc
@@ -72,7 +73,7 @@ class CheckpointWriter:
         chosen = codecs.get(codec if codec is not None else info["codec"])
         if not rows.size:
             return  # nothing to write: the table is not listed in this version
-        shift = info["block_rows"].bit_length() - 1
+        shift = blocks_math.shift(info["block_rows"])
         blocks = rows >> shift
         pending = self._rows.get(table, {})
         merging = np.isin(blocks, np.fromiter(pending, dtype=np.int64, count=len(pending))) if pending else None
@@ -225,12 +226,11 @@ class CheckpointWriter:
         dim = info["dim"]
         plans = []
         m_rows, m_values, m_blocks = rows[merging], values[merging], blocks[merging]
-        starts = np.flatnonzero(np.r_[True, m_blocks[1:] != m_blocks[:-1]])
-        bounds = np.r_[starts, m_rows.size]
+        starts, bounds = blocks_math.runs(m_blocks)
         for i, start in enumerate(starts):
             stop = bounds[i + 1]
             block = int(m_blocks[start])
-            base = block << (info["block_rows"].bit_length() - 1)
+            base = blocks_math.base(block, info["block_rows"])
             old = store._load_pending(self._rows[table][block], info)
             old_rows = old.offsets() + base
             new_rows, new_values = m_rows[start:stop], m_values[start:stop]
@@ -278,13 +278,13 @@ def block_records(info: dict, codec, rows: np.ndarray, encoded: np.ndarray, vers
     (compacted) baseline: it holds every row written to its block at or before ``version``.
     """
     block_rows, num_rows = info["block_rows"], info["num_rows"]
-    shift = block_rows.bit_length() - 1
+    shift = blocks_math.shift(block_rows)
     blocks = rows >> shift
-    starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
-    stops = np.r_[starts[1:], rows.size]
+    starts, bounds = blocks_math.runs(blocks)
+    stops = bounds[1:]
     counts = stops - starts
     bases = blocks[starts] << shift
-    baseline = counts == np.minimum(block_rows, num_rows - bases)
+    baseline = counts == blocks_math.lengths(bases, block_rows, num_rows)
     full = baseline | (rows[stops - 1] - bases == counts - 1)  # rows 0..count-1: no offsets needed
     sizes = record.HEADER_BYTES + record.TRAILER_BYTES + np.where(full, 0, 2 * counts) + counts * encoded.shape[1]
     if sizes.max() > knobs.MAX_RECORD_BYTES:
