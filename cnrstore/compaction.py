@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, filenames, fs, knobs, reader, record
+from . import codecs, filenames, knobs, reader, record
+from .commit import commit_log
 from .errors import CnrError, StorageFull
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
 from .segments import SEGMENT_HEADER_BYTES
@@ -256,31 +257,10 @@ def prune_log(w: IndexWriter) -> None:
 
 
 def _commit(store: "Store", appender, appended: bool, name: str, update: Callable[[IndexWriter], None]) -> None:
-    """fsync what ``appender`` appended (if anything), then record the segments' new lengths and run
-    ``update`` in one synced index commit; on any failure, throw the appended bytes away.
-
-    Call it with no read transaction of this thread open: a commit that must grow the index map waits
-    for every transaction of the process to end. Crash points: ``<name>_after_append`` and
-    ``<name>_inside_index_commit``.
-    """
-    try:
-        if store._lock is not None:
-            store._lock.verify()  # StoreMoved: after a rename our paths may name another store's files
-        fs.crash_point(f"{name}_after_append")
-        lengths = appender.sync() if appended else {}
-
-        def body(w: IndexWriter) -> None:
-            for seg, length in lengths.items():
-                w.put_segment(seg, length)
-            w.put_meta("segment_ids", appender.ids_state(lengths))
-            update(w)
-            fs.crash_point(f"{name}_inside_index_commit")
-
-        store._index.write(body)
-    except BaseException:
-        appender.rollback()
-        raise
-    appender.mark_committed(lengths)
+    """commit.commit_log with compaction's crash points ``<name>_after_append`` and
+    ``<name>_inside_index_commit``; on any failure it throws the appended bytes away."""
+    commit_log(store, appender, appended, update, after_append=f"{name}_after_append",
+               inside_index_commit=f"{name}_inside_index_commit")
 
 
 def _merge_pieces(pieces: list, base: int, dim: int):

@@ -1,8 +1,8 @@
 """CheckpointWriter: stream one version's records into the log, then commit it atomically.
 
 Durability protocol (DESIGN.md): (1) append the version's records and its COMMIT record (what repair
-rebuilds the index from), (2) fsync them, (3) one synced LMDB
-transaction inserts the index entries, the version record and the segments' committed lengths. The
+rebuilds the index from), (2) fsync them, (3) one synced LMDB transaction (the one commit path,
+cnrstore/commit.py) inserts the index entries, the version record and the segments' committed lengths. The
 version exists exactly when (3) has committed. Abort (or any failure) truncates what was appended.
 
 A version holds at most one record per (table, block). A second ``put_rows`` that touches a block this
@@ -19,7 +19,8 @@ import msgpack
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, fs, knobs, record, validate
+from . import codecs, knobs, record, validate
+from .commit import commit_log
 from .errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
 from .index import DenseLoc, IndexWriter, RowLoc
 
@@ -149,34 +150,27 @@ class CheckpointWriter:
             buffers, length = record.log_record(record.KIND_COMMIT, self.version,
                                                 commit_body(store, self.version, info, self._rows, self._dense))
             commit_loc = DenseLoc(*store._appender.append(buffers, length), length)
-            fs.crash_point("after_append")
-            lengths = store._appender.sync()
-            fs.crash_point("after_fsync")
-
-            def body(w: IndexWriter) -> None:
-                for name, blocks in self._rows.items():
-                    tid = table_ids[name]
-                    for block in sorted(blocks):
-                        w.put_row(tid, block, self.version, blocks[block])
-                for name, (dense_id, loc) in self._dense.items():
-                    if w.dense_id(name) is None:
-                        w.put_dense_name(name, dense_id)
-                        w.put_meta("next_dense_id", max(w.meta("next_dense_id", 1), dense_id + 1))
-                    w.put_dense(dense_id, self.version, loc)
-                for seg, length in lengths.items():
-                    w.put_segment(seg, length)
-                w.put_meta("segment_ids", store._appender.ids_state(lengths))
-                w.put_log(record.KIND_COMMIT, self.version, commit_loc)
-                w.put_version(self.version, info)
-                w.put_meta("bytes_written", w.meta("bytes_written", 0) + self._bytes)
-                fs.crash_point("inside_index_commit")
-
-            store._lock.verify()  # StoreMoved if the store's directory was renamed away since it was opened
-            store._index.write(body)
         except BaseException as exc:
             self._fail(exc)
             raise
-        store._appender.mark_committed(lengths)
+
+        def update(w: IndexWriter) -> None:
+            for name, blocks in self._rows.items():
+                tid = table_ids[name]
+                for block in sorted(blocks):
+                    w.put_row(tid, block, self.version, blocks[block])
+            for name, (dense_id, loc) in self._dense.items():
+                if w.dense_id(name) is None:
+                    w.put_dense_name(name, dense_id)
+                    w.put_meta("next_dense_id", max(w.meta("next_dense_id", 1), dense_id + 1))
+                w.put_dense(dense_id, self.version, loc)
+            w.put_log(record.KIND_COMMIT, self.version, commit_loc)
+            w.put_version(self.version, info)
+            w.put_meta("bytes_written", w.meta("bytes_written", 0) + self._bytes)
+
+        # fsync, StoreMoved check, one index transaction; on failure self._fail rolls the version back
+        commit_log(store, store._appender, True, update, after_append="after_append", after_fsync="after_fsync",
+                   inside_index_commit="inside_index_commit", on_failure=self._fail)
         self._state = "committed"
         store._writer_done(self)
         return self.version
