@@ -387,7 +387,7 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
         def free(w: IndexWriter) -> None:
             _doom(w, dead)
 
-        store._index.write(free)  # StorageFull here: nothing changed
+        _commit(store, appender, False, "gc_free", free)  # StorageFull here: nothing changed
         appender.forget(dead)
     delete_doomed(store, report)  # the space the copies below may need
 
