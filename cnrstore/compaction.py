@@ -114,7 +114,8 @@ def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions
     for t, b, v, loc in entries:
         if (t, b) == prev:
             ends[-1], has_next[-1] = v, True
-            run = 1 if loc.flags & record.FLAG_BASELINE else run + 1
+            # a cumulative delta reads itself and the baseline at its base
+            run = 1 if loc.flags & record.FLAG_BASELINE else 2 if loc.base else run + 1
         else:
             prev, run = (t, b), 1
         starts.append(v)
@@ -312,10 +313,11 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
         kept = sorted(set(versions) - set(dropped))
         by_block: dict[tuple[int, int], list] = {}
         for t, b, v, loc in w.row_entries():
-            by_block.setdefault((t, b), []).append((v, bool(loc.flags & record.FLAG_BASELINE)))
+            by_block.setdefault((t, b), []).append((v, bool(loc.flags & record.FLAG_BASELINE), loc.base))
         for (t, b), entries in by_block.items():
             for v in unread_versions(entries, kept):
-                w.delete_row(t, b, v)
+                if (t, b, v) not in pinned:  # the base of a delta the open checkpoint writes
+                    w.delete_row(t, b, v)
         by_dense: dict[int, list] = {}
         for d, v, _loc in w.dense_entries():
             by_dense.setdefault(d, []).append((v, True))
@@ -330,7 +332,9 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
         result[:] = dropped
         return dropped
 
-    _commit(store, appender, True, "drop", body)
+    with store._pin_lock:  # a checkpoint cannot pin a base while the drop decides (writer._chain_merges)
+        pinned = store._pinned()
+        _commit(store, appender, True, "drop", body)
     return result
 
 
@@ -419,7 +423,7 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
                 for (kind, key, data), (new_seg, off) in zip(copies, locations):
                     if kind == "row":
                         tid, block, v, loc = key
-                        moved_rows.append((tid, block, v, RowLoc(new_seg, off, loc.length, loc.count, loc.flags)))
+                        moved_rows.append((tid, block, v, loc._replace(segment=new_seg, offset=off)))
                     elif kind == "log":
                         log_kind, v, loc = key
                         moved_log.append((log_kind, v, DenseLoc(new_seg, off, loc.length)))

@@ -38,3 +38,14 @@ WRITEV_BUFFERS = 512
 # Compaction and GC ---------------------------------------------------------------------------------
 #: GC rewrites a sealed segment whose live records fill less than this fraction of it.
 GC_LIVE_FRACTION = 0.5
+
+# Read chains (format 3) ------------------------------------------------------------------------------
+#: The most records a read of any version walks for one block. A checkpoint whose increment of a block
+#: would make the block's read chain longer writes a cumulative delta instead: the union of the block's
+#: rows written since its baseline (newest value of each; encoded bytes copied, never re-quantized), read
+#: as that record plus the baseline. None: plain increments only (chains grow until compaction).
+READ_CHAIN_BOUND = 3
+#: A cumulative delta holding at least this fraction of its block's rows is written as a new baseline of
+#: the block instead (Check-N-Run's reset, per block, on the real union of changed rows): every row of the
+#: block, the untouched ones copied from the old baseline.
+DELTA_RESET_FRACTION = 0.5

@@ -214,7 +214,7 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
         found.max_table = max(found.max_table, rec.object_id)
         compacted = bool(rec.flags & record.FLAG_COMPACTED)
         found.rows.setdefault((rec.object_id, rec.block, v), []).append(
-            (RowLoc(seg, pos, length, rec.count, rec.flags), compacted))
+            (RowLoc(seg, pos, length, rec.count, rec.flags, rec.base()), compacted))
         if compacted:
             found.compacted_at.setdefault(v, []).append((rec.object_id, rec.block))
     elif rec.kind == record.KIND_DENSE:
@@ -344,6 +344,15 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
                         st.blocks[key] = f"the record of table {tname(tid)} block {block} at version {v} is missing"
                     elif flags & record.FLAG_BASELINE:
                         st.blocks[key] = ((v, loc),)
+                    elif loc.base:  # a cumulative delta: read with the baseline at its base only
+                        prev = st.blocks.get(key, st.unknown)
+                        if isinstance(prev, str):
+                            st.blocks[key] = prev
+                        else:
+                            target = [e for e in prev or () if e[0] == loc.base]
+                            st.blocks[key] = ((v, loc), target[0]) if target else (
+                                f"the baseline of table {tname(tid)} block {block} at version {loc.base} "
+                                f"(the base of version {v}'s delta) is missing")
                     else:
                         prev = st.blocks.get(key, st.unknown)
                         st.blocks[key] = prev if isinstance(prev, str) else ((v, loc),) + (prev or ())

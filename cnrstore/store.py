@@ -39,7 +39,8 @@ from .writer import CheckpointWriter, pack_meta
 #: On disk: the format this code writes and the newest it reads. Bump on any incompatible change.
 #: 2: COMMIT / ANCHOR / DROP records and the index's ``log`` database (repair). Format 1 is still read;
 #: a writable open upgrades its marker (docs/FORMAT.md).
-FORMAT_VERSION = 2
+#: 3: cumulative delta records (record.FLAG_DELTA, index ROW_LOC_DELTA). Formats 1 and 2 are still read.
+FORMAT_VERSION = 3
 MARKER_MAGIC = b"CNRSTORE"
 _MARKER_HEAD = struct.Struct("<8sII")  # magic, format version, msgpack length
 
@@ -164,6 +165,7 @@ class Store:
         self._writer: CheckpointWriter | None = None
         self._writer_mutex = threading.Lock()
         self._maintenance_lock = threading.Lock()  # compact, retain, gc: one at a time
+        self._pin_lock = threading.Lock()  # a writer's delta pins against retention (writer._chain_merges)
         self._compactor: BackgroundCompactor | None = None
         self._tables_cache: dict[str, dict] = {}
         self._history_cache: tuple[VersionInfo, ...] | None = None  # see _history
@@ -444,6 +446,12 @@ class Store:
             self._writer = CheckpointWriter(self, version, parent, None if step is None else int(step), meta)
             return self._writer
 
+    def _pinned(self) -> set:
+        """(table id, block, version) of the baselines the open checkpoint's cumulative deltas read.
+        Call with ``_pin_lock`` held."""
+        writer = self._writer
+        return set(writer.pins) if writer is not None else set()
+
     def _writer_done(self, writer: CheckpointWriter) -> None:
         with self._writer_mutex:
             if self._writer is writer:
@@ -621,6 +629,10 @@ class Store:
                 "max_read_chain": max_chain,
                 "compaction_errors": self._compactor.failures if self._compactor is not None else 0,
             }
+            increments = view.meta("increment_bytes", stats["bytes_written"])
+        # all bytes appended over the bytes of the checkpoints' own rows; disk over what the index names
+        stats["write_amplification"] = stats["bytes_written"] / increments if increments else None
+        stats["space_amplification"] = stats["bytes_on_disk"] / live if live else None
         return stats
 
     def _disk_bytes(self) -> int:
