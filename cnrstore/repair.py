@@ -101,6 +101,21 @@ class _Found:
         return best
 
 
+def _baseline_at(found: _Found, tid: int, block: int, version: int) -> RowLoc | None:
+    """The baseline record of (tid, block) at ``version`` a delta names as its base: a compacted baseline
+    there, else the checkpoint's record of that block (as its COMMIT record lists it) if a baseline."""
+    loc = found.row(tid, block, version, compacted=True)
+    if loc is not None:
+        return loc
+    commit = found.commits.get(version)
+    if commit is None:
+        return None
+    for block_id, count, flags in _unpack_blocks(commit[0].get("blocks", {}).get(tid, [b"", b"", b""])):
+        if block_id == block and flags & record.FLAG_BASELINE:
+            return found.row(tid, block, version, count, flags)
+    return None
+
+
 def repair(path, progress: Progress | None = None) -> RepairReport:
     """Rebuild the index of the store at ``path`` from its segment log; see the module docstring.
 
@@ -346,13 +361,11 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
                         st.blocks[key] = ((v, loc),)
                     elif loc.base:  # a cumulative delta: read with the baseline at its base only
                         prev = st.blocks.get(key, st.unknown)
-                        if isinstance(prev, str):
-                            st.blocks[key] = prev
-                        else:
-                            target = [e for e in prev or () if e[0] == loc.base]
-                            st.blocks[key] = ((v, loc), target[0]) if target else (
-                                f"the baseline of table {tname(tid)} block {block} at version {loc.base} "
-                                f"(the base of version {v}'s delta) is missing")
+                        target = [e for e in prev or () if e[0] == loc.base] if not isinstance(prev, str) else []
+                        base_loc = target[0][1] if target else _baseline_at(found, tid, block, loc.base)
+                        st.blocks[key] = ((v, loc), (loc.base, base_loc)) if base_loc is not None else (
+                            f"the baseline of table {tname(tid)} block {block} at version {loc.base} "
+                            f"(the base of version {v}'s delta) is missing")
                     else:
                         prev = st.blocks.get(key, st.unknown)
                         st.blocks[key] = prev if isinstance(prev, str) else ((v, loc),) + (prev or ())

@@ -297,6 +297,7 @@ def _linear_store(path, monkeypatch) -> None:
     """v1 a full baseline of table t, then v2..v5 each an increment of block 0 only, in small segments
     (one version per segment); dense array 'd' at every version."""
     monkeypatch.setattr(cnrstore.knobs, "SEGMENT_BYTES", 64)  # every append after the first starts a segment
+    monkeypatch.setattr(cnrstore.knobs, "READ_CHAIN_BOUND", None)  # plain increments: a linear chain
     with cnrstore.open(path, create=True) as s:
         s.create_table("t", num_rows=64, dim=4, codec="fp32", block_rows=16)
         for v in range(1, 6):
@@ -423,7 +424,7 @@ def test_format1_store_reads_and_a_writable_open_upgrades_its_marker(tmp_path):
         assert any("upgraded" in n for n in s.recovery_notes)
         with s.checkpoint(step=3) as ck:
             ck.put_rows("t_int4", [1], np.ones((1, 7), np.float32))
-    assert _read_marker(str(path)) == cnrstore.FORMAT_VERSION == 2
+    assert _read_marker(str(path)) == cnrstore.FORMAT_VERSION == 3
     with cnrstore.open(path) as s:
         assert s.verify().ok
 
