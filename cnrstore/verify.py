@@ -44,6 +44,7 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
         unread = _unread_entries(view, sorted(versions)) - pinned
         total = view.stat()["rows"]["entries"] + view.stat()["dense"]["entries"]
         done = 0
+        block_key, block_baselines = None, set()  # the baselines of the block looked at (entries ascend)
         for tid, block, version, loc in view.row_entries():
             done += 1
             where = f"table id {tid} block {block} version {version}"
@@ -51,6 +52,13 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
             if info is None:
                 report.problems.append(f"index entry {where} names an unknown table")
                 continue
+            if (tid, block) != block_key:
+                block_key, block_baselines = (tid, block), set()
+            if loc.flags & record.FLAG_BASELINE:
+                block_baselines.add(version)
+            if loc.base and loc.base not in block_baselines:
+                report.problems.append(f"index entry {where} is a delta on version {loc.base}, which has no "
+                                       "baseline entry: reads of it fail")
             if (tid, block, version) in unread:
                 report.problems.append(f"index entry {where} is read by no retained version "
                                        "(its version is gone and a baseline shadows it)")

@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, knobs, merge, reader, record, validate
+from . import codecs, fs, knobs, merge, reader, record, validate
 from .commit import commit_log
 from .errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
 from .index import DenseLoc, IndexWriter, RowLoc
@@ -286,6 +286,7 @@ class CheckpointWriter:
                                   m_encoded[start:stop])
             self._append(table, block_records(info, m.codec, m.offsets + first, m.encoded, self.version,
                                               base=m.base, baseline=not m.base), m.base)
+            fs.crash_point("after_delta_merge")  # a merged record appended, the version not committed
             if m.carried.size:
                 self._carried[(table, block)] = m.carried + first
             if not m.base and chain_merges[block].baseline is not None:  # a new baseline reads no older record
