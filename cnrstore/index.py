@@ -225,6 +225,19 @@ class IndexView:
                 yield t, b, v, _row_loc(cur.value())
                 ok = cur.next()
 
+    def block_entries(self, table_id: int, block: int) -> list[tuple[int, RowLoc]]:
+        """(version, location) of every index entry of one block, oldest first."""
+        out = []
+        with self._txn.cursor(db=self._dbs[b"rows"]) as cur:
+            ok = cur.set_range(ROW_KEY.pack(table_id, block, 0))
+            while ok:
+                t, b, v = ROW_KEY.unpack(cur.key())
+                if t != table_id or b != block:
+                    break
+                out.append((v, _row_loc(cur.value())))
+                ok = cur.next()
+        return out
+
     def row_blocks(self, table_id: int) -> Iterator[tuple[int, int]]:
         """(block, version of its oldest record) of every block of the table with an index entry, in
         block order: one seek per such block, however many versions it holds and however many blocks

@@ -38,6 +38,11 @@ WRITEV_BUFFERS = 512
 # Compaction and GC ---------------------------------------------------------------------------------
 #: GC rewrites a sealed segment whose live records fill less than this fraction of it.
 GC_LIVE_FRACTION = 0.5
+#: GC goes on cleaning segments (best cost-benefit score first) while the disk would hold more than this
+#: many times the live bytes (rows some retained version reads) ...
+GC_SPACE_BOUND = 1.15
+#: ... but never cleans a segment more live than this (its copy would cost more than it frees).
+GC_CLEAN_MAX_LIVE = 0.95
 
 # Read chains (format 3) ------------------------------------------------------------------------------
 #: The most records a read of any version walks for one block. A checkpoint whose increment of a block

@@ -62,6 +62,10 @@ class BlockResolver:
         pieces: list[Piece] = []
         for v, loc in self.view.row_chain(self.table["id"], block, version):
             rec, rows = self._load_rows(loc, block, v)
+            if not rec.count:  # a record GC emptied (every row of it shadowed for every kept version)
+                if rec.flags & record.FLAG_BASELINE:
+                    break
+                continue
             if rec.flags & record.FLAG_FULL:
                 found = remaining < rec.count
                 idx = remaining[found]

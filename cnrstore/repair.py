@@ -374,7 +374,14 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
                 st.dense[did] = (v, loc) if loc is not None else \
                     f"the record of dense array {dense_name.get(did, did)!r} at version {v} is missing"
         for tid, block in found.compacted_at.get(v, ()):  # a compacted baseline holds the whole block
-            st.blocks[(tid, block)] = ((v, found.row(tid, block, v, compacted=True)),)
+            loc = found.row(tid, block, v, compacted=True)
+            if not loc.base:
+                st.blocks[(tid, block)] = ((v, loc),)
+            else:  # a delta GC rewrote with its live rows: read with its base
+                base_loc = _baseline_at(found, tid, block, loc.base)
+                st.blocks[(tid, block)] = ((v, loc), (loc.base, base_loc)) if base_loc is not None else (
+                    f"the baseline of table {tname(tid)} block {block} at version {loc.base} "
+                    f"(the base of version {v}'s delta) is missing")
         if v in found.anchors:
             heads: dict[tuple[int, int], tuple] = {}
             dense_heads: dict[int, tuple] = {}

@@ -581,18 +581,17 @@ class Store:
     def retain(self, keep_last: int) -> list[int]:
         """Drop all but the newest ``keep_last`` versions; returns the dropped versions, oldest first.
 
-        Baselines are materialized at the oldest kept version where needed, so that ``gc`` can reclaim
-        every record only dropped versions read.
+        Nothing is materialized: the index keeps exactly the entries some kept version reads, and ``gc``
+        then reclaims the rest, down to the rows (a record kept versions read only partly is rewritten
+        with those rows). What every kept version reads is unchanged, bit for bit.
         """
         keep_last = validate.positive_int(keep_last, "keep_last")
         self._check_writable()
         with self._maintenance_lock:
             with self._index.read() as view:
-                versions = [v for v, _info in view.versions()]
+                versions = view.version_numbers()
             if len(versions) <= keep_last:
                 return []
-            oldest_kept = versions[-keep_last]
-            compaction.materialize(self, oldest_kept, drop_below=oldest_kept)
             return compaction.drop_versions(self, set(versions[:-keep_last]))
 
     def gc(self, progress=None) -> "compaction.GCReport":

@@ -613,7 +613,8 @@ def test_gc_reclaims_space_after_retain(store):
     assert report.segments_rewritten > 0 and report.bytes_copied > 0, "partly live segments are rewritten"
     assert stats2["bytes_on_disk"] < stats1["bytes_on_disk"]
     assert stats2["segment_bytes"] < stats1["segment_bytes"]
-    assert stats2["live_bytes"] == stats1["live_bytes"]
+    # records the kept versions read only partly were rewritten with their live rows only
+    assert stats2["live_bytes"] < stats1["live_bytes"]
     assert stats2["bytes_written"] == stats1["bytes_written"] + report.bytes_copied
     # (plus the headers of segments the copies went to)
     assert 0 <= stats2["segment_bytes"] - (stats1["segment_bytes"] - report.bytes_reclaimed + report.bytes_copied) \
