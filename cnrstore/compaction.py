@@ -524,7 +524,7 @@ def _live_rows_record(store: "Store", loc: RowLoc, rows: np.ndarray, tid: int, b
     full = bool(rows.size) and int(rows[-1]) == rows.size - 1
     flags = (rec.flags & ~record.FLAG_FULL) | (record.FLAG_FULL if full else 0) | record.FLAG_COMPACTED
     buffers, length = record.rows_record(rec.codec_id, flags, rec.object_id, rec.block, rec.version,
-                                         None if full else rows, np.ascontiguousarray(body), rec.base())
+                                         None if full else rows, np.ascontiguousarray(body), rec.base(), rec.copied())
     return RowLoc(0, 0, length, int(rows.size), flags, rec.base()), buffers, length
 
 

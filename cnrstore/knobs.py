@@ -50,7 +50,8 @@ GC_CLEAN_MAX_LIVE = 0.95
 #: rows written since its baseline (newest value of each; encoded bytes copied, never re-quantized), read
 #: as that record plus the baseline. None: plain increments only (chains grow until compaction).
 READ_CHAIN_BOUND = 3
-#: A cumulative delta holding at least this fraction of its block's rows is written as a new baseline of
-#: the block instead (Check-N-Run's reset, per block, on the real union of changed rows): every row of the
-#: block, the untouched ones copied from the old baseline.
-DELTA_RESET_FRACTION = 0.5
+#: Once the rows a block's cumulative deltas copied since its baseline reach this fraction of the block,
+#: the next merge writes a new baseline of the block instead (Check-N-Run's reset, per block, on the real
+#: union of changed rows; at 1.0 a ski-rental rule: copies never cost more than twice the best choice):
+#: every row of the block, the untouched ones copied from the old baseline.
+DELTA_RESET_FRACTION = 1.0

@@ -62,6 +62,7 @@ class Merged:
     encoded: np.ndarray
     base: int
     carried: np.ndarray  # offsets of the rows carried from older records (sorted)
+    copied: int = 0  # of a delta: rows the block's deltas copied since its base, this one's included
 
 
 def merge_block(resolver: BlockResolver, block: int, block_len: int, merge: ChainMerge, codec, offsets: np.ndarray,
@@ -69,16 +70,19 @@ def merge_block(resolver: BlockResolver, block: int, block_len: int, merge: Chai
     """Merge a version's rows of ``block`` (``offsets`` sorted unique, ``encoded`` by ``codec``) with the
     chain ``merge`` describes. Every record read is checksum-verified; bytes are copied."""
     parts = [(codec.codec_id, offsets, encoded)]  # newest first: the first occurrence of a row wins
+    copied_before = 0
     for v, loc in merge.records:
         rec, rows = resolver._load_rows(loc, block, v)
         parts.append((rec.codec_id, rec.offsets(), rows))
+        copied_before = max(copied_before, rec.copied())
     union = np.unique(np.concatenate([p[1] for p in parts]))
+    copied = copied_before + union.size - offsets.size
     base = merge.baseline[0] if merge.baseline is not None else 0
-    if merge.baseline is not None and union.size >= knobs.DELTA_RESET_FRACTION * block_len:
+    if merge.baseline is not None and (copied >= knobs.DELTA_RESET_FRACTION * block_len or union.size == block_len):
         v, loc = merge.baseline
         rec, rows = resolver._load_rows(loc, block, v)
         parts.append((rec.codec_id, rec.offsets(), rows))
-        base = 0  # the record is a new baseline: every row the block has
+        base = copied = 0  # the record is a new baseline: every row the block has
     all_offsets = np.concatenate([p[1] for p in parts])
     merged_offsets, first = np.unique(all_offsets, return_index=True)
     ids = {p[0] for p in parts}
@@ -91,4 +95,4 @@ def merge_block(resolver: BlockResolver, block: int, block_len: int, merge: Chai
         decoded = np.concatenate([codecs.by_id(cid).decode(rows, dim) for cid, _o, rows in parts])[first]
         merged = merged_codec.encode(decoded, check=False)
     carried = np.setdiff1d(merged_offsets, offsets, assume_unique=True)
-    return Merged(merged_codec, merged_offsets, np.ascontiguousarray(merged), base, carried)
+    return Merged(merged_codec, merged_offsets, np.ascontiguousarray(merged), base, carried, copied if base else 0)

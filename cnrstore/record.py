@@ -3,7 +3,8 @@
 A record is::
 
     header  40 bytes, little-endian (HEADER below)
-    aux     aux_len bytes   ROWS: with FLAG_DELTA, first the base version u64 LE; then the row
+    aux     aux_len bytes   ROWS: with FLAG_DELTA, first the base version and the rows copied since
+                            it (u64 LE each); then the row
                             offsets in the block, u16 LE, sorted, unique (absent when FLAG_FULL:
                             the record holds rows 0..count-1)
                             DENSE: msgpack {"dtype": str, "shape": [int, ...]}
@@ -47,7 +48,8 @@ FLAG_COMPACTED = 0x4
 #: goes on at the block's record at version base, skipping the records in between.
 FLAG_DELTA = 0x8
 _KNOWN_FLAGS = FLAG_BASELINE | FLAG_FULL | FLAG_COMPACTED | FLAG_DELTA
-BASE = struct.Struct("<Q")
+#: The head of a DELTA record's aux: base version u64, rows copied by the block's deltas since that base u64.
+BASE = struct.Struct("<QQ")
 
 #: magic, kind u8, codec u8, flags u16, object_id u32, count u32, block u64, version u64,
 #: aux_len u32, body_len u32
@@ -91,25 +93,30 @@ class Record(NamedTuple):
         """The base version of a cumulative delta (FLAG_DELTA), else 0."""
         return BASE.unpack_from(self.aux, 0)[0] if self.flags & FLAG_DELTA else 0
 
+    def copied(self) -> int:
+        """Rows the block's deltas copied from older records since the delta's base, this one's included
+        (what merge.py's reset rule weighs against a new baseline); 0 for other records."""
+        return BASE.unpack_from(self.aux, 0)[1] if self.flags & FLAG_DELTA else 0
+
     def dense_descriptor(self) -> dict:
         return msgpack.unpackb(self.aux.tobytes())
 
 
 def rows_record(
     codec_id: int, flags: int, object_id: int, block: int, version: int, offsets: np.ndarray | None,
-    body: np.ndarray, base: int = 0,
+    body: np.ndarray, base: int = 0, copied: int = 0,
 ) -> tuple[list, int]:
     """Buffers of one ROWS record (header+offsets, body, checksum) and its total length.
 
     ``offsets`` (row offsets in the block, sorted) must be None exactly when ``flags`` has FLAG_FULL;
-    ``base`` (> 0) exactly when ``flags`` has FLAG_DELTA;
+    ``base`` (> 0) exactly when ``flags`` has FLAG_DELTA (and then ``copied``, see Record.copied);
     ``body`` is a C-contiguous uint8 ``(count, row_bytes)`` array of the encoded rows. The body is not
     copied: the buffers are written with one gathered write.
     """
     count = body.shape[0]
     aux = b"" if offsets is None else np.ascontiguousarray(offsets, dtype=OFFSET_DTYPE).tobytes()
     if flags & FLAG_DELTA:
-        aux = BASE.pack(base) + aux
+        aux = BASE.pack(base, copied) + aux
     return _assemble(KIND_ROWS, codec_id, flags, object_id, count, block, version, aux, body)
 
 

@@ -100,9 +100,9 @@ class CheckpointWriter:
                         encoded = group_codec.encode(g_values[start:stop], check=False)
                         self._append_fresh(table, info, group_codec, g_rows[start:stop], encoded, chain_merges,
                                            resolver)
-                for merged_codec, m_rows, encoded, base, complete in merge_plans:
+                for merged_codec, m_rows, encoded, base, copied, complete in merge_plans:
                     self._append(table, block_records(info, merged_codec, m_rows, encoded, self.version, base=base,
-                                                      baseline=complete), base)
+                                                      copied=copied, baseline=complete), base)
             except InvalidArgument:
                 # what this call appended is unreferenced: the version is as it was before the call
                 if before is None:
@@ -285,7 +285,7 @@ class CheckpointWriter:
             m = merge.merge_block(resolver, block, block_len, chain_merges[block], codec, m_rows[start:stop] - first,
                                   m_encoded[start:stop])
             self._append(table, block_records(info, m.codec, m.offsets + first, m.encoded, self.version,
-                                              base=m.base, baseline=not m.base), m.base)
+                                              base=m.base, copied=m.copied, baseline=not m.base), m.base)
             fs.crash_point("after_delta_merge")  # a merged record appended, the version not committed
             if m.carried.size:
                 self._carried[(table, block)] = m.carried + first
@@ -294,7 +294,7 @@ class CheckpointWriter:
 
     def _plan_merges(self, table, info, rows, values, blocks, merging, codec) -> list:
         """For blocks this version already wrote: (codec, merged rows, merged encoded rows, delta base,
-        whether a baseline) per block: a merged record keeps the kind (delta, baseline) of the earlier one.
+        rows copied since it, whether a baseline) per block: a merged record keeps the kind (delta, baseline) of the earlier one.
 
         Raises InvalidArgument (before anything is written) if a row was already put in this version.
         """
@@ -335,7 +335,7 @@ class CheckpointWriter:
             all_rows = np.concatenate([old_rows, new_rows])
             order = np.argsort(all_rows, kind="stable")
             plans.append((merged_codec, all_rows[order], np.ascontiguousarray(encoded[order]), old.base(),
-                          bool(old.flags & record.FLAG_BASELINE)))
+                          old.copied(), bool(old.flags & record.FLAG_BASELINE)))
             if carried is not None:
                 self._carried[(table, block)] = np.setdiff1d(carried, new_rows, assume_unique=True)
         return plans
@@ -357,7 +357,7 @@ def commit_body(store: "Store", version: int, info: dict, rows: dict, dense: dic
 
 
 def block_records(info: dict, codec, rows: np.ndarray, encoded: np.ndarray, version: int, *,
-                  compacted: bool = False, base: int = 0, baseline: bool = False) -> list:
+                  compacted: bool = False, base: int = 0, copied: int = 0, baseline: bool = False) -> list:
     """One ROWS record per block of ``rows`` (sorted, unique; ``encoded`` aligned with them).
 
     Returns ((block, count, flags), buffers, length) per record; the buffers are views, not copies. A
@@ -389,7 +389,8 @@ def block_records(info: dict, codec, rows: np.ndarray, encoded: np.ndarray, vers
                                                  flags.tolist(), full.tolist()):
         offsets = None if is_full else rows[start:stop] - first
         buffers, length = record.rows_record(codec.codec_id, flag, info["id"], first >> shift, version,
-                                             offsets, encoded[start:stop], base if flag & record.FLAG_DELTA else 0)
+                                             offsets, encoded[start:stop], base if flag & record.FLAG_DELTA else 0,
+                                             copied)
         records.append(((first >> shift, stop - start, flag), buffers, length))
     return records
 

@@ -1,6 +1,6 @@
 """Cumulative delta records (format 3, cnrstore/merge.py): every block's read chain stays within
 knobs.READ_CHAIN_BOUND, every version reads bit-exactly as its puts say, merged bytes are copies of the
-stored ones, a union past knobs.DELTA_RESET_FRACTION becomes a new baseline, and retention never drops
+stored ones, a block whose deltas copied knobs.DELTA_RESET_FRACTION of it gets a new baseline, and retention never drops
 the baseline an open checkpoint's deltas read."""
 
 from __future__ import annotations
@@ -102,9 +102,10 @@ def test_a_delta_copies_the_stored_bytes_of_the_rows_it_carries(tmp_path):
             assert [v for v, _loc in view.row_chain(1, 0, 4)] == [4, 1]
 
 
-def test_a_union_past_the_reset_fraction_becomes_a_new_baseline(tmp_path, monkeypatch):
-    """Once a block's rows changed since its baseline reach DELTA_RESET_FRACTION of the block, the merged
-    record takes the baseline's other rows too: a full baseline, read alone."""
+def test_copies_past_the_reset_fraction_make_a_new_baseline(tmp_path, monkeypatch):
+    """Once the rows a block's deltas copied since its baseline reach DELTA_RESET_FRACTION of the block
+    (here 16 of 64: version 4 would copy the 16 rows of versions 2 and 3), the merged record takes the
+    baseline's other rows too: a full baseline, read alone."""
     monkeypatch.setattr(knobs, "DELTA_RESET_FRACTION", 0.25)
     with cnrstore.open(tmp_path / "s", create=True) as store:
         store.create_table("t", 64, 4, codec="fp32", block_rows=64)
