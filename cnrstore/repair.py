@@ -245,7 +245,10 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
         for info in body.get("catalog", ()):
             found.max_table = max(found.max_table, info["id"])
         if rec.kind == record.KIND_DROP:
-            if found.drop is None or body.get("seq", 0) > found.drop[0].get("seq", 0):
+            # the newest DROP: by seq, then by the newest version it saw (a store repaired by a cnrstore
+            # that did not restore meta drop_seq numbered its later drops from 1 again)
+            if found.drop is None or (body.get("seq", 0), body.get("latest", 0)) > \
+                    (found.drop[0].get("seq", 0), found.drop[0].get("latest", 0)):
                 found.drop = (body, DenseLoc(seg, pos, length))
         elif rec.kind == record.KIND_COMMIT:
             found.seen_versions.add(v)
@@ -499,6 +502,8 @@ def _install(root: str, found: _Found, lengths: dict[int, int], plan: _Plan, rep
             w.put_meta("max_deleted_segment", max_seg)
             w.put_meta("segment_ids", {"high": max_seg, "pending": []})
             w.put_meta("dropped_below", plan.floor)
+            if plan.drop is not None:  # later drops are numbered after it (the newest DROP wins)
+                w.put_meta("drop_seq", plan.drop["seq"])
             if plan.last_baseline is not None:
                 w.put_meta("last_baseline", plan.last_baseline)
             for info in plan.tables.values():

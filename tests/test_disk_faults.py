@@ -336,6 +336,8 @@ def _segment_census(s):
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
         for *_k, loc in view.dense_entries():
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
+        for *_k, loc in view.log_entries():  # COMMIT / ANCHOR / DROP records repair needs
+            live[loc.segment] = live.get(loc.segment, 0) + loc.length
     busy = s._appender.busy() | {s._compaction_appender.active}
     dead = [g for g in committed if g not in busy and not live.get(g)]
     under = [g for g in committed if g not in busy and live.get(g) and
