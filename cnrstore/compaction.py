@@ -221,10 +221,12 @@ def materialize(store: "Store", version: int, progress: Progress | None = None, 
 
 def anchor_body(view: IndexView, version: int, heads: dict, dropped_below: int) -> dict:
     """The body of an ANCHOR record at ``version`` (docs/FORMAT.md). ``heads``: (table id, block) ->
-    (version, count, flags) of the one record of the block's read chain at ``version``."""
+    (version, count, flags) of the one record of the block's read chain at ``version``, or a list of
+    those: the block's whole read chain there, newest first (format 3: chains of increments and deltas)."""
     by_table: dict[int, list] = {}
     for (tid, blk), head in sorted(heads.items()):
-        by_table.setdefault(tid, []).append((blk, *head))
+        for entry in (head if isinstance(head, list) else [head]):
+            by_table.setdefault(tid, []).append((blk, *entry))
     packed = {}
     for tid, items in by_table.items():
         arr = np.array(items, dtype=np.int64).reshape(-1, 4)
@@ -301,14 +303,25 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
     with store._index.read() as view:
         present = view.version_numbers()
         seq = view.meta("drop_seq", 0) + 1
-    if not set(present) & set(drop):
-        return []
+        if not set(present) & set(drop):
+            return []
+        kept_now = sorted(set(present) - set(drop))
+        # an ANCHOR at the oldest kept version: every block's read chain there, so that repair can
+        # prove the kept versions without the COMMIT records of the dropped ones (which prune_log forgets)
+        oldest = kept_now[0] if kept_now else None
+        anchor = None
+        if oldest is not None:
+            chains = {key: [(v, loc.count, loc.flags) for v, loc in chain]
+                      for key, chain in block_chains(view, oldest).items()}
+            floor = view.meta("dropped_below", 0)
+            anchor = record.log_record(record.KIND_ANCHOR, oldest, anchor_body(view, oldest, chains, floor))
     # the log records the drop, so that repair leaves these versions dropped (docs/FORMAT.md, DROP)
-    drop_body = {"seq": seq, "latest": present[-1], "kept": sorted(set(present) - set(drop))}
+    drop_body = {"seq": seq, "latest": present[-1], "kept": kept_now}
     appender = store._compaction_appender
     try:
         buffers, length = record.log_record(record.KIND_DROP, present[-1], drop_body)
         drop_loc = DenseLoc(*appender.append(buffers, length), length)
+        anchor_loc = None if anchor is None else DenseLoc(*appender.append(*anchor), anchor[1])
     except BaseException:
         appender.rollback()
         raise
@@ -337,6 +350,8 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
             w.delete_version(v)
         w.put_meta("drop_seq", seq)
         w.put_log(record.KIND_DROP, seq, drop_loc)
+        if anchor_loc is not None:
+            w.put_log(record.KIND_ANCHOR, oldest, anchor_loc)
         prune_log(w)
         result[:] = dropped
         return dropped

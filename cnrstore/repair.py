@@ -3,7 +3,7 @@
 The log is self-describing: every record is checksummed and names its kind, object, block and version;
 each commit appends a COMMIT record (the version's info, the catalog entries of the tables it wrote, the
 dense ids it wrote, and the count and flags of every block record it wrote); each compaction appends an
-ANCHOR record (the head of every block's read chain at its version, the dense heads and the catalog).
+ANCHOR record (every block's read chain at its version, the dense heads and the catalog).
 
 Repair scans every segment record by record (a bad record is noted and skipped: the scan resumes at
 the next record magic whose checksum holds), then decides which versions are *provably whole*: version
@@ -389,13 +389,25 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
             heads: dict[tuple[int, int], tuple] = {}
             dense_heads: dict[int, tuple] = {}
             for body, _loc in found.anchors[v]:
+                listed: dict[tuple[int, int], list] = {}  # a block's read chain at v, newest first
                 for tid, packed in body.get("heads", {}).items():
                     for block, hv, count, flags in _unpack_heads(packed):
-                        loc = found.row(tid, block, hv, compacted=True) if flags & record.FLAG_COMPACTED \
-                            else found.row(tid, block, hv, count, flags)
-                        if loc is not None and (tid, block) not in heads:
-                            heads[(tid, block)] = ((hv, loc),)
-                        heads.setdefault((tid, block), None)
+                        listed.setdefault((tid, block), []).append((hv, count, flags))
+                for (tid, block), entries in listed.items():
+                    if heads.get((tid, block)) is not None:
+                        continue
+                    chain: list | None = []
+                    for hv, count, flags in entries:
+                        loc = None if flags & record.FLAG_COMPACTED else found.row(tid, block, hv, count, flags)
+                        if loc is None:  # compacted, or rewritten by GC with its live rows (compacted too)
+                            loc = found.row(tid, block, hv, compacted=True)
+                        if loc is None:
+                            chain = None
+                            break
+                        chain.append((hv, loc))
+                        if loc.flags & record.FLAG_BASELINE:
+                            break
+                    heads[(tid, block)] = tuple(chain) if chain else None
                 for did, hv in body.get("dense", {}).items():
                     loc = found.dense.get((did, hv))
                     if loc is not None and dense_heads.get(did) is None:
