@@ -163,6 +163,11 @@ def cmd_info(args) -> int:
         value = stats[key]
         print(f"{key:<16} {value:>16,}" if isinstance(value, int) else f"{key:<16} {value}")
     print(f"{'live_ratio':<16} {live_ratio:>16.1%}")
+    for key, what in (("write_amplification", "all bytes appended / the checkpoints' own rows"),
+                      ("space_amplification", "bytes on disk / live bytes")):
+        value = stats[key]
+        shown = f"{value:>16.3f}" if value is not None else f"{'-':>16}"
+        print(f"{key:<20} {shown}  ({what})")
     return 0
 
 
@@ -300,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("ls", cmd_ls, "list versions: step, creation time, bytes appended, read-chain length").add_argument(
         "--json", action="store_true", help="print JSON")
-    add("info", cmd_info, "tables, codecs, disk use and live ratio").add_argument(
+    add("info", cmd_info, "tables, codecs, disk use, live ratio, write and space amplification").add_argument(
         "--json", action="store_true", help="print JSON")
     add("verify", cmd_verify, "check every checksum and the index against the log (exit 1 on problems)"
         ).add_argument("--json", action="store_true", help="print JSON")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, filenames, knobs, reader, record
+from . import codecs, filenames, fs, knobs, liveness, reader, record
 from .commit import commit_log
 from .errors import CnrError, StorageFull
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
@@ -114,7 +114,8 @@ def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions
     for t, b, v, loc in entries:
         if (t, b) == prev:
             ends[-1], has_next[-1] = v, True
-            run = 1 if loc.flags & record.FLAG_BASELINE else run + 1
+            # a cumulative delta reads itself and the baseline at its base
+            run = 1 if loc.flags & record.FLAG_BASELINE else 2 if loc.base else run + 1
         else:
             prev, run = (t, b), 1
         starts.append(v)
@@ -198,6 +199,13 @@ def materialize(store: "Store", version: int, progress: Progress | None = None, 
     def update(w: IndexWriter) -> None:
         for tid, blk, loc in new_entries:
             w.put_row(tid, blk, version, loc)  # replaces the entry this version may have had
+        # entries of dropped versions the new baselines shadow for every kept version are garbage now
+        kept = w.version_numbers()
+        for tid, blk, _loc in new_entries:
+            entries = [(v, bool(loc.flags & record.FLAG_BASELINE), loc.base) for v, loc in w.block_entries(tid, blk)]
+            for v in unread_versions(entries, kept):
+                if (tid, blk, v) not in pinned:
+                    w.delete_row(tid, blk, v)
         w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_written)
         if version >= w.meta("last_baseline", {}).get("version", 0):
             w.put_meta("last_baseline", {"version": version, "bytes": baseline_bytes})
@@ -205,16 +213,20 @@ def materialize(store: "Store", version: int, progress: Progress | None = None, 
         w.put_log(record.KIND_ANCHOR, version, anchor_loc)
         prune_log(w)
 
-    _commit(store, appender, True, "compact", update)
+    with store._pin_lock:  # as in drop_versions: never delete the base of an open checkpoint's delta
+        pinned = store._pinned()
+        _commit(store, appender, True, "compact", update)
     return report
 
 
 def anchor_body(view: IndexView, version: int, heads: dict, dropped_below: int) -> dict:
     """The body of an ANCHOR record at ``version`` (docs/FORMAT.md). ``heads``: (table id, block) ->
-    (version, count, flags) of the one record of the block's read chain at ``version``."""
+    (version, count, flags) of the one record of the block's read chain at ``version``, or a list of
+    those: the block's whole read chain there, newest first (format 3: chains of increments and deltas)."""
     by_table: dict[int, list] = {}
     for (tid, blk), head in sorted(heads.items()):
-        by_table.setdefault(tid, []).append((blk, *head))
+        for entry in (head if isinstance(head, list) else [head]):
+            by_table.setdefault(tid, []).append((blk, *entry))
     packed = {}
     for tid, items in by_table.items():
         arr = np.array(items, dtype=np.int64).reshape(-1, 4)
@@ -291,14 +303,25 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
     with store._index.read() as view:
         present = view.version_numbers()
         seq = view.meta("drop_seq", 0) + 1
-    if not set(present) & set(drop):
-        return []
+        if not set(present) & set(drop):
+            return []
+        kept_now = sorted(set(present) - set(drop))
+        # an ANCHOR at the oldest kept version: every block's read chain there, so that repair can
+        # prove the kept versions without the COMMIT records of the dropped ones (which prune_log forgets)
+        oldest = kept_now[0] if kept_now else None
+        anchor = None
+        if oldest is not None:
+            chains = {key: [(v, loc.count, loc.flags) for v, loc in chain]
+                      for key, chain in block_chains(view, oldest).items()}
+            floor = view.meta("dropped_below", 0)
+            anchor = record.log_record(record.KIND_ANCHOR, oldest, anchor_body(view, oldest, chains, floor))
     # the log records the drop, so that repair leaves these versions dropped (docs/FORMAT.md, DROP)
-    drop_body = {"seq": seq, "latest": present[-1], "kept": sorted(set(present) - set(drop))}
+    drop_body = {"seq": seq, "latest": present[-1], "kept": kept_now}
     appender = store._compaction_appender
     try:
         buffers, length = record.log_record(record.KIND_DROP, present[-1], drop_body)
         drop_loc = DenseLoc(*appender.append(buffers, length), length)
+        anchor_loc = None if anchor is None else DenseLoc(*appender.append(*anchor), anchor[1])
     except BaseException:
         appender.rollback()
         raise
@@ -312,10 +335,11 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
         kept = sorted(set(versions) - set(dropped))
         by_block: dict[tuple[int, int], list] = {}
         for t, b, v, loc in w.row_entries():
-            by_block.setdefault((t, b), []).append((v, bool(loc.flags & record.FLAG_BASELINE)))
+            by_block.setdefault((t, b), []).append((v, bool(loc.flags & record.FLAG_BASELINE), loc.base))
         for (t, b), entries in by_block.items():
             for v in unread_versions(entries, kept):
-                w.delete_row(t, b, v)
+                if (t, b, v) not in pinned:  # the base of a delta the open checkpoint writes
+                    w.delete_row(t, b, v)
         by_dense: dict[int, list] = {}
         for d, v, _loc in w.dense_entries():
             by_dense.setdefault(d, []).append((v, True))
@@ -326,61 +350,89 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
             w.delete_version(v)
         w.put_meta("drop_seq", seq)
         w.put_log(record.KIND_DROP, seq, drop_loc)
+        if anchor_loc is not None:
+            w.put_log(record.KIND_ANCHOR, oldest, anchor_loc)
         prune_log(w)
         result[:] = dropped
         return dropped
 
-    _commit(store, appender, True, "drop", body)
+    with store._pin_lock:  # a checkpoint cannot pin a base while the drop decides (writer._chain_merges)
+        pinned = store._pinned()
+        _commit(store, appender, True, "drop", body)
     return result
 
 
 def collect(store: "Store", progress: Progress | None = None) -> GCReport:
-    """Reclaim the space of records no index entry points to. The caller holds the maintenance lock.
+    """Reclaim the space of dead records and dead rows. The caller holds the maintenance lock.
 
-    A segment with no live record is freed; a segment whose live fraction is under
-    ``knobs.GC_LIVE_FRACTION`` has its live records copied (byte for byte, checksum-verified) to the
-    active segment first (the active segment itself is sealed first if it is that dead). Freed segments
-    are deleted once no reader can need them.
+    Liveness is per row (cnrstore/liveness.py): a row record some retained version reads only partly is
+    live for those rows only. A segment with nothing live is freed; the others are *cleaned* (their live
+    records copied to the compaction appender's segment, byte for byte and checksum-verified, a partly
+    live record rewritten with its live rows only under the same index key) when their live fraction is
+    under ``knobs.GC_LIVE_FRACTION``, and further, best first by the log-structured file system's
+    cost-benefit score ``(1 - u) * age / (1 + u)`` (u the live fraction, age in versions since the
+    segment's newest record), while the disk would hold more than ``knobs.GC_SPACE_BOUND`` times the live
+    bytes. The checkpoint writer's active segment is sealed first, and cleaned like any other, when no
+    checkpoint is open. Freed segments are deleted once no reader can need them.
 
     Works on a full disk as far as it can: the wholly dead segments are freed first, in one index
     transaction that needs no segment space, and deleted at once where no reader needs them; then the
-    under-full segments are copied in batches of about ``_GC_BATCH_BYTES``, each committed on its own.
+    segments to clean are copied in batches of about ``_GC_BATCH_BYTES``, each committed on its own.
     A full disk during a copy rolls back that batch only and stops copying: the report's ``incomplete``
     says so, and a later ``gc`` (once there is space) finishes the job. A full disk during the first
     index transaction raises StorageFull with the store unchanged.
     """
     report = GCReport()
     appender = store._compaction_appender
+    _seal_idle_writer_segment(store)
+    with store._pin_lock:
+        pinned = store._pinned()
     with store._index.read() as view:
         committed = view.segments()
-        live: dict[int, int] = {}
+        kept = view.version_numbers()
+        newest = kept[-1] if kept else 0
+        alive = liveness.row_liveness(view, lambda loc: _verified_record(store, loc), kept, pinned)
+        live = dict(alive.live_bytes)
+        age: dict[int, int] = {}  # segment -> newest version of a live record in it
         row_users: dict[int, list] = {}
         dense_users: dict[int, list] = {}
+        log_users: dict[int, list] = {}
         for tid, block, v, loc in view.row_entries():
-            live[loc.segment] = live.get(loc.segment, 0) + loc.length
             row_users.setdefault(loc.segment, []).append((tid, block, v, loc))
+            age[loc.segment] = max(age.get(loc.segment, 0), v)
         for dense_id, v, loc in view.dense_entries():
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
             dense_users.setdefault(loc.segment, []).append((dense_id, v, loc))
-        log_users: dict[int, list] = {}
+            age[loc.segment] = max(age.get(loc.segment, 0), v)
         for kind, v, loc in view.log_entries():  # COMMIT / ANCHOR records repair needs
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
             log_users.setdefault(loc.segment, []).append((kind, v, loc))
-    candidates = []
-    dead: list[int] = []
     active = appender.active
-    if active in committed and active not in store._appender.busy() and live.get(active, 0) / max(1, committed[active] - SEGMENT_HEADER_BYTES) \
-            < knobs.GC_LIVE_FRACTION:
+    if active in committed and active not in store._appender.busy() and \
+            live.get(active, 0) / max(1, committed[active] - SEGMENT_HEADER_BYTES) < knobs.GC_LIVE_FRACTION:
         appender.seal()  # mostly dead: collect it like a sealed one; copies go to a new segment
     busy = store._appender.busy()  # the checkpoint writer's segments: possibly uncommitted bytes
+    dead: list[int] = []
+    scored = []
     for seg, length in sorted(committed.items()):
         if seg == appender.active or seg in busy:
             continue  # still being appended to
         payload = max(1, length - SEGMENT_HEADER_BYTES)
         if live.get(seg, 0) == 0:
             dead.append(seg)
-        elif live[seg] / payload < knobs.GC_LIVE_FRACTION:
+        else:
+            u = min(1.0, live[seg] / payload)
+            scored.append(((1 - u) * (newest - age.get(seg, 0) + 1) / (1 + u), seg, u, payload))
+    candidates = [seg for _score, seg, u, _p in sorted(scored, reverse=True) if u < knobs.GC_LIVE_FRACTION]
+    disk = sum(max(1, length - SEGMENT_HEADER_BYTES) for seg, length in committed.items() if seg not in dead)
+    total_live = sum(live.get(seg, 0) for seg in committed)
+    disk -= sum(p - live.get(seg, 0) for _s, seg, _u, p in scored if seg in candidates)
+    for score, seg, u, payload in sorted(scored, reverse=True):  # best first, while the disk is over the bound
+        if disk <= knobs.GC_SPACE_BOUND * total_live:
+            break
+        if seg not in candidates and u < knobs.GC_CLEAN_MAX_LIVE:
             candidates.append(seg)
+            disk -= payload - live.get(seg, 0)
 
     # 1. free the wholly dead segments: no segment bytes to write (LMDB may need a page or two)
     if dead:
@@ -391,7 +443,7 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
         appender.forget(dead)
     delete_doomed(store, report)  # the space the copies below may need
 
-    # 2. copy the live records of under-full segments, one committed batch at a time
+    # 2. clean the chosen segments, one committed batch at a time
     batches: list[list[int]] = []
     size = _GC_BATCH_BYTES
     for seg in candidates:
@@ -399,7 +451,7 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
             batches.append([])
             size = 0
         batches[-1].append(seg)
-        size += live[seg]
+        size += live.get(seg, 0)
     done = 0
     for batch in batches:
         moved_rows: list[tuple[int, int, int, RowLoc]] = []
@@ -410,23 +462,29 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
             for seg in batch:
                 copies = []
                 for tid, block, v, loc in row_users.get(seg, []):
-                    copies.append(("row", (tid, block, v, loc), _verified_bytes(store, loc)))
+                    rows = alive.partial.get((tid, block, v))
+                    if rows is None:
+                        copies.append(("row", (tid, block, v, loc), [_verified_bytes(store, loc)], loc.length))
+                    else:  # partly live: rewritten with its live rows only
+                        new_loc, buffers, length = _live_rows_record(store, loc, rows, tid, block)
+                        copies.append(("row", (tid, block, v, new_loc), buffers, length))
                 for dense_id, v, loc in dense_users.get(seg, []):
-                    copies.append(("dense", (dense_id, v, loc), _verified_bytes(store, loc)))
+                    copies.append(("dense", (dense_id, v, loc), [_verified_bytes(store, loc)], loc.length))
                 for kind, v, loc in log_users.get(seg, []):
-                    copies.append(("log", (kind, v, loc), _verified_bytes(store, loc)))
-                locations = appender.append_many([([data], data.nbytes) for _kind, _key, data in copies])
-                for (kind, key, data), (new_seg, off) in zip(copies, locations):
+                    copies.append(("log", (kind, v, loc), [_verified_bytes(store, loc)], loc.length))
+                locations = appender.append_many([(buffers, length) for _kind, _key, buffers, length in copies])
+                fs.crash_point("gc_cleaned_segment")
+                for (kind, key, _buffers, length), (new_seg, off) in zip(copies, locations):
                     if kind == "row":
                         tid, block, v, loc = key
-                        moved_rows.append((tid, block, v, RowLoc(new_seg, off, loc.length, loc.count, loc.flags)))
+                        moved_rows.append((tid, block, v, loc._replace(segment=new_seg, offset=off)))
                     elif kind == "log":
                         log_kind, v, loc = key
                         moved_log.append((log_kind, v, DenseLoc(new_seg, off, loc.length)))
                     else:
                         dense_id, v, loc = key
                         moved_dense.append((dense_id, v, DenseLoc(new_seg, off, loc.length)))
-                    copied += data.nbytes
+                    copied += length
         except StorageFull as exc:
             appender.rollback()
             report.incomplete = _incomplete(candidates, done, exc)
@@ -459,6 +517,36 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
             progress(done, len(candidates))
         delete_doomed(store, report)  # each batch's sources, as soon as no reader needs them
     return delete_doomed(store, report)
+
+
+def _seal_idle_writer_segment(store: "Store") -> None:
+    """Seal the checkpoint writer's active segment when no checkpoint is open, so that GC may clean it
+    like a sealed one (the next checkpoint starts a new segment). A small store lives in that one
+    segment: without this, GC could never reclaim any of its space."""
+    with store._writer_mutex:  # no checkpoint can open meanwhile
+        if store._writer is None and store._appender is not None and not store._appender.dirty():
+            store._appender.seal()
+
+
+def _live_rows_record(store: "Store", loc: RowLoc, rows: np.ndarray, tid: int, block: int):
+    """(new RowLoc without its place, buffers, length) of the record at ``loc`` holding only the block
+    offsets ``rows`` (sorted, a subset of its rows): encoded bytes copied, flags kept (FULL recomputed),
+    marked COMPACTED (written by maintenance: repair reads it as the block's record at its version)."""
+    rec = _verified_record(store, loc)
+    offsets = rec.offsets()
+    take = np.searchsorted(offsets, rows)
+    body = rec.body.reshape(rec.count, -1)[take]
+    full = bool(rows.size) and int(rows[-1]) == rows.size - 1
+    flags = (rec.flags & ~record.FLAG_FULL) | (record.FLAG_FULL if full else 0) | record.FLAG_COMPACTED
+    buffers, length = record.rows_record(rec.codec_id, flags, rec.object_id, rec.block, rec.version,
+                                         None if full else rows, np.ascontiguousarray(body), rec.base(), rec.copied())
+    return RowLoc(0, 0, length, int(rows.size), flags, rec.base()), buffers, length
+
+
+def _verified_record(store: "Store", loc) -> record.Record:
+    """The checksum-verified record at ``loc``."""
+    buf = store._segments.read(loc.segment, loc.offset, loc.length)
+    return record.parse(buf, store._segments.path(loc.segment), loc.offset)
 
 
 #: GC copies the live records of about this many bytes of under-full segments per index commit.

@@ -6,7 +6,8 @@ Named databases (keys big-endian so LMDB's byte order is numeric order; on disk,
     tables      table name (utf-8) → msgpack dict   id, num_rows, dim, codec, block_rows, created
     versions    version u64 → msgpack dict          step, meta, created, parent, tables, dense, bytes
     segments    segment id u64 → msgpack dict       {"length": committed length}
-    rows        table u32 · block u64 · version u64 → ROW_LOC (segment, offset, length, count, flags)
+    rows        table u32 · block u64 · version u64 → ROW_LOC (segment, offset, length, count, flags), or
+                for a cumulative delta (format 3) ROW_LOC_DELTA: the same and its base version u64
     dense_names name (utf-8) → dense id u32
     dense       dense id u32 · version u64 → DENSE_LOC (segment, offset, length)
     log         record kind u8 · version u64 → DENSE_LOC of the COMMIT / ANCHOR record (format 2; a
@@ -40,6 +41,7 @@ DENSE_KEY = struct.Struct(">IQ")
 VERSION_KEY = struct.Struct(">Q")
 LOG_KEY = struct.Struct(">BQ")
 ROW_LOC = struct.Struct("<IIIIB")  # segment, offset, length, count, flags
+ROW_LOC_DELTA = struct.Struct("<IIIIBQ")  # ... and the base version of a cumulative delta
 DENSE_LOC = struct.Struct("<III")  # segment, offset, length
 #: Below this an empty store's catalogs do not fit the map (LMDB needs a few pages per database).
 _MIN_MAP_BYTES = 64 << 10
@@ -53,13 +55,25 @@ _READER_WAIT_S = 30.0
 
 
 class RowLoc(NamedTuple):
-    """Where a row-block record lies, with its row count and record flags."""
+    """Where a row-block record lies, with its row count and record flags; ``base`` is the base version of
+    a cumulative delta (record.FLAG_DELTA), else 0."""
 
     segment: int
     offset: int
     length: int
     count: int
     flags: int
+    base: int = 0
+
+
+def _row_loc(raw: bytes) -> RowLoc:
+    if len(raw) == ROW_LOC.size:
+        return RowLoc(*ROW_LOC.unpack(raw))
+    return RowLoc(*ROW_LOC_DELTA.unpack(raw))
+
+
+def _row_loc_bytes(loc: RowLoc) -> bytes:
+    return ROW_LOC_DELTA.pack(*loc) if loc.base else ROW_LOC.pack(*loc[:5])
 
 
 class DenseLoc(NamedTuple):
@@ -179,15 +193,26 @@ class IndexView:
 
     # row index ------------------------------------------------------------------------------------
     def row_chain(self, table_id: int, block: int, version: int) -> Iterator[tuple[int, RowLoc]]:
-        """(version, location) of block's records at or before ``version``, newest first."""
+        """The block's read chain at ``version``: (version, location) of the records a read walks, newest
+        first: every record at or before ``version``, except that after a cumulative delta (``loc.base``)
+        the walk goes on at the record at its base version, skipping those in between. Callers stop at
+        a baseline (record.FLAG_BASELINE). A delta whose base has no entry raises CorruptionError."""
         cur = self._txn.cursor(db=self._dbs[b"rows"])  # one per walk: walks may interleave
         ok = _seek_at_or_before(cur, ROW_KEY.pack(table_id, block, version))
         while ok:
             t, b, v = ROW_KEY.unpack(cur.key())
             if t != table_id or b != block:
                 return
-            yield v, RowLoc._make(ROW_LOC.unpack(cur.value()))
-            ok = cur.prev()
+            loc = _row_loc(cur.value())
+            yield v, loc
+            if loc.base:
+                ok = cur.set_key(ROW_KEY.pack(table_id, block, loc.base))
+                if not ok:
+                    raise CorruptionError(f"the index entry of table {table_id} block {block} version {v} is a "
+                                          f"delta on version {loc.base}, which has no entry: the index is "
+                                          "damaged; run `cnrstore verify`, then `cnrstore repair`", None, None)
+            else:
+                ok = cur.prev()
 
     def row_entries(self, table_id: int | None = None) -> Iterator[tuple[int, int, int, RowLoc]]:
         """Every (table, block, version, location) of the row index, in key order."""
@@ -197,8 +222,21 @@ class IndexView:
                 t, b, v = ROW_KEY.unpack(cur.key())
                 if table_id is not None and t != table_id:
                     return
-                yield t, b, v, RowLoc._make(ROW_LOC.unpack(cur.value()))
+                yield t, b, v, _row_loc(cur.value())
                 ok = cur.next()
+
+    def block_entries(self, table_id: int, block: int) -> list[tuple[int, RowLoc]]:
+        """(version, location) of every index entry of one block, oldest first."""
+        out = []
+        with self._txn.cursor(db=self._dbs[b"rows"]) as cur:
+            ok = cur.set_range(ROW_KEY.pack(table_id, block, 0))
+            while ok:
+                t, b, v = ROW_KEY.unpack(cur.key())
+                if t != table_id or b != block:
+                    break
+                out.append((v, _row_loc(cur.value())))
+                ok = cur.next()
+        return out
 
     def row_blocks(self, table_id: int) -> Iterator[tuple[int, int]]:
         """(block, version of its oldest record) of every block of the table with an index entry, in
@@ -299,7 +337,7 @@ class IndexWriter(IndexView):
         self._txn.put(VERSION_KEY.pack(segment), _pack({"length": length}), db=self._dbs[b"segments"])
 
     def put_row(self, table_id: int, block: int, version: int, loc: RowLoc) -> None:
-        self._txn.put(ROW_KEY.pack(table_id, block, version), ROW_LOC.pack(*loc), db=self._dbs[b"rows"])
+        self._txn.put(ROW_KEY.pack(table_id, block, version), _row_loc_bytes(loc), db=self._dbs[b"rows"])
 
     def put_dense_name(self, name: str, dense_id: int) -> None:
         self._txn.put(name.encode(), struct.pack(">I", dense_id), db=self._dbs[b"dense_names"])

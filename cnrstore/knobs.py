@@ -38,3 +38,20 @@ WRITEV_BUFFERS = 512
 # Compaction and GC ---------------------------------------------------------------------------------
 #: GC rewrites a sealed segment whose live records fill less than this fraction of it.
 GC_LIVE_FRACTION = 0.5
+#: GC goes on cleaning segments (best cost-benefit score first) while the disk would hold more than this
+#: many times the live bytes (rows some retained version reads) ...
+GC_SPACE_BOUND = 1.15
+#: ... but never cleans a segment more live than this (its copy would cost more than it frees).
+GC_CLEAN_MAX_LIVE = 0.95
+
+# Read chains (format 3) ------------------------------------------------------------------------------
+#: The most records a read of any version walks for one block. A checkpoint whose increment of a block
+#: would make the block's read chain longer writes a cumulative delta instead: the union of the block's
+#: rows written since its baseline (newest value of each; encoded bytes copied, never re-quantized), read
+#: as that record plus the baseline. None: plain increments only (chains grow until compaction).
+READ_CHAIN_BOUND = 3
+#: Once the rows a block's cumulative deltas copied since its baseline reach this fraction of the block,
+#: the next merge writes a new baseline of the block instead (Check-N-Run's reset, per block, on the real
+#: union of changed rows; at 1.0 a ski-rental rule: copies never cost more than twice the best choice):
+#: every row of the block, the untouched ones copied from the old baseline.
+DELTA_RESET_FRACTION = 1.0

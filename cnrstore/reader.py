@@ -44,7 +44,7 @@ class BlockResolver:
         buf = self.segments.read(loc.segment, loc.offset, loc.length)
         rec = record.parse(buf, self.segments.path(loc.segment), loc.offset)
         if (rec.kind != record.KIND_ROWS or rec.object_id != self.table["id"] or rec.count != loc.count
-                or rec.flags != loc.flags or (block is not None and rec.block != block)
+                or rec.flags != loc.flags or rec.base() != loc.base or (block is not None and rec.block != block)
                 or (version is not None and rec.version != version)):
             path = self.segments.path(loc.segment)
             raise CorruptionError(f"record at {path}:{loc.offset} is not the one the index names", path, loc.offset)
@@ -62,6 +62,10 @@ class BlockResolver:
         pieces: list[Piece] = []
         for v, loc in self.view.row_chain(self.table["id"], block, version):
             rec, rows = self._load_rows(loc, block, v)
+            if not rec.count:  # a record GC emptied (every row of it shadowed for every kept version)
+                if rec.flags & record.FLAG_BASELINE:
+                    break
+                continue
             if rec.flags & record.FLAG_FULL:
                 found = remaining < rec.count
                 idx = remaining[found]
@@ -122,20 +126,30 @@ class BlockResolver:
         return rec, rec.body.reshape(rec.count, row_bytes)
 
 
-def unread_versions(entries: list[tuple[int, bool]], kept: list[int]) -> list[int]:
-    """Versions of one block's ``entries`` ((version, is baseline), oldest first) no version in ``kept``
-    (sorted) reads. An entry at v is read by the smallest kept k >= v unless a baseline lies in (v, k]
-    (and then by no later kept version either)."""
-    unread = []
-    next_baseline = None  # version of the nearest baseline newer than the entry looked at
-    for v, is_baseline in reversed(entries):
-        i = bisect.bisect_left(kept, v)
-        reader_version = kept[i] if i < len(kept) else None
-        if reader_version is None or (next_baseline is not None and next_baseline <= reader_version):
-            unread.append(v)
-        if is_baseline:
-            next_baseline = v
-    return unread
+def unread_versions(entries: list[tuple], kept: list[int]) -> list[int]:
+    """Versions of one block's ``entries`` no version in ``kept`` (sorted) reads, oldest first.
+
+    ``entries``: (version, is baseline) or (version, is baseline, delta base) per index entry, oldest
+    first. A kept version k reads the entries of its read chain: from the newest entry at or before k,
+    back to a baseline, jumping from a cumulative delta to the entry at its base version. The walk from
+    an entry on does not depend on where it began, so each entry is walked once: linear in entries,
+    plus one binary search per kept version (vectorized).
+    """
+    if not entries:
+        return []
+    versions = np.fromiter((e[0] for e in entries), dtype=np.int64, count=len(entries))
+    starts = np.unique(np.searchsorted(versions, np.asarray(kept, dtype=np.int64), side="right") - 1)
+    position = {int(v): i for i, v in enumerate(versions.tolist())}
+    read = np.zeros(len(entries), dtype=bool)
+    for i in starts[starts >= 0].tolist():
+        while i is not None and not read[i]:
+            read[i] = True
+            entry = entries[i]
+            if entry[1]:
+                break  # a baseline ends the chain
+            base = entry[2] if len(entry) > 2 else 0
+            i = position.get(base) if base else (i - 1 if i else None)
+    return versions[~read].tolist()
 
 
 #: How many missing row ids a MissingRows message names (the count is always exact).

@@ -3,8 +3,10 @@
 A record is::
 
     header  40 bytes, little-endian (HEADER below)
-    aux     aux_len bytes   ROWS: row offsets in the block, u16 LE, sorted, unique
-                            (absent when FLAG_FULL: the record holds rows 0..count-1)
+    aux     aux_len bytes   ROWS: with FLAG_DELTA, first the base version and the rows copied since
+                            it (u64 LE each); then the row
+                            offsets in the block, u16 LE, sorted, unique (absent when FLAG_FULL:
+                            the record holds rows 0..count-1)
                             DENSE: msgpack {"dtype": str, "shape": [int, ...]}
                             COMMIT, ANCHOR, DROP: empty
     body    body_len bytes  ROWS: count encoded rows of the codec, row after row
@@ -41,7 +43,13 @@ FLAG_BASELINE = 0x1
 FLAG_FULL = 0x2
 #: Written by compaction (a materialized baseline) rather than by a checkpoint.
 FLAG_COMPACTED = 0x4
-_KNOWN_FLAGS = FLAG_BASELINE | FLAG_FULL | FLAG_COMPACTED
+#: Format 3: a cumulative delta. The record holds every row of its block written in (base, version], where
+#: base (u64, first in aux) is the version of a baseline record of the block: a read walking back from here
+#: goes on at the block's record at version base, skipping the records in between.
+FLAG_DELTA = 0x8
+_KNOWN_FLAGS = FLAG_BASELINE | FLAG_FULL | FLAG_COMPACTED | FLAG_DELTA
+#: The head of a DELTA record's aux: base version u64, rows copied by the block's deltas since that base u64.
+BASE = struct.Struct("<QQ")
 
 #: magic, kind u8, codec u8, flags u16, object_id u32, count u32, block u64, version u64,
 #: aux_len u32, body_len u32
@@ -75,11 +83,20 @@ class Record(NamedTuple):
         """Row offsets inside the block (int64, sorted); for a FULL record, 0..count-1."""
         if self.flags & FLAG_FULL:
             return np.arange(self.count, dtype=np.int64)
-        return self.aux.view(OFFSET_DTYPE).astype(np.int64)
+        return self.stored_offsets().astype(np.int64)
 
     def stored_offsets(self) -> np.ndarray:
         """The stored u16 row offsets as a view (no copy); only for records without FLAG_FULL."""
-        return self.aux.view(OFFSET_DTYPE)
+        return self.aux[BASE.size:].view(OFFSET_DTYPE) if self.flags & FLAG_DELTA else self.aux.view(OFFSET_DTYPE)
+
+    def base(self) -> int:
+        """The base version of a cumulative delta (FLAG_DELTA), else 0."""
+        return BASE.unpack_from(self.aux, 0)[0] if self.flags & FLAG_DELTA else 0
+
+    def copied(self) -> int:
+        """Rows the block's deltas copied from older records since the delta's base, this one's included
+        (what merge.py's reset rule weighs against a new baseline); 0 for other records."""
+        return BASE.unpack_from(self.aux, 0)[1] if self.flags & FLAG_DELTA else 0
 
     def dense_descriptor(self) -> dict:
         return msgpack.unpackb(self.aux.tobytes())
@@ -87,16 +104,19 @@ class Record(NamedTuple):
 
 def rows_record(
     codec_id: int, flags: int, object_id: int, block: int, version: int, offsets: np.ndarray | None,
-    body: np.ndarray,
+    body: np.ndarray, base: int = 0, copied: int = 0,
 ) -> tuple[list, int]:
     """Buffers of one ROWS record (header+offsets, body, checksum) and its total length.
 
     ``offsets`` (row offsets in the block, sorted) must be None exactly when ``flags`` has FLAG_FULL;
+    ``base`` (> 0) exactly when ``flags`` has FLAG_DELTA (and then ``copied``, see Record.copied);
     ``body`` is a C-contiguous uint8 ``(count, row_bytes)`` array of the encoded rows. The body is not
     copied: the buffers are written with one gathered write.
     """
     count = body.shape[0]
     aux = b"" if offsets is None else np.ascontiguousarray(offsets, dtype=OFFSET_DTYPE).tobytes()
+    if flags & FLAG_DELTA:
+        aux = BASE.pack(base, copied) + aux
     return _assemble(KIND_ROWS, codec_id, flags, object_id, count, block, version, aux, body)
 
 
@@ -147,7 +167,7 @@ def parse(buf: np.ndarray, path: str, offset: int) -> Record:
         raise CorruptionError(f"bad record header at {path}:{offset}", path, offset)
     if HEADER_BYTES + aux_len + body_len + TRAILER_BYTES != n:
         raise CorruptionError(f"record lengths disagree with its extent at {path}:{offset}", path, offset)
-    if kind == KIND_ROWS and aux_len != (0 if flags & FLAG_FULL else 2 * count):
+    if kind == KIND_ROWS and aux_len != (0 if flags & FLAG_FULL else 2 * count) + (BASE.size if flags & FLAG_DELTA else 0):
         raise CorruptionError(f"record offsets length disagrees with its row count at {path}:{offset}", path, offset)
     aux = buf[HEADER_BYTES : HEADER_BYTES + aux_len]
     body = buf[HEADER_BYTES + aux_len : n - TRAILER_BYTES]

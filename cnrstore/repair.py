@@ -3,7 +3,7 @@
 The log is self-describing: every record is checksummed and names its kind, object, block and version;
 each commit appends a COMMIT record (the version's info, the catalog entries of the tables it wrote, the
 dense ids it wrote, and the count and flags of every block record it wrote); each compaction appends an
-ANCHOR record (the head of every block's read chain at its version, the dense heads and the catalog).
+ANCHOR record (every block's read chain at its version, the dense heads and the catalog).
 
 Repair scans every segment record by record (a bad record is noted and skipped: the scan resumes at
 the next record magic whose checksum holds), then decides which versions are *provably whole*: version
@@ -99,6 +99,21 @@ class _Found:
             elif not is_compacted and (count is None or (loc.count == count and loc.flags == flags)):
                 best = loc  # the later one in log order
         return best
+
+
+def _baseline_at(found: _Found, tid: int, block: int, version: int) -> RowLoc | None:
+    """The baseline record of (tid, block) at ``version`` a delta names as its base: a compacted baseline
+    there, else the checkpoint's record of that block (as its COMMIT record lists it) if a baseline."""
+    loc = found.row(tid, block, version, compacted=True)
+    if loc is not None:
+        return loc
+    commit = found.commits.get(version)
+    if commit is None:
+        return None
+    for block_id, count, flags in _unpack_blocks(commit[0].get("blocks", {}).get(tid, [b"", b"", b""])):
+        if block_id == block and flags & record.FLAG_BASELINE:
+            return found.row(tid, block, version, count, flags)
+    return None
 
 
 def repair(path, progress: Progress | None = None) -> RepairReport:
@@ -214,7 +229,7 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
         found.max_table = max(found.max_table, rec.object_id)
         compacted = bool(rec.flags & record.FLAG_COMPACTED)
         found.rows.setdefault((rec.object_id, rec.block, v), []).append(
-            (RowLoc(seg, pos, length, rec.count, rec.flags), compacted))
+            (RowLoc(seg, pos, length, rec.count, rec.flags, rec.base()), compacted))
         if compacted:
             found.compacted_at.setdefault(v, []).append((rec.object_id, rec.block))
     elif rec.kind == record.KIND_DENSE:
@@ -230,7 +245,10 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
         for info in body.get("catalog", ()):
             found.max_table = max(found.max_table, info["id"])
         if rec.kind == record.KIND_DROP:
-            if found.drop is None or body.get("seq", 0) > found.drop[0].get("seq", 0):
+            # the newest DROP: by seq, then by the newest version it saw (a store repaired by a cnrstore
+            # that did not restore meta drop_seq numbered its later drops from 1 again)
+            if found.drop is None or (body.get("seq", 0), body.get("latest", 0)) > \
+                    (found.drop[0].get("seq", 0), found.drop[0].get("latest", 0)):
                 found.drop = (body, DenseLoc(seg, pos, length))
         elif rec.kind == record.KIND_COMMIT:
             found.seen_versions.add(v)
@@ -344,6 +362,13 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
                         st.blocks[key] = f"the record of table {tname(tid)} block {block} at version {v} is missing"
                     elif flags & record.FLAG_BASELINE:
                         st.blocks[key] = ((v, loc),)
+                    elif loc.base:  # a cumulative delta: read with the baseline at its base only
+                        prev = st.blocks.get(key, st.unknown)
+                        target = [e for e in prev or () if e[0] == loc.base] if not isinstance(prev, str) else []
+                        base_loc = target[0][1] if target else _baseline_at(found, tid, block, loc.base)
+                        st.blocks[key] = ((v, loc), (loc.base, base_loc)) if base_loc is not None else (
+                            f"the baseline of table {tname(tid)} block {block} at version {loc.base} "
+                            f"(the base of version {v}'s delta) is missing")
                     else:
                         prev = st.blocks.get(key, st.unknown)
                         st.blocks[key] = prev if isinstance(prev, str) else ((v, loc),) + (prev or ())
@@ -352,18 +377,37 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
                 st.dense[did] = (v, loc) if loc is not None else \
                     f"the record of dense array {dense_name.get(did, did)!r} at version {v} is missing"
         for tid, block in found.compacted_at.get(v, ()):  # a compacted baseline holds the whole block
-            st.blocks[(tid, block)] = ((v, found.row(tid, block, v, compacted=True)),)
+            loc = found.row(tid, block, v, compacted=True)
+            if not loc.base:
+                st.blocks[(tid, block)] = ((v, loc),)
+            else:  # a delta GC rewrote with its live rows: read with its base
+                base_loc = _baseline_at(found, tid, block, loc.base)
+                st.blocks[(tid, block)] = ((v, loc), (loc.base, base_loc)) if base_loc is not None else (
+                    f"the baseline of table {tname(tid)} block {block} at version {loc.base} "
+                    f"(the base of version {v}'s delta) is missing")
         if v in found.anchors:
             heads: dict[tuple[int, int], tuple] = {}
             dense_heads: dict[int, tuple] = {}
             for body, _loc in found.anchors[v]:
+                listed: dict[tuple[int, int], list] = {}  # a block's read chain at v, newest first
                 for tid, packed in body.get("heads", {}).items():
                     for block, hv, count, flags in _unpack_heads(packed):
-                        loc = found.row(tid, block, hv, compacted=True) if flags & record.FLAG_COMPACTED \
-                            else found.row(tid, block, hv, count, flags)
-                        if loc is not None and (tid, block) not in heads:
-                            heads[(tid, block)] = ((hv, loc),)
-                        heads.setdefault((tid, block), None)
+                        listed.setdefault((tid, block), []).append((hv, count, flags))
+                for (tid, block), entries in listed.items():
+                    if heads.get((tid, block)) is not None:
+                        continue
+                    chain: list | None = []
+                    for hv, count, flags in entries:
+                        loc = None if flags & record.FLAG_COMPACTED else found.row(tid, block, hv, count, flags)
+                        if loc is None:  # compacted, or rewritten by GC with its live rows (compacted too)
+                            loc = found.row(tid, block, hv, compacted=True)
+                        if loc is None:
+                            chain = None
+                            break
+                        chain.append((hv, loc))
+                        if loc.flags & record.FLAG_BASELINE:
+                            break
+                    heads[(tid, block)] = tuple(chain) if chain else None
                 for did, hv in body.get("dense", {}).items():
                     loc = found.dense.get((did, hv))
                     if loc is not None and dense_heads.get(did) is None:
@@ -470,6 +514,8 @@ def _install(root: str, found: _Found, lengths: dict[int, int], plan: _Plan, rep
             w.put_meta("max_deleted_segment", max_seg)
             w.put_meta("segment_ids", {"high": max_seg, "pending": []})
             w.put_meta("dropped_below", plan.floor)
+            if plan.drop is not None:  # later drops are numbered after it (the newest DROP wins)
+                w.put_meta("drop_seq", plan.drop["seq"])
             if plan.last_baseline is not None:
                 w.put_meta("last_baseline", plan.last_baseline)
             for info in plan.tables.values():

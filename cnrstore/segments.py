@@ -216,8 +216,11 @@ class SegmentAppender:
         self.active = self._committed_active
 
     def seal(self) -> None:
-        """Stop appending to the active segment: the next append starts a new one."""
+        """Stop appending to the active segment: the next append starts a new one. With nothing
+        uncommitted, the segment's file is closed too, so that it is no longer ``busy``."""
         self.active = self._committed_active = None
+        if not self.dirty():
+            self._release_fds(keep=None)
 
     def forget(self, segments: list[int]) -> None:
         """Stop tracking segments that left the index (freed by GC; never the active one)."""

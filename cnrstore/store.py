@@ -39,7 +39,8 @@ from .writer import CheckpointWriter, pack_meta
 #: On disk: the format this code writes and the newest it reads. Bump on any incompatible change.
 #: 2: COMMIT / ANCHOR / DROP records and the index's ``log`` database (repair). Format 1 is still read;
 #: a writable open upgrades its marker (docs/FORMAT.md).
-FORMAT_VERSION = 2
+#: 3: cumulative delta records (record.FLAG_DELTA, index ROW_LOC_DELTA). Formats 1 and 2 are still read.
+FORMAT_VERSION = 3
 MARKER_MAGIC = b"CNRSTORE"
 _MARKER_HEAD = struct.Struct("<8sII")  # magic, format version, msgpack length
 
@@ -164,6 +165,7 @@ class Store:
         self._writer: CheckpointWriter | None = None
         self._writer_mutex = threading.Lock()
         self._maintenance_lock = threading.Lock()  # compact, retain, gc: one at a time
+        self._pin_lock = threading.Lock()  # a writer's delta pins against retention (writer._chain_merges)
         self._compactor: BackgroundCompactor | None = None
         self._tables_cache: dict[str, dict] = {}
         self._history_cache: tuple[VersionInfo, ...] | None = None  # see _history
@@ -444,6 +446,12 @@ class Store:
             self._writer = CheckpointWriter(self, version, parent, None if step is None else int(step), meta)
             return self._writer
 
+    def _pinned(self) -> set:
+        """(table id, block, version) of the baselines the open checkpoint's cumulative deltas read.
+        Call with ``_pin_lock`` held."""
+        writer = self._writer
+        return set(writer.pins) if writer is not None else set()
+
     def _writer_done(self, writer: CheckpointWriter) -> None:
         with self._writer_mutex:
             if self._writer is writer:
@@ -573,18 +581,17 @@ class Store:
     def retain(self, keep_last: int) -> list[int]:
         """Drop all but the newest ``keep_last`` versions; returns the dropped versions, oldest first.
 
-        Baselines are materialized at the oldest kept version where needed, so that ``gc`` can reclaim
-        every record only dropped versions read.
+        Nothing is materialized: the index keeps exactly the entries some kept version reads, and ``gc``
+        then reclaims the rest, down to the rows (a record kept versions read only partly is rewritten
+        with those rows). What every kept version reads is unchanged, bit for bit.
         """
         keep_last = validate.positive_int(keep_last, "keep_last")
         self._check_writable()
         with self._maintenance_lock:
             with self._index.read() as view:
-                versions = [v for v, _info in view.versions()]
+                versions = view.version_numbers()
             if len(versions) <= keep_last:
                 return []
-            oldest_kept = versions[-keep_last]
-            compaction.materialize(self, oldest_kept, drop_below=oldest_kept)
             return compaction.drop_versions(self, set(versions[:-keep_last]))
 
     def gc(self, progress=None) -> "compaction.GCReport":
@@ -621,6 +628,10 @@ class Store:
                 "max_read_chain": max_chain,
                 "compaction_errors": self._compactor.failures if self._compactor is not None else 0,
             }
+            increments = view.meta("increment_bytes", stats["bytes_written"])
+        # all bytes appended over the bytes of the checkpoints' own rows; disk over what the index names
+        stats["write_amplification"] = stats["bytes_written"] / increments if increments else None
+        stats["space_amplification"] = stats["bytes_on_disk"] / live if live else None
         return stats
 
     def _disk_bytes(self) -> int:

@@ -23,6 +23,8 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
     """
     report = VerifyReport()
     seg_reader = store._segments
+    with store._pin_lock:  # entries an open checkpoint's deltas will read (writer.pins) are not leftovers
+        pinned = store._pinned()
     with store._index.read() as view:
         committed = view.segments()
         for seg, length in sorted(committed.items()):
@@ -39,9 +41,10 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
                 report.problems.append(str(exc))
         tables = {info["id"]: info for info in view.tables().values()}
         versions = dict(view.versions())
-        unread = _unread_entries(view, sorted(versions))
+        unread = _unread_entries(view, sorted(versions)) - pinned
         total = view.stat()["rows"]["entries"] + view.stat()["dense"]["entries"]
         done = 0
+        block_key, block_baselines = None, set()  # the baselines of the block looked at (entries ascend)
         for tid, block, version, loc in view.row_entries():
             done += 1
             where = f"table id {tid} block {block} version {version}"
@@ -49,6 +52,13 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
             if info is None:
                 report.problems.append(f"index entry {where} names an unknown table")
                 continue
+            if (tid, block) != block_key:
+                block_key, block_baselines = (tid, block), set()
+            if loc.flags & record.FLAG_BASELINE:
+                block_baselines.add(version)
+            if loc.base and loc.base not in block_baselines:
+                report.problems.append(f"index entry {where} is a delta on version {loc.base}, which has no "
+                                       "baseline entry: reads of it fail")
             if (tid, block, version) in unread:
                 report.problems.append(f"index entry {where} is read by no retained version "
                                        "(its version is gone and a baseline shadows it)")
@@ -134,13 +144,13 @@ def _unread_entries(view, kept: list[int]) -> set[tuple[int, int, int]]:
     One pass over the row index, one block's entries held at a time: O(entries log versions)."""
     unread: set[tuple[int, int, int]] = set()
     key = None
-    entries: list[tuple[int, bool]] = []
+    entries: list[tuple[int, bool, int]] = []
     for tid, block, version, loc in view.row_entries():
         if (tid, block) != key:
             if key is not None:
                 unread.update((*key, v) for v in reader.unread_versions(entries, kept))
             key, entries = (tid, block), []
-        entries.append((version, bool(loc.flags & record.FLAG_BASELINE)))
+        entries.append((version, bool(loc.flags & record.FLAG_BASELINE), loc.base))
     if key is not None:
         unread.update((*key, v) for v in reader.unread_versions(entries, kept))
     return unread
@@ -157,8 +167,8 @@ def _check_location(committed: dict[int, int], seg: int, offset: int, length: in
 def _check_rows_record(rec: record.Record, info: dict, block: int, version: int, loc) -> str | None:
     if rec.kind != record.KIND_ROWS or rec.object_id != info["id"] or rec.block != block or rec.version != version:
         return "record does not match its index entry (kind, table, block or version)"
-    if rec.count != loc.count or rec.flags != loc.flags:
-        return "record row count or flags disagree with the index"
+    if rec.count != loc.count or rec.flags != loc.flags or rec.base() != loc.base:
+        return "record row count, flags or delta base disagree with the index"
     try:
         codec = codecs.by_id(rec.codec_id)
     except CnrError:
@@ -169,6 +179,4 @@ def _check_rows_record(rec: record.Record, info: dict, block: int, version: int,
     offsets = rec.offsets()
     if offsets.size and (offsets[-1] >= block_len or (np.diff(offsets) <= 0).any()):
         return "record row offsets are out of range or not strictly increasing"
-    if rec.flags & record.FLAG_BASELINE and not rec.flags & record.FLAG_COMPACTED and rec.count != block_len:
-        return "baseline record does not hold every row of its block"
     return None

@@ -12,6 +12,7 @@ agree, and otherwise both parts are stored as fp32 of their decoded values (exac
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ import msgpack
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, knobs, record, validate
+from . import codecs, fs, knobs, merge, reader, record, validate
 from .commit import commit_log
 from .errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
 from .index import DenseLoc, IndexWriter, RowLoc
@@ -42,6 +43,11 @@ class CheckpointWriter:
         self._bytes = 0
         self._state = "open"  # open | committed | aborted | failed
         self._failure: BaseException | None = None
+        #: (table, block) -> rows (global ids) a merged record of this version carries from older records
+        self._carried: dict[tuple[str, int], np.ndarray] = {}
+        #: (table id, block, version) of the baselines this version's cumulative deltas read: retention
+        #: keeps their entries while the version is being written (compaction.drop_versions)
+        self.pins: set[tuple[int, int, int]] = set()
 
     # context manager --------------------------------------------------------------------------------
     def __enter__(self) -> "CheckpointWriter":
@@ -83,25 +89,30 @@ class CheckpointWriter:
             merge_plans = self._plan_merges(table, info, rows, values, blocks, merging, chosen)
         fresh = ~merging if merging is not None else slice(None)
         before = dict(pending) if table in self._rows else None
-        try:
-            groups = _codec_groups(chosen, rows[fresh], values[fresh], shift,
-                                   value_range if merging is None else None)
-            for group_codec, g_rows, g_values in groups:
-                for start, stop in _chunks(g_rows >> shift, knobs.ENCODE_CHUNK_ROWS):
-                    encoded = group_codec.encode(g_values[start:stop], check=False)
-                    self._append(table, block_records(info, group_codec, g_rows[start:stop], encoded, self.version))
-            for merged_codec, m_rows, encoded in merge_plans:
-                self._append(table, block_records(info, merged_codec, m_rows, encoded, self.version))
-        except InvalidArgument:
-            # what this call appended is unreferenced: the version is as it was before the call
-            if before is None:
-                self._rows.pop(table, None)
-            else:
-                self._rows[table] = before
-            raise
-        except BaseException as exc:
-            self._fail(exc)
-            raise
+        with contextlib.ExitStack() as stack:
+            try:
+                # blocks whose read chain would outgrow knobs.READ_CHAIN_BOUND: a cumulative delta (merge.py)
+                chain_merges, resolver = self._chain_merges(stack, info, blocks[fresh])
+                groups = _codec_groups(chosen, rows[fresh], values[fresh], shift,
+                                       value_range if merging is None else None)
+                for group_codec, g_rows, g_values in groups:
+                    for start, stop in _chunks(g_rows >> shift, knobs.ENCODE_CHUNK_ROWS):
+                        encoded = group_codec.encode(g_values[start:stop], check=False)
+                        self._append_fresh(table, info, group_codec, g_rows[start:stop], encoded, chain_merges,
+                                           resolver)
+                for merged_codec, m_rows, encoded, base, copied, complete in merge_plans:
+                    self._append(table, block_records(info, merged_codec, m_rows, encoded, self.version, base=base,
+                                                      copied=copied, baseline=complete), base)
+            except InvalidArgument:
+                # what this call appended is unreferenced: the version is as it was before the call
+                if before is None:
+                    self._rows.pop(table, None)
+                else:
+                    self._rows[table] = before
+                raise
+            except BaseException as exc:
+                self._fail(exc)
+                raise
 
     def put_dense(self, name: str, array) -> None:
         """Store ``array`` (numpy array or torch tensor) exactly, as dense array ``name`` of this version."""
@@ -146,6 +157,7 @@ class CheckpointWriter:
                 "bytes": self._bytes,
             }
             table_ids = {name: store._table_record(name)["id"] for name in self._rows}
+            increment = self._increment_bytes()
             # the version's catalog facts travel in the log too, so that repair can rebuild the index
             buffers, length = record.log_record(record.KIND_COMMIT, self.version,
                                                 commit_body(store, self.version, info, self._rows, self._dense))
@@ -167,6 +179,9 @@ class CheckpointWriter:
             w.put_log(record.KIND_COMMIT, self.version, commit_loc)
             w.put_version(self.version, info)
             w.put_meta("bytes_written", w.meta("bytes_written", 0) + self._bytes)
+            # (a store written before this counter existed counts its earlier bytes as increments)
+            w.put_meta("increment_bytes", w.meta("increment_bytes", w.meta("bytes_written", 0) - self._bytes)
+                       + increment)
 
         # fsync, StoreMoved check, one index transaction; on failure self._fail rolls the version back
         commit_log(store, store._appender, True, update, after_append="after_append", after_fsync="after_fsync",
@@ -203,16 +218,83 @@ class CheckpointWriter:
             self._store._appender.rollback()
             self._store._writer_done(self)  # the store may start a new checkpoint at once
 
-    def _append(self, table: str, records: list) -> None:
-        """Append records (one gathered write per batch) and note where each lies."""
+    def _append(self, table: str, records: list, base: int = 0) -> None:
+        """Append records (one gathered write per batch) and note where each lies (``base``: of the
+        cumulative deltas among them)."""
         locations = self._store._appender.append_many([(buffers, length) for _key, buffers, length in records])
         blocks = self._rows.setdefault(table, {})
         for ((block, count, flags), _buffers, length), (seg, off) in zip(records, locations):
-            blocks[block] = RowLoc(seg, off, length, count, flags)
+            blocks[block] = RowLoc(seg, off, length, count, flags, base if flags & record.FLAG_DELTA else 0)
             self._bytes += length
 
+    def _increment_bytes(self) -> int:
+        """Bytes this version's records would take holding only the rows put in it (what the trainer's
+        increment costs; the denominator of stats()["write_amplification"]). A merged record counts as a
+        record of its own rows, with offsets."""
+        total = self._bytes
+        for (table, block), carried in self._carried.items():
+            loc = self._rows[table][block]
+            if not carried.size:
+                continue
+            aux = (0 if loc.flags & record.FLAG_FULL else 2 * loc.count) + (record.BASE.size if loc.base else 0)
+            row_bytes = (loc.length - record.HEADER_BYTES - record.TRAILER_BYTES - aux) // max(1, loc.count)
+            own = loc.count - carried.size
+            total -= loc.length - (record.HEADER_BYTES + record.TRAILER_BYTES + own * (row_bytes + 2))
+        return total
+
+    def _chain_merges(self, stack: contextlib.ExitStack, info: dict, blocks: np.ndarray):
+        """({block: merge.ChainMerge} of the fresh ``blocks`` whose chain needs a merge, and a resolver
+        reading within an index read transaction held by ``stack`` while the merges load records).
+
+        The delta bases are pinned (``pins``) in the same critical section as the chain is read, so that
+        a concurrent retention cannot drop the entries this version's deltas will read."""
+        if knobs.READ_CHAIN_BOUND is None or self._parent is None or not blocks.size:
+            return {}, None
+        store = self._store
+        found = {}
+        with store._pin_lock:
+            view = stack.enter_context(store._index.read())
+            for block in np.unique(blocks).tolist():
+                plan = merge.chain_merge(view, info["id"], block, self._parent)
+                if plan is not None:
+                    found[block] = plan
+                    if plan.baseline is not None:
+                        self.pins.add((info["id"], block, plan.baseline[0]))
+        return found, reader.BlockResolver(view, store._segments, info)
+
+    def _append_fresh(self, table: str, info: dict, codec, rows: np.ndarray, encoded: np.ndarray,
+                      chain_merges: dict, resolver) -> None:
+        """Append records of rows of blocks this version had not written: plain increments, and for the
+        blocks in ``chain_merges`` a cumulative delta (or new baseline) merged with the older chain."""
+        if not chain_merges:
+            self._append(table, block_records(info, codec, rows, encoded, self.version))
+            return
+        shift = blocks_math.shift(info["block_rows"])
+        blocks = rows >> shift
+        keys = np.fromiter(chain_merges, dtype=np.int64, count=len(chain_merges))
+        merged = np.isin(blocks, keys)
+        if (~merged).any():
+            self._append(table, block_records(info, codec, rows[~merged], encoded[~merged], self.version))
+        m_rows, m_encoded, m_blocks = rows[merged], encoded[merged], blocks[merged]
+        starts, bounds = blocks_math.runs(m_blocks)
+        for i, start in enumerate(starts.tolist()):
+            stop = int(bounds[i + 1])
+            block = int(m_blocks[start])
+            first = blocks_math.base(block, info["block_rows"])
+            block_len = blocks_math.length(block, info["block_rows"], info["num_rows"])
+            m = merge.merge_block(resolver, block, block_len, chain_merges[block], codec, m_rows[start:stop] - first,
+                                  m_encoded[start:stop])
+            self._append(table, block_records(info, m.codec, m.offsets + first, m.encoded, self.version,
+                                              base=m.base, copied=m.copied, baseline=not m.base), m.base)
+            fs.crash_point("after_delta_merge")  # a merged record appended, the version not committed
+            if m.carried.size:
+                self._carried[(table, block)] = m.carried + first
+            if not m.base and chain_merges[block].baseline is not None:  # a new baseline reads no older record
+                self.pins.discard((info["id"], block, chain_merges[block].baseline[0]))
+
     def _plan_merges(self, table, info, rows, values, blocks, merging, codec) -> list:
-        """For blocks this version already wrote: (codec, merged rows, merged encoded rows) per block.
+        """For blocks this version already wrote: (codec, merged rows, merged encoded rows, delta base,
+        rows copied since it, whether a baseline) per block: a merged record keeps the kind (delta, baseline) of the earlier one.
 
         Raises InvalidArgument (before anything is written) if a row was already put in this version.
         """
@@ -228,12 +310,20 @@ class CheckpointWriter:
             old = store._load_pending(self._rows[table][block], info)
             old_rows = old.offsets() + base
             new_rows, new_values = m_rows[start:stop], m_values[start:stop]
-            dup = np.intersect1d(old_rows, new_rows)
+            keep = None
+            carried = self._carried.get((table, block))
+            if carried is not None:  # rows the record carries from older versions: this put may override them
+                keep = ~np.isin(old_rows, np.intersect1d(carried, new_rows, assume_unique=True))
+                dup = np.intersect1d(np.setdiff1d(old_rows, carried, assume_unique=True), new_rows)
+            else:
+                dup = np.intersect1d(old_rows, new_rows)
             if dup.size:
                 raise InvalidArgument(f"row {int(dup[0])} of table {table!r} is put twice in version "
                                       f"{self.version}; rows must be unique within a version")
             old_codec = codecs.by_id(old.codec_id)
             old_encoded = old.body.reshape(old.count, old_codec.row_bytes(dim))
+            if keep is not None and not keep.all():
+                old_rows, old_encoded = old_rows[keep], old_encoded[keep]
             new_codec = _codec_for(codec, new_values)
             if new_codec is old_codec:
                 merged_codec = old_codec
@@ -244,7 +334,10 @@ class CheckpointWriter:
                 encoded = merged_codec.encode(np.concatenate(parts), check=False)
             all_rows = np.concatenate([old_rows, new_rows])
             order = np.argsort(all_rows, kind="stable")
-            plans.append((merged_codec, all_rows[order], np.ascontiguousarray(encoded[order])))
+            plans.append((merged_codec, all_rows[order], np.ascontiguousarray(encoded[order]), old.base(),
+                          old.copied(), bool(old.flags & record.FLAG_BASELINE)))
+            if carried is not None:
+                self._carried[(table, block)] = np.setdiff1d(carried, new_rows, assume_unique=True)
         return plans
 
 
@@ -264,12 +357,14 @@ def commit_body(store: "Store", version: int, info: dict, rows: dict, dense: dic
 
 
 def block_records(info: dict, codec, rows: np.ndarray, encoded: np.ndarray, version: int, *,
-                  compacted: bool = False) -> list:
+                  compacted: bool = False, base: int = 0, copied: int = 0, baseline: bool = False) -> list:
     """One ROWS record per block of ``rows`` (sorted, unique; ``encoded`` aligned with them).
 
     Returns ((block, count, flags), buffers, length) per record; the buffers are views, not copies. A
     record holding every row of its block is a baseline. With ``compacted``, every record is a
-    (compacted) baseline: it holds every row written to its block at or before ``version``.
+    (compacted) baseline: it holds every row written to its block at or before ``version``. With
+    ``base`` (rows of one block, merge.py), a record that is not a baseline is a cumulative delta on the
+    baseline at version ``base`` (record.FLAG_DELTA).
     """
     block_rows, num_rows = info["block_rows"], info["num_rows"]
     shift = blocks_math.shift(block_rows)
@@ -278,23 +373,25 @@ def block_records(info: dict, codec, rows: np.ndarray, encoded: np.ndarray, vers
     stops = bounds[1:]
     counts = stops - starts
     bases = blocks[starts] << shift
+    complete = baseline
     baseline = counts == blocks_math.lengths(bases, block_rows, num_rows)
     full = baseline | (rows[stops - 1] - bases == counts - 1)  # rows 0..count-1: no offsets needed
     sizes = record.HEADER_BYTES + record.TRAILER_BYTES + np.where(full, 0, 2 * counts) + counts * encoded.shape[1]
     if sizes.max() > knobs.MAX_RECORD_BYTES:
         raise InvalidArgument(f"a block of table {info['name']!r} encodes to {int(sizes.max())} bytes, more "
                               "than a record holds; create the table with a smaller block_rows")
-    if compacted:
+    if compacted or complete:
         baseline = np.ones_like(baseline)
     flags = (np.where(full, record.FLAG_FULL, 0) | np.where(baseline, record.FLAG_BASELINE, 0)
-             | (record.FLAG_COMPACTED if compacted else 0))
+             | (record.FLAG_COMPACTED if compacted else 0) | np.where(~baseline & bool(base), record.FLAG_DELTA, 0))
     records = []
-    for start, stop, base, flag, is_full in zip(starts.tolist(), stops.tolist(), bases.tolist(),
-                                                flags.tolist(), full.tolist()):
-        offsets = None if is_full else rows[start:stop] - base
-        buffers, length = record.rows_record(codec.codec_id, flag, info["id"], base >> shift, version,
-                                             offsets, encoded[start:stop])
-        records.append(((base >> shift, stop - start, flag), buffers, length))
+    for start, stop, first, flag, is_full in zip(starts.tolist(), stops.tolist(), bases.tolist(),
+                                                 flags.tolist(), full.tolist()):
+        offsets = None if is_full else rows[start:stop] - first
+        buffers, length = record.rows_record(codec.codec_id, flag, info["id"], first >> shift, version,
+                                             offsets, encoded[start:stop], base if flag & record.FLAG_DELTA else 0,
+                                             copied)
+        records.append(((first >> shift, stop - start, flag), buffers, length))
     return records
 
 

@@ -28,8 +28,11 @@ def _check(store, expected):
     assert store.verify().ok
 
 
-@pytest.mark.parametrize("policy", ["auto", CompactionPolicy(materialize=MaxChain(2))])
-def test_background_materialization_bounds_chains_and_keeps_reads(store_path, policy):
+@pytest.mark.parametrize("policy,bound", [("auto", None), (CompactionPolicy(materialize=MaxChain(2)), 3)])
+def test_background_materialization_bounds_chains_and_keeps_reads(store_path, policy, bound, monkeypatch):
+    """"auto" with the writer's chain bound off (plain increments) materializes Check-N-Run's intermittent
+    baselines in the background; an explicit rule materializes beside the bound."""
+    monkeypatch.setattr(cnrstore.knobs, "READ_CHAIN_BOUND", bound)
     rng = np.random.default_rng(3)
     with cnrstore.open(store_path, create=True, compaction=policy) as store:
         store.create_table("e", 4000, 8, codec="int4", block_rows=1024)
@@ -39,6 +42,20 @@ def test_background_materialization_bounds_chains_and_keeps_reads(store_path, po
         assert len(store.versions()) == 12  # no retention: every version kept
         _check(store, expected)
     with cnrstore.open(store_path) as store:  # and after a restart
+        _check(store, expected)
+
+
+def test_auto_with_the_chain_bound_writes_nothing_in_the_background(store_path):
+    """With the writer's read-chain bound (the default) "auto" materializes nothing: the writer applies the
+    reset rule per block, every chain stays within the bound and the compactor appends no byte."""
+    rng = np.random.default_rng(3)
+    with cnrstore.open(store_path, create=True, compaction="auto") as store:
+        store.create_table("e", 4000, 8, codec="int4", block_rows=1024)
+        expected = _write(store, rng, 12)
+        assert store._compactor.errors == [] and store._compactor.steps == 0
+        st = store.stats()
+        assert st["max_read_chain"] <= cnrstore.knobs.READ_CHAIN_BOUND
+        assert st["bytes_written"] == sum(v.bytes for v in store.versions())
         _check(store, expected)
 
 

@@ -5,7 +5,7 @@ server) runs compact / retain / gc / checkpoints on a prepared store and dies by
 
 - at each named crash point of compaction and GC (``compact_after_append``,
   ``compact_inside_index_commit``, ``gc_after_append``, ``gc_inside_index_commit``), reached through
-  ``compact``, through the materialization inside ``retain``, and through ``gc``;
+  ``compact``, through ``retain``'s drop, and through ``gc``'s cleaning;
 - at random instants of a loop of checkpoint + compact + retain + gc.
 
 After each crash: the set of versions is the one before the operation in flight or the one after it
@@ -149,8 +149,9 @@ NAMED = [
     ("compact_after_append", [["compact", None]], "before"),
     ("compact_after_append", [["compact", 4]], "before"),
     ("compact_inside_index_commit", [["compact", 5]], "before"),
-    ("compact_after_append", [["retain", 3]], "before"),  # inside retain's materialization
-    ("compact_inside_index_commit", [["retain", 3]], "before"),
+    ("drop_after_append", [["retain", 3]], "before"),  # retain's DROP record appended, not committed
+    ("drop_inside_index_commit", [["retain", 3]], "before"),
+    ("gc_cleaned_segment", [["retain", 3], ["gc", None]], "after"),  # live rows copied, not committed
     ("gc_after_append", [["retain", 3], ["gc", None]], "after"),
     ("gc_inside_index_commit", [["retain", 3], ["gc", None]], "after"),
 ]

@@ -62,8 +62,9 @@ class Built:
         self.expect: dict[int, dict[str, np.ndarray]] = {}
         self.written: dict[tuple[str, int, int], set[int]] = {}  # (table, block, version) -> offsets
         state = {t: np.full((n, d), np.nan, np.float32) for t, (n, d, _c, _b) in TABLES.items()}
-        old = knobs.SEGMENT_BYTES
+        old, old_bound = knobs.SEGMENT_BYTES, knobs.READ_CHAIN_BOUND
         knobs.SEGMENT_BYTES = 3000  # several segments; a version's records straddle rolls
+        knobs.READ_CHAIN_BOUND = None  # plain increments: read chains as this file's model computes them
         try:
             with cnrstore.open(path, create=True) as store:
                 for t, (n, d, c, b) in TABLES.items():
@@ -88,7 +89,7 @@ class Built:
                                 ck.put_dense(name, _dense_value(name, v))
                     self.expect[v] = {t: a.copy() for t, a in state.items()}
         finally:
-            knobs.SEGMENT_BYTES = old
+            knobs.SEGMENT_BYTES, knobs.READ_CHAIN_BOUND = old, old_bound
         self.rows, self.dense = locate(path)
         assert len({loc.segment for loc in self.rows.values()}) >= 3, "the template spans several segments"
 

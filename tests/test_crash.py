@@ -2,7 +2,7 @@
 
 Three kinds of crash:
 
-- named crash points (``CNRSTORE_CRASH_AT``: after_append, after_fsync, inside_index_commit) in a
+- named crash points (``CNRSTORE_CRASH_AT``: after_append, after_fsync, inside_index_commit, after_delta_merge) in a
   writer subprocess, which dies by SIGKILL there with some versions acknowledged behind it;
 - SIGKILL of a writer subprocess at random instants while it commits versions continuously, over
   several crash/recover cycles of one store, with small segments so crashes land on segment rolls;
@@ -40,7 +40,7 @@ _spec = importlib.util.spec_from_file_location("crash_writer", WRITER)
 cw = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cw)
 
-CRASH_POINTS = ["after_append", "after_fsync", "inside_index_commit"]
+CRASH_POINTS = ["after_append", "after_fsync", "inside_index_commit", "after_delta_merge"]
 #: The writer subprocesses run FBGEMM single-threaded: on a loaded 2-core machine, OpenMP barriers
 #: make each small encode call ~500x slower, which would only cost wall time here.
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

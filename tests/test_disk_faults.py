@@ -336,6 +336,8 @@ def _segment_census(s):
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
         for *_k, loc in view.dense_entries():
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
+        for *_k, loc in view.log_entries():  # COMMIT / ANCHOR / DROP records repair needs
+            live[loc.segment] = live.get(loc.segment, 0) + loc.length
     busy = s._appender.busy() | {s._compaction_appender.active}
     dead = [g for g in committed if g not in busy and not live.get(g)]
     under = [g for g in committed if g not in busy and live.get(g) and
@@ -367,7 +369,9 @@ def test_gc_on_full_disk_reclaims_dead_segments_and_finishes_later(store_path, m
     fs.full = False  # space returns: a second gc finishes the job
     report = s.gc()
     assert report.incomplete is None
-    assert report.segments_rewritten == 1 and report.bytes_copied > 0 and report.segments_deleted == 1
+    # the under-full segment, and any other the space bound (knobs.GC_SPACE_BOUND) makes worth cleaning
+    assert report.segments_rewritten >= 1 and report.bytes_copied > 0
+    assert report.segments_deleted == report.segments_rewritten
     assert _segment_census(s) == ([], [])
     assert state(s) == before and s.read_dense("d").tobytes() == dense
     assert s.verify().ok

@@ -21,7 +21,7 @@ def test_golden_store_reads_as_written(fmt, tmp_path):
     expected = np.load(os.path.join(src, "expected.npz"))
     with cnrstore.open(path, readonly=True) as store:
         versions = [v.version for v in store.versions()]
-        assert versions == [1, 2]
+        assert versions == ([1, 2] if fmt in ("format1", "format2") else [1, 2, 3, 4])
         assert store.versions()[1].meta == {"loader_pos": 9}
         for key in expected.files:
             v, name = key.split("/")
@@ -30,6 +30,10 @@ def test_golden_store_reads_as_written(fmt, tmp_path):
             assert got.dtype == expected[key].dtype
             assert np.array_equal(got.view(np.uint8), expected[key].view(np.uint8)), key
         assert store.verify().ok
+        if fmt not in ("format1", "format2"):  # format 3: version 4 is read through cumulative deltas
+            with store._index.read() as view:
+                flags = [loc.flags for _t, _b, v, loc in view.row_entries() if v == 4]
+            assert any(f & cnrstore.record.FLAG_DELTA for f in flags)
 
 
 def test_golden_store_opens_for_writing(tmp_path):

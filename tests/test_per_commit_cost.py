@@ -264,6 +264,7 @@ def _chain_entries_read(store_path, versions, monkeypatch):
     """Row-index entries block_chains reads at the newest of ``versions`` (a baseline every 5)."""
     from cnrstore.index import IndexView
 
+    monkeypatch.setattr(cnrstore.knobs, "READ_CHAIN_BOUND", None)  # plain increments: chains of 4
     with cnrstore.open(store_path, create=True) as store:
         store.create_table("e", 32, 2, codec="fp32", block_rows=16)
         for i in range(versions):

@@ -297,6 +297,7 @@ def _linear_store(path, monkeypatch) -> None:
     """v1 a full baseline of table t, then v2..v5 each an increment of block 0 only, in small segments
     (one version per segment); dense array 'd' at every version."""
     monkeypatch.setattr(cnrstore.knobs, "SEGMENT_BYTES", 64)  # every append after the first starts a segment
+    monkeypatch.setattr(cnrstore.knobs, "READ_CHAIN_BOUND", None)  # plain increments: a linear chain
     with cnrstore.open(path, create=True) as s:
         s.create_table("t", num_rows=64, dim=4, codec="fp32", block_rows=16)
         for v in range(1, 6):
@@ -423,7 +424,7 @@ def test_format1_store_reads_and_a_writable_open_upgrades_its_marker(tmp_path):
         assert any("upgraded" in n for n in s.recovery_notes)
         with s.checkpoint(step=3) as ck:
             ck.put_rows("t_int4", [1], np.ones((1, 7), np.float32))
-    assert _read_marker(str(path)) == cnrstore.FORMAT_VERSION == 2
+    assert _read_marker(str(path)) == cnrstore.FORMAT_VERSION == 3
     with cnrstore.open(path) as s:
         assert s.verify().ok
 
@@ -494,3 +495,29 @@ def test_repair_reports_progress(tmp_path):
     cnrstore.repair(path, progress=lambda done, total: calls.append((done, total)))
     assert calls and calls[-1][0] == calls[-1][1] > 0
     assert all(d <= t for d, t in calls)
+
+
+def test_drops_after_a_repair_stay_dropped_through_the_next_repair(tmp_path):
+    """Repair restores meta drop_seq, so a later drop's DROP record is the newest one, and a second repair
+    leaves every version dropped since dropped (retain writes no ANCHOR any more to mask it)."""
+    path = tmp_path / "s"
+    with cnrstore.open(path, create=True) as s:
+        s.create_table("t", num_rows=16, dim=2, codec="fp32", block_rows=16)
+        for v in range(1, 3):
+            with s.checkpoint(step=v) as ck:
+                ck.put_rows("t", np.arange(16), np.full((16, 2), v, np.float32))
+        assert s.retain(keep_last=1) == [1]
+        s.gc()
+    assert cnrstore.repair(path).ok
+    with cnrstore.open(path) as s:
+        for v in range(3, 5):
+            with s.checkpoint(step=v) as ck:
+                ck.put_rows("t", np.arange(16) if v == 3 else [0], np.full((16 if v == 3 else 1, 2), v, np.float32))
+        assert s.retain(keep_last=1) == [2, 3]
+        s.gc()
+    report = cnrstore.repair(path)
+    assert report.ok, report.versions_lost
+    assert report.versions_recovered == [4]
+    with cnrstore.open(path, readonly=True) as s:
+        assert [v.version for v in s.versions()] == [4]
+        assert s.read_rows("t", [0, 1]).tolist() == [[4.0, 4.0], [3.0, 3.0]]

@@ -1140,7 +1140,11 @@ def test_segment_rolling(store_path, monkeypatch):
 
 
 # 9. stats -------------------------------------------------------------------------------------------
-def test_stats(store):
+@pytest.mark.parametrize("bound", [None, 3])
+def test_stats(store, monkeypatch, bound):
+    """With plain increments (bound None) read chains grow by one per version; with the default bound of
+    3 a checkpoint writes a cumulative delta once a block's chain would outgrow it (merge.py)."""
+    monkeypatch.setattr(knobs, "READ_CHAIN_BOUND", bound)
     st = store.stats()
     for key in ("bytes_written", "bytes_on_disk", "live_bytes", "versions", "max_read_chain"):
         assert key in st
@@ -1158,7 +1162,7 @@ def test_stats(store):
             if i == 1:
                 ck.put_dense("d", np.zeros(100))
         chains.append(store.stats()["max_read_chain"])
-    assert chains == [2, 3, 4, 5]
+    assert chains == ([2, 3, 4, 5] if bound is None else [2, 3, 3, 3])
     st = store.stats()
     infos = store.versions()
     assert st["versions"] == len(infos) == 5
@@ -1168,7 +1172,7 @@ def test_stats(store):
     # a full rewrite of the block on top resets the chain of block 0 but not of block 1
     with store.checkpoint() as ck:
         ck.put_rows("emb", np.arange(64), rand(64, seed=9))
-    assert store.stats()["max_read_chain"] == 5
+    assert store.stats()["max_read_chain"] == (5 if bound is None else 3)
     assert store.stats()["bytes_written"] == sum(v.bytes for v in store.versions())
     store.close()
     with cnrstore.open(store.path, readonly=True) as ro:

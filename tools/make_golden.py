@@ -1,6 +1,7 @@
 """Write the golden store of the current format version under tests/data/format<N>/ (run once per format).
 
-The store holds one table per codec, two versions (a baseline and an increment), dense arrays and meta.
+The store holds one table per codec, two versions (a baseline and an increment), dense arrays and meta;
+from format 3 on, two more increments, the second of which is written as cumulative deltas.
 Beside it, expected.npz holds what each version must read as, decoded when the store was written, so
 tests/test_golden.py fails if a later cnrstore reads the old bytes differently.
 """
@@ -37,6 +38,11 @@ def main() -> None:
             for name in store.tables():
                 ck.put_rows(name, rows, rng.standard_normal((rows.size, 7)).astype(np.float32) * 3)
             ck.put_dense("dense", dense * 2)
+        if cnrstore.FORMAT_VERSION >= 3:  # a chain of three at version 3, so version 4 writes deltas
+            for step, rows in ((30, np.array([1, 6, 33])), (40, np.array([2, 5, 64]))):
+                with store.checkpoint(step=step, meta={"loader_pos": step // 2}) as ck:
+                    for name in store.tables():
+                        ck.put_rows(name, rows, rng.standard_normal((rows.size, 7)).astype(np.float32))
         for v in store.versions():
             for name in store.tables():
                 expected[f"v{v.version}/{name}"] = store.read_table(name, v.version)

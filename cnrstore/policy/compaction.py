@@ -164,13 +164,24 @@ class Plan:
     collect: bool = False
 
 
+def default_materialize() -> MaterializeRule | None:
+    """The materialize rule of ``CompactionPolicy()``: none while the writer bounds read chains
+    (``knobs.READ_CHAIN_BOUND``, the default: it applies Check-N-Run's reset rule itself, per block, on the
+    real union of changed rows — cnrstore/merge.py — so background baselines would only add writes);
+    ``IntermittentRule()`` on the log's growth when the bound is off (None)."""
+    from .. import knobs
+
+    return None if knobs.READ_CHAIN_BOUND is not None else IntermittentRule()
+
+
 @dataclass(frozen=True)
 class CompactionPolicy:
     """What ``open(compaction=...)`` takes: a materialize rule, an optional retention, and whether to
     garbage-collect after dropping or materializing. ``"auto"`` is ``CompactionPolicy()``: the paper's
-    intermittent rule, every version kept, GC on."""
+    intermittent rule (per block in the writer, or in the background with the chain bound off; see
+    ``default_materialize``), every version kept, GC on."""
 
-    materialize: MaterializeRule | None = field(default_factory=IntermittentRule)
+    materialize: MaterializeRule | None = field(default_factory=default_materialize)
     retention: Retention | None = None
     gc: bool = True
 

@@ -1,0 +1,121 @@
+"""Row-level liveness: which rows of each row record some retained version still reads.
+
+A retained version k reads, for each block, the records of its read chain (from the newest entry at or
+before k back to a baseline, jumping from a cumulative delta to its base), and from each record only the
+rows no record before it in the chain holds. A record's *live rows* are the union of those over every
+retained version whose chain visits it. A record whose live rows are fewer than its rows holds dead
+bytes: GC rewrites it with its live rows only (an LSM merge, bytes copied), under the same index key.
+
+What a version reads is unchanged by that rewrite: each retained reader takes from the record exactly
+the rows that are kept, and finds the others in the same records as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from . import blocks as blocks_math
+from . import record
+from .index import IndexView, RowLoc
+
+
+@dataclass
+class Liveness:
+    """``partial``: (table id, block, version) -> sorted block offsets of the live rows of a row record
+    that holds dead rows too (records not listed are wholly live or not read at all); ``live_bytes``:
+    segment -> bytes of live data in it, a partial record counted for its live rows only."""
+
+    partial: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict)
+    live_bytes: dict[int, int] = field(default_factory=dict)
+
+
+def row_liveness(view: IndexView, load: Callable[[RowLoc], record.Record], kept: Iterable[int],
+                 pinned: set = frozenset()) -> Liveness:
+    """Liveness of every row record the index names, for the retained versions ``kept``.
+
+    ``load(loc)`` returns the checksum-verified record at ``loc`` (only records that some chain visits
+    past its head are loaded: their rows are needed to know what they shadow). Entries in ``pinned``
+    (bases an open checkpoint's deltas will read) count as wholly live. One pass over the row index;
+    each record is visited once per distinct chain through it (at most the read-chain bound).
+    """
+    kept_arr = np.asarray(sorted(kept), dtype=np.int64)
+    tables = {info["id"]: info for info in view.tables().values()}
+    result = Liveness()
+    block_key = None
+    entries: list[tuple[int, RowLoc]] = []
+
+    def flush():
+        if block_key is not None:
+            _block(result, tables[block_key[0]], block_key, entries, kept_arr, load, pinned)
+
+    for tid, block, version, loc in view.row_entries():
+        if (tid, block) != block_key:
+            flush()
+            block_key, entries = (tid, block), []
+        entries.append((version, loc))
+    flush()
+    return result
+
+
+def _block(result: Liveness, info: dict | None, key: tuple[int, int], entries: list, kept: np.ndarray,
+           load, pinned) -> None:
+    tid, block = key
+    versions = np.fromiter((v for v, _loc in entries), dtype=np.int64, count=len(entries))
+    starts = np.unique(np.searchsorted(versions, kept, side="right") - 1)
+    starts = starts[starts >= 0].tolist()
+    position = {v: i for i, v in enumerate(versions.tolist())}
+    chains = []
+    for i in starts:  # each distinct read chain of a kept version, newest record first
+        chain = []
+        while i is not None:
+            chain.append(i)
+            v, loc = entries[i]
+            if loc.flags & record.FLAG_BASELINE:
+                break
+            i = position.get(loc.base) if loc.base else (i - 1 if i else None)
+        chains.append(chain)
+    read = {i for chain in chains for i in chain}
+    live: dict[int, np.ndarray | None] = {}  # entry -> live offsets, None = wholly live
+    heads = {chain[0] for chain in chains}
+    for i, (v, _loc) in enumerate(entries):
+        if (tid, block, v) in pinned:
+            read.add(i)
+    for i in range(len(entries)):
+        if i not in read:
+            live[i] = None  # no kept version reads it (drop_versions deletes such entries): never freed here
+    for i in read:
+        if i in heads or (tid, block, entries[i][0]) in pinned or info is None:
+            live[i] = None  # a chain's head: every row of it is read
+    if any(i not in live for i in read):
+        block_len = blocks_math.length(block, info["block_rows"], info["num_rows"])
+        offsets: dict[int, np.ndarray] = {}
+
+        def rows_of(i):
+            if i not in offsets:
+                offsets[i] = load(entries[i][1]).offsets()
+            return offsets[i]
+
+        for chain in chains:
+            if all(live.get(i, 0) is None for i in chain):
+                continue
+            covered = np.zeros(block_len, dtype=bool)
+            for i in chain:
+                rows = rows_of(i)
+                if live.get(i, 0) is not None:
+                    fresh = rows[~covered[rows]]
+                    live[i] = fresh if i not in live else np.union1d(live[i], fresh)
+                covered[rows] = True
+        for i, rows in list(live.items()):
+            if rows is not None and rows.size == entries[i][1].count:
+                live[i] = None
+    for i, rows in live.items():
+        v, loc = entries[i]
+        if rows is None:
+            result.live_bytes[loc.segment] = result.live_bytes.get(loc.segment, 0) + loc.length
+        else:
+            result.partial[(tid, block, v)] = rows
+            share = loc.length * rows.size // max(1, loc.count)
+            result.live_bytes[loc.segment] = result.live_bytes.get(loc.segment, 0) + share
