@@ -13,22 +13,22 @@ from .errors import CnrError
 from .types import VerifyReport
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .engine import Engine
 
 
-def verify_store(store: "Store", progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check the store; damage is reported in ``problems``, never raised.
 
     ``progress(done, total)`` is called as index entries are checked (for progress bars).
     """
     report = VerifyReport()
-    seg_reader = store._segments
-    with store._pin_lock:  # entries an open checkpoint's deltas will read (writer.pins) are not leftovers
-        pinned = store._pinned()
-    with store._index.read() as view:
+    seg_reader = engine.segments
+    with engine.pin_lock:  # entries an open checkpoint's deltas will read (writer.pins) are not leftovers
+        pinned = engine.pinned()
+    with engine.index.read() as view:
         committed = view.segments()
         for seg, length in sorted(committed.items()):
-            path = filenames.segment_path(store.path, seg)
+            path = filenames.segment_path(engine.path, seg)
             if not os.path.exists(path):
                 report.problems.append(f"segment {path} is missing")
                 continue
