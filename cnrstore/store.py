@@ -350,6 +350,12 @@ class Store:
     def _check_open(self) -> None:
         self._engine.check_open()
 
+    @property
+    def engine(self) -> Engine:
+        """The storage engine beneath this store (engine.py), for tools such as the CLI; not part of
+        API.md's contract."""
+        return self._engine
+
     # the engine's parts under their old private names (tests, cnrstore.distributed) -------------------
     _index = property(lambda self: self._engine.index)
     _segments = property(lambda self: self._engine.segments)
