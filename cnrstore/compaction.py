@@ -110,13 +110,15 @@ def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions
     lengths: list[int] = []  # chain length from the entry on
     prev = None
     run = 0
+    runs: dict[int, int] = {}  # the block's entries seen so far: version -> chain length from it
     for t, b, v, loc in entries:
         if (t, b) == prev:
             ends[-1], has_next[-1] = v, True
-            # a cumulative delta reads itself and the baseline at its base
-            run = 1 if loc.flags & record.FLAG_BASELINE else 2 if loc.base else run + 1
+            # a delta reads itself, then the chain from the entry at its base
+            run = 1 if loc.flags & record.FLAG_BASELINE else 1 + runs.get(loc.base, 1) if loc.base else run + 1
         else:
-            prev, run = (t, b), 1
+            prev, run, runs = (t, b), 1, {}
+        runs[v] = run
         starts.append(v)
         ends.append(0)
         has_next.append(False)

@@ -44,7 +44,7 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
         unread = _unread_entries(view, sorted(versions)) - pinned
         total = view.stat()["rows"]["entries"] + view.stat()["dense"]["entries"]
         done = 0
-        block_key, block_baselines = None, set()  # the baselines of the block looked at (entries ascend)
+        block_key, block_versions = None, set()  # the entries of the block looked at (entries ascend)
         for tid, block, version, loc in view.row_entries():
             done += 1
             where = f"table id {tid} block {block} version {version}"
@@ -53,12 +53,11 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
                 report.problems.append(f"index entry {where} names an unknown table")
                 continue
             if (tid, block) != block_key:
-                block_key, block_baselines = (tid, block), set()
-            if loc.flags & record.FLAG_BASELINE:
-                block_baselines.add(version)
-            if loc.base and loc.base not in block_baselines:
+                block_key, block_versions = (tid, block), set()
+            if loc.base and loc.base not in block_versions:
                 report.problems.append(f"index entry {where} is a delta on version {loc.base}, which has no "
-                                       "baseline entry: reads of it fail")
+                                       "entry: reads of it fail")
+            block_versions.add(version)
             if (tid, block, version) in unread:
                 report.problems.append(f"index entry {where} is read by no retained version "
                                        "(its version is gone and a baseline shadows it)")

@@ -260,16 +260,16 @@ class CheckpointWriter:
             view = stack.enter_context(engine.index.read())
             for block in np.unique(blocks).tolist():
                 plan = merge.chain_merge(view, info["id"], block, self._parent)
-                if plan is not None:
+                if plan is not None:  # (every entry the merged record might read; narrowed after the merge)
                     found[block] = plan
-                    if plan.baseline is not None:
-                        self.pins.add((info["id"], block, plan.baseline[0]))
+                    for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
+                        self.pins.add((info["id"], block, v))
         return found, reader.BlockResolver(view, engine.segments, info)
 
     def _append_fresh(self, table: str, info: dict, codec, rows: np.ndarray, encoded: np.ndarray,
                       chain_merges: dict, resolver) -> None:
         """Append records of rows of blocks this version had not written: plain increments, and for the
-        blocks in ``chain_merges`` a cumulative delta (or new baseline) merged with the older chain."""
+        blocks in ``chain_merges`` a delta (or new baseline) merged with the older chain (merge.py)."""
         if not chain_merges:
             self._append(table, block_records(info, codec, rows, encoded, self.version))
             return
@@ -293,8 +293,11 @@ class CheckpointWriter:
             fs.crash_point("after_delta_merge")  # a merged record appended, the version not committed
             if m.carried.size:
                 self._carried[(table, block)] = m.carried + first
-            if not m.base and chain_merges[block].baseline is not None:  # a new baseline reads no older record
-                self.pins.discard((info["id"], block, chain_merges[block].baseline[0]))
+            plan = chain_merges[block]  # keep pinned exactly the entries the merged record reads
+            reads = {m.base} | ({plan.baseline[0]} if m.base and plan.baseline is not None else set())
+            for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
+                if v not in reads:
+                    self.pins.discard((info["id"], block, v))
 
     def _plan_merges(self, table, info, rows, values, blocks, merging, codec) -> list:
         """For blocks this version already wrote: (codec, merged rows, merged encoded rows, delta base,
