@@ -42,6 +42,13 @@ SECTIONS = [
      "30 checkpoints of 25% Zipf-modified rows under each scheme: bytes the trainer wrote, peak disk, "
      "longest read chain, restore time, trainer checkpoint latency.", ["--plot", "policies.png"],
      ["--quick", "--plot", "none"], "policies.png"),
+    ("bench_space.py", "Space management: write and space amplification, read chains",
+     "The issue-12 DLRM (26 Criteo tables capped at 100k rows, dim 64, adaptive4, SGD, incremental saves, 10 "
+     "intervals of 30 steps) under the first engine's policy (background intermittent baselines) and the "
+     "new one (cumulative deltas written by the checkpoint, row-level GC): bytes written against full fp32 "
+     "checkpoints, write amplification, read chains, space amplification after retain(5), disk after "
+     "retain(1) against one fp32 checkpoint, restore against torch.load, point reads.",
+     ["--plot", "space.png"], ["--quick", "--plot", "none"], "space.png"),
     ("bench_codecs.py", "Codecs",
      "Encode and decode speed and relative L2 error of every codec beside FBGEMM's plain and greedy "
      "kernels on the same rows, and bytes per row.", [], ["--quick"], None),

@@ -20,7 +20,7 @@ from .errors import StorageFull
 from .policy.compaction import CompactionPolicy
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .engine import Engine
 
 log = logging.getLogger("cnrstore.background")
 #: Failures kept in ``BackgroundCompactor.errors``; older ones are only counted (and logged).
@@ -28,10 +28,10 @@ KEEP_ERRORS = 8
 
 
 class BackgroundCompactor:
-    """Runs ``policy`` on ``store`` after commits, in a daemon thread. ``close()`` stops it cleanly."""
+    """Runs ``policy`` on the store of ``engine`` after commits, in a daemon thread. ``close()`` stops it cleanly."""
 
-    def __init__(self, store: "Store", policy: CompactionPolicy):
-        self._store = store
+    def __init__(self, engine: "Engine", policy: CompactionPolicy):
+        self._engine = engine
         self.policy = policy
         #: the newest failures, oldest first (at most ``KEEP_ERRORS``: each holds its traceback's frames)
         self.errors: list[BaseException] = []
@@ -86,18 +86,18 @@ class BackgroundCompactor:
                     self._wake.notify_all()
 
     def _step(self) -> None:
-        store = self._store
-        with store._maintenance_lock:
-            history = store._history()
+        engine = self._engine
+        with engine.maintenance_lock:
+            history = engine.history()
             plan = self.policy.plan(history)
             if not (plan.materialize or plan.drop):
                 return
             if plan.materialize:
-                compaction.materialize(store, history.versions[-1].version)
+                compaction.materialize(engine, history.versions[-1].version)
             if plan.drop:
-                compaction.drop_versions(store, set(plan.drop))
+                compaction.drop_versions(engine, set(plan.drop))
             if plan.collect:
-                report = compaction.collect(store)
+                report = compaction.collect(engine)
                 if report.incomplete:  # a full disk stopped the copies: surface it like a failed step
                     raise StorageFull(f"background gc: {report.incomplete}")
             self.steps += 1

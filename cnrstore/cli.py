@@ -76,7 +76,7 @@ def _versions_rows(store: Store) -> list[dict]:
     """One row per version; every version's read-chain length comes from one pass over the row index
     (``compaction.versions_with_read_chains``), so a listing is linear in versions and index entries."""
     rows = []
-    for v, info, chain in compaction.versions_with_read_chains(store):
+    for v, info, chain in compaction.versions_with_read_chains(store.engine):
         rows.append({
             "version": v,
             "step": info["step"],

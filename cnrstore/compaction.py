@@ -22,15 +22,14 @@ import numpy as np
 
 from . import blocks as blocks_math
 from . import codecs, filenames, fs, knobs, liveness, reader, record
-from .commit import commit_log
 from .errors import CnrError, StorageFull
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
 from .segments import SEGMENT_HEADER_BYTES
 from .reader import unread_versions
-from .writer import block_records
+from .rowrecords import block_records
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .engine import Engine
 
 Progress = Callable[[int, int], None]
 
@@ -82,11 +81,11 @@ def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tu
     return chains
 
 
-def versions_with_read_chains(store: "Store") -> list[tuple[int, dict, int]]:
-    """(version, version info, longest read chain) for every version of ``store``, oldest first, from
+def versions_with_read_chains(engine: "Engine") -> list[tuple[int, dict, int]]:
+    """(version, version info, longest read chain) for every version of the store, oldest first, from
     one read transaction and one pass over the row index (``read_chain_lengths``): linear in versions
     and index entries. What ``cnrstore ls`` lists."""
-    with store._index.read() as view:
+    with engine.index.read() as view:
         versions = view.versions()
         chain_lengths = read_chain_lengths(view.row_entries(), [v for v, _info in versions])
     return [(v, info, chain) for (v, info), chain in zip(versions, chain_lengths.tolist())]
@@ -111,13 +110,15 @@ def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions
     lengths: list[int] = []  # chain length from the entry on
     prev = None
     run = 0
+    runs: dict[int, int] = {}  # the block's entries seen so far: version -> chain length from it
     for t, b, v, loc in entries:
         if (t, b) == prev:
             ends[-1], has_next[-1] = v, True
-            # a cumulative delta reads itself and the baseline at its base
-            run = 1 if loc.flags & record.FLAG_BASELINE else 2 if loc.base else run + 1
+            # a delta reads itself, then the chain from the entry at its base
+            run = 1 if loc.flags & record.FLAG_BASELINE else 1 + runs.get(loc.base, 1) if loc.base else run + 1
         else:
-            prev, run = (t, b), 1
+            prev, run, runs = (t, b), 1, {}
+        runs[v] = run
         starts.append(v)
         ends.append(0)
         has_next.append(False)
@@ -149,7 +150,7 @@ def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions
     return row
 
 
-def materialize(store: "Store", version: int, progress: Progress | None = None, *,
+def materialize(engine: "Engine", version: int, progress: Progress | None = None, *,
                 drop_below: int | None = None) -> CompactReport:
     """Write a baseline at ``version`` for every block whose read chain there is longer than one record,
     then an ANCHOR record: the head of every block's (now one-record) read chain at ``version``, the dense
@@ -160,9 +161,9 @@ def materialize(store: "Store", version: int, progress: Progress | None = None, 
     appends to a segment of its own). Reads of every version are unchanged.
     """
     report = CompactReport(version)
-    appender = store._compaction_appender
+    appender = engine.compaction_appender
     new_entries: list[tuple[int, int, RowLoc]] = []
-    with store._index.read() as view:
+    with engine.index.read() as view:
         tables = {info["id"]: info for info in view.tables().values()}
         all_chains = block_chains(view, version)
         chains = {key: chain for key, chain in all_chains.items() if len(chain) > 1}
@@ -172,7 +173,7 @@ def materialize(store: "Store", version: int, progress: Progress | None = None, 
         try:
             for (tid, block), chain in sorted(chains.items()):
                 info = tables[tid]
-                resolver = reader.BlockResolver(view, store._segments, info)
+                resolver = reader.BlockResolver(view, engine.segments, info)
                 pieces, _never_written = resolver.resolve(block, None, version)
                 codec, rows, encoded = _merge_pieces(pieces, blocks_math.base(block, info["block_rows"]), info["dim"])
                 records = block_records(info, codec, rows, encoded, version, compacted=True)
@@ -213,9 +214,9 @@ def materialize(store: "Store", version: int, progress: Progress | None = None, 
         w.put_log(record.KIND_ANCHOR, version, anchor_loc)
         prune_log(w)
 
-    with store._pin_lock:  # as in drop_versions: never delete the base of an open checkpoint's delta
-        pinned = store._pinned()
-        _commit(store, appender, True, "compact", update)
+    with engine.pin_lock:  # as in drop_versions: never delete the base of an open checkpoint's delta
+        pinned = engine.pinned()
+        _commit(engine, appender, True, "compact", update)
     return report
 
 
@@ -268,11 +269,11 @@ def prune_log(w: IndexWriter) -> None:
         w.delete_log(kind, u)
 
 
-def _commit(store: "Store", appender, appended: bool, name: str, update: Callable[[IndexWriter], None]) -> None:
-    """commit.commit_log with compaction's crash points ``<name>_after_append`` and
+def _commit(engine: "Engine", appender, appended: bool, name: str, update: Callable[[IndexWriter], None]) -> None:
+    """The engine's one commit path with compaction's crash points ``<name>_after_append`` and
     ``<name>_inside_index_commit``; on any failure it throws the appended bytes away."""
-    commit_log(store, appender, appended, update, after_append=f"{name}_after_append",
-               inside_index_commit=f"{name}_inside_index_commit")
+    engine.commit(appender, appended, update, after_append=f"{name}_after_append",
+                  inside_index_commit=f"{name}_inside_index_commit")
 
 
 def _merge_pieces(pieces: list, base: int, dim: int):
@@ -290,7 +291,7 @@ def _merge_pieces(pieces: list, base: int, dim: int):
     return codec, rows[order], np.ascontiguousarray(encoded[order])
 
 
-def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False) -> list[int]:
+def drop_versions(engine: "Engine", drop: set[int], *, allow_newest: bool = False) -> list[int]:
     """Drop the versions in ``drop`` and every index entry no kept version reads.
 
     The newest version is dropped only with ``allow_newest`` (cnrstore.distributed reclaims local versions
@@ -300,7 +301,7 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
     lies in (v, k]; it suffices to look at the smallest kept k >= v. Dense entries are each a whole
     array, so each is a baseline. Returns the dropped versions, oldest first.
     """
-    with store._index.read() as view:
+    with engine.index.read() as view:
         present = view.version_numbers()
         seq = view.meta("drop_seq", 0) + 1
         if not set(present) & set(drop):
@@ -317,7 +318,7 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
             anchor = record.log_record(record.KIND_ANCHOR, oldest, anchor_body(view, oldest, chains, floor))
     # the log records the drop, so that repair leaves these versions dropped (docs/FORMAT.md, DROP)
     drop_body = {"seq": seq, "latest": present[-1], "kept": kept_now}
-    appender = store._compaction_appender
+    appender = engine.compaction_appender
     try:
         buffers, length = record.log_record(record.KIND_DROP, present[-1], drop_body)
         drop_loc = DenseLoc(*appender.append(buffers, length), length)
@@ -356,13 +357,13 @@ def drop_versions(store: "Store", drop: set[int], *, allow_newest: bool = False)
         result[:] = dropped
         return dropped
 
-    with store._pin_lock:  # a checkpoint cannot pin a base while the drop decides (writer._chain_merges)
-        pinned = store._pinned()
-        _commit(store, appender, True, "drop", body)
+    with engine.pin_lock:  # a checkpoint cannot pin a base while the drop decides (writer._chain_merges)
+        pinned = engine.pinned()
+        _commit(engine, appender, True, "drop", body)
     return result
 
 
-def collect(store: "Store", progress: Progress | None = None) -> GCReport:
+def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
     """Reclaim the space of dead records and dead rows. The caller holds the maintenance lock.
 
     Liveness is per row (cnrstore/liveness.py): a row record some retained version reads only partly is
@@ -383,15 +384,15 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
     index transaction raises StorageFull with the store unchanged.
     """
     report = GCReport()
-    appender = store._compaction_appender
-    _seal_idle_writer_segment(store)
-    with store._pin_lock:
-        pinned = store._pinned()
-    with store._index.read() as view:
+    appender = engine.compaction_appender
+    _seal_idle_writer_segment(engine)
+    with engine.pin_lock:
+        pinned = engine.pinned()
+    with engine.index.read() as view:
         committed = view.segments()
         kept = view.version_numbers()
         newest = kept[-1] if kept else 0
-        alive = liveness.row_liveness(view, lambda loc: _verified_record(store, loc), kept, pinned)
+        alive = liveness.row_liveness(view, lambda loc: _verified_record(engine, loc), kept, pinned)
         live = dict(alive.live_bytes)
         age: dict[int, int] = {}  # segment -> newest version of a live record in it
         row_users: dict[int, list] = {}
@@ -408,10 +409,10 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
             log_users.setdefault(loc.segment, []).append((kind, v, loc))
     active = appender.active
-    if active in committed and active not in store._appender.busy() and \
+    if active in committed and active not in engine.appender.busy() and \
             live.get(active, 0) / max(1, committed[active] - SEGMENT_HEADER_BYTES) < knobs.GC_LIVE_FRACTION:
         appender.seal()  # mostly dead: collect it like a sealed one; copies go to a new segment
-    busy = store._appender.busy()  # the checkpoint writer's segments: possibly uncommitted bytes
+    busy = engine.appender.busy()  # the checkpoint writer's segments: possibly uncommitted bytes
     dead: list[int] = []
     scored = []
     for seg, length in sorted(committed.items()):
@@ -439,9 +440,9 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
         def free(w: IndexWriter) -> None:
             _doom(w, dead)
 
-        _commit(store, appender, False, "gc_free", free)  # StorageFull here: nothing changed
+        _commit(engine, appender, False, "gc_free", free)  # StorageFull here: nothing changed
         appender.forget(dead)
-    delete_doomed(store, report)  # the space the copies below may need
+    delete_doomed(engine, report)  # the space the copies below may need
 
     # 2. clean the chosen segments, one committed batch at a time
     batches: list[list[int]] = []
@@ -464,14 +465,14 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
                 for tid, block, v, loc in row_users.get(seg, []):
                     rows = alive.partial.get((tid, block, v))
                     if rows is None:
-                        copies.append(("row", (tid, block, v, loc), [_verified_bytes(store, loc)], loc.length))
+                        copies.append(("row", (tid, block, v, loc), [_verified_bytes(engine, loc)], loc.length))
                     else:  # partly live: rewritten with its live rows only
-                        new_loc, buffers, length = _live_rows_record(store, loc, rows, tid, block)
+                        new_loc, buffers, length = _live_rows_record(engine, loc, rows, tid, block)
                         copies.append(("row", (tid, block, v, new_loc), buffers, length))
                 for dense_id, v, loc in dense_users.get(seg, []):
-                    copies.append(("dense", (dense_id, v, loc), [_verified_bytes(store, loc)], loc.length))
+                    copies.append(("dense", (dense_id, v, loc), [_verified_bytes(engine, loc)], loc.length))
                 for kind, v, loc in log_users.get(seg, []):
-                    copies.append(("log", (kind, v, loc), [_verified_bytes(store, loc)], loc.length))
+                    copies.append(("log", (kind, v, loc), [_verified_bytes(engine, loc)], loc.length))
                 locations = appender.append_many([(buffers, length) for _kind, _key, buffers, length in copies])
                 fs.crash_point("gc_cleaned_segment")
                 for (kind, key, _buffers, length), (new_seg, off) in zip(copies, locations):
@@ -505,7 +506,7 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
             w.put_meta("bytes_written", w.meta("bytes_written", 0) + copied)
 
         try:
-            _commit(store, appender, bool(moved_rows or moved_dense or moved_log), "gc", update)  # rolls back on failure
+            _commit(engine, appender, bool(moved_rows or moved_dense or moved_log), "gc", update)  # rolls back on failure
         except StorageFull as exc:
             report.incomplete = _incomplete(candidates, done, exc)
             break
@@ -515,24 +516,24 @@ def collect(store: "Store", progress: Progress | None = None) -> GCReport:
         done += len(batch)
         if progress is not None:
             progress(done, len(candidates))
-        delete_doomed(store, report)  # each batch's sources, as soon as no reader needs them
-    return delete_doomed(store, report)
+        delete_doomed(engine, report)  # each batch's sources, as soon as no reader needs them
+    return delete_doomed(engine, report)
 
 
-def _seal_idle_writer_segment(store: "Store") -> None:
+def _seal_idle_writer_segment(engine: "Engine") -> None:
     """Seal the checkpoint writer's active segment when no checkpoint is open, so that GC may clean it
     like a sealed one (the next checkpoint starts a new segment). A small store lives in that one
     segment: without this, GC could never reclaim any of its space."""
-    with store._writer_mutex:  # no checkpoint can open meanwhile
-        if store._writer is None and store._appender is not None and not store._appender.dirty():
-            store._appender.seal()
+    with engine.writer_mutex:  # no checkpoint can open meanwhile
+        if engine.writer is None and engine.appender is not None and not engine.appender.dirty():
+            engine.appender.seal()
 
 
-def _live_rows_record(store: "Store", loc: RowLoc, rows: np.ndarray, tid: int, block: int):
+def _live_rows_record(engine: "Engine", loc: RowLoc, rows: np.ndarray, tid: int, block: int):
     """(new RowLoc without its place, buffers, length) of the record at ``loc`` holding only the block
     offsets ``rows`` (sorted, a subset of its rows): encoded bytes copied, flags kept (FULL recomputed),
     marked COMPACTED (written by maintenance: repair reads it as the block's record at its version)."""
-    rec = _verified_record(store, loc)
+    rec = _verified_record(engine, loc)
     offsets = rec.offsets()
     take = np.searchsorted(offsets, rows)
     body = rec.body.reshape(rec.count, -1)[take]
@@ -543,10 +544,10 @@ def _live_rows_record(store: "Store", loc: RowLoc, rows: np.ndarray, tid: int, b
     return RowLoc(0, 0, length, int(rows.size), flags, rec.base()), buffers, length
 
 
-def _verified_record(store: "Store", loc) -> record.Record:
+def _verified_record(engine: "Engine", loc) -> record.Record:
     """The checksum-verified record at ``loc``."""
-    buf = store._segments.read(loc.segment, loc.offset, loc.length)
-    return record.parse(buf, store._segments.path(loc.segment), loc.offset)
+    buf = engine.segments.read(loc.segment, loc.offset, loc.length)
+    return record.parse(buf, engine.segments.path(loc.segment), loc.offset)
 
 
 #: GC copies the live records of about this many bytes of under-full segments per index commit.
@@ -567,39 +568,37 @@ def _incomplete(candidates: list[int], done: int, exc: BaseException) -> str:
             "free disk space and run gc again to reclaim them")
 
 
-def _verified_bytes(store: "Store", loc) -> np.ndarray:
+def _verified_bytes(engine: "Engine", loc) -> np.ndarray:
     """A record's bytes, checksum-verified: GC never copies damage into a new segment."""
-    buf = store._segments.read(loc.segment, loc.offset, loc.length)
-    record.parse(buf, store._segments.path(loc.segment), loc.offset)
+    buf = engine.segments.read(loc.segment, loc.offset, loc.length)
+    record.parse(buf, engine.segments.path(loc.segment), loc.offset)
     return buf
 
 
-def delete_doomed(store: "Store", report: GCReport) -> GCReport:
+def delete_doomed(engine: "Engine", report: GCReport) -> GCReport:
     """Delete freed segment files no reader can need any more; the rest wait for a later call."""
-    if store._lock is not None:
-        store._lock.verify()  # never delete files under a path that no longer names this store
-    with store._index.read() as view:
+    if engine.lock is not None:
+        engine.lock.verify()  # never delete files under a path that no longer names this store
+    with engine.index.read() as view:
         doomed = {int(k): t for k, t in view.meta("doomed_segments", {}).items()}
     if not doomed:
         return report
-    oldest = store._index.oldest_reader_txn()
+    oldest = engine.index.oldest_reader_txn()
     deletable = [seg for seg, freed_by in doomed.items() if oldest is None or oldest >= freed_by]
+    storage = engine.segments
     for seg in deletable:
-        path = filenames.segment_path(store.path, seg)
-        store._segments.forget(seg)
+        size = storage.size(seg) or 0
         try:
-            size = os.path.getsize(path)
-            store._fs.remove(path)
+            storage.remove(seg)
         except FileNotFoundError:
             size = 0
         report.bytes_reclaimed += size
         report.segments_deleted += 1
     for seg in doomed:
         if seg not in deletable:
-            path = filenames.segment_path(store.path, seg)
-            report.bytes_pending += os.path.getsize(path) if os.path.exists(path) else 0
+            report.bytes_pending += storage.size(seg) or 0
     if deletable:
-        store._fs.fsync_dir(filenames.segments_dir(store.path))
+        engine.fs.fsync_dir(filenames.segments_dir(engine.path))
 
         def body(w: IndexWriter) -> None:
             current = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
@@ -608,7 +607,7 @@ def delete_doomed(store: "Store", report: GCReport) -> GCReport:
             w.put_meta("max_deleted_segment", max(w.meta("max_deleted_segment", 0), *deletable))
 
         try:
-            store._index.write(body)
+            engine.index.write(body)
         except StorageFull as exc:
             # the files are gone (their space is free); doomed_segments still lists them, which keeps
             # their ids from being reused, and the next gc or open drops them from it

@@ -55,3 +55,9 @@ READ_CHAIN_BOUND = 3
 #: union of changed rows; at 1.0 a ski-rental rule: copies never cost more than twice the best choice):
 #: every row of the block, the untouched ones copied from the old baseline.
 DELTA_RESET_FRACTION = 1.0
+#: ... or once the merge would hold this fraction of the block anyway (a baseline then costs little more).
+DELTA_FULL_FRACTION = 0.7
+#: Two levels of deltas (merge.py): the records above a block's cumulative delta are merged into a delta on
+#: it while they hold fewer rows than this many times it; else everything is merged into one cumulative
+#: delta on the baseline.
+DELTA_TIER_RATIO = 1.0

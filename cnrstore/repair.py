@@ -101,9 +101,9 @@ class _Found:
         return best
 
 
-def _baseline_at(found: _Found, tid: int, block: int, version: int) -> RowLoc | None:
-    """The baseline record of (tid, block) at ``version`` a delta names as its base: a compacted baseline
-    there, else the checkpoint's record of that block (as its COMMIT record lists it) if a baseline."""
+def _block_record_at(found: _Found, tid: int, block: int, version: int) -> RowLoc | None:
+    """The record of (tid, block) at ``version`` a delta names as its base: a compacted record there
+    (a materialized baseline, or one GC rewrote), else the checkpoint's (as its COMMIT record lists it)."""
     loc = found.row(tid, block, version, compacted=True)
     if loc is not None:
         return loc
@@ -111,9 +111,26 @@ def _baseline_at(found: _Found, tid: int, block: int, version: int) -> RowLoc | 
     if commit is None:
         return None
     for block_id, count, flags in _unpack_blocks(commit[0].get("blocks", {}).get(tid, [b"", b"", b""])):
-        if block_id == block and flags & record.FLAG_BASELINE:
+        if block_id == block:
             return found.row(tid, block, version, count, flags)
     return None
+
+
+def _delta_chain(found: _Found, tid: int, block: int, version: int, loc: RowLoc, prev) -> tuple | None:
+    """The read chain of a delta record ``loc`` at ``version``: it, then the chain from its base (taken
+    from ``prev``, the chain it was written over, where it is there; else found in the log: the base is a
+    baseline, or a delta on one). None if a record of it is missing."""
+    chain = [(version, loc)]
+    while loc.base:
+        suffix = [i for i, e in enumerate(prev or ()) if e[0] == loc.base] if not isinstance(prev, str) else []
+        if suffix:
+            return tuple(chain) + tuple(prev[suffix[0]:])
+        base_version = loc.base
+        loc = _block_record_at(found, tid, block, base_version)
+        if loc is None or (not loc.base and not loc.flags & record.FLAG_BASELINE) or len(chain) > 64:
+            return None
+        chain.append((base_version, loc))
+    return tuple(chain)
 
 
 def repair(path, progress: Progress | None = None) -> RepairReport:
@@ -362,13 +379,11 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
                         st.blocks[key] = f"the record of table {tname(tid)} block {block} at version {v} is missing"
                     elif flags & record.FLAG_BASELINE:
                         st.blocks[key] = ((v, loc),)
-                    elif loc.base:  # a cumulative delta: read with the baseline at its base only
-                        prev = st.blocks.get(key, st.unknown)
-                        target = [e for e in prev or () if e[0] == loc.base] if not isinstance(prev, str) else []
-                        base_loc = target[0][1] if target else _baseline_at(found, tid, block, loc.base)
-                        st.blocks[key] = ((v, loc), (loc.base, base_loc)) if base_loc is not None else (
-                            f"the baseline of table {tname(tid)} block {block} at version {loc.base} "
-                            f"(the base of version {v}'s delta) is missing")
+                    elif loc.base:  # a delta: read with the chain from its base only
+                        chain = _delta_chain(found, tid, block, v, loc, st.blocks.get(key, st.unknown))
+                        st.blocks[key] = chain if chain is not None else (
+                            f"the records of table {tname(tid)} block {block} that version {v}'s delta on "
+                            f"version {loc.base} reads are missing")
                     else:
                         prev = st.blocks.get(key, st.unknown)
                         st.blocks[key] = prev if isinstance(prev, str) else ((v, loc),) + (prev or ())
@@ -380,11 +395,11 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
             loc = found.row(tid, block, v, compacted=True)
             if not loc.base:
                 st.blocks[(tid, block)] = ((v, loc),)
-            else:  # a delta GC rewrote with its live rows: read with its base
-                base_loc = _baseline_at(found, tid, block, loc.base)
-                st.blocks[(tid, block)] = ((v, loc), (loc.base, base_loc)) if base_loc is not None else (
-                    f"the baseline of table {tname(tid)} block {block} at version {loc.base} "
-                    f"(the base of version {v}'s delta) is missing")
+            else:  # a delta GC rewrote with its live rows: read with the chain from its base
+                chain = _delta_chain(found, tid, block, v, loc, st.blocks.get((tid, block)))
+                st.blocks[(tid, block)] = chain if chain is not None else (
+                    f"the records of table {tname(tid)} block {block} that version {v}'s delta on "
+                    f"version {loc.base} reads are missing")
         if v in found.anchors:
             heads: dict[tuple[int, int], tuple] = {}
             dense_heads: dict[int, tuple] = {}

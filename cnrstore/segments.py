@@ -87,9 +87,11 @@ class SegmentAppender:
     """
 
     def __init__(self, root: str, committed: dict[int, int], format_version: int, filesystem: fs.FileSystem,
-                 ids: SegmentIds | None = None, active: int | None | object = _NEWEST):
+                 ids: SegmentIds | None = None, active: int | None | object = _NEWEST, on_sealed=None):
         """``ids`` defaults to an allocator of its own past ``committed``; ``active`` (the segment appends
-        go to first) to the newest committed segment, None meaning a new segment on the first append."""
+        go to first) to the newest committed segment, None meaning a new segment on the first append.
+        ``on_sealed(seg)`` is called once the appender will never append to ``seg`` again and its bytes
+        are committed (the storage seam's ``sealed`` hook, storage.py)."""
         if ids is None:
             ids = SegmentIds(max(committed, default=0) + 1)
         if active is _NEWEST:
@@ -106,6 +108,8 @@ class SegmentAppender:
         self._committed_active = active  # where appends resume after a rollback
         #: What the appender noticed and worked around (a segment file deleted behind its back).
         self.notes: list[str] = []
+        self._on_sealed = on_sealed
+        self._retired: set[int] = set()  # segments rolled away from, sealed once their bytes are committed
 
     def busy(self) -> set[int]:
         """Segments this appender is appending to: GC must leave them alone."""
@@ -193,6 +197,15 @@ class SegmentAppender:
         self._release_fds(keep=self.active)
         self._created.clear()
         self._committed_active = self.active
+        self._announce_sealed()
+
+    def _announce_sealed(self) -> None:
+        """Tell the storage about segments left behind for good, now that their bytes are committed."""
+        retired, self._retired = self._retired - {self.active}, self._retired & {self.active}
+        if self._on_sealed is not None:
+            for seg in sorted(retired):
+                if seg in self.committed:
+                    self._on_sealed(seg)
 
     def rollback(self) -> None:
         """Throw away everything appended since the last commit (truncate; remove new segments)."""
@@ -218,9 +231,12 @@ class SegmentAppender:
     def seal(self) -> None:
         """Stop appending to the active segment: the next append starts a new one. With nothing
         uncommitted, the segment's file is closed too, so that it is no longer ``busy``."""
+        if self.active is not None:
+            self._retired.add(self.active)
         self.active = self._committed_active = None
         if not self.dirty():
             self._release_fds(keep=None)
+            self._announce_sealed()
 
     def forget(self, segments: list[int]) -> None:
         """Stop tracking segments that left the index (freed by GC; never the active one)."""
@@ -289,6 +305,8 @@ class SegmentAppender:
                                path, None)
 
     def _new_segment(self) -> int:
+        if self.active is not None:
+            self._retired.add(self.active)  # rolled over: sealed once this operation commits
         seg = self._ids.take()
         path = filenames.segment_path(self.root, seg)
         try:

@@ -31,6 +31,8 @@ from .errors import (
 )
 from .index import Index, IndexView, RowLoc, damage_hint
 from .background import BackgroundCompactor
+from .engine import Engine, version_info as _version_info
+from .storage import LocalSegmentStorage, SegmentStorage
 from .lock import ProcessLock
 from .policy import compaction as compaction_policy
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
@@ -59,7 +61,8 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None)
         raise InvalidArgument("compaction= needs a writable store; open with readonly=False")
     store = Store(os.fspath(path), create=create, readonly=readonly, filesystem=fs.DEFAULT)
     if policy is not None:
-        store._compactor = BackgroundCompactor(store, policy)
+        store._compactor = BackgroundCompactor(store._engine, policy)
+        store._engine.on_commit = store._compactor.notify
     return store
 
 
@@ -156,25 +159,19 @@ def _read_marker(root: str) -> int:
 class Store:
     """An open checkpoint store. Thread-safe for reads; one checkpoint writer at a time."""
 
-    def __init__(self, root: str, *, create: bool, readonly: bool, filesystem: fs.FileSystem):
+    def __init__(self, root: str, *, create: bool, readonly: bool, filesystem: fs.FileSystem,
+                 storage: SegmentStorage | None = None):
+        """``storage``: where segments are read and removed (storage.py); default the local files."""
         self.path = os.path.abspath(root)
         self.readonly = readonly
-        self._fs = filesystem
+        self._engine = Engine(self.path, filesystem, readonly)
         self._closed = False
-        self._lock: ProcessLock | None = None
-        self._writer: CheckpointWriter | None = None
-        self._writer_mutex = threading.Lock()
-        self._maintenance_lock = threading.Lock()  # compact, retain, gc: one at a time
-        self._pin_lock = threading.Lock()  # a writer's delta pins against retention (writer._chain_merges)
         self._compactor: BackgroundCompactor | None = None
-        self._tables_cache: dict[str, dict] = {}
-        self._history_cache: tuple[VersionInfo, ...] | None = None  # see _history
-        self._next_dense_id: int | None = None
         self.recovery_notes: list[str] = []
         if not _marker_exists(self.path, readonly):
             if not create or readonly:
                 raise StoreNotFound(_not_found_message(self.path, readonly))
-            self._lock = self._create()  # holds the store locked for writing once it returns
+            self._engine.lock = self._create()  # holds the store locked for writing once it returns
         try:
             try:
                 fmt = _read_marker(self.path)
@@ -185,51 +182,49 @@ class Store:
                 raise FormatVersionError(f"store {self.path!r} has format version {fmt}, but this cnrstore reads "
                                          f"up to {FORMAT_VERSION}: upgrade cnrstore to open it")
             if not readonly:
-                if self._lock is None:
-                    self._lock = ProcessLock(self.path)
-                    self._lock.acquire()
+                if self._engine.lock is None:
+                    self._engine.lock = ProcessLock(self.path)
+                    self._engine.lock.acquire()
                 _check_writable_files(self.path)
         except BaseException:
-            self._closed = True
-            if self._lock is not None:
-                self._lock.release()
+            self._closed = self._engine.closed = True
+            if self._engine.lock is not None:
+                self._engine.lock.release()
             raise
-        self._index = None
         try:
-            self._index = Index(filenames.index_dir(self.path), readonly=readonly)
-            self._segments = segments.SegmentReader(self.path)
-            self._appender = self._compaction_appender = None
-            with self._index.read() as view:
+            self._engine.index = Index(filenames.index_dir(self.path), readonly=readonly)
+            self._engine.segments = storage if storage is not None else LocalSegmentStorage(self.path, filesystem)
+            self._engine.appender = self._engine.compaction_appender = None
+            with self._engine.index.read() as view:
                 if view.meta("format") is None:  # an empty environment LMDB made in place of a lost one
                     raise IndexDamaged(f"the index of store {self.path!r} holds no catalog (was index/data.mdb "
-                                       f"replaced?); {damage_hint(self._index.path)}", self._index.path, None)
+                                       f"replaced?); {damage_hint(self._engine.index.path)}", self._engine.index.path, None)
             if not readonly:
-                with self._index.read() as view:
+                with self._engine.index.read() as view:
                     committed = view.segments()
                     doomed = {int(k) for k in view.meta("doomed_segments", {})}
                     deleted = view.meta("max_deleted_segment", 0)
                     seg_ids = view.meta("segment_ids")
-                self.recovery_notes = segments.recover(self.path, committed, self._fs, doomed,
+                self.recovery_notes = segments.recover(self.path, committed, self._engine.fs, doomed,
                                                        max_deleted=deleted, ids=seg_ids)
                 # never reuse the id of a deleted segment: a long-lived reader may still map the old file
                 high, _pending = segments.leftover_rule(committed, doomed, deleted, seg_ids)
                 ids = segments.SegmentIds(high + 1)
                 # the checkpoint writer and compaction append to active segments of their own
-                self._appender = segments.SegmentAppender(self.path, committed, FORMAT_VERSION, self._fs, ids)
-                self._compaction_appender = segments.SegmentAppender(self.path, {}, FORMAT_VERSION, self._fs,
-                                                                     ids, active=None)
+                sealed = self._engine.segments.sealed
+                self._engine.appender = segments.SegmentAppender(self.path, committed, FORMAT_VERSION,
+                                                                 self._engine.fs, ids, on_sealed=sealed)
+                self._engine.compaction_appender = segments.SegmentAppender(
+                    self.path, {}, FORMAT_VERSION, self._engine.fs, ids, active=None, on_sealed=sealed)
                 if doomed:  # segments GC freed before a restart: delete those no reader needs now
-                    compaction.delete_doomed(self, compaction.GCReport())
+                    compaction.delete_doomed(self._engine, compaction.GCReport())
                 if fmt < FORMAT_VERSION:  # from now on it holds format-2 records an older GC would drop
-                    self._fs.write_file_atomic(filenames.marker_path(self.path),
+                    self._engine.fs.write_file_atomic(filenames.marker_path(self.path),
                                                filenames.marker_tmp_path(self.path), _marker_bytes())
                     self.recovery_notes.append(f"upgraded the store's format from {fmt} to {FORMAT_VERSION}")
         except BaseException:
             self._closed = True  # nothing for close() or __del__ to do
-            if self._index is not None:
-                self._index.close()
-            if self._lock is not None:
-                self._lock.release()
+            self._engine.close()
             raise
 
     def _create(self) -> ProcessLock:
@@ -290,11 +285,11 @@ class Store:
             index.write(init)
         finally:
             index.close()
-        self._fs.fsync_dir(filenames.index_dir(self.path))  # data.mdb's entry, before the marker exists
-        self._fs.fsync_dir(self.path)
+        self._engine.fs.fsync_dir(filenames.index_dir(self.path))  # data.mdb's entry, before the marker exists
+        self._engine.fs.fsync_dir(self.path)
         fs.crash_point("create_before_marker")
         # the marker is written last: a store exists exactly when its marker does
-        self._fs.write_file_atomic(filenames.marker_path(self.path), filenames.marker_tmp_path(self.path),
+        self._engine.fs.write_file_atomic(filenames.marker_path(self.path), filenames.marker_tmp_path(self.path),
                                    _marker_bytes())
 
     # lifecycle --------------------------------------------------------------------------------------
@@ -309,16 +304,10 @@ class Store:
             return
         if self._compactor is not None:
             self._compactor.close()  # finishes the step in flight
-        if self._writer is not None:
-            self._writer.abort()
+        if self._engine.writer is not None:
+            self._engine.writer.abort()
         self._closed = True
-        for appender in (self._appender, self._compaction_appender):
-            if appender is not None:
-                appender.close()
-        self._segments.close()
-        self._index.close()
-        if self._lock is not None:
-            self._lock.release()
+        self._engine.close()
         self._raise_compaction_failure()
 
     def __enter__(self) -> "Store":
@@ -353,20 +342,40 @@ class Store:
 
     def __del__(self):
         try:
-            if not self._closed and getattr(self, "_index", None) is not None:
+            if not self._closed and getattr(self, "_engine", None) is not None:
                 self.close()
         except Exception:
             pass
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosed(f"store {self.path!r} is closed")
+        self._engine.check_open()
+
+    @property
+    def engine(self) -> Engine:
+        """The storage engine beneath this store (engine.py), for tools such as the CLI; not part of
+        API.md's contract."""
+        return self._engine
+
+    # the engine's parts under their old private names (tests, cnrstore.distributed) -------------------
+    _index = property(lambda self: self._engine.index)
+    _segments = property(lambda self: self._engine.segments)
+    _appender = property(lambda self: self._engine.appender)
+    _compaction_appender = property(lambda self: self._engine.compaction_appender)
+    _lock = property(lambda self: self._engine.lock)
+    _maintenance_lock = property(lambda self: self._engine.maintenance_lock)
+    _writer = property(lambda self: self._engine.writer)
+
+    def _table_record(self, name: str, view: IndexView | None = None) -> dict | None:
+        return self._engine.table_record(name, view)
+
+    def _history(self) -> "compaction_policy.History":
+        return self._engine.history()
 
     def _check_writable(self) -> None:
         self._check_open()
         if self.readonly:
             raise ReadOnlyError(f"store {self.path!r} is open readonly; open it with readonly=False to write")
-        self._lock.verify()  # StoreMoved once the directory was renamed away: paths would name another
+        self._engine.lock.verify()  # StoreMoved once the directory was renamed away: paths would name another
 
     # tables -----------------------------------------------------------------------------------------
     def create_table(self, name: str, num_rows: int, dim: int, *, codec: str = "int4",
@@ -404,26 +413,14 @@ class Store:
             w.put_table(name, info)
             return info
 
-        info = self._index.write(body)
-        self._tables_cache[name] = info
+        info = self._engine.index.write(body)
+        self._engine.remember_table(name, info)
         return _table_info(info)
 
     def tables(self) -> dict[str, TableInfo]:
         self._check_open()
-        with self._index.read() as view:
+        with self._engine.index.read() as view:
             return {name: _table_info(info) for name, info in sorted(view.tables().items())}
-
-    def _table_record(self, name: str, view: IndexView | None = None) -> dict | None:
-        info = self._tables_cache.get(name)
-        if info is None:
-            if view is not None:
-                info = view.table(name)
-            else:
-                with self._index.read() as v:
-                    info = v.table(name)
-            if info is not None:  # tables are immutable once created: safe to cache
-                self._tables_cache[name] = info
-        return info
 
     # checkpoints ------------------------------------------------------------------------------------
     def checkpoint(self, step: int | None = None, meta: dict | None = None) -> CheckpointWriter:
@@ -431,9 +428,9 @@ class Store:
         self._check_writable()
         pack_meta(meta)
         step = validate.step_arg(step)
-        with self._writer_mutex:
-            if self._writer is not None:
-                raise CheckpointInProgress(f"checkpoint {self._writer.version} is still open; commit or abort "
+        with self._engine.writer_mutex:
+            if self._engine.writer is not None:
+                raise CheckpointInProgress(f"checkpoint {self._engine.writer.version} is still open; commit or abort "
                                            "it before starting another")
 
             def allocate(w):  # durably, so that a version number is never handed out twice
@@ -442,75 +439,19 @@ class Store:
                 latest = w.latest()
                 return v, (latest[0] if latest else None)
 
-            version, parent = self._index.write(allocate)
-            self._writer = CheckpointWriter(self, version, parent, None if step is None else int(step), meta)
-            return self._writer
-
-    def _pinned(self) -> set:
-        """(table id, block, version) of the baselines the open checkpoint's cumulative deltas read.
-        Call with ``_pin_lock`` held."""
-        writer = self._writer
-        return set(writer.pins) if writer is not None else set()
-
-    def _writer_done(self, writer: CheckpointWriter) -> None:
-        with self._writer_mutex:
-            if self._writer is writer:
-                self._writer = None
-        if self._compactor is not None and writer._state == "committed":
-            self._compactor.notify()
-
-    def _history(self) -> "compaction_policy.History":
-        """Committed versions and the newest baseline, for compaction policies. Until the first
-        compaction, the first version (a trainer's full checkpoint) counts as the baseline.
-
-        Called after every commit (background compaction), so its cost must not grow with the number
-        of versions: the versions are kept in memory and only those newer than the last one seen are
-        read from the index. Versions only ever appear newest-last (commits) or disappear (drops):
-        when the index holds fewer than the cache plus the new ones, something dropped versions, and
-        the list is read afresh. Callers hold ``_maintenance_lock``.
-        """
-        with self._index.read() as view:
-            cached = self._history_cache
-            if cached is None:
-                versions = tuple(_version_info(v, info) for v, info in view.versions())
-            else:
-                newer = view.versions_after(cached[-1].version) if cached else view.versions()
-                versions = cached + tuple(_version_info(v, info) for v, info in newer)
-                if len(versions) != view.version_count():  # versions were dropped (or repaired)
-                    versions = tuple(_version_info(v, info) for v, info in view.versions())
-            baseline = view.meta("last_baseline")
-        self._history_cache = versions
-        if baseline is not None:
-            return compaction_policy.History(versions, baseline["version"], baseline["bytes"])
-        if versions:
-            return compaction_policy.History(versions, versions[0].version, versions[0].bytes)
-        return compaction_policy.History(versions, None, 0)
-
-    def _dense_id_for(self, name: str) -> int:
-        with self._index.read() as view:
-            existing = view.dense_id(name)
-            if existing is not None:
-                return existing
-            if self._next_dense_id is None:
-                self._next_dense_id = view.meta("next_dense_id", 1)
-        dense_id = self._next_dense_id
-        self._next_dense_id += 1
-        return dense_id
-
-    def _load_pending(self, loc: RowLoc, info: dict) -> record.Record:
-        """A record this process appended but may not have committed yet."""
-        resolver = reader.BlockResolver(None, self._segments, info)
-        return resolver.load(loc)
+            version, parent = self._engine.index.write(allocate)
+            self._engine.writer = CheckpointWriter(self._engine, version, parent, None if step is None else int(step), meta)
+            return self._engine.writer
 
     # reads ------------------------------------------------------------------------------------------
     def versions(self) -> list[VersionInfo]:
         self._check_open()
-        with self._index.read() as view:
+        with self._engine.index.read() as view:
             return [_version_info(v, info) for v, info in view.versions()]
 
     def latest(self) -> VersionInfo | None:
         self._check_open()
-        with self._index.read() as view:
+        with self._engine.index.read() as view:
             found = view.latest()
         return None if found is None else _version_info(*found)
 
@@ -519,18 +460,18 @@ class Store:
         with self._read(version, table) as (view, v):
             info = self._table_or_raise(table, view)
             ids = validate.row_ids(rows, info["num_rows"], table)
-            return reader.read_rows(view, self._segments, info, ids, v)
+            return reader.read_rows(view, self._engine.segments, info, ids, v)
 
     def read_table(self, table: str, version: int | None = None) -> np.ndarray:
         """float32 (num_rows, dim): the whole table as of ``version``."""
         with self._read(version, table) as (view, v):
-            return reader.read_table(view, self._segments, self._table_or_raise(table, view), v)
+            return reader.read_table(view, self._engine.segments, self._table_or_raise(table, view), v)
 
     def read_dense(self, name: str, version: int | None = None) -> np.ndarray:
         """The dense array as put (dtype, shape, bytes), as of ``version``."""
         with self._read(version) as (view, v):
             dense_id = view.dense_id(name)
-            arr = None if dense_id is None else reader.read_dense(view, self._segments, dense_id, name, v)
+            arr = None if dense_id is None else reader.read_dense(view, self._engine.segments, dense_id, name, v)
             if arr is None:
                 raise MissingRows(f"dense array {name!r} was never put at or before version {v}")
             return arr
@@ -547,15 +488,15 @@ class Store:
             for name, tinfo in sorted(view.tables().items()):
                 if not _written_by(view, tinfo, v):
                     continue
-                snap.tables[name] = reader.read_table(view, self._segments, tinfo, v)
+                snap.tables[name] = reader.read_table(view, self._engine.segments, tinfo, v)
             for name, dense_id in sorted(view.dense_names().items()):
-                arr = reader.read_dense(view, self._segments, dense_id, name, v)
+                arr = reader.read_dense(view, self._engine.segments, dense_id, name, v)
                 if arr is not None:
                     snap.dense[name] = arr
             return snap
 
     def _table_or_raise(self, table: str, view: IndexView) -> dict:
-        info = self._table_record(table, view)
+        info = self._engine.table_record(table, view)
         if info is None:
             raise TableNotFound(f"no table {table!r} in this store (tables: {sorted(view.tables())[:10]})")
         return info
@@ -565,7 +506,7 @@ class Store:
         self._check_open()
         version = validate.version_arg(version)
         check = None if table is None else (lambda view: self._table_or_raise(table, view))
-        return _ReadContext(self._index, version, check)
+        return _ReadContext(self._engine.index, version, check)
 
     # maintenance ------------------------------------------------------------------------------------
     def compact(self, version: int | None = None, progress=None) -> "compaction.CompactReport":
@@ -573,10 +514,10 @@ class Store:
         is longer than one record. What every version reads is unchanged, bit for bit. May run while a
         checkpoint is being written."""
         self._check_writable()
-        with self._maintenance_lock:
+        with self._engine.maintenance_lock:
             with self._read(version) as (_view, v):
                 pass
-            return compaction.materialize(self, v, progress)
+            return compaction.materialize(self._engine, v, progress)
 
     def retain(self, keep_last: int) -> list[int]:
         """Drop all but the newest ``keep_last`` versions; returns the dropped versions, oldest first.
@@ -587,30 +528,30 @@ class Store:
         """
         keep_last = validate.positive_int(keep_last, "keep_last")
         self._check_writable()
-        with self._maintenance_lock:
-            with self._index.read() as view:
+        with self._engine.maintenance_lock:
+            with self._engine.index.read() as view:
                 versions = view.version_numbers()
             if len(versions) <= keep_last:
                 return []
-            return compaction.drop_versions(self, set(versions[:-keep_last]))
+            return compaction.drop_versions(self._engine, set(versions[:-keep_last]))
 
     def gc(self, progress=None) -> "compaction.GCReport":
         """Reclaim the space of dropped and shadowed records (see compaction.collect)."""
         self._check_writable()
-        with self._maintenance_lock:
-            return compaction.collect(self, progress)
+        with self._engine.maintenance_lock:
+            return compaction.collect(self._engine, progress)
 
     def verify(self, progress=None) -> VerifyReport:
         """Check every checksum of live data and the index against the log; never raises for damage."""
         from .verify import verify_store
 
         self._check_open()
-        return verify_store(self, progress)
+        return verify_store(self._engine, progress)
 
     def stats(self) -> dict:
         """Sizes and shape of the store (API.md lists the keys)."""
         self._check_open()
-        with self._index.read() as view:
+        with self._engine.index.read() as view:
             versions = view.versions()
             live, max_chain = _scan_row_index(view, [v for v, _info in versions])
             live += sum(loc.length for *_k, loc in view.dense_entries())
@@ -621,7 +562,7 @@ class Store:
                 "bytes_on_disk": self._disk_bytes(),
                 "live_bytes": live,
                 "segment_bytes": seg_bytes,
-                "index_bytes": self._index.disk_bytes(),
+                "index_bytes": self._engine.index.disk_bytes(),
                 "index_entries": entries,
                 "versions": len(versions),
                 "tables": len(view.tables()),
@@ -699,9 +640,3 @@ def _scan_row_index(view: IndexView, versions: list[int]) -> tuple[int, int]:
 
 def _table_info(info: dict) -> TableInfo:
     return TableInfo(info["name"], info["num_rows"], info["dim"], info["codec"], info["block_rows"])
-
-
-def _version_info(version: int, info: dict) -> VersionInfo:
-    return VersionInfo(version=version, step=info["step"], meta=info["meta"], created=info["created"],
-                       parent=info["parent"], tables=tuple(info["tables"]), bytes=info["bytes"],
-                       dense=tuple(info.get("dense", ())))

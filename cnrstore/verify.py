@@ -13,22 +13,22 @@ from .errors import CnrError
 from .types import VerifyReport
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .engine import Engine
 
 
-def verify_store(store: "Store", progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check the store; damage is reported in ``problems``, never raised.
 
     ``progress(done, total)`` is called as index entries are checked (for progress bars).
     """
     report = VerifyReport()
-    seg_reader = store._segments
-    with store._pin_lock:  # entries an open checkpoint's deltas will read (writer.pins) are not leftovers
-        pinned = store._pinned()
-    with store._index.read() as view:
+    seg_reader = engine.segments
+    with engine.pin_lock:  # entries an open checkpoint's deltas will read (writer.pins) are not leftovers
+        pinned = engine.pinned()
+    with engine.index.read() as view:
         committed = view.segments()
         for seg, length in sorted(committed.items()):
-            path = filenames.segment_path(store.path, seg)
+            path = filenames.segment_path(engine.path, seg)
             if not os.path.exists(path):
                 report.problems.append(f"segment {path} is missing")
                 continue
@@ -44,7 +44,7 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
         unread = _unread_entries(view, sorted(versions)) - pinned
         total = view.stat()["rows"]["entries"] + view.stat()["dense"]["entries"]
         done = 0
-        block_key, block_baselines = None, set()  # the baselines of the block looked at (entries ascend)
+        block_key, block_versions = None, set()  # the entries of the block looked at (entries ascend)
         for tid, block, version, loc in view.row_entries():
             done += 1
             where = f"table id {tid} block {block} version {version}"
@@ -53,12 +53,11 @@ def verify_store(store: "Store", progress: Callable[[int, int], None] | None = N
                 report.problems.append(f"index entry {where} names an unknown table")
                 continue
             if (tid, block) != block_key:
-                block_key, block_baselines = (tid, block), set()
-            if loc.flags & record.FLAG_BASELINE:
-                block_baselines.add(version)
-            if loc.base and loc.base not in block_baselines:
+                block_key, block_versions = (tid, block), set()
+            if loc.base and loc.base not in block_versions:
                 report.problems.append(f"index entry {where} is a delta on version {loc.base}, which has no "
-                                       "baseline entry: reads of it fail")
+                                       "entry: reads of it fail")
+            block_versions.add(version)
             if (tid, block, version) in unread:
                 report.problems.append(f"index entry {where} is read by no retained version "
                                        "(its version is gone and a baseline shadows it)")

@@ -2,7 +2,7 @@
 
 Durability protocol (DESIGN.md): (1) append the version's records and its COMMIT record (what repair
 rebuilds the index from), (2) fsync them, (3) one synced LMDB transaction (the one commit path,
-cnrstore/commit.py) inserts the index entries, the version record and the segments' committed lengths. The
+Engine.commit in cnrstore/engine.py) inserts the index entries, the version record and the segments' committed lengths. The
 version exists exactly when (3) has committed. Abort (or any failure) truncates what was appended.
 
 A version holds at most one record per (table, block). A second ``put_rows`` that touches a block this
@@ -21,19 +21,19 @@ import numpy as np
 
 from . import blocks as blocks_math
 from . import codecs, fs, knobs, merge, reader, record, validate
-from .commit import commit_log
 from .errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
 from .index import DenseLoc, IndexWriter, RowLoc
+from .rowrecords import block_records
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .engine import Engine
 
 
 class CheckpointWriter:
     """Writes one version. Use as a context manager: normal exit commits, an exception aborts."""
 
-    def __init__(self, store: "Store", version: int, parent: int | None, step: int | None, meta: dict | None):
-        self._store = store
+    def __init__(self, engine: "Engine", version: int, parent: int | None, step: int | None, meta: dict | None):
+        self._engine = engine
         self.version = version
         self._parent = parent
         self._step = step
@@ -48,6 +48,10 @@ class CheckpointWriter:
         #: (table id, block, version) of the baselines this version's cumulative deltas read: retention
         #: keeps their entries while the version is being written (compaction.drop_versions)
         self.pins: set[tuple[int, int, int]] = set()
+
+    @property
+    def committed(self) -> bool:
+        return self._state == "committed"
 
     # context manager --------------------------------------------------------------------------------
     def __enter__(self) -> "CheckpointWriter":
@@ -69,7 +73,7 @@ class CheckpointWriter:
         version as it was; TableNotFound for an unknown table.
         """
         self._check_open()
-        info = self._store._table_record(table)
+        info = self._engine.table_record(table)
         if info is None:
             raise TableNotFound(f"no table {table!r} in this store; create it with store.create_table()")
         rows = validate.row_ids(rows, info["num_rows"], table)
@@ -126,10 +130,10 @@ class CheckpointWriter:
         if arr.dtype.hasobject or arr.dtype.fields is not None or arr.dtype.kind in "OVSUMm":
             raise InvalidArgument(f"dense array {name!r} has dtype {arr.dtype}; only numeric and bool arrays "
                                   "are stored (convert others, or pass them in meta=)")
-        dense_id = self._store._dense_id_for(name)
+        dense_id = self._engine.dense_id_for(name)
         buffers, length = record.dense_record(dense_id, self.version, arr)
         try:
-            seg, off = self._store._appender.append(buffers, length)
+            seg, off = self._engine.appender.append(buffers, length)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -145,7 +149,7 @@ class CheckpointWriter:
             raise CnrError(f"checkpoint {self.version} failed earlier ({self._failure!r}) and cannot commit; "
                            "it has been aborted") from self._failure
         self._check_open()
-        store = self._store
+        engine = self._engine
         try:
             info = {
                 "step": self._step,
@@ -156,12 +160,12 @@ class CheckpointWriter:
                 "dense": sorted(self._dense),
                 "bytes": self._bytes,
             }
-            table_ids = {name: store._table_record(name)["id"] for name in self._rows}
+            table_ids = {name: engine.table_record(name)["id"] for name in self._rows}
             increment = self._increment_bytes()
             # the version's catalog facts travel in the log too, so that repair can rebuild the index
             buffers, length = record.log_record(record.KIND_COMMIT, self.version,
-                                                commit_body(store, self.version, info, self._rows, self._dense))
-            commit_loc = DenseLoc(*store._appender.append(buffers, length), length)
+                                                commit_body(engine, self.version, info, self._rows, self._dense))
+            commit_loc = DenseLoc(*engine.appender.append(buffers, length), length)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -184,10 +188,10 @@ class CheckpointWriter:
                        + increment)
 
         # fsync, StoreMoved check, one index transaction; on failure self._fail rolls the version back
-        commit_log(store, store._appender, True, update, after_append="after_append", after_fsync="after_fsync",
+        engine.commit(engine.appender, True, update, after_append="after_append", after_fsync="after_fsync",
                    inside_index_commit="inside_index_commit", on_failure=self._fail)
         self._state = "committed"
-        store._writer_done(self)
+        engine.writer_done(self)
         return self.version
 
     def abort(self) -> None:
@@ -197,8 +201,8 @@ class CheckpointWriter:
         failed = self._state == "failed"
         self._state = "aborted"
         if not failed:  # a failed writer rolled back already; a newer writer may be appending now
-            self._store._appender.rollback()
-        self._store._writer_done(self)
+            self._engine.appender.rollback()
+        self._engine.writer_done(self)
 
     # internals --------------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -206,7 +210,7 @@ class CheckpointWriter:
             raise CnrError(f"checkpoint {self.version} failed earlier ({self._failure!r}); abort it") from self._failure
         if self._state != "open":
             raise StoreClosed(f"checkpoint {self.version} is already {self._state}")
-        self._store._check_open()
+        self._engine.check_open()
 
     def _fail(self, exc: BaseException) -> None:
         """An I/O failure mid-version: throw the version's bytes away; the writer can only abort now."""
@@ -215,13 +219,13 @@ class CheckpointWriter:
         self._failure = exc
         if self._state == "open":
             self._state = "failed"
-            self._store._appender.rollback()
-            self._store._writer_done(self)  # the store may start a new checkpoint at once
+            self._engine.appender.rollback()
+            self._engine.writer_done(self)  # the store may start a new checkpoint at once
 
     def _append(self, table: str, records: list, base: int = 0) -> None:
         """Append records (one gathered write per batch) and note where each lies (``base``: of the
         cumulative deltas among them)."""
-        locations = self._store._appender.append_many([(buffers, length) for _key, buffers, length in records])
+        locations = self._engine.appender.append_many([(buffers, length) for _key, buffers, length in records])
         blocks = self._rows.setdefault(table, {})
         for ((block, count, flags), _buffers, length), (seg, off) in zip(records, locations):
             blocks[block] = RowLoc(seg, off, length, count, flags, base if flags & record.FLAG_DELTA else 0)
@@ -250,22 +254,22 @@ class CheckpointWriter:
         a concurrent retention cannot drop the entries this version's deltas will read."""
         if knobs.READ_CHAIN_BOUND is None or self._parent is None or not blocks.size:
             return {}, None
-        store = self._store
+        engine = self._engine
         found = {}
-        with store._pin_lock:
-            view = stack.enter_context(store._index.read())
+        with engine.pin_lock:
+            view = stack.enter_context(engine.index.read())
             for block in np.unique(blocks).tolist():
                 plan = merge.chain_merge(view, info["id"], block, self._parent)
-                if plan is not None:
+                if plan is not None:  # (every entry the merged record might read; narrowed after the merge)
                     found[block] = plan
-                    if plan.baseline is not None:
-                        self.pins.add((info["id"], block, plan.baseline[0]))
-        return found, reader.BlockResolver(view, store._segments, info)
+                    for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
+                        self.pins.add((info["id"], block, v))
+        return found, reader.BlockResolver(view, engine.segments, info)
 
     def _append_fresh(self, table: str, info: dict, codec, rows: np.ndarray, encoded: np.ndarray,
                       chain_merges: dict, resolver) -> None:
         """Append records of rows of blocks this version had not written: plain increments, and for the
-        blocks in ``chain_merges`` a cumulative delta (or new baseline) merged with the older chain."""
+        blocks in ``chain_merges`` a delta (or new baseline) merged with the older chain (merge.py)."""
         if not chain_merges:
             self._append(table, block_records(info, codec, rows, encoded, self.version))
             return
@@ -289,8 +293,11 @@ class CheckpointWriter:
             fs.crash_point("after_delta_merge")  # a merged record appended, the version not committed
             if m.carried.size:
                 self._carried[(table, block)] = m.carried + first
-            if not m.base and chain_merges[block].baseline is not None:  # a new baseline reads no older record
-                self.pins.discard((info["id"], block, chain_merges[block].baseline[0]))
+            plan = chain_merges[block]  # keep pinned exactly the entries the merged record reads
+            reads = {m.base} | ({plan.baseline[0]} if m.base and plan.baseline is not None else set())
+            for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
+                if v not in reads:
+                    self.pins.discard((info["id"], block, v))
 
     def _plan_merges(self, table, info, rows, values, blocks, merging, codec) -> list:
         """For blocks this version already wrote: (codec, merged rows, merged encoded rows, delta base,
@@ -298,7 +305,7 @@ class CheckpointWriter:
 
         Raises InvalidArgument (before anything is written) if a row was already put in this version.
         """
-        store = self._store
+        engine = self._engine
         dim = info["dim"]
         plans = []
         m_rows, m_values, m_blocks = rows[merging], values[merging], blocks[merging]
@@ -307,7 +314,7 @@ class CheckpointWriter:
             stop = bounds[i + 1]
             block = int(m_blocks[start])
             base = blocks_math.base(block, info["block_rows"])
-            old = store._load_pending(self._rows[table][block], info)
+            old = engine.load_pending(self._rows[table][block], info)
             old_rows = old.offsets() + base
             new_rows, new_values = m_rows[start:stop], m_values[start:stop]
             keep = None
@@ -341,12 +348,12 @@ class CheckpointWriter:
         return plans
 
 
-def commit_body(store: "Store", version: int, info: dict, rows: dict, dense: dict) -> dict:
+def commit_body(engine: "Engine", version: int, info: dict, rows: dict, dense: dict) -> dict:
     """The body of version ``version``'s COMMIT record (docs/FORMAT.md): its version info, the catalog
     entries of the tables it wrote, the dense ids it wrote, and (count, flags) of every block it wrote."""
     catalog, blocks = [], {}
     for name, by_block in rows.items():
-        tinfo = store._table_record(name)
+        tinfo = engine.table_record(name)
         catalog.append({k: tinfo[k] for k in ("id", "name", "num_rows", "dim", "codec", "block_rows", "created")})
         ids = sorted(by_block)
         blocks[tinfo["id"]] = [np.array(ids, dtype="<u8").tobytes(),
@@ -354,45 +361,6 @@ def commit_body(store: "Store", version: int, info: dict, rows: dict, dense: dic
                                np.array([by_block[b].flags for b in ids], dtype="<u1").tobytes()]
     return {**info, "version": version, "catalog": catalog,
             "dense_ids": {name: dense_id for name, (dense_id, _loc) in dense.items()}, "blocks": blocks}
-
-
-def block_records(info: dict, codec, rows: np.ndarray, encoded: np.ndarray, version: int, *,
-                  compacted: bool = False, base: int = 0, copied: int = 0, baseline: bool = False) -> list:
-    """One ROWS record per block of ``rows`` (sorted, unique; ``encoded`` aligned with them).
-
-    Returns ((block, count, flags), buffers, length) per record; the buffers are views, not copies. A
-    record holding every row of its block is a baseline. With ``compacted``, every record is a
-    (compacted) baseline: it holds every row written to its block at or before ``version``. With
-    ``base`` (rows of one block, merge.py), a record that is not a baseline is a cumulative delta on the
-    baseline at version ``base`` (record.FLAG_DELTA).
-    """
-    block_rows, num_rows = info["block_rows"], info["num_rows"]
-    shift = blocks_math.shift(block_rows)
-    blocks = rows >> shift
-    starts, bounds = blocks_math.runs(blocks)
-    stops = bounds[1:]
-    counts = stops - starts
-    bases = blocks[starts] << shift
-    complete = baseline
-    baseline = counts == blocks_math.lengths(bases, block_rows, num_rows)
-    full = baseline | (rows[stops - 1] - bases == counts - 1)  # rows 0..count-1: no offsets needed
-    sizes = record.HEADER_BYTES + record.TRAILER_BYTES + np.where(full, 0, 2 * counts) + counts * encoded.shape[1]
-    if sizes.max() > knobs.MAX_RECORD_BYTES:
-        raise InvalidArgument(f"a block of table {info['name']!r} encodes to {int(sizes.max())} bytes, more "
-                              "than a record holds; create the table with a smaller block_rows")
-    if compacted or complete:
-        baseline = np.ones_like(baseline)
-    flags = (np.where(full, record.FLAG_FULL, 0) | np.where(baseline, record.FLAG_BASELINE, 0)
-             | (record.FLAG_COMPACTED if compacted else 0) | np.where(~baseline & bool(base), record.FLAG_DELTA, 0))
-    records = []
-    for start, stop, first, flag, is_full in zip(starts.tolist(), stops.tolist(), bases.tolist(),
-                                                 flags.tolist(), full.tolist()):
-        offsets = None if is_full else rows[start:stop] - first
-        buffers, length = record.rows_record(codec.codec_id, flag, info["id"], first >> shift, version,
-                                             offsets, encoded[start:stop], base if flag & record.FLAG_DELTA else 0,
-                                             copied)
-        records.append(((first >> shift, stop - start, flag), buffers, length))
-    return records
 
 
 def _codec_for(codec, values: np.ndarray):

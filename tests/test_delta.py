@@ -70,6 +70,8 @@ def test_every_read_chain_stays_within_the_bound_and_every_version_reads_exactly
             assert store.stats()["max_read_chain"] <= bound
         entries = _entries(store, "t")
         assert any(loc.flags & record.FLAG_DELTA for loc in entries.values()), "deltas were written"
+        if bound >= 3:  # two levels: some delta is a delta on another delta
+            assert any(loc.base and entries.get((b, loc.base), loc).base for (b, _v), loc in entries.items())
         for v, expect in model.versions.items():
             assert store.read_table("t", version=v).tobytes() == expect.tobytes(), v
             ids = rng.choice(num_rows, 50)
@@ -102,11 +104,45 @@ def test_a_delta_copies_the_stored_bytes_of_the_rows_it_carries(tmp_path):
             assert [v for v, _loc in view.row_chain(1, 0, 4)] == [4, 1]
 
 
+def test_a_delta_on_a_delta_copies_only_the_rows_above_it(tmp_path, monkeypatch):
+    """Two levels: with a cumulative delta D on the baseline in the chain, the next merge writes a delta
+    on D holding only the rows above D (while they are fewer than DELTA_TIER_RATIO times D's rows), read
+    as it, D and the baseline: three records; D's rows are not copied again."""
+    monkeypatch.setattr(knobs, "DELTA_FULL_FRACTION", 1.0)
+    with cnrstore.open(tmp_path / "s", create=True) as store:
+        store.create_table("t", 64, 4, codec="fp32", block_rows=64)
+        state = np.zeros((64, 4), np.float32)
+        puts = (np.arange(64), np.arange(0, 8), np.arange(8, 16), np.arange(16, 20), np.arange(20, 22),
+                np.arange(22, 24))
+        for v, rows in enumerate(puts, 1):
+            state[rows] = v
+            with store.checkpoint() as ck:
+                ck.put_rows("t", rows, np.full((len(rows), 4), float(v), np.float32))
+        entries = _entries(store, "t")
+        d = entries[(0, 4)]  # versions 2-4 merged: a cumulative delta on the baseline
+        assert d.flags & record.FLAG_DELTA and d.base == 1 and d.count == 20
+        top = entries[(0, 6)]  # versions 5-6 merged: a delta on version 4's delta
+        assert top.flags & record.FLAG_DELTA and top.base == 4 and top.count == 4
+        with store._index.read() as view:
+            assert [v for v, _loc in view.row_chain(1, 0, 6)] == [6, 4, 1]
+        assert store.stats()["max_read_chain"] == 3
+        assert store.read_table("t").tobytes() == state.tobytes()
+        store.retain(keep_last=1)
+        store.gc()
+        assert store.read_table("t").tobytes() == state.tobytes()
+        assert store.verify().ok
+    report = cnrstore.repair(tmp_path / "s")
+    assert report.ok and report.versions_recovered == [6]
+    with cnrstore.open(tmp_path / "s", readonly=True) as store:
+        assert store.read_table("t").tobytes() == state.tobytes()
+
+
 def test_copies_past_the_reset_fraction_make_a_new_baseline(tmp_path, monkeypatch):
     """Once the rows a block's deltas copied since its baseline reach DELTA_RESET_FRACTION of the block
     (here 16 of 64: version 4 would copy the 16 rows of versions 2 and 3), the merged record takes the
     baseline's other rows too: a full baseline, read alone."""
     monkeypatch.setattr(knobs, "DELTA_RESET_FRACTION", 0.25)
+    monkeypatch.setattr(knobs, "DELTA_FULL_FRACTION", 1.0)
     with cnrstore.open(tmp_path / "s", create=True) as store:
         store.create_table("t", 64, 4, codec="fp32", block_rows=64)
         values = {}

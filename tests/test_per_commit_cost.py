@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import cnrstore
+from cnrstore import engine as engine_module
 import cnrstore.store as store_module
 from cnrstore import compaction
 from cnrstore.distributed import manifest as manifest_module
@@ -26,13 +27,13 @@ from cnrstore.types import VersionInfo
 def count_version_records(monkeypatch):
     """How many version records the store has turned into VersionInfo (each is one msgpack unpack)."""
     calls = [0]
-    real = store_module._version_info
+    real = engine_module.version_info
 
     def counting(version, info):
         calls[0] += 1
         return real(version, info)
 
-    monkeypatch.setattr(store_module, "_version_info", counting)
+    monkeypatch.setattr(engine_module, "version_info", counting)
     return calls
 
 
@@ -106,7 +107,7 @@ def test_incremental_history_and_policy_decisions_equal_those_from_a_full_histor
                 store.compact(rng.choice(versions))  # moves last_baseline (or not, if older)
             elif op < 0.9:
                 with store._maintenance_lock:
-                    compaction.drop_versions(store, set(rng.sample(versions[:-1], rng.randint(1, len(versions) - 1))))
+                    compaction.drop_versions(store.engine, set(rng.sample(versions[:-1], rng.randint(1, len(versions) - 1))))
             else:
                 store.retain(rng.randint(1, len(versions)))
             if rng.random() < 0.6:  # not after every change: the cache must catch up over several
@@ -247,8 +248,8 @@ def _msgpack_records_read(store_path, versions, monkeypatch):
 
         monkeypatch.setattr(index_module, "_unpack", counting)
         with store._maintenance_lock:
-            compaction.materialize(store, versions)
-            compaction.drop_versions(store, {2, 3})
+            compaction.materialize(store.engine, versions)
+            compaction.drop_versions(store.engine, {2, 3})
         monkeypatch.setattr(index_module, "_unpack", real)
         return calls[0]
 

@@ -153,7 +153,7 @@ def test_ls_and_stats_chain_lengths_match_block_chains_on_random_histories(tmp_p
             elif op == "retain":
                 store.retain(keep_last=arg)
             elif op == "drop" and len(versions) > 1:
-                compaction.drop_versions(store, {versions[arg % (len(versions) - 1)]})
+                compaction.drop_versions(store.engine, {versions[arg % (len(versions) - 1)]})
         versions = [vi.version for vi in store.versions()]
         with store._index.read() as view:
             expected = chains_by_definition(view, versions)

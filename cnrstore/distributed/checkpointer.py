@@ -226,7 +226,7 @@ class DistributedCheckpointer:
         if not drop:
             return []
         with self.store._maintenance_lock:
-            dropped = _compaction.drop_versions(self.store, drop, allow_newest=startup)
+            dropped = _compaction.drop_versions(self.store.engine, drop, allow_newest=startup)
         self.store.gc()
         return dropped
 

@@ -1,0 +1,139 @@
+"""The engine layer (issue 12, part 1): no import circle in cnrstore/, and the segment storage seam is the
+only way the engine reads, measures and removes segments."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import numpy as np
+
+import cnrstore
+from cnrstore import fs, storage
+from cnrstore.store import Store
+
+PACKAGE = os.path.dirname(cnrstore.__file__)
+
+
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the cnrstore modules it imports: every import statement, including those under ``if
+    TYPE_CHECKING:`` and inside functions. ``from . import x`` names module ``x`` when it is one."""
+    modules = {}
+    for dirpath, _dirs, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                modules[_module_name(os.path.join(dirpath, f))] = os.path.join(dirpath, f)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        is_pkg = path.endswith("__init__.py")
+        package = name if is_pkg else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - node.level + 1]
+                    stem = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    stem = node.module or ""
+                for alias in node.names:
+                    full = f"{stem}.{alias.name}"
+                    targets.append(full if full in modules else stem)
+            for t in targets:
+                while t and t not in modules:
+                    t = t.rsplit(".", 1)[0] if "." in t else ""
+                if t and t != name and not (t == "cnrstore" and name.startswith("cnrstore")):
+                    graph[name].add(t)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state:
+                found = visit(n)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circle_in_the_package():
+    """No module of cnrstore/ imports (even for type checking only, or inside a function) a module that
+    imports it back, directly or not; nothing beneath store.py imports it."""
+    graph = _import_graph()
+    assert "cnrstore.engine" in graph and graph["cnrstore.writer"], "the graph was built"
+    cycle = _cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+    for low in ("cnrstore.writer", "cnrstore.compaction", "cnrstore.background", "cnrstore.verify",
+                "cnrstore.engine", "cnrstore.merge", "cnrstore.liveness"):
+        assert "cnrstore.store" not in graph[low], f"{low} imports store.py"
+
+
+class RecordingStorage(storage.LocalSegmentStorage):
+    """The local storage, recording what the engine asks of it."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.calls: list[tuple] = []
+
+    def read(self, seg, offset, length):
+        self.calls.append(("read", seg))
+        return super().read(seg, offset, length)
+
+    def remove(self, seg):
+        self.calls.append(("remove", seg))
+        super().remove(seg)
+
+    def sealed(self, seg):
+        self.calls.append(("sealed", seg))
+
+
+def test_the_engine_reads_removes_and_seals_segments_through_the_storage_seam(tmp_path, monkeypatch):
+    """Reads of committed data, the deletion of segments GC freed and the sealing of segments the
+    appenders leave behind all go through the store's SegmentStorage."""
+    monkeypatch.setattr(cnrstore.knobs, "SEGMENT_BYTES", 2048)  # several segments: appenders roll over
+    path = str(tmp_path / "s")
+    cnrstore.open(path, create=True).close()
+    recorder = RecordingStorage(path)
+    store = Store(path, create=False, readonly=False, filesystem=fs.DEFAULT, storage=recorder)
+    store.create_table("t", 256, 4, codec="fp32", block_rows=64)
+    for v in range(4):
+        with store.checkpoint() as ck:
+            ck.put_rows("t", np.arange(256) if v == 0 else np.arange(v, 256, 7), np.full((256 if v == 0 else len(range(v, 256, 7)), 4), v, np.float32))
+    assert any(c[0] == "sealed" for c in recorder.calls), "rolled-over segments were announced as sealed"
+    sealed = {c[1] for c in recorder.calls if c[0] == "sealed"}
+    with store._index.read() as view:
+        assert sealed <= set(view.segments()), "only committed segments are sealed"
+    recorder.calls.clear()
+    assert store.read_table("t")[3, 0] == 3.0
+    assert any(c[0] == "read" for c in recorder.calls)
+    store.retain(keep_last=1)
+    report = store.gc()
+    removed = [c[1] for c in recorder.calls if c[0] == "remove"]
+    assert report.segments_deleted == len(removed) > 0
+    assert not any(os.path.exists(cnrstore.filenames.segment_path(path, s)) for s in removed)
+    assert store.verify().ok
+    store.close()
