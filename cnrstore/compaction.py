@@ -408,16 +408,12 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
         for kind, v, loc in view.log_entries():  # COMMIT / ANCHOR records repair needs
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
             log_users.setdefault(loc.segment, []).append((kind, v, loc))
-    active = appender.active
-    if active in committed and active not in engine.appender.busy() and \
-            live.get(active, 0) / max(1, committed[active] - SEGMENT_HEADER_BYTES) < knobs.GC_LIVE_FRACTION:
-        appender.seal()  # mostly dead: collect it like a sealed one; copies go to a new segment
     busy = engine.appender.busy()  # the checkpoint writer's segments: possibly uncommitted bytes
     dead: list[int] = []
     scored = []
     for seg, length in sorted(committed.items()):
-        if seg == appender.active or seg in busy:
-            continue  # still being appended to
+        if seg in busy:
+            continue  # being appended to (compaction's own active segment is judged like any other)
         payload = max(1, length - SEGMENT_HEADER_BYTES)
         if live.get(seg, 0) == 0:
             dead.append(seg)
@@ -434,6 +430,9 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
         if seg not in candidates and u < knobs.GC_CLEAN_MAX_LIVE:
             candidates.append(seg)
             disk -= payload - live.get(seg, 0)
+
+    if appender.active is not None and (appender.active in candidates or appender.active in dead):
+        appender.seal()  # compaction's own segment is worth cleaning: copies go to a new one
 
     # 1. free the wholly dead segments: no segment bytes to write (LMDB may need a page or two)
     if dead:
