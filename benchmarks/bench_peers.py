@@ -11,11 +11,12 @@ while the others save, as it would beside a trainer):
 
   - cnrstore, the issue's scheme: ``Checkpointer(codec="adaptive4", mode="intermittent")`` on a store
     opened with ``compaction="auto"`` (the trainer writes intermittent differentials and its own
-    baselines; compaction materializes baselines too; every version kept);
+    baselines; every version kept);
   - cnrstore, the design's scheme: ``Checkpointer(codec="adaptive4", mode="incremental")`` on a store
-    opened with ``compaction=CompactionPolicy(IntermittentRule(), Retention(KeepLast(--keep)))``: the
-    trainer writes only the rows touched since its previous save, the background compactor materializes
-    baselines by the paper's intermittent rule and drops all but the last ``--keep`` versions (GC on);
+    opened with ``compaction=CompactionPolicy(retention=Retention(KeepLast(--keep)))``: the
+    trainer writes only the rows touched since its previous save (the writer bounds read chains with
+    deltas and per-block baselines, cnrstore/merge.py), the background compactor drops all but the last
+    ``--keep`` versions and collects (GC on);
   - each of them with Adagrad's state lossless (``optimizer_codec="fp32"``, the API default) and in int8;
   - torch.save: a blocking ``torch.save`` of model + optimizer state to a new file, then fsync;
   - DCP save: ``torch.distributed.checkpoint.save`` (single-process gloo group, loopback) to a new dir;
@@ -65,7 +66,7 @@ from bench_engine import load_average, machine_description, median  # noqa: E402
 import train_dlrm  # noqa: E402
 
 import cnrstore  # noqa: E402
-from cnrstore.policy import CompactionPolicy, IntermittentRule, KeepLast, Retention  # noqa: E402
+from cnrstore.policy import CompactionPolicy, KeepLast, Retention  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
 
 WEIGHT_CODEC = "adaptive4"
@@ -93,7 +94,8 @@ class CnrConfig:
     def compaction(self, keep: int):
         if self.scheme == "issue":
             return "auto"
-        return CompactionPolicy(materialize=IntermittentRule(), retention=Retention(KeepLast(keep)), gc=True)
+        # the default materialize rule: none while the writer bounds read chains (merge.py), as it does
+        return CompactionPolicy(retention=Retention(KeepLast(keep)), gc=True)
 
 
 def rows_cap_for(total_rows: int) -> int:
@@ -427,7 +429,8 @@ def run(args) -> tuple[str, dict]:
         f"thread(s)); checkpoints and restores measured with {args.threads} torch thread(s)",
         f"- weights in {WEIGHT_CODEC}; issue's scheme: Checkpointer(mode=\"intermittent\") on "
         "open(compaction=\"auto\"), every version kept; design's scheme: Checkpointer(mode=\"incremental\") on "
-        f"open(compaction=CompactionPolicy(IntermittentRule(), Retention(KeepLast({args.keep})), gc=True))",
+        f"open(compaction=CompactionPolicy(retention=Retention(KeepLast({args.keep})), gc=True)) (read chains "
+        "bounded by the writer's deltas, no background baselines)",
     ]
     for m, c in cnr.items():
         lines.append(
