@@ -288,8 +288,15 @@ class Bench:
             trainer = sum(sampled.trainer_bytes)
             for p in timed:
                 if sum(p.trainer_bytes) != trainer:
-                    raise AssertionError(f"{scheme.label}: the trainer wrote {sum(p.trainer_bytes)} bytes in one pass "
-                                         f"and {trainer} in another")
+                    # a checkpoint's deltas depend on the chain at its parent, which background
+                    # materialization beside it may already have replaced: only then may passes differ
+                    if scheme.compaction is None:
+                        raise AssertionError(f"{scheme.label}: the trainer wrote {sum(p.trainer_bytes)} bytes in "
+                                             f"one pass and {trainer} in another")
+                    notes.append(f"- {scheme.label}: the trainer's bytes differ between passes ({trainer} settled, "
+                                 f"{sum(p.trainer_bytes)} timed): its deltas depend on whether background "
+                                 "materialization had replaced the parent's chain when it wrote them.")
+                    break
             compaction = sampled.final_stats["bytes_written"] - trainer
             lat = [t for p in timed for t in p.latency[1:]]
             lat_by_key[scheme.key] = lat

@@ -28,7 +28,7 @@ QUICK_BUDGET_S = 3 * 60
 SECTIONS = [
     ("bench_peers.py", "Against the peers",
      "cnrstore (adaptive 4-bit weights; the issue's scheme: intermittent trainer + background compaction, "
-     "and the design's: incremental trainer + background intermittent baselines + KeepLast retention; "
+     "and the design's: incremental trainer, read chains bounded by the writer's deltas, KeepLast retention; "
      "optimizer state fp32 and int8) against a blocking torch.save and torch.distributed.checkpoint "
      "save/async_save on the reference DLRM: bytes written, trainer stall, time until durable, restore "
      "time, disk use.", ["--plot", "peers_intervals.png"], ["--quick"], "peers_intervals.png"),
