@@ -322,7 +322,8 @@ class Store:
         API.md's contract."""
         return self._engine
 
-    # the engine's parts under their old private names (tests, cnrstore.distributed) -------------------
+    # the engine's parts under their old private names: nothing in the repository uses them any more (tests,
+    # benchmarks and cnrstore.distributed use Store.engine); kept for code written before the engine --------
     _index = property(lambda self: self._engine.index)
     _segments = property(lambda self: self._engine.segments)
     _appender = property(lambda self: self._engine.appender)
