@@ -281,14 +281,14 @@ class Bench:
         store = w["store"]
         stats = store.stats()
         rows_stored = w["rows_stored"]
-        env = store._index._env  # the benchmark may look inside: only for page accounting
+        env = store.engine.index._env  # the benchmark may look inside: only for page accounting
         psize = env.stat()["psize"]
         pages = lambda s: s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]  # noqa: E731
-        with store._index.read() as view:
+        with store.engine.index.read() as view:
             used = pages(env.stat()) + sum(pages(s) for s in view.stat().values())
         used_bytes = (used + 2) * psize  # + the two meta pages
         high_water = (env.info()["last_pgno"] + 1) * psize
-        data_mdb = os.path.getsize(os.path.join(store._index.path, "data.mdb"))
+        data_mdb = os.path.getsize(os.path.join(store.engine.index.path, "data.mdb"))
         data_per_row = stats["segment_bytes"] / rows_stored
         ref = f"{data_per_row:.1f} B/row of log data"
         self.add(f"d. index bytes per stored row, used B-tree pages ({used_bytes:,} B / {rows_stored:,} rows)",
@@ -342,7 +342,7 @@ class Bench:
             with cnrstore.open(path, readonly=True) as store:
                 entries = store.stats()["index_entries"]
                 # the old listing walked the whole row index once per version: time one such walk
-                with store._index.read() as view:
+                with store.engine.index.read() as view:
                     walk = median([timed(lambda: compaction_block_chains(view, count))[0]
                                    for _ in range(self.args.repeat)])
             ref = median(ref_ts)

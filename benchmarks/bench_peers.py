@@ -258,7 +258,7 @@ def run(args) -> tuple[str, dict]:
                 b = int(stores[m].stats()["bytes_written"])  # the trainer's writes plus compaction's so far
                 written[m].append(b - prev_cnr_bytes[m])
                 prev_cnr_bytes[m] = b
-                baselines_seen[m].add(stores[m]._history().baseline_version)
+                baselines_seen[m].add(stores[m].engine.history().baseline_version)
                 disk_trace[m].append(du(dirs[m]))
                 method_s[m].append(time.perf_counter() - t0)
 
@@ -316,7 +316,7 @@ def run(args) -> tuple[str, dict]:
                 store._compactor.wait_idle()
             drain_s[m] = time.perf_counter() - t0
             written[m][-1] += int(store.stats()["bytes_written"]) - prev_cnr_bytes[m]
-            baselines_seen[m].add(store._history().baseline_version)
+            baselines_seen[m].add(store.engine.history().baseline_version)
             st = store.stats()
             versions[m], max_chain[m] = st["versions"], st["max_read_chain"]
             ckpts[m].close()

@@ -217,7 +217,7 @@ class Bench:
                     res.disk.append(st["bytes_on_disk"])
                     res.chain.append(st["max_read_chain"])
                     res.written_total.append(st["bytes_written"])
-                    res.baselines.append(store._history().baseline_version)
+                    res.baselines.append(store.engine.history().baseline_version)
             if compactor is not None:
                 t0 = time.perf_counter()
                 compactor.wait_idle()

@@ -35,7 +35,7 @@ from . import compaction, filenames, fs, record, segments
 from .errors import CorruptionError, StoreNotFound
 from .index import DenseLoc, Index, IndexWriter, RowLoc
 from .lock import ProcessLock
-from .store import FORMAT_VERSION, _read_marker
+from .marker import FORMAT_VERSION, read_marker
 
 Progress = Callable[[int, int], None]
 
@@ -143,7 +143,7 @@ def repair(path, progress: Progress | None = None) -> RepairReport:
     if not os.path.exists(filenames.marker_path(root)) or not os.path.isdir(filenames.segments_dir(root)):
         raise StoreNotFound(f"no cnrstore store at {root!r} (no marker or no segments/ directory); repair "
                             "needs the store's CNRSTORE marker and segments/")
-    _read_marker(root)
+    read_marker(root)
     lock = ProcessLock(root)
     lock.acquire()
     try:

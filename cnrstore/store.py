@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import builtins
 import errno
 import os
-import struct
-import threading
 import time
 
-import msgpack
 import numpy as np
-import xxhash
 
 from . import blocks as blocks_math
-from . import codecs, compaction, filenames, fs, knobs, reader, record, segments, validate
+from . import codecs, compaction, filenames, fs, knobs, reader, segments, validate
 from .errors import (
     CheckpointInProgress,
     CompactionFailed,
@@ -24,27 +19,19 @@ from .errors import (
     InvalidArgument,
     MissingRows,
     ReadOnlyError,
-    StoreClosed,
     StoreNotFound,
     TableNotFound,
     VersionNotFound,
 )
-from .index import Index, IndexView, RowLoc, damage_hint
+from .index import Index, IndexView, damage_hint
 from .background import BackgroundCompactor
 from .engine import Engine, version_info as _version_info
 from .storage import LocalSegmentStorage, SegmentStorage
 from .lock import ProcessLock
+from .marker import FORMAT_VERSION, marker_bytes as _marker_bytes, read_marker as _read_marker
 from .policy import compaction as compaction_policy
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 from .writer import CheckpointWriter, pack_meta
-
-#: On disk: the format this code writes and the newest it reads. Bump on any incompatible change.
-#: 2: COMMIT / ANCHOR / DROP records and the index's ``log`` database (repair). Format 1 is still read;
-#: a writable open upgrades its marker (docs/FORMAT.md).
-#: 3: cumulative delta records (record.FLAG_DELTA, index ROW_LOC_DELTA). Formats 1 and 2 are still read.
-FORMAT_VERSION = 3
-MARKER_MAGIC = b"CNRSTORE"
-_MARKER_HEAD = struct.Struct("<8sII")  # magic, format version, msgpack length
 
 
 def open(path, *, create: bool = False, readonly: bool = False, compaction=None) -> "Store":  # noqa: A001
@@ -133,27 +120,6 @@ def _check_writable_files(root: str) -> None:
                 code = errno.EACCES
             exc = OSError(code, os.strerror(code))
             raise fs.permission_denied(exc, _opening(root, False), path, needs=what)
-
-
-def _marker_bytes() -> bytes:
-    payload = msgpack.packb({"format_version": FORMAT_VERSION, "created": time.time()})
-    head = _MARKER_HEAD.pack(MARKER_MAGIC, FORMAT_VERSION, len(payload)) + payload
-    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
-
-
-def _read_marker(root: str) -> int:
-    """Format version recorded in the store's marker file (verified)."""
-    path = filenames.marker_path(root)
-    with builtins.open(path, "rb") as f:
-        data = f.read()
-    if len(data) < _MARKER_HEAD.size + 8:
-        raise CorruptionError(f"store marker {path} is truncated", path, 0)
-    magic, fmt, n = _MARKER_HEAD.unpack_from(data)
-    body = data[: _MARKER_HEAD.size + n]
-    if magic != MARKER_MAGIC or len(data) != len(body) + 8 or \
-            struct.unpack_from("<Q", data, len(body))[0] != xxhash.xxh3_64_intdigest(body):
-        raise CorruptionError(f"store marker {path} is corrupt", path, 0)
-    return fmt
 
 
 class Store:
@@ -356,7 +322,8 @@ class Store:
         API.md's contract."""
         return self._engine
 
-    # the engine's parts under their old private names (tests, cnrstore.distributed) -------------------
+    # the engine's parts under their old private names: nothing in the repository uses them any more (tests,
+    # benchmarks and cnrstore.distributed use Store.engine); kept for code written before the engine --------
     _index = property(lambda self: self._engine.index)
     _segments = property(lambda self: self._engine.segments)
     _appender = property(lambda self: self._engine.appender)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, filenames, reader, record, segments
+from . import codecs, reader, record, segments
 from .errors import CnrError
 from .types import VerifyReport
 
@@ -28,11 +27,11 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
     with engine.index.read() as view:
         committed = view.segments()
         for seg, length in sorted(committed.items()):
-            path = filenames.segment_path(engine.path, seg)
-            if not os.path.exists(path):
+            path = seg_reader.path(seg)
+            size = seg_reader.size(seg)  # through the storage seam (storage.py), like every read here
+            if size is None:
                 report.problems.append(f"segment {path} is missing")
                 continue
-            size = os.path.getsize(path)
             if size < length:
                 report.problems.append(f"segment {path} holds {size} bytes, fewer than its committed {length}")
             try:

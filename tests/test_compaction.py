@@ -238,7 +238,7 @@ def segment_files(path: str) -> dict[int, int]:
 
 def index_state(store) -> tuple:
     """Every catalog and index entry: equal before and after means the operation changed nothing."""
-    with store._index.read() as view:
+    with store.engine.index.read() as view:
         return (view.versions(), view.segments(), list(view.row_entries()), list(view.dense_entries()),
                 view.meta("doomed_segments", {}), view.meta("bytes_written"))
 
@@ -247,7 +247,7 @@ def assert_consistent(store) -> None:
     """verify() passes, and segments/ holds exactly the index's segments plus doomed ones."""
     report = store.verify()
     assert report.ok, report.problems[:5]
-    with store._index.read() as view:
+    with store.engine.index.read() as view:
         committed = view.segments()
         doomed = {int(k) for k in view.meta("doomed_segments", {})}
     files = segment_files(store.path)
@@ -265,7 +265,7 @@ def reopen(store, workload: Workload):
 
 def expected_max_read_chain(store) -> int:
     """The longest read chain of any retained version, computed here from the index."""
-    with store._index.read() as view:
+    with store.engine.index.read() as view:
         return max((len(chain) for v in [i.version for i in store.versions()]
                     for chain in compaction.block_chains(view, v).values()), default=0)
 
@@ -412,10 +412,10 @@ def test_empty_store_maintenance(store):
 
 def _entry(store, table: str, block: int, version: int):
     """(version, RowLoc, parsed record) of the newest index entry of the block at or before ``version``."""
-    tid = store._table_record(table)["id"]
-    with store._index.read() as view:
+    tid = store.engine.table_record(table)["id"]
+    with store.engine.index.read() as view:
         v, loc = next(view.row_chain(tid, block, version))
-    rec = record.parse(store._segments.read(loc.segment, loc.offset, loc.length), "", loc.offset)
+    rec = record.parse(store.engine.segments.read(loc.segment, loc.offset, loc.length), "", loc.offset)
     return v, loc, rec
 
 
@@ -573,11 +573,11 @@ def test_max_read_chain(store, monkeypatch):
              for v in range(1, 9)}
     assert store.stats()["max_read_chain"] == expected_max_read_chain(store) >= 5
     store.compact()
-    with store._index.read() as view:
+    with store.engine.index.read() as view:
         assert all(len(c) == 1 for c in compaction.block_chains(view, 8).values())
     assert store.stats()["max_read_chain"] == expected_max_read_chain(store)
     store.compact(4)
-    with store._index.read() as view:
+    with store.engine.index.read() as view:
         assert all(len(c) == 1 for c in compaction.block_chains(view, 4).values())
     assert store.stats()["max_read_chain"] == expected_max_read_chain(store)
     for v in range(1, 9):
@@ -619,7 +619,7 @@ def test_gc_reclaims_space_after_retain(store):
     # (plus the headers of segments the copies went to)
     assert 0 <= stats2["segment_bytes"] - (stats1["segment_bytes"] - report.bytes_reclaimed + report.bytes_copied) \
         <= 32 * len(segment_files(store.path))
-    with store._index.read() as view:
+    with store.engine.index.read() as view:
         assert set(segment_files(store.path)) == set(view.segments())
         assert not view.meta("doomed_segments", {})
     same_reads(before, w.check())
@@ -637,7 +637,7 @@ def test_gc_of_a_corrupted_live_record_changes_nothing(store):
     w = Workload(store, seed=6)
     w.commit(10)
     store.retain(keep_last=3)
-    with store._index.read() as view:
+    with store.engine.index.read() as view:
         committed = view.segments()
         live: dict[int, list] = {}
         for tid, block, v, loc in view.row_entries():
@@ -652,7 +652,7 @@ def test_gc_of_a_corrupted_live_record_changes_nothing(store):
     seg = candidates[-1]  # GC copies the other candidates first: those copies must be undone
     kind, obj, block, v, loc = live[seg][-1]
     if kind == "rows":
-        damaged = next(n for n in TABLES if store._table_record(n)["id"] == obj)
+        damaged = next(n for n in TABLES if store.engine.table_record(n)["id"] == obj)
     else:
         damaged = dense_names[obj]
     path = filenames.segment_path(store.path, seg)
@@ -737,7 +737,7 @@ def test_maintenance_beside_an_open_checkpoint(store):
     ck.put_dense("step", np.array([v, 2 * v], dtype=np.int64))
     store.gc()
     assert ck.commit() == v
-    with store._index.read() as view:
+    with store.engine.index.read() as view:
         assert len({loc.segment for _t, _b, u, loc in view.row_entries() if u == v}) > 1
     assert store.versions()[-1].parent == 6
     i4, i2 = codecs.get("int4"), codecs.get("int2")
@@ -797,12 +797,12 @@ def test_compaction_grows_the_index_map(tmp_path):
             for v in (3, 4):
                 with s.checkpoint() as ck:
                     ck.put_dense("x", np.zeros(3))
-            size = s._index.map_size()
+            size = s.engine.index.map_size()
             s.compact(3)  # a new index entry per block
             s.compact(4)
             s.retain(keep_last=1)
             s.gc()
-            assert s._index.map_size() > size
+            assert s.engine.index.map_size() > size
             assert s.read_table("a").ravel().tolist() == list(range(n))
             assert s.verify().ok
         print("ok")
@@ -947,7 +947,7 @@ def test_reader_in_another_process_during_retain_and_gc(tmp_path, monkeypatch):
         for name in _ns["TABLES"]:
             assert store.read_table(name, version=u).tobytes() == states.at(u)[name].tobytes()
     store.gc()  # the reader is gone: nothing is pending any more
-    with store._index.read() as view:
+    with store.engine.index.read() as view:
         assert not view.meta("doomed_segments", {})
         assert set(segment_files(path)) == set(view.segments())
     assert store.verify().ok
@@ -967,24 +967,24 @@ def test_gc_keeps_segments_a_reader_transaction_can_see(store_path):
     (bytes_pending), reads through that transaction still work, and the next gc() deletes them."""
     store, w = _prepared(store_path)
     old = w.check(versions=[1])
-    tinfo = store._table_record("full_i4")
+    tinfo = store.engine.table_record("full_i4")
     files_before = set(segment_files(store_path))
-    with store._index.read() as view:  # held across retain and gc, like a reader in the middle of a read
+    with store.engine.index.read() as view:  # held across retain and gc, like a reader in the middle of a read
         dropped = store.retain(keep_last=1)
         assert 1 in dropped
         report = store.gc()
         assert report.bytes_pending > 0 and report.bytes_reclaimed == 0 and report.segments_deleted == 0
-        with store._index.read() as now:
+        with store.engine.index.read() as now:
             doomed = {int(k) for k in now.meta("doomed_segments", {})}
             live = set(now.segments())
         assert doomed and doomed <= files_before and doomed.isdisjoint(live)
         assert doomed <= set(segment_files(store_path)), "freed segments stay on disk while read"
         # the old transaction still reads the dropped version 1, through the freed segments
-        got = reader.read_table(view, store._segments, tinfo, 1)
+        got = reader.read_table(view, store.engine.segments, tinfo, 1)
         assert got.tobytes() == old[1, "full_i4"]
-        sparse = store._table_record("sparse_f16")
+        sparse = store.engine.table_record("sparse_f16")
         rows = np.flatnonzero(w.states[1][0]["sparse_f16"][1])
-        assert reader.read_rows(view, store._segments, sparse, rows, 1).tobytes() == old[1, "sparse_f16"]
+        assert reader.read_rows(view, store.engine.segments, sparse, rows, 1).tobytes() == old[1, "sparse_f16"]
         assert store.gc().segments_deleted == 0, "still read"
     report = store.gc()
     assert report.segments_deleted == len(doomed) and report.bytes_reclaimed > 0 and report.bytes_pending == 0
@@ -997,7 +997,7 @@ def test_gc_keeps_segments_a_reader_transaction_can_see(store_path):
 HOLDER = textwrap.dedent('''
     import sys, cnrstore
     with cnrstore.open(sys.argv[1], readonly=True) as store:
-        with store._index.read() as view:
+        with store.engine.index.read() as view:
             print("holding", view.latest()[0], flush=True)
             sys.stdin.readline()
     print("released", flush=True)
@@ -1021,7 +1021,7 @@ def test_freed_segments_wait_for_a_reader_in_another_process(store_path):
         store.retain(keep_last=1)
         report = store.gc()
         assert report.bytes_pending > 0 and report.segments_deleted == 0
-        with store._index.read() as view:
+        with store.engine.index.read() as view:
             doomed = {int(k) for k in view.meta("doomed_segments", {})}
         assert doomed and doomed <= set(segment_files(store_path))
         store.close()
@@ -1039,7 +1039,7 @@ def test_freed_segments_wait_for_a_reader_in_another_process(store_path):
             proc.wait()
     store = cnrstore.open(store_path)  # writable open: deletes what no reader needs
     w.store = store
-    with store._index.read() as view:
+    with store.engine.index.read() as view:
         assert not view.meta("doomed_segments", {})
         assert set(segment_files(store_path)) == set(view.segments())
     assert not doomed & set(segment_files(store_path))
@@ -1061,7 +1061,7 @@ def test_a_killed_reader_does_not_keep_segments_forever(store_path):
         proc.wait()
     report = store.gc()  # this process still has the environment open: the dead slot is still listed
     assert report.bytes_pending == 0 and report.segments_deleted > 0
-    with store._index.read() as view:
+    with store.engine.index.read() as view:
         assert not view.meta("doomed_segments", {})
         assert set(segment_files(store_path)) == set(view.segments())
     w.check()

@@ -241,15 +241,15 @@ def test_reader_slots_held_elsewhere_are_waited_for(store_path, monkeypatch):
                 raise lmdb.ReadersFullError("mdb_txn_begin")
             return self._env.begin(write=write, buffers=buffers)
 
-    s._index._env = Env(s._index._env)
+    s.engine.index._env = Env(s.engine.index._env)
     assert s.read_rows("emb", [0], version=1).shape == (1, DIM)
     assert calls["n"] == 4
     monkeypatch.setattr(index_mod, "_READER_WAIT_S", 0.05)
-    s._index._env = Env(s._index._env._env)
+    s.engine.index._env = Env(s.engine.index._env._env)
     calls["n"] = -10**9  # always full now
     with pytest.raises(errors.IndexBusy, match="fewer threads"):
         s.read_rows("emb", [0], version=1)
-    s._index._env = s._index._env._env
+    s.engine.index._env = s.engine.index._env._env
     assert real_begin is lmdb.Environment.begin
     s.close()
 
@@ -277,7 +277,7 @@ def test_deleted_segment_file_fails_its_reads_but_not_later_checkpoints(store_pa
             ck.put_rows("emb", np.arange(512), new)
         assert s.read_rows("emb", np.arange(512), version=ck.version).tobytes() == \
             s.read_table("emb", version=ck.version).tobytes()
-    assert any("missing" in note for note in s._appender.notes)
+    assert any("missing" in note for note in s.engine.appender.notes)
     last = ck.version
     last_read = s.read_table("emb", version=last).tobytes()
     s.close()
@@ -329,7 +329,7 @@ def _gc_layout(s):
 
 def _segment_census(s):
     """(wholly dead segments, under-full segments) as GC will see them."""
-    with s._index.read() as view:
+    with s.engine.index.read() as view:
         committed = view.segments()
         live = {}
         for *_k, loc in view.row_entries():
@@ -338,7 +338,7 @@ def _segment_census(s):
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
         for *_k, loc in view.log_entries():  # COMMIT / ANCHOR / DROP records repair needs
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
-    busy = s._appender.busy() | {s._compaction_appender.active}
+    busy = s.engine.appender.busy() | {s.engine.compaction_appender.active}
     dead = [g for g in committed if g not in busy and not live.get(g)]
     under = [g for g in committed if g not in busy and live.get(g) and
              live[g] / (committed[g] - 32) < knobs.GC_LIVE_FRACTION]
@@ -465,12 +465,12 @@ def test_full_disk_when_gc_records_deleted_segments_loses_nothing(store_path, mo
     monkeypatch.setattr(index_mod.Index, "_begin", real_begin)
     assert report.segments_deleted >= len(dead) and report.incomplete and "gc again" in report.incomplete
     assert not any(os.path.exists(filenames.segment_path(store_path, g)) for g in dead)
-    with s._index.read() as view:
+    with s.engine.index.read() as view:
         assert set(dead) <= {int(k) for k in view.meta("doomed_segments", {})}  # ids stay reserved
     assert state(s) == before and s.verify().ok
     report = s.gc()
     assert report.incomplete is None
-    with s._index.read() as view:
+    with s.engine.index.read() as view:
         assert view.meta("doomed_segments", {}) == {} and view.meta("max_deleted_segment") >= max(dead)
     s.close()
     with cnrstore.open(store_path) as s2:

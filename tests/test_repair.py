@@ -74,13 +74,13 @@ def test_unknown_segment_that_is_not_a_leftover_refuses_open_and_deletes_nothing
     seg_dir = filenames.segments_dir(str(path))
     # a committed segment the index no longer lists (e.g. an index restored from an older copy)
     with cnrstore.open(path) as s:
-        with s._index.read() as view:
+        with s.engine.index.read() as view:
             committed = view.segments()
         first = min(committed)
 
         def forget(w):
             w.delete_segment(first)
-        s._index.write(forget)
+        s.engine.index.write(forget)
     before = _segment_digests(path)
     with pytest.raises(IndexDamaged, match="cnrstore repair"):
         cnrstore.open(path)
@@ -92,7 +92,7 @@ def test_leftover_segment_of_an_uncommitted_checkpoint_is_still_removed(tmp_path
     path = tmp_path / "s"
     _make_store(path, versions=1)
     with cnrstore.open(path) as s:
-        with s._index.read() as view:
+        with s.engine.index.read() as view:
             high = max(view.segments())
     leftover = filenames.segment_path(str(path), high + 5)
     with open(leftover, "wb") as f:
@@ -162,7 +162,7 @@ def _everything(path) -> dict:
                     reads[name] = s.read_table(name, v).tobytes()
                 except cnrstore.MissingRows:
                     reads[name] = None
-            with s._index.read() as view:
+            with s.engine.index.read() as view:
                 dense_names = sorted(view.dense_names())
             for name in dense_names:
                 try:
@@ -309,7 +309,7 @@ def _linear_store(path, monkeypatch) -> None:
 
 def _record_location(path, kind, version, block=0):
     with cnrstore.open(path, readonly=True) as s:
-        with s._index.read() as view:
+        with s.engine.index.read() as view:
             if kind == "rows":
                 return next(loc for t, b, v, loc in view.row_entries() if b == block and v == version)
             return next(loc for k, v, loc in view.log_entries() if k == cnrstore.record.KIND_COMMIT and v == version)

@@ -155,7 +155,7 @@ def test_ls_and_stats_chain_lengths_match_block_chains_on_random_histories(tmp_p
             elif op == "drop" and len(versions) > 1:
                 compaction.drop_versions(store.engine, {versions[arg % (len(versions) - 1)]})
         versions = [vi.version for vi in store.versions()]
-        with store._index.read() as view:
+        with store.engine.index.read() as view:
             expected = chains_by_definition(view, versions)
         assert [r["read_chain"] for r in cli._versions_rows(store)] == expected
         assert store.stats()["max_read_chain"] == max(expected, default=0)
@@ -166,7 +166,7 @@ def test_ls_walks_the_row_index_once_however_many_versions(tmp_path, monkeypatch
     try:
         entries = store.stats()["index_entries"]
         assert entries > 60
-        with store._index.read() as view:
+        with store.engine.index.read() as view:
             expected = chains_by_definition(view, [vi.version for vi in store.versions()])
         assert max(expected) > 1 and min(expected) >= 1
         visits = Visits(monkeypatch)
@@ -186,7 +186,7 @@ def test_stats_and_verify_visit_each_row_index_entry_a_bounded_number_of_times(t
         visits = Visits(monkeypatch)
         stats = store.stats()
         assert (visits.walks, visits.entries, visits.block_chains) == (1, entries, 0)
-        with store._index.read() as view:
+        with store.engine.index.read() as view:
             assert stats["max_read_chain"] == max(chains_by_definition(view, [v.version for v in store.versions()]))
         visits.reset()
         assert store.verify().ok
@@ -219,8 +219,8 @@ def test_row_blocks_seeks_only_blocks_with_entries(tmp_path):
             with store.checkpoint() as w:
                 w.put_rows("t", np.array(rows), np.ones((2, 2), np.float32))
                 w.put_rows("next", np.array([0]), np.ones((1, 2), np.float32))
-        tid = store._table_record("t")["id"]
-        with store._index.read() as view:
+        tid = store.engine.table_record("t")["id"]
+        with store.engine.index.read() as view:
             assert list(view.row_blocks(tid)) == [(0, 1), (700, 1), (999, 2)]
             assert list(view.row_blocks(tid + 5)) == []
 

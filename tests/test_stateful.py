@@ -696,7 +696,7 @@ class StoreMachine(RuleBasedStateMachine):
         note(f"compact({version}): {report.blocks_materialized} blocks")
         if report.blocks_materialized:
             event("compact: materialized baselines")
-        with self.store._index.read() as view:
+        with self.store.engine.index.read() as view:
             assert all(len(chain) == 1 for chain in compaction.block_chains(view, v).values())
         self.dirty = self.dirty or report.blocks_materialized > 0  # (the invariant reads every version)
 
@@ -783,7 +783,7 @@ class StoreMachine(RuleBasedStateMachine):
             if name not in self.store.tables():
                 self.store.create_table(name, t.num_rows, t.dim, codec=t.codec, block_rows=t.block_rows)
         # an aborted checkpoint newer than every record left no trace: its number may come again
-        with self.store._index.read() as view:
+        with self.store.engine.index.read() as view:
             next_version = view.meta("next_version")
         self.dead_versions = [v for v in self.dead_versions if v < next_version]
         self.max_version = next_version - 1

@@ -336,7 +336,7 @@ def test_readonly_in_other_process_sees_later_versions_across_map_growth(store_p
         try:
             first = _reply(proc)
             assert first["versions"] == [ck.version]
-            map0 = s._index.map_size()
+            map0 = s.engine.index.map_size()
             versions = [ck.version]
             for i in range(1, 13):  # every block every time: many index entries, several map doublings
                 with s.checkpoint() as ck:
@@ -348,7 +348,7 @@ def test_readonly_in_other_process_sees_later_versions_across_map_growth(store_p
                     got = _reply(proc)
                     assert got["versions"] == versions
                     assert got["sum"] == i * N and got["row"] == [float(i)] and got["ok"]
-            assert s._index.map_size() >= 4 * map0  # the test did exercise growth
+            assert s.engine.index.map_size() >= 4 * map0  # the test did exercise growth
             proc.stdin.write(f"{versions[3]}\n")
             proc.stdin.flush()
             got = _reply(proc)
@@ -1070,7 +1070,7 @@ def test_full_disk_while_readonly_reader_is_open(store_path):
 def test_index_map_growth_is_invisible(store_path, monkeypatch):
     monkeypatch.setattr(knobs, "INDEX_MAP_BYTES", 64 << 10)
     with cnrstore.open(store_path, create=True) as s:
-        map0 = s._index.map_size()
+        map0 = s.engine.index.map_size()
         ro = cnrstore.open(store_path, readonly=True)  # opened before any growth
         expect = {}
         for i in range(24):
@@ -1082,7 +1082,7 @@ def test_index_map_growth_is_invisible(store_path, monkeypatch):
                 ck.put_rows(name, rows, np.full((rows.size, 1), i, np.float32))
                 ck.put_dense(f"d{i}", np.full(3, i))
             expect[ck.version] = (name, rows, i)
-        assert s._index.map_size() >= 16 * map0, "the test should grow the map several times"
+        assert s.engine.index.map_size() >= 16 * map0, "the test should grow the map several times"
         for reader in (s, ro):
             infos = reader.versions()
             assert [v.version for v in infos] == list(expect)
@@ -1101,10 +1101,10 @@ def test_index_map_growth_is_invisible(store_path, monkeypatch):
 def test_index_map_growth_during_create_table(store_path, monkeypatch):
     monkeypatch.setattr(knobs, "INDEX_MAP_BYTES", 64 << 10)
     with cnrstore.open(store_path, create=True) as s:
-        map0 = s._index.map_size()
+        map0 = s.engine.index.map_size()
         for i in range(150):
             s.create_table(f"table_{i:04d}_" + "x" * 380, 10, 2)
-        assert s._index.map_size() > map0
+        assert s.engine.index.map_size() > map0
         assert len(s.tables()) == 150
     with cnrstore.open(store_path) as s:
         assert len(s.tables()) == 150

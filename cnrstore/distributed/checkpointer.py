@@ -225,7 +225,7 @@ class DistributedCheckpointer:
                 if vi.version not in referenced and (startup or vi.version < newest)}
         if not drop:
             return []
-        with self.store._maintenance_lock:
+        with self.store.engine.maintenance_lock:
             dropped = _compaction.drop_versions(self.store.engine, drop, allow_newest=startup)
         self.store.gc()
         return dropped
