@@ -21,6 +21,7 @@ __all__ = [
     "FormatVersionError",
     "StorageFull",
     "StoreClosed",
+    "RecoveryFailed",
     "ReadOnlyError",
     "CheckpointInProgress",
     "GlobalCommitError",
@@ -157,3 +158,14 @@ class CompactionFailed(CnrError):
     intact: a failed step commits nothing, checkpoints keep working and the worker retries after the next
     commit. Raised once by ``Store.close()``; ``Store.compaction_error`` and ``stats()["compaction_errors"]``
     show failures while the store is open."""
+
+
+class RecoveryFailed(CnrError):
+    """An erasure-coded recovery (``cnrstore.distributed.ECRM.recover``) could not rebuild the failed ranks
+    (more failures than parity shards, or a parity found inconsistent) and no checkpoint fallback was
+    configured. ``.reason`` says which; restore every rank from a checkpoint, or construct the ECRM with
+    ``checkpointer=`` so that it falls back by itself."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason

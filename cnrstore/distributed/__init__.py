@@ -5,15 +5,20 @@
     ckpt.save(step)                 # every rank; returns after the snapshot
     ckpt.restore()                  # any global version, any plan or world size
     ckpt.recover(failed_ranks=[3], step=step)   # CPR partial recovery
+    ecrm = ECRM(model, optimizer, k=2, r=1, checkpointer=ckpt)   # erasure-coded parity of the shards
+    with ecrm.step(step): optimizer.step()      # every step: the parity follows the update
+    ecrm.recover(failed_ranks=[3])              # decode the lost shards: no update lost
 
-See ``checkpointer`` for the commit protocol and ``manifest`` for the files under the root.
+See ``checkpointer`` for the commit protocol, ``manifest`` for the files under the root and ``ecrm`` for the
+erasure-coded recovery.
 """
 
+from .ecrm import ECRM, ECRMReport
 from .checkpointer import DistributedCheckpointer, DistributedPendingSave, RecoveryReport
 from .manifest import GlobalVersion, Root
 from .plan import Shard, ShardingPlan
 
-__all__ = ["DistributedCheckpointer", "DistributedPendingSave", "RecoveryReport", "GlobalVersion", "Root",
+__all__ = ["ECRM", "ECRMReport", "DistributedCheckpointer", "DistributedPendingSave", "RecoveryReport", "GlobalVersion", "Root",
            "Shard", "ShardingPlan", "versions"]
 
 

@@ -210,6 +210,14 @@ class DistributedCheckpointer:
         self.root.check()
         return int(value)
 
+    def rejoin(self) -> None:
+        """Join the default process group re-formed after a failure (collective, on every rank of the new
+        group, before other collectives of this checkpointer). ``recover`` does it by itself;
+        ``ECRM.recover`` calls it so that every rank creates its groups in the same order."""
+        if dist.group.WORLD is not self._world:
+            _check_dist()
+            self._join()
+
     def _referenced(self) -> set[int]:
         return {gv.local_versions[self.rank] for gv in self.root.versions()
                 if gv.generation == self.generation and self.rank < len(gv.local_versions)}

@@ -1,0 +1,820 @@
+"""ECRM: erasure-coded redundancy of the embedding shards, recovered bit for bit (docs/DESIGN.md, "ECRM").
+
+After Kosaian, Liu and Rashmi's ECRM: each rank's embedding shards and their row-wise optimizer state are
+protected by parity held in the memory of other ranks (``stripes.StripeLayout``: stripes of ``k`` data
+units and ``r`` parity units, rotated over the ranks). Every optimizer step also updates the parity, and
+when ranks fail their state is decoded from the survivors -- no checkpoint is read and no update is lost.
+Unlike the paper's float sums, the code works on the raw bits (``gf256``: XOR for r = 1, a Cauchy
+Reed-Solomon code for r >= 2), so a decoded row equals the lost one exactly.
+
+    ckpt = DistributedCheckpointer(root, model, optimizer, plan=plan)      # the fallback (optional)
+    ecrm = ECRM(model, optimizer, k=2, r=1, checkpointer=ckpt)            # collective: encodes the parity
+    for step in ...:
+        loss.backward()
+        with ecrm.step(step + 1):       # records the rows the step changes, then updates the parity
+            optimizer.step()
+    # after a failure: re-form the default process group with the replacement(s), then on every rank
+    # (a replacement constructs its ECRM with replacement=True first):
+    report = ecrm.recover(failed_ranks=[3])   # every rank is now at step report.step: redo the steps after it
+
+The update of one step (``ECRM.step``), on every rank:
+
+1. before the optimizer step, the rows it may change (the looked-up rows, widened as
+   ``cnrstore.torch.Checkpointer`` does for optimizers that move rows without a lookup) are copied: the
+   *undo log*, with a copy of the dense parameters and their optimizer state;
+2. after it, the code delta ``old ^ new`` of every changed row is multiplied by its parity coefficients;
+3. one ``all_gather`` of the message sizes (and of every rank's data fingerprint), then one batch of
+   point-to-point sends carries each holder the deltas of its stripes (gloo group of the ECRM's own);
+4. each holder applies ``parity ^= coef · delta`` and keeps what it applied (XOR undoes itself).
+
+Consistency: a rank can die anywhere in this. A step's undo log is dropped only once the next step's
+``all_gather`` has completed, which proves every rank finished the step. ``recover`` brings every rank to
+the last step whose parity every survivor applied: survivors ahead of it undo their newer steps (data,
+dense state and parity), the failed ranks' state is decoded at that step and checked against the
+fingerprint they published for it, and the trainer redoes the steps after it. More than ``r`` failures, a
+fingerprint mismatch, or survivors that cannot reach a common step fall back to the checkpoint.
+
+Crash points (``$CNRSTORE_CRASH_AT``, tests): ``ecrm_before_send`` (after the optimizer step, before the
+size exchange), ``ecrm_partial_send`` (after sending to the first half of the holders only),
+``ecrm_after_apply`` (after applying the step's parity), ``ecrm_decode`` (a replacement, after receiving
+the survivors' contributions and before writing them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import fs
+from ..errors import InvalidArgument, RecoveryFailed
+from ..torch.checkpointer import _DRIFT_ORDER, _drift, _nonzero_rows
+from . import gf256
+from .stripes import StripeLayout, fingerprint
+
+__all__ = ["ECRM", "ECRMReport", "CRASH_POINTS"]
+
+CRASH_POINTS = ("ecrm_before_send", "ecrm_partial_send", "ecrm_after_apply", "ecrm_decode")
+FALLBACKS = ("partial", "full", None)
+#: Words per chunk when a whole data space is fingerprinted (bounds the temporary position array).
+_FP_CHUNK = 1 << 22
+
+
+@dataclass
+class ECRMReport:
+    """What ``ECRM.recover`` did. ``mode`` is "ecrm" (decoded from the parity: no update lost), or
+    "fallback-partial" / "fallback-full" (restored from the checkpoint; ``reason`` says why and
+    ``checkpoint`` holds the checkpointer's RecoveryReport or GlobalVersion). ``step`` is the step every
+    rank is at now: the trainer redoes the steps after it (``redo_steps`` of them, counted from the
+    survivors' newest step)."""
+
+    mode: str
+    step: int | None
+    failed_ranks: tuple[int, ...]
+    replacement: bool                 # this rank was one of the failed ones
+    redo_steps: int = 0
+    lost_updates: int | None = 0      # updates lost for good (None: unknown, see the checkpoint's report)
+    seconds: float = 0.0
+    decode_seconds: float = 0.0
+    bytes_received: int = 0           # by this rank, for the decode and the re-encoded parity
+    reason: str | None = None
+    checkpoint: object = None
+
+
+@dataclass
+class _Item:
+    """One protected tensor viewed as ``[rows, width]`` 32-bit words at ``base`` of the data space."""
+    name: str
+    words: torch.Tensor
+    base: int
+    table: int | None     # index of its table (row-tracked), None: small state rewritten every step
+
+    @property
+    def rows(self) -> int:
+        return int(self.words.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.words.shape[1])
+
+
+@dataclass
+class _Table:
+    name: str
+    weight: nn.Parameter
+    touched: torch.Tensor
+    hook: object = None
+
+
+@dataclass
+class _Undo:
+    """What one step changed on this rank: enough to take it back."""
+    step: int
+    rows: dict[int, np.ndarray]              # item -> row ids (candidates)
+    old: dict[int, np.ndarray]               # item -> their words before the step
+    dense: dict                              # dense parameters and optimizer state before the step
+    rebuild: bool = False                    # the protected tensors changed shape: encode afresh
+    applied: list = field(default_factory=list)   # (starts, lens, payload) applied to the parity
+
+
+def _word_view(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise InvalidArgument(f"ECRM needs {name} to be contiguous; call .contiguous() on it before the run")
+    flat = t.detach().reshape(rows, -1)
+    if flat.shape[1] * flat.element_size() % 4:
+        raise InvalidArgument(f"ECRM codes 32-bit words: a row of {name} is {flat.shape[1] * flat.element_size()} "
+                              "bytes, not a multiple of 4 (pad the embedding dimension to an even number)")
+    if flat.shape[1] == 0:
+        return flat.new_zeros((rows, 0), dtype=torch.int32)   # nothing to protect
+    return flat.view(torch.int32)
+
+
+def _positions(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The concatenated ranges ``[s, s + n)`` (vectorized)."""
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offs = np.cumsum(lens) - lens
+    return np.repeat(starts - offs, lens) + np.arange(total, dtype=np.int64)
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy().view(np.uint32)
+
+
+class ECRM:
+    """Erasure-coded parity of this rank's embedding shards and row-wise optimizer state (module doc).
+
+    Collective: construct (on every rank; a process replacing a failed rank passes ``replacement=True``
+    and calls ``recover`` next), ``step``, ``recover``, ``rebuild`` and ``close``, in the same order on
+    every rank. The embedding tables are the model's ``nn.Embedding`` / ``nn.EmbeddingBag`` modules
+    (their module paths name them); every other parameter is dense and replicated on every rank.
+
+    ``k``, ``r``: data and parity units per stripe (``k + r <= world size``); any ``r`` simultaneous
+    failures are recovered. ``checkpointer`` (a ``DistributedCheckpointer``) and ``fallback``
+    ("partial": CPR partial recovery of the failed ranks, "full": every rank restores the newest global
+    version) say what ``recover`` does when the parity cannot; without one it raises RecoveryFailed.
+    ``step`` is the training step the model is at now. ``timeout_s`` bounds every collective.
+    """
+
+    def __init__(self, model: nn.Module, optimizer=None, *, k: int, r: int = 1, checkpointer=None,
+                 fallback: str | None = "partial", step: int = 0, replacement: bool = False,
+                 unit_words: int | None = None, timeout_s: float = 600.0):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidArgument("torch.distributed is not initialized; call init_process_group on every rank "
+                                  "before creating an ECRM")
+        if not isinstance(model, nn.Module):
+            raise InvalidArgument(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if fallback not in FALLBACKS:
+            raise InvalidArgument(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+        if fallback is not None and checkpointer is None:
+            fallback = None
+        if not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be positive, got {timeout_s!r}")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        StripeLayout(self.world_size, k, r, [0] * self.world_size)     # validates k, r against the world
+        self.k, self.r = int(k), int(r)
+        self.model = model
+        if optimizer is None:
+            self._optimizers = []
+        elif isinstance(optimizer, (list, tuple)):
+            self._optimizers = list(optimizer)
+        else:
+            self._optimizers = [optimizer]
+        self.checkpointer = checkpointer
+        self.fallback = fallback
+        self.unit_words = unit_words
+        self.timeout_s = float(timeout_s)
+        self._tables = self._find_tables(model)
+        self._emb_ids = {id(t.weight) for t in self._tables}
+        self._group = None
+        self._world = None
+        self._join()
+        self.layout: StripeLayout | None = None
+        self.parity = np.zeros(0, dtype=np.uint32)
+        self._items: list[_Item] = []
+        self._undo: list[_Undo] = []
+        self._open: _Undo | None = None
+        self.data_step: int | None = None      # the step the protected state is at
+        self.applied_step: int | None = None   # the newest step whose parity this rank applied
+        self.fingerprint = 0
+        self._fps: dict[int, list[int]] = {}   # step -> every rank's fingerprint after it
+        self.stats = {"steps": 0, "bytes_sent": 0, "bytes_received": 0, "last_step_bytes_sent": 0,
+                      "last_step_payload_bytes": 0,
+                      "last_step_seconds": 0.0, "seconds": 0.0}
+        self._closed = False
+        if not replacement:
+            self.rebuild(step)
+
+    # -- set-up -----------------------------------------------------------------------------------------
+    def _find_tables(self, model: nn.Module) -> list[_Table]:
+        tables = []
+        for path, module in model.named_modules():
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+                w = module.weight
+                t = _Table(path or "embedding", w, torch.zeros(w.shape[0], dtype=torch.bool, device=w.device))
+                t.hook = module.register_forward_pre_hook(self._tracker(t), with_kwargs=True)
+                tables.append(t)
+        if not tables:
+            raise InvalidArgument("the model has no nn.Embedding or nn.EmbeddingBag module: ECRM protects "
+                                  "embedding shards (dense layers are replicated on every rank)")
+        return tables
+
+    @staticmethod
+    def _tracker(t: _Table):
+        def track(module, args, kwargs):
+            if not torch.is_grad_enabled():
+                return
+            ids = args[0] if args else kwargs.get("input")
+            if torch.is_tensor(ids) and ids.numel():
+                t.touched[ids.reshape(-1).to(t.touched.device)] = True
+        return track
+
+    def _join(self) -> None:
+        """This ECRM's gloo group over the current default group (collective)."""
+        if self._group is not None and dist.is_initialized() and dist.group.WORLD is self._world:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self._group)
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        self._world = dist.group.WORLD
+
+    def _build_items(self) -> list[_Item]:
+        items, base = [], 0
+        for ti, t in enumerate(self._tables):
+            rows = t.weight.shape[0]
+            entries = [(f"{t.name}/weight", t.weight, ti)]
+            for oi, opt in enumerate(self._optimizers):
+                for key in sorted(opt.state.get(t.weight, {}), key=str):
+                    v = opt.state[t.weight][key]
+                    if v is None:
+                        continue
+                    if not torch.is_tensor(v):
+                        raise InvalidArgument(f"optimizer {oi} keeps {key!r}={v!r} for {t.name!r}, not a tensor; "
+                                              "ECRM protects tensor state only")
+                    row_wise = v.dim() >= 1 and v.shape[0] == rows
+                    entries.append((f"{t.name}/optim{oi}.{key}", v, ti if row_wise else None))
+            for name, tensor, table in entries:
+                words = _word_view(tensor, rows if table is not None else 1, name)
+                items.append(_Item(name, words, base, table))
+                base += words.shape[0] * words.shape[1]
+        return items
+
+    def _signature(self, items) -> tuple:
+        return tuple((it.name, it.rows, it.width, it.table is None) for it in items)
+
+    @property
+    def data_words(self) -> int:
+        return sum(it.rows * it.width for it in self._items)
+
+    # -- the data space ----------------------------------------------------------------------------------
+    def _flat(self) -> np.ndarray:
+        """This rank's padded data space as one ``[m, k, U]`` word array (a copy)."""
+        flat = np.zeros(self.layout.data_words, dtype=np.uint32)
+        for it in self._items:
+            n = it.rows * it.width
+            flat[it.base:it.base + n] = _host(it.words).reshape(-1)
+        return flat.reshape(self.layout.periods, self.k, self.layout.unit)
+
+    def _load_flat(self, flat: np.ndarray) -> None:
+        flat = flat.reshape(-1)
+        with torch.no_grad():
+            for it in self._items:
+                n = it.rows * it.width
+                src = torch.from_numpy(flat[it.base:it.base + n].view(np.int32).reshape(it.rows, it.width).copy())
+                it.words.copy_(src.to(it.words.device))
+
+    def _full_fingerprint(self) -> int:
+        fp = 0
+        for it in self._items:
+            words = _host(it.words).reshape(-1)
+            for lo in range(0, words.size, _FP_CHUNK):
+                part = words[lo:lo + _FP_CHUNK]
+                fp ^= fingerprint(part, it.base + lo + np.arange(part.size, dtype=np.int64))
+        return fp
+
+    # -- dense (replicated) state ------------------------------------------------------------------------
+    def _dense_state(self) -> dict:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        params = {n: p.detach().clone() for n, p in self.model.named_parameters() if id(p) not in self._emb_ids}
+        optims = []
+        for opt in self._optimizers:
+            optims.append({names[id(p)]: {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                                          for k, v in opt.state.get(p, {}).items()}
+                           for g in opt.param_groups for p in g["params"]
+                           if id(p) not in self._emb_ids and id(p) in names})
+        return {"params": params, "optim": optims}
+
+    def _load_dense_state(self, state: dict) -> None:
+        named = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n, v in state["params"].items():
+                named[n].copy_(v)
+        names = {id(p): n for n, p in named.items()}
+        for opt, by_name in zip(self._optimizers, state["optim"]):
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    st = by_name.get(names.get(id(p)))
+                    if st is not None:
+                        opt.state[p] = {k: (v.clone().to(p.device) if torch.is_tensor(v) else v)
+                                        for k, v in st.items()}
+
+    # -- building the parity -----------------------------------------------------------------------------
+    def rebuild(self, step: int | None = None) -> None:
+        """Encode the parity from scratch (collective): at construction, and after the model was loaded
+        from elsewhere (a checkpoint restore). Drops the undo log. ``step``: the step the model is at."""
+        self._check_open()
+        self._items = self._build_items()
+        lengths: list = [None] * self.world_size
+        dist.all_gather_object(lengths, self.data_words, group=self._group)
+        self.layout = StripeLayout(self.world_size, self.k, self.r, lengths, self.unit_words)
+        self.parity = np.zeros(self.layout.parity_words, dtype=np.uint32)
+        flat = self._flat()
+        plan = self._encode_plan(range(self.world_size))
+        self._exchange_blocks(plan, flat, into=self.parity.reshape(self.layout.periods, self.r, self.layout.unit))
+        self.fingerprint = self._full_fingerprint()
+        fps: list = [None] * self.world_size
+        dist.all_gather_object(fps, self.fingerprint, group=self._group)
+        self._undo = []
+        self._open = None
+        self.data_step = self.applied_step = step
+        self._fps = {step: list(fps)}
+        for t in self._tables:
+            t.touched.zero_()
+
+    def _encode_plan(self, holders) -> list[tuple[int, int, str, int, int, int]]:
+        """Contributions that rebuild the parity held by ``holders``: ``(src, dst, kind, index, slot, coef)``
+        -- ``src`` sends ``coef`` · its data block ``index``; ``dst`` XORs it into its parity ``slot``."""
+        lay, plan = self.layout, []
+        holders = set(holders)
+        for src in range(self.world_size):
+            for i in range(self.k):
+                c = lay.residue(src, i)
+                for j in range(self.r):
+                    dst = int(lay.holder(c, j))
+                    if dst in holders:
+                        plan.append((src, dst, "data", i, j, int(lay.matrix[j, i])))
+        return plan
+
+    def _exchange_blocks(self, plan, flat: np.ndarray, *, into: np.ndarray, parity: np.ndarray | None = None,
+                         into_data: bool = False) -> int:
+        """Run one batch of block contributions: each ``(src, dst, kind, index, slot, coef)`` sends
+        ``coef`` · (``src``'s data block ``index`` or parity block ``slot``) to ``dst``, which XORs it into
+        ``into[:, index if into_data else slot, :]``. Returns the bytes this rank received."""
+        me, ops, recvs, received = self.rank, [], [], 0
+        shape = (self.layout.periods, self.layout.unit)
+        sends: dict[int, list[np.ndarray]] = {}
+        for src, dst, kind, index, slot, coef in plan:
+            if src == me and dst == me:
+                block = flat[:, index, :] if kind == "data" else parity[:, slot, :]
+                into[:, index if into_data else slot, :] ^= gf256.mul(coef, block.view(np.uint8)).view(np.uint32)
+            elif src == me:
+                block = flat[:, index, :] if kind == "data" else parity[:, slot, :]
+                sends.setdefault(dst, []).append(gf256.mul(coef, np.ascontiguousarray(block).view(np.uint8)))
+        expect: dict[int, list[tuple[int, int]]] = {}
+        for src, dst, kind, index, slot, coef in plan:
+            if dst == me and src != me:
+                expect.setdefault(src, []).append((index, slot))
+        for dst, blocks in sorted(sends.items()):
+            ops.append(dist.P2POp(dist.isend, torch.from_numpy(np.concatenate([b.reshape(-1) for b in blocks])),
+                                  dst, self._group))
+        for src, targets in sorted(expect.items()):
+            buf = torch.empty(len(targets) * shape[0] * shape[1] * 4, dtype=torch.uint8)
+            recvs.append((src, targets, buf))
+            ops.append(dist.P2POp(dist.irecv, buf, src, self._group))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        for src, targets, buf in recvs:
+            words = buf.numpy().view(np.uint32).reshape(len(targets), *shape)
+            received += buf.numel()
+            for (index, slot), block in zip(targets, words):
+                into[:, index if into_data else slot, :] ^= block
+        return received
+
+    # -- one training step --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """Wrap the optimizer step of training step ``step`` (collective on leaving): records the rows it
+        may change before, and updates the parity after. If the body raises, this rank's protected state
+        is put back as it was and the error propagates (the parity never saw the step)."""
+        self.begin(step)
+        try:
+            yield self
+        except BaseException:
+            self._undo_data(self._open)
+            self._open = None
+            raise
+        self.commit()
+
+    def _candidate_rows(self, ti: int) -> np.ndarray:
+        t = self._tables[ti]
+        worst = None
+        for opt in self._optimizers:
+            for group in opt.param_groups:
+                if any(p is t.weight for p in group["params"]):
+                    d = _drift(opt, group)
+                    if _DRIFT_ORDER[d] > _DRIFT_ORDER[worst]:
+                        worst = d
+        rows = t.weight.shape[0]
+        if worst == "all":
+            return np.arange(rows, dtype=np.int64)
+        mask = t.touched.clone()
+        if worst == "state":
+            states = [it.words for it in self._items if it.table == ti and not it.name.endswith("/weight")]
+            if states:
+                mask |= _nonzero_rows(states, rows, mask.device)
+        return np.flatnonzero(mask.cpu().numpy()).astype(np.int64)
+
+    def begin(self, step: int) -> None:
+        """Before the optimizer step of ``step``: copy what it may change (the undo log)."""
+        self._check_open()
+        if self._open is not None:
+            raise InvalidArgument("ECRM.begin() twice without commit(); use `with ecrm.step(step):`")
+        items = self._build_items()                  # fresh views: load_state_dict may replace tensors
+        if self._signature(items) != self._signature(self._items):
+            # optimizer state created lazily (Adam's first step): the parity is encoded afresh at commit
+            self._open = _Undo(step=int(step), rows={}, old={}, dense=self._dense_state(), rebuild=True)
+            return
+        self._items = items
+        rows, old = {}, {}
+        for n, it in enumerate(self._items):
+            if it.table is None:
+                rows[n] = np.zeros(1, dtype=np.int64)
+                old[n] = _host(it.words).copy()
+            else:
+                ids = self._candidate_rows(it.table)
+                rows[n] = ids
+                old[n] = _host(it.words.index_select(0, torch.from_numpy(ids).to(it.words.device))) \
+                    if ids.size else np.zeros((0, it.width), dtype=np.uint32)
+        self._open = _Undo(step=int(step), rows=rows, old=old, dense=self._dense_state())
+
+    def commit(self) -> None:
+        """After the optimizer step: send the code deltas, apply the ones received (collective)."""
+        undo, self._open = self._open, None
+        if undo is None:
+            raise InvalidArgument("ECRM.commit() without begin(); use `with ecrm.step(step):`")
+        t0 = time.perf_counter()
+        changed_shape = undo.rebuild or self._signature(self._build_items()) != self._signature(self._items)
+        self._undo.append(undo)                     # kept until every rank is known to have finished
+        self.data_step = undo.step
+        starts, lens, payload = [], [], []
+        for n, it in enumerate(self._items if not changed_shape else []):
+            ids = undo.rows[n]
+            if not ids.size:
+                continue
+            new = _host(it.words) if it.table is None else \
+                _host(it.words.index_select(0, torch.from_numpy(ids).to(it.words.device)))
+            delta = undo.old[n] ^ new.reshape(undo.old[n].shape)
+            moved = delta.any(axis=1) if delta.shape[1] else np.zeros(delta.shape[0], dtype=bool)
+            if not moved.any():
+                continue
+            starts.append(it.base + ids[moved] * it.width)
+            lens.append(np.full(int(moved.sum()), it.width, dtype=np.int64))
+            payload.append(delta[moved].reshape(-1))
+        starts = np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
+        lens = np.concatenate(lens) if lens else np.zeros(0, dtype=np.int64)
+        payload = np.concatenate(payload) if payload else np.zeros(0, dtype=np.uint32)
+        if payload.size:
+            self.fingerprint ^= fingerprint(payload, _positions(starts, lens))
+        messages = {} if changed_shape else self._messages(starts, lens, payload)
+        fs.crash_point("ecrm_before_send")
+        sizes = torch.zeros(self.world_size + 2, dtype=torch.int64)
+        for dst, msg in messages.items():
+            sizes[dst] = msg.size
+        sizes[self.world_size] = int(np.uint64(self.fingerprint).view(np.int64))
+        sizes[self.world_size + 1] = int(changed_shape)
+        gathered = [torch.zeros_like(sizes) for _ in range(self.world_size)]
+        dist.all_gather(gathered, sizes, group=self._group)
+        # every rank finished the previous step (it entered this all_gather after it): no going back
+        self._undo = [u for u in self._undo if u.step >= undo.step]
+        if any(int(g[self.world_size + 1]) for g in gathered):
+            self.rebuild(undo.step)        # optimizer state appeared (its first step): encode afresh
+            return
+        self._fps[undo.step] = [int(np.int64(g[self.world_size]).view(np.uint64)) for g in gathered]
+        for old in [s for s in self._fps if s is not None and s < undo.step - 2]:
+            del self._fps[old]
+        incoming = {src: int(g[self.rank]) for src, g in enumerate(gathered) if src != self.rank and int(g[self.rank])}
+        self._send_and_apply(messages, incoming, undo)
+        self.applied_step = undo.step
+        fs.crash_point("ecrm_after_apply")
+        for t in self._tables:
+            t.touched.zero_()
+        sent = sum(m.size * 4 for m in messages.values())
+        self.stats["last_step_payload_bytes"] = sum((m.size - 2 - 4 * int(m[:2].view(np.int64)[0])) * 4
+                                                    for m in messages.values())
+        self.stats["steps"] += 1
+        self.stats["bytes_sent"] += sent
+        self.stats["last_step_bytes_sent"] = sent
+        self.stats["bytes_received"] += sum(incoming.values()) * 4
+        self.stats["last_step_seconds"] = time.perf_counter() - t0
+        self.stats["seconds"] += self.stats["last_step_seconds"]
+
+    def _messages(self, starts, lens, payload) -> dict[int, np.ndarray]:
+        """The int32 word message to every holder: ``[n, positions (int64), lengths (int64), payload]``."""
+        lay = self.layout
+        pstarts, plens = lay.split(starts, lens)
+        offsets = np.cumsum(plens) - plens          # each piece's place in ``payload`` (order is kept)
+        parts: dict[int, list] = {}
+        for j in range(self.r):
+            dest, ppos, index = lay.route(self.rank, pstarts, j)
+            for dst in np.unique(dest):
+                sel = dest == dst
+                words = payload[_positions(offsets[sel], plens[sel])]
+                if j:
+                    coef = lay.matrix[j, index[sel]]
+                    per_word = np.repeat(coef, plens[sel])
+                    b = words.view(np.uint8).reshape(-1, 4)
+                    words = gf256.MUL[per_word[:, None], b].reshape(-1).view(np.uint32)
+                parts.setdefault(int(dst), []).append((ppos[sel], plens[sel], words))
+        out = {}
+        for dst, chunks in parts.items():
+            pos = np.concatenate([c[0] for c in chunks])
+            ln = np.concatenate([c[1] for c in chunks])
+            words = np.concatenate([c[2] for c in chunks])
+            head = np.concatenate([np.array([pos.size], dtype=np.int64), pos, ln]).view(np.uint32)
+            out[dst] = np.concatenate([head, words])
+        return out
+
+    def _send_and_apply(self, messages: dict, incoming: dict, undo: _Undo) -> None:
+        ops = []
+        dests = sorted(messages)
+        partial = os.environ.get(fs.CRASH_ENV) == "ecrm_partial_send"
+        if partial:
+            dests = dests[:max(1, len(dests) // 2)] if len(dests) > 1 else []
+        for dst in dests:
+            ops.append(dist.P2POp(dist.isend, torch.from_numpy(messages[dst].view(np.int32)), dst, self._group))
+        bufs = {}
+        for src, n in sorted(incoming.items()):
+            bufs[src] = torch.empty(n, dtype=torch.int32)
+            ops.append(dist.P2POp(dist.irecv, bufs[src], src, self._group))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        if partial:
+            fs.crash_point("ecrm_partial_send")
+        for src, buf in bufs.items():
+            msg = buf.numpy().view(np.uint32)
+            n = int(msg[:2].view(np.int64)[0])
+            pos = msg[2:2 + 2 * n].view(np.int64)
+            ln = msg[2 + 2 * n:2 + 4 * n].view(np.int64)
+            words = msg[2 + 4 * n:]
+            self.parity[_positions(pos, ln)] ^= words
+            undo.applied.append((pos, ln, words))
+
+    # -- taking steps back ----------------------------------------------------------------------------------
+    def _undo_data(self, undo: _Undo | None) -> None:
+        if undo is None:
+            return
+        with torch.no_grad():
+            for n, it in enumerate(self._items):
+                if n not in undo.rows or not undo.rows[n].size:
+                    continue
+                old = torch.from_numpy(undo.old[n].view(np.int32).reshape(-1, it.width)).to(it.words.device)
+                if it.table is None:
+                    it.words.copy_(old)
+                else:
+                    it.words.index_copy_(0, torch.from_numpy(undo.rows[n]).to(it.words.device), old)
+        self._load_dense_state(undo.dense)
+
+    def _roll_back_to(self, target: int) -> int:
+        """Undo this rank's steps after ``target`` (data, dense state, parity); returns how many."""
+        n = 0
+        for undo in sorted((u for u in self._undo if u.step > target), key=lambda u: -u.step):
+            for pos, ln, words in undo.applied:
+                self.parity[_positions(pos, ln)] ^= words
+            self._undo_data(undo)
+            n += 1
+        self._undo = [u for u in self._undo if u.step <= target]
+        self.fingerprint = self._fps.get(target, [self.fingerprint] * self.world_size)[self.rank]
+        self.data_step = self.applied_step = target
+        return n
+
+    # -- recovery ---------------------------------------------------------------------------------------
+    def _status(self) -> dict:
+        if self.layout is None:
+            return {"role": "replacement", "words": self.data_words if self._items else
+                    sum(it.rows * it.width for it in self._build_items())}
+        return {"role": "survivor", "data_step": self.data_step, "applied": self.applied_step,
+                "undo": sorted(u.step for u in self._undo), "fps": dict(self._fps), "lengths": self.layout.lengths,
+                "words": self.data_words}
+
+    def _decide(self, failed: tuple[int, ...], statuses: list[dict]) -> tuple[int | None, str | None]:
+        """The step every rank can reach, or a reason to fall back (the same on every rank)."""
+        survivors = [r for r in range(self.world_size) if r not in failed]
+        wrong = [r for r in survivors if statuses[r]["role"] != "survivor"]
+        if wrong:
+            return None, f"rank(s) {wrong} lost their parity state but were not named as failed"
+        if len(failed) > self.r:
+            return None, f"{len(failed)} ranks failed at once; the parity (r={self.r}) recovers at most {self.r}"
+        if not survivors:
+            return None, "no rank survived"
+        target = min(statuses[r]["applied"] for r in survivors)
+        for r in survivors:
+            st = statuses[r]
+            need = [s for s in (st["data_step"], st["applied"]) if s > target]
+            if need and not all(s in st["undo"] for s in range(target + 1, max(need) + 1)):
+                return None, (f"rank {r} is at step {st['data_step']} (parity {st['applied']}) and cannot go back "
+                              f"to step {target}")
+        fps = [statuses[r]["fps"].get(target) for r in survivors]
+        if any(f is None for f in fps) or any(f != fps[0] for f in fps):
+            return None, f"the survivors do not agree on the fingerprints of step {target}"
+        lengths = statuses[survivors[0]]["lengths"]
+        for r in failed:
+            if statuses[r].get("words") != lengths[r]:
+                return None, (f"rank {r}'s replacement protects {statuses[r].get('words')} words, the failed rank "
+                              f"had {lengths[r]}: build the same model and optimizer")
+        return target, None
+
+    def recover(self, failed_ranks, step: int | None = None) -> ECRMReport:
+        """Rebuild the state of ``failed_ranks`` from the parity (collective, on the re-formed default
+        process group, with the replacements' ECRMs constructed with ``replacement=True``). See the
+        module doc; returns an :class:`ECRMReport` whose ``step`` every rank is at afterwards.
+        ``step`` is this survivor's current training step (only used to count the steps to redo)."""
+        self._check_open()
+        start = time.perf_counter()
+        failed = tuple(sorted({int(r) for r in failed_ranks}))
+        if not failed or any(not 0 <= r < self.world_size for r in failed):
+            raise InvalidArgument(f"failed_ranks must name ranks in [0, {self.world_size}), got {failed_ranks!r}")
+        self._open = None
+        if self.checkpointer is not None and dist.group.WORLD is not getattr(self.checkpointer, "_world", None):
+            self.checkpointer.rejoin()
+        if dist.group.WORLD is not self._world:
+            self._join()
+        replacement = self.layout is None
+        if replacement:
+            self._items = self._build_items()
+        statuses: list = [None] * self.world_size
+        dist.all_gather_object(statuses, self._status(), group=self._group)
+        target, reason = self._decide(failed, statuses)
+        survivors = [r for r in range(self.world_size) if r not in failed]
+        newest = max((statuses[r]["data_step"] for r in survivors if statuses[r]["role"] == "survivor"),
+                     default=None)
+        if reason is not None:
+            return self._fall_back(failed, statuses, reason, start, newest)
+        if not replacement:
+            self._roll_back_to(target)
+        else:
+            self.layout = StripeLayout(self.world_size, self.k, self.r, statuses[survivors[0]]["lengths"],
+                                       self.unit_words)
+            self.parity = np.zeros(self.layout.parity_words, dtype=np.uint32)
+            self._fps = {target: statuses[survivors[0]]["fps"][target]}
+            self.data_step = self.applied_step = target
+        t_dec = time.perf_counter()
+        received = self._decode(failed, replacement)
+        expected = self._fps[target][self.rank]
+        ok = (self._full_fingerprint() == expected) if replacement else True
+        verdicts: list = [None] * self.world_size
+        dist.all_gather_object(verdicts, ok, group=self._group)
+        if not all(verdicts):
+            bad = [r for r, v in enumerate(verdicts) if not v]
+            return self._fall_back(failed, statuses, f"the state decoded for rank(s) {bad} does not match the "
+                                   f"fingerprint published at step {target}: a parity is inconsistent", start, target)
+        received += self._reencode(failed, replacement)
+        self.fingerprint = expected
+        payload = [self._dense_state() if self.rank == survivors[0] else None]
+        dist.broadcast_object_list(payload, src=survivors[0], group=self._group)
+        if replacement:
+            self._load_dense_state(payload[0])
+        self._undo = []
+        for t in self._tables:
+            t.touched.zero_()
+        return ECRMReport(mode="ecrm", step=target, failed_ranks=failed, replacement=replacement,
+                          redo_steps=0 if newest is None else max(newest - target, 0), lost_updates=0,
+                          seconds=time.perf_counter() - start, decode_seconds=time.perf_counter() - t_dec,
+                          bytes_received=received)
+
+    def _decode(self, failed: tuple[int, ...], replacement: bool) -> int:
+        """Survivors send the failed ranks the scaled blocks that decode them; the replacements XOR them
+        into their data space and load it. Returns the bytes this rank received."""
+        lay, plan = self.layout, []
+        for f in failed:
+            for i in range(self.k):
+                c = lay.residue(f, i)
+                members = lay.members(c)
+                shards = {(rank, kind, idx): (idx if kind == "data" else self.k + idx) for rank, kind, idx in members}
+                available = [m for m in members if m[0] not in failed][:self.k]
+                matrix = gf256.decode_matrix(self.k, self.r, [shards[m] for m in available])
+                for col, (rank, kind, idx) in enumerate(available):
+                    coef = int(matrix[i, col])
+                    if coef:
+                        plan.append((rank, f, kind, idx if kind == "data" else 0, idx if kind == "parity" else 0,
+                                     coef, i))
+        flat = None if replacement else self._flat()
+        parity = self.parity.reshape(lay.periods, self.r, lay.unit)
+        target = np.zeros((lay.periods, self.k, lay.unit), dtype=np.uint32) if replacement else None
+        # (src, dst, kind, index, slot, coef) -> into the replacement's data block ``i``
+        blocks = [(src, dst, kind, index, slot, coef) for src, dst, kind, index, slot, coef, _i in plan]
+        into_index = [i for *_rest, i in plan]
+        received = self._exchange_decode(blocks, into_index, flat, parity, target)
+        if replacement:
+            self._load_flat(target)
+        return received
+
+    def _exchange_decode(self, blocks, into_index, flat, parity, target) -> int:
+        me, ops, sends, recvs = self.rank, [], {}, {}
+        shape = (self.layout.periods, self.layout.unit)
+        for (src, dst, kind, index, slot, coef), i in zip(blocks, into_index):
+            if src == me:
+                block = flat[:, index, :] if kind == "data" else parity[:, slot, :]
+                sends.setdefault(dst, []).append(gf256.mul(coef, np.ascontiguousarray(block).view(np.uint8)))
+            if dst == me:
+                recvs.setdefault(src, []).append(i)
+        for dst, parts in sorted(sends.items()):
+            ops.append(dist.P2POp(dist.isend, torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts])),
+                                  dst, self._group))
+        bufs = {}
+        for src, idx in sorted(recvs.items()):
+            bufs[src] = torch.empty(len(idx) * shape[0] * shape[1] * 4, dtype=torch.uint8)
+            ops.append(dist.P2POp(dist.irecv, bufs[src], src, self._group))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        received = 0
+        if bufs:
+            fs.crash_point("ecrm_decode")
+        for src, buf in bufs.items():
+            received += buf.numel()
+            for i, block in zip(recvs[src], buf.numpy().view(np.uint32).reshape(-1, *shape)):
+                target[:, i, :] ^= block
+        return received
+
+    def _reencode(self, failed, replacement: bool) -> int:
+        """Every rank sends its contributions to the parity the failed ranks held (zeroed there first)."""
+        plan = self._encode_plan(failed)
+        if replacement:
+            self.parity[:] = 0
+        return self._exchange_blocks(plan, self._flat(),
+                                     into=self.parity.reshape(self.layout.periods, self.r, self.layout.unit))
+
+    @staticmethod
+    def _lowest(status: dict) -> int:
+        """The oldest step a survivor can roll back to (its undo log is a chain ending at its data step)."""
+        steps, s = set(status["undo"]), status["data_step"]
+        while s in steps:
+            s -= 1
+        return s
+
+    def _fall_back(self, failed, statuses, reason: str, start: float, newest) -> ECRMReport:
+        """Recover from the checkpoint instead (every rank takes this path together): survivors first go
+        back to the newest step they can all reach, then the failed ranks restore from the checkpoint
+        (partial) or every rank restores the newest global version (full, also when the survivors cannot
+        agree on a step). The parity is encoded afresh."""
+        replacement = self.rank in failed
+        if self.fallback is None:
+            raise RecoveryFailed(f"ECRM cannot recover rank(s) {list(failed)}: {reason}. No checkpoint fallback "
+                                 "is configured: restore every rank from a checkpoint (or construct the ECRM with "
+                                 "checkpointer=)", reason)
+        survivors = [r for r in range(self.world_size) if r not in failed and statuses[r]["role"] == "survivor"]
+        mode = self.fallback
+        common = min((statuses[r]["data_step"] for r in survivors), default=None)
+        if not survivors or any(self._lowest(statuses[r]) > common for r in survivors):
+            mode = "full"
+        if mode == "partial":
+            if not replacement:
+                self._roll_back_to(common)
+            rep = self.checkpointer.recover(list(failed), step=None if replacement else common)
+        else:
+            rep = self.checkpointer.restore()
+        step = rep.step
+        self.rebuild(step)
+        return ECRMReport(mode=f"fallback-{mode}", step=step, failed_ranks=failed, replacement=replacement,
+                          redo_steps=0 if newest is None or step is None else max(newest - step, 0),
+                          lost_updates=None, seconds=time.perf_counter() - start, reason=reason, checkpoint=rep)
+
+    # -- accounting ---------------------------------------------------------------------------------------
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds for ECRM: the parity, the undo logs kept, the protected data."""
+        undo = sum(sum(a.nbytes for a in u.old.values()) + sum(w.nbytes for _p, _l, w in u.applied)
+                   for u in self._undo)
+        return {"parity": int(self.parity.nbytes), "undo": int(undo), "data": self.data_words * 4}
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument("this ECRM is closed")
+
+    def close(self) -> None:
+        """Remove the tracking hooks and release the group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tables:
+            if t.hook is not None:
+                t.hook.remove()
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized() and dist.group.WORLD is self._world:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+
+    def __enter__(self) -> "ECRM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
