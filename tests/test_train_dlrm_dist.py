@@ -53,3 +53,22 @@ def test_partial_recovery_restores_only_the_killed_rank_and_the_model_still_lear
     ll, auc = (float(x) for x in field(out, "final holdout logloss / AUC")[::2])
     auc_start = float(re.search(r"step 0: [0-9.]+/([0-9.]+)", out).group(1))
     assert auc > 0.65 and auc > auc_start + 0.1 and ll < 0.6, out
+
+
+def test_ecrm_recovery_of_a_killed_rank_loses_nothing():
+    # 2 ranks: k=1, r=1 (each rank holds the other's shard as parity); a real SIGKILL at step 50
+    out = run("--recovery", "ecrm", "--parity", "1,1")
+    line = recovery_line(out)
+    assert "at step 50" in line and "rank 1 decoded at step 50 (ecrm); 0 step(s) redone" in line, line
+    assert field(out, "lost updates")[0] == "0"
+    assert field(out, "max |weight diff| vs no failures")[0] == "0"
+    logloss = field(out, "final holdout logloss")
+    assert logloss[0] == logloss[1]
+    mem = field(out, "parity memory per rank (rank 0)")
+    assert 100 <= int(mem[2].rstrip("%")) <= 103, mem   # k=1: a copy of the other rank's shard (+ padding)
+
+
+def test_ecrm_parity_that_does_not_fit_the_world_is_refused():
+    proc = subprocess.run([sys.executable, TOOL, *SHORT, "--recovery", "ecrm", "--parity", "2,1"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0 and "K + R <= --world-size (2)" in proc.stdout + proc.stderr

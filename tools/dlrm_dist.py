@@ -29,7 +29,12 @@ file with a replacement process that the launcher spawned, and recover:
   from the newest global version and gets the dense replicas from a survivor; the survivors keep their live
   state and everyone goes on from the survivors' step. The failed shard's updates since the checkpoint are
   lost (estimated as in ``RecoveryReport``); ``--priority mfu|ssu`` adds CPR priority saves
-  (``save(top=F)`` every ``--priority-every`` steps between the regular ones) so that less is lost.
+  (``save(top=F)`` every ``--priority-every`` steps between the regular ones) so that less is lost;
+- ``--recovery ecrm``: ``cnrstore.distributed.ECRM`` (``--parity K,R``) keeps erasure-coded parity of the
+  shards in the ranks' memory, updated every step; ``ECRM.recover()`` decodes the replacement's shards and
+  optimizer state from the survivors, bit for bit: nothing is lost and no checkpoint is read (the
+  checkpoints stay, as the fallback for more than R failures at once). The run ends equal to the run
+  without failures (``--compare`` prints the largest weight difference: 0).
 
 Each rank appends its measurements to ``events-rank<r>.jsonl`` in the run directory (a replacement appends
 to its predecessor's file); the launcher reads them after the job and prints the summary: held-out
@@ -65,13 +70,13 @@ sys.path.insert(0, HERE)
 
 import train_dlrm  # noqa: E402
 
-from cnrstore.distributed import DistributedCheckpointer, ShardingPlan  # noqa: E402
+from cnrstore.distributed import ECRM, DistributedCheckpointer, ShardingPlan  # noqa: E402
 
 #: Seconds a collective may wait for a peer before gloo gives up (a dead peer is noticed at once: its
 #: sockets close). Also the DistributedCheckpointer's commit timeout.
 PG_TIMEOUT_S = 60.0
 SHARDINGS = ("row", "table")
-RECOVERIES = ("full", "partial")
+RECOVERIES = ("full", "partial", "ecrm")
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -152,8 +157,9 @@ class ShardedDLRM(nn.Module):
         return self.head(x, pooled), part, pooled
 
 
-def train_step(model: ShardedDLRM, optimizer, loss_fn, batch) -> float:
-    """One synchronous step on the global batch (collective); returns the loss."""
+def train_step(model: ShardedDLRM, optimizer, loss_fn, batch, ecrm: ECRM | None = None, step: int = 0) -> float:
+    """One synchronous step on the global batch (collective); returns the loss. With ``ecrm``, the
+    optimizer step of training step ``step`` also updates the parity."""
     dense, ids, labels = batch
     optimizer.zero_grad(set_to_none=True)
     logits, part, pooled = model(dense, ids)
@@ -169,7 +175,11 @@ def train_step(model: ShardedDLRM, optimizer, loss_fn, batch) -> float:
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
-    optimizer.step()
+    if ecrm is None:
+        optimizer.step()
+    else:
+        with ecrm.step(step):
+            optimizer.step()
     return float(loss.detach())
 
 
@@ -225,6 +235,7 @@ class Worker:
         self.loss_fn = nn.BCEWithLogitsLoss()
         self.pending = None
         self.ckpt: DistributedCheckpointer | None = None
+        self.ecrm: ECRM | None = None
         self.prog = None
 
     # -- process group ------------------------------------------------------------------------------------
@@ -255,6 +266,13 @@ class Worker:
                                        mode=a.mode, extra={"loader": self.loader}, priority=a.priority,
                                        timeout_s=PG_TIMEOUT_S)
 
+    def open_ecrm(self, replacement: bool) -> ECRM | None:
+        if self.args.recovery != "ecrm":
+            return None
+        k, r = parity_of(self.args)
+        return ECRM(self.model, self.optimizer, k=k, r=r, checkpointer=self.ckpt, fallback="partial",
+                    replacement=replacement, timeout_s=PG_TIMEOUT_S)
+
     # -- the run ------------------------------------------------------------------------------------------
     def main(self, replacement: bool) -> int:
         a = self.args
@@ -263,6 +281,7 @@ class Worker:
         self.rendezvous()
         self.model, self.optimizer, self.loader = self.fresh(self.epoch if replacement else 0)
         self.ckpt = self.open_checkpointer()
+        self.ecrm = self.open_ecrm(replacement)
         self.step = 0
         if replacement:
             self.recover_as_replacement()
@@ -272,6 +291,10 @@ class Worker:
             evaluate(self.model, self.holdout)
         self.train_loop()
         self.pending = None
+        if self.ecrm is not None:
+            mem = self.ecrm.memory_bytes()
+            self.events.log("ecrm", stats=self.ecrm.stats, parity_bytes=mem["parity"], data_bytes=mem["data"])
+            self.ecrm.close()
         self.ckpt.close()
         if a.compare:
             self.compare()
@@ -286,7 +309,8 @@ class Worker:
         replay_until = None            # full recovery: (failure, step it struck, time training resumed)
         while self.step < a.steps:
             try:
-                lv = train_step(self.model, self.optimizer, self.loss_fn, self.loader.next())
+                lv = train_step(self.model, self.optimizer, self.loss_fn, self.loader.next(), self.ecrm,
+                                self.step + 1)
                 self.step += 1
                 ema = lv if ema is None else 0.98 * ema + 0.02 * lv
                 self.prog.update(self.step, ema)
@@ -359,6 +383,8 @@ class Worker:
                               f"{self.step}; lost steps {rep.lost_steps}, lost-update estimate "
                               f"{rep.lost_update_fraction:.4%}")
             return None
+        if a.recovery == "ecrm":
+            return self.recover_ecrm(failure, detected)
         failed_step = self.step
         t0 = time.perf_counter()
         self.restart_full()
@@ -368,6 +394,29 @@ class Worker:
         self.prog.message(f"  full recovery #{failure + 1}: every rank restored step {self.step}; re-computing "
                           f"{failed_step - self.step} steps")
         return (failure, failed_step, time.perf_counter(), self.step)
+
+    def recover_ecrm(self, failure: int, detected: float | None):
+        """ECRM recovery on this rank (survivor or replacement); returns the replay marker when steps
+        after the recovered boundary must be redone."""
+        a = self.args
+        failed_step = self.step
+        t0 = time.perf_counter()
+        rep = self.ecrm.recover([victim_of(failure, a)], step=None if detected is None else self.step)
+        self.step = int(rep.step)
+        self.loader.position = self.step      # data is fixed by the step: the redone steps see the same batches
+        role = "replacement" if rep.replacement else "survivor"
+        fields = dict(detected=detected) if detected is not None else {}
+        self.events.log("recovered", failure=failure, role=role, recover_s=time.perf_counter() - t0,
+                        mode=rep.mode, step=failed_step, checkpoint_step=self.step, redo_steps=rep.redo_steps,
+                        lost_steps=0 if rep.mode == "ecrm" else None, decode_s=rep.decode_seconds,
+                        bytes_received=rep.bytes_received, reason=rep.reason, victim=victim_of(failure, a), **fields)
+        if detected is not None:
+            self.prog.message(f"  ECRM recovery #{failure + 1} ({rep.mode}): rank {victim_of(failure, a)} decoded at "
+                              f"step {self.step}; {rep.redo_steps} step(s) to redo"
+                              + (f"; fell back: {rep.reason}" if rep.reason else ""))
+        if self.step < failed_step:
+            return (failure, failed_step, time.perf_counter(), self.step)
+        return None
 
     def restart_full(self) -> None:
         """Full recovery on this rank: rebuild everything, restore the newest global version."""
@@ -387,7 +436,9 @@ class Worker:
         a = self.args
         failure = self.epoch - 1
         t0 = time.perf_counter()
-        if a.recovery == "partial":
+        if a.recovery == "ecrm":
+            self.recover_ecrm(failure, None)
+        elif a.recovery == "partial":
             rep = self.ckpt.recover([self.rank], step=None)
             self.step = int(rep.step)
             self.loader.position = self.step   # the survivors' data position: go on from there
@@ -506,6 +557,7 @@ def summarize(args, events: dict[int, list[dict]], plan: ShardingPlan) -> dict:
             "global_version": s0.get("global_version"),
             "lost_update_fraction": s0.get("lost_update_fraction"), "row_share": share,
             "replayed_steps": max((e["steps"] for e in replayed), default=0),
+            "mode": s0.get("mode"), "reason": s0.get("reason"),
             "replayed_s": max((e["seconds"] for e in replayed), default=0.0),
         })
     final = next((e for e in by_kind("final")), None)
@@ -516,7 +568,7 @@ def summarize(args, events: dict[int, list[dict]], plan: ShardingPlan) -> dict:
     if final is not None:
         evals[final["step"]] = final
     curve = [(st, e["result"]) for st, e in sorted(evals.items())]
-    return {"saves": saves, "stall_per_rank": stall_per_rank, "failures": failures,
+    return {"saves": saves, "stall_per_rank": stall_per_rank, "failures": failures, "ecrm": by_kind("ecrm"),
             "final": final, "compare": compare, "curve": curve, "train_s": train_s}
 
 
@@ -544,7 +596,10 @@ def format_summary(args, s: dict, wall_s: float) -> str:
     rows.append(("time lost to failures", f"{lost_s:.2f} s ({lost_s / wall_s:.1%})",
                  f"recovery {rec_total:.2f} s + re-computed steps {replay_total:.2f} s"))
     for f in s["failures"]:
-        if args.recovery == "partial":
+        if args.recovery == "ecrm":
+            what = (f"rank {f['victim']} decoded at step {f['checkpoint_step']} ({f['mode']}); "
+                    f"{f['replayed_steps']} step(s) redone" + (f"; fell back: {f['reason']}" if f["reason"] else ""))
+        elif args.recovery == "partial":
             what = (f"rank {f['victim']} restored global version {f['global_version']} (step "
                     f"{f['checkpoint_step']}); {f['lost_steps']} steps of its updates lost")
         else:
@@ -552,7 +607,24 @@ def format_summary(args, s: dict, wall_s: float) -> str:
         rows.append((f"  recovery #{f['failure'] + 1} at step {f['step']}",
                      f"{f['recovery_s']:.2f} s", f"{what}; detected after {f['detect_s']:.2f} s, "
                      f"recover call {f['recover_call_s']:.2f} s"))
-    if args.recovery == "partial" and s["failures"]:
+    if args.recovery == "ecrm":
+        modes = {f["mode"] for f in s["failures"]}
+        rows.append(("lost updates", "0" if modes <= {"ecrm"} else "see the fallback",
+                     "decoded bit for bit from the parity" if s["failures"] else ""))
+        for e in s["ecrm"][:1]:
+            st = e["stats"]
+            per = st["seconds"] / max(st["steps"], 1) + st["seconds_capture"] / max(st["steps"], 1)
+            rows.append(("parity update per step (rank 0)", train_dlrm.fmt_ms(per),
+                         f"capture {train_dlrm.fmt_ms(st['seconds_capture'] / max(st['steps'], 1))}, encode "
+                         f"{train_dlrm.fmt_ms(st['seconds_encode'] / max(st['steps'], 1))}, size exchange "
+                         f"{train_dlrm.fmt_ms(st['seconds_sizes'] / max(st['steps'], 1))}, send "
+                         f"{train_dlrm.fmt_ms(st['seconds_send'] / max(st['steps'], 1))}, apply "
+                         f"{train_dlrm.fmt_ms(st['seconds_apply'] / max(st['steps'], 1))}; "
+                         f"{train_dlrm.fmt_bytes(st['bytes_sent'] / max(st['steps'], 1))} sent per step"))
+            rows.append(("parity memory per rank (rank 0)", train_dlrm.fmt_bytes(e["parity_bytes"]),
+                         f"{e['parity_bytes'] / max(e['data_bytes'], 1):.0%} of its protected shard "
+                         f"({train_dlrm.fmt_bytes(e['data_bytes'])})"))
+    elif args.recovery == "partial" and s["failures"]:
         lost = sum(f["row_share"] * (f["lost_steps"] or 0) for f in s["failures"]) / args.steps
         rows.append(("lost updates (estimate)", f"{lost:.3%}",
                      "sum over failures of the failed shard's row share x steps lost, / steps"))
@@ -582,10 +654,28 @@ def format_summary(args, s: dict, wall_s: float) -> str:
     return "\n".join(lines)
 
 
+def parity_of(args) -> tuple[int, int]:
+    """ECRM's (k, r) from ``--parity K,R`` (default: world size - 1 data units, 1 parity)."""
+    if getattr(args, "parity", None) is None:
+        return max(1, args.world_size - 1), 1
+    k, r = (int(x) for x in str(args.parity).split(","))
+    return k, r
+
+
 def check_args(args) -> str | None:
     """A message saying what to fix, or None."""
     if args.world_size < 1:
         return "--world-size must be >= 1"
+    if args.recovery == "ecrm" or getattr(args, "parity", None) is not None:
+        if args.recovery != "ecrm":
+            return "--parity goes with --recovery ecrm"
+        try:
+            k, r = parity_of(args)
+        except ValueError:
+            return f"--parity must be two integers K,R (e.g. 2,1), got {args.parity!r}"
+        if k < 1 or r < 1 or k + r > args.world_size:
+            return (f"--parity {k},{r} needs K >= 1, R >= 1 and K + R <= --world-size ({args.world_size}): every "
+                    "stripe's K data and R parity units live on distinct ranks")
     if args.fail_rank is not None and not 0 <= args.fail_rank < args.world_size:
         return f"--fail-rank must name a rank in [0, {args.world_size})"
     if args.priority is not None:

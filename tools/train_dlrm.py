@@ -27,8 +27,9 @@ against the same run without failures (and without checkpoints), trained in the 
     python tools/train_dlrm.py --codec fp32 --mode incremental   # lossless: same weights as no failures
 
 ``--world-size N`` trains on N processes with sharded embeddings instead, checkpointed by
-``cnrstore.distributed``, where a failure kills one rank and ``--recovery full|partial`` picks how the
-job recovers (CPR's partial recovery, with ``--priority mfu|ssu`` priority saves): see tools/dlrm_dist.py.
+``cnrstore.distributed``, where a failure kills one rank and ``--recovery full|partial|ecrm`` picks how
+the job recovers (CPR's partial recovery, with ``--priority mfu|ssu`` priority saves; ECRM's erasure-coded
+parity, ``--parity K,R``): see tools/dlrm_dist.py.
 
 ``--backend cnrstore`` needs ``cnrstore.torch.Checkpointer``; when it cannot be imported the run falls
 back to ``torch.save`` and says so.
@@ -620,9 +621,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Shorter defaults: --steps 240 (--quick 120), --max-rows 20000 (--quick 5000), "
                         "--batch-size 256, --ckpt-every 20, --fail-every 70 (--quick 50)")
     d.add_argument("--sharding", choices=("row", "table"), default="row", help="embedding sharding plan")
-    d.add_argument("--recovery", choices=("full", "partial"), default="partial",
-                   help="after a rank fails: every rank restores the newest global version (full), or only "
-                        "the replaced rank restores its shards (partial, CPR)")
+    d.add_argument("--recovery", choices=("full", "partial", "ecrm"), default="partial",
+                   help="after a rank fails: every rank restores the newest global version (full), only "
+                        "the replaced rank restores its shards (partial, CPR), or the replaced rank decodes "
+                        "its shards from the parity the others hold (ecrm: no update lost, no checkpoint read)")
+    d.add_argument("--parity", default=None, metavar="K,R",
+                   help="ECRM stripes: K data and R parity units, K + R <= world size (default: world size - 1, 1)")
     d.add_argument("--fail-rank", type=int, default=None, help="the rank each failure kills (default: round-robin)")
     d.add_argument("--priority", choices=("mfu", "ssu"), default=None,
                    help="CPR priority saves of the most updated rows between regular checkpoints (partial recovery)")

@@ -210,13 +210,20 @@ class DistributedCheckpointer:
         self.root.check()
         return int(value)
 
-    def rejoin(self) -> None:
+    def rejoin(self) -> str | None:
         """Join the default process group re-formed after a failure (collective, on every rank of the new
         group, before other collectives of this checkpointer). ``recover`` does it by itself;
-        ``ECRM.recover`` calls it so that every rank creates its groups in the same order."""
+        ``ECRM.recover`` calls it so that every rank creates its groups in the same order. A save that
+        was in flight when the failure struck failed (the previous global version is intact): its error
+        is dropped here and returned as text, so that the next ``save`` does not raise it."""
+        self._finish()
+        discarded = None
+        if self._error is not None:
+            discarded, self._error = f"{type(self._error).__name__}: {self._error}", None
         if dist.group.WORLD is not self._world:
             _check_dist()
             self._join()
+        return discarded
 
     def _referenced(self) -> set[int]:
         return {gv.local_versions[self.rank] for gv in self.root.versions()

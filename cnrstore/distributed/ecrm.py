@@ -207,7 +207,8 @@ class ECRM:
         self.fingerprint = 0
         self._fps: dict[int, list[int]] = {}   # step -> every rank's fingerprint after it
         self.stats = {"steps": 0, "bytes_sent": 0, "bytes_received": 0, "last_step_bytes_sent": 0,
-                      "last_step_payload_bytes": 0,
+                      "last_step_payload_bytes": 0, "seconds_capture": 0.0, "seconds_encode": 0.0,
+                      "seconds_sizes": 0.0, "seconds_send": 0.0, "seconds_apply": 0.0,
                       "last_step_seconds": 0.0, "seconds": 0.0}
         self._closed = False
         if not replacement:
@@ -437,6 +438,7 @@ class ECRM:
         self._check_open()
         if self._open is not None:
             raise InvalidArgument("ECRM.begin() twice without commit(); use `with ecrm.step(step):`")
+        t0 = time.perf_counter()
         items = self._build_items()                  # fresh views: load_state_dict may replace tensors
         if self._signature(items) != self._signature(self._items):
             # optimizer state created lazily (Adam's first step): the parity is encoded afresh at commit
@@ -454,6 +456,7 @@ class ECRM:
                 old[n] = _host(it.words.index_select(0, torch.from_numpy(ids).to(it.words.device))) \
                     if ids.size else np.zeros((0, it.width), dtype=np.uint32)
         self._open = _Undo(step=int(step), rows=rows, old=old, dense=self._dense_state())
+        self.stats["seconds_capture"] += time.perf_counter() - t0
 
     def commit(self) -> None:
         """After the optimizer step: send the code deltas, apply the ones received (collective)."""
@@ -484,6 +487,8 @@ class ECRM:
         if payload.size:
             self.fingerprint ^= fingerprint(payload, _positions(starts, lens))
         messages = {} if changed_shape else self._messages(starts, lens, payload)
+        t1 = time.perf_counter()
+        self.stats["seconds_encode"] += t1 - t0
         fs.crash_point("ecrm_before_send")
         sizes = torch.zeros(self.world_size + 2, dtype=torch.int64)
         for dst, msg in messages.items():
@@ -492,6 +497,8 @@ class ECRM:
         sizes[self.world_size + 1] = int(changed_shape)
         gathered = [torch.zeros_like(sizes) for _ in range(self.world_size)]
         dist.all_gather(gathered, sizes, group=self._group)
+        t2 = time.perf_counter()
+        self.stats["seconds_sizes"] += t2 - t1
         # every rank finished the previous step (it entered this all_gather after it): no going back
         self._undo = [u for u in self._undo if u.step >= undo.step]
         if any(int(g[self.world_size + 1]) for g in gathered):
@@ -514,7 +521,7 @@ class ECRM:
         self.stats["last_step_bytes_sent"] = sent
         self.stats["bytes_received"] += sum(incoming.values()) * 4
         self.stats["last_step_seconds"] = time.perf_counter() - t0
-        self.stats["seconds"] += self.stats["last_step_seconds"]
+        self.stats["seconds"] += self.stats["last_step_seconds"]       # commit only; capture is apart
 
     def _messages(self, starts, lens, payload) -> dict[int, np.ndarray]:
         """The int32 word message to every holder: ``[n, positions (int64), lengths (int64), payload]``."""
@@ -554,11 +561,14 @@ class ECRM:
         for src, n in sorted(incoming.items()):
             bufs[src] = torch.empty(n, dtype=torch.int32)
             ops.append(dist.P2POp(dist.irecv, bufs[src], src, self._group))
+        t0 = time.perf_counter()
         if ops:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
         if partial:
             fs.crash_point("ecrm_partial_send")
+        t1 = time.perf_counter()
+        self.stats["seconds_send"] += t1 - t0
         for src, buf in bufs.items():
             msg = buf.numpy().view(np.uint32)
             n = int(msg[:2].view(np.int64)[0])
@@ -567,6 +577,7 @@ class ECRM:
             words = msg[2 + 4 * n:]
             self.parity[_positions(pos, ln)] ^= words
             undo.applied.append((pos, ln, words))
+        self.stats["seconds_apply"] += time.perf_counter() - t1
 
     # -- taking steps back ----------------------------------------------------------------------------------
     def _undo_data(self, undo: _Undo | None) -> None:
@@ -787,6 +798,16 @@ class ECRM:
         return ECRMReport(mode=f"fallback-{mode}", step=step, failed_ranks=failed, replacement=replacement,
                           redo_steps=0 if newest is None or step is None else max(newest - step, 0),
                           lost_updates=None, seconds=time.perf_counter() - start, reason=reason, checkpoint=rep)
+
+    def discard(self) -> None:
+        """Forget this rank's parity and undo log, as a process replacing a failed rank starts: for drills
+        and benchmarks that simulate a failure without killing a process (the model's state should be
+        overwritten too, to prove the decode). Call ``recover`` next on every rank."""
+        self._check_open()
+        self.layout = None
+        self.parity = np.zeros(0, dtype=np.uint32)
+        self._undo, self._open, self._fps = [], None, {}
+        self.data_step = self.applied_step = None
 
     # -- accounting ---------------------------------------------------------------------------------------
     def memory_bytes(self) -> dict:
