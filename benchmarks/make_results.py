@@ -62,6 +62,12 @@ SECTIONS = [
      "cnrstore.policy.CheckpointInterval picks from the measured save and restore costs: time lost to "
      "checkpoints and failures as a fraction of training time, lost updates, held-out logloss and AUC "
      "against the run without failures.", ["--plot", "cpr.png"], ["--quick", "--plot", "none"], "cpr.png"),
+    ("bench_ecrm.py", "ECRM: erasure-coded recovery against full and partial recovery",
+     "The same DLRM on 3 gloo processes, a rank SIGKILLed every 60 steps (bench_cpr's MTBF) and replaced: full "
+     "recovery, CPR partial recovery and ECRM (parity 2,1) side by side: normal-operation and recovery "
+     "overhead as fractions of the no-failure training time, the replaced rank's restore or decode, lost "
+     "updates, final logloss/AUC, parity memory and the parity update's cost per step.",
+     ["--plot", "ecrm.png"], ["--quick", "--plot", "none"], "ecrm.png"),
 ]
 
 
