@@ -55,7 +55,7 @@ from torch import nn
 
 from .. import fs
 from ..errors import InvalidArgument, RecoveryFailed
-from ..torch.checkpointer import _DRIFT_ORDER, _drift, _nonzero_rows
+from ..torch.checkpointer import _nonzero_rows, table_drift
 from . import gf256
 from .stripes import StripeLayout, fingerprint
 
@@ -336,9 +336,8 @@ class ECRM:
         dist.all_gather_object(lengths, self.data_words, group=self._group)
         self.layout = StripeLayout(self.world_size, self.k, self.r, lengths, self.unit_words)
         self.parity = np.zeros(self.layout.parity_words, dtype=np.uint32)
-        flat = self._flat()
-        plan = self._encode_plan(range(self.world_size))
-        self._exchange_blocks(plan, flat, into=self.parity.reshape(self.layout.periods, self.r, self.layout.unit))
+        self._send_blocks(self._encode_plan(range(self.world_size)), self._flat(),
+                          self.parity.reshape(self.layout.periods, self.r, self.layout.unit))
         self.fingerprint = self._full_fingerprint()
         fps: list = [None] * self.world_size
         dist.all_gather_object(fps, self.fingerprint, group=self._group)
@@ -350,8 +349,8 @@ class ECRM:
             t.touched.zero_()
 
     def _encode_plan(self, holders) -> list[tuple[int, int, str, int, int, int]]:
-        """Contributions that rebuild the parity held by ``holders``: ``(src, dst, kind, index, slot, coef)``
-        -- ``src`` sends ``coef`` · its data block ``index``; ``dst`` XORs it into its parity ``slot``."""
+        """Contributions that rebuild the parity held by ``holders`` (entries as in ``_send_blocks``):
+        every data block ``i`` of ``src`` times ``E[j, i]``, into parity slot ``j`` of its holder."""
         lay, plan = self.layout, []
         holders = set(holders)
         for src in range(self.world_size):
@@ -360,44 +359,42 @@ class ECRM:
                 for j in range(self.r):
                     dst = int(lay.holder(c, j))
                     if dst in holders:
-                        plan.append((src, dst, "data", i, j, int(lay.matrix[j, i])))
+                        plan.append((src, dst, "data", i, int(lay.matrix[j, i]), j))
         return plan
 
-    def _exchange_blocks(self, plan, flat: np.ndarray, *, into: np.ndarray, parity: np.ndarray | None = None,
-                         into_data: bool = False) -> int:
-        """Run one batch of block contributions: each ``(src, dst, kind, index, slot, coef)`` sends
-        ``coef`` · (``src``'s data block ``index`` or parity block ``slot``) to ``dst``, which XORs it into
-        ``into[:, index if into_data else slot, :]``. Returns the bytes this rank received."""
-        me, ops, recvs, received = self.rank, [], [], 0
-        shape = (self.layout.periods, self.layout.unit)
+    def _send_blocks(self, plan, flat: np.ndarray | None, into: np.ndarray | None, crash: str | None = None) -> int:
+        """Run one batch of block contributions (one ``batch_isend_irecv``). Each entry
+        ``(src, dst, kind, unit, coef, col)``: ``src`` sends ``coef`` · (its data block ``unit`` of ``flat``
+        if ``kind`` is "data", else its parity slot ``unit``) to ``dst``, which XORs it into
+        ``into[:, col, :]``. ``crash`` names a crash point reached after receiving. Returns the bytes this
+        rank received."""
+        me, shape = self.rank, (self.layout.periods, self.layout.unit)
+        parity = self.parity.reshape(self.layout.periods, self.r, self.layout.unit)
         sends: dict[int, list[np.ndarray]] = {}
-        for src, dst, kind, index, slot, coef in plan:
-            if src == me and dst == me:
-                block = flat[:, index, :] if kind == "data" else parity[:, slot, :]
-                into[:, index if into_data else slot, :] ^= gf256.mul(coef, block.view(np.uint8)).view(np.uint32)
-            elif src == me:
-                block = flat[:, index, :] if kind == "data" else parity[:, slot, :]
-                sends.setdefault(dst, []).append(gf256.mul(coef, np.ascontiguousarray(block).view(np.uint8)))
-        expect: dict[int, list[tuple[int, int]]] = {}
-        for src, dst, kind, index, slot, coef in plan:
-            if dst == me and src != me:
-                expect.setdefault(src, []).append((index, slot))
-        for dst, blocks in sorted(sends.items()):
-            ops.append(dist.P2POp(dist.isend, torch.from_numpy(np.concatenate([b.reshape(-1) for b in blocks])),
-                                  dst, self._group))
-        for src, targets in sorted(expect.items()):
-            buf = torch.empty(len(targets) * shape[0] * shape[1] * 4, dtype=torch.uint8)
-            recvs.append((src, targets, buf))
-            ops.append(dist.P2POp(dist.irecv, buf, src, self._group))
+        expect: dict[int, list[int]] = {}
+        for src, dst, kind, unit, coef, col in plan:
+            if src == me:
+                block = flat[:, unit, :] if kind == "data" else parity[:, unit, :]
+                scaled = gf256.mul(coef, np.ascontiguousarray(block).view(np.uint8)).view(np.uint32)
+                if dst == me:
+                    into[:, col, :] ^= scaled
+                else:
+                    sends.setdefault(dst, []).append(scaled)
+            elif dst == me:
+                expect.setdefault(src, []).append(col)
+        ops = [dist.P2POp(dist.isend, torch.from_numpy(np.concatenate([b.reshape(-1) for b in blocks])), dst,
+                          self._group) for dst, blocks in sorted(sends.items())]
+        bufs = {src: torch.empty(len(cols) * shape[0] * shape[1], dtype=torch.int32) for src, cols in expect.items()}
+        ops += [dist.P2POp(dist.irecv, bufs[src], src, self._group) for src in sorted(bufs)]
         if ops:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-        for src, targets, buf in recvs:
-            words = buf.numpy().view(np.uint32).reshape(len(targets), *shape)
-            received += buf.numel()
-            for (index, slot), block in zip(targets, words):
-                into[:, index if into_data else slot, :] ^= block
-        return received
+        if crash and bufs:
+            fs.crash_point(crash)
+        for src, buf in bufs.items():
+            for col, block in zip(expect[src], buf.numpy().view(np.uint32).reshape(-1, *shape)):
+                into[:, col, :] ^= block
+        return sum(buf.numel() * 4 for buf in bufs.values())
 
     # -- one training step --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -416,13 +413,7 @@ class ECRM:
 
     def _candidate_rows(self, ti: int) -> np.ndarray:
         t = self._tables[ti]
-        worst = None
-        for opt in self._optimizers:
-            for group in opt.param_groups:
-                if any(p is t.weight for p in group["params"]):
-                    d = _drift(opt, group)
-                    if _DRIFT_ORDER[d] > _DRIFT_ORDER[worst]:
-                        worst = d
+        worst = table_drift(self._optimizers, t.weight)
         rows = t.weight.shape[0]
         if worst == "all":
             return np.arange(rows, dtype=np.int64)
@@ -610,8 +601,7 @@ class ECRM:
     # -- recovery ---------------------------------------------------------------------------------------
     def _status(self) -> dict:
         if self.layout is None:
-            return {"role": "replacement", "words": self.data_words if self._items else
-                    sum(it.rows * it.width for it in self._build_items())}
+            return {"role": "replacement", "words": self.data_words}   # recover() built its items
         return {"role": "survivor", "data_step": self.data_step, "applied": self.applied_step,
                 "undo": sorted(u.step for u in self._undo), "fps": dict(self._fps), "lengths": self.layout.lengths,
                 "words": self.data_words}
@@ -707,53 +697,17 @@ class ECRM:
         lay, plan = self.layout, []
         for f in failed:
             for i in range(self.k):
-                c = lay.residue(f, i)
-                members = lay.members(c)
-                shards = {(rank, kind, idx): (idx if kind == "data" else self.k + idx) for rank, kind, idx in members}
+                members = lay.members(lay.residue(f, i))
                 available = [m for m in members if m[0] not in failed][:self.k]
-                matrix = gf256.decode_matrix(self.k, self.r, [shards[m] for m in available])
+                shards = [idx if kind == "data" else self.k + idx for _rank, kind, idx in available]
+                matrix = gf256.decode_matrix(self.k, self.r, shards)
                 for col, (rank, kind, idx) in enumerate(available):
-                    coef = int(matrix[i, col])
-                    if coef:
-                        plan.append((rank, f, kind, idx if kind == "data" else 0, idx if kind == "parity" else 0,
-                                     coef, i))
-        flat = None if replacement else self._flat()
-        parity = self.parity.reshape(lay.periods, self.r, lay.unit)
+                    if matrix[i, col]:
+                        plan.append((rank, f, kind, idx, int(matrix[i, col]), i))
         target = np.zeros((lay.periods, self.k, lay.unit), dtype=np.uint32) if replacement else None
-        # (src, dst, kind, index, slot, coef) -> into the replacement's data block ``i``
-        blocks = [(src, dst, kind, index, slot, coef) for src, dst, kind, index, slot, coef, _i in plan]
-        into_index = [i for *_rest, i in plan]
-        received = self._exchange_decode(blocks, into_index, flat, parity, target)
+        received = self._send_blocks(plan, None if replacement else self._flat(), target, crash="ecrm_decode")
         if replacement:
             self._load_flat(target)
-        return received
-
-    def _exchange_decode(self, blocks, into_index, flat, parity, target) -> int:
-        me, ops, sends, recvs = self.rank, [], {}, {}
-        shape = (self.layout.periods, self.layout.unit)
-        for (src, dst, kind, index, slot, coef), i in zip(blocks, into_index):
-            if src == me:
-                block = flat[:, index, :] if kind == "data" else parity[:, slot, :]
-                sends.setdefault(dst, []).append(gf256.mul(coef, np.ascontiguousarray(block).view(np.uint8)))
-            if dst == me:
-                recvs.setdefault(src, []).append(i)
-        for dst, parts in sorted(sends.items()):
-            ops.append(dist.P2POp(dist.isend, torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts])),
-                                  dst, self._group))
-        bufs = {}
-        for src, idx in sorted(recvs.items()):
-            bufs[src] = torch.empty(len(idx) * shape[0] * shape[1] * 4, dtype=torch.uint8)
-            ops.append(dist.P2POp(dist.irecv, bufs[src], src, self._group))
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-        received = 0
-        if bufs:
-            fs.crash_point("ecrm_decode")
-        for src, buf in bufs.items():
-            received += buf.numel()
-            for i, block in zip(recvs[src], buf.numpy().view(np.uint32).reshape(-1, *shape)):
-                target[:, i, :] ^= block
         return received
 
     def _reencode(self, failed, replacement: bool) -> int:
@@ -761,8 +715,7 @@ class ECRM:
         plan = self._encode_plan(failed)
         if replacement:
             self.parity[:] = 0
-        return self._exchange_blocks(plan, self._flat(),
-                                     into=self.parity.reshape(self.layout.periods, self.r, self.layout.unit))
+        return self._send_blocks(plan, self._flat(), self.parity.reshape(self.layout.periods, self.r, self.layout.unit))
 
     @staticmethod
     def _lowest(status: dict) -> int:

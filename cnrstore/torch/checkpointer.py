@@ -286,6 +286,19 @@ def _drift(opt: torch.optim.Optimizer, group: dict) -> str | None:
     return "all"
 
 
+def table_drift(optimizers, weight) -> str | None:
+    """The widest drift (see ``_drift``) of the ``optimizers`` holding ``weight``, judged with the
+    hyper-parameters of its param group now (also used by ``cnrstore.distributed.ecrm``)."""
+    worst = None
+    for opt in optimizers:
+        for group in opt.param_groups:
+            if any(p is weight for p in group["params"]):
+                d = _drift(opt, group)
+                if _DRIFT_ORDER[d] > _DRIFT_ORDER[worst]:
+                    worst = d
+    return worst
+
+
 def _nonzero_rows(states: list, num_rows: int, device) -> torch.Tensor:
     """Bool per row: any element of any of ``states`` (each ``(num_rows, ...)``) has non-zero bits (so -0.0
     and NaN count as non-zero). Vectorized, in chunks of about ``_SCAN_ELEMENTS`` elements."""
@@ -431,15 +444,7 @@ class Checkpointer:
                     yield str(key), v
 
     def _table_drift(self, t: _Table) -> str | None:
-        """The widest drift of the optimizers holding ``t``'s weight (see ``_drift``)."""
-        worst = None
-        for opt in self._optimizers:
-            for group in opt.param_groups:
-                if any(p is t.weight for p in group["params"]):
-                    d = _drift(opt, group)
-                    if _DRIFT_ORDER[d] > _DRIFT_ORDER[worst]:
-                        worst = d
-        return worst
+        return table_drift(self._optimizers, t.weight)
 
     def _add_drifted_rows(self) -> None:
         """Before a regular save: mark as touched the rows the optimizers may have changed without a lookup
