@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from cnrstore.errors import InvalidArgument
@@ -281,6 +281,7 @@ def test_overhead_terms_move_the_right_way_with_the_interval(m, s, r, t1, t2):
 
 @settings(max_examples=60, deadline=None)
 @given(m=seconds, s=seconds, step=st.floats(1e-4, 1e4))
+@example(m=15.0, s=1.0, step=0.0001)    # 0.6 / 1e-4 is 5999.99... in floats; 6000 steps fit exactly
 def test_interval_steps_never_exceed_the_interval(m, s, step):
     p = CheckpointInterval(m, s, recovery="partial", shards=2, max_lost_fraction=0.01)
     n = p.interval_steps(step)

@@ -273,7 +273,11 @@ class CheckpointInterval:
         """The interval in training steps of ``step_time_s`` seconds (> 0): rounded down, so that a
         partial-recovery job stays within its PLS target, and at least 1."""
         step = _seconds("step_time_s", step_time_s, positive=True)
-        return max(1, math.floor(self.interval_s() / step))
+        interval = self.interval_s()
+        n = math.floor(interval / step)
+        if (n + 1) * step <= interval:    # the quotient rounded below a whole number (0.6 / 1e-4 = 5999.99...)
+            n += 1
+        return max(1, n)
 
     def expected_overhead(self, interval_s: float | None = None) -> Overhead:
         """The expected overhead (see :class:`Overhead`) at ``interval_s`` (> 0), by default at
