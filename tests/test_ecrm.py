@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from cnrstore.distributed import gf256
-from cnrstore.distributed.stripes import StripeLayout, fingerprint
+from cnrstore.distributed.stripes import StripeLayout, fingerprint, fingerprint_range
 from cnrstore.errors import InvalidArgument
 
 WORKER = os.path.join(os.path.dirname(__file__), "ecrm_worker.py")
@@ -148,6 +148,13 @@ def test_fingerprint_is_linear_and_sees_one_flipped_bit():
         c[i] ^= 1 << (i % 32)
         assert fingerprint(c, pos) != fingerprint(a, pos)
     assert fingerprint(a[10:20], pos[10:20]) ^ fingerprint(a[:10], pos[:10]) == fingerprint(a[:20], pos[:20])
+
+
+@pytest.mark.parametrize("start", [0, 1, 30, 31, 32, 33, 961, 12345])
+@pytest.mark.parametrize("n", [0, 1, 30, 31, 32, 63, 993, 4097])
+def test_fingerprint_of_a_range_equals_the_general_one(start, n):
+    words = np.random.default_rng(n + start).integers(0, 2**32, n, dtype=np.uint32)
+    assert fingerprint_range(words, start) == fingerprint(words, start + np.arange(n))
 
 
 # -- spawned jobs -------------------------------------------------------------------------------------------

@@ -57,14 +57,12 @@ from .. import fs
 from ..errors import InvalidArgument, RecoveryFailed
 from ..torch.checkpointer import _nonzero_rows, table_drift
 from . import gf256
-from .stripes import StripeLayout, fingerprint
+from .stripes import StripeLayout, fingerprint, fingerprint_range
 
 __all__ = ["ECRM", "ECRMReport", "CRASH_POINTS"]
 
 CRASH_POINTS = ("ecrm_before_send", "ecrm_partial_send", "ecrm_after_apply", "ecrm_decode")
 FALLBACKS = ("partial", "full", None)
-#: Words per chunk when a whole data space is fingerprinted (bounds the temporary position array).
-_FP_CHUNK = 1 << 22
 
 
 @dataclass
@@ -84,6 +82,7 @@ class ECRMReport:
     seconds: float = 0.0
     decode_seconds: float = 0.0
     bytes_received: int = 0           # by this rank, for the decode and the re-encoded parity
+    phases: dict = field(default_factory=dict)   # seconds by phase: status, rollback, decode, verify, reencode, dense
     reason: str | None = None
     checkpoint: object = None
 
@@ -143,6 +142,37 @@ def _positions(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     offs = np.cumsum(lens) - lens
     return np.repeat(starts - offs, lens) + np.arange(total, dtype=np.int64)
+
+
+def _rows_of(words: torch.Tensor, ids: np.ndarray, index: torch.Tensor | None = None) -> np.ndarray:
+    """A copy of rows ``ids`` of ``words`` as uint32 (numpy indexing on the CPU: cheaper per call than a
+    tensor round trip, and a step calls this for every table)."""
+    if words.device.type == "cpu":
+        return _host(words)[ids]
+    if index is None:
+        index = torch.from_numpy(ids).to(words.device)
+    return _host(words.index_select(0, index))
+
+
+def _to_numpy(t: torch.Tensor):
+    """A CPU numpy copy (pickled as raw bytes, unlike a tensor), or the tensor if numpy lacks its dtype."""
+    try:
+        return t.detach().cpu().numpy()
+    except TypeError:      # bfloat16 and kin
+        return t
+
+
+def _from_numpy(a):
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+
+
+def _tensors_as(tree, convert):
+    """``tree`` (dicts and lists) with every tensor or array leaf passed through ``convert``."""
+    if isinstance(tree, dict):
+        return {k: _tensors_as(v, convert) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_tensors_as(v, convert) for v in tree]
+    return convert(tree) if torch.is_tensor(tree) or isinstance(tree, np.ndarray) else tree
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -294,10 +324,7 @@ class ECRM:
     def _full_fingerprint(self) -> int:
         fp = 0
         for it in self._items:
-            words = _host(it.words).reshape(-1)
-            for lo in range(0, words.size, _FP_CHUNK):
-                part = words[lo:lo + _FP_CHUNK]
-                fp ^= fingerprint(part, it.base + lo + np.arange(part.size, dtype=np.int64))
+            fp ^= fingerprint_range(_host(it.words).reshape(-1), it.base)
         return fp
 
     # -- dense (replicated) state ------------------------------------------------------------------------
@@ -436,16 +463,18 @@ class ECRM:
             self._open = _Undo(step=int(step), rows={}, old={}, dense=self._dense_state(), rebuild=True)
             return
         self._items = items
-        rows, old = {}, {}
+        rows, old, candidates = {}, {}, {}
         for n, it in enumerate(self._items):
             if it.table is None:
                 rows[n] = np.zeros(1, dtype=np.int64)
                 old[n] = _host(it.words).copy()
             else:
-                ids = self._candidate_rows(it.table)
+                if it.table not in candidates:      # a table's weight and its row-wise state share them
+                    ids = self._candidate_rows(it.table)
+                    candidates[it.table] = (ids, torch.from_numpy(ids).to(it.words.device))
+                ids, index = candidates[it.table]
                 rows[n] = ids
-                old[n] = _host(it.words.index_select(0, torch.from_numpy(ids).to(it.words.device))) \
-                    if ids.size else np.zeros((0, it.width), dtype=np.uint32)
+                old[n] = _rows_of(it.words, ids, index)
         self._open = _Undo(step=int(step), rows=rows, old=old, dense=self._dense_state())
         self.stats["seconds_capture"] += time.perf_counter() - t0
 
@@ -463,8 +492,7 @@ class ECRM:
             ids = undo.rows[n]
             if not ids.size:
                 continue
-            new = _host(it.words) if it.table is None else \
-                _host(it.words.index_select(0, torch.from_numpy(ids).to(it.words.device)))
+            new = _host(it.words) if it.table is None else _rows_of(it.words, ids)
             delta = undo.old[n] ^ new.reshape(undo.old[n].shape)
             moved = delta.any(axis=1) if delta.shape[1] else np.zeros(delta.shape[0], dtype=bool)
             if not moved.any():
@@ -651,8 +679,17 @@ class ECRM:
         replacement = self.layout is None
         if replacement:
             self._items = self._build_items()
+        phases, mark = {}, [time.perf_counter()]
+
+        def lap(name: str) -> None:
+            now = time.perf_counter()
+            phases[name] = now - mark[0]
+            mark[0] = now
+
+        lap("join")
         statuses: list = [None] * self.world_size
         dist.all_gather_object(statuses, self._status(), group=self._group)
+        lap("status")
         target, reason = self._decide(failed, statuses)
         survivors = [r for r in range(self.world_size) if r not in failed]
         newest = max((statuses[r]["data_step"] for r in survivors if statuses[r]["role"] == "survivor"),
@@ -667,29 +704,34 @@ class ECRM:
             self.parity = np.zeros(self.layout.parity_words, dtype=np.uint32)
             self._fps = {target: statuses[survivors[0]]["fps"][target]}
             self.data_step = self.applied_step = target
+        lap("rollback")
         t_dec = time.perf_counter()
         received = self._decode(failed, replacement)
+        lap("decode")
         expected = self._fps[target][self.rank]
         ok = (self._full_fingerprint() == expected) if replacement else True
         verdicts: list = [None] * self.world_size
         dist.all_gather_object(verdicts, ok, group=self._group)
+        lap("verify")
         if not all(verdicts):
             bad = [r for r, v in enumerate(verdicts) if not v]
             return self._fall_back(failed, statuses, f"the state decoded for rank(s) {bad} does not match the "
                                    f"fingerprint published at step {target}: a parity is inconsistent", start, target)
         received += self._reencode(failed, replacement)
+        lap("reencode")
         self.fingerprint = expected
-        payload = [self._dense_state() if self.rank == survivors[0] else None]
+        payload = [_tensors_as(self._dense_state(), _to_numpy) if self.rank == survivors[0] else None]
         dist.broadcast_object_list(payload, src=survivors[0], group=self._group)
         if replacement:
-            self._load_dense_state(payload[0])
+            self._load_dense_state(_tensors_as(payload[0], _from_numpy))
         self._undo = []
         for t in self._tables:
             t.touched.zero_()
+        lap("dense")
         return ECRMReport(mode="ecrm", step=target, failed_ranks=failed, replacement=replacement,
                           redo_steps=0 if newest is None else max(newest - target, 0), lost_updates=0,
                           seconds=time.perf_counter() - start, decode_seconds=time.perf_counter() - t_dec,
-                          bytes_received=received)
+                          bytes_received=received, phases=phases)
 
     def _decode(self, failed: tuple[int, ...], replacement: bool) -> int:
         """Survivors send the failed ranks the scaled blocks that decode them; the replacements XOR them

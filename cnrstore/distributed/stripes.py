@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from . import gf256
 
-__all__ = ["StripeLayout", "fingerprint"]
+__all__ = ["StripeLayout", "fingerprint", "fingerprint_range"]
 
 #: The largest unit (words): large enough that a unit's bookkeeping is nothing, small enough that the
 #: data of one rank is spread over many stripes (and so over every parity holder).
@@ -134,3 +134,32 @@ def fingerprint(words: np.ndarray, positions: np.ndarray) -> int:
     lo = np.bitwise_xor.reduce(_rotl(words, positions), initial=np.uint32(0))
     hi = np.bitwise_xor.reduce(_rotl(words, positions % 31 + 1), initial=np.uint32(0))
     return (int(hi) << 32) | int(lo)
+
+
+def _folded(words: np.ndarray, start: int, period: int, shift: int) -> int:
+    """``XOR_i rotl(words[i], (start + i) % period + shift)`` in one pass: rotation distributes over XOR,
+    so the words that share a rotation are XORed first (an ``[n / period, period]`` view reduced along
+    its rows), and only ``period`` words are rotated."""
+    head = (-start) % period                      # words before the first position that is 0 mod period
+    head = min(head, words.size)
+    acc = np.uint32(0)
+    if head:
+        pos = start + np.arange(head, dtype=np.int64)
+        acc ^= np.bitwise_xor.reduce(_rotl(words[:head], pos % period + shift), initial=np.uint32(0))
+    body = (words.size - head) // period * period
+    if body:
+        lanes = np.bitwise_xor.reduce(words[head:head + body].reshape(-1, period), axis=0)
+        acc ^= np.bitwise_xor.reduce(_rotl(lanes, np.arange(period, dtype=np.int64) + shift), initial=np.uint32(0))
+    tail = words[head + body:]
+    if tail.size:
+        pos = start + head + body + np.arange(tail.size, dtype=np.int64)
+        acc ^= np.bitwise_xor.reduce(_rotl(tail, pos % period + shift), initial=np.uint32(0))
+    return int(acc)
+
+
+def fingerprint_range(words: np.ndarray, start: int) -> int:
+    """``fingerprint(words, start + arange(len(words)))``, in one pass over the words and no temporary of
+    their size: what a whole data space is fingerprinted with."""
+    words = np.ascontiguousarray(words, dtype=np.uint32).reshape(-1)
+    start = int(start)
+    return (_folded(words, start, 31, 1) << 32) | _folded(words, start, 32, 0)
