@@ -5,6 +5,8 @@ before k back to a baseline, jumping from a cumulative delta to its base), and f
 rows no record before it in the chain holds. A record's *live rows* are the union of those over every
 retained version whose chain visits it. A record whose live rows are fewer than its rows holds dead
 bytes: GC rewrites it with its live rows only (an LSM merge, bytes copied), under the same index key.
+A record a chain walks through but takes no row from (newer records of the chain hold all its rows) is
+rewritten with no rows, never freed with its segment: the chain still visits its index entry.
 
 What a version reads is unchanged by that rewrite: each retained reader takes from the record exactly
 the rows that are kept, and finds the others in the same records as before.
@@ -26,7 +28,8 @@ from .index import IndexView, RowLoc
 class Liveness:
     """``partial``: (table id, block, version) -> sorted block offsets of the live rows of a row record
     that holds dead rows too (records not listed are wholly live or not read at all); ``live_bytes``:
-    segment -> bytes of live data in it, a partial record counted for its live rows only."""
+    segment -> bytes of live data in it, a partial record counted for its live rows only (and never as
+    less than a record header)."""
 
     partial: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict)
     live_bytes: dict[int, int] = field(default_factory=dict)
@@ -117,5 +120,7 @@ def _block(result: Liveness, info: dict | None, key: tuple[int, int], entries: l
             result.live_bytes[loc.segment] = result.live_bytes.get(loc.segment, 0) + loc.length
         else:
             result.partial[(tid, block, v)] = rows
-            share = loc.length * rows.size // max(1, loc.count)
+            # never 0: a chain still walks through a record none of whose rows it reads, so its segment
+            # must not be freed under it; cleaning rewrites it with no rows (a header and a checksum)
+            share = max(loc.length * rows.size // max(1, loc.count), record.HEADER_BYTES + record.TRAILER_BYTES)
             result.live_bytes[loc.segment] = result.live_bytes.get(loc.segment, 0) + share
