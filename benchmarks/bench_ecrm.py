@@ -78,6 +78,7 @@ def job(args, mode: str) -> dict:
         s = dlrm_dist.summarize(targs, events, plan)
         recs = [e for evs in events.values() for e in evs if e["kind"] == "recovered"]
         s["replacement_call_s"] = [e["recover_s"] for e in recs if e["role"] == "replacement"]
+        s["replacement_phases"] = [e["phases"] for e in recs if e["role"] == "replacement" and e.get("phases")]
         s["job_wall"] = wall
         return s
     finally:
@@ -110,7 +111,9 @@ def row_of(args, mode: str, s: dict, base_wall: float) -> dict:
             "call": float(np.median(s["replacement_call_s"])) if s["replacement_call_s"] else float("nan"),
             "other": (rec - sum(s["replacement_call_s"])) / max(len(s["failures"]), 1),
             "failures": len(s["failures"]), "lost": lost, "final": s["final"]["result"] if s["final"] else None,
-            "mem": mem, "cost": cost, "redo_steps": sum(f["replayed_steps"] for f in s["failures"])}
+            "mem": mem, "cost": cost, "redo_steps": sum(f["replayed_steps"] for f in s["failures"]),
+            "phases": {k: float(np.median([p[k] for p in s.get("replacement_phases", []) if k in p]))
+                       for k in (s.get("replacement_phases") or [{}])[0]}}
 
 
 def report(args, rows: dict, base: dict, load_start: str, elapsed: float) -> str:
@@ -147,7 +150,9 @@ def report(args, rows: dict, base: dict, load_start: str, elapsed: float) -> str
     lines += [
         "",
         f"- ECRM recovery call of the replaced rank vs the full-recovery restore of the same rank: "
-        f"{ms(e['call'])} vs {ms(f['call'])}: **{speed:.1f}x** faster (goal >= 5x: {'met' if speed >= 5 else 'MISSED'})",
+        f"{ms(e['call'])} vs {ms(f['call'])}: **{speed:.1f}x** faster (goal >= 5x: {'met' if speed >= 5 else 'MISSED'}); "
+        "the ECRM call by phase (median over failures): "
+        + ", ".join(f"{k} {ms(v)}" for k, v in e["phases"].items()),
         f"- total overhead: ECRM {pct(e['total'])}, partial {pct(rows['partial']['total'])}, full {pct(f['total'])} "
         f"(goal: ECRM below both: {'met' if e['total'] < min(f['total'], rows['partial']['total']) else 'MISSED'})",
         f"- parity update per step: {ms(per_step)} = **{per_step / step_s:.0%}** of a no-failure step "

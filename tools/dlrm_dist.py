@@ -409,7 +409,8 @@ class Worker:
         self.events.log("recovered", failure=failure, role=role, recover_s=time.perf_counter() - t0,
                         mode=rep.mode, step=failed_step, checkpoint_step=self.step, redo_steps=rep.redo_steps,
                         lost_steps=0 if rep.mode == "ecrm" else None, decode_s=rep.decode_seconds,
-                        bytes_received=rep.bytes_received, reason=rep.reason, victim=victim_of(failure, a), **fields)
+                        bytes_received=rep.bytes_received, reason=rep.reason, victim=victim_of(failure, a),
+                        phases=rep.phases, **fields)
         if detected is not None:
             self.prog.message(f"  ECRM recovery #{failure + 1} ({rep.mode}): rank {victim_of(failure, a)} decoded at "
                               f"step {self.step}; {rep.redo_steps} step(s) to redo"
