@@ -22,37 +22,118 @@ What FBGEMM does, per row with float32 minimum ``m`` and maximum ``M`` (``L = 2*
 4. A row of another ``dim`` is padded to the next multiple by repeating its last value, which keeps the
 row's minimum and maximum and therefore its bias, scale and levels; ``decode`` drops the padding.
 Encoded bytes are bit-identical to FBGEMM's for the padded row.
+
+Torch is imported lazily, so that ``import cnrstore`` and the read-only commands (``cnrstore ls``,
+``info``, ``verify``, ``rows``) never pay its import (~2-3 s). Encoding always runs FBGEMM's prepack
+kernels and imports torch on first use. Decoding runs FBGEMM's unpack kernel when torch is already
+imported in the process (a trainer: the kernels are multi-threaded), else a numpy decode of the same
+formats that gives the same float32 bits (tests/test_codecs_decode.py compares the two, bit for bit,
+over random and edge-value rows of every width and many dims, and over arbitrary finite scales and
+biases), so the choice never changes a decoded value:
+
+- int4 / int2: ``nbit.decode_uniform`` (FBGEMM's nibble and bit-pair order): ``scale * q`` is exact
+  in float32 (an 11-bit fp16 significand times a level below 16), so the only rounding is the add,
+  as in FBGEMM.
+- int8: FBGEMM computes ``fma(scale, q, bias)`` (one rounding; its AVX2 kernel fuses the multiply-add,
+  and ``scale * q`` is not exact in float32). The numpy decode forms ``scale * q`` exactly in float64,
+  adds the bias with round-to-odd (``TwoSum`` gives the add's rounding error; an inexact sum is
+  truncated toward zero and its last bit set), and rounds that once to float32: round-to-odd at 53
+  bits followed by a rounding to 24 bits equals one rounding of the exact value. On a CPU where
+  FBGEMM's kernel does not fuse (no AVX2: its scalar reference path rounds the product first) the
+  kernel's bits differ from both, and the equality test says so there.
+
+Row minima and maxima (for the representable-range checks of every write) use ``torch.aminmax`` (one
+multi-threaded pass) when torch is loaded and numpy otherwise; both are exact.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import ClassVar
 
 import numpy as np
-import torch
 
 from cnrstore.codecs.base import Codec
 from cnrstore.codecs.lossless import FP16_MAX
+from cnrstore.codecs.nbit import decode_uniform
 
-__all__ = ["Int8", "Int4", "Int2"]
-
-_ops = torch.ops.quantized
+__all__ = ["Int8", "Int4", "Int2", "value_range", "decode_int8"]
 
 #: int8 rows must stay within this magnitude: then ``M - m`` is finite and so is every decoded value
 #: (past it, ``scale * 255 + bias`` can round up to inf even though ``M - m`` is finite).
 INT8_MAX_ABS = 2.0**126
 
+#: Values per chunk of the numpy int8 decode: its float64 temporaries stay in L2 cache.
+_CHUNK_VALUES = 1 << 15
 
-def _tensor(a: np.ndarray) -> torch.Tensor:
+
+def _torch():
+    """The torch module, imported on first use (encoding needs FBGEMM's kernels)."""
+    import torch
+
+    return torch
+
+
+def _loaded_torch():
+    """The torch module if this process has already imported it (fully), else None: reads use the
+    kernels only where they cost no import."""
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(getattr(torch, "__spec__", None), "_initializing", False):
+        return None
+    return torch
+
+
+def _tensor(torch, a: np.ndarray):
     # DLPack shares the memory and, unlike from_numpy, accepts read-only arrays (mmap views) without
     # a warning; the kernels only read their input.
     return torch.from_dlpack(a)
 
 
 def value_range(x: np.ndarray) -> tuple[float, float]:
-    """Global (min, max) of a non-empty float32 array in one multi-threaded pass; NaN if any is NaN."""
-    lo, hi = torch.aminmax(_tensor(x))
+    """Global (min, max) of a non-empty float32 array in one pass (multi-threaded when torch is
+    loaded); NaN if any is NaN."""
+    torch = _loaded_torch()
+    if torch is None:
+        return float(x.min()), float(x.max())
+    lo, hi = torch.aminmax(_tensor(torch, x))
     return lo.item(), hi.item()
+
+
+def decode_int8(e: np.ndarray, dim: int) -> np.ndarray:
+    """Numpy decode of FBGEMM's fused 8-bit row-wise rows ``(n, dim + 8)`` into float32 ``(n, dim)``:
+    ``fma(scale, q, bias)``, rounded once, as FBGEMM's kernel computes it (see the module docstring)."""
+    n = e.shape[0]
+    out = np.empty((n, dim), dtype=np.float32)
+    meta = np.ascontiguousarray(e[:, dim : dim + 8]).view("<f4")  # (n, 2): scale, bias
+    step = max(1, _CHUNK_VALUES // dim)
+    rows = min(step, n)
+    p, s, bb, t = (np.empty((rows, dim)) for _ in range(4))
+    for i in range(0, n, step):
+        k = min(step, n - i)
+        if k < rows:
+            p, s, bb, t = p[:k], s[:k], bb[:k], t[:k]
+        scale = meta[i : i + k, 0:1].astype(np.float64)
+        bias = meta[i : i + k, 1:2].astype(np.float64)
+        np.copyto(p, e[i : i + k, :dim])
+        # float64 never overflows here (|scale|, |bias| < 2**128, q < 256); only damaged (non-finite)
+        # scales or biases make inf - inf, and those decode to NaN or inf as in the kernel
+        with np.errstate(all="ignore"):
+            np.multiply(p, scale, out=p)  # exact: 24-bit significand x 8-bit level
+            np.add(p, bias, out=s)
+            # TwoSum: the add's exact rounding error t = (p - (s - bb)) + (bias - bb), bb = s - p
+            np.subtract(s, p, out=bb)
+            np.subtract(s, bb, out=t)
+            np.subtract(p, t, out=t)
+            np.subtract(bias, bb, out=bb)
+            np.add(t, bb, out=t)
+            inexact = (t != 0) & np.isfinite(t)
+            # round to odd: a sum rounded away from zero steps back one ulp toward zero (same-sign
+            # floats order as their bit patterns), then an inexact sum gets its last bit set
+            bits = s.view(np.int64)
+            bits -= inexact & (np.signbit(t) != np.signbit(s))
+            bits |= inexact
+            np.copyto(out[i : i + k], s, casting="same_kind")  # the one rounding to float32
+    return out
 
 
 class _Rowwise(Codec):
@@ -61,14 +142,9 @@ class _Rowwise(Codec):
     per_byte: ClassVar[int]
     #: Bytes of scale + bias at the end of each row.
     meta_bytes: ClassVar[int]
-
-    @staticmethod
-    def _prepack(t: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    @staticmethod
-    def _unpack(t: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    #: Names of FBGEMM's kernels in ``torch.ops.quantized``.
+    _prepack_op: ClassVar[str]
+    _unpack_op: ClassVar[str]
 
     def row_bytes(self, dim: int) -> int:
         return -(-dim // self.per_byte) + self.meta_bytes
@@ -81,19 +157,34 @@ class _Rowwise(Codec):
             padded[:, :dim] = x
             padded[:, dim:] = x[:, dim - 1 : dim]
             x = padded
-        return self._prepack(_tensor(x)).numpy()
+        torch = _torch()
+        return getattr(torch.ops.quantized, self._prepack_op)(_tensor(torch, x)).numpy()
 
     def _decode(self, e: np.ndarray, dim: int) -> np.ndarray:
-        out = self._unpack(_tensor(e)).numpy()
+        torch = _loaded_torch()
+        if torch is None:
+            return self._decode_numpy(e, dim)
+        return self._decode_kernel(torch, e, dim)
+
+    def _decode_kernel(self, torch, e: np.ndarray, dim: int) -> np.ndarray:
+        """FBGEMM's unpack kernel (multi-threaded)."""
+        out = getattr(torch.ops.quantized, self._unpack_op)(_tensor(torch, e)).numpy()
         if out.shape[1] != dim:
             out = np.ascontiguousarray(out[:, :dim])
         return out
+
+    def _decode_numpy(self, e: np.ndarray, dim: int) -> np.ndarray:
+        """The same floats as :meth:`_decode_kernel`, without torch."""
+        raise NotImplementedError
 
     def _minmax(self, x: np.ndarray) -> tuple[float, float]:
         return value_range(x)
 
     def _row_minmax(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lo, hi = torch.aminmax(_tensor(x), dim=1)
+        torch = _loaded_torch()
+        if torch is None:
+            return x.min(axis=1), x.max(axis=1)
+        lo, hi = torch.aminmax(_tensor(torch, x), dim=1)
         return lo.numpy(), hi.numpy()
 
 
@@ -119,8 +210,11 @@ class Int8(_Rowwise):
     per_byte = 1
     meta_bytes = 8
     _range_hint = "int8 holds rows within ±2**126 (≈ ±8.5e37) only; use the fp32 codec for such rows"
-    _prepack = staticmethod(_ops.embedding_bag_byte_prepack)
-    _unpack = staticmethod(_ops.embedding_bag_byte_unpack)
+    _prepack_op = "embedding_bag_byte_prepack"
+    _unpack_op = "embedding_bag_byte_unpack"
+
+    def _decode_numpy(self, e: np.ndarray, dim: int) -> np.ndarray:
+        return decode_int8(e, dim)
 
     def _unrepresentable_range(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         return np.maximum(-lo, hi) > INT8_MAX_ABS
@@ -132,6 +226,9 @@ class _NBit(_Rowwise):
     bits: ClassVar[int]
     fallback = "int8"
     meta_bytes = 4
+
+    def _decode_numpy(self, e: np.ndarray, dim: int) -> np.ndarray:
+        return decode_uniform(e, dim, self.bits)
 
     def _unrepresentable_range(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         # fp16 bias and scale: every value within fp16's range, and the scale FBGEMM computes finite.
@@ -166,8 +263,8 @@ class Int4(_NBit):
     _range_hint = (
         "int4 holds rows within ±65504 only (fp16 scale and bias); use the int8 or fp32 codec for such rows"
     )
-    _prepack = staticmethod(_ops.embedding_bag_4bit_prepack)
-    _unpack = staticmethod(_ops.embedding_bag_4bit_unpack)
+    _prepack_op = "embedding_bag_4bit_prepack"
+    _unpack_op = "embedding_bag_4bit_unpack"
     __doc__ = (
         """4-bit row-wise uniform quantization with fp16 scale and bias.
 
@@ -188,8 +285,8 @@ class Int2(_NBit):
     _range_hint = (
         "int2 holds rows within ±65504 only (fp16 scale and bias); use the int8 or fp32 codec for such rows"
     )
-    _prepack = staticmethod(_ops.embedding_bag_2bit_prepack)
-    _unpack = staticmethod(_ops.embedding_bag_2bit_unpack)
+    _prepack_op = "embedding_bag_2bit_prepack"
+    _unpack_op = "embedding_bag_2bit_unpack"
     __doc__ = (
         """2-bit row-wise uniform quantization with fp16 scale and bias.
 
