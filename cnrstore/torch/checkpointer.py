@@ -79,6 +79,7 @@ import torch
 from torch import nn
 
 from .. import codecs, validate
+from . import sharded
 from ..errors import InvalidArgument, MissingRows, VersionNotFound
 from ..types import VersionInfo
 from ..writer import pack_meta
@@ -90,6 +91,7 @@ PRIORITIES = ("mfu", "ssu")
 STATE_BLOB = "torch.state"
 DENSE_PREFIX = "torch.model/"
 _ROW_MARK = "__cnrstore_row_state__"
+_LIVE_MARK = "__cnrstore_sharded_state__"  # a fused optimizer's sharded state: restored through the shard tables
 _FORMAT = 1
 _SSU_SEED = 0x5C5_0000  # + the table's index: each table's sampling stream is reproducible
 
@@ -142,12 +144,12 @@ class _Table:
     since the row was last saved, all of them (``"mfu"``) or a sample (``"ssu"``); ``count_scale`` turns
     a count into an estimate of the exact one (1, or ``1 / ssu_rate``)."""
 
-    def __init__(self, path: str, module: nn.Module, priority: str | None = None, ssu_rate: float = 1.0,
-                 seed: int = _SSU_SEED):
+    def __init__(self, path: str, module: nn.Module | None, priority: str | None = None, ssu_rate: float = 1.0,
+                 seed: int = _SSU_SEED, weight: torch.Tensor | None = None):
         self.path = path
         self.name = path or "embedding"
         self.module = module
-        self.weight: torch.Tensor = module.weight
+        self.weight: torch.Tensor = module.weight if weight is None else weight
         self.num_rows, self.dim = self.weight.shape
         self.touched = torch.zeros(self.num_rows, dtype=torch.bool, device=self.weight.device)
         self.since_baseline = torch.zeros_like(self.touched)
@@ -169,14 +171,19 @@ class _Table:
         # rows whose row-wise optimizer state was non-zero at the last regular save ("state" drift only)
         self.nonzero_saved: torch.Tensor | None = None
         self.full_written: set[str] = set()  # row-state tables written in full in this session
-        self.hooks = [module.register_forward_pre_hook(self._track, with_kwargs=True)]
+        self.offset = 0                 # global id of local row 0 (a sharded table's shard: its row offset)
+        self.store_rows = self.num_rows  # rows of the store table (a shard's table has the global count)
+        self.hooks = [module.register_forward_pre_hook(self._track, with_kwargs=True)] if module is not None else []
 
     def _track(self, module, args, kwargs) -> None:
         if torch.is_grad_enabled():
-            ids = (args[0] if args else kwargs["input"]).reshape(-1)
-            self.touched[ids] = True
-            if self.counts is not None:
-                self._count(ids)
+            self.note((args[0] if args else kwargs["input"]).reshape(-1))
+
+    def note(self, ids: torch.Tensor) -> None:
+        """Record a lookup of the local rows ``ids`` (1-D, duplicates allowed)."""
+        self.touched[ids] = True
+        if self.counts is not None:
+            self._count(ids)
 
     def _count(self, ids: torch.Tensor) -> None:
         """Add one per id (duplicates too), or per id of a random sample of ``ssu_rate · len(ids)`` ids
@@ -255,6 +262,60 @@ class _Table:
         return buf[:n]
 
 
+class _ShardTable(_Table):
+    """One local shard of a TorchRec-sharded table (``sharded.Shard``): no module of its own (its lookups
+    are tracked by a hook on the TBE kernel), rows written under their global ids, its row-wise optimizer
+    state the fused optimizer's."""
+
+    def __init__(self, shard, priority: str | None, ssu_rate: float, seed: int):
+        super().__init__(shard.name, None, priority, ssu_rate, seed, weight=shard.tensor)
+        self.shard = shard
+        self.offset = shard.row_offset
+        self.store_rows = shard.global_rows
+        self.states = sorted(shard.states, key=lambda kv: kv[0])
+
+
+def _tbe_tracker(tables: list, features: list):
+    """A forward pre-hook for a TBE kernel whose ids feed ``tables`` (a _ShardTable or None per config table,
+    ``features[i]`` keys each): the ids of table i are the values of its keys, in key order."""
+    bounds = np.cumsum([0] + list(features)).tolist()
+
+    def track(module, args, kwargs) -> None:
+        if not torch.is_grad_enabled():
+            return
+        kjt = args[0] if args else kwargs.get("features")
+        if kjt is None or not hasattr(kjt, "length_per_key"):
+            return
+        per_key = kjt.length_per_key()
+        ends = np.cumsum([0] + list(per_key)).tolist()
+        values = kjt.values()
+        for t, lo, hi in zip(tables, bounds[:-1], bounds[1:]):
+            if t is not None and ends[hi] > ends[lo]:
+                t.note(values[ends[lo]:ends[hi]].to(t.touched.device))
+
+    return track
+
+
+def _width(state: torch.Tensor) -> int:
+    """Columns of the table holding row-wise ``state`` (trailing dimensions flattened, at least 1)."""
+    return int(np.prod(state.shape[1:], dtype=np.int64)) if state.dim() > 1 else 1
+
+
+def _is_sharded_value(v) -> bool:
+    return type(v).__name__ in ("ShardedTensor", "DTensor")
+
+
+def _with_live_state(sd: dict, opt) -> dict:
+    """``sd`` with each ``_LIVE_MARK`` replaced by the optimizer's own current value: sharded state (a fused
+    optimizer's ``ShardedTensor``) is restored through the shard tables, in place, before this is loaded."""
+    if not any(isinstance(v, dict) and _LIVE_MARK in v for st in sd["state"].values() for v in st.values()):
+        return sd
+    live = opt.state_dict()["state"]
+    state = {idx: {k: (live[idx][k] if isinstance(v, dict) and _LIVE_MARK in v else v) for k, v in st.items()}
+             for idx, st in sd["state"].items()}
+    return {**sd, "state": state}
+
+
 def _top_rows(rows: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
     """The ``k`` entries of ``rows`` (ascending) with the highest ``counts``, ties to the lower row;
     ascending. Linear time: a partition finds the k-th highest count, the ties at it fill up in row order."""
@@ -286,11 +347,27 @@ def _drift(opt: torch.optim.Optimizer, group: dict) -> str | None:
     return "all"
 
 
+def _leaf_optimizers(opt):
+    """The torch optimizers doing the work inside torchrec's wrappers (``KeyedOptimizerWrapper`` holds one
+    as ``_optimizer``, ``CombinedOptimizer`` lists ``(key, optimizer)`` pairs as ``optimizers``), else ``opt``."""
+    inner = getattr(opt, "_optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer) and inner is not opt:
+        yield from _leaf_optimizers(inner)
+        return
+    subs = getattr(opt, "optimizers", None)
+    if isinstance(subs, list) and subs and all(isinstance(x, tuple) and len(x) == 2 for x in subs):
+        for _key, sub in subs:
+            yield from _leaf_optimizers(sub)
+        return
+    yield opt
+
+
 def table_drift(optimizers, weight) -> str | None:
     """The widest drift (see ``_drift``) of the ``optimizers`` holding ``weight``, judged with the
-    hyper-parameters of its param group now (also used by ``cnrstore.distributed.ecrm``)."""
+    hyper-parameters of its param group now (also used by ``cnrstore.distributed.ecrm``). Optimizers
+    wrapped by torchrec (``KeyedOptimizerWrapper``, ``CombinedOptimizer``) are judged by what they wrap."""
     worst = None
-    for opt in optimizers:
+    for opt in (leaf for o in optimizers for leaf in _leaf_optimizers(o)):
         for group in opt.param_groups:
             if any(p is weight for p in group["params"]):
                 d = _drift(opt, group)
@@ -406,10 +483,12 @@ class Checkpointer:
                 self._tables.append(t)
                 self._by_weight[id(t.weight)] = t
                 self._ensure_table(existing, t.name, t.num_rows, t.dim, self._weight_codec())
+            sharded_keys = self._add_shards(model, existing)
         except BaseException:
             self._remove_hooks()
             raise
-        self._dense = {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in self._by_weight}
+        self._dense = {k: v for k, v in model.state_dict(keep_vars=True).items()
+                       if id(v) not in self._by_weight and k not in sharded_keys}
         self._total_rows = sum(t.num_rows for t in self._tables)
         self._force_full = True
         self._diffs: list[float] = []  # S_1..S_i since the last baseline (intermittent)
@@ -418,13 +497,37 @@ class Checkpointer:
         self._failed: PendingSave | None = None  # the save that failed with it
         self._closed = False
 
+    def _add_shards(self, model: nn.Module, existing: dict) -> set:
+        """The local shards of TorchRec-sharded tables become tables (``sharded``); returns the state-dict keys
+        they stand for. Their lookups are tracked by hooks on the TBE kernels."""
+        if not sharded.is_sharded(model):
+            return set()
+        shards, keys, feeds = sharded.find_shards(model)
+        by_id = {}
+        for shard in shards:
+            if not shard.tensor.numel():
+                continue
+            t = _ShardTable(shard, self.priority, self.ssu_rate, _SSU_SEED + len(self._tables))
+            self._tables.append(t)
+            by_id[id(shard)] = t
+            self._ensure_table(existing, t.name, t.store_rows, t.dim, self._weight_codec())
+        for module, per_table, features in feeds:
+            tables = [by_id.get(id(s)) if s is not None else None for s in per_table]
+            hook = module.register_forward_pre_hook(_tbe_tracker(tables, features), with_kwargs=True)
+            next(t for t in tables if t is not None).hooks.append(hook)
+        return keys
+
     # -- helpers --------------------------------------------------------------------------------------
     def _weight_codec(self) -> str:
         return self._policy.codec() if self._policy is not None else self._codec_str
 
     def _ensure_table(self, existing: dict, name: str, num_rows: int, dim: int, codec: str) -> None:
+        """Check the stored table ``name`` has this shape, or create it (a readonly store, e.g. one restored
+        into a model sharded another way, gets it at the first save, which needs a writable store anyway)."""
         info = existing.get(name)
         if info is None:
+            if getattr(self.store, "readonly", False):
+                return
             self.store.create_table(name, num_rows, dim, codec=codec)
             existing[name] = self.store.tables()[name]
         elif (info.num_rows, info.dim) != (num_rows, dim):
@@ -434,6 +537,9 @@ class Checkpointer:
 
     def _row_states(self, t: _Table):
         """(state name, tensor) of the row-wise optimizer state of ``t``'s weight, in a stable order."""
+        if isinstance(t, _ShardTable):
+            yield from t.states
+            return
         for opt in self._optimizers:
             state = opt.state.get(t.weight)
             if not state:
@@ -444,6 +550,8 @@ class Checkpointer:
                     yield str(key), v
 
     def _table_drift(self, t: _Table) -> str | None:
+        if isinstance(t, _ShardTable):
+            return None  # fused TBE optimizers update the rows of the batch only (sharded.py)
         return table_drift(self._optimizers, t.weight)
 
     def _add_drifted_rows(self) -> None:
@@ -539,15 +647,18 @@ class Checkpointer:
                 buf = t.host_buffer(t.name, n, t.dim)
                 self._gather(t.weight, rows, buf)
                 rows_np = np.arange(t.num_rows, dtype=np.int64) if rows is None else rows.cpu().numpy()
+                if t.offset:
+                    rows_np = rows_np + t.offset  # a shard's rows under their global ids
+                self._ensure_table(existing, t.name, t.store_rows, t.dim, codec)
                 row_jobs.append((t.name, rows_np, buf, codec))
                 report.rows[t.name] = n
                 for key, state in self._row_states(t):
                     name = f"{t.name}.optim.{key}"
                     width = int(np.prod(state.shape[1:], dtype=np.int64)) if state.dim() > 1 else 1
-                    self._ensure_table(existing, name, t.num_rows, width, self.optimizer_codec)
+                    self._ensure_table(existing, name, t.store_rows, width, self.optimizer_codec)
                     s_rows, s_np = rows, rows_np
                     if name not in t.full_written:
-                        s_rows, s_np = None, np.arange(t.num_rows, dtype=np.int64)
+                        s_rows, s_np = None, np.arange(t.offset, t.offset + t.num_rows, dtype=np.int64)
                     m = t.num_rows if s_rows is None else int(s_rows.numel())
                     sbuf = t.host_buffer(name, m, width)
                     self._gather(state.reshape(t.num_rows, width), s_rows, sbuf)
@@ -639,13 +750,19 @@ class Checkpointer:
             sd = opt.state_dict()
             params = [p for g in opt.param_groups for p in g["params"]]
             state = {}
+            named = getattr(opt, "params", None)  # torchrec's KeyedOptimizer: state keyed by parameter name
             for idx, st in sd["state"].items():
-                t = self._by_weight.get(id(params[idx])) if idx < len(params) else None
+                if isinstance(idx, int):
+                    param = params[idx] if 0 <= idx < len(params) else None
+                else:
+                    param = named.get(idx) if isinstance(named, Mapping) else None
+                t = self._by_weight.get(id(param)) if param is not None else None
                 row_keys = {k for k, _ in self._row_states(t)} if t is not None else set()
                 state[idx] = {k: ({_ROW_MARK: f"{t.name}.optim.{k}", "dtype": str(v.dtype).split(".")[-1],
-                                   "shape": tuple(v.shape)} if str(k) in row_keys else v)
+                                   "shape": tuple(v.shape)} if str(k) in row_keys
+                                  else {_LIVE_MARK: True} if _is_sharded_value(v) else v)
                               for k, v in st.items()}
-            optims.append({"state": state, "param_groups": sd["param_groups"]})
+            optims.append({**{k: v for k, v in sd.items() if k != "state"}, "state": state})
         payload = {
             "format": _FORMAT,
             "mode": self.mode,
@@ -698,6 +815,8 @@ class Checkpointer:
         v = info.version
         tables = self.store.tables()
         for t in self._tables:
+            if isinstance(t, _ShardTable):
+                continue  # read by rows and column slices, checked there (_read_shard)
             ti = tables.get(t.name)
             if ti is None:
                 raise InvalidArgument(f"version {v} has no table {t.name!r} for the model's embedding")
@@ -725,16 +844,26 @@ class Checkpointer:
         missing = [k for k in payload["extra"] if k not in self._extra]
         if missing:
             raise InvalidArgument(f"version {v} holds extra state {missing}, which this Checkpointer lacks")
-        weights = [torch.from_numpy(self.store.read_table(t.name, v)) for t in self._tables]
+        weights = [torch.from_numpy(self._read_shard(tables, t, "", t.dim, v)) if isinstance(t, _ShardTable)
+                   else torch.from_numpy(self.store.read_table(t.name, v)) for t in self._tables]
+        shard_states = [(state, torch.from_numpy(self._read_shard(tables, t, f".optim.{key}", _width(state), v)))
+                        for t in self._tables if isinstance(t, _ShardTable) for key, state in t.states]
         optim_sds = [self._optimizer_state(sd, v) for sd in payload["optimizers"]]
+        for opt, sd in zip(self._optimizers, optim_sds):
+            # torchrec's KeyedOptimizer loads into existing state only: create lazy state (Adam's) first, by
+            # its own zero-gradient step, before the weights are put back
+            if callable(getattr(opt, "init_state", None)) and len(opt.state_dict()["state"]) < len(sd["state"]):
+                opt.init_state()
         # everything read and checked: now change the live objects
         with torch.no_grad():
             for t, w in zip(self._tables, weights):
                 t.weight.copy_(w)
+            for state, w in shard_states:
+                state.copy_(w.reshape(state.shape))
             for key, src in dense.items():
                 self._dense[key].copy_(src)
         for opt, sd in zip(self._optimizers, optim_sds):
-            opt.load_state_dict(sd)
+            opt.load_state_dict(_with_live_state(sd, opt))
         for k, state in payload["extra"].items():
             self._extra[k].load_state_dict(state)
         for t in self._tables:
@@ -749,6 +878,53 @@ class Checkpointer:
         if self._policy is not None and callable(getattr(self._policy, "record_restore", None)):
             self._policy.record_restore()
         return info
+
+    def _read_shard(self, tables: dict, t: "_ShardTable", suffix: str, width: int, v: int) -> np.ndarray:
+        """The stored rows of shard ``t`` (its global row range, its columns) of the table ``<fqn><suffix>``
+        (suffix "" for the weights, ``".optim.<state>"`` for row-wise state of ``width`` columns) at version
+        ``v``, assembled from whichever column slices the saving plan stored (any sharding plan at save)."""
+        shard = t.shard
+        c0, c1 = shard.col_offset, shard.col_offset + t.dim
+        per_column = width == t.dim
+        if not per_column:  # row-wise state of a column slice: only the same slice holds it
+            c0, c1 = 0, width
+        pieces = []
+        for name, info in tables.items():
+            if suffix and not name.endswith(suffix):
+                continue
+            base = name[: len(name) - len(suffix)] if suffix else name
+            if base == shard.fqn and per_column:
+                pieces.append((0, info.dim, name, info))
+            elif base == t.name and not per_column:
+                pieces.append((0, info.dim, name, info))
+            elif per_column:
+                parsed = sharded.parse_column_name(base)
+                if parsed is not None and parsed[0] == shard.fqn:
+                    pieces.append((parsed[1], parsed[2], name, info))
+        rows = np.arange(t.offset, t.offset + t.num_rows, dtype=np.int64)
+        out = np.empty((t.num_rows, c1 - c0), dtype=np.float32)
+        covered = np.zeros(c1 - c0, dtype=bool)
+        for a, b, name, info in sorted(pieces):
+            lo, hi = max(a, c0), min(b, c1)
+            if lo >= hi or covered[lo - c0:hi - c0].all():
+                continue
+            if info.num_rows != t.store_rows or info.dim != b - a:
+                raise InvalidArgument(
+                    f"table {name!r}: the store has {info.num_rows} rows x {info.dim} dims, the model's shard of "
+                    f"{shard.fqn!r} belongs to a table of {t.store_rows} rows; restore into a model of the stored shape")
+            if a == 0 and info.num_rows == t.num_rows and t.offset == 0:
+                vals = self.store.read_table(name, v)
+            else:
+                vals = self.store.read_rows(name, rows, version=v)
+            out[:, lo - c0:hi - c0] = vals[:, lo - a:hi - a]
+            covered[lo - c0:hi - c0] = True
+        if not covered.all():
+            what = f"columns {c0}:{c1} of {shard.fqn + suffix!r}" if per_column else f"{t.name + suffix!r}"
+            raise InvalidArgument(f"version {v} holds no table with {what} for the model's shard (rows "
+                                  f"{t.offset}..{t.offset + t.num_rows - 1}); restore into a model of the stored "
+                                  "tables" + ("" if per_column else ", sharded with the same column slices "
+                                              "(row-wise optimizer state of a column slice cannot be re-sliced)"))
+        return out
 
     def _version_info(self, version: int) -> VersionInfo:
         for vi in self.store.versions():
@@ -766,7 +942,7 @@ class Checkpointer:
                     val = arr.reshape(val["shape"]).to(getattr(torch, val["dtype"]))
                 out[k] = val
             state[idx] = out
-        return {"state": state, "param_groups": sd["param_groups"]}
+        return {**sd, "state": state}
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:
