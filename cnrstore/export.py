@@ -1,11 +1,32 @@
-"""Export one version to a file other tools read: npz (numpy), safetensors, or torch.
+"""Export one version to files other tools read: torch, safetensors, a DCP directory, or npz.
 
-Tables are exported as fp32 arrays named ``tables/<name>`` and dense arrays as ``dense/<name>``
-(npz and safetensors); the torch file holds a dict (see cnrstore/torch/export.py).
+Two questions decide what is written: the *format* (``FORMATS``) and the *layout* (``LAYOUTS``):
 
-The file appears atomically: it is written to a temporary file beside ``path`` and renamed over it, so a
-failed export (disk full, I/O error, interrupted) leaves no truncated file and an older file at ``path``
-unchanged. Every failure is a typed error (see :func:`export`).
+- ``"state_dict"``: the model's ``state_dict()``, keyed by parameter name, for a version written by
+  ``cnrstore.torch.Checkpointer``: embedding weights ``"<module path>.weight"`` (fp32, from the tables),
+  every other parameter and buffer from the ``torch.model/`` dense arrays in its exact dtype (bfloat16
+  included), nothing else. ``model.load_state_dict(torch.load(path))`` loads a ``torch`` export,
+  ``dcp.load(model.state_dict(), checkpoint_id=path)`` a ``dcp`` one, ``safetensors.torch.load_file`` a
+  ``safetensors`` one (version, step and meta in its metadata header). Optimizer state is not in it: a
+  model's state dict has no room for it (``load_state_dict(strict=True)`` rejects unknown keys);
+- ``"checkpoint"`` (``torch`` format only): ``{"model": <state dict as above>, "optimizers": [one
+  optimizer state_dict() per optimizer the Checkpointer had, row-wise state included], "extra":
+  {name: state_dict()}, "version", "step", "meta"}`` -- ``opt.load_state_dict(ck["optimizers"][0])``
+  loads an optimizer built over the same parameters in the same order;
+- ``"nested"``: what the store holds, for any store (the plain key-value API has no parameter names):
+  tables as fp32 arrays ``tables/<name>`` and dense arrays as stored ``dense/<name>`` (npz,
+  safetensors); ``{"version", "step", "meta", "tables": {...}, "dense": {...}}`` (torch, dcp).
+
+``layout="auto"`` (the default) is ``"state_dict"`` for a version holding the Checkpointer's state blob
+(``"torch.state"``) and ``"nested"`` otherwise. The state-dict layouts, the torch and dcp formats need
+PyTorch (imported only when used: ``import cnrstore`` stays torch-free).
+
+Exports are atomic: a file is written to a temporary file beside ``path``, fsynced and renamed over it; a
+DCP directory is written to a temporary directory beside ``path`` and renamed to it (``path`` must not
+exist, or be an empty directory). A failed export (disk full, I/O error, interrupted) leaves no partial
+file and an older file at ``path`` unchanged. Every failure is a typed error (see :func:`export`).
+
+A multi-rank job's root exports as one merged model (``export_path``; ``cnrstore.distributed.export``).
 """
 
 from __future__ import annotations
@@ -13,32 +34,57 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from . import filenames
 from .errors import ExportFailed, InvalidArgument, StorageFull
 from .types import Snapshot
 
-FORMATS = ("torch", "safetensors", "npz")
+FORMATS = ("torch", "safetensors", "dcp", "npz")
+LAYOUTS = ("state_dict", "checkpoint", "nested")
+#: The dense array holding ``cnrstore.torch.Checkpointer``'s state blob (``checkpointer.STATE_BLOB``; a
+#: test checks the two agree). Its presence marks a version in the Checkpointer's layout.
+TORCH_STATE = "torch.state"
+_LAYOUT_FORMATS = {"state_dict": FORMATS, "checkpoint": ("torch",), "nested": FORMATS}
 
 _PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
                 errno.ENAMETOOLONG, errno.ELOOP}
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
-def check_path(path) -> str:
-    """``path`` as a str if a file can be written there: its directory exists, is a directory and is
-    writable, and ``path`` itself is not a directory. Raises InvalidArgument saying what to fix."""
-    try:
-        path = os.fspath(path)
-    except TypeError:
-        raise InvalidArgument(f"export path must be a file path, got {path!r}") from None
-    if not path or "\x00" in path:
-        raise InvalidArgument(f"export path must be a non-empty file path without NUL, got {path!r}")
+@dataclass(frozen=True)
+class ExportReport:
+    """What an export wrote: ``path`` in ``format`` and ``layout``, from ``version`` (a global version for
+    a multi-rank root, ``merged`` then) at ``step``; ``tensors`` is the number of top-level tensors or
+    arrays (state dict entries, or tables plus dense arrays), ``tables`` how many came from tables."""
+
+    path: str
+    format: str
+    layout: str
+    version: int
+    step: int | None
+    tensors: int
+    tables: int
+    merged: bool = False
+
+
+@dataclass
+class _Content:
+    """What to write, built before anything touches the disk (bad requests fail early)."""
+
+    layout: str
+    data: Any  # state dict, checkpoint dict, or the nested arrays
+    metadata: dict[str, str]
+    tensors: int
+    tables: int
+
+
+def _check_parent(path: str, what: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise InvalidArgument(f"export path {path!r} is a directory; name a file in it, e.g. "
-                              f"{os.path.join(path, 'export.bin')!r}")
     if not os.path.exists(parent):
         raise InvalidArgument(f"cannot export to {path!r}: directory {parent!r} does not exist; create it "
                               "(mkdir -p) or choose another path")
@@ -46,41 +92,169 @@ def check_path(path) -> str:
         raise InvalidArgument(f"cannot export to {path!r}: {parent!r} is not a directory; choose another path")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InvalidArgument(f"cannot export to {path!r}: directory {parent!r} is not writable by this user; "
-                              "choose a writable directory or fix its permissions")
+                              f"choose a writable directory or fix its permissions ({what})")
+
+
+def _fspath(path) -> str:
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise InvalidArgument(f"export path must be a file path, got {path!r}") from None
+    if not path or "\x00" in path:
+        raise InvalidArgument(f"export path must be a non-empty file path without NUL, got {path!r}")
     return path
 
 
+def check_path(path, fmt: str | None = None) -> str:
+    """``path`` as a str if an export in format ``fmt`` can be written there; raises InvalidArgument
+    saying what to fix otherwise.
+
+    For a file (every format but ``"dcp"``): its directory exists, is a directory and is writable, and
+    ``path`` itself is not a directory. For ``"dcp"`` (a directory): its parent exists and is writable,
+    and ``path`` does not exist or is an empty directory (an export never merges into older files)."""
+    path = _fspath(path)
+    if fmt == "dcp":
+        if os.path.exists(path) and not (os.path.isdir(path) and not os.listdir(path)):
+            kind = "a non-empty directory" if os.path.isdir(path) else "a file"
+            raise InvalidArgument(f"cannot export a DCP checkpoint to {path!r}: it is {kind}; a DCP export "
+                                  "creates a new directory: remove it or name a new one")
+        _check_parent(path, "a DCP export creates a directory there")
+        return path
+    if os.path.isdir(path):
+        raise InvalidArgument(f"export path {path!r} is a directory; name a file in it, e.g. "
+                              f"{os.path.join(path, 'export.bin')!r}")
+    _check_parent(path, "the export file is created there")
+    return path
+
+
+def resolve_layout(snapshot: Snapshot, fmt: str, layout: str = "auto") -> str:
+    """The layout an export of ``snapshot`` in ``fmt`` uses (module doc); raises InvalidArgument for an
+    unknown format or layout, a layout the format cannot hold, or a state-dict layout of a version that
+    ``cnrstore.torch.Checkpointer`` did not write."""
+    if fmt not in FORMATS:
+        raise InvalidArgument(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if layout == "auto":
+        return "state_dict" if TORCH_STATE in snapshot.dense else "nested"
+    if layout not in LAYOUTS:
+        raise InvalidArgument(f"unknown export layout {layout!r}; choose auto or one of {', '.join(LAYOUTS)}")
+    if fmt not in _LAYOUT_FORMATS[layout]:
+        raise InvalidArgument(f"layout {layout!r} is written only as {', '.join(_LAYOUT_FORMATS[layout])} "
+                              f"(it holds optimizer state and Python objects); choose format torch, or "
+                              f"layout state_dict for {fmt}")
+    if layout != "nested" and TORCH_STATE not in snapshot.dense:
+        raise InvalidArgument(f"version {snapshot.version} was not written by cnrstore.torch.Checkpointer (it has "
+                              f"no {TORCH_STATE!r} array), so its arrays have no parameter names; export it with "
+                              "layout 'nested'")
+    return layout
+
+
+def _torch_export():
+    try:
+        from .torch import export as torch_export
+    except ImportError as exc:
+        raise InvalidArgument("this export needs PyTorch (pip install torch), or choose --format npz or "
+                              "safetensors with the nested layout") from exc
+    return torch_export
+
+
+def _content(snapshot: Snapshot, fmt: str, layout: str, model) -> _Content:
+    meta = {"version": str(snapshot.version), "step": str(snapshot.step), "layout": layout}
+    if layout == "nested":
+        tables = dict(snapshot.tables)
+        dense = {name: np.ascontiguousarray(arr) for name, arr in snapshot.dense.items()}
+        if fmt in ("npz", "safetensors"):
+            arrays = {f"tables/{name}": arr for name, arr in tables.items()}
+            arrays.update({f"dense/{name}": arr for name, arr in dense.items()})
+            data = arrays
+        else:
+            data = {"version": snapshot.version, "step": snapshot.step, "meta": snapshot.meta,
+                    "tables": tables, "dense": dense}
+        return _Content(layout, data, meta, len(tables) + len(dense), len(tables))
+    view = _torch_export().CheckpointView(snapshot, model=model)
+    meta["meta"] = view.meta_json()
+    sd = view.state_dict()
+    data = view.checkpoint_dict(sd) if layout == "checkpoint" else sd
+    if fmt == "npz":
+        odd = [k for k, v in sd.items() if not view.numpy_compatible(v)]
+        if odd:
+            raise InvalidArgument(f"npz (numpy) cannot hold {', '.join(odd[:3])} exactly (dtype "
+                                  f"{sd[odd[0]].dtype}); export as torch, safetensors or dcp")
+        data = {k: v.numpy() for k, v in sd.items()}
+    return _Content(layout, data, meta, len(sd), view.table_key_count())
+
+
+def _os_cause(exc: BaseException) -> tuple[int | None, BaseException]:
+    """(OS error number, the exception that carries it) behind ``exc``: its own, a cause's, or one its
+    message quotes (safetensors, torch and DCP report I/O errors as their own types: "... (os error 28)",
+    "[Errno 28] ...", DCP's CheckpointException holding each rank's exception); (None, exc) if none."""
+    seen = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        code = getattr(cur, "errno", None)
+        if isinstance(code, int):
+            return code, cur
+        failures = getattr(cur, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            for failure in failures.values():  # rank -> (exception, traceback)
+                if isinstance(failure, tuple) and failure:
+                    failure = failure[0]
+                if isinstance(failure, BaseException):
+                    found = _os_cause(failure)
+                    if found[0] is not None:
+                        return found
+        m = re.search(r"os error (\d+)|\[Errno (\d+)\]", str(cur))
+        if m:
+            return int(m.group(1) or m.group(2)), cur
+        cur = cur.__cause__ or cur.__context__
+    return None, exc
+
+
 def _write_error(exc: BaseException, path: str) -> Exception:
-    """The typed error for a failure while writing the export file to ``path``."""
-    code = getattr(exc, "errno", None)
-    if code is None:  # safetensors and torch report I/O errors as their own types: "... (os error 28)"
-        m = re.search(r"os error (\d+)", str(exc))
-        code = int(m.group(1)) if m else None
+    """The typed error for a failure while writing the export file to ``path`` (a one-line message)."""
+    code, cause = _os_cause(exc)
+    what = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     if code in _FULL_ERRNOS:
-        return StorageFull(f"export to {path!r} ran out of space ({exc}); nothing was written there. "
+        return StorageFull(f"export to {path!r} ran out of space ({what}); nothing was written there. "
                            "Free space on that file system or export to another one")
     if code in _PATH_ERRNOS:
-        return InvalidArgument(f"cannot write the export file {path!r} ({exc}); choose a path in an existing, "
+        return InvalidArgument(f"cannot write the export file {path!r} ({what}); choose a path in an existing, "
                                "writable directory")
-    return ExportFailed(f"export to {path!r} failed ({type(exc).__name__}: {exc}); nothing was written there. "
+    return ExportFailed(f"export to {path!r} failed ({type(cause).__name__}: {what}); nothing was written there. "
                         "Check the file system (space, permissions, errors in dmesg) and retry", path)
 
 
-def export(snapshot: Snapshot, fmt: str, path) -> None:
-    """Write ``snapshot`` to ``path`` in format ``fmt`` (one of FORMATS), atomically.
+def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=None) -> ExportReport:
+    """Write ``snapshot`` to ``path`` in format ``fmt`` (one of FORMATS) and ``layout`` (module doc),
+    atomically.
 
-    Raises InvalidArgument for an unknown format or a path that cannot be written (missing or
-    non-writable directory, a directory), StorageFull when the file system fills up, and ExportFailed
-    for any other write failure; in every case ``path`` is left as it was.
+    ``model`` (a ``torch.nn.Module`` of the checkpointed architecture, optional, state-dict layouts only)
+    names the state dict exactly as ``model.state_dict()`` does -- needed only for a model whose keys the
+    store cannot know: an embedding weight shared with another module (its second key) or a model that *is*
+    an ``nn.Embedding`` saved without an optimizer; the model's embedding dtype is kept; a model that does
+    not match the version raises InvalidArgument.
+
+    Raises InvalidArgument for an unknown format or layout, a layout the version or format cannot hold, or a
+    path that cannot be written (missing or non-writable directory; a directory for a file format; an
+    existing non-empty directory for dcp), StorageFull when the file system fills up, and ExportFailed for
+    any other write failure; in every case ``path`` is left as it was.
     """
-    if fmt not in FORMATS:
-        raise InvalidArgument(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    path = check_path(path)
+    layout = resolve_layout(snapshot, fmt, layout)
+    if model is not None and layout == "nested":
+        raise InvalidArgument("model= names a state dict's keys; the nested layout has none: drop model= or "
+                              "choose layout state_dict")
+    path = check_path(path, fmt)
+    content = _content(snapshot, fmt, layout, model)
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                       f".{os.path.basename(path)}.cnrstore-export-{os.getpid()}.tmp")
+                       f".{os.path.basename(os.path.normpath(path))}.cnrstore-export-{os.getpid()}.tmp")
     try:
-        _write(snapshot, fmt, tmp)
-        os.replace(tmp, path)
+        _write(content, fmt, tmp)
+        _sync(tmp)
+        if fmt == "dcp":
+            os.rename(tmp, path)  # replaces only an empty directory (check_path): never merges
+        else:
+            os.replace(tmp, path)
+        _sync_dir(os.path.dirname(os.path.abspath(path)))
     except InvalidArgument:
         _remove(tmp)
         raise
@@ -89,36 +263,88 @@ def export(snapshot: Snapshot, fmt: str, path) -> None:
         if isinstance(exc, (KeyboardInterrupt, SystemExit, MemoryError)):
             raise
         raise _write_error(exc, path) from exc
+    return ExportReport(path=path, format=fmt, layout=layout, version=snapshot.version, step=snapshot.step,
+                        tensors=content.tensors, tables=content.tables)
+
+
+def export_path(source, fmt: str, path, *, version: int | None = None, layout: str = "auto") -> ExportReport:
+    """Export ``version`` (default newest) of ``source`` to ``path``: ``source`` is an open ``Store``, the
+    path of a store, or the root of a multi-rank job (``cnrstore.distributed``), whose global ``version``
+    is exported as one merged model (every table assembled from all ranks' shards, dense state from rank 0;
+    see ``cnrstore.distributed.export.merged_snapshot``).
+
+    The output path is checked before the (long) read; errors as :func:`export`, plus those of opening
+    and reading the source (StoreNotFound, VersionNotFound, ...)."""
+    from .store import Store, open as open_store
+
+    if fmt not in FORMATS:
+        raise InvalidArgument(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    path = check_path(path, fmt)
+    if isinstance(source, Store):
+        return export(source.restore(version), fmt, path, layout=layout)
+    src = os.fspath(source)
+    if not os.path.exists(filenames.marker_path(src)):
+        try:
+            from .distributed import export as dist_export  # a root's marker name lives there (needs torch)
+        except ImportError:
+            dist_export = None
+        if dist_export is not None and dist_export.is_root(src):
+            report = export(dist_export.merged_snapshot(src, version), fmt, path, layout=layout)
+            return ExportReport(**{**report.__dict__, "merged": True})
+    with open_store(src, readonly=True) as store:
+        snapshot = store.restore(version)
+    return export(snapshot, fmt, path, layout=layout)
 
 
 def _remove(tmp: str) -> None:
     try:
-        os.unlink(tmp)
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.unlink(tmp)
     except OSError:
         pass
 
 
-def _write(snapshot: Snapshot, fmt: str, path: str) -> None:
-    if fmt == "torch":
-        try:
-            from .torch.export import save
-        except ImportError as exc:
-            raise InvalidArgument("export to torch needs PyTorch (pip install torch), or choose --format "
-                                  "npz or safetensors") from exc
-
-        with open(path, "wb") as f:
-            save(snapshot, f)
+def _sync(path: str) -> None:
+    """fsync the written file (or every file of the written directory, and it) before the rename."""
+    if os.path.isdir(path):
+        for name in os.listdir(path):
+            _sync(os.path.join(path, name))
+        _sync_dir(path)
         return
-    arrays = {f"tables/{name}": arr for name, arr in snapshot.tables.items()}
-    arrays.update({f"dense/{name}": np.ascontiguousarray(arr) for name, arr in snapshot.dense.items()})
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(content: _Content, fmt: str, path: str) -> None:
+    """Write ``content`` to the temporary ``path`` (a file, or a directory for dcp)."""
     if fmt == "npz":
         with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a bare path
-            np.savez(f, **arrays)
+            np.savez(f, **content.data)
+        return
+    if fmt == "safetensors" and content.layout == "nested":
+        try:
+            from safetensors.numpy import save_file
+        except ImportError as exc:
+            raise InvalidArgument("export to safetensors needs the safetensors package: "
+                                  "pip install 'cnrstore[export]'") from exc
+        save_file(content.data, path, metadata={k: content.metadata[k] for k in ("version", "step")})
         return
     try:
-        from safetensors.numpy import save_file
+        from .torch.export import write
     except ImportError as exc:
-        raise InvalidArgument("export to safetensors needs the safetensors package: "
-                              "pip install 'cnrstore[export]'") from exc
-    meta = {"version": str(snapshot.version), "step": str(snapshot.step)}
-    save_file(arrays, path, metadata=meta)
+        raise InvalidArgument(f"export to {fmt} needs PyTorch (pip install torch), or choose --format npz "
+                              "or safetensors") from exc
+    write(content.data, fmt, content.layout, path, content.metadata)
