@@ -1,18 +1,29 @@
 """The ``cnrstore`` command: inspect, verify and maintain a store offline.
 
-    cnrstore ls STORE [--json]                      versions: step, time, bytes, read-chain length
-    cnrstore info STORE [--json]                    tables, codecs, disk use, live ratio
-    cnrstore verify STORE [--json]                  every checksum and the index (exit 1 on problems)
-    cnrstore compact STORE [--version V]            materialize baselines (default: newest version)
-    cnrstore retain STORE --keep-last N             drop all but the newest N versions
-    cnrstore gc STORE                               reclaim space of dropped and shadowed data
-    cnrstore export STORE --format F OUT [--version V]   fp32 tables + dense arrays: torch|safetensors|npz
-    cnrstore rows STORE TABLE ROW... [--version V]  print rows
-    cnrstore repair STORE [--json]                  rebuild a lost or damaged index from the segment log
+    cnrstore ls STORE [--json]                           versions: step, time, bytes, read chain, tables
+    cnrstore info STORE [--json]                         tables, codecs, disk use, live ratio, amplification
+    cnrstore verify STORE [--json] [--progress]          every checksum and the index (exit 1 on problems)
+    cnrstore rows STORE TABLE ROW... [--version V] [--json]   print rows as the store reads them
+    cnrstore compact STORE [--version V] [--json] [--progress]   materialize baselines (default: newest)
+    cnrstore retain STORE --keep-last N [--json] [--progress]    drop all but the newest N versions
+    cnrstore gc STORE [--json] [--progress]              reclaim space of dropped and shadowed data
+    cnrstore export STORE --format F OUT [--version V] [--json] [--progress]
+                                                         fp32 tables + dense arrays: torch|safetensors|npz
+    cnrstore repair STORE [--json] [--progress]          rebuild a lost or damaged index from the log
 
 ``ls`` and ``verify`` also take the root of a multi-rank job (``cnrstore.distributed``): they list its
 global versions, and verify its manifests and every rank store they name. The other commands take one
 rank's store (``ROOT/gen-G/rank-R``).
+
+Output: a human-readable summary on stdout; with ``--json``, one JSON object on stdout instead (for
+``ls``, a JSON list of versions). ``ls`` names a version's tables when they are few and counts them
+otherwise (``--json`` always lists them). Progress bars of long work (verify, compact, retain, gc,
+export, repair) go to stderr, only when stderr is a terminal or with ``--progress`` (then one line per
+update, at most about one a second), so scripts and pipes see no progress output.
+
+``ls``, ``info``, ``verify`` and ``rows`` never import torch (a ~2-3 s import): reads decode with numpy
+unless torch is already loaded (``cnrstore/codecs/rowwise.py``), and ``cnrstore.distributed`` is
+imported only for a multi-rank root.
 
 Exit status (every failure prints one line on stderr: the error type, what happened and what to do):
 
@@ -33,6 +44,7 @@ holds it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -45,31 +57,68 @@ from . import filenames
 from .errors import CnrError, CorruptionError, InvalidArgument, StoreNotFound
 from .export import FORMATS, check_path, export
 from .repair import repair as repair_store
-from .distributed import manifest as dist_manifest
-from .distributed.verify import verify_root
 from .store import Store, open as open_store
+from .types import Snapshot
 
 
 class Progress:
-    """A one-line progress bar on stderr (only when stderr is a terminal)."""
+    """A progress report on stderr, a ``compaction.Progress`` callable: ``progress(done, total)``, with
+    an optional note (what is being done). On a terminal it is a one-line bar redrawn in place (at
+    most ten times a second); with ``force`` on a stream that is not a terminal, one line per update
+    (at most about one a second, and the last); otherwise it prints nothing."""
 
-    def __init__(self, label: str, stream=None):
+    #: The terminal whose bar was left mid-line (an error message must start on a new line), or None.
+    dangling = None
+
+    def __init__(self, label: str, stream=None, force: bool = False):
         self.label = label
         self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty()
-        self._last = 0.0
+        self.tty = self.stream.isatty()
+        self.enabled = self.tty or force
+        self._last = float("-inf")
+        self._note = ""
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, done: int, total: int, note: str | None = None) -> None:
         now = time.monotonic()
-        if not self.enabled or (now - self._last < 0.1 and done < total):
+        if note is not None:
+            self._note = note
+        if not self.enabled or (now - self._last < (0.1 if self.tty else 1.0) and done < total and note is None):
             return
         self._last = now
         frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        self.stream.write(f"\r{self.label} [{bar:<30}] {done}/{total} {frac:6.1%}")
-        if done >= total:
-            self.stream.write("\n")
+        tail = f" {self._note}" if self._note else ""
+        if self.tty:
+            bar = "#" * int(frac * 30)
+            self.stream.write(f"\r{self.label} [{bar:<30}] {done}/{total} {frac:6.1%}{tail}\x1b[K")
+            Progress.dangling = self.stream
+            if done >= total:
+                self.stream.write("\n")
+                Progress.dangling = None
+        else:
+            self.stream.write(f"{self.label}: {done}/{total} {frac:6.1%}{tail}\n")
         self.stream.flush()
+
+
+def _progress(args, label: str) -> Progress:
+    return Progress(label, force=getattr(args, "progress", False))
+
+
+def _emit(args, obj, text: str) -> None:
+    """``obj`` as JSON on stdout with ``--json``, else ``text``."""
+    print(json.dumps(obj, indent=2) if args.json else text)
+
+
+def _names(names: list[str], noun: str, width: int = 48) -> str:
+    """``names`` joined when they fit ``width`` characters, else their count and the first few."""
+    joined = ", ".join(names)
+    if len(joined) <= width:
+        return joined
+    shown = []
+    for name in names:
+        if len(", ".join(shown + [name])) > width - 16:
+            break
+        shown.append(name)
+    return f"{len(names)} {noun}: " + ", ".join(shown) + ", ..."
 
 
 def _versions_rows(store: Store) -> list[dict]:
@@ -103,7 +152,13 @@ def _print_versions(args, rows: list[dict], header: str, noun: str, rest) -> int
 
 
 def _is_root(path: str) -> bool:
-    return dist_manifest.Root(path).exists()
+    """Whether ``path`` is a multi-rank job's root. A store (its marker present) is decided without
+    importing ``cnrstore.distributed``, which imports torch."""
+    if os.path.exists(filenames.marker_path(path)):
+        return False
+    from .distributed.manifest import Root
+
+    return Root(path).exists()
 
 
 def _refuse_root(args) -> None:
@@ -113,17 +168,22 @@ def _refuse_root(args) -> None:
 
 
 def cmd_ls_root(args) -> int:
-    gvs = dist_manifest.Root(args.store).versions()
+    from .distributed.manifest import Root
+
+    gvs = Root(args.store).versions()
     rows = [{"version": g.version, "step": g.step, "created": g.created, "world_size": g.world_size,
              "generation": g.generation, "local_versions": list(g.local_versions), "stores": list(g.stores)}
             for g in gvs]
     return _print_versions(args, rows, f"{'global':>8} {'step':>10} {'created (UTC)':<20} {'ranks':>5} {'gen':>4}  "
                                        "local versions", "global version(s)",
-                           lambda r: f"{r['world_size']:>5} {r['generation']:>4}  {' '.join(map(str, r['local_versions']))}")
+                           lambda r: f"{r['world_size']:>5} {r['generation']:>4}  "
+                                     f"{_names([str(v) for v in r['local_versions']], 'ranks')}")
 
 
 def cmd_verify_root(args) -> int:
-    report = verify_root(args.store, progress=Progress("verify"))
+    from .distributed.verify import verify_root
+
+    report = verify_root(args.store, progress=_progress(args, "verify"))
     if args.json:
         print(json.dumps(report.__dict__, indent=2))
     else:
@@ -142,7 +202,7 @@ def cmd_ls(args) -> int:
         rows = _versions_rows(store)
     return _print_versions(args, rows, f"{'version':>8} {'step':>10} {'created (UTC)':<20} {'bytes':>14} {'chain':>6}  "
                                        "tables", "version(s)",
-                           lambda r: f"{r['bytes']:>14,} {r['read_chain']:>6}  {', '.join(r['tables'])}")
+                           lambda r: f"{r['bytes']:>14,} {r['read_chain']:>6}  {_names(r['tables'], 'tables')}")
 
 
 def cmd_info(args) -> int:
@@ -207,7 +267,7 @@ def cmd_verify(args) -> int:
                                            "but the directory holds store files (index/, segments/)"], 0, 0)
     with store:
         try:
-            report = store.verify(progress=Progress("verify"))
+            report = store.verify(progress=_progress(args, "verify"))
         except CorruptionError as exc:  # verify reports damage; this is a backstop for what it did not foresee
             return _print_verify(args, False, [f"verify stopped at damage it could not step over: {exc}"], 0, 0)
     return _print_verify(args, report.ok, report.problems, report.records_checked, report.bytes_checked)
@@ -216,17 +276,25 @@ def cmd_verify(args) -> int:
 def cmd_compact(args) -> int:
     _refuse_root(args)
     with open_store(args.store) as store:
-        report = store.compact(args.version, progress=Progress("compact"))
-    print(f"compacted at version {report.version}: {report.blocks_materialized} block baseline(s), "
+        report = store.compact(args.version, progress=_progress(args, "compact"))
+    _emit(args, dataclasses.asdict(report),
+          f"compacted at version {report.version}: {report.blocks_materialized} block baseline(s), "
           f"{report.bytes_written:,} bytes written")
     return 0
 
 
 def cmd_retain(args) -> int:
+    """``Store.retain`` is one index transaction with no progress of its own: the progress line says
+    what it is doing and, at the end, that it is done."""
     _refuse_root(args)
+    progress = _progress(args, "retain")
     with open_store(args.store) as store:
+        progress(0, 1, f"keeping the newest {args.keep_last} version(s)")
         dropped = store.retain(keep_last=args.keep_last)
-    print(f"dropped {len(dropped)} version(s)" + (f": {', '.join(map(str, dropped))}" if dropped else "")
+        kept = [v.version for v in store.versions()]
+    progress(1, 1, f"dropped {len(dropped)} version(s)")
+    _emit(args, {"dropped": dropped, "kept": kept},
+          f"dropped {len(dropped)} version(s)" + (f": {', '.join(map(str, dropped))}" if dropped else "")
           + "; run `cnrstore gc` to reclaim their space")
     return 0
 
@@ -234,8 +302,9 @@ def cmd_retain(args) -> int:
 def cmd_gc(args) -> int:
     _refuse_root(args)
     with open_store(args.store) as store:
-        report = store.gc(progress=Progress("gc"))
-    print(f"reclaimed {report.bytes_reclaimed:,} bytes ({report.segments_deleted} segment(s) deleted, "
+        report = store.gc(progress=_progress(args, "gc"))
+    _emit(args, dataclasses.asdict(report),
+          f"reclaimed {report.bytes_reclaimed:,} bytes ({report.segments_deleted} segment(s) deleted, "
           f"{report.segments_rewritten} rewritten, {report.bytes_copied:,} bytes copied)"
           + (f"; {report.bytes_pending:,} bytes wait for readers to finish" if report.bytes_pending else ""))
     if report.incomplete:
@@ -244,13 +313,27 @@ def cmd_gc(args) -> int:
     return 0
 
 
-def cmd_export(args) -> int:
+def _export_snapshot(args, progress: Progress) -> Snapshot:
+    """The snapshot ``cnrstore export`` writes: version ``args.version`` (default: the newest) of the
+    store at ``args.store``. (The one place that decides what an export reads.)"""
     _refuse_root(args)
-    check_path(args.out)  # before the (long) restore: a bad path fails at once
     with open_store(args.store, readonly=True) as store:
-        snapshot = store.restore(args.version)
+        progress(0, 2, "reading " + ("the newest version" if args.version is None else f"version {args.version}"))
+        return store.restore(args.version)
+
+
+def cmd_export(args) -> int:
+    """Read the snapshot, then write it with ``export.export`` (atomically): progress counts those
+    two phases, since neither reports finer progress of its own."""
+    check_path(args.out)  # before the (long) read: a bad path fails at once
+    progress = _progress(args, "export")
+    snapshot = _export_snapshot(args, progress)
+    progress(1, 2, f"writing {args.out} ({args.format})")
     export(snapshot, args.format, args.out)
-    print(f"exported version {snapshot.version} ({len(snapshot.tables)} table(s), {len(snapshot.dense)} dense "
+    progress(2, 2, "done")
+    _emit(args, {"version": snapshot.version, "step": snapshot.step, "format": args.format, "out": args.out,
+                 "tables": sorted(snapshot.tables), "dense": sorted(snapshot.dense)},
+          f"exported version {snapshot.version} ({len(snapshot.tables)} table(s), {len(snapshot.dense)} dense "
           f"array(s)) to {args.out} as {args.format}")
     return 0
 
@@ -258,7 +341,15 @@ def cmd_export(args) -> int:
 def cmd_rows(args) -> int:
     _refuse_root(args)
     with open_store(args.store, readonly=True) as store:
-        values = store.read_rows(args.table, args.row, args.version)
+        version = args.version
+        if version is None:  # name the version read: the newest now, whatever commits meanwhile
+            latest = store.latest()
+            version = None if latest is None else latest.version
+        values = store.read_rows(args.table, args.row, version)
+    if args.json:
+        print(json.dumps({"table": args.table, "version": version, "rows": args.row, "values": values.tolist()},
+                         indent=2))
+        return 0
     with np.printoptions(precision=6, suppress=False, linewidth=160):
         for row, vec in zip(args.row, values):
             print(f"{row}: {vec}")
@@ -267,7 +358,7 @@ def cmd_rows(args) -> int:
 
 def cmd_repair(args) -> int:
     _refuse_root(args)
-    report = repair_store(args.store, progress=Progress("repair"))
+    report = repair_store(args.store, progress=_progress(args, "repair"))
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -292,39 +383,45 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cnrstore", description="Inspect, verify and maintain a cnrstore checkpoint store.",
         epilog="Exit status: 0 ok; 1 verify found damage (including a store that cannot be opened because "
-               "its marker or index is corrupt or missing) or repair could not recover every version; 2 any other error (usage, not a store, locked, "
-               "unknown version, export path not writable, disk full, OS error), with one line on stderr "
-               "saying what to do; 130 interrupted.")
+               "its marker or index is corrupt or missing) or repair could not recover every version; 2 any "
+               "other error (usage, not a store, locked, unknown version, export path not writable, disk "
+               "full, OS error), with one line on stderr saying what to do; 130 interrupted. --json prints "
+               "one JSON object on stdout; progress goes to stderr when it is a terminal or with --progress.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name, func, help_text):
+    def add(name, func, help_text, *, progress=False, store_help="path of the store"):
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("store", help="path of the store (ls, verify: or of a multi-rank job's root)")
+        p.add_argument("store", help=store_help)
+        p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text"
+                       + (" (for ls: a JSON list of versions)" if name == "ls" else ""))
+        if progress:
+            p.add_argument("--progress", action="store_true",
+                           help="report progress on stderr even when it is not a terminal (one line per update)")
         p.set_defaults(func=func)
         return p
 
-    add("ls", cmd_ls, "list versions: step, creation time, bytes appended, read-chain length").add_argument(
-        "--json", action="store_true", help="print JSON")
-    add("info", cmd_info, "tables, codecs, disk use, live ratio, write and space amplification").add_argument(
-        "--json", action="store_true", help="print JSON")
-    add("verify", cmd_verify, "check every checksum and the index against the log (exit 1 on problems)"
-        ).add_argument("--json", action="store_true", help="print JSON")
-    add("compact", cmd_compact, "materialize baselines at a version (default: the newest)").add_argument(
-        "--version", type=int, default=None, help="version to compact at")
-    add("retain", cmd_retain, "drop all but the newest N versions").add_argument(
-        "--keep-last", type=int, required=True, metavar="N", help="versions to keep")
-    add("gc", cmd_gc, "reclaim the space of dropped and shadowed data")
-    p = add("export", cmd_export, "write a version's fp32 tables and dense arrays to a file")
+    root_help = "path of the store, or of a multi-rank job's root"
+    add("ls", cmd_ls, "list versions: step, creation time, bytes appended, read-chain length, tables (named "
+        "when few, else counted)", store_help=root_help)
+    add("info", cmd_info, "tables, codecs, disk use, live ratio, write and space amplification")
+    add("verify", cmd_verify, "check every checksum and the index against the log (exit 1 on problems)",
+        progress=True, store_help=root_help)
+    p = add("rows", cmd_rows, "print rows of a table as the store reads them")
+    p.add_argument("table", help="table name")
+    p.add_argument("row", type=int, nargs="+", help="row ids")
+    p.add_argument("--version", type=int, default=None, help="version to read (default: the newest)")
+    add("compact", cmd_compact, "materialize baselines at a version (default: the newest)", progress=True
+        ).add_argument("--version", type=int, default=None, help="version to compact at")
+    add("retain", cmd_retain, "drop all but the newest N versions (then run gc to reclaim their space)",
+        progress=True).add_argument("--keep-last", type=int, required=True, metavar="N", help="versions to keep")
+    add("gc", cmd_gc, "reclaim the space of dropped and shadowed data", progress=True)
+    p = add("export", cmd_export, "write a version's fp32 tables and dense arrays to a file, atomically",
+            progress=True)
     p.add_argument("--format", choices=FORMATS, required=True, help="file format")
     p.add_argument("--version", type=int, default=None, help="version to export (default: the newest)")
     p.add_argument("out", help="output file")
     add("repair", cmd_repair, "rebuild the index from the segment log (after index loss or damage); keeps "
-        "every version it can prove whole and says which it cannot (exit 1 then)").add_argument(
-        "--json", action="store_true", help="print JSON")
-    p = add("rows", cmd_rows, "print rows of a table")
-    p.add_argument("table", help="table name")
-    p.add_argument("row", type=int, nargs="+", help="row ids")
-    p.add_argument("--version", type=int, default=None, help="version to read (default: the newest)")
+        "every version it can prove whole and says which it cannot (exit 1 then)", progress=True)
     return parser
 
 
@@ -335,19 +432,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except CnrError as exc:
-        print(f"cnrstore {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _fail(args, f"{type(exc).__name__}: {exc}")
         return 2
     except BrokenPipeError:  # e.g. `cnrstore ls | head`: the reader is gone; say nothing more
         _silence_stdout()
         return 0
     except OSError as exc:
         where = f" ({exc.filename})" if getattr(exc, "filename", None) and str(exc.filename) not in str(exc) else ""
-        print(f"cnrstore {args.command}: {type(exc).__name__}: {exc}{where}; check that the path exists and is "
-              "accessible, and the file system's health and free space", file=sys.stderr)
+        _fail(args, f"{type(exc).__name__}: {exc}{where}; check that the path exists and is accessible, and the "
+                    "file system's health and free space")
         return 2
     except KeyboardInterrupt:
-        print(f"cnrstore {args.command}: interrupted", file=sys.stderr)
+        _fail(args, "interrupted")
         return 130
+    finally:
+        Progress.dangling = None
+
+
+def _fail(args, message: str) -> None:
+    """The one line on stderr of a failed command (after finishing a progress bar it cut short)."""
+    if Progress.dangling is not None:
+        Progress.dangling.write("\n")
+        Progress.dangling = None
+    print(f"cnrstore {args.command}: {message}", file=sys.stderr)
 
 
 def _silence_stdout() -> None:

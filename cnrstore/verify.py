@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check the store; damage is reported in ``problems``, never raised.
 
-    ``progress(done, total)`` is called as index entries are checked (for progress bars).
+    ``progress(done, total)`` is called as index entries are checked (for progress bars). A problem
+    names its table by name (and id), its dense array by name, its block and its version.
     """
     report = VerifyReport()
     seg_reader = engine.segments
@@ -46,11 +47,12 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
         block_key, block_versions = None, set()  # the entries of the block looked at (entries ascend)
         for tid, block, version, loc in view.row_entries():
             done += 1
-            where = f"table id {tid} block {block} version {version}"
             info = tables.get(tid)
             if info is None:
-                report.problems.append(f"index entry {where} names an unknown table")
+                report.problems.append(f"index entry table id {tid} block {block} version {version} names "
+                                       "an unknown table")
                 continue
+            where = f"table {info['name']!r} (id {tid}) block {block} version {version}"
             if (tid, block) != block_key:
                 block_key, block_versions = (tid, block), set()
             if loc.base and loc.base not in block_versions:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import cnrstore
+from cnrstore import filenames
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -308,3 +309,176 @@ def test_verify_exits_1_when_the_check_itself_meets_damage_it_cannot_step_over(m
     monkeypatch.setattr(cnrstore.Store, "verify", broken)
     rc, out, err = _main(capsys, "verify", path)
     assert rc == 1 and "DAMAGED" in out and "not msgpack" in out and not err
+
+
+# --- issue 14: no torch import for reads, --json everywhere, progress on request, readable ls ----------------
+
+CODECS = ["int8", "int4", "int2", "fp16", "fp32", "int3", "adaptive4", "kmeans4"]
+
+
+@pytest.fixture(scope="module")
+def codec_store(tmp_path_factory):
+    """One table per codec, two versions; the rows as this process (torch loaded: FBGEMM's kernels) reads them."""
+    path = str(tmp_path_factory.mktemp("codecs") / "store")
+    rng = np.random.default_rng(14)
+    with cnrstore.open(path, create=True) as store:
+        for name in CODECS:
+            store.create_table(f"t_{name}", 300, 13, codec=name)
+        for v in range(2):
+            with store.checkpoint(step=v) as ck:
+                for name in CODECS:
+                    rows = np.arange(300) if v == 0 else np.arange(0, 300, 7)
+                    scale = 10.0 ** rng.uniform(-3, 3, (rows.size, 1))
+                    ck.put_rows(f"t_{name}", rows, (rng.standard_normal((rows.size, 13)) * scale).astype(np.float32))
+        expected = {f"t_{name}": store.read_table(f"t_{name}") for name in CODECS}
+    return path, expected
+
+
+NO_TORCH = """
+import json, sys
+from cnrstore import cli
+assert "torch" not in sys.modules, "import cnrstore.cli imported torch"
+for argv in json.loads(sys.argv[1]):
+    rc = cli.main(argv)
+    assert rc == 0, (argv, rc)
+    assert "torch" not in sys.modules, f"cnrstore {argv[0]} imported torch"
+"""
+
+
+@pytest.mark.parametrize("command", ["ls", "info", "verify", "rows"])
+def test_read_only_commands_never_import_torch(codec_store, command):
+    path, _ = codec_store
+    if command == "rows":
+        argvs = [["rows", path, f"t_{name}", "0", "7", "299", *extra] for name in CODECS for extra in ([], ["--json"])]
+    else:
+        argvs = [[command, path], [command, path, "--json"]]
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH, json.dumps(argvs)], capture_output=True, text=True,
+                          env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+
+
+def test_rows_json_reads_the_same_bits_without_torch_as_with_it(codec_store):
+    """`rows` in a process without torch decodes with numpy (cnrstore/codecs/rowwise.py); every codec's
+    values equal, bit for bit, what this process read through FBGEMM's kernels."""
+    path, expected = codec_store
+    import torch  # noqa: F401  (this process reads with the kernels)
+
+    for table, full in expected.items():
+        rows = [0, 7, 8, 299, 7]
+        out = json.loads(run("rows", path, table, *rows, "--json").stdout)
+        assert out["table"] == table and out["version"] == 2 and out["rows"] == rows
+        got = np.array(out["values"], dtype=np.float32)
+        assert got.view(np.uint32).tolist() == full[rows].view(np.uint32).tolist(), table
+
+
+def test_import_cnrstore_does_not_import_torch():
+    proc = subprocess.run([sys.executable, "-c", "import sys, cnrstore, cnrstore.cli; print('torch' in sys.modules)"],
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.stdout.strip() == "False", proc.stderr
+
+
+def test_json_of_maintenance_and_export_commands(made_store, tmp_path):
+    src, expected = made_store
+    path = _copy(src, tmp_path / "j")
+    compacted = json.loads(run("compact", path, "--json").stdout)
+    assert compacted["version"] == max(expected) and compacted["blocks_materialized"] > 0
+    assert compacted["bytes_written"] > 0
+    retained = json.loads(run("retain", path, "--keep-last", "2", "--json").stdout)
+    assert retained == {"dropped": sorted(expected)[:3], "kept": sorted(expected)[-2:]}
+    collected = json.loads(run("gc", path, "--json").stdout)
+    assert collected["bytes_reclaimed"] > 0 and collected["incomplete"] is None
+    assert set(collected) >= {"bytes_copied", "segments_deleted", "segments_rewritten", "bytes_pending"}
+    out = tmp_path / "x.npz"
+    exported = json.loads(run("export", path, "--format", "npz", out, "--json").stdout)
+    assert exported["version"] == max(expected) and exported["step"] == 400 and exported["format"] == "npz"
+    assert exported["out"] == str(out) and exported["tables"] == ["emb"] and exported["dense"] == ["w"]
+    with np.load(out) as z:
+        assert np.array_equal(z["tables/emb"], expected[max(expected)])
+
+
+def test_every_command_takes_json_and_long_ones_take_progress():
+    for cmd in ("ls", "info", "verify", "rows", "compact", "retain", "gc", "export", "repair"):
+        text = run(cmd, "--help").stdout
+        assert "--json" in text, cmd
+        assert ("--progress" in text) == (cmd not in ("ls", "info", "rows")), cmd
+
+
+def test_progress_only_on_request_when_stderr_is_not_a_terminal(made_store, tmp_path):
+    src, _ = made_store
+    path = _copy(src, tmp_path / "p")
+    quiet = [run("verify", path), run("compact", path), run("retain", path, "--keep-last", "3"), run("gc", path),
+             run("export", path, "--format", "npz", tmp_path / "a.npz")]
+    assert [p.stderr for p in quiet] == [""] * 5
+    proc = run("verify", path, "--progress")
+    assert proc.stderr.splitlines()[-1].startswith("verify: ") and "100.0%" in proc.stderr
+    proc = run("compact", path, "--version", 4, "--progress")
+    assert proc.stderr.splitlines()[-1].startswith("compact: ") and "100.0%" in proc.stderr
+    proc = run("retain", path, "--keep-last", "1", "--progress", "--json")
+    assert proc.stderr.splitlines() == ["retain: 0/1   0.0% keeping the newest 1 version(s)",
+                                        "retain: 1/1 100.0% dropped 2 version(s)"]
+    assert json.loads(proc.stdout)["kept"] == [5]  # progress never mixes into stdout
+    proc = run("gc", path, "--progress")
+    assert "gc: " in proc.stderr and "100.0%" in proc.stderr
+    proc = run("export", path, "--format", "npz", tmp_path / "b.npz", "--progress")
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "export: 0/2   0.0% reading the newest version"
+    assert lines[1] == f"export: 1/2  50.0% writing {tmp_path / 'b.npz'} (npz)"
+    assert lines[2] == "export: 2/2 100.0% done"
+
+
+def test_ls_names_few_tables_and_counts_many(tmp_path):
+    path = str(tmp_path / "many")
+    names = [f"table_{i:02d}" for i in range(30)]
+    with cnrstore.open(path, create=True) as store:
+        for name in names:
+            store.create_table(name, 4, 2, codec="fp32")
+        with store.checkpoint() as ck:
+            for name in names:
+                ck.put_rows(name, [0], [[1.0, 2.0]])
+        with store.checkpoint() as ck:
+            ck.put_rows("table_03", [1], [[1.0, 2.0]])
+    lines = run("ls", path).stdout.splitlines()
+    assert lines[1].endswith("30 tables: table_00, table_01, table_02, ...") and len(lines[1]) < 120
+    assert lines[2].endswith(" table_03")
+    listing = json.loads(run("ls", path, "--json").stdout)
+    assert listing[0]["tables"] == names and listing[1]["tables"] == ["table_03"]
+
+
+def test_verify_names_the_table_of_a_damaged_record(made_store, tmp_path):
+    path = _copy(made_store[0], tmp_path / "d")
+    with cnrstore.open(path, readonly=True) as store:
+        with store.engine.index.read() as view:
+            tid, block, version, loc = next(iter(view.row_entries()))
+    with open(filenames.segment_path(str(path), loc.segment), "r+b") as f:  # the record's last byte
+        f.seek(loc.offset + loc.length - 1)
+        byte = f.read(1)
+        f.seek(loc.offset + loc.length - 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    report = json.loads(run("verify", path, "--json", check_rc=1).stdout)
+    assert any(p.startswith(f"table 'emb' (id {tid}) block {block} version {version}: ") for p in report["problems"]), \
+        report["problems"]
+
+
+class _Terminal(__import__("io").StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_draws_a_bar_on_a_terminal_and_nothing_elsewhere_unless_forced(capsys):
+    tty = _Terminal()
+    bar = cli.Progress("gc", stream=tty)
+    bar(0, 4)
+    bar(4, 4)
+    assert tty.getvalue().startswith("\rgc [") and tty.getvalue().endswith("] 4/4 100.0%\x1b[K\n")
+    quiet = __import__("io").StringIO()
+    cli.Progress("gc", stream=quiet)(4, 4)
+    assert quiet.getvalue() == ""
+    cli.Progress("gc", stream=quiet, force=True)(4, 4, "done")
+    assert quiet.getvalue() == "gc: 4/4 100.0% done\n"
+    # a failure that cuts a bar short starts its error line on a new line
+    tty = _Terminal()
+    cli.Progress("export", stream=tty)(1, 2, "writing x.npz")
+    cli._fail(__import__("argparse").Namespace(command="export"), "StorageFull: disk full")
+    assert tty.getvalue().endswith("writing x.npz\x1b[K\n")
+    assert capsys.readouterr().err == "cnrstore export: StorageFull: disk full\n"
