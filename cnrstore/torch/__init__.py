@@ -1,6 +1,9 @@
 """PyTorch integration: the trainer-side ``Checkpointer`` (row tracking, asynchronous checkpoints, restore;
-see ``checkpointer``) and exporting a version as a ``torch.save`` file (see ``export``)."""
+see ``checkpointer``), reading a version back as a model state dict (``export``; files are written by
+``cnrstore.export``), and seeding a store from a PyTorch checkpoint (``imports``)."""
 
 from .checkpointer import Checkpointer, PendingSave, SaveReport
+from .export import CheckpointView
+from .imports import ImportReport, import_checkpoint
 
-__all__ = ["Checkpointer", "PendingSave", "SaveReport"]
+__all__ = ["Checkpointer", "CheckpointView", "ImportReport", "PendingSave", "SaveReport", "import_checkpoint"]

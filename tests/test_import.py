@@ -1,0 +1,276 @@
+"""cnrstore.torch.import_checkpoint: a PyTorch checkpoint (torch.save, safetensors, DCP) seeds a new store in
+the Checkpointer's layout; restore loads it, training goes on with incremental saves, and export gives the
+source back (cnrstore/torch/imports.py)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import nn
+
+import cnrstore
+from cnrstore import codecs
+from cnrstore.errors import InvalidArgument, MissingRows
+from cnrstore.export import export_path
+from cnrstore.torch import Checkpointer, import_checkpoint
+from cnrstore.torch.imports import select_tables
+
+
+class DLRM(nn.Module):
+    """Embedding tables named like DLRM's (emb_l), a bfloat16 bottom MLP and BatchNorm buffers."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb_l = nn.ModuleList([nn.EmbeddingBag(200, 8, mode="sum"), nn.EmbeddingBag(64, 8, mode="sum")])
+        self.bot = nn.Linear(4, 8).to(torch.bfloat16)
+        self.top = nn.Linear(24, 1)
+        self.bn = nn.BatchNorm1d(1)
+
+    def forward(self, dense, ids):
+        offsets = torch.arange(0, ids.numel(), 3)
+        x = torch.cat([self.bot(dense.to(torch.bfloat16)).float(), self.emb_l[0](ids, offsets),
+                       self.emb_l[1](ids % 64, offsets)], dim=1)
+        return self.bn(self.top(x)).pow(2).mean()
+
+
+def train(model, opt, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        loss = model(torch.randn(4, 4, generator=g), torch.randint(200, (12,), generator=g))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def trained():
+    model = DLRM()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    train(model, opt, 4)
+    return model, opt, state(model)
+
+
+def test_torch_save_import_restore_is_bit_exact_and_training_goes_on(trained, tmp_path):
+    _, _, sd_a = trained
+    torch.save(sd_a, tmp_path / "a.pt")
+    report = import_checkpoint(tmp_path / "s", tmp_path / "a.pt", step=4, meta={"pos": 4})
+    assert report.source_format == "torch" and report.version == 1
+    assert {n: t[1:] for n, t in report.tables.items()} == {"emb_l.0": (200, 8, "fp32"), "emb_l.1": (64, 8, "fp32")}
+    assert set(report.dense) == set(sd_a) - {"emb_l.0.weight", "emb_l.1.weight"}
+    b = DLRM(seed=1)
+    with cnrstore.open(tmp_path / "s") as store:
+        assert store.latest().step == 4 and store.latest().meta == {"pos": 4}
+        ck = Checkpointer(store, b, mode="incremental", codec="fp32")
+        ck.restore()
+        assert_same(state(b), sd_a)
+        # training goes on: a few steps, an incremental save, and that version restores too
+        opt = torch.optim.Adagrad(b.parameters(), lr=0.1)
+        train(b, opt, 2, seed=7)
+        rep = ck.save(step=6)
+        v = rep.wait()
+        after = state(b)
+        train(b, opt, 1, seed=8)
+        ck.restore(v)
+        assert_same(state(b), after)
+        ck.close()
+
+
+def test_per_table_codec_restores_as_the_codec_decodes(trained, tmp_path):
+    _, _, sd_a = trained
+    report = import_checkpoint(tmp_path / "s", sd_a, codecs={"emb_l.0": "int4"})
+    assert report.tables["emb_l.0"][3] == "int4" and report.tables["emb_l.1"][3] == "fp32"
+    b = DLRM(seed=2)
+    with cnrstore.open(tmp_path / "s") as store:
+        assert store.tables()["emb_l.0"].codec == "int4"
+        Checkpointer(store, b).restore()
+    c = codecs.get("int4")
+    w = sd_a["emb_l.0.weight"].numpy()
+    np.testing.assert_array_equal(b.emb_l[0].weight.detach().numpy(), c.decode(c.encode(w), 8))
+    rest = {k: v for k, v in state(b).items() if k != "emb_l.0.weight"}
+    assert_same(rest, {k: v for k, v in sd_a.items() if k != "emb_l.0.weight"})
+
+
+def _write_source(sd: dict, fmt: str, path) -> str:
+    if fmt == "torch":
+        torch.save(sd, path)
+    elif fmt == "safetensors":
+        save_file(sd, str(path))
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(sd, checkpoint_id=path, no_dist=True)
+    return str(path)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "dcp"])
+def test_import_then_export_gives_the_source_back(trained, tmp_path, fmt):
+    _, _, sd_a = trained
+    src = _write_source(sd_a, fmt, tmp_path / f"src.{fmt}")
+    report = import_checkpoint(tmp_path / "s", src)  # format detected
+    assert report.source_format == fmt
+    out = tmp_path / f"out.{fmt}"
+    assert export_path(tmp_path / "s", fmt, out).layout == "state_dict"
+    if fmt == "torch":
+        back = torch.load(out)
+    elif fmt == "safetensors":
+        from safetensors.torch import load_file
+        back = load_file(str(out))
+    else:
+        back = DLRM(seed=3).state_dict()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(back, checkpoint_id=out)
+    assert_same(back, sd_a)
+
+
+def test_a_checkpoint_dict_with_a_model_entry_imports_its_model(trained, tmp_path):
+    model, opt, sd_a = trained
+    torch.save({"model": sd_a, "optimizer": opt.state_dict(), "epoch": 3}, tmp_path / "ck.pt")
+    import_checkpoint(tmp_path / "s", tmp_path / "ck.pt")
+    b = DLRM(seed=4)
+    with cnrstore.open(tmp_path / "s") as store:
+        Checkpointer(store, b).restore()
+    assert_same(state(b), sd_a)
+
+
+def test_model_and_optimizer_make_the_store_restorable_with_that_optimizer(trained, tmp_path):
+    _, opt_a, sd_a = trained
+    b = DLRM(seed=5)
+    opt_b = torch.optim.Adagrad(b.parameters(), lr=0.1)
+    opt_b.load_state_dict(opt_a.state_dict())  # the trainer's optimizer, state loaded from its own checkpoint
+    report = import_checkpoint(tmp_path / "s", sd_a, model=b, optimizer=opt_b, codec="fp32")
+    assert set(report.optimizer_tables) == {"emb_l.0.optim.sum", "emb_l.1.optim.sum"}
+    c = DLRM(seed=6)
+    opt_c = torch.optim.Adagrad(c.parameters(), lr=0.1)
+    with cnrstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, c, opt_c, codec="fp32")
+        ck.restore()
+        assert_same(state(c), sd_a)
+        for p_a, p_c in zip(opt_b.param_groups[0]["params"], opt_c.param_groups[0]["params"]):
+            for k, v in opt_b.state[p_a].items():
+                assert torch.equal(opt_c.state[p_c][k], v), k
+        train(c, opt_c, 1)
+        ck.save(step=1).wait()
+        ck.close()
+
+
+def test_without_optimizer_restore_needs_a_checkpointer_without_one(trained, tmp_path):
+    _, _, sd_a = trained
+    import_checkpoint(tmp_path / "s", sd_a)
+    b = DLRM()
+    with cnrstore.open(tmp_path / "s") as store:
+        with pytest.raises(InvalidArgument, match="0 optimizer"):
+            Checkpointer(store, b, torch.optim.SGD(b.parameters(), lr=0.1)).restore()
+
+
+def test_model_selects_exactly_its_embeddings_and_checks_the_source(trained, tmp_path):
+    _, _, sd_a = trained
+
+    class Odd(nn.Module):  # embeddings named without "emb", a tall Linear named like one
+        def __init__(self):
+            super().__init__()
+            self.user = nn.Embedding(30, 4)
+            self.emb_proj = nn.Linear(4, 4)
+
+    odd = Odd()
+    sd = state(odd)
+    assert set(select_tables(sd)) == {"emb_proj"}  # the rule guesses wrong here...
+    assert set(select_tables(sd, model=odd)) == {"user"}  # ...the model is exact
+    assert set(select_tables(sd, tables=["user.weight"])) == {"user"}
+    import_checkpoint(tmp_path / "s", sd, model=Odd())
+    fresh = Odd()
+    with cnrstore.open(tmp_path / "s") as store:
+        Checkpointer(store, fresh).restore()
+    assert_same(state(fresh), sd)
+    with pytest.raises(InvalidArgument, match="missing keys"):
+        select_tables({k: v for k, v in sd.items() if k != "emb_proj.bias"}, model=odd)
+    with pytest.raises(InvalidArgument, match="unexpected keys"):
+        select_tables({**sd, "extra": torch.zeros(1)}, model=odd)
+    with pytest.raises(InvalidArgument, match="shape"):
+        select_tables({**sd, "user.weight": torch.zeros(31, 4)}, model=odd)
+
+
+def test_the_default_rule_and_table_patterns():
+    sd = {"weight": torch.zeros(10, 2), "sparse.t0.weight": torch.zeros(100_000, 2),
+          "mlp.0.weight": torch.zeros(512, 13), "mlp.0.bias": torch.zeros(512),
+          "emb.ids": torch.zeros(10, 2, dtype=torch.int64)}
+    assert select_tables(sd) == {"sparse.t0": ["sparse.t0.weight"]}  # tall enough, whatever its name
+    assert select_tables(sd, min_rows=500) == {"sparse.t0": ["sparse.t0.weight"], "mlp.0": ["mlp.0.weight"]}
+    assert select_tables(sd, tables="weight") == {"embedding": ["weight"]}
+    assert set(select_tables(sd, tables=["*.t0.weight", "weight"])) == {"sparse.t0", "embedding"}
+    with pytest.raises(InvalidArgument, match="matches no key"):
+        select_tables(sd, tables=["emb.*.weight"])
+    with pytest.raises(InvalidArgument, match="cannot be an embedding"):
+        select_tables(sd, tables=["mlp.0.*"])
+    with pytest.raises(InvalidArgument, match="min_rows"):
+        select_tables(sd, min_rows=0)
+
+
+def test_a_bare_weight_is_the_embedding_table_of_a_model_that_is_one(tmp_path):
+    emb = nn.Embedding(40, 3)
+    report = import_checkpoint(tmp_path / "s", state(emb), tables="weight")
+    assert list(report.tables) == ["embedding"]
+    fresh = nn.Embedding(40, 3)
+    with cnrstore.open(tmp_path / "s") as store:
+        Checkpointer(store, fresh).restore()
+    assert torch.equal(fresh.weight, emb.weight)
+
+
+def test_errors_are_typed_and_leave_no_store_behind(trained, tmp_path):
+    _, _, sd_a = trained
+    new = tmp_path / "new"
+    with pytest.raises(InvalidArgument, match="codec"):
+        import_checkpoint(new, sd_a, codec="int9")
+    with pytest.raises(InvalidArgument, match="not tables"):
+        import_checkpoint(new, sd_a, codecs={"emb.0": "int4"})
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        import_checkpoint(new, tmp_path / "missing.pt")
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(InvalidArgument, match="not a model state dict"):
+        import_checkpoint(new, tmp_path / "list.pt")
+    torch.save({"tables": {"a": torch.zeros(2, 2)}, "dense": {}}, tmp_path / "nested.pt")
+    with pytest.raises(InvalidArgument, match="nested"):
+        import_checkpoint(new, tmp_path / "nested.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(InvalidArgument, match="cannot read"):
+        import_checkpoint(new, tmp_path / "junk.pt")
+    with pytest.raises(InvalidArgument, match="needs model"):
+        import_checkpoint(new, sd_a, optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1))
+    bad = dict(sd_a)
+    bad["emb_l.1.weight"] = sd_a["emb_l.1.weight"].clone()
+    bad["emb_l.1.weight"][5, 2] = float("nan")
+    with pytest.raises(InvalidArgument, match="emb_l.1"):  # the store refuses the row; the import is undone
+        import_checkpoint(new, bad)
+    assert not os.path.exists(new)
+    import_checkpoint(new, sd_a)
+    with pytest.raises(InvalidArgument, match="new store"):
+        import_checkpoint(new, sd_a)
+
+
+def test_a_misfiled_tensor_makes_restore_fail_loudly(tmp_path):
+    class Small(nn.Module):  # a 10-row table whose name does not say "emb": the rule makes it dense
+        def __init__(self):
+            super().__init__()
+            self.cat = nn.Embedding(10, 2)
+
+    import_checkpoint(tmp_path / "s", state(Small()))
+    with cnrstore.open(tmp_path / "s") as store:
+        with pytest.raises((InvalidArgument, MissingRows)):
+            Checkpointer(store, Small()).restore()
