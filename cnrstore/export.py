@@ -289,6 +289,10 @@ def export_path(source, fmt: str, path, *, version: int | None = None, layout: s
         except ImportError:
             dist_export = None
         if dist_export is not None and dist_export.is_root(src):
+            if layout == "checkpoint":
+                raise InvalidArgument(f"{src} is a multi-rank root: its merged export holds the model only (each "
+                                      "rank's optimizer state is its own); choose layout state_dict or nested, or "
+                                      "export one rank's store with layout checkpoint")
             report = export(dist_export.merged_snapshot(src, version), fmt, path, layout=layout)
             return ExportReport(**{**report.__dict__, "merged": True})
     with open_store(src, readonly=True) as store:

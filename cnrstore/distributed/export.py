@@ -1,0 +1,101 @@
+"""One merged model from a multi-rank root, for export (``cnrstore.export.export_path``) or any reader.
+
+``merged_snapshot(root, version)`` reads global ``version`` (default newest) and returns one ``Snapshot``
+of the *unsharded* model in ``cnrstore.torch.Checkpointer``'s layout:
+
+- every table of the plan recorded in the version's manifest, assembled from the shards of all ranks
+  (row-wise, table-wise or any other cut), each rank's store read at the local version the manifest
+  names; row-wise optimizer state tables (``"<table>.optim.<state>"``) are assembled the same way;
+- the dense ``torch.model/`` arrays of rank 0 (dense layers are replicated: every rank holds the same);
+- a ``"torch.state"`` blob listing every table of the plan and rank 0's dense dtypes, with no optimizer
+  and no ``extra`` state: optimizer state and data positions are per rank and have no merged form.
+
+So a ``state_dict`` export of it loads into the unsharded model with ``load_state_dict``. Memory: the whole
+model in fp32, plus one rank's shards while they are copied in.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+
+from .. import store as _store
+from ..errors import InvalidArgument
+from ..torch.checkpointer import DENSE_PREFIX, STATE_BLOB
+from ..torch.export import load_payload
+from ..types import Snapshot
+from .manifest import GlobalVersion, Root
+
+__all__ = ["is_root", "merged_snapshot"]
+
+
+def is_root(path) -> bool:
+    """True if ``path`` holds a distributed root's marker (whether or not it is readable)."""
+    return Root(path).exists()
+
+
+def _global_version(root: Root, version: int | None) -> GlobalVersion:
+    root.check()
+    gv = root.latest() if version is None else root.read(version)
+    if gv is None:
+        raise InvalidArgument(f"{root.path} holds no global version yet; save() one with DistributedCheckpointer")
+    return gv
+
+
+def merged_snapshot(root, version: int | None = None) -> Snapshot:
+    """Global ``version`` (default newest) of the root at ``root`` as one unsharded Snapshot (module doc).
+
+    Raises StoreNotFound if ``root`` is not a root, VersionNotFound for an unknown global version,
+    InvalidArgument when a rank's store lacks a shard the plan gives it, and the rank stores' own errors
+    (CorruptionError, ...)."""
+    r = Root(root)
+    gv = _global_version(r, version)
+    plan = gv.plan
+    tables = {name: np.empty((n, d), dtype=np.float32) for name, (n, d) in plan.tables.items()}
+    row_state: dict[str, np.ndarray] = {}
+    covered: dict[str, int] = {}
+    dense: dict[str, np.ndarray] = {}
+    blob = None
+    for rank in range(gv.world_size):
+        rel = gv.stores[rank] if gv.stores else r.store_rel(gv.generation, rank)
+        with _store.open(r.store_path(rel), readonly=True) as st:
+            snap = st.restore(gv.local_versions[rank])
+        for name, shard in plan.shards_of(rank).items():
+            arr = snap.tables.get(name)
+            want = (shard.num_rows, plan.tables[name][1])
+            if arr is None or arr.shape != want:
+                got = "no rows" if arr is None else f"shape {arr.shape}"
+                raise InvalidArgument(f"global version {gv.version}: rank {rank}'s store has {got} of table "
+                                      f"{name!r} at local version {gv.local_versions[rank]}, its shard is rows "
+                                      f"[{shard.row_start}, {shard.row_end}) x {want[1]}; the root is damaged")
+            tables[name][shard.row_start:shard.row_end] = arr
+            prefix = f"{name}.optim."
+            for sname, sarr in snap.tables.items():
+                if not sname.startswith(prefix) or sarr.shape[0] != shard.num_rows:
+                    continue
+                out = row_state.get(sname)
+                if out is None:
+                    out = row_state[sname] = np.empty((plan.tables[name][0], sarr.shape[1]), dtype=np.float32)
+                if out.shape[1] == sarr.shape[1]:
+                    out[shard.row_start:shard.row_end] = sarr
+                    covered[sname] = covered.get(sname, 0) + shard.num_rows
+        if rank == 0:
+            dense = {k: v for k, v in snap.dense.items() if k.startswith(DENSE_PREFIX)}
+            blob = snap.dense.get(STATE_BLOB)
+        del snap
+    # a row-state table some shard lacks (an optimizer state a rank never had) has no merged form
+    for sname, out in row_state.items():
+        owner = sname.split(".optim.")[0]
+        if covered.get(sname) == plan.tables[owner][0]:
+            tables[sname] = out
+    if blob is not None:
+        payload = load_payload(blob, gv.local_versions[0])
+        merged = {"format": payload.get("format"), "mode": payload.get("mode"), "tables": list(plan.tables),
+                  "dense_dtypes": dict(payload["dense_dtypes"]), "optimizers": [], "extra": {},
+                  "param_names": [], "merged": {"global_version": gv.version, "world_size": gv.world_size}}
+        buf = io.BytesIO()
+        torch.save(merged, buf)
+        dense[STATE_BLOB] = np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
+    return Snapshot(version=gv.version, step=gv.step, meta=gv.meta, tables=tables, dense=dense)
