@@ -31,6 +31,7 @@ A multi-rank job's root exports as one merged model (``export_path``; ``cnrstore
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import re
@@ -267,21 +268,23 @@ def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=No
                         tensors=content.tensors, tables=content.tables)
 
 
-def export_path(source, fmt: str, path, *, version: int | None = None, layout: str = "auto") -> ExportReport:
+def export_path(source, fmt: str, path, *, version: int | None = None, layout: str = "auto",
+                model=None) -> ExportReport:
     """Export ``version`` (default newest) of ``source`` to ``path``: ``source`` is an open ``Store``, the
     path of a store, or the root of a multi-rank job (``cnrstore.distributed``), whose global ``version``
     is exported as one merged model (every table assembled from all ranks' shards, dense state from rank 0;
     see ``cnrstore.distributed.export.merged_snapshot``).
 
-    The output path is checked before the (long) read; errors as :func:`export`, plus those of opening
-    and reading the source (StoreNotFound, VersionNotFound, ...)."""
+    ``layout`` and ``model`` are :func:`export`'s. The output path is checked before the (long) read;
+    errors as :func:`export`, plus those of opening and reading the source (StoreNotFound,
+    VersionNotFound, ...)."""
     from .store import Store, open as open_store
 
     if fmt not in FORMATS:
         raise InvalidArgument(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     path = check_path(path, fmt)
     if isinstance(source, Store):
-        return export(source.restore(version), fmt, path, layout=layout)
+        return export(source.restore(version), fmt, path, layout=layout, model=model)
     src = os.fspath(source)
     if not os.path.exists(filenames.marker_path(src)):
         try:
@@ -293,11 +296,11 @@ def export_path(source, fmt: str, path, *, version: int | None = None, layout: s
                 raise InvalidArgument(f"{src} is a multi-rank root: its merged export holds the model only (each "
                                       "rank's optimizer state is its own); choose layout state_dict or nested, or "
                                       "export one rank's store with layout checkpoint")
-            report = export(dist_export.merged_snapshot(src, version), fmt, path, layout=layout)
-            return ExportReport(**{**report.__dict__, "merged": True})
+            report = export(dist_export.merged_snapshot(src, version), fmt, path, layout=layout, model=model)
+            return dataclasses.replace(report, merged=True)
     with open_store(src, readonly=True) as store:
         snapshot = store.restore(version)
-    return export(snapshot, fmt, path, layout=layout)
+    return export(snapshot, fmt, path, layout=layout, model=model)
 
 
 def _remove(tmp: str) -> None:

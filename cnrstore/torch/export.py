@@ -104,8 +104,18 @@ class CheckpointView:
             missing, extra = sorted(set(dense) - set(self.dense_dtypes)), sorted(set(self.dense_dtypes) - set(dense))
             raise InvalidArgument(f"version {self.snapshot.version} does not hold the model's state: missing "
                                   f"{missing[:5]}, unexpected {extra[:5]}; pass the model that was checkpointed")
+        v = self.snapshot.version
         for name, keys in tables.items():
             self._weight_dtype[name] = sd[keys[0]].dtype
+            arr = self.snapshot.tables.get(name)
+            if arr is not None and tuple(arr.shape) != tuple(sd[keys[0]].shape):
+                raise InvalidArgument(f"table {name!r} is {arr.shape[0]} x {arr.shape[1]} in version {v}, the "
+                                      f"model's {tuple(sd[keys[0]].shape)}; pass the model that was checkpointed")
+        for key in dense:
+            arr = self.snapshot.dense.get(DENSE_PREFIX + key)
+            if arr is not None and tuple(arr.shape) != tuple(sd[key].shape):
+                raise InvalidArgument(f"{key!r} has shape {tuple(arr.shape)} in version {v}, the model's "
+                                      f"{tuple(sd[key].shape)}; pass the model that was checkpointed")
         self.tables = tables
         self._order = list(sd)
 

@@ -61,7 +61,7 @@ from ..errors import InvalidArgument
 from .checkpointer import _FORMAT, _ROW_MARK, DENSE_PREFIX, STATE_BLOB, _as_list, _host_copy
 from .export import embedding_tables
 
-__all__ = ["DEFAULT_MIN_ROWS", "SOURCE_FORMATS", "ImportReport", "import_checkpoint", "load_state_dict",
+__all__ = ["DEFAULT_MIN_ROWS", "SOURCE_FORMATS", "ImportReport", "import_checkpoint", "read_state_dict",
            "select_tables"]
 
 SOURCE_FORMATS = ("torch", "safetensors", "dcp")
@@ -112,6 +112,9 @@ def _unwrap(obj, where: str) -> dict:
     """The model state dict in a loaded checkpoint: the object itself, or its ``"model"`` /
     ``"state_dict"`` entry."""
     if isinstance(obj, Mapping):
+        if obj and all(isinstance(k, str) and k.startswith(("tables/", "dense/")) for k in obj):
+            raise InvalidArgument(f"{where} is a nested cnrstore export (tables/ and dense/ arrays of a key-value "
+                                  "store), not a model state dict; import takes what model.state_dict() returns")
         if obj and all(torch.is_tensor(v) for v in obj.values()):
             return dict(obj)
         for key in ("model", "state_dict"):
@@ -127,7 +130,7 @@ def _unwrap(obj, where: str) -> dict:
     raise InvalidArgument(f"{where} holds a {type(obj).__name__}, not a model state dict; save model.state_dict()")
 
 
-def load_state_dict(source, format: str | None = None) -> tuple[dict[str, torch.Tensor], str]:
+def read_state_dict(source, format: str | None = None) -> tuple[dict[str, torch.Tensor], str]:
     """``(state dict, format)`` of ``source``: a path (``format`` None: detected) or a state dict.
 
     A torch file is read with ``torch.load(weights_only=True)``: tensors and plain containers only, never
@@ -143,7 +146,12 @@ def load_state_dict(source, format: str | None = None) -> tuple[dict[str, torch.
         raise InvalidArgument(f"unknown source format {fmt!r}; choose one of {', '.join(SOURCE_FORMATS)}")
     try:
         if fmt == "torch":
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            try:  # mapped, not read: a large checkpoint is not held twice while it is written
+                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):  # the legacy (non-zip) format cannot be mapped
+                    raise
+                obj = torch.load(path, map_location="cpu", weights_only=True)
         elif fmt == "safetensors":
             from safetensors.torch import load_file
 
@@ -305,7 +313,7 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
     if optimizers and model is None:
         raise InvalidArgument("optimizer= needs model=: the optimizer's state is recorded by the model's "
                               "parameter names")
-    state_dict, fmt = load_state_dict(source, format)
+    state_dict, fmt = read_state_dict(source, format)
     chosen = select_tables(state_dict, model=model, tables=tables, min_rows=min_rows)
     unknown = sorted(set(codec_of) - set(chosen))
     if unknown:
