@@ -8,7 +8,9 @@
     cnrstore retain STORE --keep-last N [--json] [--progress]    drop all but the newest N versions
     cnrstore gc STORE [--json] [--progress]              reclaim space of dropped and shadowed data
     cnrstore export STORE --format F OUT [--version V] [--json] [--progress]
-                                                         fp32 tables + dense arrays: torch|safetensors|npz
+                                 F: torch|safetensors|dcp|npz (cnrstore.export.FORMATS; dcp writes a directory);
+                                 a Checkpointer's version as the model's state dict, any other as its fp32
+                                 tables and dense arrays (cnrstore/export.py, layout "auto")
     cnrstore repair STORE [--json] [--progress]          rebuild a lost or damaged index from the log
 
 ``ls`` and ``verify`` also take the root of a multi-rank job (``cnrstore.distributed``): they list its
@@ -323,18 +325,18 @@ def _export_snapshot(args, progress: Progress) -> Snapshot:
 
 
 def cmd_export(args) -> int:
-    """Read the snapshot, then write it with ``export.export`` (atomically): progress counts those
-    two phases, since neither reports finer progress of its own."""
-    check_path(args.out)  # before the (long) read: a bad path fails at once
+    """Read the snapshot, then write it with ``export.export`` (atomically; layout "auto": a
+    Checkpointer's version as the model's state dict, any other as the store's tables and dense arrays):
+    progress counts those two phases, since neither reports finer progress of its own."""
+    check_path(args.out, args.format)  # before the (long) read: a bad path fails at once
     progress = _progress(args, "export")
     snapshot = _export_snapshot(args, progress)
     progress(1, 2, f"writing {args.out} ({args.format})")
-    export(snapshot, args.format, args.out)
+    report = export(snapshot, args.format, args.out)
     progress(2, 2, "done")
-    _emit(args, {"version": snapshot.version, "step": snapshot.step, "format": args.format, "out": args.out,
-                 "tables": sorted(snapshot.tables), "dense": sorted(snapshot.dense)},
-          f"exported version {snapshot.version} ({len(snapshot.tables)} table(s), {len(snapshot.dense)} dense "
-          f"array(s)) to {args.out} as {args.format}")
+    _emit(args, dataclasses.asdict(report),
+          f"exported version {report.version} ({report.tensors} tensor(s), {report.tables} from tables; layout "
+          f"{report.layout}) to {report.path} as {report.format}")
     return 0
 
 
@@ -415,11 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("retain", cmd_retain, "drop all but the newest N versions (then run gc to reclaim their space)",
         progress=True).add_argument("--keep-last", type=int, required=True, metavar="N", help="versions to keep")
     add("gc", cmd_gc, "reclaim the space of dropped and shadowed data", progress=True)
-    p = add("export", cmd_export, "write a version's fp32 tables and dense arrays to a file, atomically",
-            progress=True)
-    p.add_argument("--format", choices=FORMATS, required=True, help="file format")
+    p = add("export", cmd_export, "write a version to a file (a directory for dcp), atomically: a Checkpointer's "
+            "version as the model's state dict, any other as its fp32 tables and dense arrays", progress=True)
+    p.add_argument("--format", choices=FORMATS, required=True, help=f"one of {', '.join(FORMATS)}")
     p.add_argument("--version", type=int, default=None, help="version to export (default: the newest)")
-    p.add_argument("out", help="output file")
+    p.add_argument("out", help="output file (a new directory for dcp)")
     add("repair", cmd_repair, "rebuild the index from the segment log (after index loss or damage); keeps "
         "every version it can prove whole and says which it cannot (exit 1 then)", progress=True)
     return parser

@@ -392,7 +392,8 @@ def test_json_of_maintenance_and_export_commands(made_store, tmp_path):
     out = tmp_path / "x.npz"
     exported = json.loads(run("export", path, "--format", "npz", out, "--json").stdout)
     assert exported["version"] == max(expected) and exported["step"] == 400 and exported["format"] == "npz"
-    assert exported["out"] == str(out) and exported["tables"] == ["emb"] and exported["dense"] == ["w"]
+    assert exported["path"] == str(out) and exported["layout"] == "nested"
+    assert exported["tables"] == 1 and exported["tensors"] == 2  # the table and the dense array
     with np.load(out) as z:
         assert np.array_equal(z["tables/emb"], expected[max(expected)])
 
