@@ -248,6 +248,7 @@ def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=No
     content = _content(snapshot, fmt, layout, model)
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
                        f".{os.path.basename(os.path.normpath(path))}.cnrstore-export-{os.getpid()}.tmp")
+    _remove(tmp)  # a leftover of an export killed in this pid's earlier life
     try:
         _write(content, fmt, tmp)
         _sync(tmp)

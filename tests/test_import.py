@@ -19,7 +19,7 @@ from cnrstore import codecs
 from cnrstore.errors import InvalidArgument, MissingRows
 from cnrstore.export import export_path
 from cnrstore.torch import Checkpointer, import_checkpoint
-from cnrstore.torch.imports import select_tables
+from cnrstore.torch.imports import parse_table_codecs, select_tables
 
 
 class DLRM(nn.Module):
@@ -287,3 +287,12 @@ def test_a_misfiled_tensor_makes_restore_fail_loudly(tmp_path):
     with cnrstore.open(tmp_path / "s") as store:
         with pytest.raises(MissingRows):
             Checkpointer(store, Small()).restore()
+
+
+def test_parse_table_codecs_for_the_cli():
+    assert parse_table_codecs(["emb.0=int8", "a=b=fp16"]) == {"emb.0": "int8", "a=b": "fp16"}
+    assert parse_table_codecs(None) == {}
+    for bad, match in ((["emb.0"], "NAME=CODEC"), (["=int8"], "NAME=CODEC"), (["x=int8", "x=int4"], "twice"),
+                       (["x=int9"], "int9")):
+        with pytest.raises(InvalidArgument, match=match):
+            parse_table_codecs(bad)

@@ -61,8 +61,8 @@ from ..errors import InvalidArgument
 from .checkpointer import _FORMAT, _ROW_MARK, DENSE_PREFIX, STATE_BLOB, _as_list, _host_copy
 from .export import embedding_tables
 
-__all__ = ["DEFAULT_MIN_ROWS", "SOURCE_FORMATS", "ImportReport", "import_checkpoint", "read_state_dict",
-           "select_tables"]
+__all__ = ["DEFAULT_MIN_ROWS", "SOURCE_FORMATS", "ImportReport", "import_checkpoint", "parse_table_codecs",
+           "read_state_dict", "select_tables"]
 
 SOURCE_FORMATS = ("torch", "safetensors", "dcp")
 #: Without model= or tables=, a 2-D ``*.weight`` tensor this tall is an embedding table whatever its name.
@@ -84,6 +84,21 @@ class ImportReport:
     tables: dict[str, tuple[str, int, int, str]] = field(default_factory=dict)
     dense: tuple[str, ...] = ()
     optimizer_tables: tuple[str, ...] = ()
+
+
+def parse_table_codecs(items) -> dict[str, str]:
+    """``["emb.0=int8", "emb.1=fp32"]`` (the CLI's ``--table-codec NAME=CODEC``) as ``{"emb.0": "int8", ...}``;
+    InvalidArgument for an item without ``=``, an empty name, a table named twice or an unknown codec."""
+    out: dict[str, str] = {}
+    for item in items or ():
+        name, sep, codec = str(item).rpartition("=")
+        if not sep or not name or not codec:
+            raise InvalidArgument(f"--table-codec takes NAME=CODEC (e.g. emb.0=int8), got {item!r}")
+        if name in out:
+            raise InvalidArgument(f"table {name!r} is given a codec twice")
+        _codecs.get(codec)
+        out[name] = codec
+    return out
 
 
 # -- reading a source -------------------------------------------------------------------------------------
