@@ -122,6 +122,16 @@ def test_sharded_model_round_trip_is_bit_exact(tmp_path, world, plan):
         assert 0 < s["rows"]["ebc.embedding_bags.t0"] < first["rows"]["ebc.embedding_bags.t0"]
 
 
+def test_sharded_embedding_collection_round_trip_is_bit_exact(tmp_path):
+    """The same with a sequence EmbeddingCollection (``ec.embeddings.<table>``) on 2 ranks."""
+    _run(tmp_path, "save", 2, MIXED, seed=0, collection="ec")
+    _run(tmp_path, "restore", 2, MIXED, seed=7, collection="ec")
+    _assert_equal(_load(tmp_path, "restored", 2), _load(tmp_path, "saved", 2))
+    _assert_equal(_load(tmp_path, "continued-restored", 2), _load(tmp_path, "continued-saved", 2))
+    with open(tmp_path / "saves-rank0.json") as f:
+        assert "ec.embeddings.t0" in json.load(f)["tables"]
+
+
 def test_restore_into_another_sharding_plan(tmp_path):
     """Saved table-wise, restored with t1 cut into column slices (element-wise Adagrad state, which can be
     sliced like the weights): every table and state equal, assembled."""
@@ -136,6 +146,14 @@ def test_row_wise_state_of_other_column_slices_is_refused(tmp_path):
     message = (tmp_path / "error-rank0.txt").read_text()
     assert "ebc.embedding_bags.t1[0:4].optim.momentum1" in message and "cannot be re-sliced" in message
     assert not (tmp_path / "restored-rank0.npz").exists()
+
+
+def test_a_model_it_cannot_checkpoint_is_refused_at_construction(tmp_path):
+    """A DMP whose state dict holds DTensors (``ShardingEnv(output_dtensor=True)``, as 2-D parallelism uses):
+    refused when the Checkpointer is made, saying why and what to do, not at the first save."""
+    _run(tmp_path, "refused", 1, ALL_TW, seed=0, dtensor=True)
+    message = (tmp_path / "error-rank0.txt").read_text()
+    assert "is a DTensor" in message and "ShardedTensor" in message
 
 
 def test_int4_shards_restore_as_the_codec_decodes_them(tmp_path):

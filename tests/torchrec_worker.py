@@ -33,41 +33,56 @@ DIM = 8
 
 def build(cfg: dict, rank: int, world: int, seed: int):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.types import ShardingType
+    from torchrec.distributed.types import ShardingEnv, ShardingType
     from torchrec.optim.keyed import KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    class Sharder(EmbeddingBagCollectionSharder):
+    pooled = cfg.get("collection", "ebc") == "ebc"
+    base = EmbeddingBagCollectionSharder if pooled else EmbeddingCollectionSharder
+
+    class Sharder(base):
         def sharding_types(self, compute_device_type):
             return [ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value]
 
     class Model(torch.nn.Module):
+        """The tables as a pooled EmbeddingBagCollection (``ebc``) or a sequence EmbeddingCollection (``ec``:
+        one id per sample and feature here, so its rows are the samples' embeddings)."""
+
         def __init__(self):
             super().__init__()
-            self.ebc = EmbeddingBagCollection(
-                tables=[EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{t}"])
-                        for t, n in ROWS.items()], device=torch.device("meta"))
+            if pooled:
+                self.ebc = EmbeddingBagCollection(
+                    tables=[EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{t}"])
+                            for t, n in ROWS.items()], device=torch.device("meta"))
+            else:
+                self.ec = EmbeddingCollection(
+                    tables=[EmbeddingConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{t}"])
+                            for t, n in ROWS.items()], device=torch.device("meta"))
             self.head = torch.nn.Linear(DIM * len(ROWS), 1)
 
         def forward(self, kjt):
-            return self.head(self.ebc(kjt).values()).squeeze(1)
+            if pooled:
+                return self.head(self.ebc(kjt).values()).squeeze(1)
+            out = self.ec(kjt)
+            return self.head(torch.cat([out[f"f{t}"].values() for t in ROWS], dim=1)).squeeze(1)
 
     torch.manual_seed(seed)
     model = Model()
     sharder = Sharder(fused_params={"optimizer": getattr(EmbOptimType, cfg.get("fused", "EXACT_ROWWISE_ADAGRAD")),
                                     "learning_rate": 0.05})
-    constraints = {t: ParameterConstraints(sharding_types=[kind], min_partition=4)
-                   for t, kind in cfg["plan"].items()}
+    constraints = {t: ParameterConstraints(sharding_types=[kind], min_partition=4) for t, kind in cfg["plan"].items()}
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
                                        constraints=constraints)
     plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+    env = ShardingEnv(world, rank, dist.GroupMember.WORLD, output_dtensor=bool(cfg.get("dtensor")))
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
-                                   init_data_parallel=False)
+                                   init_data_parallel=False, env=env)
     with torch.no_grad():  # the same initial tables whatever the plan: every row from a seeded generator
         for key, value in dmp.state_dict().items():
             if type(value).__name__ == "ShardedTensor":
@@ -136,7 +151,14 @@ def main(cfg: dict) -> None:
     scenario = cfg["scenario"]
     store_path = os.path.join(cfg["root"], f"rank-{rank}")
     dmp, dense = build(cfg, rank, world, seed=cfg.get("seed", 0))
-    if scenario == "save":
+    if scenario == "refused":  # a model cnrstore cannot checkpoint: the constructor says why
+        with cnrstore.open(store_path, create=True) as store:
+            try:
+                Checkpointer(store, dmp, dense)
+            except cnrstore.errors.InvalidArgument as exc:
+                with open(os.path.join(out, f"error-rank{rank}.txt"), "w") as f:
+                    f.write(str(exc))
+    elif scenario == "save":
         # train, saving every other step in the given mode; the state after the last save is the truth
         with cnrstore.open(store_path, create=True) as store:
             ckpt = Checkpointer(store, dmp, dense, codec=cfg.get("codec", "fp32"), mode=cfg.get("mode", "incremental"))

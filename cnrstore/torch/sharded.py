@@ -42,8 +42,10 @@ __all__ = ["Shard", "find_shards", "is_sharded", "column_name", "parse_column_na
 
 #: Sharded modules whose tables this module knows how to find and track (torchrec class names).
 _SUPPORTED = ("ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection")
-#: TBE compute kernels whose weights live in memory as one tensor per table (others keep rows elsewhere).
-_KERNELS = ("dense", "fused", "fused_uvm", "fused_uvm_caching")
+#: TBE compute kernels whose weights live in memory as one tensor per table and whose optimizer is fused
+#: (updates the batch's rows only). The "dense" kernel leaves the update to a regular optimizer, which may
+#: move every row (Adam's moments, weight decay): refused rather than saved inexactly.
+_KERNELS = ("fused", "fused_uvm", "fused_uvm_caching")
 
 
 @dataclass
@@ -146,18 +148,19 @@ def _tbe_feeds(model: nn.Module, shards: list[Shard]) -> list:
         split = getattr(mod, "split_embedding_weights", None)
         if tables is None or not callable(split) or not hasattr(config, "feature_names"):
             continue
-        for table in tables:
-            kernel = getattr(getattr(table, "compute_kernel", None), "value", None)
-            if kernel is not None and kernel not in _KERNELS:
-                raise InvalidArgument(
-                    f"table {table.name!r} uses the {kernel!r} compute kernel, whose rows do not live in one "
-                    f"in-memory tensor; cnrstore.torch checkpoints tables with kernels {', '.join(_KERNELS)}")
         weights = split()
         if len(weights) != len(tables):
             continue
         per_table = []
         for table, w in zip(tables, weights):
             s = by_ptr.get((w.data_ptr(), tuple(w.shape))) if torch.is_tensor(w) and w.numel() else None
+            kernel = getattr(getattr(table, "compute_kernel", None), "value", None)
+            if s is not None and kernel is not None and kernel not in _KERNELS:
+                raise InvalidArgument(
+                    f"table {table.name!r} uses the {kernel!r} compute kernel; cnrstore.torch checkpoints sharded "
+                    f"tables with the kernels {', '.join(_KERNELS)} (the planner's default on CPU and GPU), whose "
+                    "rows live in one in-memory tensor and whose fused optimizer changes only the rows a batch "
+                    "looks up: constrain the planner to them (ParameterConstraints(compute_kernels=['fused']))")
             if s is not None:
                 fed.add(id(s))
             per_table.append(s)
