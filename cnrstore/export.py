@@ -173,8 +173,11 @@ def _content(snapshot: Snapshot, fmt: str, layout: str, model) -> _Content:
         return _Content(layout, data, meta, len(tables) + len(dense), len(tables))
     view = _torch_export().CheckpointView(snapshot, model=model)
     meta["meta"] = view.meta_json()
-    sd = view.state_dict()
-    data = view.checkpoint_dict(sd) if layout == "checkpoint" else sd
+    if layout == "checkpoint":
+        data = view.checkpoint_dict()
+        sd = data["model"]
+    else:
+        data = sd = view.state_dict()
     if fmt == "npz":
         odd = [k for k, v in sd.items() if not view.numpy_compatible(v)]
         if odd:

@@ -15,7 +15,7 @@ import cnrstore
 from cnrstore.distributed import ShardingPlan, versions
 from cnrstore.distributed.export import is_root, merged_snapshot
 from cnrstore.errors import InvalidArgument, VersionNotFound
-from cnrstore.export import export_path
+from cnrstore.export import export, export_path
 from cnrstore.torch import Checkpointer, import_checkpoint
 from dist_worker import TABLES, Model
 from test_distributed import assemble, assert_ok, run_job
@@ -71,6 +71,9 @@ def test_a_root_exports_as_the_unsharded_model(tmp_path, plan):
                                           dumps[f"{t}/sum"])
         with pytest.raises(InvalidArgument, match="model only"):
             export_path(root, "torch", tmp_path / "ck.pt", layout="checkpoint")
+        with pytest.raises(InvalidArgument, match="model only"):  # the snapshot itself refuses, whoever exports it
+            export(snap, "torch", tmp_path / "ck.pt", layout="checkpoint")
+        assert not (tmp_path / "ck.pt").exists()
         with pytest.raises(VersionNotFound):
             export_path(root, "torch", tmp_path / "x.pt", version=9)
         # and the merged model seeds a single store that a plain Checkpointer restores

@@ -119,6 +119,12 @@ class CheckpointView:
         self.tables = tables
         self._order = list(sd)
 
+    @property
+    def merged(self) -> bool:
+        """True for the merged snapshot of a multi-rank root (``cnrstore.distributed.export``): the model
+        only, no optimizer state."""
+        return bool(self.payload.get("merged"))
+
     def table_key_count(self) -> int:
         return sum(len(keys) for keys in self.tables.values())
 
@@ -171,7 +177,11 @@ class CheckpointView:
 
     def checkpoint_dict(self, state_dict: dict | None = None) -> dict:
         """``{"model", "optimizers", "extra", "version", "step", "meta"}`` (cnrstore/export.py, layout
-        ``"checkpoint"``)."""
+        ``"checkpoint"``). InvalidArgument for a merged multi-rank snapshot (no optimizer state to hold)."""
+        if self.merged:
+            raise InvalidArgument("a multi-rank root's merged export holds the model only (each rank's optimizer "
+                                  "state is its own); choose layout state_dict or nested, or export one rank's "
+                                  "store with layout checkpoint")
         return {"model": self.state_dict() if state_dict is None else state_dict,
                 "optimizers": self.optimizer_state_dicts(), "extra": dict(self.payload.get("extra") or {}),
                 "version": self.snapshot.version, "step": self.snapshot.step, "meta": self.snapshot.meta}
