@@ -158,6 +158,29 @@ def main(cfg: dict) -> None:
             except cnrstore.errors.InvalidArgument as exc:
                 with open(os.path.join(out, f"error-rank{rank}.txt"), "w") as f:
                     f.write(str(exc))
+    elif scenario == "dsave":   # through cnrstore.distributed: one store per rank, global versions
+        from cnrstore.distributed import DistributedCheckpointer
+        ckpt = DistributedCheckpointer(cfg["root"], dmp, dense, codec=cfg.get("codec", "fp32"),
+                                       mode=cfg.get("mode", "incremental"))
+        for step in range(cfg["steps"]):
+            train(dmp, dense, range(step, step + 1))
+            if step % 2 == 1 or step == cfg["steps"] - 1:
+                ckpt.save(step + 1).wait()
+        ckpt.close()
+        np.savez(os.path.join(out, f"saved-rank{rank}.npz"), **state_of(dmp))
+    elif scenario == "drestore":   # maybe another world size and plan: resharded from the ranks' stores
+        from cnrstore.distributed import DistributedCheckpointer
+        ckpt = DistributedCheckpointer(cfg["root"], dmp, dense, codec=cfg.get("codec", "fp32"))
+        try:
+            gv = ckpt.restore()
+        except cnrstore.errors.InvalidArgument as exc:
+            with open(os.path.join(out, f"error-rank{rank}.txt"), "w") as f:
+                f.write(str(exc))
+            ckpt.close()
+            return
+        ckpt.close()
+        assert gv.step == cfg["steps"], gv
+        np.savez(os.path.join(out, f"restored-rank{rank}.npz"), **state_of(dmp))
     elif scenario == "save":
         # train, saving every other step in the given mode; the state after the last save is the truth
         with cnrstore.open(store_path, create=True) as store:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import threading
+from collections.abc import Mapping
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,7 +37,8 @@ from .. import compaction as _compaction
 from .. import store as _store
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
-from ..torch.checkpointer import DENSE_PREFIX, STATE_BLOB, Checkpointer, SaveReport, _ROW_MARK
+from ..torch.checkpointer import (DENSE_PREFIX, STATE_BLOB, Checkpointer, SaveReport, _ROW_MARK, _ShardTable,
+                                  _width, _with_live_state)
 from .manifest import GlobalVersion, Root
 from .plan import ShardingPlan
 
@@ -109,11 +111,13 @@ class DistributedCheckpointer:
     (None: all). ``timeout_s`` bounds how long a commit waits for the slowest rank.
     """
 
-    def __init__(self, root, model: nn.Module, optimizer=None, *, plan: ShardingPlan, codec="int4",
+    def __init__(self, root, model: nn.Module, optimizer=None, *, plan: ShardingPlan | None = None, codec="int4",
                  mode: str = "intermittent", optimizer_codec: str = "fp32", extra=None, priority=None,
                  ssu_rate: float | None = None, compaction=None, keep_last: int | None = None,
                  timeout_s: float = 600.0):
         self.rank, self.world_size = _check_dist()
+        if plan is None:  # a TorchRec model: its own sharding (collective), else a clear error
+            plan = ShardingPlan.from_torchrec(model, self.world_size)
         if not isinstance(plan, ShardingPlan):
             raise InvalidArgument(f"plan must be a cnrstore.distributed.ShardingPlan, got {type(plan).__name__}")
         if plan.world_size != self.world_size:
@@ -160,6 +164,8 @@ class DistributedCheckpointer:
     def _check_model(self, model: nn.Module) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidArgument(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if self.plan.row_ids == "global":
+            return  # the plan was read off the model's TorchRec shards
         seen = set()
         for path, module in model.named_modules():
             if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
@@ -505,6 +511,10 @@ class _Resharder:
         self.local = owner._local
         self._stores: dict[int, object] = {}
         new, old = owner.plan.tables, gv.plan.tables
+        if owner.plan.row_ids != gv.plan.row_ids:
+            raise InvalidArgument(f"global version {gv.version} was written by a model sharded "
+                                  f"{'by TorchRec' if gv.plan.row_ids == 'global' else 'with a ShardingPlan'}, this "
+                                  "checkpointer's model the other way; restore into a model of the same kind")
         if new != old:
             diff = sorted(set(new.items()) ^ set(old.items()))
             raise InvalidArgument(f"global version {gv.version} has tables {old}, this plan {new} (differences: "
@@ -528,8 +538,12 @@ class _Resharder:
             if lo >= hi:
                 continue
             st, v = self._store(s.rank), self.gv.local_versions[s.rank]
+            whole = (lo, hi) == (s.row_start, s.row_end)
             try:
-                if (lo, hi) == (s.row_start, s.row_end):
+                if self.gv.plan.row_ids == "global":   # the store numbers rows by their global ids
+                    whole = whole and (lo, hi) == (0, self.gv.plan.tables[table][0])
+                    vals = st.read_table(name, v) if whole else st.read_rows(name, np.arange(lo, hi), v)
+                elif whole:
                     vals = st.read_table(name, v)
                 else:
                     vals = st.read_rows(name, np.arange(lo - s.row_start, hi - s.row_start), v)
@@ -569,12 +583,20 @@ class _Resharder:
                     raise InvalidArgument(f"global version {self.gv.version} was saved without parameter names "
                                           "(an older cnrstore); restore it under the plan it was written with")
                 saved = payload["optimizers"][i]
-                by_rank[r] = {n: saved["state"].get(j) for j, n in enumerate(pnames[i]) if n is not None}
+                if any(isinstance(k, str) for k in saved["state"]):   # torchrec's KeyedOptimizer: keyed by name
+                    by_rank[r] = dict(saved["state"])
+                else:
+                    by_rank[r] = {n: saved["state"].get(j) for j, n in enumerate(pnames[i]) if n is not None}
             current = opt.state_dict()
+            keyed = isinstance(getattr(opt, "params", None), Mapping)
             params = [p for g in opt.param_groups for p in g["params"]]
+            name_of = names
+            if keyed:
+                params = list(opt.params.values())
+                name_of = {id(p): n for n, p in opt.params.items()}
             state = {}
             for idx, p in enumerate(params):
-                name = names.get(id(p))
+                name = name_of.get(id(p))
                 t = table_of.get(id(p))
                 ranks = ([s.rank for s in self.gv.plan.shards_of_table(t.name)] if t is not None
                          else list(range(self.gv.world_size)))
@@ -589,12 +611,13 @@ class _Resharder:
                         arr = torch.from_numpy(self.rows(val[_ROW_MARK], t.name, width))
                         val = arr.reshape(shape).to(getattr(torch, val["dtype"]))
                     st[k] = val
-                state[idx] = st
-            groups = current["param_groups"]
-            saved_groups = payloads[min(payloads)]["optimizers"][i]["param_groups"]
-            if len(saved_groups) == len(groups):
-                groups = [{**sg, "params": g["params"]} for g, sg in zip(groups, saved_groups)]
-            out.append({"state": state, "param_groups": groups})
+                state[name if keyed else idx] = st
+            sd = {**current, "state": state}
+            groups = current.get("param_groups")
+            saved_groups = payloads[min(payloads)]["optimizers"][i].get("param_groups")
+            if groups is not None and saved_groups is not None and len(saved_groups) == len(groups):
+                sd["param_groups"] = [{**sg, "params": g["params"]} for g, sg in zip(groups, saved_groups)]
+            out.append(sd)
         return out
 
     def load(self) -> None:
@@ -606,6 +629,8 @@ class _Resharder:
                     dense[k] = dense[k].view(torch.bfloat16)
             payloads = {r: self._payload(r) for r in range(self.gv.world_size)}
             optim_sds = self._optimizer_states(payloads)
+            shard_states = [(state, self.rows(f"{t.name}.optim.{key}", t.name, _width(state)))
+                            for t in self.local._tables if isinstance(t, _ShardTable) for key, state in t.states]
             extra_src = payloads[self.owner.rank if self.owner.rank in payloads else 0]["extra"]
             missing = [k for k in self.local._extra if k not in extra_src]
             if missing:
@@ -613,13 +638,18 @@ class _Resharder:
         finally:
             for st in self._stores.values():
                 st.close()
+        for opt, sd in zip(self.local._optimizers, optim_sds):
+            if callable(getattr(opt, "init_state", None)) and len(opt.state_dict()["state"]) < len(sd["state"]):
+                opt.init_state()   # torchrec's KeyedOptimizer loads into existing state only (Checkpointer.restore)
         with torch.no_grad():
             for t, w in zip(self.local._tables, weights):
                 t.weight.copy_(w)
+            for state, w in shard_states:
+                state.copy_(torch.from_numpy(w).reshape(state.shape))
             for k, v in dense.items():
                 self.local._dense[k].copy_(v)
         for opt, sd in zip(self.local._optimizers, optim_sds):
-            opt.load_state_dict(sd)
+            opt.load_state_dict(_with_live_state(sd, opt))
         for k, obj in self.local._extra.items():
             obj.load_state_dict(extra_src[k])
         for t in self.local._tables:

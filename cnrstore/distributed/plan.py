@@ -50,8 +50,14 @@ def _check_world_size(world_size) -> None:
 class ShardingPlan:
     """Tables ``{name: (num_rows, dim)}`` and the shards that cut them over ``world_size`` ranks."""
 
-    def __init__(self, tables: Mapping[str, tuple[int, int]], shards: Iterable[Shard], world_size: int):
+    def __init__(self, tables: Mapping[str, tuple[int, int]], shards: Iterable[Shard], world_size: int, *,
+                 row_ids: str = "local"):
         _check_world_size(world_size)
+        if row_ids not in ("local", "global"):
+            raise InvalidArgument(f"row_ids must be 'local' or 'global', got {row_ids!r}")
+        #: how a rank's store numbers a shard's rows: "local" (0 = the shard's first row: modules holding
+        #: only their shard) or "global" (the table's row ids: TorchRec shards, cnrstore.torch.sharded)
+        self.row_ids = row_ids
         self.world_size = int(world_size)
         self.tables = {}
         for name, shape in dict(tables).items():
@@ -119,6 +125,29 @@ class ShardingPlan:
             shards.append(Shard(name, rank, 0, int(num_rows)))
         return cls(tables, shards, world_size)
 
+    @classmethod
+    def from_torchrec(cls, model, world_size: int, group=None) -> "ShardingPlan":
+        """The plan a TorchRec ``DistributedModelParallel`` model was sharded with (collective over ``group``,
+        default the default group): one table per stored table of ``cnrstore.torch.sharded`` (a table's FQN,
+        or one column slice of it), its shards the ranks' row ranges; rows numbered by global id."""
+        import torch.distributed as dist  # noqa: PLC0415
+
+        from ..torch import sharded  # noqa: PLC0415
+
+        if not sharded.is_sharded(model):
+            raise InvalidArgument("the model holds no TorchRec sharded module: give its ShardingPlan as plan=")
+        shards, _keys, _feeds = sharded.find_shards(model)
+        mine = [(s.name, s.global_rows, int(s.tensor.shape[1]), s.row_offset, s.row_offset + int(s.tensor.shape[0]))
+                for s in shards if s.tensor.numel()]
+        every: list = [None] * int(world_size)
+        dist.all_gather_object(every, mine, group=group)
+        tables, out = {}, []
+        for rank, entries in enumerate(every):
+            for name, rows, width, r0, r1 in entries:
+                tables[name] = (rows, width)
+                out.append(Shard(name, rank, r0, r1))
+        return cls(tables, out, world_size, row_ids="global")
+
     # -- queries --------------------------------------------------------------------------------------
     def shards_of(self, rank: int) -> dict[str, Shard]:
         """The shards ``rank`` holds, by table name."""
@@ -147,16 +176,20 @@ class ShardingPlan:
     # -- persistence ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """A msgpack-able description (stored with every global version)."""
-        return {
+        out = {
             "world_size": self.world_size,
             "tables": {name: [n, d] for name, (n, d) in sorted(self.tables.items())},
             "shards": [[s.table, s.rank, s.row_start, s.row_end] for s in self.shards],
         }
+        if self.row_ids != "local":  # absent in plans written before TorchRec shards (all "local")
+            out["row_ids"] = self.row_ids
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "ShardingPlan":
         try:
             return cls({k: tuple(v) for k, v in data["tables"].items()},
-                       [Shard(t, int(r), int(a), int(b)) for t, r, a, b in data["shards"]], data["world_size"])
+                       [Shard(t, int(r), int(a), int(b)) for t, r, a, b in data["shards"]], data["world_size"],
+                       row_ids=data.get("row_ids", "local"))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"not a sharding plan description: {exc}") from exc

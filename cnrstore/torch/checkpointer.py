@@ -308,12 +308,21 @@ def _is_sharded_value(v) -> bool:
 def _with_live_state(sd: dict, opt) -> dict:
     """``sd`` with each ``_LIVE_MARK`` replaced by the optimizer's own current value: sharded state (a fused
     optimizer's ``ShardedTensor``) is restored through the shard tables, in place, before this is loaded."""
-    if not any(isinstance(v, dict) and _LIVE_MARK in v for st in sd["state"].values() for v in st.values()):
+    marked = any(isinstance(v, dict) and _LIVE_MARK in v for st in sd["state"].values() for v in st.values())
+    live = {idx: {k: v for k, v in st.items() if _is_sharded_value(v)}
+            for idx, st in opt.state_dict()["state"].items()} if marked or _is_keyed(opt) else {}
+    if not marked and not any(live.values()):
         return sd
-    live = opt.state_dict()["state"]
-    state = {idx: {k: (live[idx][k] if isinstance(v, dict) and _LIVE_MARK in v else v) for k, v in st.items()}
+    state = {idx: {k: v for k, v in st.items() if not (isinstance(v, dict) and _LIVE_MARK in v)}
              for idx, st in sd["state"].items()}
+    for idx, st in live.items():     # this rank's sharded state, whichever rank's payload the rest came from
+        if st:
+            state.setdefault(idx, {}).update(st)
     return {**sd, "state": state}
+
+
+def _is_keyed(opt) -> bool:
+    return isinstance(getattr(opt, "params", None), Mapping)
 
 
 def _top_rows(rows: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
