@@ -181,13 +181,26 @@ def test_model_and_optimizer_make_the_store_restorable_with_that_optimizer(train
         ck.close()
 
 
-def test_without_optimizer_restore_needs_a_checkpointer_without_one(trained, tmp_path):
+def test_weights_imported_without_an_optimizer_restore_into_a_trainer_with_one(trained, tmp_path):
+    """`cnrstore import` takes model weights only: a trainer with an optimizer restores them and leaves its
+    optimizer as it was (fresh); its first save then records that optimizer."""
     _, _, sd_a = trained
     import_checkpoint(tmp_path / "s", sd_a)
-    b = DLRM()
+    b = DLRM(seed=3)
+    opt = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
     with cnrstore.open(tmp_path / "s") as store:
-        with pytest.raises(InvalidArgument, match="0 optimizer"):
-            Checkpointer(store, b, torch.optim.SGD(b.parameters(), lr=0.1)).restore()
+        ckpt = Checkpointer(store, b, opt)
+        ckpt.restore()
+        assert_same(state(b), sd_a)
+        assert opt.state_dict()["state"] == {}
+        train(b, opt, 1)
+        ckpt.save(1).wait()
+        ckpt.close()
+    c = DLRM(seed=4)
+    opt_c = torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9)
+    with cnrstore.open(tmp_path / "s", readonly=True) as store:
+        Checkpointer(store, c, opt_c).restore()
+    assert opt_c.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
 
 
 def test_model_selects_exactly_its_embeddings_and_checks_the_source(trained, tmp_path):

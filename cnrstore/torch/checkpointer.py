@@ -813,7 +813,9 @@ class Checkpointer:
         """Load ``version`` (default newest) into the model, optimizers and ``extra`` in place.
 
         Waits for an in-flight save (its failure, if any, is still raised by the next ``save``). A model
-        whose shapes differ from the stored ones raises :class:`InvalidArgument`.
+        whose shapes differ from the stored ones raises :class:`InvalidArgument`, and so does a version
+        holding another number of optimizers than this Checkpointer has -- except a version holding none
+        (``cnrstore import`` of model weights only), which leaves the optimizers as they are.
         """
         if self._closed:
             raise InvalidArgument("this Checkpointer is closed")
@@ -847,7 +849,7 @@ class Checkpointer:
             if target.dtype == torch.bfloat16:
                 src = src.view(torch.bfloat16)
             dense[key] = src
-        if len(payload["optimizers"]) != len(self._optimizers):
+        if payload["optimizers"] and len(payload["optimizers"]) != len(self._optimizers):
             raise InvalidArgument(f"version {v} holds {len(payload['optimizers'])} optimizer(s), this "
                                   f"Checkpointer has {len(self._optimizers)}")
         missing = [k for k in payload["extra"] if k not in self._extra]
@@ -857,6 +859,7 @@ class Checkpointer:
                    else torch.from_numpy(self.store.read_table(t.name, v)) for t in self._tables]
         shard_states = [(state, torch.from_numpy(self._read_shard(tables, t, f".optim.{key}", _width(state), v)))
                         for t in self._tables if isinstance(t, _ShardTable) for key, state in t.states]
+        # a version without optimizer state (an import of model weights) leaves the optimizers as they are
         optim_sds = [self._optimizer_state(sd, v) for sd in payload["optimizers"]]
         for opt, sd in zip(self._optimizers, optim_sds):
             # torchrec's KeyedOptimizer loads into existing state only: create lazy state (Adam's) first, by
