@@ -7,7 +7,9 @@
             ck.put_rows("emb", rows, values)
         store.read_rows("emb", [1, 2, 3], version=ck.version)
 
-API.md is the contract; DESIGN.md the architecture; docs/FORMAT.md the bytes on disk.
+docs/API.md is the contract; docs/DESIGN.md the architecture; docs/FORMAT.md the bytes on disk.
+Importing cnrstore does not import torch (only ``cnrstore.torch``, ``cnrstore.distributed`` and encoding with
+the FBGEMM-backed codecs do; see ``cnrstore/codecs/rowwise.py``).
 """
 
 from . import codecs, errors

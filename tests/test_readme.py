@@ -1,0 +1,248 @@
+"""Every ```python and ```sh block of README.md runs as written, and docs/API.md names what the code has.
+
+Each block runs in a fresh directory, in a fresh interpreter (python) or bash with ``set -eo pipefail``
+and the virtualenv's ``cnrstore`` on PATH (sh). A block is found by a piece of its text (``SPECS``); a
+block that needs what stands for the user's data or model (``model``, ``train_step``, a process group)
+gets it from an explicit prelude below, and a check after it asserts what the block did. Every block of
+the README must be in ``SPECS`` or in ``NOT_RUN`` (and every entry there must match one block), so a
+new or changed block cannot go untested unnoticed.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+API = ROOT / "docs" / "API.md"
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+
+
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    code: str
+    line: int  # of the opening fence
+
+
+def readme_blocks() -> list[Block]:
+    text = README.read_text()
+    found = []
+    for m in re.finditer(r"^```(python|sh)\n(.*?)^```", text, re.M | re.S):
+        found.append(Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1))
+    return found
+
+
+#: sh blocks not run, and why. Keep this short: only what cannot run inside a test.
+NOT_RUN = {
+    "make demo": "`make demo` builds .venv and trains for ~2 minutes; `make test` is this whole suite (10-12 min)",
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    #: python run first, in the same interpreter: what stands for the user's data, model or process group
+    prelude: str = ""
+    #: python run after the block (in the same interpreter; after an sh block, in the same directory): asserts
+    #: what the block did
+    check: str = ""
+    #: key of a block run first: in the same interpreter (a python block), or in the same directory before
+    #: an sh block
+    after: str | None = None
+    #: processes that run the block, a gloo process group between them
+    ranks: int = 1
+    #: not run alone: the block of that key runs it (with ``after=``)
+    covered_by: str | None = None
+
+
+TRAINER = '''
+import torch
+from torch import nn
+import cnrstore
+
+torch.manual_seed(0)
+store = cnrstore.open("ckpt", create=True)
+model = nn.Sequential(nn.EmbeddingBag(1000, 16), nn.Linear(16, 1))   # stands for your model
+optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+
+
+class StatefulLoader:  # stands for torchdata's StatefulDataLoader: batches, and the position as its state
+    def __init__(self, batches):
+        self.batches, self.pos = batches, 0
+
+    def __iter__(self):
+        while self.pos < self.batches:
+            self.pos += 1
+            yield torch.randint(0, 1000, (32, 4))
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+data_loader = StatefulLoader(2500)
+
+
+def train_step(model, optimizer, batch):
+    loss = model(batch).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+'''
+
+RANKS = '''
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo", init_method=os.environ["RDZV"], rank=int(os.environ["RANK"]),
+                        world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=60))
+rank, world_size = dist.get_rank(), dist.get_world_size()
+step = 1000  # the training step the job is at
+
+
+class MyDLRM(nn.Module):  # stands for your model: an EmbeddingBag per shard this rank holds
+    def __init__(self, shards):
+        super().__init__()
+        self.emb = nn.ModuleDict({name.split(".")[1]: nn.EmbeddingBag(s.num_rows, 64) for name, s in shards.items()})
+        self.top = nn.Linear(64, 1)
+'''
+
+USE = 'with cnrstore.open("ckpt", create=True) as store:\n    store.create_table("user_emb"'
+DIST = 'DistributedCheckpointer("ckpt", model'
+
+SPECS = {
+    USE: Spec(check='''
+with cnrstore.open("ckpt", readonly=True) as s:
+    assert [v.step for v in s.versions()] == [1000, 2000] and s.verify().ok
+    assert s.latest().meta is None and s.versions()[0].meta == {"loader_pos": 123_456}
+    assert (s.read_rows("user_emb", touched_rows[:3]) == s.read_rows("user_emb", touched_rows[:3], v1)).all()
+'''),
+    "compaction=policy": Spec(check='''
+with cnrstore.open("ckpt", readonly=True) as s:
+    steps = [v.step for v in s.versions()]
+assert steps[-5:] == [16_000, 17_000, 18_000, 19_000, 20_000] and 10_000 in steps, steps
+assert set(steps) <= {10_000, *range(11_000, 21_000, 1_000)}
+'''),
+    "Checkpointer(store, model, optimizer": Spec(prelude=TRAINER, check='''
+assert [v.step for v in store.versions()] == [1000, 2000]
+assert data_loader.pos == 2000  # restore() put the loader back at the newest version's position
+'''),
+    DIST: Spec(covered_by="ECRM(model, optimizer"),
+    "ECRM(model, optimizer": Spec(prelude=RANKS, after=DIST, ranks=3, check='''
+import cnrstore.distributed
+assert report.failed_ranks == (2,) and report.restored == (rank == 2)  # the CPR report of the block before
+assert [g.step for g in cnrstore.distributed.versions("ckpt")] == [1000]
+assert ecrm.memory_bytes()
+ecrm.close()
+ckpt.close()
+'''),
+    "BitWidthPolicy(mtbf_hours": Spec(check='assert codec == "adaptive3" and bits.bits == 3'),
+    "cnrstore ls ckpt": Spec(after=USE, check='''
+import numpy as np
+with np.load("ckpt.npz") as z:
+    assert z["tables/user_emb"].shape == (100_000, 64) and z["dense/mlp.0.weight"].shape == (64, 32)
+import cnrstore
+with cnrstore.open("ckpt", readonly=True) as s:
+    assert [v.step for v in s.versions()] == [2000] and s.verify().ok
+'''),
+}
+
+
+def _block(key: str) -> Block:
+    matches = [b for b in readme_blocks() if key in b.code]
+    assert len(matches) == 1, f"{len(matches)} README blocks contain {key!r}"
+    return matches[0]
+
+
+def test_every_block_is_run_or_excused():
+    keys = list(SPECS) + list(NOT_RUN)
+    for block in readme_blocks():
+        owners = [k for k in keys if k in block.code]
+        assert len(owners) == 1, f"README block at line {block.line} is matched by {owners} (needs exactly one)"
+        if block.lang == "python":
+            assert owners[0] in SPECS, f"python block at line {block.line} must run"
+    for key in keys:
+        _block(key)
+    assert len(NOT_RUN) <= 2, "keep the list of blocks not run short"
+
+
+def _python(code: str, cwd, rank: int | None = None, world: int = 1, rdzv: str = "") -> subprocess.Popen:
+    env = dict(ENV) if rank is None else dict(ENV, RANK=str(rank), WORLD_SIZE=str(world), RDZV=rdzv)
+    return subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait(procs: list[subprocess.Popen], what: str) -> None:
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, f"{what} failed ({p.returncode}):\n{out}\n{err}"
+
+
+@pytest.mark.parametrize("key", [k for k, spec in SPECS.items() if spec.covered_by is None])
+def test_readme_block_runs_as_written(key, tmp_path):
+    spec = SPECS[key]
+    block = _block(key)
+    where = f"README block at line {block.line}"
+    before = _block(spec.after) if spec.after else None
+    for s in SPECS.values():  # a block covered by this one runs with it
+        if s.covered_by == key:
+            assert spec.after is not None and SPECS[spec.after] is s
+    if block.lang == "sh":
+        if before is not None:
+            _wait([_python(before.code, tmp_path)], f"README block at line {before.line}")
+        proc = subprocess.run(["bash", "-c", "set -eo pipefail\n" + block.code], cwd=tmp_path, env=ENV,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{where} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        assert "Traceback" not in proc.stderr
+        _wait([_python(spec.check, tmp_path)], f"the check after {where}")
+        return
+    parts = [spec.prelude, before.code if before is not None else "", block.code, spec.check]
+    code = "\n".join(parts)
+    if spec.ranks == 1:
+        _wait([_python(code, tmp_path)], where)
+    else:
+        rdzv = f"file://{tmp_path / 'rdzv'}"
+        _wait([_python(code, tmp_path, r, spec.ranks, rdzv) for r in range(spec.ranks)], where)
+
+
+def test_readme_links_the_projects_own_api_reference():
+    text = README.read_text()
+    assert "../shared" not in text
+    for target in re.findall(r"\]\(([^)#]+)\)", text):
+        if "://" not in target:
+            assert (ROOT / target).exists(), f"README links {target}, which is not in the repository"
+    assert "docs/API.md" in text and API.exists()
+
+
+def test_api_reference_names_every_public_name_and_no_stale_one(tmp_path):
+    import cnrstore
+    from cnrstore import errors, knobs
+    from cnrstore.compaction import GCReport, CompactReport
+
+    api = API.read_text()
+    for name in cnrstore.__all__ + errors.__all__:
+        assert re.search(rf"\b{name}\b", api), f"docs/API.md does not mention {name}"
+    for name in (n for n in dir(knobs) if n.isupper()):
+        assert name in api, f"docs/API.md does not mention knobs.{name}"
+    for cls in (GCReport, CompactReport):
+        for field in cls.__dataclass_fields__:
+            assert f"`{field}" in api or f" {field}" in api, f"docs/API.md does not mention {cls.__name__}.{field}"
+    with cnrstore.open(tmp_path / "s", create=True) as store:
+        keys = store.stats()
+    for key in keys:
+        assert f"`{key}`" in api, f"docs/API.md does not list stats() key {key!r}"
+    # what the shared page said and the code no longer does
+    assert "retain` materializes a baseline" not in api and "materializes nothing" in api
