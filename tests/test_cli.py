@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -483,3 +484,29 @@ def test_progress_draws_a_bar_on_a_terminal_and_nothing_elsewhere_unless_forced(
     cli._fail(__import__("argparse").Namespace(command="export"), "StorageFull: disk full")
     assert tty.getvalue().endswith("writing x.npz\x1b[K\n")
     assert capsys.readouterr().err == "cnrstore export: StorageFull: disk full\n"
+
+
+def _synopsis_lines(text: str, command: str) -> list[str]:
+    return [line for line in text.splitlines() if re.match(rf"\s*cnrstore {command}\s", line)]
+
+
+def test_docstring_and_readme_synopsis_match_the_parser():
+    """The usage lines of cli.py's docstring and of README's synopsis name every command with exactly the
+    options its parser takes (and the export formats it accepts)."""
+    import argparse
+    import pathlib
+
+    from cnrstore.export import FORMATS
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    synopsis = re.search(r"```text\n(cnrstore .*?)```", readme, re.S).group(1)
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"ls", "info", "verify", "rows", "compact", "retain", "gc", "export", "repair"}
+    for command, parser in sub.choices.items():
+        options = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+        for text, where in ((cli.__doc__, "cli.py's docstring"), (synopsis, "README's synopsis")):
+            lines = _synopsis_lines(text, command)
+            assert len(lines) == 1, (where, command, lines)
+            assert set(re.findall(r"--[a-z][a-z-]*", lines[0])) == options, (where, command, lines[0])
+    for text in (cli.__doc__, synopsis):
+        assert "|".join(FORMATS) in text
