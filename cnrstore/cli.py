@@ -23,9 +23,9 @@ otherwise (``--json`` always lists them). Progress bars of long work (verify, co
 export, repair) go to stderr, only when stderr is a terminal or with ``--progress`` (then one line per
 update, at most about one a second), so scripts and pipes see no progress output.
 
-``ls``, ``info``, ``verify`` and ``rows`` never import torch (a ~2-3 s import): reads decode with numpy
-unless torch is already loaded (``cnrstore/codecs/rowwise.py``), and ``cnrstore.distributed`` is
-imported only for a multi-rank root.
+On a store, ``ls``, ``info``, ``verify`` and ``rows`` never import torch (a ~2-3 s import): reads decode
+with numpy unless torch is already loaded (``cnrstore/codecs/rowwise.py``), and ``cnrstore.distributed``
+is imported only for a multi-rank root (which today imports torch with it).
 
 Exit status (every failure prints one line on stderr: the error type, what happened and what to do):
 
