@@ -8,8 +8,11 @@ many dims, and arbitrary encodings (any levels, any finite scale and bias).
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -17,8 +20,6 @@ from hypothesis.extra import numpy as hnp
 from cnrstore import codecs
 from cnrstore.codecs import rowwise
 from cnrstore.codecs.nbit import unpack_levels
-
-torch = pytest.importorskip("torch")
 
 NAMES = ["int8", "int4", "int2"]
 #: Largest magnitude each codec represents (their docstrings).
@@ -156,6 +157,6 @@ def test_decode_chooses_numpy_without_torch_and_the_kernel_with_it(monkeypatch):
                         rowwise.decode_uniform(e, d, 4))
     codec.decode(enc, 8)
     assert calls == []
-    monkeypatch.delitem(__import__("sys").modules, "torch")
+    monkeypatch.delitem(sys.modules, "torch")
     assert np.array_equal(codec.decode(enc, 8), np.ones((3, 8), dtype=np.float32))
     assert calls == ["numpy"]
