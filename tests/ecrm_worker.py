@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cnrstore import fs  # noqa: E402
 from cnrstore.distributed import ECRM, DistributedCheckpointer, ShardingPlan  # noqa: E402
+from cnrstore.errors import InvalidArgument  # noqa: E402
 
 TABLES = {"emb.t0": (97, 8), "emb.t1": (40, 4), "emb.t2": (64, 6)}
 BATCH = 16
@@ -158,6 +159,11 @@ def main(cfg: dict) -> int:
                 os.environ[fs.CRASH_ENV] = cfg["crash"]
             if cfg.get("count_traffic"):
                 before = words(model, optimizer)
+            if nxt == cfg.get("misnamed_step"):   # recover() naming a rank that did not fail: refused
+                try:
+                    ecrm.recover(cfg["misnamed"], step=step)
+                except InvalidArgument as exc:
+                    report["misnamed"] = str(exc)
             if rank == 0 and nxt == cfg.get("corrupt_step"):
                 ecrm.parity[0] ^= np.uint32(1 << 7)       # a flipped bit in rank 0's parity
             train_step(model, optimizer, ecrm, nxt)

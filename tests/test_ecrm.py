@@ -294,3 +294,14 @@ def test_an_inconsistent_parity_is_found_and_falls_back(tmp_path):
         assert rec["mode"] == "fallback-full"
         assert "does not match the fingerprint" in rec["reason"]
         assert rec["step"] == 2
+
+
+def test_recover_naming_a_rank_that_kept_its_state_is_refused(tmp_path, tmp_path_factory):
+    """recover([1]) while rank 1 is alive with its ECRM state (not a replacement): InvalidArgument on every
+    rank (none left waiting in a collective), and training goes on to the same end as without it."""
+    ref, _ = reference(tmp_path_factory, 3, 2, 1)
+    states, reports = run_job(tmp_path, "misnamed", 3, 2, 1, misnamed=[1], misnamed_step=3)
+    for rep in reports.values():
+        assert "named as failed but kept their ECRM state" in rep["misnamed"]
+        assert "replacement=True" in rep["misnamed"]
+    assert_bit_equal(states, ref)

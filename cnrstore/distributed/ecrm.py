@@ -690,6 +690,12 @@ class ECRM:
         statuses: list = [None] * self.world_size
         dist.all_gather_object(statuses, self._status(), group=self._group)
         lap("status")
+        kept = [r for r in failed if statuses[r]["role"] != "replacement"]
+        if kept:   # the same on every rank (statuses are gathered): every rank raises, none waits
+            raise InvalidArgument(
+                f"rank(s) {kept} are named as failed but kept their ECRM state; a process replacing a failed "
+                "rank constructs its ECRM with replacement=True (a drill without a new process calls "
+                "discard() on the rank first)")
         target, reason = self._decide(failed, statuses)
         survivors = [r for r in range(self.world_size) if r not in failed]
         newest = max((statuses[r]["data_step"] for r in survivors if statuses[r]["role"] == "survivor"),
