@@ -7,15 +7,19 @@
     cnrstore compact STORE [--version V] [--json] [--progress]   materialize baselines (default: newest)
     cnrstore retain STORE --keep-last N [--json] [--progress]    drop all but the newest N versions
     cnrstore gc STORE [--json] [--progress]              reclaim space of dropped and shadowed data
-    cnrstore export STORE --format F OUT [--version V] [--json] [--progress]
+    cnrstore export STORE --format F OUT [--version V] [--layout L] [--json] [--progress]
                                  F: torch|safetensors|dcp|npz (cnrstore.export.FORMATS; dcp writes a directory);
-                                 a Checkpointer's version as the model's state dict, any other as its fp32
-                                 tables and dense arrays (cnrstore/export.py, layout "auto")
+                                 L: auto (a Checkpointer's version as the model's state dict, any other as its
+                                 fp32 tables and dense arrays), state_dict, checkpoint, nested (cnrstore/export.py)
+    cnrstore import STORE SOURCE [--codec C] [--table-codec NAME=C] [--table PATTERN] [--min-rows N]
+                                 [--source-format F] [--step S] [--json]
+                                 seed a new store's first version from a torch.save / safetensors / DCP
+                                 checkpoint, in the Checkpointer's layout (cnrstore/torch/imports.py)
     cnrstore repair STORE [--json] [--progress]          rebuild a lost or damaged index from the log
 
-``ls`` and ``verify`` also take the root of a multi-rank job (``cnrstore.distributed``): they list its
-global versions, and verify its manifests and every rank store they name. The other commands take one
-rank's store (``ROOT/gen-G/rank-R``).
+``ls``, ``verify`` and ``export`` also take the root of a multi-rank job (``cnrstore.distributed``): they
+list its global versions, verify its manifests and every rank store they name, and export a global
+version as one merged model. The other commands take one rank's store (``ROOT/gen-G/rank-R``).
 
 Output: a human-readable summary on stdout; with ``--json``, one JSON object on stdout instead (for
 ``ls``, a JSON list of versions). ``ls`` names a version's tables when they are few and counts them
@@ -57,7 +61,7 @@ import numpy as np
 from . import compaction
 from . import filenames
 from .errors import CnrError, CorruptionError, InvalidArgument, StoreNotFound
-from .export import FORMATS, check_path, export
+from .export import DEFAULT_MIN_ROWS, FORMATS, LAYOUTS, SOURCE_FORMATS, check_path, export
 from .repair import repair as repair_store
 from .store import Store, open as open_store
 from .types import Snapshot
@@ -315,13 +319,20 @@ def cmd_gc(args) -> int:
     return 0
 
 
-def _export_snapshot(args, progress: Progress) -> Snapshot:
-    """The snapshot ``cnrstore export`` writes: version ``args.version`` (default: the newest) of the
-    store at ``args.store``. (The one place that decides what an export reads.)"""
-    _refuse_root(args)
+def _export_snapshot(args, progress: Progress) -> tuple[Snapshot, bool]:
+    """The snapshot ``cnrstore export`` writes, and whether it is a merged multi-rank one: version
+    ``args.version`` (default: the newest) of the store at ``args.store``, or global version
+    ``args.version`` of a multi-rank root, every table assembled from all ranks' shards. (The one place
+    that decides what an export reads.)"""
+    if _is_root(args.store):
+        from .distributed.export import merged_snapshot
+
+        progress(0, 2, "assembling " + ("the newest global version" if args.version is None
+                                        else f"global version {args.version}") + " from every rank")
+        return merged_snapshot(args.store, args.version), True
     with open_store(args.store, readonly=True) as store:
         progress(0, 2, "reading " + ("the newest version" if args.version is None else f"version {args.version}"))
-        return store.restore(args.version)
+        return store.restore(args.version), False
 
 
 def cmd_export(args) -> int:
@@ -330,13 +341,28 @@ def cmd_export(args) -> int:
     progress counts those two phases, since neither reports finer progress of its own."""
     check_path(args.out, args.format)  # before the (long) read: a bad path fails at once
     progress = _progress(args, "export")
-    snapshot = _export_snapshot(args, progress)
+    snapshot, merged = _export_snapshot(args, progress)
     progress(1, 2, f"writing {args.out} ({args.format})")
-    report = export(snapshot, args.format, args.out)
+    report = dataclasses.replace(export(snapshot, args.format, args.out, layout=args.layout), merged=merged)
     progress(2, 2, "done")
     _emit(args, dataclasses.asdict(report),
-          f"exported version {report.version} ({report.tensors} tensor(s), {report.tables} from tables; layout "
-          f"{report.layout}) to {report.path} as {report.format}")
+          f"exported {'global ' if merged else ''}version {report.version} ({report.tensors} tensor(s), "
+          f"{report.tables} from tables; layout {report.layout}) to {report.path} as {report.format}")
+    return 0
+
+
+def cmd_import(args) -> int:
+    """Seed a new store's first version from a PyTorch checkpoint (``cnrstore.torch.import_checkpoint``)."""
+    from .torch.imports import import_checkpoint, parse_table_codecs  # torch: only this command needs it
+
+    report = import_checkpoint(args.store, args.source, codec=args.codec, codecs=parse_table_codecs(args.table_codec),
+                               tables=args.table, min_rows=args.min_rows, format=args.source_format,
+                               step=args.step)
+    _emit(args, dataclasses.asdict(report),
+          f"imported {len(report.tables)} table(s) and {len(report.dense)} dense array(s) from {args.source} "
+          f"({report.source_format}) into {args.store} as version {report.version}"
+          + "".join(f"\n  table {name}: {rows:,} x {dim} from {key!r}, {codec}"
+                    for name, (key, rows, dim, codec) in sorted(report.tables.items())))
     return 0
 
 
@@ -418,10 +444,31 @@ def build_parser() -> argparse.ArgumentParser:
         progress=True).add_argument("--keep-last", type=int, required=True, metavar="N", help="versions to keep")
     add("gc", cmd_gc, "reclaim the space of dropped and shadowed data", progress=True)
     p = add("export", cmd_export, "write a version to a file (a directory for dcp), atomically: a Checkpointer's "
-            "version as the model's state dict, any other as its fp32 tables and dense arrays", progress=True)
+            "version as the model's state dict, any other as its fp32 tables and dense arrays; a multi-rank "
+            "root's global version as one merged model", progress=True, store_help=root_help)
     p.add_argument("--format", choices=FORMATS, required=True, help=f"one of {', '.join(FORMATS)}")
-    p.add_argument("--version", type=int, default=None, help="version to export (default: the newest)")
+    p.add_argument("--version", type=int, default=None,
+                   help="version to export (a global version for a root; default: the newest)")
+    p.add_argument("--layout", choices=("auto",) + LAYOUTS, default="auto",
+                   help="state_dict: the model's state_dict (load_state_dict / dcp.load take it as is); "
+                        "checkpoint (torch only): model, optimizers and extra state; nested: tables/ and dense/ "
+                        "as stored; auto (default): state_dict for a Checkpointer's version, else nested")
     p.add_argument("out", help="output file (a new directory for dcp)")
+    p = add("import", cmd_import, "seed a new, empty store's first version (a baseline in the Checkpointer's "
+            "layout, restorable by cnrstore.torch.Checkpointer) from a torch.save file, a safetensors file or "
+            "a DCP directory", store_help="path of the store (created if missing; must hold no version)")
+    p.add_argument("source", help="torch.save file, safetensors file or DCP checkpoint directory")
+    p.add_argument("--codec", default="fp32", help="codec of the embedding tables (default fp32: lossless)")
+    p.add_argument("--table-codec", action="append", default=[], metavar="NAME=CODEC",
+                   help="codec of one table (repeatable), e.g. --table-codec emb.0=int4")
+    p.add_argument("--table", action="append", default=None, metavar="PATTERN",
+                   help="state-dict keys (glob) that are embedding tables (repeatable); default: 2-D float "
+                        "*.weight tensors whose module path contains 'emb', or with at least --min-rows rows")
+    p.add_argument("--min-rows", type=int, default=DEFAULT_MIN_ROWS,
+                   help=f"rows that make a 2-D *.weight tensor a table without --table (default {DEFAULT_MIN_ROWS:,})")
+    p.add_argument("--source-format", choices=SOURCE_FORMATS, default=None,
+                   help="format of SOURCE (default: detected)")
+    p.add_argument("--step", type=int, default=None, help="training step to record with the version")
     add("repair", cmd_repair, "rebuild the index from the segment log (after index loss or damage); keeps "
         "every version it can prove whole and says which it cannot (exit 1 then)", progress=True)
     return parser

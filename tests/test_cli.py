@@ -487,7 +487,18 @@ def test_progress_draws_a_bar_on_a_terminal_and_nothing_elsewhere_unless_forced(
 
 
 def _synopsis_lines(text: str, command: str) -> list[str]:
-    return [line for line in text.splitlines() if re.match(rf"\s*cnrstore {command}\s", line)]
+    """Each usage of ``command``: its line joined with the indented lines continuing it (up to the next
+    line naming a command, or a blank one)."""
+    out, current = [], None
+    for line in text.splitlines():
+        if re.match(rf"\s*cnrstore {command}\s", line):
+            current = [line]
+            out.append(current)
+        elif current is not None and line.startswith(" ") and line.strip() and "cnrstore " not in line:
+            current.append(line)
+        else:
+            current = None
+    return [" ".join(parts) for parts in out]
 
 
 def test_docstring_and_readme_synopsis_match_the_parser():
@@ -501,7 +512,8 @@ def test_docstring_and_readme_synopsis_match_the_parser():
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     synopsis = re.search(r"```text\n(cnrstore .*?)```", readme, re.S).group(1)
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(sub.choices) == {"ls", "info", "verify", "rows", "compact", "retain", "gc", "export", "repair"}
+    assert set(sub.choices) == {"ls", "info", "verify", "rows", "compact", "retain", "gc", "export", "import",
+                                "repair"}
     for command, parser in sub.choices.items():
         options = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
         for text, where in ((cli.__doc__, "cli.py's docstring"), (synopsis, "README's synopsis")):
@@ -510,3 +522,34 @@ def test_docstring_and_readme_synopsis_match_the_parser():
             assert set(re.findall(r"--[a-z][a-z-]*", lines[0])) == options, (where, command, lines[0])
     for text in (cli.__doc__, synopsis):
         assert "|".join(FORMATS) in text
+
+
+def test_import_then_export_through_the_command_line(tmp_path, capsys):
+    """`cnrstore import` seeds a new store from a torch.save state dict (per-table codec), `cnrstore export`
+    gives back the model's state dict: the fp32 table and the dense tensors exactly, the int8 table as the
+    codec decodes it; a second import into the now non-empty store is refused (exit 2), store unchanged."""
+    import torch
+
+    from cnrstore import codecs as codec_registry
+
+    g = torch.Generator().manual_seed(0)
+    sd = {"emb.0.weight": torch.randn(300, 8, generator=g), "emb.1.weight": torch.randn(50, 4, generator=g),
+          "mlp.weight": torch.randn(3, 8, generator=g), "mlp.bias": torch.randn(3, generator=g)}
+    torch.save(sd, tmp_path / "model.pt")
+    store = str(tmp_path / "store")
+    assert cli.main(["import", store, str(tmp_path / "model.pt"), "--table-codec", "emb.1=int8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["version"] == 1 and report["source_format"] == "torch"
+    assert {k: v[3] for k, v in report["tables"].items()} == {"emb.0": "fp32", "emb.1": "int8"}
+    assert cli.main(["export", store, "--format", "torch", str(tmp_path / "out.pt")]) == 0
+    out = torch.load(tmp_path / "out.pt")
+    assert set(out) == set(sd)
+    for key in ("emb.0.weight", "mlp.weight", "mlp.bias"):
+        assert torch.equal(out[key], sd[key]), key
+    int8 = codec_registry.get("int8")
+    assert np.array_equal(out["emb.1.weight"].numpy(), int8.decode(int8.encode(sd["emb.1.weight"].numpy()), 4))
+    capsys.readouterr()
+    assert cli.main(["import", store, str(tmp_path / "model.pt")]) == 2
+    assert "cnrstore import:" in capsys.readouterr().err
+    with cnrstore.open(store, readonly=True) as s:
+        assert [v.version for v in s.versions()] == [1]

@@ -62,6 +62,16 @@ def test_a_root_exports_as_the_unsharded_model(tmp_path, plan):
         warnings.simplefilter("ignore")
         dcp.load(model.state_dict(), checkpoint_id=tmp_path / "m.dcp")
     assert_model_is(model, expected(assemble(tmp_path / "out", "g2")))
+    # the command line: `cnrstore export ROOT` writes the same merged model; a checkpoint layout is refused
+    from cnrstore import cli
+    from safetensors.torch import load_file
+
+    assert cli.main(["export", str(root), "--format", "safetensors", str(tmp_path / "m.st"), "--version", "1"]) == 0
+    got = {k: v.numpy() for k, v in load_file(tmp_path / "m.st").items()}
+    want1 = expected(assemble(tmp_path / "out", "g1"))
+    assert set(got) == set(want1) and all(np.array_equal(got[k], want1[k]) for k in want1)
+    assert cli.main(["export", str(root), "--format", "torch", str(tmp_path / "c.pt"), "--layout", "checkpoint"]) == 2
+    assert not (tmp_path / "c.pt").exists()
     if plan == "row":
         # the nested layout holds the assembled row-wise optimizer state too
         snap = merged_snapshot(root)

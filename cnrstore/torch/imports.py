@@ -64,9 +64,7 @@ from .export import embedding_tables
 __all__ = ["DEFAULT_MIN_ROWS", "SOURCE_FORMATS", "ImportReport", "import_checkpoint", "parse_table_codecs",
            "read_state_dict", "select_tables"]
 
-SOURCE_FORMATS = ("torch", "safetensors", "dcp")
-#: Without model= or tables=, a 2-D ``*.weight`` tensor this tall is an embedding table whatever its name.
-DEFAULT_MIN_ROWS = 100_000
+from ..export import DEFAULT_MIN_ROWS, SOURCE_FORMATS  # noqa: E402  (torch-free: the CLI's options read them)
 #: Elements converted to float32 and written per put_rows call (bounds the import's extra memory).
 _CHUNK_ELEMENTS = 1 << 24
 
