@@ -29,7 +29,7 @@ update, at most about one a second), so scripts and pipes see no progress output
 
 On a store, ``ls``, ``info``, ``verify`` and ``rows`` never import torch (a ~2-3 s import): reads decode
 with numpy unless torch is already loaded (``cnrstore/codecs/rowwise.py``), and ``cnrstore.distributed``
-is imported only for a multi-rank root (which today imports torch with it).
+is imported only for a multi-rank root (whose manifests it reads without torch, too).
 
 Exit status (every failure prints one line on stderr: the error type, what happened and what to do):
 
@@ -159,7 +159,7 @@ def _print_versions(args, rows: list[dict], header: str, noun: str, rest) -> int
 
 def _is_root(path: str) -> bool:
     """Whether ``path`` is a multi-rank job's root. A store (its marker present) is decided without
-    importing ``cnrstore.distributed``, which imports torch."""
+    importing ``cnrstore.distributed``."""
     if os.path.exists(filenames.marker_path(path)):
         return False
     from .distributed.manifest import Root

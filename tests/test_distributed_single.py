@@ -4,6 +4,8 @@ corruption and priority saves (the multi-process behaviour is in test_distribute
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from datetime import timedelta
 
 import numpy as np
@@ -191,6 +193,12 @@ def test_cli_lists_and_verifies_a_root_and_points_other_commands_at_rank_stores(
     assert "ok: 2 global version(s), 1 rank store(s)" in capsys.readouterr().out
     assert cli.main(["info", root]) == 2
     assert "rank-RRRRR" in capsys.readouterr().err
+    # reading a root's manifests needs no torch (cnrstore.distributed loads its torch modules lazily)
+    code = ("import sys; from cnrstore import cli; rcs = [cli.main(a) for a in (['ls', sys.argv[1]], "
+            "['verify', sys.argv[1], '--json'])]; assert rcs == [0, 0], rcs; "
+            "assert 'torch' not in sys.modules, 'reading a root imported torch'")
+    proc = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     # damage one byte of the rank store's log: verify of the root finds it
     seg_dir = os.path.join(Root(root).store_path(Root(root).store_rel(1, 0)), "segments")
     seg = os.path.join(seg_dir, sorted(os.listdir(seg_dir))[0])

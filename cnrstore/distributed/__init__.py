@@ -13,13 +13,26 @@ See ``checkpointer`` for the commit protocol, ``manifest`` for the files under t
 erasure-coded recovery.
 """
 
-from .ecrm import ECRM, ECRMReport
-from .checkpointer import DistributedCheckpointer, DistributedPendingSave, RecoveryReport
+import importlib
+
 from .manifest import GlobalVersion, Root
 from .plan import Shard, ShardingPlan
 
 __all__ = ["ECRM", "ECRMReport", "DistributedCheckpointer", "DistributedPendingSave", "RecoveryReport", "GlobalVersion", "Root",
            "Shard", "ShardingPlan", "versions"]
+
+#: Names whose modules import torch: loaded on first use, so that reading a root's manifests (the CLI's
+#: ``ls ROOT`` / ``verify ROOT``) does not pay torch's import.
+_LAZY = {"ECRM": "ecrm", "ECRMReport": "ecrm", "DistributedCheckpointer": "checkpointer",
+         "DistributedPendingSave": "checkpointer", "RecoveryReport": "checkpointer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def versions(root) -> list[GlobalVersion]:
