@@ -59,6 +59,14 @@ def assert_same(a: dict, b: dict) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+def restored(path, seed: int) -> dict:
+    """The state of a fresh model (init ``seed``) after a plain Checkpointer restores the store at ``path``."""
+    model = DLRM(seed=seed)
+    with cnrstore.open(path) as store:
+        Checkpointer(store, model).restore()
+    return state(model)
+
+
 @pytest.fixture(scope="module")
 def trained():
     model = DLRM()
@@ -96,10 +104,7 @@ def test_a_legacy_torch_save_file_imports(trained, tmp_path):
     _, _, sd_a = trained
     torch.save(sd_a, tmp_path / "old.pt", _use_new_zipfile_serialization=False)  # not memory-mappable
     import_checkpoint(tmp_path / "s", tmp_path / "old.pt")
-    b = DLRM(seed=1)
-    with cnrstore.open(tmp_path / "s") as store:
-        Checkpointer(store, b).restore()
-    assert_same(state(b), sd_a)
+    assert_same(restored(tmp_path / "s", seed=1), sd_a)
 
 
 def test_per_table_codec_restores_as_the_codec_decodes(trained, tmp_path):
@@ -154,10 +159,7 @@ def test_a_checkpoint_dict_with_a_model_entry_imports_its_model(trained, tmp_pat
     model, opt, sd_a = trained
     torch.save({"model": sd_a, "optimizer": opt.state_dict(), "epoch": 3}, tmp_path / "ck.pt")
     import_checkpoint(tmp_path / "s", tmp_path / "ck.pt")
-    b = DLRM(seed=4)
-    with cnrstore.open(tmp_path / "s") as store:
-        Checkpointer(store, b).restore()
-    assert_same(state(b), sd_a)
+    assert_same(restored(tmp_path / "s", seed=4), sd_a)
 
 
 def test_model_and_optimizer_make_the_store_restorable_with_that_optimizer(trained, tmp_path):

@@ -33,10 +33,10 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.optim.keyed import KeyedOptimizerWrapper  # noqa: E402
 
 from cnrstore.torch import Checkpointer  # noqa: E402
+from test_distributed import _finish  # noqa: E402  (waits for spawned ranks, killing one that hangs)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "torchrec_worker.py")
-TIMEOUT = 240
 ALL_TW = {"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"}
 MIXED = {"t0": "row_wise", "t1": "column_wise", "t2": "table_wise"}
 
@@ -50,15 +50,7 @@ def _run(tmp_path, scenario: str, world: int, plan: dict, seed: int, **cfg) -> N
         procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(c)], stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True,
                                       env=dict(os.environ, OMP_NUM_THREADS="1")))
-    outs = []
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            text, _ = p.communicate()
-        outs.append((p.returncode, text))
-    bad = [(rc, text[-3000:]) for rc, text in outs if rc != 0]
+    bad = [(rc, text[-3000:]) for rc, text in _finish(procs) if rc != 0]
     assert not bad, bad
 
 
