@@ -68,6 +68,13 @@ SECTIONS = [
      "overhead as fractions of the no-failure training time, the replaced rank's restore or decode, lost "
      "updates, final logloss/AUC, parity memory and the parity update's cost per step.",
      ["--plot", "ecrm.png"], ["--quick", "--plot", "none"], "ecrm.png"),
+    ("bench_torchrec.py", "TorchRec: cnrstore against DCP async_save on a DMP-sharded model",
+     "A DLRM whose EmbeddingBagCollection is sharded by DistributedModelParallel over 2 gloo processes (row- and "
+     "table-wise, fused row-wise Adagrad; ~300 MB of state, Zipf lookups), saved every 10 steps through "
+     "cnrstore's DistributedCheckpointer (incremental, int4 and fp32 weights) and, in a separate pass of the "
+     "identical training run, through DCP async_save: trainer stall and bytes on disk per save as ratios "
+     "DCP/cnrstore, the wait for the previous save, time until durable, restore of the newest version.",
+     ["--plot", "torchrec.png"], ["--quick", "--plot", "none"], "torchrec.png"),
 ]
 
 
