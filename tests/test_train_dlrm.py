@@ -1,11 +1,22 @@
-"""tools/train_dlrm.py, the reference trainer `make demo` runs: end to end, in a subprocess."""
+"""tools/train_dlrm.py, the reference trainer `make demo` runs: end to end, in a subprocess.
 
+The ``--torchrec`` cases need torchrec (the ``[torchrec]`` extra): skipped without it, unless
+CNRSTORE_REQUIRE_TORCHREC=1 (``make test``) makes a missing torchrec a failure.
+"""
+
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 
-TOOL = os.path.join(os.path.dirname(__file__), "..", "tools", "train_dlrm.py")
+import pytest
+
+TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
+TOOL = os.path.join(TOOLS, "train_dlrm.py")
+requires_torchrec = pytest.mark.skipif(
+    os.environ.get("CNRSTORE_REQUIRE_TORCHREC") != "1" and importlib.util.find_spec("torchrec") is None,
+    reason="torchrec is not installed (pip install 'cnrstore[torchrec]', see README)")
 
 
 def run(*args):
@@ -37,3 +48,37 @@ def test_int4_intermittent_run_learns_and_writes_less_than_torch_save():
     assert auc_end > auc_start + 0.1 and auc_end > 0.65
     share = float(re.search(r"\(([0-9.]+)% of it\)", out).group(1))
     assert share < 50  # bytes per checkpoint against a full torch.save of the same state
+
+
+@requires_torchrec
+def test_torchrec_model_computes_what_the_plain_model_computes():
+    sys.path.insert(0, TOOLS)
+    try:
+        import torch
+
+        import train_dlrm
+    finally:
+        sys.path.remove(TOOLS)
+    args = train_dlrm.parse_args(["--quick", "--max-rows", "3000", "--batch-size", "64"])
+    plain = train_dlrm.build_model(args, 5)
+    args.torchrec = True
+    model = train_dlrm.make_model(args, 5)
+    assert type(model).__name__ == "TorchRecDLRM"
+    dense, ids, labels = train_dlrm.SyntheticCriteo(args).batch(3)
+    logits = [m(dense, ids) for m in (plain, model)]
+    assert torch.equal(*logits)   # same init, same lookups and interaction: bit for bit
+    for m, lg in zip((plain, model), logits):
+        torch.nn.functional.binary_cross_entropy_with_logits(lg, labels).backward()
+    for t, emb in enumerate(plain.embs):
+        assert torch.equal(emb.weight.grad, model.ebc.embedding_bags[f"t{t}"].weight.grad)
+    assert torch.equal(plain.top[0].weight.grad, model.top[0].weight.grad)
+
+
+@requires_torchrec
+def test_torchrec_lossless_failures_and_restores_reproduce_the_uninterrupted_run():
+    out = run("--torchrec", "--codec", "fp32", "--mode", "incremental", "--steps", "150", "--max-rows", "5000")
+    assert "a torchrec EmbeddingBagCollection of 26 tables" in out and "backend cnrstore Checkpointer" in out
+    assert int(field(out, "checkpoints written / failures")[2]) >= 2
+    assert field(out, "max |weight diff| vs no failures")[0] == "0"
+    logloss = field(out, "final holdout logloss")
+    assert logloss[0] == logloss[1]

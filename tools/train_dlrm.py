@@ -31,6 +31,15 @@ against the same run without failures (and without checkpoints), trained in the 
 the job recovers (CPR's partial recovery, with ``--priority mfu|ssu`` priority saves; ECRM's erasure-coded
 parity, ``--parity K,R``): see tools/dlrm_dist.py.
 
+``--torchrec`` builds the same DLRM from torchrec instead: the 26 tables in one ``EmbeddingBagCollection``
+(table ``t<i>`` pools feature ``f<i>``; same cardinalities, dims and initial weights, copied from the plain
+model; the same bottom/top MLP modules and interaction), fed the same id batch as a ``KeyedJaggedTensor``
+of one id per feature per sample. In one process its tables are ``nn.EmbeddingBag``s that the same
+``Checkpointer``, failures and table handle as above (it computes bit for bit what the plain model does).
+It needs the ``[torchrec]`` extra (README, "TorchRec").
+
+    python tools/train_dlrm.py --torchrec --quick --codec fp32 --mode incremental
+
 ``--backend cnrstore`` needs ``cnrstore.torch.Checkpointer``; when it cannot be imported the run falls
 back to ``torch.save`` and says so.
 """
@@ -38,11 +47,13 @@ back to ``torch.save`` and says so.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,16 +113,65 @@ class DLRM(nn.Module):
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         x = self.bottom(dense)                                            # (B, d)
         # One id per feature per sample: each row of the (B, 1) input is a bag of one.
-        embs = [e(ids[:, t:t + 1]) for t, e in enumerate(self.embs)]      # 26 x (B, d)
-        feats = torch.stack([x, *embs], dim=1)                            # (B, 27, d)
-        z = torch.bmm(feats, feats.transpose(1, 2))                       # (B, 27, 27)
-        inter = z[:, self._tri[0], self._tri[1]]                          # (B, 351)
-        return self.top(torch.cat([x, inter], dim=1)).squeeze(1)
+        pooled = torch.stack([e(ids[:, t:t + 1]) for t, e in enumerate(self.embs)], dim=1)   # (B, 26, d)
+        return self.top(interaction(x, pooled, self._tri)).squeeze(1)
+
+
+def interaction(x: torch.Tensor, pooled: torch.Tensor, tri: torch.Tensor) -> torch.Tensor:
+    """The top MLP's input: the bottom MLP's output ``x`` (B, d) and the dot product of every pair of the
+    feature vectors ``[x, pooled[:, 0], ...]`` (``pooled``: (B, T, d); ``tri``: the pairs, upper triangle)."""
+    feats = torch.cat([x.unsqueeze(1), pooled], dim=1)                    # (B, 27, d)
+    z = torch.bmm(feats, feats.transpose(1, 2))                           # (B, 27, 27)
+    return torch.cat([x, z[:, tri[0], tri[1]]], dim=1)                    # (B, d + 351)
+
+
+class TorchRecDLRM(nn.Module):
+    """``DLRM`` with its tables in one torchrec ``EmbeddingBagCollection`` (table ``t<i>`` pools feature
+    ``f<i>``, sum), built from a ``DLRM``: the same bottom/top MLP modules and interaction, the tables'
+    initial weights copied in (on ``device="meta"`` nothing is copied: the tables are made to be sharded
+    by ``DistributedModelParallel``, which materializes them). ``forward(dense, ids)`` takes the same
+    (B, 26) id batch as ``DLRM``, as a ``KeyedJaggedTensor`` of one id per feature per sample."""
+
+    def __init__(self, plain: DLRM, device: torch.device | str | None = None):
+        super().__init__()
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType  # noqa: PLC0415
+
+        self.dim = plain.dim
+        self.bottom, self.top, self._tri = plain.bottom, plain.top, plain._tri
+        self.keys = [f"f{t}" for t in range(len(plain.embs))]
+        self.ebc = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=f"t{t}", embedding_dim=e.embedding_dim, num_embeddings=e.num_embeddings,
+                                       feature_names=[k], pooling=PoolingType.SUM)
+                    for t, (k, e) in enumerate(zip(self.keys, plain.embs))], device=device)
+        if torch.device(device or "cpu").type != "meta":
+            with torch.no_grad():
+                for t, e in enumerate(plain.embs):
+                    self.ebc.embedding_bags[f"t{t}"].weight.copy_(e.weight)
+
+    def features(self, ids: torch.Tensor):
+        """The (B, T) id batch as a ``KeyedJaggedTensor``: key ``f<t>`` holds column ``t``, one id per sample."""
+        from torchrec import KeyedJaggedTensor  # noqa: PLC0415
+
+        return KeyedJaggedTensor.from_lengths_sync(keys=self.keys, values=ids.t().reshape(-1),
+                                                   lengths=torch.ones(ids.numel(), dtype=torch.int64))
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)
+        by_key = self.ebc(self.features(ids)).to_dict()    # a sharded collection may order its keys otherwise
+        pooled = torch.stack([by_key[k] for k in self.keys], dim=1)                 # (B, 26, d)
+        return self.top(interaction(x, pooled, self._tri)).squeeze(1)
 
 
 def build_model(args, seed: int, emb_scale: float = 0.05) -> DLRM:
     torch.manual_seed(seed)
     return DLRM(cardinalities(args), args.dim, [64, 32], [64, 32], emb_scale=emb_scale)
+
+
+def make_model(args, seed: int) -> nn.Module:
+    """The model a run trains: ``build_model``'s DLRM, or with ``--torchrec`` the same one (same init) as a
+    ``TorchRecDLRM``."""
+    plain = build_model(args, seed)
+    return TorchRecDLRM(plain) if getattr(args, "torchrec", False) else plain
 
 
 def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -386,6 +446,24 @@ class CnrstoreBackend:
         self.store.close()
 
 
+def quiet_torchrec() -> None:
+    """Silence what torch and torchrec say on every ``--torchrec`` run about their own APIs (deprecations,
+    the planner's heuristics), which this tool cannot act on; errors still show."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    for name in ("torchrec", "torch.fx._symbolic_trace"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def torchrec_missing() -> str | None:
+    """Why ``--torchrec`` cannot run here (torchrec or fbgemm-gpu missing), or None."""
+    try:
+        import fbgemm_gpu  # noqa: F401, PLC0415
+        import torchrec  # noqa: F401, PLC0415
+    except ImportError as e:
+        return str(e)
+    return None
+
+
 def load_checkpointer():
     """``cnrstore.torch.Checkpointer`` if it can be imported, else None (with the reason)."""
     try:
@@ -424,7 +502,7 @@ def train(args, holdout: Holdout, *, label: str, checkpoint: bool, fail_every: i
     def fresh():
         # A restarted process builds its model again; a different init seed makes any state the
         # restore misses show up in the final metrics instead of hiding behind an identical init.
-        model = build_model(args, args.seed + 1000 * restarts)
+        model = make_model(args, args.seed + 1000 * restarts)
         return model, build_optimizer(model, args.lr), SyntheticCriteo(args)
 
     def open_backend(model, optimizer, loader):
@@ -485,7 +563,7 @@ def train(args, holdout: Holdout, *, label: str, checkpoint: bool, fail_every: i
                 probe = os.path.join(args.probe_dir, "probe.pt")
                 res.torch_save.append(timed_torch_save(full_state(model, optimizer, loader, step), probe))
                 # Its restore, timed like ours: into a freshly built model and optimizer.
-                m2 = build_model(args, args.seed + 1000 * (restarts + 1))
+                m2 = make_model(args, args.seed + 1000 * (restarts + 1))
                 o2 = build_optimizer(m2, args.lr)
                 t0 = time.perf_counter()
                 st = torch.load(probe, weights_only=False)
@@ -611,6 +689,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also train the same run without failures or checkpoints, for the final metrics")
     p.add_argument("--quick", action="store_true", help="a smaller configuration (tests, smoke runs)")
     p.add_argument("--no-progress", action="store_true", help="no progress output")
+    p.add_argument("--torchrec", action="store_true",
+                   help="the same DLRM (same init) with its tables in a torchrec EmbeddingBagCollection fed a "
+                        "KeyedJaggedTensor, checkpointed as above (one process). Needs the [torchrec] extra")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (0: torch's default); 1 leaves a core to the background writer "
                         "and avoids thread oversubscription on small machines")
@@ -658,6 +739,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.torchrec:
+        quiet_torchrec()
+        problem = torchrec_missing()
+        if problem:
+            print(f"error: --torchrec needs torchrec and fbgemm-gpu ({problem}): pip install 'cnrstore[torchrec]' "
+                  "then pip install --no-deps torchrec==1.8.0 (README, 'TorchRec')",
+                  file=sys.stderr)
+            return 2
     if args.world_size is not None:
         import dlrm_dist  # noqa: PLC0415 (tools/, beside this file)
         return dlrm_dist.run(args)
@@ -689,7 +778,8 @@ def main(argv=None) -> int:
         args.probe_dir = tmp
         t_all = time.perf_counter()
         card = cardinalities(args)
-        print(f"DLRM: 26 EmbeddingBags, {sum(card):,} rows x dim {args.dim}, bottom 13-64-32-{args.dim}, "
+        tables = "a torchrec EmbeddingBagCollection of 26 tables" if args.torchrec else "26 EmbeddingBags"
+        print(f"DLRM: {tables}, {sum(card):,} rows x dim {args.dim}, bottom 13-64-32-{args.dim}, "
               f"top 64-32-1; {args.steps} steps x batch {args.batch_size}; checkpoint every "
               f"{args.ckpt_every}, failure every {args.fail_every or 'never'}; backend "
               f"{'cnrstore Checkpointer' if backend_name == 'cnrstore' else 'torch.save'}"
