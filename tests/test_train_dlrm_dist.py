@@ -1,12 +1,20 @@
 """tools/train_dlrm.py --world-size 2: a spawned gloo job with one rank killed (SIGKILL) and replaced,
-end to end in a subprocess, under full and under partial (CPR) recovery."""
+end to end in a subprocess, under full, partial (CPR) and ECRM recovery; the same with ``--torchrec`` (a
+DistributedModelParallel model) under full and partial recovery. The ``--torchrec`` jobs need torchrec: skipped
+without it, unless CNRSTORE_REQUIRE_TORCHREC=1 (``make test``) makes a missing torchrec a failure."""
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 
+import pytest
+
 TOOL = os.path.join(os.path.dirname(__file__), "..", "tools", "train_dlrm.py")
+requires_torchrec = pytest.mark.skipif(
+    os.environ.get("CNRSTORE_REQUIRE_TORCHREC") != "1" and importlib.util.find_spec("torchrec") is None,
+    reason="torchrec is not installed (pip install 'cnrstore[torchrec]', see README)")
 # 80 steps, a checkpoint every 20, one failure at step 50 (rank 1): the newest global version is step 40
 SHORT = ("--world-size", "2", "--quick", "--no-progress", "--steps", "80", "--fail-every", "50",
          "--holdout-batches", "2", "--job-timeout", "150")
@@ -72,3 +80,39 @@ def test_ecrm_parity_that_does_not_fit_the_world_is_refused():
     proc = subprocess.run([sys.executable, TOOL, *SHORT, "--recovery", "ecrm", "--parity", "2,1"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode != 0 and "K + R <= --world-size (2)" in proc.stdout + proc.stderr
+
+
+@requires_torchrec
+def test_torchrec_full_recovery_of_a_killed_rank_reproduces_the_run_without_failures():
+    # a DistributedModelParallel model, its tables placed whole by torchrec's planner
+    out = run("--torchrec", "--sharding", "table", "--recovery", "full", "--codec", "fp32", "--mode", "incremental")
+    assert "torchrec DistributedModelParallel, table-wise sharding" in out
+    line = recovery_line(out)
+    assert "at step 50" in line and "all ranks restored step 40; 10 steps re-computed" in line, line
+    # lossless checkpoints of the shards and the fused optimizer's state: the same weights exactly
+    assert field(out, "max |weight diff| vs no failures")[0] == "0"
+    logloss = field(out, "final holdout logloss")
+    assert logloss[0] == logloss[1]
+    assert float(field(out, "final holdout AUC")[0]) > 0.65
+
+
+@requires_torchrec
+def test_torchrec_partial_recovery_restores_only_the_killed_rank_and_the_model_still_learns():
+    out = run("--torchrec", "--recovery", "partial", "--no-compare")
+    assert "torchrec DistributedModelParallel, row-wise sharding" in out
+    rows = [int(n.rstrip(",")) for n in field(out, "torchrec's plan:")[:2]]
+    assert abs(rows[0] - rows[1]) <= 26, rows   # row-wise: every table cut in two near-equal halves
+    line = recovery_line(out)
+    assert "at step 50" in line and "rank 1 restored global version 2 (step 40); 10 steps of its updates lost" \
+        in line, line
+    assert abs(float(field(out, "lost updates (estimate)")[0].rstrip("%")) - 6.25) < 0.01
+    ll, auc = (float(x) for x in field(out, "final holdout logloss / AUC")[::2])
+    auc_start = float(re.search(r"step 0: [0-9.]+/([0-9.]+)", out).group(1))
+    assert auc > 0.65 and auc > auc_start + 0.1 and ll < 0.6, out
+
+
+def test_torchrec_with_ecrm_recovery_is_refused():
+    proc = subprocess.run([sys.executable, TOOL, *SHORT, "--torchrec", "--recovery", "ecrm"], capture_output=True,
+                          text=True, timeout=60)
+    err = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 2 and err.count("\n") == 0 and "ECRM protects nn.Embedding shards only" in err, err

@@ -18,6 +18,17 @@ The parallel scheme (simple and exact, not fast):
   the replicas stay bit-equal);
 - evaluation runs the same sharded forward under ``torch.no_grad()`` (a collective).
 
+With ``--torchrec`` the model is ``train_dlrm.TorchRecDLRM`` sharded by torchrec's
+``DistributedModelParallel`` instead (``build_dmp``; an ``Arch`` picks the model's build, training step and
+evaluation once): the tables row-wise or table-wise as torchrec's planner places them, on the fused TBE
+kernel with row-wise Adagrad (updated inside the backward pass), the dense layers replicated under an
+Adagrad ``KeyedOptimizerWrapper``; every rank trains its slice of the global batch (data parallel: torchrec
+routes the ids to the shards), the loss scaled so that the gradients are the global batch's. The
+checkpointer reads the plan off the model (``DistributedCheckpointer(plan=None)``). torchrec's sharded
+modules keep the process group they were built in, so after a failure a surviving rank of a partial
+recovery builds its model again on the new group and carries its live state over (tables, fused optimizer
+state, dense layers and optimizer) before ``recover()``. ``--recovery ecrm`` is refused.
+
 Failure injection (``--fail-every K``): after the update of step K, 2K, ... (and before that step's
 checkpoint), one rank kills itself with SIGKILL (round-robin from rank 1, or ``--fail-rank``). The
 survivors notice at their next collective (gloo raises), re-form the process group under a new FileStore
@@ -45,6 +56,7 @@ re-computed steps), and the lost-update estimate.
     python tools/train_dlrm.py --world-size 2 --quick                       # partial recovery
     python tools/train_dlrm.py --world-size 2 --quick --recovery full
     python tools/train_dlrm.py --world-size 2 --priority mfu --priority-top 0.05
+    python tools/train_dlrm.py --world-size 2 --quick --torchrec                # a DMP model, partial recovery
 """
 
 from __future__ import annotations
@@ -57,6 +69,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
@@ -141,10 +155,7 @@ class ShardedDLRM(nn.Module):
         return torch.stack(cols, dim=1)
 
     def head(self, x: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        feats = torch.cat([x.unsqueeze(1), pooled], dim=1)                 # (B, 27, d)
-        z = torch.bmm(feats, feats.transpose(1, 2))
-        inter = z[:, self._tri[0], self._tri[1]]
-        return self.top(torch.cat([x, inter], dim=1)).squeeze(1)
+        return self.top(train_dlrm.interaction(x, pooled, self._tri)).squeeze(1)
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor):
         """(logits, this rank's pooled part with its graph, the assembled pooled leaf). Collective."""
@@ -167,20 +178,25 @@ def train_step(model: ShardedDLRM, optimizer, loss_fn, batch, ecrm: ECRM | None 
     loss.backward()                                   # dense grads and d loss / d pooled
     if part.requires_grad:
         part.backward(pooled.grad)                    # into this rank's shards
-    grads = [p.grad for p in model.dense_parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    all_reduce_([p.grad for p in model.dense_parameters()], divisor=dist.get_world_size())
     if ecrm is None:
         optimizer.step()
     else:
         with ecrm.step(step):
             optimizer.step()
     return float(loss.detach())
+
+
+def all_reduce_(tensors: list[torch.Tensor], divisor: int = 1) -> None:
+    """Sum each tensor over the ranks, in place and in one collective, then divide by ``divisor``."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    if divisor != 1:
+        flat /= divisor
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def evaluate(model: ShardedDLRM, holdout: train_dlrm.Holdout) -> tuple[float, float]:
@@ -191,13 +207,156 @@ def evaluate(model: ShardedDLRM, holdout: train_dlrm.Holdout) -> tuple[float, fl
     return train_dlrm.logloss(holdout.labels, probs), train_dlrm.auc(holdout.labels, probs)
 
 
+def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's part of the model's state: every tensor of ``state_dict()``, a ``ShardedTensor`` (a
+    DistributedModelParallel table) as its local shards (``<key>@<row>,<col>``: views of the table)."""
+    out = {}
+    for key, value in model.state_dict().items():
+        if callable(getattr(value, "local_shards", None)):
+            for local in value.local_shards():
+                out[f"{key}@{','.join(str(o) for o in local.metadata.shard_offsets)}"] = local.tensor
+        else:
+            out[key] = value
+    return out
+
+
 def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
     """The largest |a - b| over the state of two models of this rank, maximized over ranks (collective)."""
-    d = max(float((p - q).abs().max()) for p, q in zip(a.state_dict().values(), b.state_dict().values())
-            if p.is_floating_point())
+    pairs = zip(local_state(a).values(), local_state(b).values())
+    d = max((float((p - q).abs().max()) for p, q in pairs if p.is_floating_point() and p.numel()), default=0.0)
     t = torch.tensor([d])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+# ----------------------------------------------------------------------------- model: torchrec (--torchrec)
+
+
+def build_dmp(args, plan: None, rank: int, seed: int):
+    """``train_dlrm.TorchRecDLRM`` sharded by ``DistributedModelParallel`` over the default group
+    (collective), and its dense optimizer: (model, optimizer).
+
+    The tables are sharded row-wise (``--sharding row``) or table-wise (``table``, where torchrec's planner
+    puts them), on the fused TBE kernel with row-wise Adagrad (``--lr``) updating them inside the backward
+    pass; every rank starts from ``train_dlrm.build_model``'s global init, written into its local shards.
+    The bottom/top MLPs are replicated, updated by Adagrad through a ``KeyedOptimizerWrapper`` (state keyed
+    by parameter name). ``plan`` is unused: torchrec's planner makes the plan, which the checkpointer reads
+    off the model."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: PLC0415
+    from torchrec.distributed import collective_utils  # noqa: PLC0415
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: PLC0415
+    from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa: PLC0415
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology  # noqa: PLC0415
+    from torchrec.distributed.planner.types import ParameterConstraints  # noqa: PLC0415
+    from torchrec.distributed.types import ShardingEnv, ShardingType  # noqa: PLC0415
+    from torchrec.optim.keyed import KeyedOptimizerWrapper  # noqa: PLC0415
+    from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: PLC0415
+
+    class CPUSharder(EmbeddingBagCollectionSharder):
+        """Offers row-wise sharding on CPU too (torchrec's planner offers it on GPUs only)."""
+
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            return [ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value]
+
+    world = dist.get_world_size()
+    plain = train_dlrm.build_model(args, seed)
+    model = train_dlrm.TorchRecDLRM(plain, device="meta")
+    sharder = CPUSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": args.lr})
+    kind = (ShardingType.ROW_WISE if args.sharding == "row" else ShardingType.TABLE_WISE).value
+    constraints = {f"t{t}": ParameterConstraints(sharding_types=[kind], compute_kernels=["fused"])
+                   for t in range(len(plain.embs))}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
+                                       constraints=constraints)
+    sharding = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+    # DMP's constructor broadcasts a setting from rank 0 the first time in a process only: a replacement's
+    # first model and a survivor's second would then make different collectives. Every build makes it.
+    collective_utils._INITIALIZED = False
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=sharding, sharders=[sharder],
+                                   init_data_parallel=False, env=ShardingEnv(world, rank, dist.GroupMember.WORLD))
+    with torch.no_grad():
+        for key, value in dmp.state_dict().items():
+            if not callable(getattr(value, "local_shards", None)):
+                continue
+            full = plain.embs[int(key.split(".")[-2][1:])].weight          # "...embedding_bags.t<i>.weight"
+            for local in value.local_shards():
+                r0, c0 = local.metadata.shard_offsets
+                local.tensor.copy_(full[r0:r0 + local.tensor.shape[0], c0:c0 + local.tensor.shape[1]])
+    optimizer = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                      lambda params: torch.optim.Adagrad(params, lr=args.lr))
+    return dmp, optimizer
+
+
+def dmp_train_step(model, optimizer, loss_fn, batch, ecrm: None = None, step: int = 0) -> float:
+    """One synchronous data-parallel step (collective): this rank trains its slice of the global batch;
+    the loss is scaled so that the tables' gradients (summed over the ranks by torchrec) and the dense
+    gradients (summed here) are those of the global batch's mean loss. Returns that loss."""
+    dense, ids, labels = batch
+    world, rank = dist.get_world_size(), dist.get_rank()
+    part = slice(rank * labels.shape[0] // world, (rank + 1) * labels.shape[0] // world)
+    optimizer.zero_grad()
+    loss = loss_fn(model(dense[part], ids[part]), labels[part]) * ((part.stop - part.start) / labels.shape[0])
+    loss.backward()                                   # the fused optimizer updates the tables here
+    total = loss.detach().reshape(1)
+    all_reduce_([*(p.grad for p in optimizer.params.values()), total])
+    optimizer.step()
+    return float(total)
+
+
+def dmp_evaluate(model, holdout: train_dlrm.Holdout) -> tuple[float, float]:
+    """Held-out (logloss, AUC) of the sharded model (collective): each rank scores its slice of the held-out
+    set (padded to equal slices), the scores are gathered."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = holdout.labels.size
+    per = -(-n // world)
+    mine = torch.arange(rank * per, (rank + 1) * per).clamp(max=n - 1)
+    with torch.no_grad():
+        logits = model(holdout.dense[mine], holdout.ids[mine])
+    every = [torch.empty_like(logits) for _ in range(world)]
+    dist.all_gather(every, logits)
+    probs = torch.sigmoid(torch.cat(every)[:n]).numpy()
+    return train_dlrm.logloss(holdout.labels, probs), train_dlrm.auc(holdout.labels, probs)
+
+
+def dmp_carry_over(src, src_optimizer, dst, dst_optimizer) -> None:
+    """Copy one rank's live state from model ``src`` into ``dst``, built alike on another process group:
+    its table shards, their fused optimizer state, the dense layers and their optimizer's state."""
+    with torch.no_grad():
+        for (key, a), (key2, b) in zip(local_state(src).items(), local_state(dst).items(), strict=True):
+            assert key == key2, (key, key2)
+            b.copy_(a)
+        fa, fb = src.fused_optimizer.state_dict()["state"], dst.fused_optimizer.state_dict()["state"]
+        for key, states in fa.items():
+            for name, value in states.items():
+                for la, lb in zip(value.local_shards(), fb[key][name].local_shards(), strict=True):
+                    lb.tensor.copy_(la.tensor)
+    dst_optimizer.load_state_dict(src_optimizer.state_dict())
+
+
+def build_sharded(args, plan: ShardingPlan, rank: int, seed: int):
+    """``ShardedDLRM`` and its Adagrad: (model, optimizer)."""
+    model = ShardedDLRM(args, plan, rank, seed)
+    return model, train_dlrm.build_optimizer(model, args.lr)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the worker does differently for the two models (chosen once, by ``--torchrec``)."""
+
+    build: Callable          # (args, plan, rank, seed) -> (model, optimizer); collective
+    train_step: Callable     # (model, optimizer, loss_fn, batch, ecrm, step) -> loss; collective
+    evaluate: Callable       # (model, holdout) -> (logloss, AUC); collective
+    #: None: the model keeps working on a re-formed process group. Else (src, src_opt, dst, dst_opt): the
+    #: model is bound to the group it was built in (torchrec's sharded modules keep it), so a survivor that
+    #: keeps its state builds the model again on the new group and carries its state over with this.
+    carry_over: Callable | None = None
+
+
+PLAIN = Arch(build_sharded, train_step, evaluate)
+TORCHREC = Arch(build_dmp, dmp_train_step, dmp_evaluate, dmp_carry_over)
+
+
+def arch_of(args) -> Arch:
+    return TORCHREC if getattr(args, "torchrec", False) else PLAIN
 
 
 # --------------------------------------------------------------------------------------------- worker
@@ -231,7 +390,9 @@ class Worker:
         self.epoch = epoch                   # failures so far: names the rendezvous file
         self.run_dir = run_dir
         self.events = Events(run_dir, rank)
-        self.plan = make_plan(args, self.world)
+        self.arch = arch_of(args)
+        # torchrec's planner shards a DMP model; the checkpointer reads its plan off the model (plan=None)
+        self.plan = None if self.arch is TORCHREC else make_plan(args, self.world)
         self.loss_fn = nn.BCEWithLogitsLoss()
         self.pending = None
         self.ckpt: DistributedCheckpointer | None = None
@@ -257,8 +418,8 @@ class Worker:
     def fresh(self, restarts: int):
         """A freshly built model, optimizer and loader (a restart uses another init: what a restore misses
         shows up in the metrics)."""
-        model = ShardedDLRM(self.args, self.plan, self.rank, self.args.seed + 1000 * restarts)
-        return model, train_dlrm.build_optimizer(model, self.args.lr), train_dlrm.SyntheticCriteo(self.args)
+        model, optimizer = self.arch.build(self.args, self.plan, self.rank, self.args.seed + 1000 * restarts)
+        return model, optimizer, train_dlrm.SyntheticCriteo(self.args)
 
     def open_checkpointer(self) -> DistributedCheckpointer:
         a = self.args
@@ -286,9 +447,10 @@ class Worker:
         if replacement:
             self.recover_as_replacement()
         elif self.rank == 0:
-            self.events.log("eval", step=0, result=evaluate(self.model, self.holdout))
+            self.events.log("plan", plan=self.ckpt.plan.to_dict())
+            self.events.log("eval", step=0, result=self.arch.evaluate(self.model, self.holdout))
         else:
-            evaluate(self.model, self.holdout)
+            self.arch.evaluate(self.model, self.holdout)
         self.train_loop()
         self.pending = None
         if self.ecrm is not None:
@@ -309,8 +471,8 @@ class Worker:
         replay_until = None            # full recovery: (failure, step it struck, time training resumed)
         while self.step < a.steps:
             try:
-                lv = train_step(self.model, self.optimizer, self.loss_fn, self.loader.next(), self.ecrm,
-                                self.step + 1)
+                lv = self.arch.train_step(self.model, self.optimizer, self.loss_fn, self.loader.next(), self.ecrm,
+                                          self.step + 1)
                 self.step += 1
                 ema = lv if ema is None else 0.98 * ema + 0.02 * lv
                 self.prog.update(self.step, ema)
@@ -325,7 +487,7 @@ class Worker:
                         os.kill(os.getpid(), signal.SIGKILL)
                 self.checkpoint()
                 if self.step % eval_every == 0 and self.step < a.steps:
-                    result = evaluate(self.model, self.holdout)
+                    result = self.arch.evaluate(self.model, self.holdout)
                     if self.rank == 0:
                         self.events.log("eval", step=self.step, result=result)
                         self.prog.message(f"  step {self.step}: holdout logloss {result[0]:.4f} AUC {result[1]:.4f}")
@@ -336,7 +498,7 @@ class Worker:
         self.prog.close()
         if self.pending is not None:
             self.pending.wait()
-        result = evaluate(self.model, self.holdout)
+        result = self.arch.evaluate(self.model, self.holdout)
         if self.rank == 0:
             self.events.log("final", step=self.step, result=result, ceiling=self.holdout.ceiling)
 
@@ -371,6 +533,8 @@ class Worker:
         self.loader.position = self.step        # a batch drawn for the step that failed is drawn again
         self.rendezvous()
         if a.recovery == "partial":
+            if self.arch.carry_over is not None:
+                self.rebuild_live()
             t0 = time.perf_counter()
             rep = self.ckpt.recover([victim_of(failure, a)], step=self.step)
             self.events.log("recovered", failure=failure, role="survivor", detected=detected,
@@ -419,12 +583,26 @@ class Worker:
             return (failure, failed_step, time.perf_counter(), self.step)
         return None
 
-    def restart_full(self) -> None:
-        """Full recovery on this rank: rebuild everything, restore the newest global version."""
+    def drop_checkpointer(self) -> None:
         try:
             self.ckpt.close()
         except Exception:  # the save the failure cut short: its error is expected
             pass
+
+    def rebuild_live(self) -> None:
+        """A survivor of a partial recovery whose model is bound to the broken process group
+        (``Arch.carry_over``): the same model built again on the new group, this rank's live state carried
+        over, and a checkpointer over it (collective, as the replacement's start; its first save writes
+        every row, as the replacement's does)."""
+        self.drop_checkpointer()
+        model, optimizer = self.arch.build(self.args, self.plan, self.rank, self.args.seed + 1000 * self.epoch)
+        self.arch.carry_over(self.model, self.optimizer, model, optimizer)
+        self.model, self.optimizer = model, optimizer
+        self.ckpt = self.open_checkpointer()
+
+    def restart_full(self) -> None:
+        """Full recovery on this rank: rebuild everything, restore the newest global version."""
+        self.drop_checkpointer()
         del self.model, self.optimizer, self.loader
         self.model, self.optimizer, self.loader = self.fresh(self.epoch)
         self.ckpt = self.open_checkpointer()
@@ -458,9 +636,9 @@ class Worker:
         model, optimizer, loader = self.fresh(0)
         t0 = time.perf_counter()
         for _ in range(a.steps):
-            train_step(model, optimizer, self.loss_fn, loader.next())
+            self.arch.train_step(model, optimizer, self.loss_fn, loader.next())
         wall = time.perf_counter() - t0
-        result = evaluate(model, self.holdout)
+        result = self.arch.evaluate(model, self.holdout)
         diff = max_abs_diff(self.model, model)
         if self.rank == 0:
             self.events.log("compare", result=result, wall_s=wall, max_weight_diff=diff)
@@ -469,6 +647,8 @@ class Worker:
 def worker_entry(cfg: dict) -> int:
     import argparse  # noqa: PLC0415
     args = argparse.Namespace(**cfg["args"])
+    if getattr(args, "torchrec", False):
+        train_dlrm.quiet_torchrec()
     return Worker(args, cfg["rank"], cfg["epoch"], cfg["run_dir"]).main(cfg["replacement"])
 
 
@@ -535,9 +715,10 @@ def read_events(run_dir: str, world: int) -> dict[int, list[dict]]:
 
 
 def summarize(args, events: dict[int, list[dict]], plan: ShardingPlan) -> dict:
-    """The run's numbers, from every rank's events."""
+    """The run's numbers, from every rank's events (under the plan rank 0 logged, else ``plan``)."""
     every = [e for evs in events.values() for e in evs]
     by_kind = lambda k: [e for e in every if e["kind"] == k]  # noqa: E731
+    plan = next((ShardingPlan.from_dict(e["plan"]) for e in by_kind("plan")), plan)
     saves = by_kind("save")
     stall_per_rank = [sum(e["stall"] for e in evs if e["kind"] == "save") for evs in events.values()]
     failures = []
@@ -570,7 +751,7 @@ def summarize(args, events: dict[int, list[dict]], plan: ShardingPlan) -> dict:
         evals[final["step"]] = final
     curve = [(st, e["result"]) for st, e in sorted(evals.items())]
     return {"saves": saves, "stall_per_rank": stall_per_rank, "failures": failures, "ecrm": by_kind("ecrm"),
-            "final": final, "compare": compare, "curve": curve, "train_s": train_s}
+            "final": final, "compare": compare, "curve": curve, "train_s": train_s, "plan": plan}
 
 
 def kill_victim(kill: dict, events: dict[int, list[dict]]) -> int:
@@ -667,6 +848,12 @@ def check_args(args) -> str | None:
     """A message saying what to fix, or None."""
     if args.world_size < 1:
         return "--world-size must be >= 1"
+    if getattr(args, "torchrec", False):
+        if args.recovery == "ecrm":
+            return "--recovery ecrm does not go with --torchrec: ECRM protects nn.Embedding shards only"
+        if args.batch_size % args.world_size:
+            return (f"--torchrec trains each rank on its slice of the batch: --batch-size ({args.batch_size}) must "
+                    f"be a multiple of --world-size ({args.world_size})")
     if args.recovery == "ecrm" or getattr(args, "parity", None) is not None:
         if args.recovery != "ecrm":
             return "--parity goes with --recovery ecrm"
@@ -709,8 +896,13 @@ def run(args) -> int:
         card = train_dlrm.cardinalities(args)
         prio = (f", priority saves {args.priority} top {args.priority_top:g} every {args.priority_every}"
                 if args.priority else "")
-        print(f"DLRM on {args.world_size} ranks (gloo, FileStore rendezvous; {args.sharding}-wise sharding: "
-              f"{', '.join(str(plan.rows_of(r)) for r in range(args.world_size))} rows per rank): 26 EmbeddingBags, "
+        if args.torchrec:
+            model = (f"torchrec DistributedModelParallel, {args.sharding}-wise sharding by its planner): a torchrec "
+                     "EmbeddingBagCollection of 26 tables (fused row-wise Adagrad, each rank a slice of the batch)")
+        else:
+            model = (f"{args.sharding}-wise sharding: {', '.join(str(plan.rows_of(r)) for r in range(args.world_size))}"
+                     " rows per rank): 26 EmbeddingBags")
+        print(f"DLRM on {args.world_size} ranks (gloo, FileStore rendezvous; {model}, "
               f"{sum(card):,} rows x dim {args.dim}; {args.steps} steps x batch {args.batch_size}; checkpoint every "
               f"{args.ckpt_every}{prio}, failure every {args.fail_every or 'never'} ({args.recovery} recovery); "
               f"cnrstore DistributedCheckpointer (codec {args.codec}, mode {args.mode})", flush=True)
@@ -721,6 +913,9 @@ def run(args) -> int:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
         s = summarize(args, events, plan)
+        if args.torchrec:
+            print("torchrec's plan: " + ", ".join(str(s["plan"].rows_of(r)) for r in range(args.world_size))
+                  + " rows per rank")
         if s["final"] is not None:
             ceiling = s["final"]["ceiling"]
             print(f"teacher (Bayes-optimal) held-out logloss {ceiling[0]:.4f} AUC {ceiling[1]:.4f}")

@@ -36,9 +36,13 @@ parity, ``--parity K,R``): see tools/dlrm_dist.py.
 model; the same bottom/top MLP modules and interaction), fed the same id batch as a ``KeyedJaggedTensor``
 of one id per feature per sample. In one process its tables are ``nn.EmbeddingBag``s that the same
 ``Checkpointer``, failures and table handle as above (it computes bit for bit what the plain model does).
-It needs the ``[torchrec]`` extra (README, "TorchRec").
+With ``--world-size N`` the collection is sharded by ``DistributedModelParallel`` (torchrec's planner,
+``--sharding row|table``, fused row-wise Adagrad on the tables) and checkpointed by
+``DistributedCheckpointer(plan=None)``; ``--recovery ecrm`` is refused (ECRM protects ``nn.Embedding``
+shards only). It needs the ``[torchrec]`` extra (README, "TorchRec").
 
     python tools/train_dlrm.py --torchrec --quick --codec fp32 --mode incremental
+    python tools/train_dlrm.py --torchrec --world-size 2 --quick --recovery partial
 
 ``--backend cnrstore`` needs ``cnrstore.torch.Checkpointer``; when it cannot be imported the run falls
 back to ``torch.save`` and says so.
@@ -691,7 +695,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress output")
     p.add_argument("--torchrec", action="store_true",
                    help="the same DLRM (same init) with its tables in a torchrec EmbeddingBagCollection fed a "
-                        "KeyedJaggedTensor, checkpointed as above (one process). Needs the [torchrec] extra")
+                        "KeyedJaggedTensor, checkpointed as above; with --world-size, sharded by "
+                        "DistributedModelParallel (--sharding row|table, fused row-wise Adagrad for the tables, each "
+                        "rank a slice of the batch), checkpointed by DistributedCheckpointer(plan=None), --recovery "
+                        "full or partial (not ecrm: it protects nn.Embedding shards only). Needs the [torchrec] extra")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (0: torch's default); 1 leaves a core to the background writer "
                         "and avoids thread oversubscription on small machines")
