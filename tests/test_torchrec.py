@@ -147,6 +147,15 @@ def test_distributed_checkpointer_reshards_torchrec_models(tmp_path, src, dst):
     _assert_equal(restored, saved)
 
 
+def test_a_survivor_keeps_its_checkpointer_across_a_regrouped_job(tmp_path):
+    """After the default group is re-created, a survivor's recover() runs the collectives a replacement's
+    new DistributedCheckpointer(plan=None) runs (the plan read off the model, then its own group): before,
+    the two sides waited on different collectives until the timeout."""
+    _run(tmp_path, "regroup", 2, MIXED, seed=0)
+    reports = [json.loads((tmp_path / f"recovered-rank{r}.json").read_text()) for r in range(2)]
+    assert reports == [{"global_version": 1, "restored": False}, {"global_version": 1, "restored": True}]
+
+
 def test_row_wise_state_of_other_column_slices_is_refused(tmp_path):
     _run(tmp_path, "save", 1, ALL_TW, seed=0)
     _run(tmp_path, "restore", 1, {**ALL_TW, "t1": "column_wise"}, seed=7)

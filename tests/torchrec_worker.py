@@ -181,6 +181,25 @@ def main(cfg: dict) -> None:
         ckpt.close()
         assert gv.step == cfg["steps"], gv
         np.savez(os.path.join(out, f"restored-rank{rank}.npz"), **state_of(dmp))
+    elif scenario == "regroup":
+        # partial recovery where the survivor keeps its checkpointer across the re-created default group and
+        # the "replaced" rank opens a new one (plan=None): the same collectives on both sides
+        from cnrstore.distributed import DistributedCheckpointer
+        ckpt = DistributedCheckpointer(cfg["root"], dmp, dense, codec="fp32", mode="incremental", timeout_s=60)
+        train(dmp, dense, range(2))
+        ckpt.save(2).wait()
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{cfg['init']}-again", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        if rank == 0:
+            rep = ckpt.recover([1], step=2)
+        else:
+            ckpt.close()
+            ckpt = DistributedCheckpointer(cfg["root"], dmp, dense, codec="fp32", timeout_s=60)
+            rep = ckpt.recover([1])
+        ckpt.close()
+        with open(os.path.join(out, f"recovered-rank{rank}.json"), "w") as f:
+            json.dump({"global_version": rep.global_version, "restored": rep.restored}, f)
     elif scenario == "save":
         # train, saving every other step in the given mode; the state after the last save is the truth
         with cnrstore.open(store_path, create=True) as store:

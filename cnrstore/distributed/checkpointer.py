@@ -116,6 +116,7 @@ class DistributedCheckpointer:
                  ssu_rate: float | None = None, compaction=None, keep_last: int | None = None,
                  timeout_s: float = 600.0):
         self.rank, self.world_size = _check_dist()
+        self._plan_from_model = plan is None
         if plan is None:  # a TorchRec model: its own sharding (collective), else a clear error
             plan = ShardingPlan.from_torchrec(model, self.world_size)
         if not isinstance(plan, ShardingPlan):
@@ -216,6 +217,19 @@ class DistributedCheckpointer:
         self.root.check()
         return int(value)
 
+    def _regroup(self) -> None:
+        """After the default group was re-created: the collectives a new checkpointer of the replaced ranks
+        runs in its constructor (the plan read off a TorchRec model, then ``_join``), checking the plan."""
+        if dist.group.WORLD is self._world:
+            return
+        _check_dist()
+        if self._plan_from_model:
+            plan = ShardingPlan.from_torchrec(self.model, self.world_size)
+            if plan != self.plan:
+                raise InvalidArgument("the re-formed job's TorchRec shards are not the ones this checkpointer saved "
+                                      "(another world size or plan): open a new DistributedCheckpointer and restore()")
+        self._join()
+
     def rejoin(self) -> str | None:
         """Join the default process group re-formed after a failure (collective, on every rank of the new
         group, before other collectives of this checkpointer). ``recover`` does it by itself;
@@ -226,9 +240,7 @@ class DistributedCheckpointer:
         discarded = None
         if self._error is not None:
             discarded, self._error = f"{type(self._error).__name__}: {self._error}", None
-        if dist.group.WORLD is not self._world:
-            _check_dist()
-            self._join()
+        self._regroup()
         return discarded
 
     def _referenced(self) -> set[int]:
@@ -404,9 +416,7 @@ class DistributedCheckpointer:
         self._finish()
         if self._error is not None:
             discarded, self._error = f"{type(self._error).__name__}: {self._error}", None
-        if dist.group.WORLD is not self._world:
-            _check_dist()
-            self._join()
+        self._regroup()
         survivors = [r for r in range(self.world_size) if r not in failed]
         answer: list = [None]
         if self.rank == 0:
