@@ -22,7 +22,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 API = ROOT / "docs" / "API.md"
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+           TESTS_DIR=os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class Spec:
     ranks: int = 1
     #: not run alone: the block of that key runs it (with ``after=``)
     covered_by: str | None = None
+    #: an optional dependency the block needs (skipped without it, unless make test's
+    #: CNRSTORE_REQUIRE_TORCHREC=1 says it is installed)
+    needs: str | None = None
 
 
 TRAINER = '''
@@ -120,6 +124,15 @@ class MyDLRM(nn.Module):  # stands for your model: an EmbeddingBag per shard thi
         self.top = nn.Linear(64, 1)
 '''
 
+TORCHREC = RANKS + '''
+import sys
+sys.path.insert(0, os.environ["TESTS_DIR"])
+from torchrec_worker import build, train   # a DMP-sharded EmbeddingBagCollection on CPU, as the tests build it
+
+model, optimizer = build({"plan": {"t0": "row_wise", "t1": "column_wise", "t2": "table_wise"}}, rank, world_size, 0)
+train(model, optimizer, range(3))
+'''
+
 USE = 'with cnrstore.open("ckpt", create=True) as store:\n    store.create_table("user_emb"'
 DIST = 'DistributedCheckpointer("ckpt", model'
 
@@ -148,6 +161,11 @@ assert [g.step for g in cnrstore.distributed.versions("ckpt")] == [1000]
 assert ecrm.memory_bytes()
 ecrm.close()
 ckpt.close()
+'''),
+    'DistributedCheckpointer("trec", model': Spec(prelude=TORCHREC, ranks=2, needs="torchrec", check='''
+import cnrstore.distributed
+assert [g.step for g in cnrstore.distributed.versions("trec")] == [100]
+assert cnrstore.distributed.versions("trec")[0].plan.row_ids == "global"
 '''),
     "BitWidthPolicy(mtbf_hours": Spec(check='assert codec == "adaptive3" and bits.bits == 3'),
     "cnrstore ls ckpt": Spec(after=USE, check='''
@@ -194,6 +212,8 @@ def _wait(procs: list[subprocess.Popen], what: str) -> None:
 @pytest.mark.parametrize("key", [k for k, spec in SPECS.items() if spec.covered_by is None])
 def test_readme_block_runs_as_written(key, tmp_path):
     spec = SPECS[key]
+    if spec.needs and os.environ.get("CNRSTORE_REQUIRE_TORCHREC") != "1":
+        pytest.importorskip(spec.needs)
     block = _block(key)
     where = f"README block at line {block.line}"
     before = _block(spec.after) if spec.after else None
