@@ -234,6 +234,8 @@ def run_maintainer(store_path: str, ops: list | None, segment_bytes: int | None,
 
 def _serve() -> None:
     import cnrstore  # noqa: F401  (imported once, before any fork)
+    import torch  # noqa: F401  (the codecs import it lazily, at the first encode: once here, not in every child,
+    #             whose random kill instants assume a writer already at work)
     from cnrstore import fs
 
     for line in sys.stdin:
