@@ -124,6 +124,15 @@ def fmt_list(seconds: list) -> str:
     return ", ".join(f"{t * 1e3:.0f}" for t in seconds)
 
 
+def fmt_bytes(n: float) -> str:
+    """Bytes in B, KiB, MiB or GiB (one decimal)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 def fmt_s(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
 

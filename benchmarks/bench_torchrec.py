@@ -54,6 +54,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from bench_engine import fmt_bytes  # noqa: E402  (the shared report helpers)
+
 METHODS = ("cnrstore, int4", "cnrstore, fp32", "DCP async_save")
 NONE = "no checkpoints"  # a pass of the same training without saves: the reference for the training wall
 CODEC = {"cnrstore, int4": "int4", "cnrstore, fp32": "fp32"}
@@ -437,14 +439,6 @@ def fmt_s(s: float) -> str:
     if s != s:
         return "n/a"
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def summarize(args, results: list[dict]) -> dict:

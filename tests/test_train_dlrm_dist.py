@@ -38,29 +38,38 @@ def recovery_line(out: str) -> str:
     return lines[0]
 
 
-def test_full_recovery_of_a_killed_rank_reproduces_the_run_without_failures():
-    out = run("--recovery", "full", "--codec", "fp32", "--mode", "incremental")
-    assert field(out, "saves per rank (priority saves) / failures")[-1] == "1"
+def assert_exact_full_recovery(out: str) -> None:
+    """Rank 1 killed at step 50, every rank restored step 40 and re-computed 10 steps: with lossless
+    checkpoints the run ends with the same weights and metrics as the run without failures."""
     line = recovery_line(out)
     assert "at step 50" in line and "all ranks restored step 40; 10 steps re-computed" in line, line
-    assert float(field(out, "time lost to failures")[0]) > 0
-    # lossless checkpoints, every rank restored, the lost steps re-computed: the same weights exactly
     assert field(out, "max |weight diff| vs no failures")[0] == "0"
     logloss = field(out, "final holdout logloss")
     assert logloss[0] == logloss[1]
     assert float(field(out, "final holdout AUC")[0]) > 0.65
 
 
-def test_partial_recovery_restores_only_the_killed_rank_and_the_model_still_learns():
-    out = run("--recovery", "partial", "--no-compare")
+def assert_partial_recovery_still_learns(out: str) -> None:
+    """Only rank 1 restored (global version 2, step 40); it lost 10 of 80 steps of its half of the rows,
+    about 6.25% of the updates; the model still learns."""
     line = recovery_line(out)
     assert "at step 50" in line and "rank 1 restored global version 2 (step 40); 10 steps of its updates lost" \
         in line, line
-    # rank 1 holds about half the rows (row-wise) and lost 10 of 80 steps: about 6.25% of the updates
     assert abs(float(field(out, "lost updates (estimate)")[0].rstrip("%")) - 6.25) < 0.01
     ll, auc = (float(x) for x in field(out, "final holdout logloss / AUC")[::2])
     auc_start = float(re.search(r"step 0: [0-9.]+/([0-9.]+)", out).group(1))
     assert auc > 0.65 and auc > auc_start + 0.1 and ll < 0.6, out
+
+
+def test_full_recovery_of_a_killed_rank_reproduces_the_run_without_failures():
+    out = run("--recovery", "full", "--codec", "fp32", "--mode", "incremental")
+    assert field(out, "saves per rank (priority saves) / failures")[-1] == "1"
+    assert float(field(out, "time lost to failures")[0]) > 0
+    assert_exact_full_recovery(out)
+
+
+def test_partial_recovery_restores_only_the_killed_rank_and_the_model_still_learns():
+    assert_partial_recovery_still_learns(run("--recovery", "partial", "--no-compare"))
 
 
 def test_ecrm_recovery_of_a_killed_rank_loses_nothing():
@@ -87,13 +96,7 @@ def test_torchrec_full_recovery_of_a_killed_rank_reproduces_the_run_without_fail
     # a DistributedModelParallel model, its tables placed whole by torchrec's planner
     out = run("--torchrec", "--sharding", "table", "--recovery", "full", "--codec", "fp32", "--mode", "incremental")
     assert "torchrec DistributedModelParallel, table-wise sharding" in out
-    line = recovery_line(out)
-    assert "at step 50" in line and "all ranks restored step 40; 10 steps re-computed" in line, line
-    # lossless checkpoints of the shards and the fused optimizer's state: the same weights exactly
-    assert field(out, "max |weight diff| vs no failures")[0] == "0"
-    logloss = field(out, "final holdout logloss")
-    assert logloss[0] == logloss[1]
-    assert float(field(out, "final holdout AUC")[0]) > 0.65
+    assert_exact_full_recovery(out)   # lossless shards and fused optimizer state: the same weights exactly
 
 
 @requires_torchrec
@@ -102,13 +105,7 @@ def test_torchrec_partial_recovery_restores_only_the_killed_rank_and_the_model_s
     assert "torchrec DistributedModelParallel, row-wise sharding" in out
     rows = [int(n.rstrip(",")) for n in field(out, "torchrec's plan:")[:2]]
     assert abs(rows[0] - rows[1]) <= 26, rows   # row-wise: every table cut in two near-equal halves
-    line = recovery_line(out)
-    assert "at step 50" in line and "rank 1 restored global version 2 (step 40); 10 steps of its updates lost" \
-        in line, line
-    assert abs(float(field(out, "lost updates (estimate)")[0].rstrip("%")) - 6.25) < 0.01
-    ll, auc = (float(x) for x in field(out, "final holdout logloss / AUC")[::2])
-    auc_start = float(re.search(r"step 0: [0-9.]+/([0-9.]+)", out).group(1))
-    assert auc > 0.65 and auc > auc_start + 0.1 and ll < 0.6, out
+    assert_partial_recovery_still_learns(out)
 
 
 def test_torchrec_with_ecrm_recovery_is_refused():
