@@ -190,4 +190,7 @@ def partial(cfg, ck, model, opt, loader, plan, rank, out) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)   # no interpreter teardown: a gloo process may abort there after its work (torchrec_worker.py)
