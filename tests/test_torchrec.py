@@ -235,3 +235,37 @@ def test_unsharded_collection_with_a_keyed_optimizer(tmp_path):
         _step(b, opt_b, step)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         assert pa.numpy().tobytes() == pb.numpy().tobytes(), name
+
+
+def _unsharded_model():
+    """The workers' model unsharded (tests/torchrec_worker.py: tables t0..t2 of dim 8, a linear head)."""
+    from torchrec_worker import DIM, ROWS
+
+    return torch.nn.ModuleDict({
+        "ebc": EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n,
+                                                                 feature_names=[f"f{t}"]) for t, n in ROWS.items()]),
+        "head": torch.nn.Linear(DIM * len(ROWS), 1)})
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_export_of_a_sharded_model_loads_into_the_unsharded_one(tmp_path, world):
+    """A DMP model's checkpoint (one store for 1 rank, a multi-rank root for 2) exports as the unsharded
+    model's state dict: row-wise shards assembled by global row id, column slices joined, fused state left
+    out; strict load_state_dict takes it and every table equals the saved one bit for bit (fp32)."""
+    from cnrstore.export import export_path
+
+    if world == 1:
+        _run(tmp_path, "save", 1, MIXED, seed=0)
+        source = tmp_path / "root" / "rank-0"
+    else:
+        _run(tmp_path, "dsave", 2, MIXED, seed=0)
+        source = tmp_path / "root"
+    report = export_path(source, "torch", tmp_path / "model.pt")
+    assert report.layout == "state_dict" and report.merged == (world == 2)
+    model = _unsharded_model()
+    model.load_state_dict(torch.load(tmp_path / "model.pt"))   # strict: exactly the unsharded keys
+    saved = _load(tmp_path, "saved", world)
+    for t in ("t0", "t1", "t2"):
+        key = f"ebc.embedding_bags.{t}.weight"
+        assert model.state_dict()[key].numpy().tobytes() == saved[f"{key}/weight"].tobytes(), key
+    assert model.state_dict()["head.weight"].numpy().tobytes() == saved["dense/head.weight"].tobytes()

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from .. import store as _store
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, MissingRows
+from ..torch import sharded
 from ..torch.checkpointer import DENSE_PREFIX, STATE_BLOB
 from ..torch.export import load_payload
 from ..types import Snapshot
@@ -61,7 +62,8 @@ def merged_snapshot(root, version: int | None = None) -> Snapshot:
     for rank in range(gv.world_size):
         rel = gv.stores[rank] if gv.stores else r.store_rel(gv.generation, rank)
         with _store.open(r.store_path(rel), readonly=True) as st:
-            snap = st.restore(gv.local_versions[rank])
+            snap = (st.restore(gv.local_versions[rank]) if plan.row_ids == "local"
+                    else _shards_by_global_id(st, plan, rank, gv.local_versions[rank]))
         for name, shard in plan.shards_of(rank).items():
             arr = snap.tables.get(name)
             want = (shard.num_rows, plan.tables[name][1])
@@ -90,12 +92,39 @@ def merged_snapshot(root, version: int | None = None) -> Snapshot:
         owner = sname.split(".optim.")[0]
         if covered.get(sname) == plan.tables[owner][0]:
             tables[sname] = out
+    tables = sharded.join_column_slices(tables)
     if blob is not None:
         payload = load_payload(blob, gv.local_versions[0])
-        merged = {"format": payload.get("format"), "mode": payload.get("mode"), "tables": list(plan.tables),
+        names = sorted({sharded.parse_column_name(n)[0] if sharded.parse_column_name(n) else n for n in plan.tables})
+        merged = {"format": payload.get("format"), "mode": payload.get("mode"), "tables": names,
                   "dense_dtypes": dict(payload["dense_dtypes"]), "optimizers": [], "extra": {},
                   "param_names": [], "merged": {"global_version": gv.version, "world_size": gv.world_size}}
         buf = io.BytesIO()
         torch.save(merged, buf)
         dense[STATE_BLOB] = np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
     return Snapshot(version=gv.version, step=gv.step, meta=gv.meta, tables=tables, dense=dense)
+
+
+def _shards_by_global_id(st, plan, rank: int, version: int) -> Snapshot:
+    """A rank store of a TorchRec job (``plan.row_ids == "global"``: each table holds only this rank's rows,
+    under their global ids) as a Snapshot shaped like ``Store.restore`` of a plan with local ids: each shard's
+    rows and row-wise optimizer state, from row 0, and the dense arrays."""
+    snap = Snapshot(version=version, step=None, meta=None)
+    names = st.tables()
+    for name, shard in plan.shards_of(rank).items():
+        rows = np.arange(shard.row_start, shard.row_end, dtype=np.int64)
+        for stored in [name] + sorted(n for n in names if n.startswith(f"{name}.optim.")):
+            try:
+                snap.tables[stored] = st.read_rows(stored, rows, version)
+            except MissingRows:
+                if stored == name:
+                    raise
+    with st.engine.index.read() as view:
+        dense_names = sorted(view.dense_names())
+    for name in dense_names:
+        try:
+            snap.dense[name] = st.read_dense(name, version)
+        except MissingRows:
+            continue
+    return snap
+

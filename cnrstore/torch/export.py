@@ -10,6 +10,7 @@ embedding, key ``"weight"``, recognized from the optimizers' parameter names or 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -21,6 +22,7 @@ from torch import nn
 
 from ..errors import InvalidArgument
 from ..types import Snapshot
+from . import sharded
 from .checkpointer import _ROW_MARK, DENSE_PREFIX, STATE_BLOB
 
 __all__ = ["CheckpointView", "load_payload", "save", "write"]
@@ -71,8 +73,12 @@ class CheckpointView:
         if blob is None:
             raise InvalidArgument(f"version {snapshot.version} was not written by cnrstore.torch.Checkpointer "
                                   f"(no {STATE_BLOB!r} array); export it with layout 'nested'")
-        self.snapshot = snapshot
         self.payload = load_payload(blob, snapshot.version)
+        if any(sharded.parse_column_name(n) for n in self.payload["tables"]):   # TorchRec column-wise shards
+            snapshot = dataclasses.replace(snapshot, tables=sharded.join_column_slices(snapshot.tables))
+            self.payload = {**self.payload, "tables": sorted({(sharded.parse_column_name(n) or (n,))[0]
+                                                              for n in self.payload["tables"]})}
+        self.snapshot = snapshot
         self.model = model
         self.dense_dtypes: dict[str, str] = dict(self.payload["dense_dtypes"])
         self.tables = self._tables()  # table name -> [state-dict keys]

@@ -33,12 +33,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..errors import InvalidArgument
 
-__all__ = ["Shard", "find_shards", "is_sharded", "column_name", "parse_column_name"]
+__all__ = ["Shard", "find_shards", "is_sharded", "column_name", "parse_column_name", "join_column_slices"]
 
 #: Sharded modules whose tables this module knows how to find and track (torchrec class names).
 _SUPPORTED = ("ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection")
@@ -222,3 +223,27 @@ def _attach_optimizer_state(model: nn.Module, shards: list[Shard]) -> None:
                         f"{tuple(t.shape)} for a weight shard of {tuple(s.tensor.shape)}: not row-wise state "
                         "cnrstore.torch can save by rows")
                 s.states.append((name, t))
+
+
+def join_column_slices(tables: dict) -> dict:
+    """``{table name: array}`` with column slices joined: TorchRec's column-wise shards are stored as
+    ``<fqn>[c0:c1]`` tables; the unsharded model has one ``<fqn>`` table, the slices side by side (only when
+    they cover its columns from 0 without a gap), and likewise their element-wise optimizer state
+    (``<fqn>[c0:c1].optim.<k>`` of the slice's width). Row-wise state of a slice (one value per row of each
+    slice) has no joined form and is left out."""
+    out, slices = {}, {}
+    for name, arr in tables.items():
+        base, sep, state = name.partition(".optim.")
+        parsed = parse_column_name(base)
+        if parsed is None:
+            out[name] = arr
+            continue
+        fqn, c0, c1 = parsed
+        slices.setdefault(fqn + (sep + state if sep else ""), []).append((c0, c1, arr))
+    for name, parts in slices.items():
+        parts.sort(key=lambda p: p[0])
+        widths_match = all(a.shape[1] == c1 - c0 for c0, c1, a in parts)
+        contiguous = parts[0][0] == 0 and all(p[1] == q[0] for p, q in zip(parts, parts[1:]))
+        if widths_match and contiguous:
+            out[name] = np.concatenate([a for _c0, _c1, a in parts], axis=1)
+    return out
