@@ -235,16 +235,19 @@ def run_pass(method: str, cfg: dict, rank: int, world: int, workdir: str) -> dic
     if method == NONE:
         pass
     elif method in CODEC:
-        if world > 1:
-            from cnrstore.distributed import DistributedCheckpointer
-            ckpt = DistributedCheckpointer(root, dmp, dense_opt, codec=CODEC[method], mode="incremental",
-                                           optimizer_codec="fp32")
-        else:
+        def open_ckpt(readonly: bool = False):
+            """(checkpointer, its store or None): the distributed one on 2+ ranks, else a Checkpointer."""
+            if world > 1:
+                from cnrstore.distributed import DistributedCheckpointer
+                return DistributedCheckpointer(root, dmp, dense_opt, codec=CODEC[method], mode="incremental",
+                                               optimizer_codec="fp32"), None
             import cnrstore
             from cnrstore.torch import Checkpointer
-            store = cnrstore.open(root, create=True)
-            ckpt = Checkpointer(store, dmp, dense_opt, codec=CODEC[method], mode="incremental",
-                                optimizer_codec="fp32")
+            st_ = cnrstore.open(root, create=not readonly, readonly=readonly)
+            return Checkpointer(st_, dmp, dense_opt, codec=CODEC[method], mode="incremental",
+                                optimizer_codec="fp32"), st_
+
+        ckpt, store = open_ckpt()
     else:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
@@ -323,13 +326,7 @@ def run_pass(method: str, cfg: dict, rank: int, world: int, workdir: str) -> dic
             store.close()
         dist.barrier()
         t0 = time.perf_counter()
-        if world > 1:
-            ckpt = DistributedCheckpointer(root, dmp, dense_opt, codec=CODEC[method], mode="incremental",
-                                           optimizer_codec="fp32")
-        else:
-            store = cnrstore.open(root, readonly=True)
-            ckpt = Checkpointer(store, dmp, dense_opt, codec=CODEC[method], mode="incremental",
-                                optimizer_codec="fp32")
+        ckpt, store = open_ckpt(readonly=True)
         restore["open_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         ckpt.restore()
