@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Mapping
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -38,7 +38,7 @@ from .. import store as _store
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
 from ..torch.checkpointer import (DENSE_PREFIX, STATE_BLOB, Checkpointer, SaveReport, _ROW_MARK, _ShardTable,
-                                  _width, _with_live_state)
+                                  _create_lazy_state, _width, _with_live_state)
 from .manifest import GlobalVersion, Root
 from .plan import ShardingPlan
 
@@ -648,9 +648,7 @@ class _Resharder:
         finally:
             for st in self._stores.values():
                 st.close()
-        for opt, sd in zip(self.local._optimizers, optim_sds):
-            if callable(getattr(opt, "init_state", None)) and len(opt.state_dict()["state"]) < len(sd["state"]):
-                opt.init_state()   # torchrec's KeyedOptimizer loads into existing state only (Checkpointer.restore)
+        _create_lazy_state(self.local._optimizers, optim_sds)
         with torch.no_grad():
             for t, w in zip(self.local._tables, weights):
                 t.weight.copy_(w)

@@ -95,7 +95,7 @@ def merged_snapshot(root, version: int | None = None) -> Snapshot:
     tables = sharded.join_column_slices(tables)
     if blob is not None:
         payload = load_payload(blob, gv.local_versions[0])
-        names = sorted({sharded.parse_column_name(n)[0] if sharded.parse_column_name(n) else n for n in plan.tables})
+        names = sorted({sharded.table_of(n) for n in plan.tables})
         merged = {"format": payload.get("format"), "mode": payload.get("mode"), "tables": names,
                   "dense_dtypes": dict(payload["dense_dtypes"]), "optimizers": [], "extra": {},
                   "param_names": [], "merged": {"global_version": gv.version, "world_size": gv.world_size}}

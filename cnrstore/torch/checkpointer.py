@@ -321,6 +321,14 @@ def _with_live_state(sd: dict, opt) -> dict:
     return {**sd, "state": state}
 
 
+def _create_lazy_state(optimizers, state_dicts) -> None:
+    """torchrec's KeyedOptimizer loads into existing state only: create the state an optimizer makes lazily
+    (Adam's) by its own zero-gradient ``init_state()`` step -- before a restore puts the weights back."""
+    for opt, sd in zip(optimizers, state_dicts):
+        if callable(getattr(opt, "init_state", None)) and len(opt.state_dict()["state"]) < len(sd["state"]):
+            opt.init_state()
+
+
 def _is_keyed(opt) -> bool:
     return isinstance(getattr(opt, "params", None), Mapping)
 
@@ -861,11 +869,7 @@ class Checkpointer:
                         for t in self._tables if isinstance(t, _ShardTable) for key, state in t.states]
         # a version without optimizer state (an import of model weights) leaves the optimizers as they are
         optim_sds = [self._optimizer_state(sd, v) for sd in payload["optimizers"]]
-        for opt, sd in zip(self._optimizers, optim_sds):
-            # torchrec's KeyedOptimizer loads into existing state only: create lazy state (Adam's) first, by
-            # its own zero-gradient step, before the weights are put back
-            if callable(getattr(opt, "init_state", None)) and len(opt.state_dict()["state"]) < len(sd["state"]):
-                opt.init_state()
+        _create_lazy_state(self._optimizers, optim_sds)
         # everything read and checked: now change the live objects
         with torch.no_grad():
             for t, w in zip(self._tables, weights):

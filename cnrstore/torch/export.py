@@ -76,8 +76,7 @@ class CheckpointView:
         self.payload = load_payload(blob, snapshot.version)
         if any(sharded.parse_column_name(n) for n in self.payload["tables"]):   # TorchRec column-wise shards
             snapshot = dataclasses.replace(snapshot, tables=sharded.join_column_slices(snapshot.tables))
-            self.payload = {**self.payload, "tables": sorted({(sharded.parse_column_name(n) or (n,))[0]
-                                                              for n in self.payload["tables"]})}
+            self.payload = {**self.payload, "tables": sorted({sharded.table_of(n) for n in self.payload["tables"]})}
         self.snapshot = snapshot
         self.model = model
         self.dense_dtypes: dict[str, str] = dict(self.payload["dense_dtypes"])

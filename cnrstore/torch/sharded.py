@@ -39,7 +39,7 @@ from torch import nn
 
 from ..errors import InvalidArgument
 
-__all__ = ["Shard", "find_shards", "is_sharded", "column_name", "parse_column_name", "join_column_slices"]
+__all__ = ["Shard", "find_shards", "is_sharded", "column_name", "parse_column_name", "table_of", "join_column_slices"]
 
 #: Sharded modules whose tables this module knows how to find and track (torchrec class names).
 _SUPPORTED = ("ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection")
@@ -85,6 +85,12 @@ def parse_column_name(name: str) -> tuple[str, int, int] | None:
     if not sep or not lo.isdigit() or not hi.isdigit():
         return None
     return fqn, int(lo), int(hi)
+
+
+def table_of(name: str) -> str:
+    """The table a stored table belongs to: the FQN of a column slice ``<fqn>[c0:c1]``, else ``name``."""
+    parsed = parse_column_name(name)
+    return name if parsed is None else parsed[0]
 
 
 def is_sharded(model: nn.Module) -> bool:
