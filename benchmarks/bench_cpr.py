@@ -55,7 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from bench_engine import load_average, machine_description, median  # noqa: E402
+from bench_engine import load_average, machine_description, median, publish  # noqa: E402
 import dlrm_dist  # noqa: E402
 import train_dlrm  # noqa: E402
 
@@ -470,13 +470,7 @@ def main(argv=None) -> int:
     res = run_job(args)
     md, table = report(args, res, load_start)
     md += f"- whole benchmark: {time.perf_counter() - t0:.0f} s\n"
-    print(md)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(md)
-    if args.plot and args.plot != "none":
-        why = plot(table, res, args.plot)
-        print(why or f"plot: {args.plot}", file=sys.stderr)
+    publish(md, args.out, args.plot, lambda path: plot(table, res, path))
     return 0
 
 

@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from bench_engine import load_average, machine_description  # noqa: E402
+from bench_engine import load_average, machine_description, publish  # noqa: E402
 import dlrm_dist  # noqa: E402
 import train_dlrm  # noqa: E402
 
@@ -220,13 +220,7 @@ def main(argv=None) -> int:
     base = summaries["ecrm"]["compare"]
     rows = {m: row_of(args, m, summaries[m], base["wall_s"]) for m in MODES}
     md = report(args, rows, base, load_start, time.perf_counter() - t0)
-    print(md)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(md)
-    if args.plot and args.plot != "none":
-        why = plot(rows, args.plot)
-        print(why or f"plot: {args.plot}", file=sys.stderr)
+    publish(md, args.out, args.plot, lambda path: plot(rows, path))
     return 0
 
 

@@ -133,6 +133,18 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def publish(md: str, out: str | None, plot_path: str | None, plot) -> None:
+    """Print a benchmark's markdown report, write it to ``out`` if given, and draw its PNG with ``plot(path)``
+    (which returns None, or why it could not) unless ``plot_path`` is None or "none"."""
+    print(md)
+    if out:
+        with open(out, "w") as f:
+            f.write(md)
+    if plot_path and plot_path != "none":
+        why = plot(plot_path)
+        print(why or f"plot: {plot_path}", file=sys.stderr)
+
+
 def fmt_s(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
 

@@ -54,7 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench_engine import fmt_bytes  # noqa: E402  (the shared report helpers)
+from bench_engine import fmt_bytes, publish  # noqa: E402  (the shared report helpers)
 
 METHODS = ("cnrstore, int4", "cnrstore, fp32", "DCP async_save")
 NONE = "no checkpoints"  # a pass of the same training without saves: the reference for the training wall
@@ -665,13 +665,7 @@ def main(argv=None) -> int:
     s = summarize(args, results)
     md, row = report(args, s, load_start, time.perf_counter() - t0)
     md = "## cnrstore against DCP async_save on a TorchRec DMP model\n\n" + md
-    print(md)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(md)
-    if args.plot and args.plot != "none":
-        why = plot(s, row, args.plot)
-        print(why or f"plot: {args.plot}", file=sys.stderr)
+    publish(md, args.out, args.plot, lambda path: plot(s, row, path))
     return 0
 
 
