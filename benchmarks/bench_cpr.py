@@ -63,6 +63,11 @@ from cnrstore.distributed import DistributedCheckpointer  # noqa: E402
 from cnrstore.policy.interval import CheckpointInterval  # noqa: E402
 
 MODES = ("full", "partial", "partial+MFU", "partial+SSU")
+#: The parts the wall overhead is split into (fractions of the reference's training time); "other" is the
+#: measured wall overhead minus the others.
+PARTS = ("stall", "recovery", "replay", "slower", "final_wait", "other")
+PART_LABELS = {"stall": "checkpoint stall", "recovery": "recovery", "replay": "re-computed steps",
+               "slower": "slower training steps", "final_wait": "wait for the last save", "other": "other / unaccounted"}
 PRIORITY = {"partial+MFU": "mfu", "partial+SSU": "ssu"}
 #: CPR (Maeng et al., MLSys 2021), abstract: checkpoint-related overhead on Criteo, full -> partial recovery.
 CPR_FULL, CPR_PARTIAL = "8.2-8.5%", "0.53-0.68%"
@@ -176,16 +181,21 @@ class BenchWorker:
             elif priority and step % priority_every == 0:
                 save(step, top=a.priority_top)
                 priority_saves += 1
+        t_wait = time.perf_counter()
         if pending is not None:
             pending.wait()
+        final_wait = time.perf_counter() - t_wait
         dist.barrier()
         wall = time.perf_counter() - t_start
         if ck is not None:
             ck.close()
         ll, auc = dlrm_dist.evaluate(model, self.holdout)
-        wall, stall, recovery, replay = self.slowest(wall, stall, recovery, replay)
+        train = float(np.sum(step_times))  # first-time steps only (re-computed ones are in replay)
+        wall, stall, recovery, replay, train, final_wait = self.slowest(wall, stall, recovery, replay, train,
+                                                                        final_wait)
         shutil.rmtree(os.path.join(self.tmp, f"root-{tag}"), ignore_errors=True) if self.rank == 0 else None
         return {"mode": mode, "wall": wall, "stall": stall, "recovery": recovery, "replay": replay,
+                "train": train, "final_wait": final_wait,
                 "saves": saves, "priority_saves": priority_saves, "recoveries": recoveries,
                 "step_s": float(np.median(step_times)), "logloss": ll, "auc": auc,
                 "lost_est": lost_est / a.steps, "lost_bound": lost_bound / a.steps}
@@ -313,17 +323,30 @@ def report(args, res: dict, load_start: str) -> tuple[str, dict]:
     ref_runs = [r for r in runs if r["mode"] == "reference"]
     ref_wall = median([r["wall"] for r in ref_runs])
     ref = ref_runs[0]
+    ref_train = median([r["train"] for r in ref_runs])
     table = {}
     for m in MODES:
         rs = [r for r in runs if r["mode"] == m]
-        table[m] = {
-            "stall": median([r["stall"] / ref_wall for r in rs]),
-            "recovery": median([r["recovery"] / ref_wall for r in rs]),
-            "replay": median([r["replay"] / ref_wall for r in rs]),
-            "wall": median([r["wall"] / ref_wall - 1 for r in rs]),
-            "run": rs[0],
+        per = {
+            "stall": [r["stall"] / ref_wall for r in rs],
+            "recovery": [r["recovery"] / ref_wall for r in rs],
+            "replay": [r["replay"] / ref_wall for r in rs],
+            # the same steps, trained beside the checkpointer (tracking hooks, background writes competing
+            # for the cores) against the reference's steps
+            "slower": [(r["train"] - ref_train) / ref_wall for r in rs],
+            "final_wait": [r["final_wait"] / ref_wall for r in rs],
+            "wall": [r["wall"] / ref_wall - 1 for r in rs],
         }
-        table[m]["sum"] = table[m]["stall"] + table[m]["recovery"] + table[m]["replay"]
+        per["sum"] = [a + b + c for a, b, c in zip(per["stall"], per["recovery"], per["replay"])]
+        per["other"] = [w - sum(per[k][i] for k in PARTS[:-1]) for i, w in enumerate(per["wall"])]
+        table[m] = {k: median(v) for k, v in per.items()}
+        table[m]["spread"] = {k: (min(v), max(v)) for k, v in per.items()}
+        # the stacked parts add up to the median wall overhead: 'other' is what the measured parts miss
+        table[m]["other"] = table[m]["wall"] - sum(table[m][k] for k in PARTS[:-1])
+        table[m]["run"] = rs[0]
+        table[m]["logloss"] = [r["logloss"] for r in rs]
+        table[m]["auc"] = [r["auc"] for r in rs]
+    ref_ll = [r["logloss"] for r in ref_runs]
     cal = res["calibration"]
     iv = res["intervals"]
     card = train_dlrm.cardinalities(args)
@@ -351,27 +374,49 @@ def report(args, res: dict, load_start: str) -> tuple[str, dict]:
         f"{res['interval_s']['partial']:.3f} s = {iv['partial']} steps; MFU/SSU: a priority save of the top "
         f"{args.priority_top:g} of each table's rows every {res['priority_every']} steps between regular saves"
         + (f" (SSU rate {args.ssu_rate:g})" if args.ssu_rate else ""),
-        f"- fractions are of the reference's training time; medians of {args.repeats} repeat(s)", "",
-        "| mode | interval (steps) | saves (priority) | ckpt stall | recovery | re-computed | sum | wall overhead, "
-        "measured | expected (model) | lost updates, est. (bound) | logloss (Δ vs no failures) | AUC |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"- fractions are of the reference's training time; each cell: median of {args.repeats} repeat(s) "
+        "([min, max] over the repeats in brackets); every repeat runs its own reference and every mode on the "
+        "same failure schedule", "",
+        "| mode | interval (steps) | saves (priority) | ckpt stall | recovery | re-computed | sum of the three "
+        "| slower training steps | wait for the last save | other / unaccounted | wall overhead, measured "
+        "| expected (model) | lost updates, est. (bound) | logloss (Δ vs no failures) | AUC |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def cell(t, k):
+        lo, hi = t["spread"][k]
+        return f"{pct(t[k])} [{pct(lo)}, {pct(hi)}]" if len(t["logloss"]) > 1 else pct(t[k])
+
+    def span(vals, ref_vals=None, fmt="{:.5f}"):
+        med = median(vals)
+        txt = fmt.format(med)
+        if ref_vals is not None:
+            txt += f" ({median(vals) - median(ref_vals):+.5f})"
+        if len(vals) > 1 and max(vals) != min(vals):
+            txt += f" [{fmt.format(min(vals))}, {fmt.format(max(vals))}]"
+        return txt
+
     for m in MODES:
         t, r, e = table[m], table[m]["run"], res["expected"][m]
         lost = "0 (re-computed)" if m == "full" else f"{pct(r['lost_est'])} ({pct(r['lost_bound'])})"
         lines.append(
             f"| {m} | {iv['full' if m == 'full' else 'partial']} | {r['saves']} ({r['priority_saves']}) | "
-            f"{pct(t['stall'])} | {pct(t['recovery'])} | {pct(t['replay'])} | {pct(t['sum'])} | {pct(t['wall'])} | "
-            f"{pct(e['total'])} | {lost} | {r['logloss']:.5f} ({r['logloss'] - ref['logloss']:+.5f}) | "
-            f"{r['auc']:.5f} |")
+            + " | ".join(cell(t, k) for k in ("stall", "recovery", "replay", "sum", "slower", "final_wait")) + " | "
+            f"{pct(t['other'])} [{pct(t['spread']['other'][0])}, {pct(t['spread']['other'][1])}] | {cell(t, 'wall')} | "
+            f"{pct(e['total'])} | {lost} | {span(t['logloss'], ref_ll)} | {span(t['auc'])} |")
     full, part = table["full"], table["partial"]
     best = min(MODES[1:], key=lambda m: table[m]["sum"])
     lines += [
         "",
         "- columns: ckpt stall = the slowest rank's summed `save()` time; recovery = `restore()` (full) or "
         "`recover()` (partial) of every failure; re-computed = steps trained again after a full restore; sum = "
-        "the three; wall overhead = run wall / reference wall - 1 (also counts background writes competing for "
-        "the cores); expected = CheckpointInterval.expected_overhead at the interval used; lost updates = the "
+        "the three; slower training steps = the run's first-time steps' summed time minus the reference's (the "
+        "same steps, trained beside the checkpointer: its tracking hooks and its background writes competing "
+        "with the 2 ranks for the cores); wait for the last save = `pending.wait()` after the last step; "
+        "wall overhead = run wall / reference wall - 1; other / unaccounted = the median wall overhead minus the "
+        "medians of the five parts (the bracket: the same residual per repeat): time between the timed calls "
+        "(the loop's bookkeeping, priority-save checks, barriers) and the error of taking each part at its "
+        "slowest rank; negative where the parts, each taken at its slowest rank, overlap; expected = CheckpointInterval.expected_overhead at the interval used; lost updates = the "
         "failed shard's row share x steps since the checkpoint it restored, / steps (bound: since the last "
         "regular save, which is what a row no priority save wrote lost)",
         f"- CPR reports {CPR_FULL} -> {CPR_PARTIAL} checkpoint-related overhead (Criteo, MTBF of hours, "
@@ -379,8 +424,9 @@ def report(args, res: dict, load_start: str) -> tuple[str, dict]:
         f"(wall: {pct(full['wall'])} -> {pct(part['wall'])}); best partial variant {best} "
         f"{pct(table[best]['sum'])}; full / partial = "
         + (f"{full['sum'] / part['sum']:.1f}x" if part["sum"] > 0 else "n/a")
-        + f"; Δ logloss vs no failures: full {full['run']['logloss'] - ref['logloss']:+.5f}, partial "
-        f"{part['run']['logloss'] - ref['logloss']:+.5f}. The logloss columns are single runs: every restore of "
+        + f"; Δ logloss vs no failures: full {median(full['logloss']) - median(ref_ll):+.5f}, partial "
+        f"{median(part['logloss']) - median(ref_ll):+.5f}. Logloss and AUC are medians over the repeats "
+        "(brackets where they differ; the training is seeded, so repeats usually agree): every restore of "
         f"{args.codec} rows moves the trajectory, so compare Δs against the full-recovery row, which loses no "
         "update yet differs from the no-failure run too.",
         "- at this scale a failure arrives every few seconds and a restore costs a sizeable part of an MTBF, so "
@@ -398,25 +444,53 @@ def plot(table: dict, res: dict, path: str) -> str | None:
         return "plot skipped: matplotlib is not installed"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    colors = {"stall": "tab:blue", "recovery": "tab:orange", "replay": "tab:green", "slower": "tab:red",
+              "final_wait": "tab:purple", "other": "0.75"}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw=dict(width_ratios=[1.5, 1]))
     xs = np.arange(len(MODES))
-    bottom = np.zeros(len(MODES))
-    for key, label in (("stall", "checkpoint stall"), ("recovery", "recovery"), ("replay", "re-computed steps")):
+    width = 0.6
+    ax = axes[0]
+    pos = np.zeros(len(MODES))
+    neg = np.zeros(len(MODES))
+    n_rep = len(table[MODES[0]]["logloss"])
+    for j, key in enumerate(PARTS):
         vals = np.array([100 * table[m][key] for m in MODES])
-        axes[0].bar(xs, vals, bottom=bottom, label=label)
-        bottom += vals
-    axes[0].plot(xs, [100 * table[m]["wall"] for m in MODES], "k_", markersize=30, mew=2,
-                 label="wall overhead, measured")
-    axes[0].set_xticks(xs, MODES)
-    axes[0].set_ylabel("% of training time")
-    axes[0].set_title("time lost to checkpoints and failures")
-    axes[0].legend()
-    ref = next(r for r in res["runs"] if r["mode"] == "reference")
-    axes[1].bar(xs, [table[m]["run"]["logloss"] - ref["logloss"] for m in MODES], color="tab:purple")
-    axes[1].axhline(0, color="k", lw=0.8)
-    axes[1].set_xticks(xs, MODES)
-    axes[1].set_ylabel("held-out logloss - no-failure run")
-    axes[1].set_title("model quality")
+        base = np.where(vals >= 0, pos, neg)
+        ax.bar(xs, vals, width, bottom=base, color=colors[key], label=PART_LABELS[key],
+               hatch="//" if key == "other" else None, edgecolor="white" if key != "other" else "0.4", lw=0.5)
+        if n_rep > 1 and key != "other":  # the part's min-max over the repeats, at its place in the stack
+            lo = np.array([100 * table[m]["spread"][key][0] for m in MODES])
+            hi = np.array([100 * table[m]["spread"][key][1] for m in MODES])
+            xj = xs - width / 2 + width * (j + 0.5) / len(PARTS)
+            ax.errorbar(xj, base + vals, yerr=[vals - lo, hi - vals], fmt="none", ecolor="black", capsize=2, lw=0.8)
+        pos = np.where(vals >= 0, pos + vals, pos)
+        neg = np.where(vals < 0, neg + vals, neg)
+    wall = np.array([100 * table[m]["wall"] for m in MODES])
+    lo = np.array([100 * table[m]["spread"]["wall"][0] for m in MODES])
+    hi = np.array([100 * table[m]["spread"]["wall"][1] for m in MODES])
+    ax.errorbar(xs + width / 2 + 0.08, wall, yerr=[wall - lo, hi - wall], fmt="D", color="black", ms=5,
+                capsize=4, label="wall overhead, measured\n(median, min-max)")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(xs, MODES)
+    ax.set_xlim(-0.6, len(MODES) - 0.3)
+    ax.set_ylabel("% of the reference's training time")
+    ax.set_title(f"wall overhead and its parts (median of {n_rep} repeats;\nwhiskers: min-max over repeats)")
+    ax.set_ylim(min(0, float(neg.min()) * 1.2), max(float(hi.max()), float(pos.max())) * 1.08)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+
+    ax = axes[1]
+    ref_ll = median([r["logloss"] for r in res["runs"] if r["mode"] == "reference"])
+    d = np.array([median(table[m]["logloss"]) - ref_ll for m in MODES])
+    dlo = np.array([min(table[m]["logloss"]) - ref_ll for m in MODES])
+    dhi = np.array([max(table[m]["logloss"]) - ref_ll for m in MODES])
+    ax.bar(xs, d, 0.6, color="tab:purple", yerr=[d - dlo, dhi - d], capsize=4)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(xs, MODES)
+    ax.set_ylabel("held-out logloss - no-failure run")
+    ax.set_title(f"model quality (median of {n_rep}, min-max)")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout(w_pad=2.0)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
@@ -427,11 +501,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small smoke run (< 40 s)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--sharding", choices=("row", "table"), default="row")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 400; --quick 150)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; --quick 150)")
     p.add_argument("--mtbf-steps", type=int, default=None, help="mean steps between failures (default 60; --quick 50)")
     p.add_argument("--max-rows", type=int, default=None, help="table size cap (default 20000; --quick 2000)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default 256; --quick 128)")
-    p.add_argument("--repeats", type=int, default=None, help="repeats of every run (default 2; --quick 1)")
+    p.add_argument("--repeats", type=int, default=None, help="repeats of every run (default 3; --quick 1)")
     p.add_argument("--calib", type=int, default=3, help="calibration saves and restores (medians)")
     p.add_argument("--pls-target", type=float, default=0.05,
                    help="partial recovery's target portion of lost samples (CPR's rule)")
@@ -454,8 +528,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return BenchWorker(json.loads(args.worker)).main()
-    defaults = dict(steps=(150, 400), mtbf_steps=(50, 60), max_rows=(2_000, 20_000), batch_size=(128, 256),
-                    repeats=(1, 2), holdout_batches=(2, 4))
+    defaults = dict(steps=(150, 300), mtbf_steps=(50, 60), max_rows=(2_000, 20_000), batch_size=(128, 256),
+                    repeats=(1, 3), holdout_batches=(2, 4))
     for k, (quick, full) in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, quick if args.quick else full)
