@@ -17,7 +17,7 @@ noisy: every figure is a median, and the ratios in the notes compare figures fro
 
     python benchmarks/bench_codecs.py                # full run (1M rows; ~1-3 minutes on 2 cores)
     python benchmarks/bench_codecs.py --quick        # smoke run (< 30 s)
-    python benchmarks/bench_codecs.py --out codecs.md
+    python benchmarks/bench_codecs.py --out codecs.md --plot benchmarks/codecs.png
 """
 
 from __future__ import annotations
@@ -159,6 +159,103 @@ def fmt_rate(gbps: float) -> str:
     return f"{gbps:.3f}" if gbps < 0.1 else f"{gbps:.2f}"
 
 
+def _text_box(annotation, renderer):
+    """The display box of an annotation's text alone (not its leader line), padded a little."""
+    from matplotlib.text import Text  # noqa: PLC0415
+    annotation.update_positions(renderer)
+    return Text.get_window_extent(annotation, renderer).expanded(1.05, 1.2)
+
+
+def _place_labels(ax, fig, pts, labels, colors, placed) -> None:
+    """Label each point, trying offsets around it until the label overlaps no earlier label (nor a box of
+    ``placed``) and no marker."""
+    from matplotlib.transforms import Bbox  # noqa: PLC0415
+    renderer = fig.canvas.get_renderer()
+    trans = ax.transData
+    disp = [trans.transform(p) for p in pts]
+    markers = [Bbox.from_extents(px - 7, py - 7, px + 7, py + 7) for px, py in disp]
+    cands = [(6, 4, "left", "bottom"), (6, -4, "left", "top"), (-6, 4, "right", "bottom"),
+             (-6, -4, "right", "top"), (6, 14, "left", "bottom"), (6, -14, "left", "top"),
+             (-6, 14, "right", "bottom"), (-6, -14, "right", "top"), (0, 24, "center", "bottom"),
+             (0, -24, "center", "top"), (30, 0, "left", "center"), (-30, 0, "right", "center"),
+             (12, 26, "left", "bottom"), (12, -26, "left", "top"), (-12, 26, "right", "bottom"),
+             (-12, -26, "right", "top")]
+    for r in (40, 60, 80):  # farther out, with a leader line
+        cands += [(r, r // 2, "left", "bottom"), (r, -r // 2, "left", "top"), (-r, r // 2, "right", "bottom"),
+                  (-r, -r // 2, "right", "top"), (0, r, "center", "bottom"), (0, -r, "center", "top")]
+    axbox = ax.get_window_extent(renderer)
+    for (x, y), (dx, dy), text, color in sorted(zip(pts, disp, labels, colors), key=lambda t: -t[1][1]):
+        best, fallback = None, None
+        for ox, oy, ha, va in cands:
+            t = ax.annotate(text, (x, y), xytext=(ox, oy), textcoords="offset points", ha=ha, va=va, fontsize=7,
+                            color=color, arrowprops=dict(arrowstyle="-", lw=0.5, color="0.5")
+                            if abs(ox) + abs(oy) > 20 else None)
+            bb = _text_box(t, renderer)
+            clashes = sum(bb.overlaps(o) for o in placed) + sum(bb.overlaps(m) for m in markers) + (
+                0 if axbox.contains(bb.x0, bb.y0) and axbox.contains(bb.x1, bb.y1) else 100)
+            if clashes == 0:
+                best = bb
+                break
+            if fallback is None or clashes < fallback[0]:
+                fallback = (clashes, (ox, oy, ha, va))
+            t.remove()
+        if best is None:  # every spot clashes: the least crowded one
+            ox, oy, ha, va = fallback[1]
+            t = ax.annotate(text, (x, y), xytext=(ox, oy), textcoords="offset points", ha=ha, va=va, fontsize=7,
+                            color=color, arrowprops=dict(arrowstyle="-", lw=0.5, color="0.5")
+                            if abs(ox) + abs(oy) > 20 else None)
+            best = _text_box(t, renderer)
+        placed.append(best)
+
+
+def plot(results, path: str) -> str | None:
+    """Encode and decode GB/s (log x) against relative L2 error (log y), one labeled point per codec;
+    FBGEMM's kernels as hollow squares. None, or why the plot was skipped."""
+    try:
+        import matplotlib  # noqa: PLC0415
+    except ImportError:
+        return "plot skipped: matplotlib is not installed"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    errs = [r["err"] for _, r in results if r["err"] > 0]
+    floor = 10 ** np.floor(np.log10(min(errs)) - 1) if errs else 1e-6
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6.5))
+    for ax, key, what in ((axes[0], "enc", "encode"), (axes[1], "dec", "decode")):
+        pts, labels, colors = [], [], []
+        for ct, r in results:
+            ref = ct.kind == "reference"
+            y = r["err"] if r["err"] > 0 else floor
+            color = "tab:red" if ref else ("0.3" if r["err"] == 0 else "tab:blue")
+            ax.scatter([r[key]], [y], marker="s" if ref else "o", s=40 if ref else 22,
+                       facecolors="none" if ref else color, edgecolors=color, linewidths=1.3, zorder=3)
+            pts.append((r[key], y))
+            labels.append(ct.label.replace(" greedy (200, 0.16)", " greedy"))
+            colors.append(color)
+        ax.set(xscale="log", yscale="log", xlabel=f"{what} GB/s of fp32 data (log)",
+               ylabel="relative L2 error (log)", title=f"{what} speed against error")
+        xs = [p[0] for p in pts]
+        ax.set_xlim(min(xs) / 3, max(xs) * 3)
+        ax.set_ylim(floor / 3, max(p[1] for p in pts) * 3)
+        ax.grid(True, which="major", alpha=0.3)
+        placed = []
+        if any(r["err"] == 0 for _, r in results):
+            ax.axhline(floor, color="0.6", lw=0.8, ls="--")
+            t = ax.text(0.01, floor, " error 0 (lossless), drawn on this line", transform=ax.get_yaxis_transform(),
+                        ha="left", va="bottom", fontsize=7, color="0.4")
+            fig.canvas.draw()
+            placed.append(t.get_window_extent(fig.canvas.get_renderer()))
+        fig.canvas.draw()
+        _place_labels(ax, fig, pts, labels, colors, placed)
+    axes[0].scatter([], [], marker="o", s=22, color="tab:blue", label="cnrstore codec")
+    axes[0].scatter([], [], marker="s", s=40, facecolors="none", edgecolors="tab:red", label="FBGEMM kernel (reference)")
+    fig.legend(loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Benchmark every registered codec beside FBGEMM's kernels.")
     p.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run (< 30 s)")
@@ -167,6 +264,8 @@ def parse_args(argv=None):
     p.add_argument("--slow-rows", type=int, default=None,
                    help="rows for slow codecs, and for the error of every codec (default 50000; 10000 with --quick)")
     p.add_argument("--out", help="also write the markdown report to this file")
+    p.add_argument("--plot", default="none",
+                   help="write a PNG of speed against error (e.g. benchmarks/codecs.png); 'none' (default): no plot")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.repeat is None:
@@ -251,6 +350,9 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(report + "\n")
+    if args.plot and args.plot != "none":
+        why = plot(results, args.plot)
+        log(why or f"plot: {args.plot}")
     return 0
 
 
