@@ -496,25 +496,28 @@ def plot(res: dict, path: str) -> str | None:
             styles[m] = dict(color=CNR_COLORS[k % len(CNR_COLORS)], marker="o", ms=3.5, linestyle="-", lw=1.4)
             k += 1
     fig, axes = plt.subplots(1, 4, figsize=(20, 5.6), gridspec_kw=dict(width_ratios=[1, 1, 1, 0.9]))
+    peers = [m for m in PEERS if m in methods]
     for m in methods:
         xs = np.arange(1, len(res["stall"][m]) + 1)
         st = dict(styles[m], label=m)
-        axes[0].plot(xs, np.asarray(res["written"][m]) / 2**20, **st)
+        # where the peers' lines coincide (bytes, disk) their markers take turns: every len(peers)-th
+        # interval, each peer from its own offset, the later-drawn ones on top
+        turns = dict(st, markevery=(peers.index(m), len(peers)), zorder=3 + peers.index(m)) if m in peers else st
+        axes[0].plot(xs, np.asarray(res["written"][m]) / 2**20, **turns)
         axes[1].plot(xs, np.asarray(res["stall"][m]) * 1e3, **st)
-        axes[2].plot(xs, np.asarray(res["disk_trace"][m]) / 2**20, **st)
+        axes[2].plot(xs, np.asarray(res["disk_trace"][m]) / 2**20, **turns)
     axes[0].set(yscale="log", xlabel="checkpoint interval", ylabel="MiB", title="bytes written per interval")
     axes[1].set(yscale="log", xlabel="checkpoint interval", ylabel="ms", title="trainer stall per checkpoint")
     axes[2].set(yscale="log", xlabel="checkpoint interval", ylabel="MiB",
                 title="disk use after each interval (peers: last K kept)")
-    peers = [m for m in PEERS if m in methods]
     if len(peers) > 1:
         w = [median(res["written"][m]) for m in peers]
         if max(w) <= 1.01 * min(w):
-            axes[0].annotate(f"{', '.join(peers)}: same bytes\n(each writes the full state, "
-                             f"{fmt_bytes(res['full_bytes'])}): lines coincide",
+            axes[0].annotate(f"{', '.join(peers)}:\nsame bytes (each the full state, {fmt_bytes(res['full_bytes'])}):"
+                             "\nlines coincide, markers take turns",
                              xy=(0.5, 0.97), xycoords="axes fraction", ha="center", va="top", fontsize=8,
                              bbox=dict(boxstyle="round", fc="white", ec="0.7"))
-            axes[2].annotate(f"{', '.join(peers)}:\nsame disk use, lines coincide",
+            axes[2].annotate(f"{', '.join(peers)}:\nsame disk use: lines coincide,\nmarkers take turns",
                              xy=(0.5, 0.97), xycoords="axes fraction", ha="center", va="top", fontsize=8,
                              bbox=dict(boxstyle="round", fc="white", ec="0.7"))
     for ax in axes[:3]:
