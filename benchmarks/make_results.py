@@ -56,6 +56,14 @@ SECTIONS = [
      "int4 checkpoint write against FBGEMM's prepack kernel, full-table read against torch.load, 10k "
      "random point reads at an old version, index bytes per stored row; `cnrstore ls`, open and stats() of a "
      "10,000-version history against iterating its versions catalog.", [], ["--quick"], None),
+    ("bench_scale.py", "Scale curves: how costs grow with the work",
+     "One int4 table of dim 16 under the store's defaults, three sweeps: table size (1M to 16M rows: write "
+     "throughput, bytes per save, restore against torch.load, 10k point reads, open, ls, stats(), index bytes, "
+     "a restore's peak memory against what it returns), versions (10 to 1,000 saves of 1% of the rows: open, "
+     "ls, stats(), restore, point reads at the newest and an old version, index and disk bytes, save cost) and "
+     "touched fraction (0.1% to 50% of 2M rows in one save: bytes and time per save, restore); each curve's "
+     "growth exponent from a log-log fit, and where a cost grows faster than the work.",
+     ["--plot", "scale.png"], ["--quick", "--plot", "none"], "scale.png"),
     ("bench_cpr.py", "CPR: full against partial recovery",
      "A sharded DLRM on 2 gloo processes under one simulated failure schedule (MTBF as a parameter): full "
      "recovery against CPR's partial recovery, plain, MFU and SSU, each at the interval "
