@@ -134,15 +134,16 @@ def main(argv=None) -> int:
         "runs of earlier issues, are in `docs/BENCHMARK-NOTES.md`.\n",
     ]
     failed = []
-    walls: list[tuple[str, float, bool]] = []
+    walls: list[tuple[str, float, bool, str, str]] = []
     t_all = time.monotonic()
     for script, title, what, full_args, quick_args, png in SECTIONS:
         if args.only and script not in args.only:
             continue
         print(f"== {script} ...", flush=True)
+        load_before = load_average()
         report, seconds, ok = run_section(script, quick_args if args.quick else full_args, timeout)
         print(f"   {'ok' if ok else 'FAILED'} in {seconds:.0f} s", flush=True)
-        walls.append((script, seconds, ok))
+        walls.append((script, seconds, ok, load_before, load_average()))
         if not ok:
             failed.append(script)
         reproduce = f"`.venv/bin/python benchmarks/{script}{' --quick' if args.quick else ''}`"
@@ -153,11 +154,13 @@ def main(argv=None) -> int:
         parts.append("\n" + "\n".join("#" + line if line.startswith("#") else line for line in report.splitlines()) + "\n")
     total = time.monotonic() - t_all
     budget = QUICK_BUDGET_S if args.quick else FULL_BUDGET_S
-    parts.append("\n---\n\n| benchmark | wall time | result |\n|---|---:|---|\n")
-    parts += [f"| {script} | {seconds:.0f} s | {'ok' if ok else 'FAILED'} |\n" for script, seconds, ok in walls]
+    parts.append("\n---\n\n| benchmark | wall time | result | load average (1/5/15 min) before | after |\n"
+                 "|---|---:|---|---|---|\n")
+    parts += [f"| {script} | {seconds:.0f} s | {'ok' if ok else 'FAILED'} | {before} | {after} |\n"
+              for script, seconds, ok, before, after in walls]
     parts.append(f"| **all** | **{total:.0f} s** | budget {budget:.0f} s "
-                 f"({'within' if total <= budget else 'OVER'}) |\n")
-    print("wall times: " + ", ".join(f"{script} {seconds:.0f} s" for script, seconds, _ in walls)
+                 f"({'within' if total <= budget else 'OVER'}) | | |\n")
+    print("wall times: " + ", ".join(f"{script} {seconds:.0f} s" for script, seconds, *_ in walls)
           + f"; all {total:.0f} s (budget {budget:.0f} s{'' if total <= budget else ': OVER'})")
     with open(out, "w") as f:
         f.write("".join(parts))
