@@ -508,7 +508,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-rows", type=int, default=None, help="table row cap (default 5000; --quick 1000)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default 1024; --quick 256)")
     p.add_argument("--lr", type=float, default=0.01, help="Adagrad learning rate at step 0, decayed linearly to 0")
-    p.add_argument("--holdout-batches", type=int, default=None, help="held-out batches of 4096 (default 16; quick 2)")
+    p.add_argument("--holdout-batches", type=int, default=None, help="held-out batches of 4096 (default 8; --quick 1)")
     p.add_argument("--evals", type=int, default=5, help="the metric averages this many final evaluations")
     p.add_argument("--eval-every", type=int, default=None, help="steps between them (default 10; --quick 5)")
     p.add_argument("--mode", default="intermittent", choices=("incremental", "intermittent"))
@@ -521,7 +521,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the markdown report to this file")
     p.add_argument("--plot", default=None, help="write a PNG (e.g. benchmarks/accuracy.png; 'none': no plot)")
     ns = p.parse_args(argv)
-    full = dict(seeds=10, steps=300, max_rows=5_000, batch_size=1024, holdout_batches=16, eval_every=10)
+    full = dict(seeds=10, steps=300, max_rows=5_000, batch_size=1024, holdout_batches=8, eval_every=10)
     quick = dict(seeds=2, steps=40, max_rows=1_000, batch_size=256, holdout_batches=1, eval_every=4)
     for k, v in (quick if ns.quick else full).items():
         if getattr(ns, k) is None:

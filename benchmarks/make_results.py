@@ -51,7 +51,12 @@ SECTIONS = [
      ["--plot", "space.png"], ["--quick", "--plot", "none"], "space.png"),
     ("bench_codecs.py", "Codecs",
      "Encode and decode speed and relative L2 error of every codec beside FBGEMM's plain and greedy "
-     "kernels on the same rows, and bytes per row.", [], ["--quick"], None),
+     "kernels on the same rows, and bytes per row; speed against error plotted.", ["--plot", "codecs.png"],
+     ["--quick", "--plot", "none"], "codecs.png"),
+    ("bench_tracking.py", "Row tracking overhead",
+     "Step time of the reference DLRM with a Checkpointer's tracking hooks active against none (interleaved "
+     "ON/OFF blocks on one model; median with a 95% bootstrap interval) and the hooks' own work timed "
+     "directly; the tracking state's memory against the embedding bytes.", [], ["--quick"], None),
     ("bench_engine.py", "Storage engine",
      "int4 checkpoint write against FBGEMM's prepack kernel, full-table read against torch.load, 10k "
      "random point reads at an old version, index bytes per stored row; `cnrstore ls`, open and stats() of a "
