@@ -34,7 +34,7 @@ Verdicts against 0.01%: ``holds`` (the interval lies below +0.01%), ``FAILS`` (a
 (straddles). The families are also compared with each other on the same seeds (adaptive - uniform,
 k-means - uniform).
 
-    python benchmarks/bench_accuracy.py            # full: 10 cells + controls x 10 seeds
+    python benchmarks/bench_accuracy.py            # full: 10 cells + controls x 8 seeds
     python benchmarks/bench_accuracy.py --quick    # 3 cells x 2 seeds, a short run
 """
 
@@ -503,7 +503,7 @@ def plot(path: str, ns, st: Study) -> str | None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="3 cells x 2 seeds, a short run (smoke test)")
-    p.add_argument("--seeds", type=int, default=None, help="paired seeds 0..N-1 (default 10; --quick 2)")
+    p.add_argument("--seeds", type=int, default=None, help="paired seeds 0..N-1 (default 8; --quick 2)")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; --quick 60)")
     p.add_argument("--max-rows", type=int, default=None, help="table row cap (default 5000; --quick 1000)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default 1024; --quick 256)")
@@ -521,7 +521,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the markdown report to this file")
     p.add_argument("--plot", default=None, help="write a PNG (e.g. benchmarks/accuracy.png; 'none': no plot)")
     ns = p.parse_args(argv)
-    full = dict(seeds=10, steps=300, max_rows=5_000, batch_size=1024, holdout_batches=8, eval_every=10)
+    full = dict(seeds=8, steps=300, max_rows=5_000, batch_size=1024, holdout_batches=8, eval_every=10)
     quick = dict(seeds=2, steps=40, max_rows=1_000, batch_size=256, holdout_batches=1, eval_every=4)
     for k, v in (quick if ns.quick else full).items():
         if getattr(ns, k) is None:

@@ -259,7 +259,7 @@ def plot(results, path: str) -> str | None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Benchmark every registered codec beside FBGEMM's kernels.")
     p.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run (< 30 s)")
-    p.add_argument("--repeat", type=int, default=None, help="repetitions per measurement (default 5; 3 with --quick)")
+    p.add_argument("--repeat", type=int, default=None, help="repetitions per measurement (default 3)")
     p.add_argument("--rows", type=int, default=None, help="rows of dim 64 (default 1000000; 100000 with --quick)")
     p.add_argument("--slow-rows", type=int, default=None,
                    help="rows for slow codecs, and for the error of every codec (default 50000; 10000 with --quick)")
@@ -269,7 +269,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.repeat is None:
-        args.repeat = 3 if args.quick else 5
+        args.repeat = 3
     if args.rows is None:
         args.rows = 100_000 if args.quick else 1_000_000
     if args.slow_rows is None:

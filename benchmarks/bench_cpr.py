@@ -501,7 +501,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small smoke run (< 40 s)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--sharding", choices=("row", "table"), default="row")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; --quick 150)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 250; --quick 150)")
     p.add_argument("--mtbf-steps", type=int, default=None, help="mean steps between failures (default 60; --quick 50)")
     p.add_argument("--max-rows", type=int, default=None, help="table size cap (default 20000; --quick 2000)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default 256; --quick 128)")
@@ -528,7 +528,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return BenchWorker(json.loads(args.worker)).main()
-    defaults = dict(steps=(150, 300), mtbf_steps=(50, 60), max_rows=(2_000, 20_000), batch_size=(128, 256),
+    defaults = dict(steps=(150, 250), mtbf_steps=(50, 60), max_rows=(2_000, 20_000), batch_size=(128, 256),
                     repeats=(1, 3), holdout_batches=(2, 4))
     for k, (quick, full) in defaults.items():
         if getattr(args, k) is None:

@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small smoke run (about a minute)")
     p.add_argument("--world-size", type=int, default=3)
     p.add_argument("--parity", default="2,1", help="ECRM's K,R")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 300; --quick 120)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 240; --quick 120)")
     p.add_argument("--mtbf-steps", type=int, default=None, help="steps between failures (default 60; --quick 50)")
     p.add_argument("--ckpt-every", type=int, default=20)
     p.add_argument("--max-rows", type=int, default=None, help="table size cap (default 20000; --quick 5000)")
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="also write the markdown to FILE")
     p.add_argument("--plot", default=None, help="write a PNG (e.g. benchmarks/ecrm.png; 'none': no plot)")
     args = p.parse_args(argv)
-    for k, (quick, full) in dict(steps=(120, 300), mtbf_steps=(50, 60), max_rows=(5_000, 20_000)).items():
+    for k, (quick, full) in dict(steps=(120, 240), mtbf_steps=(50, 60), max_rows=(5_000, 20_000)).items():
         if getattr(args, k) is None:
             setattr(args, k, quick if args.quick else full)
     load_start = load_average()

@@ -562,7 +562,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small smoke run (< 60 s)")
     p.add_argument("--emb-mib", type=int, default=None,
                    help="fp32 embedding MiB (default 1024, the issue's ~1 GiB; --quick 16)")
-    p.add_argument("--intervals", type=int, default=None, help="checkpoint intervals (default 10; --quick 6)")
+    p.add_argument("--intervals", type=int, default=None, help="checkpoint intervals (default 7; --quick 6)")
     p.add_argument("--steps", type=int, default=None, help="training steps per interval (default 4; --quick 2)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default 4096; --quick 1024)")
     p.add_argument("--keep", type=int, default=None,
@@ -582,7 +582,7 @@ def main(argv=None) -> int:
     p.add_argument("--plot", default=None, help="write a PNG (e.g. benchmarks/peers_intervals.png); needs matplotlib")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    defaults = dict(emb_mib=(16, 1024), intervals=(6, 10), steps=(2, 4), batch_size=(1024, 4096), keep=(3, 5))
+    defaults = dict(emb_mib=(16, 1024), intervals=(6, 7), steps=(2, 4), batch_size=(1024, 4096), keep=(3, 5))
     for k, (quick, full) in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, quick if args.quick else full)

@@ -463,7 +463,7 @@ def parse_args(argv=None):
     p.add_argument("--rows", type=int, default=None, help="table rows (default 1000000; 100000 with --quick)")
     p.add_argument("--checkpoints", type=int, default=None, help="checkpoints per scheme (default 30; 10 with --quick)")
     p.add_argument("--repeat", type=int, default=None,
-                   help="interleaved latency passes of schemes 1, 4 and 4b (default 5; 1 with --quick)")
+                   help="interleaved latency passes of schemes 1, 4 and 4b (default 3; 1 with --quick)")
     p.add_argument("--restore-reps", type=int, default=None, help="read_table reps per scheme (default 5; 3 with --quick)")
     p.add_argument("--out", help="also write the markdown report to this file")
     p.add_argument("--plot", default=None,
@@ -480,7 +480,7 @@ def parse_args(argv=None):
     if args.checkpoints is None:
         args.checkpoints = 10 if args.quick else 30
     if args.repeat is None:
-        args.repeat = 1 if args.quick else 5
+        args.repeat = 1 if args.quick else 3
     if args.restore_reps is None:
         args.restore_reps = 3 if args.quick else 5
     if args.plot is None:

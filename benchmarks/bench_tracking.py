@@ -202,7 +202,7 @@ def run(args) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a smoke run (< 15 s)")
-    p.add_argument("--pairs", type=int, default=None, help="pairs of ON/OFF blocks (default 50; --quick 10)")
+    p.add_argument("--pairs", type=int, default=None, help="pairs of ON/OFF blocks (default 30; --quick 10)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per block (default 10; --quick 5)")
     p.add_argument("--max-rows", type=int, default=None,
                    help="table size cap (default 50000, tools/train_dlrm.py's; --quick 10000)")
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     p.add_argument("--tmp", default=None, help="directory for the store (default: system temp)")
     p.add_argument("--out", default=None, help="also write the markdown to FILE")
     args = p.parse_args(argv)
-    defaults = dict(pairs=(10, 50), steps=(5, 10), max_rows=(10_000, 50_000))
+    defaults = dict(pairs=(10, 30), steps=(5, 10), max_rows=(10_000, 50_000))
     for key, (quick, full) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)

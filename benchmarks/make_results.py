@@ -35,7 +35,7 @@ SECTIONS = [
     ("bench_accuracy.py", "Accuracy against the paper's bit-width table",
      "Every cell of the paper's table (1 restore -> 2-bit, 3 -> 3-bit, 20 -> 4-bit, more -> 8-bit), uniform, "
      "adaptive and k-means, on a DLRM that converges (learning rate decayed to 0): held-out logloss averaged "
-     "over the last evaluations against the same seed's run without failures, paired over 10 seeds, with "
+     "over the last evaluations against the same seed's run without failures, paired over 8 seeds, with "
      "each verdict's minimum detectable effect; an fp16 control gives the noise floor, an fp32 control checks "
      "that restores are exact.", ["--plot", "accuracy.png"], ["--quick", "--plot", "none"], "accuracy.png"),
     ("bench_policies.py", "Differential schemes and background compaction",
