@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 import torch  # noqa: E402
 
 import train_dlrm as td  # noqa: E402
-from bench_engine import load_average, machine_description, publish  # noqa: E402
+from bench_engine import T80, T975, Z80, Z975, load_average, machine_description, publish, t_quantile  # noqa: E402
 
 import cnrstore  # noqa: E402
 
@@ -70,25 +70,6 @@ FLOOR_CODEC = "fp16"
 LOSSLESS_CODEC = "fp32"
 THRESHOLD_PCT = 0.01
 MARKS = {"holds": "✓", "FAILS": "✗", "unresolved": "?"}
-#: Student t quantiles by degrees of freedom: two-sided 95% (0.975) and one-sided 80% (power); beyond
-#: the table, interpolated, and the normal's for df > 30.
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-        10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
-T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883,
-       10: 0.879, 11: 0.876, 12: 0.873, 13: 0.870, 14: 0.868, 15: 0.866, 20: 0.860, 25: 0.856, 30: 0.854}
-Z975, Z80 = 1.960, 0.842
-
-
-def t_quantile(table: dict[int, float], z: float, df: int) -> float:
-    if df in table:
-        return table[df]
-    if df > max(table):
-        return z
-    lo = max(d for d in table if d < df)
-    hi = min(d for d in table if d > df)
-    return table[lo] + (table[hi] - table[lo]) * (df - lo) / (hi - lo)
-
-
 def codec_of(family: str, bits: int) -> str | None:
     """The codec of a family at a bit width, or None where the family has none (k-means and adaptive stop
     at 4 bits)."""

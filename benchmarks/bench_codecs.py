@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import load_average, machine_description  # noqa: E402  (the shared report header)
+from bench_engine import load_average, machine_description, publish  # noqa: E402  (the shared report header and tail)
 
 from cnrstore import codecs  # noqa: E402
 
@@ -346,13 +346,7 @@ def main(argv=None) -> int:
         "",
         *[f"- {note}" for note in notes],
     ])
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report + "\n")
-    if args.plot and args.plot != "none":
-        why = plot(results, args.plot)
-        log(why or f"plot: {args.plot}")
+    publish(report + "\n", args.out, args.plot, lambda path: plot(results, path))
     return 0
 
 

@@ -62,7 +62,7 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from bench_engine import fmt_bytes, load_average, machine_description, median  # noqa: E402
+from bench_engine import fmt_bytes, load_average, machine_description, median, publish  # noqa: E402
 import train_dlrm  # noqa: E402
 
 import cnrstore  # noqa: E402
@@ -596,13 +596,7 @@ def main(argv=None) -> int:
     args.load_start = load_average()
     warnings.filterwarnings("ignore")
     md, res = run(args)
-    print(md)
-    if args.plot:
-        why = plot(res, args.plot)
-        print(why or f"plot: {args.plot}", file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(md)
+    publish(md, args.out, args.plot, lambda path: plot(res, path))
     return 0
 
 

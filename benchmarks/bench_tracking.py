@@ -41,23 +41,11 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from bench_engine import fmt_bytes, load_average, machine_description, median  # noqa: E402
+from bench_engine import T975, Z975, fmt_bytes, load_average, machine_description, median, publish, t_quantile  # noqa: E402
 import train_dlrm as td  # noqa: E402
 
 import cnrstore  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
-
-
-def t_quantile_975(df: int) -> float:
-    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (scipy if present, else a table)."""
-    try:
-        from scipy import stats  # noqa: PLC0415
-        return float(stats.t.ppf(0.975, df))
-    except ImportError:
-        table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-                 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000,
-                 120: 1.980}
-        return table[min((k for k in table if k >= df), default=120)] if df < 120 else 1.96
 
 
 def tracking_bytes(ckpt: Checkpointer) -> tuple[int, int]:
@@ -152,7 +140,7 @@ def run(args) -> str:
     boot = np.median(r[rng.integers(0, len(r), size=(10_000, len(r)))], axis=1)
     b_lo, b_hi = np.percentile(boot, [2.5, 97.5])
     mean = float(r.mean())
-    half = t_quantile_975(len(r) - 1) * float(r.std(ddof=1)) / np.sqrt(len(r)) if len(r) > 1 else float("nan")
+    half = t_quantile(T975, Z975, len(r) - 1) * float(r.std(ddof=1)) / np.sqrt(len(r)) if len(r) > 1 else float("nan")
     hook_step = median(hook_t)
     step_on = median(on_t) / args.steps
     step_off = median(off_t) / args.steps
@@ -228,11 +216,7 @@ def main(argv=None) -> int:
     if args.pairs < 2:
         p.error("--pairs must be at least 2 (an interval needs more than one pair)")
     args.load_start = load_average()
-    md = run(args)
-    print(md)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(md)
+    publish(run(args), args.out, None, None)
     return 0
 
 

@@ -92,7 +92,8 @@ SECTIONS = [
 
 
 def load_average() -> str:
-    """The 1/5/15-minute load averages (the machine is shared: the load beside each benchmark's time)."""
+    """The 1/5/15-minute load averages (the machine is shared: the load beside each benchmark's time). The
+    twin of bench_engine.load_average, kept here so that this long-lived parent never imports torch."""
     try:
         with open("/proc/loadavg") as f:
             return " ".join(f.read().split()[:3])
