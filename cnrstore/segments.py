@@ -374,6 +374,24 @@ def recover(root: str, committed: dict[int, int], filesystem: fs.FileSystem, doo
     return notes
 
 
+
+def _map_whole(fd: int, need: int, path: str) -> mmap.mmap:
+    """Map the whole open segment file read-only; it must hold at least ``need`` bytes.
+
+    The writer may truncate an uncommitted tail (``rollback``) between this reader's ``fstat`` and its
+    ``mmap``, which then fails with ValueError; the size is read again and the map retried. Only a file
+    shorter than the committed bytes the index needs is an error (CorruptionError)."""
+    while True:
+        size = os.fstat(fd).st_size
+        if size < need:
+            raise CorruptionError(f"segment {path} holds {size} bytes but the index needs {need}", path, size)
+        try:
+            return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        except ValueError:
+            if os.fstat(fd).st_size >= size:
+                raise  # not a concurrent truncation
+
+
 class SegmentReader:
     """Thread-safe mmap access to segment bytes. Mappings grow as segments do."""
 
@@ -416,12 +434,7 @@ class SegmentReader:
                 opened = os.open(os.path.basename(path), os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dir_fd) \
                     if self._dir_fd is not None else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 with open(opened, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size < need:
-                        raise CorruptionError(
-                            f"segment {path} holds {size} bytes but the index needs {need}", path, size
-                        )
-                    mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+                    mm = _map_whole(f.fileno(), need, path)
             except FileNotFoundError:
                 raise CorruptionError(f"segment {path} is missing (deleted?): the versions that read it are damaged; "
                                       "run `cnrstore verify` to list them and read or restore another version",

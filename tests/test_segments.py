@@ -367,3 +367,29 @@ def test_reader_concurrent_reads_while_growing(root):
         assert reader.read(seg, off, 100).tobytes() == bytes([fill]) * 100
     reader.close()
     app.close()
+
+
+def test_a_reader_maps_a_segment_whose_uncommitted_tail_is_truncated_under_it(tmp_path, monkeypatch):
+    """The writer's rollback may truncate a segment's uncommitted tail between a reader's fstat and its mmap
+    (seen once in CI: ValueError 'mmap length is greater than file size' from a reader thread); the reader
+    reads the size again and maps what is there, which still holds every committed byte."""
+    import mmap as mmap_module
+
+    from cnrstore import segments
+
+    path = tmp_path / "seg"
+    path.write_bytes(b"c" * 4096 + b"u" * 4096)          # 4 KiB committed, 4 KiB uncommitted tail
+    real_mmap, calls = mmap_module.mmap, []
+
+    def truncating_mmap(fd, length, **kw):
+        calls.append(length)
+        if len(calls) == 1:
+            os.truncate(path, 4096)                       # the writer's rollback, between fstat and mmap
+        return real_mmap(fd, length, **kw)
+
+    monkeypatch.setattr(segments.mmap, "mmap", truncating_mmap)
+    with open(path, "rb") as f:
+        mm = segments._map_whole(f.fileno(), 4096, str(path))
+    assert calls == [8192, 4096]
+    assert len(mm) == 4096 and mm[:4096] == b"c" * 4096
+    mm.close()
