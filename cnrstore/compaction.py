@@ -408,6 +408,7 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
         for kind, v, loc in view.log_entries():  # COMMIT / ANCHOR records repair needs
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
             log_users.setdefault(loc.segment, []).append((kind, v, loc))
+    fs.pause_point("gc_planned")  # liveness judged on the snapshot above; commits may land meanwhile
     busy = engine.appender.busy()  # the checkpoint writer's segments: possibly uncommitted bytes
     dead: list[int] = []
     scored = []
@@ -436,11 +437,14 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
 
     # 1. free the wholly dead segments: no segment bytes to write (LMDB may need a page or two)
     if dead:
+        freed: list[int] = []
+
         def free(w: IndexWriter) -> None:
-            _doom(w, dead)
+            freed[:] = unchanged_segments(w, dead, committed)
+            _doom(w, freed)
 
         _commit(engine, appender, False, "gc_free", free)  # StorageFull here: nothing changed
-        appender.forget(dead)
+        appender.forget(freed)
     delete_doomed(engine, report)  # the space the copies below may need
 
     # 2. clean the chosen segments, one committed batch at a time
@@ -460,7 +464,7 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
         copied = 0
         try:
             for seg in batch:
-                copies = []
+                copies, sources = [], []  # sources: the entry each copy replaces, if it is still the same
                 for tid, block, v, loc in row_users.get(seg, []):
                     rows = alive.partial.get((tid, block, v))
                     if rows is None:
@@ -468,22 +472,25 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
                     else:  # partly live: rewritten with its live rows only
                         new_loc, buffers, length = _live_rows_record(engine, loc, rows, tid, block)
                         copies.append(("row", (tid, block, v, new_loc), buffers, length))
+                    sources.append(loc)
                 for dense_id, v, loc in dense_users.get(seg, []):
                     copies.append(("dense", (dense_id, v, loc), [_verified_bytes(engine, loc)], loc.length))
+                    sources.append(loc)
                 for kind, v, loc in log_users.get(seg, []):
                     copies.append(("log", (kind, v, loc), [_verified_bytes(engine, loc)], loc.length))
+                    sources.append(loc)
                 locations = appender.append_many([(buffers, length) for _kind, _key, buffers, length in copies])
                 fs.crash_point("gc_cleaned_segment")
-                for (kind, key, _buffers, length), (new_seg, off) in zip(copies, locations):
+                for (kind, key, _buffers, length), (new_seg, off), old in zip(copies, locations, sources):
                     if kind == "row":
                         tid, block, v, loc = key
-                        moved_rows.append((tid, block, v, loc._replace(segment=new_seg, offset=off)))
+                        moved_rows.append((tid, block, v, old, loc._replace(segment=new_seg, offset=off)))
                     elif kind == "log":
                         log_kind, v, loc = key
-                        moved_log.append((log_kind, v, DenseLoc(new_seg, off, loc.length)))
+                        moved_log.append((log_kind, v, old, DenseLoc(new_seg, off, loc.length)))
                     else:
                         dense_id, v, loc = key
-                        moved_dense.append((dense_id, v, DenseLoc(new_seg, off, loc.length)))
+                        moved_dense.append((dense_id, v, old, DenseLoc(new_seg, off, loc.length)))
                     copied += length
         except StorageFull as exc:
             appender.rollback()
@@ -493,15 +500,23 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
             appender.rollback()
             raise
 
+        cleaned: list[int] = []
+
         def update(w: IndexWriter, moved_rows=moved_rows, moved_dense=moved_dense, moved_log=moved_log,
-                   batch=batch, copied=copied) -> None:
-            for tid, block, v, loc in moved_rows:
-                w.put_row(tid, block, v, loc)
-            for dense_id, v, loc in moved_dense:
-                w.put_dense(dense_id, v, loc)
-            for kind, v, loc in moved_log:
-                w.put_log(kind, v, loc)
-            _doom(w, batch)
+                   batch=batch, copied=copied, cleaned=cleaned) -> None:
+            # The copies were planned on an older snapshot: each replaces its entry only if the entry is
+            # still the one copied, and a segment is freed only if no commit has grown it since.
+            for tid, block, v, old, loc in moved_rows:
+                if _same_place(w.row_at(tid, block, v), old):
+                    w.put_row(tid, block, v, loc)
+            for dense_id, v, old, loc in moved_dense:
+                if _same_place(w.dense_loc(dense_id, v), old):
+                    w.put_dense(dense_id, v, loc)
+            for kind, v, old, loc in moved_log:
+                if _same_place(w.log_loc(kind, v), old):
+                    w.put_log(kind, v, loc)
+            cleaned[:] = unchanged_segments(w, batch, committed)
+            _doom(w, cleaned)
             w.put_meta("bytes_written", w.meta("bytes_written", 0) + copied)
 
         try:
@@ -509,14 +524,30 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
         except StorageFull as exc:
             report.incomplete = _incomplete(candidates, done, exc)
             break
-        appender.forget(batch)
+        appender.forget(cleaned)
         report.bytes_copied += copied
-        report.segments_rewritten += len(batch)
+        report.segments_rewritten += len(cleaned)
         done += len(batch)
         if progress is not None:
             progress(done, len(candidates))
         delete_doomed(engine, report)  # each batch's sources, as soon as no reader needs them
     return delete_doomed(engine, report)
+
+
+def unchanged_segments(w: IndexWriter, segments: list[int], planned: dict[int, int]) -> list[int]:
+    """Those of ``segments`` whose committed length in the transaction ``w`` is still ``planned[seg]``.
+
+    GC plans on a snapshot and commits later; meanwhile a checkpoint may commit records into a segment
+    GC judged (the writer's active segment of that snapshot, which it has since rolled away from). Index
+    entries only ever point at records appended to a segment, so a segment whose committed length is
+    unchanged holds no entry the plan did not see. Invariant: no commit takes a segment out of the
+    catalog while an index entry points into it."""
+    return [seg for seg in segments if w.segment_length(seg) == planned[seg]]
+
+
+def _same_place(current, old) -> bool:
+    """Whether an index entry (RowLoc or DenseLoc, or None) still points at the record ``old`` does."""
+    return current is not None and (current.segment, current.offset) == (old.segment, old.offset)
 
 
 def _seal_idle_writer_segment(engine: "Engine") -> None:

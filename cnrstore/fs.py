@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import signal
+from typing import Callable
 
 from . import errors
 
@@ -22,10 +23,37 @@ _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 NO_PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
+#: name -> hook run when a thread reaches that point (``pause_at``); empty outside tests.
+_PAUSE_HOOKS: dict[str, Callable[[str], None]] = {}
+
+
 def crash_point(name: str) -> None:
-    """Kill this process with SIGKILL if ``$CNRSTORE_CRASH_AT`` names this point (crash tests)."""
+    """Kill this process with SIGKILL if ``$CNRSTORE_CRASH_AT`` names this point (crash tests).
+
+    Every crash point is also a pause point (``pause_point``): a schedule test can stop a thread there
+    and run another one in between, deterministically."""
     if os.environ.get(CRASH_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+    pause_point(name)
+
+
+def pause_point(name: str) -> None:
+    """Run the hook a test installed for ``name`` (``pause_at``), if any: races by schedule, not by luck.
+
+    The hook typically blocks the calling thread until the test releases it (tests/schedule.py). A
+    point costs one dict lookup when no hook is installed."""
+    if _PAUSE_HOOKS:
+        hook = _PAUSE_HOOKS.get(name)
+        if hook is not None:
+            hook(name)
+
+
+def pause_at(name: str, hook: Callable[[str], None] | None) -> None:
+    """Install (or with None remove) the hook run at pause point ``name`` (tests only)."""
+    if hook is None:
+        _PAUSE_HOOKS.pop(name, None)
+    else:
+        _PAUSE_HOOKS[name] = hook
 
 
 def wrap_os_error(exc: OSError, what: str) -> errors.CnrError | OSError:

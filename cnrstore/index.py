@@ -187,6 +187,27 @@ class IndexView:
         with self._txn.cursor(db=self._dbs[b"segments"]) as cur:
             return {VERSION_KEY.unpack(k)[0]: _unpack(v)["length"] for k, v in cur}
 
+    def segment_length(self, segment: int) -> int | None:
+        """The committed length of ``segment`` in the catalog, or None if the catalog does not hold it."""
+        raw = self._txn.get(VERSION_KEY.pack(segment), db=self._dbs[b"segments"])
+        return None if raw is None else _unpack(raw)["length"]
+
+    def row_at(self, table_id: int, block: int, version: int) -> RowLoc | None:
+        """The index entry of (table, block, version) exactly, or None."""
+        raw = self._txn.get(ROW_KEY.pack(table_id, block, version), db=self._dbs[b"rows"])
+        return None if raw is None else _row_loc(raw)
+
+    def dense_loc(self, dense_id: int, version: int) -> DenseLoc | None:
+        """The index entry of dense array ``dense_id`` at ``version`` exactly, or None."""
+        raw = self._txn.get(DENSE_KEY.pack(dense_id, version), db=self._dbs[b"dense"])
+        return None if raw is None else DenseLoc._make(DENSE_LOC.unpack(raw))
+
+    def log_loc(self, kind: int, version: int) -> DenseLoc | None:
+        """The location of the log record (kind, version) the index keeps, or None."""
+        db = self._dbs.get(b"log")
+        raw = None if db is None else self._txn.get(LOG_KEY.pack(kind, version), db=db)
+        return None if raw is None else DenseLoc._make(DENSE_LOC.unpack(raw))
+
     def dense_id(self, name: str) -> int | None:
         raw = self._txn.get(name.encode(), db=self._dbs[b"dense_names"])
         return None if raw is None else struct.unpack(">I", raw)[0]
@@ -421,7 +442,7 @@ class Index:
                 try:
                     result = body(IndexWriter(txn, self._dbs))
                     txn.commit()
-                    return result
+                    break
                 except lmdb.MapFullError:
                     failed, txn = txn, None
                     self._abort_alone(failed)
@@ -438,6 +459,8 @@ class Index:
                 finally:
                     if txn is not None:
                         self._resize.release_shared()
+            fs.pause_point("index_committed")  # durable now (the crash-state explorer snapshots it here)
+            return result
 
     def _abort_alone(self, txn: lmdb.Transaction) -> None:
         """Abort a write transaction (releasing its shared side) while no read of this process runs.

@@ -1,0 +1,349 @@
+"""The crash-state explorer: crash states enumerated, not sampled (leveldb's fault_injection_test; ALICE,
+OSDI'14; CrashMonkey, OSDI'18).
+
+1. **Record.** A workload runs against a real store through ``RecordingFileSystem``, the engine's
+   file-system seam (cnrstore/fs.py): every create, append, fsync, directory fsync, truncate, remove and
+   atomic replace is logged in order with its bytes, and each LMDB commit (the index's
+   ``index_committed`` pause point) as one atomic step with a copy of ``index/data.mdb`` as committed
+   (LMDB writes its meta page last: a commit is all or nothing, and durable when it returns). The
+   workload also logs where each operation starts and ends, with the versions that must be listed
+   before and after it and the content every version must read.
+2. **Rebuild.** For every prefix of that log, ``FileModel`` gives the files a crash right there leaves:
+   - ``kill``: the process died (SIGKILL): everything written reached the page cache and survives;
+   - ``power``: the machine lost power: a file holds only what its last fsync made durable, a
+     created or removed directory entry counts only once its directory was fsynced;
+   - ``torn``: power lost in the middle of the last unsynced append: the first half of it survives.
+   Identical states are checked once.
+3. **Check** (``check_state``). The state is opened for writing (recovery runs), then: the versions
+   listed are those before the operation in flight or those after it; every listed version reads back
+   bit for bit; ``verify()`` is clean; and a new checkpoint commits and reads back.
+
+tests/test_crash_states.py runs named workloads in ``make test``, and an opt-in deep sweep (``--runslow``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from cnrstore import filenames, fs
+from cnrstore.store import Store
+
+
+# -- 1. record ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Effect:
+    kind: str  # create | write | fsync | fsync_dir | truncate | remove | replace | index | op_start | op_end
+    path: str = ""
+    offset: int = 0
+    data: bytes = b""
+    versions: frozenset = frozenset()  # op_start / op_end: the versions listed then
+    name: str = ""  # op_start: the operation
+
+
+class RecordingFileSystem(fs.FileSystem):
+    """The real file system, logging every effect (with its bytes) in order. Paths are kept relative to
+    the store's root, so that a crash state can be rebuilt anywhere."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.effects: list[Effect] = []
+        self._paths: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def _rel(self, path: str) -> str:
+        return os.path.relpath(os.path.abspath(path), self.root)
+
+    def _log(self, effect: Effect) -> None:
+        with self._lock:
+            self.effects.append(effect)
+
+    def open_append(self, path: str, *, create: bool) -> int:
+        fd = super().open_append(path, create=create)
+        self._paths[fd] = self._rel(path)
+        if create:
+            self._log(Effect("create", self._paths[fd]))
+        return fd
+
+    def pwritev(self, fd: int, buffers: list, offset: int) -> int:
+        n = super().pwritev(fd, buffers, offset)
+        data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+        self._log(Effect("write", self._paths[fd], offset, data))
+        return n
+
+    def fsync(self, fd: int) -> None:
+        super().fsync(fd)
+        self._log(Effect("fsync", self._paths[fd]))
+
+    def fsync_dir(self, path: str) -> None:
+        super().fsync_dir(path)
+        self._log(Effect("fsync_dir", self._rel(path)))
+
+    def truncate(self, path: str, length: int) -> None:
+        super().truncate(path, length)
+        self._log(Effect("truncate", self._rel(path), length))
+
+    def close(self, fd: int) -> None:
+        super().close(fd)
+        self._paths.pop(fd, None)
+
+    def write_file_atomic(self, path: str, tmp_path: str, data: bytes) -> None:
+        super().write_file_atomic(path, tmp_path, data)  # fsyncs the file, renames, fsyncs the directory
+        self._log(Effect("replace", self._rel(path), 0, bytes(data)))
+
+    def remove(self, path: str) -> None:
+        super().remove(path)
+        self._log(Effect("remove", self._rel(path)))
+
+    def index_committed(self, _name: str) -> None:
+        with open(filenames.index_dir(self.root) + "/data.mdb", "rb") as f:
+            self._log(Effect("index", data=f.read()))
+
+    def op_start(self, name: str, versions) -> None:
+        self._log(Effect("op_start", name=name, versions=frozenset(versions)))
+
+    def op_end(self, versions) -> None:
+        self._log(Effect("op_end", versions=frozenset(versions)))
+
+    def __enter__(self) -> "RecordingFileSystem":
+        fs.pause_at("index_committed", self.index_committed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fs.pause_at("index_committed", None)
+
+
+# -- 2. rebuild --------------------------------------------------------------------------------------------
+
+INDEX_FILE = os.path.join(filenames.INDEX_DIR, "data.mdb")
+
+
+@dataclass
+class _File:
+    current: bytearray
+    durable: bytearray
+    exists: bool = True  # the directory entry, as the running process sees it
+    entry_durable: bool = True  # ... as it survives a power loss
+
+
+@dataclass
+class FileModel:
+    """The store's files after a prefix of the effect log: what the process saw and what is durable."""
+
+    files: dict[str, _File] = field(default_factory=dict)
+    index: bytes = b""
+    last_write: str | None = None  # the file of the newest write, while that write is unsynced
+
+    @classmethod
+    def of_directory(cls, root: str) -> "FileModel":
+        """The model of a store at rest (everything durable): the state before the recorded workload."""
+        model = cls()
+        for dirpath, _dirs, names in os.walk(root):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, root)
+                if rel.startswith(filenames.INDEX_DIR + os.sep):
+                    continue
+                with open(path, "rb") as f:
+                    data = f.read()
+                model.files[rel] = _File(bytearray(data), bytearray(data))
+        with open(os.path.join(root, INDEX_FILE), "rb") as f:
+            model.index = f.read()
+        return model
+
+    def apply(self, e: Effect) -> None:
+        if e.kind == "create":
+            self.files[e.path] = _File(bytearray(), bytearray(), True, False)
+        elif e.kind == "write":
+            f = self.files[e.path]
+            end = e.offset + len(e.data)
+            if len(f.current) < end:
+                f.current.extend(b"\0" * (end - len(f.current)))
+            f.current[e.offset:end] = e.data
+            self.last_write = e.path
+        elif e.kind == "fsync":
+            f = self.files[e.path]
+            f.durable = bytearray(f.current)
+            if self.last_write == e.path:
+                self.last_write = None
+        elif e.kind == "fsync_dir":
+            prefix = "" if e.path == "." else e.path + os.sep
+            for path in list(self.files):
+                if os.path.dirname(path) == prefix.rstrip(os.sep):
+                    f = self.files[path]
+                    f.entry_durable = f.exists
+                    if not f.exists:
+                        del self.files[path]
+        elif e.kind == "truncate":
+            del self.files[e.path].current[e.offset:]
+        elif e.kind == "remove":
+            self.files[e.path].exists = False
+        elif e.kind == "replace":  # written, fsynced, renamed, directory fsynced
+            self.files[e.path] = _File(bytearray(e.data), bytearray(e.data))
+        elif e.kind == "index":
+            self.index = e.data
+
+    def state(self, variant: str) -> dict[str, bytes] | None:
+        """{relative path: bytes} of the crash state ``variant`` (kill, power, torn); None when ``torn``
+        does not apply (no unsynced append)."""
+        out: dict[str, bytes] = {INDEX_FILE: self.index}
+        for path, f in self.files.items():
+            if variant == "kill":
+                if f.exists:
+                    out[path] = bytes(f.current)
+            elif f.entry_durable:
+                out[path] = bytes(f.durable)
+        if variant == "torn":
+            f = self.files.get(self.last_write) if self.last_write else None
+            if f is None or not f.entry_durable or len(f.current) <= len(f.durable):
+                return None
+            half = len(f.durable) + (len(f.current) - len(f.durable)) // 2
+            out[self.last_write] = bytes(f.current[:half])
+        return out
+
+
+def write_state(files: dict[str, bytes], root: str) -> None:
+    for sub in (filenames.INDEX_DIR, filenames.SEGMENTS_DIR):
+        os.makedirs(os.path.join(root, sub), exist_ok=True)
+    for rel, data in files.items():
+        with open(os.path.join(root, rel), "wb") as f:
+            f.write(data)
+
+
+def state_key(files: dict[str, bytes]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for rel in sorted(files):
+        h.update(rel.encode() + b"\0" + hashlib.blake2b(files[rel], digest_size=16).digest())
+    return h.digest()
+
+
+# -- 3. check ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Expectation:
+    """What a crash state must show: one of ``allowed`` version sets, each version reading as ``content``."""
+
+    allowed: tuple[frozenset, ...]
+    content: dict[int, dict[str, np.ndarray]]
+    #: With background retention the listed set changes between operations: then instead of ``allowed``,
+    #: the newest ``keep_last`` versions of ``before`` must be listed, and nothing unknown.
+    keep_last: int | None = None
+    before: frozenset = frozenset()  # the versions acknowledged before the operation in flight
+
+
+def expectations(effects: list[Effect], content, initial=frozenset()) -> list[Expectation]:
+    """The expectation after each prefix (0..len(effects)) of the log: the versions listed before the
+    operation in flight, or those after it; once an operation has returned, only those after it."""
+    ends: dict[int, frozenset] = {}  # index of an op_start -> the versions its op_end lists
+    start = None
+    for i, e in enumerate(effects):
+        if e.kind == "op_start":
+            start = i
+        elif e.kind == "op_end":
+            ends[start] = e.versions
+    before = frozenset(initial)
+    allowed = (before,)
+    out = [Expectation(allowed, content, before=before)]
+    for k, e in enumerate(effects, 1):
+        if e.kind == "op_start":
+            before = e.versions
+            allowed = tuple({e.versions, ends.get(k - 1, e.versions)})
+        elif e.kind == "op_end":
+            before = e.versions
+            allowed = (e.versions,)
+        out.append(Expectation(allowed, content, before=before))
+    return out
+
+
+CheckNewWrite = Callable[[Store], None]
+
+
+def check_state(root: str, expect: Expectation, write_more: CheckNewWrite) -> None:
+    """Open the crash state at ``root`` for writing and check it (module docstring, step 3); raises
+    AssertionError (or the store's error) naming what is wrong."""
+    store = Store(root, create=False, readonly=False, filesystem=fs.DEFAULT)
+    try:
+        listed = frozenset(v.version for v in store.versions())
+        if expect.keep_last is None:
+            assert listed in expect.allowed, (f"versions {sorted(listed)} listed; expected one of "
+                                              f"{[sorted(a) for a in expect.allowed]} "
+                                              f"(notes: {store.recovery_notes})")
+        else:
+            must = set(sorted(expect.before)[-expect.keep_last:])
+            assert must <= listed <= set(expect.content), (
+                f"versions {sorted(listed)} listed; the newest {sorted(must)} must be, and none unknown")
+        _check_versions(store, listed, expect, "after recovery")
+        write_more(store)  # a checkpoint and maintenance work on the recovered store ...
+        _check_versions(store, listed, expect, "after a checkpoint, gc and compact on the recovered store")
+    finally:
+        store.close()
+    with Store(root, create=False, readonly=False, filesystem=fs.DEFAULT) as store:  # ... and survive a reopen
+        _check_versions(store, listed, expect, "after reopening")
+
+
+def _check_versions(store: Store, listed, expect: Expectation, when: str) -> None:
+    for v in sorted(listed):
+        for table, values in expect.content[v].items():
+            np.testing.assert_array_equal(store.read_table(table, version=v), values,
+                                          err_msg=f"version {v} table {table!r} {when}")
+    report = store.verify()
+    assert report.ok, f"verify {when}: {report.problems[:3]}"
+
+
+@dataclass
+class Sweep:
+    """What one exploration checked."""
+
+    effects: int = 0
+    states: int = 0  # distinct crash states opened and checked
+    by_variant: dict = field(default_factory=dict)
+    failures: list = field(default_factory=list)
+
+
+def explore(base: str, effects: list[Effect], content, workdir: str, write_more: CheckNewWrite, *,
+            initial=frozenset(), variants=("kill", "power", "torn"), stride: int = 1,
+            max_failures: int = 5, keep_last: int | None = None) -> Sweep:
+    """Rebuild and check the crash state after every ``stride``-th prefix of ``effects`` (every prefix
+    with 1), in each variant. ``base`` is a copy of the store before the workload."""
+    model = FileModel.of_directory(base)
+    expect = expectations(effects, content, initial)
+    for e in expect:
+        e.keep_last = keep_last
+    sweep = Sweep(effects=len(effects))
+    seen: set = set()
+    n = 0
+    for k in range(len(effects) + 1):
+        if k:
+            model.apply(effects[k - 1])
+        if k % stride and k != len(effects):
+            continue
+        for variant in variants:
+            files = model.state(variant)
+            if files is None:
+                continue
+            key = (state_key(files), expect[k].allowed)
+            if key in seen:
+                continue
+            seen.add(key)
+            root = os.path.join(workdir, f"state-{n}")
+            n += 1
+            write_state(files, root)
+            try:
+                check_state(root, expect[k], write_more)
+            except Exception as exc:  # noqa: BLE001 - collected and reported with the state's place
+                sweep.failures.append(f"after effect {k} ({effects[k - 1].kind if k else 'start'} "
+                                      f"{effects[k - 1].path if k else ''}), {variant}: {type(exc).__name__}: {exc}")
+                if len(sweep.failures) >= max_failures:
+                    return sweep
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            sweep.states += 1
+            sweep.by_variant[variant] = sweep.by_variant.get(variant, 0) + 1
+    return sweep
