@@ -7,10 +7,12 @@
     cnrstore compact STORE [--version V] [--json] [--progress]   materialize baselines (default: newest)
     cnrstore retain STORE --keep-last N [--json] [--progress]    drop all but the newest N versions
     cnrstore gc STORE [--json] [--progress]              reclaim space of dropped and shadowed data
-    cnrstore export STORE --format F OUT [--version V] [--layout L] [--json] [--progress]
+    cnrstore export STORE --format F OUT [--version V] [--layout L] [--force] [--json] [--progress]
                                  F: torch|safetensors|dcp|npz (cnrstore.export.FORMATS; dcp writes a directory);
                                  L: auto (a Checkpointer's version as the model's state dict, any other as its
-                                 fp32 tables and dense arrays), state_dict, checkpoint, nested (cnrstore/export.py)
+                                 fp32 tables and dense arrays), state_dict, checkpoint, nested (cnrstore/export.py);
+                                 an existing OUT file is replaced only with --force; a link, FIFO, socket or
+                                 device at OUT (and for dcp anything but an empty directory) is always refused
     cnrstore import STORE SOURCE [--codec C] [--table-codec NAME=C] [--table PATTERN] [--min-rows N]
                                  [--source-format F] [--step S] [--json]
                                  seed a new store's first version from a torch.save / safetensors / DCP
@@ -339,11 +341,12 @@ def cmd_export(args) -> int:
     """Read the snapshot, then write it with ``export.export`` (atomically; layout "auto": a
     Checkpointer's version as the model's state dict, any other as the store's tables and dense arrays):
     progress counts those two phases, since neither reports finer progress of its own."""
-    check_path(args.out, args.format)  # before the (long) read: a bad path fails at once
+    check_path(args.out, args.format, overwrite=args.force)  # before the (long) read: a bad path fails at once
     progress = _progress(args, "export")
     snapshot, merged = _export_snapshot(args, progress)
     progress(1, 2, f"writing {args.out} ({args.format})")
-    report = dataclasses.replace(export(snapshot, args.format, args.out, layout=args.layout), merged=merged)
+    report = export(snapshot, args.format, args.out, layout=args.layout, overwrite=args.force)
+    report = dataclasses.replace(report, merged=merged)
     progress(2, 2, "done")
     _emit(args, dataclasses.asdict(report),
           f"exported {'global ' if merged else ''}version {report.version} ({report.tensors} tensor(s), "
@@ -454,6 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint (torch only): model, optimizers and extra state; nested: tables/ and dense/ "
                         "as stored; auto (default): state_dict for a Checkpointer's version, else nested")
     p.add_argument("out", help="output file (a new directory for dcp)")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT if it is an existing regular file (without it an existing OUT is refused); "
+                        "a symbolic link, FIFO, socket or device at OUT is refused even so, and a DCP export "
+                        "never replaces a non-empty directory")
     p = add("import", cmd_import, "seed a new, empty store's first version (a baseline in the Checkpointer's "
             "layout, restorable by cnrstore.torch.Checkpointer) from a torch.save file, a safetensors file or "
             "a DCP directory", store_help="path of the store (created if missing; must hold no version)")
