@@ -135,7 +135,9 @@ def test_checkpoint_layout_holds_the_optimizer_and_meta(trained, tmp_path):
     v = max(states)
     export_path(path, "torch", tmp_path / "ck.pt", layout="checkpoint")
     ck = torch.load(tmp_path / "ck.pt")
-    assert set(ck) == {"model", "optimizers", "extra", "version", "step", "meta"}
+    assert set(ck) == {"model", "optimizers", "param_names", "embedding_tables", "extra", "version", "step", "meta"}
+    assert ck["embedding_tables"] == ["emb.0", "emb.1"]
+    assert ck["param_names"] == [[n for n, _ in Model().named_parameters()]]
     assert (ck["version"], ck["step"], ck["meta"]) == (v, 20, {"pos": 1})
     model = Model(seed=1)
     model.load_state_dict(ck["model"])

@@ -155,11 +155,34 @@ def test_import_then_export_gives_the_source_back(trained, tmp_path, fmt):
     assert_same(back, sd_a)
 
 
-def test_a_checkpoint_dict_with_a_model_entry_imports_its_model(trained, tmp_path):
+def test_a_trainers_checkpoint_dict_is_refused_unless_model_only(trained, tmp_path):
+    """Fault 8 of issue 21: a `torch.save({"model", "opt0", ...})` file imported its model and dropped the rest
+    without a word. Now entries the import does not understand are refused, named, with the fix; the store
+    path is not created. `model_only=True` imports the model and lists what it left out; the trainer's
+    optimizer state goes in by loading it into the trainer's optimizer and passing that."""
     model, opt, sd_a = trained
-    torch.save({"model": sd_a, "optimizer": opt.state_dict(), "epoch": 3}, tmp_path / "ck.pt")
-    import_checkpoint(tmp_path / "s", tmp_path / "ck.pt")
+    for name, ck in (("opt0", {"model": sd_a, "opt0": opt.state_dict(), "epoch": 3}),
+                     ("optimizer", {"model": sd_a, "optimizer": opt.state_dict()})):
+        torch.save(ck, tmp_path / "ck.pt")
+        with pytest.raises(InvalidArgument, match=rf"does not understand: \['{name}'.*--model-only"):
+            import_checkpoint(tmp_path / "s", tmp_path / "ck.pt")
+        assert not os.path.exists(tmp_path / "s")
+    with pytest.raises(InvalidArgument, match="without 'param_names'.*--model-only"):
+        import_checkpoint(tmp_path / "s", {"model": sd_a, "optimizers": [opt.state_dict()]})
+    assert not os.path.exists(tmp_path / "s")
+    report = import_checkpoint(tmp_path / "s", tmp_path / "ck.pt", model_only=True)
+    assert report.ignored == ("optimizer",) and report.optimizers == 0
     assert_same(restored(tmp_path / "s", seed=4), sd_a)
+    # the trainer's optimizer state, loaded into its optimizer, is recorded with optimizer=
+    b = DLRM(seed=5)
+    opt_b = torch.optim.Adagrad(b.parameters(), lr=0.1)
+    opt_b.load_state_dict(torch.load(tmp_path / "ck.pt")["optimizer"])
+    report = import_checkpoint(tmp_path / "s2", tmp_path / "ck.pt", model=b, optimizer=opt_b, model_only=True)
+    assert report.optimizers == 1 and set(report.optimizer_tables) == {"emb_l.0.optim.sum", "emb_l.1.optim.sum"}
+    with pytest.raises(InvalidArgument, match="optimizer= is given too"):
+        import_checkpoint(tmp_path / "s3", {"model": sd_a, "optimizers": [opt.state_dict()],
+                                            "param_names": [[n for n, _ in b.named_parameters()]]},
+                          model=b, optimizer=opt_b)
 
 
 def test_model_and_optimizer_make_the_store_restorable_with_that_optimizer(trained, tmp_path):
@@ -311,3 +334,68 @@ def test_parse_table_codecs_for_the_cli():
                        (["x=int9"], "int9")):
         with pytest.raises(InvalidArgument, match=match):
             parse_table_codecs(bad)
+
+
+# --- issue 21, fault 8: a checkpoint-layout file imports with its optimizer and extra state -----------------
+class Position:
+    """An `extra` object: a data loader's position."""
+
+    def __init__(self, pos=0):
+        self.pos = pos
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd):
+        self.pos = sd["pos"]
+
+
+def _restore_all(path):
+    """Model state, Adagrad state (per parameter name) and extra state after a Checkpointer restore of the
+    store at ``path`` into fresh objects."""
+    model = DLRM(seed=9)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    extra = Position()
+    with cnrstore.open(path, readonly=True) as store:
+        info = Checkpointer(store, model, opt, extra={"loader": extra}).restore()
+    names = {p: n for n, p in model.named_parameters()}
+    optim = {names[p]: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    return state(model), optim, extra.pos, (info.step, info.meta), opt.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("via", ["api", "cli"])
+def test_checkpoint_layout_export_imports_with_its_optimizer_state_bit_exactly(tmp_path, capsys, via):
+    """Fault 8 of issue 21: `cnrstore import` of an `export --layout checkpoint` file imported the model and
+    dropped the optimizers, extra state and step; a restore then succeeded with Adagrad's accumulators at
+    zero. Now the round trip export -> import -> restore equals the restore of the original store, row-wise
+    optimizer state (tables `<table>.optim.sum`) included, bit for bit."""
+    from cnrstore import cli
+
+    model = DLRM()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    with cnrstore.open(tmp_path / "orig", create=True) as store:
+        ck = Checkpointer(store, model, opt, codec="fp32", extra={"loader": Position(17)})
+        train(model, opt, 3)
+        ck.save(step=30, meta={"epoch": 2}).wait()
+        ck.close()
+    export_path(tmp_path / "orig", "torch", tmp_path / "ck.pt", layout="checkpoint")
+    if via == "api":
+        report = import_checkpoint(tmp_path / "s", tmp_path / "ck.pt")
+        assert report.optimizers == 1 and report.extra == ("loader",) and report.step == 30 and not report.ignored
+    else:
+        assert cli.main(["import", str(tmp_path / "s"), str(tmp_path / "ck.pt")]) == 0
+        out = capsys.readouterr().out
+        assert "the state of 1 optimizer(s) (2 row-wise state table(s)), extra state loader" in out, out
+    with cnrstore.open(tmp_path / "s", readonly=True) as store:
+        assert {"emb_l.0.optim.sum", "emb_l.1.optim.sum"} <= set(store.tables())
+    want, got = _restore_all(tmp_path / "orig"), _restore_all(tmp_path / "s")
+    assert_same(got[0], want[0])
+    assert set(got[1]) == set(want[1]) == {n for n, _ in model.named_parameters()}
+    for name in want[1]:
+        assert_same(got[1][name], want[1][name])
+    assert torch.count_nonzero(got[1]["emb_l.0.weight"]["sum"]) > 0  # not fresh accumulators
+    assert got[2:] == want[2:] == (17, (30, {"epoch": 2}), want[4])
+    # a Checkpointer without the optimizer cannot take it silently
+    with cnrstore.open(tmp_path / "s", readonly=True) as store:
+        with pytest.raises(InvalidArgument, match="1 optimizer"):
+            Checkpointer(store, DLRM(seed=3), extra={"loader": Position()}).restore()
