@@ -399,3 +399,103 @@ def test_checkpoint_layout_export_imports_with_its_optimizer_state_bit_exactly(t
     with cnrstore.open(tmp_path / "s", readonly=True) as store:
         with pytest.raises(InvalidArgument, match="1 optimizer"):
             Checkpointer(store, DLRM(seed=3), extra={"loader": Position()}).restore()
+
+
+# --- issue 21, fault 9: a malformed source is a typed error with one line, and leaves nothing ----------------
+def _dcp(sd, path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=path, no_dist=True)
+    return path
+
+
+def _malformed(kind, tmp_path, sd):
+    """A source of ``kind`` and the words its error must say."""
+    if kind == "dcp truncated data file":
+        d = _dcp(sd, tmp_path / "d")
+        data = next(p for p in d.iterdir() if p.suffix == ".distcp")
+        os.truncate(data, data.stat().st_size // 3)
+        return d, "cannot read .* as a dcp checkpoint"
+    if kind == "dcp garbage .metadata":
+        d = _dcp(sd, tmp_path / "d")
+        (d / ".metadata").write_bytes(b"\x80garbage" * 20)
+        return d, "cannot read .* as a dcp checkpoint"
+    if kind == "truncated torch zip":
+        torch.save(sd, tmp_path / "t.pt")
+        os.truncate(tmp_path / "t.pt", (tmp_path / "t.pt").stat().st_size // 2)
+        return tmp_path / "t.pt", "cannot read .* as a torch checkpoint .*truncated"
+    if kind == "safetensors bad header":
+        header = b'{"emb.0.weight": {"dtype": "F32", "shape": [4'  # cut short, then garbage
+        (tmp_path / "b.st").write_bytes(len(header).to_bytes(8, "little") + header + b"\x00" * 64)
+        return tmp_path / "b.st", "cannot read .* as a safetensors checkpoint"
+    if kind == "sparse weight in a file":
+        torch.save({**sd, "emb_l.0.weight": sd["emb_l.0.weight"].to_sparse()}, tmp_path / "sp.pt")
+        return tmp_path / "sp.pt", r"'emb_l.0.weight' is a sparse tensor .*to_dense\(\)"
+    if kind == "sparse dense tensor in memory":
+        return {**sd, "top.weight": sd["top.weight"].to_sparse_csr()}, "'top.weight' is a sparse tensor"
+    if kind == "quantized tensor":
+        q = torch.quantize_per_tensor(sd["top.weight"], 0.1, 0, torch.qint8)
+        return {**sd, "top.weight": q}, r"quantized .*dequantize\(\)"
+    if kind == "non-tensor values":
+        torch.save({"model": {**sd, "note": "hello", "n": 3}}, tmp_path / "n.pt")
+        return tmp_path / "n.pt", "not tensors: note \\(str\\), n \\(int\\)"
+    if kind == "non-string keys":
+        return {**sd, 7: torch.zeros(1)}, "not strings"
+    if kind == "complex table":
+        return {**sd, "emb_l.1.weight": sd["emb_l.1.weight"].to(torch.complex64)}, \
+            "'emb_l.1.weight' is named like an embedding table but has dtype torch.complex64"
+    if kind == "int table":
+        return {**sd, "emb_l.1.weight": sd["emb_l.1.weight"].to(torch.int64)}, \
+            "'emb_l.1.weight' is named like an embedding table but has dtype torch.int64"
+    if kind == "float8 dense":
+        return {**sd, "top.weight": sd["top.weight"].to(torch.float8_e4m3fn)}, "cannot hold exactly"
+    if kind == "infinite row":
+        w = sd["emb_l.0.weight"].clone()
+        w[7, 1] = float("inf")
+        return {**sd, "emb_l.0.weight": w}, "table 'emb_l.0'.*row 7 is not finite"
+    raise AssertionError(kind)
+
+
+MALFORMED = ["dcp truncated data file", "dcp garbage .metadata", "truncated torch zip", "safetensors bad header",
+             "sparse weight in a file", "sparse dense tensor in memory", "quantized tensor", "non-tensor values",
+             "non-string keys", "complex table", "int table", "float8 dense", "infinite row"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's notes on sparse CSR and quantized tensors
+@pytest.mark.parametrize("kind", MALFORMED)
+def test_a_malformed_source_is_an_invalid_argument_in_one_line_and_changes_nothing(trained, tmp_path, kind):
+    """Fault 9 of issue 21: a DCP directory with a truncated data file or a garbage .metadata raised torch's
+    CheckpointException (a BaseException: a 40-60 line traceback from the CLI), a sparse weight a bare
+    RuntimeError. Each malformed source is now InvalidArgument with one line naming what to fix, raised
+    before the store is touched: a new path is not created, an existing empty store gains no table."""
+    _, _, sd_a = trained
+    source, words = _malformed(kind, tmp_path, sd_a)
+    with pytest.raises(InvalidArgument, match=words) as info:
+        import_checkpoint(tmp_path / "new", source)
+    assert len(str(info.value).splitlines()) == 1, str(info.value)
+    assert not os.path.exists(tmp_path / "new")
+    with cnrstore.open(tmp_path / "empty", create=True) as store:
+        with pytest.raises(InvalidArgument, match=words):
+            import_checkpoint(store, source)
+        assert store.tables() == {} and store.versions() == []
+    (tmp_path / "dir").mkdir()  # an existing directory that is no store: left as it was
+    with pytest.raises(InvalidArgument, match=words):
+        import_checkpoint(tmp_path / "dir", source)
+    assert os.listdir(tmp_path / "dir") == []
+
+
+def test_a_failed_write_removes_what_the_import_created_in_an_existing_directory(trained, tmp_path, monkeypatch):
+    """A failure after the checks (here the dense write) aborts the version; the store files the import made
+    inside an existing empty directory are removed again."""
+    from cnrstore import writer
+
+    _, _, sd_a = trained
+
+    def full(self, name, array):
+        raise cnrstore.StorageFull("no space left (test)")
+
+    monkeypatch.setattr(writer.CheckpointWriter, "put_dense", full)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(cnrstore.StorageFull):
+        import_checkpoint(tmp_path / "dir", sd_a)
+    assert os.listdir(tmp_path / "dir") == []
