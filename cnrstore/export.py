@@ -11,8 +11,10 @@ Two questions decide what is written: the *format* (``FORMATS``) and the *layout
   model's state dict has no room for it (``load_state_dict(strict=True)`` rejects unknown keys);
 - ``"checkpoint"`` (``torch`` format only): ``{"model": <state dict as above>, "optimizers": [one
   optimizer state_dict() per optimizer the Checkpointer had, row-wise state included], "extra":
-  {name: state_dict()}, "version", "step", "meta"}`` -- ``opt.load_state_dict(ck["optimizers"][0])``
-  loads an optimizer built over the same parameters in the same order;
+  {name: state_dict()}, "version", "step", "meta", "param_names": [per optimizer, the model's name of
+  each parameter in param_groups order], "embedding_tables": [table names]}`` --
+  ``opt.load_state_dict(ck["optimizers"][0])`` loads an optimizer built over the same parameters in the
+  same order, and ``cnrstore import`` takes the whole file back (optimizer and extra state included);
 - ``"nested"``: what the store holds, for any store (the plain key-value API has no parameter names):
   tables as fp32 arrays ``tables/<name>`` and dense arrays as stored ``dense/<name>`` (npz,
   safetensors); ``{"version", "step", "meta", "tables": {...}, "dense": {...}}`` (torch, dcp).

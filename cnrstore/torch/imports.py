@@ -438,7 +438,8 @@ def select_tables(state_dict: Mapping, *, model: nn.Module | None = None, tables
     else:
         if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1:
             raise InvalidArgument(f"min_rows must be a positive integer, got {min_rows!r}")
-        named = {k for k in state_dict if _is_weight_key(k) and any("emb" in part.lower() for part in k.split(".")[:-1])}
+        named = {k for k in state_dict
+                 if _is_weight_key(k) and any("emb" in part.lower() for part in k.split(".")[:-1])}
         for k in named:
             t = state_dict[k]
             if t.dim() == 2 and not t.is_floating_point():
