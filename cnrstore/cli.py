@@ -7,14 +7,18 @@
     cnrstore compact STORE [--version V] [--json] [--progress]   materialize baselines (default: newest)
     cnrstore retain STORE --keep-last N [--json] [--progress]    drop all but the newest N versions
     cnrstore gc STORE [--json] [--progress]              reclaim space of dropped and shadowed data
-    cnrstore export STORE --format F OUT [--version V] [--layout L] [--json] [--progress]
+    cnrstore export STORE --format F OUT [--version V] [--layout L] [--force] [--json] [--progress]
                                  F: torch|safetensors|dcp|npz (cnrstore.export.FORMATS; dcp writes a directory);
                                  L: auto (a Checkpointer's version as the model's state dict, any other as its
-                                 fp32 tables and dense arrays), state_dict, checkpoint, nested (cnrstore/export.py)
+                                 fp32 tables and dense arrays), state_dict, checkpoint, nested (cnrstore/export.py);
+                                 an existing OUT file is replaced only with --force; a link, FIFO, socket or
+                                 device at OUT (and for dcp anything but an empty directory) is always refused
     cnrstore import STORE SOURCE [--codec C] [--table-codec NAME=C] [--table PATTERN] [--min-rows N]
-                                 [--source-format F] [--step S] [--json]
+                                 [--source-format F] [--step S] [--model-only] [--json]
                                  seed a new store's first version from a torch.save / safetensors / DCP
-                                 checkpoint, in the Checkpointer's layout (cnrstore/torch/imports.py)
+                                 checkpoint, in the Checkpointer's layout (cnrstore/torch/imports.py): the
+                                 model and what an export in the checkpoint layout adds (optimizers, extra,
+                                 step, meta); a source holding anything else is refused unless --model-only
     cnrstore repair STORE [--json] [--progress]          rebuild a lost or damaged index from the log
 
 ``ls``, ``verify`` and ``export`` also take the root of a multi-rank job (``cnrstore.distributed``): they
@@ -339,11 +343,12 @@ def cmd_export(args) -> int:
     """Read the snapshot, then write it with ``export.export`` (atomically; layout "auto": a
     Checkpointer's version as the model's state dict, any other as the store's tables and dense arrays):
     progress counts those two phases, since neither reports finer progress of its own."""
-    check_path(args.out, args.format)  # before the (long) read: a bad path fails at once
+    check_path(args.out, args.format, overwrite=args.force)  # before the (long) read: a bad path fails at once
     progress = _progress(args, "export")
     snapshot, merged = _export_snapshot(args, progress)
     progress(1, 2, f"writing {args.out} ({args.format})")
-    report = dataclasses.replace(export(snapshot, args.format, args.out, layout=args.layout), merged=merged)
+    report = export(snapshot, args.format, args.out, layout=args.layout, overwrite=args.force)
+    report = dataclasses.replace(report, merged=merged)
     progress(2, 2, "done")
     _emit(args, dataclasses.asdict(report),
           f"exported {'global ' if merged else ''}version {report.version} ({report.tensors} tensor(s), "
@@ -357,12 +362,17 @@ def cmd_import(args) -> int:
 
     report = import_checkpoint(args.store, args.source, codec=args.codec, codecs=parse_table_codecs(args.table_codec),
                                tables=args.table, min_rows=args.min_rows, format=args.source_format,
-                               step=args.step)
+                               step=args.step, model_only=args.model_only)
+    state = (f", the state of {report.optimizers} optimizer(s) ({len(report.optimizer_tables)} row-wise state "
+             "table(s))" if report.optimizers else "") + (f", extra state {', '.join(report.extra)}"
+                                                         if report.extra else "")
     _emit(args, dataclasses.asdict(report),
-          f"imported {len(report.tables)} table(s) and {len(report.dense)} dense array(s) from {args.source} "
-          f"({report.source_format}) into {args.store} as version {report.version}"
+          f"imported {len(report.tables)} table(s) and {len(report.dense)} dense array(s){state} from "
+          f"{args.source} ({report.source_format}) into {args.store} as version {report.version}"
+          + (f" (step {report.step})" if report.step is not None else "")
           + "".join(f"\n  table {name}: {rows:,} x {dim} from {key!r}, {codec}"
-                    for name, (key, rows, dim, codec) in sorted(report.tables.items())))
+                    for name, (key, rows, dim, codec) in sorted(report.tables.items()))
+          + (f"\n  left out (--model-only): {', '.join(report.ignored)}" if report.ignored else ""))
     return 0
 
 
@@ -454,9 +464,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint (torch only): model, optimizers and extra state; nested: tables/ and dense/ "
                         "as stored; auto (default): state_dict for a Checkpointer's version, else nested")
     p.add_argument("out", help="output file (a new directory for dcp)")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT if it is an existing regular file (without it an existing OUT is refused); "
+                        "a symbolic link, FIFO, socket or device at OUT is refused even so, and a DCP export "
+                        "never replaces a non-empty directory")
     p = add("import", cmd_import, "seed a new, empty store's first version (a baseline in the Checkpointer's "
             "layout, restorable by cnrstore.torch.Checkpointer) from a torch.save file, a safetensors file or "
-            "a DCP directory", store_help="path of the store (created if missing; must hold no version)")
+            "a DCP directory: the model, and the optimizer and extra state of an `export --layout checkpoint` "
+            "file; a source that cannot be read, or holds what the import does not understand, is refused "
+            "(exit 2) and the store is left as it was", store_help="path of the store (created if missing; must "
+            "hold no version)")
     p.add_argument("source", help="torch.save file, safetensors file or DCP checkpoint directory")
     p.add_argument("--codec", default="fp32", help="codec of the embedding tables (default fp32: lossless)")
     p.add_argument("--table-codec", action="append", default=[], metavar="NAME=CODEC",
@@ -468,7 +485,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"rows that make a 2-D *.weight tensor a table without --table (default {DEFAULT_MIN_ROWS:,})")
     p.add_argument("--source-format", choices=SOURCE_FORMATS, default=None,
                    help="format of SOURCE (default: detected)")
-    p.add_argument("--step", type=int, default=None, help="training step to record with the version")
+    p.add_argument("--step", type=int, default=None,
+                   help="training step to record with the version (default: the source's 'step', if any)")
+    p.add_argument("--model-only", action="store_true",
+                   help="import the model state dict alone and leave out every other entry of SOURCE (a "
+                        "trainer's optimizer, epoch, ...); without it SOURCE may hold beside 'model' only what "
+                        "`export --layout checkpoint` writes (optimizers with param_names, extra, step, meta), "
+                        "which is imported, and anything else is refused")
     add("repair", cmd_repair, "rebuild the index from the segment log (after index loss or damage); keeps "
         "every version it can prove whole and says which it cannot (exit 1 then)", progress=True)
     return parser

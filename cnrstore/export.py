@@ -11,8 +11,10 @@ Two questions decide what is written: the *format* (``FORMATS``) and the *layout
   model's state dict has no room for it (``load_state_dict(strict=True)`` rejects unknown keys);
 - ``"checkpoint"`` (``torch`` format only): ``{"model": <state dict as above>, "optimizers": [one
   optimizer state_dict() per optimizer the Checkpointer had, row-wise state included], "extra":
-  {name: state_dict()}, "version", "step", "meta"}`` -- ``opt.load_state_dict(ck["optimizers"][0])``
-  loads an optimizer built over the same parameters in the same order;
+  {name: state_dict()}, "version", "step", "meta", "param_names": [per optimizer, the model's name of
+  each parameter in param_groups order], "embedding_tables": [table names]}`` --
+  ``opt.load_state_dict(ck["optimizers"][0])`` loads an optimizer built over the same parameters in the
+  same order, and ``cnrstore import`` takes the whole file back (optimizer and extra state included);
 - ``"nested"``: what the store holds, for any store (the plain key-value API has no parameter names):
   tables as fp32 arrays ``tables/<name>`` and dense arrays as stored ``dense/<name>`` (npz,
   safetensors); ``{"version", "step", "meta", "tables": {...}, "dense": {...}}`` (torch, dcp).
@@ -21,10 +23,19 @@ Two questions decide what is written: the *format* (``FORMATS``) and the *layout
 (``"torch.state"``) and ``"nested"`` otherwise. The state-dict layouts, the torch and dcp formats need
 PyTorch (imported only when used: ``import cnrstore`` stays torch-free).
 
-Exports are atomic: a file is written to a temporary file beside ``path``, fsynced and renamed over it; a
-DCP directory is written to a temporary directory beside ``path`` and renamed to it (``path`` must not
+Exports are atomic: a file is written to a temporary file beside ``path``, fsynced and moved into place;
+a DCP directory is written to a temporary directory beside ``path`` and renamed to it (``path`` must not
 exist, or be an empty directory). A failed export (disk full, I/O error, interrupted) leaves no partial
 file and an older file at ``path`` unchanged. Every failure is a typed error (see :func:`export`).
+
+An export never replaces anything but a regular file, and that only when asked: ``path`` may be absent;
+an existing regular file is replaced only with ``overwrite=True`` (the command's ``--force``), else
+InvalidArgument names the flag; a symbolic link (even to a regular file), a FIFO, a socket or a device
+node is refused whatever ``overwrite`` says (an export would replace the link, or write into the pipe or
+device). Without ``overwrite`` the file is moved into place with ``link(2)``, which fails if anything
+appeared at ``path`` since the check (no race replaces it); with ``overwrite`` ``path`` is checked again
+right before ``rename(2)``. A DCP export takes an absent path or an empty directory only (never a link,
+never a non-empty directory: it would have to delete a directory tree, which it never does).
 
 A multi-rank job's root exports as one merged model (``export_path``; ``cnrstore.distributed.export``).
 """
@@ -36,6 +47,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,26 +122,91 @@ def _fspath(path) -> str:
     return path
 
 
-def check_path(path, fmt: str | None = None) -> str:
+def _kind(mode: int) -> str:
+    """What a non-regular file of ``st_mode`` ``mode`` is, for a message."""
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _lstat(path: str):
+    """``os.lstat(path)``, or None when nothing is there (a missing parent is reported by _check_parent)."""
+    try:
+        return os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise InvalidArgument(f"cannot export to {path!r}: cannot inspect it ({exc}); choose another path") from exc
+
+
+def _refuse_existing(path: str, st, overwrite: bool) -> None:
+    """Raise InvalidArgument unless what ``st`` (lstat of ``path``, or None) describes may be replaced by a
+    file export (module doc)."""
+    if st is None:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(f"export path {path!r} is a directory; name a file in it, e.g. "
+                              f"{os.path.join(path, 'export.bin')!r}")
+    if stat.S_ISLNK(st.st_mode):
+        raise InvalidArgument(f"cannot export to {path!r}: it is a symbolic link (to {os.readlink(path)!r}); an "
+                              "export replaces only a regular file and never follows or replaces a link: name the "
+                              "link's target, or remove the link")
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgument(f"cannot export to {path!r}: it is {_kind(st.st_mode)}, not a regular file; an export "
+                              "replaces only a regular file (--force does not change that): name another path")
+    if not overwrite:
+        raise InvalidArgument(f"export file {path!r} exists; pass --force (overwrite=True) to replace it, or name "
+                              "another path")
+
+
+def check_path(path, fmt: str | None = None, *, overwrite: bool = False) -> str:
     """``path`` as a str if an export in format ``fmt`` can be written there; raises InvalidArgument
     saying what to fix otherwise.
 
     For a file (every format but ``"dcp"``): its directory exists, is a directory and is writable, and
-    ``path`` itself is not a directory. For ``"dcp"`` (a directory): its parent exists and is writable,
-    and ``path`` does not exist or is an empty directory (an export never merges into older files)."""
+    ``path`` is absent or -- with ``overwrite`` only -- a regular file (never a directory, a symbolic link,
+    a FIFO, a socket or a device). For ``"dcp"`` (a directory): its parent exists and is writable, and
+    ``path`` does not exist or is an empty directory (an export never merges into older files, and never
+    deletes a directory; ``overwrite`` does not change that)."""
     path = _fspath(path)
+    st = _lstat(path)
     if fmt == "dcp":
-        if os.path.exists(path) and not (os.path.isdir(path) and not os.listdir(path)):
-            kind = "a non-empty directory" if os.path.isdir(path) else "a file"
+        if st is not None and not (stat.S_ISDIR(st.st_mode) and not os.listdir(path)):
+            kind = "a non-empty directory" if stat.S_ISDIR(st.st_mode) else (
+                "a file" if stat.S_ISREG(st.st_mode) else _kind(st.st_mode))
             raise InvalidArgument(f"cannot export a DCP checkpoint to {path!r}: it is {kind}; a DCP export "
-                                  "creates a new directory: remove it or name a new one")
+                                  "creates a new directory (and never deletes one, with --force neither): remove "
+                                  "it or name a new one")
         _check_parent(path, "a DCP export creates a directory there")
         return path
-    if os.path.isdir(path):
-        raise InvalidArgument(f"export path {path!r} is a directory; name a file in it, e.g. "
-                              f"{os.path.join(path, 'export.bin')!r}")
+    _refuse_existing(path, st, overwrite)
     _check_parent(path, "the export file is created there")
     return path
+
+
+def _place(tmp: str, path: str, overwrite: bool) -> None:
+    """Move the written, synced file ``tmp`` to ``path``: with ``overwrite``, ``rename(2)`` after checking
+    ``path`` again (absent or a regular file); without, ``link(2)``, which fails if anything is at ``path``
+    (a file system without hard links gets the check and the rename)."""
+    if overwrite:
+        _refuse_existing(path, _lstat(path), True)
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        _refuse_existing(path, _lstat(path), False)  # names what appeared there
+        raise InvalidArgument(f"something appeared at {path!r} during the export; name another path") from None
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV):
+            raise
+        _refuse_existing(path, _lstat(path), False)
+        os.replace(tmp, path)
+        return
+    _remove(tmp)
 
 
 def resolve_layout(snapshot: Snapshot, fmt: str, layout: str = "auto") -> str:
@@ -232,7 +309,8 @@ def _write_error(exc: BaseException, path: str) -> Exception:
                         "Check the file system (space, permissions, errors in dmesg) and retry", path)
 
 
-def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=None) -> ExportReport:
+def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=None,
+           overwrite: bool = False) -> ExportReport:
     """Write ``snapshot`` to ``path`` in format ``fmt`` (one of FORMATS) and ``layout`` (module doc),
     atomically.
 
@@ -242,16 +320,20 @@ def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=No
     an ``nn.Embedding`` saved without an optimizer; the model's embedding dtype is kept; a model that does
     not match the version raises InvalidArgument.
 
+    ``overwrite`` (the command's ``--force``) lets the export replace an existing regular file at ``path``;
+    without it an existing file is refused. Nothing else is ever replaced (module doc).
+
     Raises InvalidArgument for an unknown format or layout, a layout the version or format cannot hold, or a
-    path that cannot be written (missing or non-writable directory; a directory for a file format; an
-    existing non-empty directory for dcp), StorageFull when the file system fills up, and ExportFailed for
-    any other write failure; in every case ``path`` is left as it was.
+    path that cannot be written (missing or non-writable directory; a directory, a symbolic link, a FIFO,
+    a socket or a device for a file format; an existing file without ``overwrite``; anything but an absent
+    path or an empty directory for dcp), StorageFull when the file system fills up, and ExportFailed for any
+    other write failure; in every case ``path`` is left as it was.
     """
     layout = resolve_layout(snapshot, fmt, layout)
     if model is not None and layout == "nested":
         raise InvalidArgument("model= names a state dict's keys; the nested layout has none: drop model= or "
                               "choose layout state_dict")
-    path = check_path(path, fmt)
+    path = check_path(path, fmt, overwrite=overwrite)
     content = _content(snapshot, fmt, layout, model)
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
                        f".{os.path.basename(os.path.normpath(path))}.cnrstore-export-{os.getpid()}.tmp")
@@ -260,9 +342,9 @@ def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=No
         _write(content, fmt, tmp)
         _sync(tmp)
         if fmt == "dcp":
-            os.rename(tmp, path)  # replaces only an empty directory (check_path): never merges
+            os.rename(tmp, path)  # onto nothing or an empty directory only (ENOTEMPTY, ENOTDIR): never merges
         else:
-            os.replace(tmp, path)
+            _place(tmp, path, overwrite)
         _sync_dir(os.path.dirname(os.path.abspath(path)))
     except InvalidArgument:
         _remove(tmp)
@@ -277,22 +359,23 @@ def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=No
 
 
 def export_path(source, fmt: str, path, *, version: int | None = None, layout: str = "auto",
-                model=None) -> ExportReport:
+                model=None, overwrite: bool = False) -> ExportReport:
     """Export ``version`` (default newest) of ``source`` to ``path``: ``source`` is an open ``Store``, the
     path of a store, or the root of a multi-rank job (``cnrstore.distributed``), whose global ``version``
     is exported as one merged model (every table assembled from all ranks' shards, dense state from rank 0;
     see ``cnrstore.distributed.export.merged_snapshot``).
 
-    ``layout`` and ``model`` are :func:`export`'s. The output path is checked before the (long) read;
+    ``layout``, ``model`` and ``overwrite`` are :func:`export`'s. The output path is checked before the (long) read;
     errors as :func:`export`, plus those of opening and reading the source (StoreNotFound,
     VersionNotFound, ...)."""
     from .store import Store, open as open_store
 
     if fmt not in FORMATS:
         raise InvalidArgument(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    path = check_path(path, fmt)
+    path = check_path(path, fmt, overwrite=overwrite)
+    kw = {"layout": layout, "model": model, "overwrite": overwrite}
     if isinstance(source, Store):
-        return export(source.restore(version), fmt, path, layout=layout, model=model)
+        return export(source.restore(version), fmt, path, **kw)
     src = os.fspath(source)
     if not os.path.exists(filenames.marker_path(src)):
         try:
@@ -304,11 +387,11 @@ def export_path(source, fmt: str, path, *, version: int | None = None, layout: s
                 raise InvalidArgument(f"{src} is a multi-rank root: its merged export holds the model only (each "
                                       "rank's optimizer state is its own); choose layout state_dict or nested, or "
                                       "export one rank's store with layout checkpoint")
-            report = export(dist_export.merged_snapshot(src, version), fmt, path, layout=layout, model=model)
+            report = export(dist_export.merged_snapshot(src, version), fmt, path, **kw)
             return dataclasses.replace(report, merged=True)
     with open_store(src, readonly=True) as store:
         snapshot = store.restore(version)
-    return export(snapshot, fmt, path, layout=layout, model=model)
+    return export(snapshot, fmt, path, **kw)
 
 
 def _remove(tmp: str) -> None:

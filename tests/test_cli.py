@@ -191,7 +191,7 @@ def test_export_disk_full_raises_storage_full_and_leaves_no_partial_file(made_st
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(export_mod, "_write", full)
-    rc, _out, err = _main(capsys, "export", path, "--format", fmt, out)
+    rc, _out, err = _main(capsys, "export", path, "--format", fmt, out, "--force")  # replace the older export
     assert rc == 2 and "StorageFull" in err and "space" in err and len(err.strip().splitlines()) == 1
     assert out.read_bytes() == b"older export"
     assert os.listdir(tmp_path) == ["x.out"]  # the temporary file is gone
@@ -553,3 +553,47 @@ def test_import_then_export_through_the_command_line(tmp_path, capsys):
     assert "cnrstore import:" in capsys.readouterr().err
     with cnrstore.open(store, readonly=True) as s:
         assert [v.version for v in s.versions()] == [1]
+
+
+def test_export_refuses_an_existing_out_without_force_and_a_fifo_even_with_it(made_store, tmp_path, capsys):
+    """Fault 12 of issue 21 on the command line: an existing OUT is replaced only with --force (the refusal
+    names the flag), a FIFO at OUT never (the export neither blocks on it nor replaces it); exit 2, one line."""
+    path, _ = made_store
+    out = tmp_path / "x.npz"
+    out.write_bytes(b"older export")
+    rc, _out, err = _main(capsys, "export", path, "--format", "npz", out)
+    assert rc == 2 and "--force" in err and len(err.strip().splitlines()) == 1
+    assert out.read_bytes() == b"older export"
+    rc, _out, err = _main(capsys, "export", path, "--format", "npz", out, "--force")
+    assert rc == 0 and np.load(out).files
+    os.mkfifo(tmp_path / "fifo")
+    for extra in ([], ["--force"]):
+        rc, _out, err = _main(capsys, "export", path, "--format", "npz", tmp_path / "fifo", *extra)
+        assert rc == 2 and "FIFO" in err and len(err.strip().splitlines()) == 1
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "x.npz"]
+
+
+@pytest.mark.parametrize("damage", ["truncated data file", "garbage .metadata"])
+def test_import_of_a_damaged_dcp_directory_exits_2_with_one_line(tmp_path, damage):
+    """Fault 9 of issue 21: `cnrstore import` of a DCP directory with a truncated data file or a garbage
+    .metadata printed 40-60 lines (torch's CheckpointException is a BaseException, and DCP's loader logs
+    tracebacks on the root logger) and exited 1. Now: exit 2, one line on stderr, no store created."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "src"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"emb.0.weight": torch.randn(300, 8), "mlp.bias": torch.randn(3)}, checkpoint_id=src, no_dist=True)
+    if damage == "truncated data file":
+        data = next(p for p in src.iterdir() if p.suffix == ".distcp")
+        os.truncate(data, data.stat().st_size // 3)
+    else:
+        (src / ".metadata").write_bytes(b"\x80garbage" * 20)
+    proc = run("import", tmp_path / "store", src, check_rc=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cnrstore import: InvalidArgument: cannot read"), proc.stderr
+    assert "dcp checkpoint" in lines[0] and "copy the checkpoint again" in lines[0]
+    assert not (tmp_path / "store").exists()

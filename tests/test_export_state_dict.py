@@ -135,7 +135,9 @@ def test_checkpoint_layout_holds_the_optimizer_and_meta(trained, tmp_path):
     v = max(states)
     export_path(path, "torch", tmp_path / "ck.pt", layout="checkpoint")
     ck = torch.load(tmp_path / "ck.pt")
-    assert set(ck) == {"model", "optimizers", "extra", "version", "step", "meta"}
+    assert set(ck) == {"model", "optimizers", "param_names", "embedding_tables", "extra", "version", "step", "meta"}
+    assert ck["embedding_tables"] == ["emb.0", "emb.1"]
+    assert ck["param_names"] == [[n for n, _ in Model().named_parameters()]]
     assert (ck["version"], ck["step"], ck["meta"]) == (v, 20, {"pos": 1})
     model = Model(seed=1)
     model.load_state_dict(ck["model"])
@@ -233,9 +235,10 @@ def test_model_names_tied_and_bare_embedding_keys(tmp_path):
         with cnrstore.open(store_path, create=True) as store:
             Checkpointer(store, model, codec="fp32").save(1).wait()
             snap = store.restore()
-        export(snap, "safetensors", tmp_path / "m.st", model=model)
+        out = tmp_path / f"{type(model).__name__}.st"
+        export(snap, "safetensors", out, model=model)
         fresh = type(model)() if isinstance(model, Tied) else nn.Embedding(25, 3)
-        fresh.load_state_dict(load_file(str(tmp_path / "m.st")))  # strict: every key, tied ones too
+        fresh.load_state_dict(load_file(str(out)))  # strict: every key, tied ones too
         same(state(fresh), state(model))
         with pytest.raises(InvalidArgument, match="checkpointed"):
             export(snap, "torch", tmp_path / "x.pt", model=nn.Linear(2, 2))
@@ -291,3 +294,84 @@ def test_a_dcp_write_that_fills_the_disk_is_storage_full_and_leaves_nothing(trai
 def test_export_path_of_something_that_is_no_store(tmp_path):
     with pytest.raises(cnrstore.StoreNotFound):
         export_path(tmp_path, "torch", tmp_path / "m.pt")
+
+
+# --- issue 21, fault 12: an export replaces a regular file only, and only when asked ------------------------
+def _special_files(tmp_path):
+    """(name, path) of every kind of non-regular file an export must refuse; a device node only as root."""
+    import socket
+    import stat
+
+    (tmp_path / "target.pt").write_bytes(b"the link's target")
+    os.symlink(tmp_path / "target.pt", tmp_path / "link.pt")
+    os.symlink(tmp_path / "nowhere.pt", tmp_path / "dangling.pt")
+    os.mkfifo(tmp_path / "fifo.pt")
+    out = [("symbolic link", tmp_path / "link.pt"), ("dangling symbolic link", tmp_path / "dangling.pt"),
+           ("FIFO", tmp_path / "fifo.pt")]
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock.pt"))
+    sock.close()
+    out.append(("socket", tmp_path / "sock.pt"))
+    if os.geteuid() == 0:
+        os.mknod(tmp_path / "null.pt", stat.S_IFCHR | 0o600, os.makedev(1, 3))  # what /dev/null is
+        out.append(("character device", tmp_path / "null.pt"))
+    return out
+
+
+def _fingerprint(path):
+    st = os.lstat(path)
+    return (st.st_mode, st.st_ino, st.st_size, os.readlink(path) if os.path.islink(path) else None)
+
+
+def test_export_refuses_an_existing_file_unless_overwrite_and_never_a_link_fifo_socket_or_device(trained, tmp_path):
+    """Fault 12 of issue 21: `export` replaced whatever lay at its path -- a symlink, a FIFO, a device node.
+    Now an existing regular file is replaced only with overwrite=True; anything else is refused with it too,
+    and left exactly as it was, with no temporary file behind."""
+    path, states, _ = trained
+    old = tmp_path / "old.pt"
+    old.write_bytes(b"an older export")
+    with pytest.raises(InvalidArgument, match=r"exists; pass --force \(overwrite=True\)"):
+        export_path(path, "torch", old)
+    assert old.read_bytes() == b"an older export"
+    report = export_path(path, "torch", old, overwrite=True)
+    same(torch.load(old), states[report.version])
+    specials = _special_files(tmp_path)
+    before = {p: _fingerprint(p) for _, p in specials}
+    for fmt in ("torch", "safetensors", "npz", "dcp"):
+        for kind, target in specials:
+            for overwrite in (False, True):
+                with pytest.raises(InvalidArgument, match="symbolic link|FIFO|socket|device") as info:
+                    export_path(path, fmt, target, overwrite=overwrite,
+                                layout="nested" if fmt == "npz" else "auto")
+                assert ("symbolic link" if "link" in kind else kind) in str(info.value)
+    assert {p: _fingerprint(p) for _, p in specials} == before
+    assert (tmp_path / "target.pt").read_bytes() == b"the link's target"
+    assert not [n for n in os.listdir(tmp_path) if "cnrstore-export" in n]
+
+
+def test_export_without_overwrite_never_replaces_what_appears_during_the_write(trained, tmp_path, monkeypatch):
+    """The check before the write is not enough: a link created at the path while the file is written is not
+    replaced either (the file is moved into place with link(2), which fails on anything there)."""
+    path, _, _ = trained
+    out = tmp_path / "m.pt"
+    real = export_mod._write
+
+    def racing(content, fmt, tmp):
+        real(content, fmt, tmp)
+        os.symlink("/etc/passwd", out)
+
+    monkeypatch.setattr(export_mod, "_write", racing)
+    with pytest.raises(InvalidArgument, match="symbolic link"):
+        export_path(path, "torch", out)
+    assert os.readlink(out) == "/etc/passwd"
+    os.unlink(out)
+
+    def racing_file(content, fmt, tmp):
+        real(content, fmt, tmp)
+        out.write_bytes(b"someone else's")
+
+    monkeypatch.setattr(export_mod, "_write", racing_file)
+    with pytest.raises(InvalidArgument, match="exists"):
+        export_path(path, "torch", out)
+    assert out.read_bytes() == b"someone else's"
+    assert sorted(os.listdir(tmp_path)) == ["m.pt"]

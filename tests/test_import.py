@@ -155,11 +155,34 @@ def test_import_then_export_gives_the_source_back(trained, tmp_path, fmt):
     assert_same(back, sd_a)
 
 
-def test_a_checkpoint_dict_with_a_model_entry_imports_its_model(trained, tmp_path):
+def test_a_trainers_checkpoint_dict_is_refused_unless_model_only(trained, tmp_path):
+    """Fault 8 of issue 21: a `torch.save({"model", "opt0", ...})` file imported its model and dropped the rest
+    without a word. Now entries the import does not understand are refused, named, with the fix; the store
+    path is not created. `model_only=True` imports the model and lists what it left out; the trainer's
+    optimizer state goes in by loading it into the trainer's optimizer and passing that."""
     model, opt, sd_a = trained
-    torch.save({"model": sd_a, "optimizer": opt.state_dict(), "epoch": 3}, tmp_path / "ck.pt")
-    import_checkpoint(tmp_path / "s", tmp_path / "ck.pt")
+    for name, ck in (("opt0", {"model": sd_a, "opt0": opt.state_dict(), "epoch": 3}),
+                     ("optimizer", {"model": sd_a, "optimizer": opt.state_dict()})):
+        torch.save(ck, tmp_path / "ck.pt")
+        with pytest.raises(InvalidArgument, match=rf"does not understand: \['{name}'.*--model-only"):
+            import_checkpoint(tmp_path / "s", tmp_path / "ck.pt")
+        assert not os.path.exists(tmp_path / "s")
+    with pytest.raises(InvalidArgument, match="without 'param_names'.*--model-only"):
+        import_checkpoint(tmp_path / "s", {"model": sd_a, "optimizers": [opt.state_dict()]})
+    assert not os.path.exists(tmp_path / "s")
+    report = import_checkpoint(tmp_path / "s", tmp_path / "ck.pt", model_only=True)
+    assert report.ignored == ("optimizer",) and report.optimizers == 0
     assert_same(restored(tmp_path / "s", seed=4), sd_a)
+    # the trainer's optimizer state, loaded into its optimizer, is recorded with optimizer=
+    b = DLRM(seed=5)
+    opt_b = torch.optim.Adagrad(b.parameters(), lr=0.1)
+    opt_b.load_state_dict(torch.load(tmp_path / "ck.pt")["optimizer"])
+    report = import_checkpoint(tmp_path / "s2", tmp_path / "ck.pt", model=b, optimizer=opt_b, model_only=True)
+    assert report.optimizers == 1 and set(report.optimizer_tables) == {"emb_l.0.optim.sum", "emb_l.1.optim.sum"}
+    with pytest.raises(InvalidArgument, match="optimizer= is given too"):
+        import_checkpoint(tmp_path / "s3", {"model": sd_a, "optimizers": [opt.state_dict()],
+                                            "param_names": [[n for n, _ in b.named_parameters()]]},
+                          model=b, optimizer=opt_b)
 
 
 def test_model_and_optimizer_make_the_store_restorable_with_that_optimizer(trained, tmp_path):
@@ -311,3 +334,168 @@ def test_parse_table_codecs_for_the_cli():
                        (["x=int9"], "int9")):
         with pytest.raises(InvalidArgument, match=match):
             parse_table_codecs(bad)
+
+
+# --- issue 21, fault 8: a checkpoint-layout file imports with its optimizer and extra state -----------------
+class Position:
+    """An `extra` object: a data loader's position."""
+
+    def __init__(self, pos=0):
+        self.pos = pos
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd):
+        self.pos = sd["pos"]
+
+
+def _restore_all(path):
+    """Model state, Adagrad state (per parameter name) and extra state after a Checkpointer restore of the
+    store at ``path`` into fresh objects."""
+    model = DLRM(seed=9)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    extra = Position()
+    with cnrstore.open(path, readonly=True) as store:
+        info = Checkpointer(store, model, opt, extra={"loader": extra}).restore()
+    names = {p: n for n, p in model.named_parameters()}
+    optim = {names[p]: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    return state(model), optim, extra.pos, (info.step, info.meta), opt.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("via", ["api", "cli"])
+def test_checkpoint_layout_export_imports_with_its_optimizer_state_bit_exactly(tmp_path, capsys, via):
+    """Fault 8 of issue 21: `cnrstore import` of an `export --layout checkpoint` file imported the model and
+    dropped the optimizers, extra state and step; a restore then succeeded with Adagrad's accumulators at
+    zero. Now the round trip export -> import -> restore equals the restore of the original store, row-wise
+    optimizer state (tables `<table>.optim.sum`) included, bit for bit."""
+    from cnrstore import cli
+
+    model = DLRM()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    with cnrstore.open(tmp_path / "orig", create=True) as store:
+        ck = Checkpointer(store, model, opt, codec="fp32", extra={"loader": Position(17)})
+        train(model, opt, 3)
+        ck.save(step=30, meta={"epoch": 2}).wait()
+        ck.close()
+    export_path(tmp_path / "orig", "torch", tmp_path / "ck.pt", layout="checkpoint")
+    if via == "api":
+        report = import_checkpoint(tmp_path / "s", tmp_path / "ck.pt")
+        assert report.optimizers == 1 and report.extra == ("loader",) and report.step == 30 and not report.ignored
+    else:
+        assert cli.main(["import", str(tmp_path / "s"), str(tmp_path / "ck.pt")]) == 0
+        out = capsys.readouterr().out
+        assert "the state of 1 optimizer(s) (2 row-wise state table(s)), extra state loader" in out, out
+    with cnrstore.open(tmp_path / "s", readonly=True) as store:
+        assert {"emb_l.0.optim.sum", "emb_l.1.optim.sum"} <= set(store.tables())
+    want, got = _restore_all(tmp_path / "orig"), _restore_all(tmp_path / "s")
+    assert_same(got[0], want[0])
+    assert set(got[1]) == set(want[1]) == {n for n, _ in model.named_parameters()}
+    for name in want[1]:
+        assert_same(got[1][name], want[1][name])
+    assert torch.count_nonzero(got[1]["emb_l.0.weight"]["sum"]) > 0  # not fresh accumulators
+    assert got[2:] == want[2:] == (17, (30, {"epoch": 2}), want[4])
+    # a Checkpointer without the optimizer cannot take it silently
+    with cnrstore.open(tmp_path / "s", readonly=True) as store:
+        with pytest.raises(InvalidArgument, match="1 optimizer"):
+            Checkpointer(store, DLRM(seed=3), extra={"loader": Position()}).restore()
+
+
+# --- issue 21, fault 9: a malformed source is a typed error with one line, and leaves nothing ----------------
+def _dcp(sd, path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=path, no_dist=True)
+    return path
+
+
+def _malformed(kind, tmp_path, sd):
+    """A source of ``kind`` and the words its error must say."""
+    if kind == "dcp truncated data file":
+        d = _dcp(sd, tmp_path / "d")
+        data = next(p for p in d.iterdir() if p.suffix == ".distcp")
+        os.truncate(data, data.stat().st_size // 3)
+        return d, "cannot read .* as a dcp checkpoint"
+    if kind == "dcp garbage .metadata":
+        d = _dcp(sd, tmp_path / "d")
+        (d / ".metadata").write_bytes(b"\x80garbage" * 20)
+        return d, "cannot read .* as a dcp checkpoint"
+    if kind == "truncated torch zip":
+        torch.save(sd, tmp_path / "t.pt")
+        os.truncate(tmp_path / "t.pt", (tmp_path / "t.pt").stat().st_size // 2)
+        return tmp_path / "t.pt", "cannot read .* as a torch checkpoint .*truncated"
+    if kind == "safetensors bad header":
+        header = b'{"emb.0.weight": {"dtype": "F32", "shape": [4'  # cut short, then garbage
+        (tmp_path / "b.st").write_bytes(len(header).to_bytes(8, "little") + header + b"\x00" * 64)
+        return tmp_path / "b.st", "cannot read .* as a safetensors checkpoint"
+    if kind == "sparse weight in a file":
+        torch.save({**sd, "emb_l.0.weight": sd["emb_l.0.weight"].to_sparse()}, tmp_path / "sp.pt")
+        return tmp_path / "sp.pt", r"'emb_l.0.weight' is a sparse tensor .*to_dense\(\)"
+    if kind == "sparse dense tensor in memory":
+        return {**sd, "top.weight": sd["top.weight"].to_sparse_csr()}, "'top.weight' is a sparse tensor"
+    if kind == "quantized tensor":
+        q = torch.quantize_per_tensor(sd["top.weight"], 0.1, 0, torch.qint8)
+        return {**sd, "top.weight": q}, r"quantized .*dequantize\(\)"
+    if kind == "non-tensor values":
+        torch.save({"model": {**sd, "note": "hello", "n": 3}}, tmp_path / "n.pt")
+        return tmp_path / "n.pt", "not tensors: note \\(str\\), n \\(int\\)"
+    if kind == "non-string keys":
+        return {**sd, 7: torch.zeros(1)}, "not strings"
+    if kind == "complex table":
+        return {**sd, "emb_l.1.weight": sd["emb_l.1.weight"].to(torch.complex64)}, \
+            "'emb_l.1.weight' is named like an embedding table but has dtype torch.complex64"
+    if kind == "int table":
+        return {**sd, "emb_l.1.weight": sd["emb_l.1.weight"].to(torch.int64)}, \
+            "'emb_l.1.weight' is named like an embedding table but has dtype torch.int64"
+    if kind == "float8 dense":
+        return {**sd, "top.weight": sd["top.weight"].to(torch.float8_e4m3fn)}, "cannot hold exactly"
+    if kind == "infinite row":
+        w = sd["emb_l.0.weight"].clone()
+        w[7, 1] = float("inf")
+        return {**sd, "emb_l.0.weight": w}, "table 'emb_l.0'.*row 7 is not finite"
+    raise AssertionError(kind)
+
+
+MALFORMED = ["dcp truncated data file", "dcp garbage .metadata", "truncated torch zip", "safetensors bad header",
+             "sparse weight in a file", "sparse dense tensor in memory", "quantized tensor", "non-tensor values",
+             "non-string keys", "complex table", "int table", "float8 dense", "infinite row"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's notes on sparse CSR and quantized tensors
+@pytest.mark.parametrize("kind", MALFORMED)
+def test_a_malformed_source_is_an_invalid_argument_in_one_line_and_changes_nothing(trained, tmp_path, kind):
+    """Fault 9 of issue 21: a DCP directory with a truncated data file or a garbage .metadata raised torch's
+    CheckpointException (a BaseException: a 40-60 line traceback from the CLI), a sparse weight a bare
+    RuntimeError. Each malformed source is now InvalidArgument with one line naming what to fix, raised
+    before the store is touched: a new path is not created, an existing empty store gains no table."""
+    _, _, sd_a = trained
+    source, words = _malformed(kind, tmp_path, sd_a)
+    with pytest.raises(InvalidArgument, match=words) as info:
+        import_checkpoint(tmp_path / "new", source)
+    assert len(str(info.value).splitlines()) == 1, str(info.value)
+    assert not os.path.exists(tmp_path / "new")
+    with cnrstore.open(tmp_path / "empty", create=True) as store:
+        with pytest.raises(InvalidArgument, match=words):
+            import_checkpoint(store, source)
+        assert store.tables() == {} and store.versions() == []
+    (tmp_path / "dir").mkdir()  # an existing directory that is no store: left as it was
+    with pytest.raises(InvalidArgument, match=words):
+        import_checkpoint(tmp_path / "dir", source)
+    assert os.listdir(tmp_path / "dir") == []
+
+
+def test_a_failed_write_removes_what_the_import_created_in_an_existing_directory(trained, tmp_path, monkeypatch):
+    """A failure after the checks (here the dense write) aborts the version; the store files the import made
+    inside an existing empty directory are removed again."""
+    from cnrstore import writer
+
+    _, _, sd_a = trained
+
+    def full(self, name, array):
+        raise cnrstore.StorageFull("no space left (test)")
+
+    monkeypatch.setattr(writer.CheckpointWriter, "put_dense", full)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(cnrstore.StorageFull):
+        import_checkpoint(tmp_path / "dir", sd_a)
+    assert os.listdir(tmp_path / "dir") == []

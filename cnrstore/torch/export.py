@@ -181,15 +181,27 @@ class CheckpointView:
         return out
 
     def checkpoint_dict(self, state_dict: dict | None = None) -> dict:
-        """``{"model", "optimizers", "extra", "version", "step", "meta"}`` (cnrstore/export.py, layout
-        ``"checkpoint"``). InvalidArgument for a merged multi-rank snapshot (no optimizer state to hold)."""
+        """``{"model", "optimizers", "param_names", "embedding_tables", "extra", "version", "step", "meta"}``
+        (cnrstore/export.py, layout ``"checkpoint"``): ``param_names`` is, per optimizer, the model's name of
+        each parameter in ``param_groups`` order, and ``embedding_tables`` the table names -- what
+        ``cnrstore import`` needs to put the optimizers' row-wise state back into its tables (absent
+        ``param_names``: a version written before the Checkpointer recorded them). InvalidArgument for a
+        merged multi-rank snapshot (no optimizer state to hold)."""
         if self.merged:
             raise InvalidArgument("a multi-rank root's merged export holds the model only (each rank's optimizer "
                                   "state is its own); choose layout state_dict or nested, or export one rank's "
                                   "store with layout checkpoint")
         return {"model": self.state_dict() if state_dict is None else state_dict,
-                "optimizers": self.optimizer_state_dicts(), "extra": dict(self.payload.get("extra") or {}),
+                "optimizers": self.optimizer_state_dicts(), **self._names(),
+                "extra": dict(self.payload.get("extra") or {}),
                 "version": self.snapshot.version, "step": self.snapshot.step, "meta": self.snapshot.meta}
+
+    def _names(self) -> dict:
+        out = {"embedding_tables": list(self.tables)}
+        names = self.payload.get("param_names")
+        if names is not None or not self.payload.get("optimizers"):
+            out["param_names"] = [list(per) for per in names or []]
+        return out
 
     def meta_json(self) -> str:
         return json.dumps(self.snapshot.meta, default=str)

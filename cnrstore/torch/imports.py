@@ -4,9 +4,9 @@
     Checkpointer(cnrstore.open("ckpt"), model, optimizer).restore()    # then train, saving increments
 
 The source is a ``torch.save`` file, a safetensors file or a ``torch.distributed.checkpoint`` (DCP)
-directory holding a model's ``state_dict()`` -- or a dict ``{"model": <state dict>, ...}`` (or
-``"state_dict"``), as trainers and ``cnrstore export --layout checkpoint`` write -- or a state dict in
-memory. The import writes one version, a baseline, exactly as a Checkpointer's save would:
+directory holding a model's ``state_dict()`` -- or a dict holding one under ``"model"`` (or
+``"state_dict"``) -- or such a dict in memory. The import writes one version, a baseline, exactly as a
+Checkpointer's save would:
 
 - each embedding weight becomes a table named by its module path (``"emb.0.weight"`` -> ``"emb.0"``;
   a top-level ``"weight"`` -> ``"embedding"``), every row written, as float32 values encoded with the
@@ -14,12 +14,31 @@ memory. The import writes one version, a baseline, exactly as a Checkpointer's s
   unless asked; later saves use the Checkpointer's own codec);
 - every other tensor becomes the dense array ``"torch.model/<key>"``, stored exactly (bfloat16 as its raw
   bits); with ``model=`` a tensor whose dtype differs from the model's is cast to it first, as
-  ``load_state_dict`` would;
-- the ``"torch.state"`` blob lists the tables and dtypes and holds the state of ``optimizer=`` (the
-  optimizers the trainer will restore into; their row-wise state, if any, becomes ``"<table>.optim.<k>"``
-  tables in ``optimizer_codec``, as the Checkpointer writes them). ``Checkpointer.restore`` requires as
-  many optimizers in the store as the Checkpointer has: import without ``optimizer=`` restores into a
-  Checkpointer without optimizer only.
+  ``load_state_dict`` would (a complex tensor into a real model dtype is refused: the cast drops data);
+- the ``"torch.state"`` blob lists the tables and dtypes and holds the optimizer and ``extra`` state (below);
+  row-wise optimizer state becomes ``"<table>.optim.<k>"`` tables in ``optimizer_codec``, as the
+  Checkpointer writes them.
+
+What else the source holds is imported, or the import is refused -- nothing is dropped without a word.
+A dict with a ``"model"`` entry may hold besides it exactly what ``cnrstore export --layout checkpoint``
+writes (``CHECKPOINT_KEYS``): ``"optimizers"`` (one ``optimizer.state_dict()`` per optimizer),
+``"param_names"`` (per optimizer, the model's name of each parameter in ``param_groups`` order: it tells
+which state is an embedding table's row-wise state), ``"embedding_tables"`` (the table names, used as
+``tables=`` when neither ``model=`` nor ``tables=`` is given), ``"extra"`` (``{name: state_dict()}``),
+``"step"`` and ``"meta"`` (the version's, unless ``step=`` / ``meta=`` are given) and ``"version"``
+(recorded in the blob). ``Checkpointer.restore`` of the import then loads the optimizers (row-wise state
+included) and ``extra`` exactly as a restore of the exported version would. Any other entry (a trainer's
+``"optimizer"``, ``"opt0"``, ``"epoch"``), or ``"optimizers"`` without ``"param_names"`` (optimizer state
+keyed by position cannot be matched to tables), raises InvalidArgument naming the entries, unless
+``model_only=True`` (``cnrstore import --model-only``): then the model alone is imported and every other
+entry is ignored, listed in ``ImportReport.ignored``. To import a trainer's own optimizer state, load it
+into the trainer's optimizer and pass that: ``opt.load_state_dict(ck["optimizer"]);
+import_checkpoint(store, ck, model=model, optimizer=opt, model_only=True)``. ``optimizer=`` with a source
+that holds optimizer state is refused (which one to record would be a guess) unless ``model_only=True``.
+
+``Checkpointer.restore`` requires as many optimizers in the store as the Checkpointer has: a store
+imported without optimizer state restores into a Checkpointer with optimizers too, leaving them as they
+are (fresh).
 
 Which tensors are embedding weights:
 
@@ -35,15 +54,30 @@ Which tensors are embedding weights:
   embedding or a tiny embedding named otherwise is misfiled, and ``Checkpointer.restore`` then reports the
   missing state. Pass ``model=`` (exact) or ``tables=`` when that matters.
 
-The store must hold no version yet (an import is its first version); a store the call created is removed
-again if the import fails. Every failure is a typed error: InvalidArgument (a source that cannot be read or
-does not fit, with what to fix), the store's own errors (StorageFull, StoreLocked, ...).
+Every tensor is checked before the store is touched: a sparse, quantized, nested or meta tensor, a dtype a
+dense array cannot hold exactly (float8, ...), a non-finite value in a table or row-wise state, a
+non-floating 2-D ``*.weight`` named like an embedding (``tables=`` decides otherwise), a dense array over
+the record limit, a malformed optimizer, ``extra`` or ``param_names`` entry, each raise InvalidArgument
+naming the key and the fix. A source that cannot be read -- a truncated or damaged torch zip file, a
+safetensors file with a bad header, a DCP directory with a truncated data file or a garbage ``.metadata``
+(torch raises ``CheckpointException``, a ``BaseException``), a pickle that ``weights_only`` refuses --
+raises InvalidArgument with one line saying what failed (torch's own diagnostics are not printed).
+
+The store must hold no version yet (an import is its first version). A failed import commits nothing (the
+version is aborted); a store directory the call created is removed again, and what it created inside an
+existing directory that was not a store yet is removed too. (Tables it created in a store that existed
+before, or that was passed open, stay, empty: a retry of the import reuses them. Every check that can fail
+runs before the first table is created, so only a write failure -- a full disk -- leaves them.) Every
+failure is a typed error: InvalidArgument (a source that cannot be read or does not fit, with what to
+fix), the store's own errors (StorageFull, StoreLocked, ...).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import io
+import logging
 import os
 import shutil
 import struct
@@ -56,24 +90,32 @@ import torch
 from torch import nn
 
 from .. import codecs as _codecs
+from .. import filenames
 from .. import store as _store
+from .. import validate
 from ..errors import InvalidArgument
+from ..writer import pack_meta
 from .checkpointer import _FORMAT, _ROW_MARK, DENSE_PREFIX, STATE_BLOB, _as_list, _host_copy
 from .export import embedding_tables
 
-__all__ = ["DEFAULT_MIN_ROWS", "SOURCE_FORMATS", "ImportReport", "import_checkpoint", "parse_table_codecs",
-           "read_state_dict", "select_tables"]
+__all__ = ["CHECKPOINT_KEYS", "DEFAULT_MIN_ROWS", "SOURCE_FORMATS", "ImportReport", "import_checkpoint",
+           "parse_table_codecs", "read_state_dict", "select_tables"]
 
 from ..export import DEFAULT_MIN_ROWS, SOURCE_FORMATS  # noqa: E402  (torch-free: the CLI's options read them)
 #: Elements converted to float32 and written per put_rows call (bounds the import's extra memory).
 _CHUNK_ELEMENTS = 1 << 24
+#: The entries a source dict may hold beside its ``"model"`` (or ``"state_dict"``): what ``cnrstore export
+#: --layout checkpoint`` writes (``cnrstore/torch/export.py``, ``CheckpointView.checkpoint_dict``).
+CHECKPOINT_KEYS = ("optimizers", "param_names", "embedding_tables", "extra", "version", "step", "meta")
 
 
 @dataclass(frozen=True)
 class ImportReport:
     """What an import wrote: ``version`` (the store's first) at ``step``; ``tables`` maps each embedding
     table to ``(source key, num_rows, dim, codec)``; ``dense`` lists the state-dict keys stored as dense
-    arrays; ``optimizer_tables`` the row-wise optimizer state tables; ``source_format`` is one of
+    arrays; ``optimizer_tables`` the row-wise optimizer state tables; ``optimizers`` how many optimizers'
+    state was recorded (the source's or ``optimizer=``'s), ``extra`` the names of the ``extra`` state
+    imported; ``ignored`` the source's entries left out (``model_only=True``); ``source_format`` is one of
     SOURCE_FORMATS or ``"state_dict"`` (a dict in memory)."""
 
     version: int
@@ -82,6 +124,9 @@ class ImportReport:
     tables: dict[str, tuple[str, int, int, str]] = field(default_factory=dict)
     dense: tuple[str, ...] = ()
     optimizer_tables: tuple[str, ...] = ()
+    optimizers: int = 0
+    extra: tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()
 
 
 def parse_table_codecs(items) -> dict[str, str]:
@@ -121,35 +166,198 @@ def detect_format(path: str) -> str:
     return "torch"
 
 
-def _unwrap(obj, where: str) -> dict:
-    """The model state dict in a loaded checkpoint: the object itself, or its ``"model"`` /
-    ``"state_dict"`` entry."""
-    if isinstance(obj, Mapping):
-        if obj and all(isinstance(k, str) and k.startswith(("tables/", "dense/")) for k in obj):
-            raise InvalidArgument(f"{where} is a nested cnrstore export (tables/ and dense/ arrays of a key-value "
-                                  "store), not a model state dict; import takes what model.state_dict() returns")
-        if obj and all(torch.is_tensor(v) for v in obj.values()):
-            return dict(obj)
-        for key in ("model", "state_dict"):
-            inner = obj.get(key)
-            if isinstance(inner, Mapping) and inner and all(torch.is_tensor(v) for v in inner.values()):
-                return dict(inner)
-        if "tables" in obj and "dense" in obj:
-            raise InvalidArgument(f"{where} is a nested cnrstore export (tables/dense of a key-value store), not a "
-                                  "model state dict; import takes what model.state_dict() returns")
+def _one_line(exc: BaseException) -> str:
+    """``"Type: first line of the message"`` of ``exc``, for a one-line error; DCP's CheckpointException
+    (each rank's exception and traceback) is summed up by its first rank's exception."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        first = next(iter(failures.values()))
+        first = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(first, BaseException):
+            return _one_line(first)
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    if len(text) > 240:
+        text = text[:237] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _DropDCPRecords(logging.Filter):
+    """DCP's loader logs its failures, with tracebacks, on the root logger; the import reports them itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "distributed" not in record.pathname or "checkpoint" not in record.pathname
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    root, drop = logging.getLogger(), _DropDCPRecords()
+    root.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            yield
+    finally:
+        root.removeFilter(drop)
+
+
+def _load(path: str, fmt: str):
+    """The object stored at ``path`` in ``fmt``; InvalidArgument (one line) when it cannot be read."""
+    try:
+        if fmt == "torch":
+            try:  # mapped, not read: a large checkpoint is not held twice while it is written
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):  # the legacy (non-zip) format cannot be mapped
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)
+        if fmt == "safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        with _quiet_dcp():
+            return _load_state_dict_from_keys(checkpoint_id=path)
+    except InvalidArgument:
+        raise
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except FileNotFoundError:
+        if not os.path.exists(path):
+            raise InvalidArgument(f"checkpoint to import {path!r} does not exist; check the path") from None
+        raise InvalidArgument(f"cannot read {path!r} as a {fmt} checkpoint: a file of it is missing; copy the "
+                              "whole checkpoint again") from None
+    except ImportError as exc:
+        raise InvalidArgument(f"reading {fmt} needs {exc.name or 'a missing package'}: pip install it") from exc
+    except BaseException as exc:  # noqa: BLE001 - every reader has its own error types (DCP's is a BaseException)
+        what = _one_line(exc)
+        if fmt == "torch" and "weights_only" in str(exc):
+            hint = ("it holds objects other than tensors and plain containers, which are not unpickled: re-save "
+                    "it as a dict of tensors")
+        elif fmt == "dcp":
+            hint = "a data file or .metadata is truncated, damaged or missing: copy the checkpoint again"
+        else:
+            hint = "the file is truncated, damaged or not a checkpoint of this format: copy it again, or name the " \
+                   "format with --source-format (format=)"
+        raise InvalidArgument(f"cannot read {path!r} as a {fmt} checkpoint ({what}); {hint}") from exc
+
+
+@dataclass
+class _Source:
+    """What a source holds (module doc): the model state dict and the checkpoint layout's other entries."""
+
+    state_dict: dict
+    optimizers: list = field(default_factory=list)
+    param_names: list | None = None
+    tables: list | None = None
+    extra: dict = field(default_factory=dict)
+    step: int | None = None
+    meta: dict | None = None
+    version: int | None = None
+    ignored: tuple = ()
+
+
+def _is_nested_export(obj: Mapping) -> bool:
+    return bool(obj) and (all(isinstance(k, str) and k.startswith(("tables/", "dense/")) for k in obj)
+                          or ("tables" in obj and "dense" in obj and isinstance(obj.get("tables"), Mapping)))
+
+
+def _state_dict_of(obj, where: str) -> dict:
+    """``obj`` as a model state dict: a non-empty mapping of str keys to tensors (else InvalidArgument)."""
+    if not isinstance(obj, Mapping) or not obj:
+        raise InvalidArgument(f"{where} is not a model state dict (a non-empty dict of tensors); save "
+                              "model.state_dict()")
+    odd_keys = [k for k in obj if not isinstance(k, str)][:3]
+    if odd_keys:
+        raise InvalidArgument(f"{where} has keys {odd_keys} that are not strings; a state dict is keyed by "
+                              "parameter name: save model.state_dict()")
+    odd = [f"{k} ({type(v).__name__})" for k, v in obj.items() if not torch.is_tensor(v)][:3]
+    if odd:
+        raise InvalidArgument(f"{where} holds entries that are not tensors: {', '.join(odd)}; a state dict holds "
+                              "tensors only: save model.state_dict()")
+    return dict(obj)
+
+
+def _split(obj, where: str, model_only: bool) -> _Source:
+    """The model state dict of ``obj`` and what else it holds (module doc); InvalidArgument for entries the
+    import does not understand (unless ``model_only``) or malformed ones."""
+    if not isinstance(obj, Mapping):
+        raise InvalidArgument(f"{where} holds a {type(obj).__name__}, not a model state dict; save "
+                              "model.state_dict()")
+    if _is_nested_export(obj):
+        raise InvalidArgument(f"{where} is a nested cnrstore export (tables/ and dense/ arrays of a key-value "
+                              "store), not a model state dict; import takes what model.state_dict() returns")
+    if obj and all(torch.is_tensor(v) for v in obj.values()):
+        return _Source(_state_dict_of(obj, where))
+    model_keys = [k for k in ("model", "state_dict") if k in obj]
+    if not model_keys:
         odd = [k for k, v in obj.items() if not torch.is_tensor(v)][:3]
         raise InvalidArgument(f"{where} is not a model state dict: entries {odd} are not tensors (and it has no "
                               "'model' or 'state_dict' entry holding one); save model.state_dict()")
-    raise InvalidArgument(f"{where} holds a {type(obj).__name__}, not a model state dict; save model.state_dict()")
+    if len(model_keys) > 1:
+        raise InvalidArgument(f"{where} holds both a 'model' and a 'state_dict' entry; which is the model is a "
+                              "guess: re-save it with one")
+    key = model_keys[0]
+    src = _Source(_state_dict_of(obj[key], f"entry {key!r} of {where}"))
+    rest = [k for k in obj if k != key]
+    if model_only:
+        src.ignored = tuple(str(k) for k in rest)
+        return src
+    unknown = [k for k in rest if k not in CHECKPOINT_KEYS]
+    if unknown:
+        raise InvalidArgument(
+            f"{where} holds entries the import does not understand: {unknown[:8]} (beside {key!r} it reads what "
+            f"`cnrstore export --layout checkpoint` writes: {', '.join(CHECKPOINT_KEYS)}); pass --model-only "
+            "(model_only=True) to import the model alone and leave them out, or load a trainer's optimizer "
+            "state into its optimizer and pass optimizer= with model_only=True")
+    optimizers = obj.get("optimizers", [])
+    if not isinstance(optimizers, (list, tuple)) or not all(
+            isinstance(o, Mapping) and isinstance(o.get("state"), Mapping)
+            and isinstance(o.get("param_groups"), (list, tuple))
+            and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in o["param_groups"])
+            for o in optimizers):
+        raise InvalidArgument(f"entry 'optimizers' of {where} is not a list of optimizer state_dict()s (each with "
+                              "'state' and 'param_groups'); re-export it, or pass --model-only (model_only=True)")
+    src.optimizers = [dict(o) for o in optimizers]
+    names = obj.get("param_names")
+    if src.optimizers and names is None:
+        raise InvalidArgument(f"{where} holds optimizer state without 'param_names': state keyed by position "
+                              "cannot be matched to the embedding tables. Import the model with --model-only "
+                              "(model_only=True), or load the state into the trainer's optimizer and pass "
+                              "optimizer= with model_only=True")
+    if names is not None:
+        counts = [sum(len(g["params"]) for g in o["param_groups"]) for o in src.optimizers]
+        if not isinstance(names, (list, tuple)) or len(names) != len(counts) or not all(
+                isinstance(per, (list, tuple)) and len(per) == n and all(x is None or isinstance(x, str) for x in per)
+                for per, n in zip(names, counts)):
+            raise InvalidArgument(f"entry 'param_names' of {where} is not, per optimizer, the name of each of its "
+                                  f"parameters ({counts} of them); re-export it, or pass --model-only")
+        src.param_names = [list(per) for per in names]
+    tables = obj.get("embedding_tables")
+    if tables is not None:
+        if not isinstance(tables, (list, tuple)) or not all(isinstance(t, str) and t for t in tables):
+            raise InvalidArgument(f"entry 'embedding_tables' of {where} is not a list of table names; re-export it "
+                                  "or pass --model-only")
+        src.tables = list(tables)
+    extra = obj.get("extra", {})
+    if not isinstance(extra, Mapping) or not all(isinstance(k, str) for k in extra):
+        raise InvalidArgument(f"entry 'extra' of {where} is not a dict of state dicts keyed by name; re-export it "
+                              "or pass --model-only")
+    src.extra = dict(extra)
+    step, meta, version = obj.get("step"), obj.get("meta"), obj.get("version")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise InvalidArgument(f"entry 'step' of {where} is {step!r}, not an integer; pass step= or --model-only")
+    if meta is not None and not isinstance(meta, Mapping):
+        raise InvalidArgument(f"entry 'meta' of {where} is a {type(meta).__name__}, not a dict; pass --model-only")
+    src.step, src.meta = step, (dict(meta) if meta is not None else None)
+    src.version = version if isinstance(version, int) and not isinstance(version, bool) else None
+    return src
 
 
-def read_state_dict(source, format: str | None = None) -> tuple[dict[str, torch.Tensor], str]:
-    """``(state dict, format)`` of ``source``: a path (``format`` None: detected) or a state dict.
-
-    A torch file is read with ``torch.load(weights_only=True)``: tensors and plain containers only, never
-    arbitrary pickled objects."""
+def _read(source, format: str | None, model_only: bool) -> tuple[_Source, str]:
     if isinstance(source, Mapping):
-        return _unwrap(source, "the state dict given"), "state_dict"
+        return _split(source, "the state dict given", model_only), "state_dict"
     try:
         path = os.fspath(source)
     except TypeError:
@@ -157,36 +365,18 @@ def read_state_dict(source, format: str | None = None) -> tuple[dict[str, torch.
     fmt = detect_format(path) if format is None else format
     if fmt not in SOURCE_FORMATS:
         raise InvalidArgument(f"unknown source format {fmt!r}; choose one of {', '.join(SOURCE_FORMATS)}")
-    try:
-        if fmt == "torch":
-            try:  # mapped, not read: a large checkpoint is not held twice while it is written
-                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as exc:
-                if "mmap" not in str(exc):  # the legacy (non-zip) format cannot be mapped
-                    raise
-                obj = torch.load(path, map_location="cpu", weights_only=True)
-        elif fmt == "safetensors":
-            from safetensors.torch import load_file
+    return _split(_load(path, fmt), f"{path!r}", model_only), fmt
 
-            obj = load_file(path)
-        else:
-            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-                obj = _load_state_dict_from_keys(checkpoint_id=path)
-    except InvalidArgument:
-        raise
-    except FileNotFoundError:
-        raise InvalidArgument(f"checkpoint to import {path!r} does not exist; check the path") from None
-    except ImportError as exc:
-        raise InvalidArgument(f"reading {fmt} needs {exc.name or 'a missing package'}: pip install it") from exc
-    except Exception as exc:  # noqa: BLE001 - every reader has its own error types
-        hint = (" (read with weights_only=True: re-save it as a plain state dict of tensors)"
-                if fmt == "torch" else "")
-        raise InvalidArgument(f"cannot read {path!r} as a {fmt} checkpoint: {type(exc).__name__}: {exc}{hint}") \
-            from exc
-    return _unwrap(obj, f"{path!r}"), fmt
+def read_state_dict(source, format: str | None = None) -> tuple[dict[str, torch.Tensor], str]:
+    """``(model state dict, format)`` of ``source``: a path (``format`` None: detected) or a dict; the model
+    state dict is the source itself or its ``"model"`` / ``"state_dict"`` entry (other entries are not
+    looked at: ``import_checkpoint`` does that).
+
+    A torch file is read with ``torch.load(weights_only=True)``: tensors and plain containers only, never
+    arbitrary pickled objects."""
+    src, fmt = _read(source, format, model_only=True)
+    return src.state_dict, fmt
 
 
 # -- choosing tables --------------------------------------------------------------------------------------
@@ -248,9 +438,16 @@ def select_tables(state_dict: Mapping, *, model: nn.Module | None = None, tables
     else:
         if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1:
             raise InvalidArgument(f"min_rows must be a positive integer, got {min_rows!r}")
+        named = {k for k in state_dict
+                 if _is_weight_key(k) and any("emb" in part.lower() for part in k.split(".")[:-1])}
+        for k in named:
+            t = state_dict[k]
+            if t.dim() == 2 and not t.is_floating_point():
+                raise InvalidArgument(f"{k!r} is named like an embedding table but has dtype {t.dtype}; a table holds "
+                                      "floating-point rows: convert it to float before saving, or name the tables "
+                                      "with --table (tables=) so that it is stored as a dense array")
         chosen = [k for k, t in state_dict.items()
-                  if _is_weight_key(k) and _embedding_like(t)
-                  and (any("emb" in part.lower() for part in k.split(".")[:-1]) or t.shape[0] >= min_rows)]
+                  if _is_weight_key(k) and _embedding_like(t) and (k in named or t.shape[0] >= min_rows)]
     out = {}
     for key in chosen:
         name = _table_name(key)
@@ -259,6 +456,50 @@ def select_tables(state_dict: Mapping, *, model: nn.Module | None = None, tables
                                   "to choose one")
         out[name] = [key]
     return out
+
+
+def _listed_tables(state_dict: Mapping, names, where: str) -> dict[str, list[str]]:
+    """The tables a checkpoint-layout source lists (``"embedding_tables"``), each keyed ``"<name>.weight"``
+    (``"weight"`` for ``"embedding"`` when the state dict has that key), as ``select_tables`` returns them."""
+    out = {}
+    for name in names:
+        key = "weight" if name == "embedding" and "weight" in state_dict and "embedding.weight" not in state_dict \
+            else f"{name}.weight"
+        t = state_dict.get(key)
+        if t is None or not _embedding_like(t):
+            what = "is missing" if t is None else f"is {tuple(t.shape)} {t.dtype}, not a 2-D floating tensor"
+            raise InvalidArgument(f"{where} lists embedding table {name!r}, but its weight {key!r} {what}; re-export "
+                                  "it, or pass tables= (--table) naming the tables")
+        out[name] = [key]
+    return out
+
+
+def _check_tensor(key: str, t: torch.Tensor) -> None:
+    """InvalidArgument unless ``t`` is a plain dense tensor with data (module doc)."""
+    if t.is_quantized:
+        raise InvalidArgument(f"{key!r} is a quantized tensor ({t.dtype}); the store holds plain tensors: save "
+                              "t.dequantize() instead")
+    if getattr(t, "is_nested", False):
+        raise InvalidArgument(f"{key!r} is a nested tensor; the store holds plain tensors: save a padded dense one")
+    if t.layout != torch.strided:
+        raise InvalidArgument(f"{key!r} is a sparse tensor (layout {t.layout}); the store holds dense tensors: save "
+                              "t.to_dense() instead")
+    if t.device.type == "meta":
+        raise InvalidArgument(f"{key!r} is a meta tensor (a shape without data); save the materialized tensor")
+
+
+def _check_finite(what: str, t: torch.Tensor) -> None:
+    """InvalidArgument if a row of ``t`` (a table or row-wise state, written as float32) is not finite: the
+    store refuses such rows, and the import checks before it creates anything."""
+    n = t.shape[0]
+    step = max(1, _CHUNK_ELEMENTS // max(1, t[:1].numel()))
+    for start in range(0, n, step):
+        part = t[start:start + step].detach().reshape(min(step, n - start), -1).to(torch.float32)
+        bad = ~torch.isfinite(part).all(dim=1)
+        if bool(bad.any()):
+            row = start + int(bad.nonzero()[0, 0])
+            raise InvalidArgument(f"{what}: row {row} is not finite (NaN or infinity, or beyond float32's range); "
+                                  "a table's rows must be finite: fix the checkpoint before the import")
 
 
 # -- writing ----------------------------------------------------------------------------------------------
@@ -280,41 +521,93 @@ def _put_table(ck, name: str, t: torch.Tensor, codec: str, block_rows: int) -> N
         ck.put_rows(name, np.arange(start, start + part.shape[0], dtype=np.int64), part.numpy(), codec=codec)
 
 
-def _optimizer_payload(optimizers, model: nn.Module, table_of: dict[int, str]):
-    """(payload entries, param names, row-state tensors by table) for ``optimizers`` as the Checkpointer's
-    state blob holds them (see ``Checkpointer._state_blob``)."""
-    names = {id(p): n for n, p in model.named_parameters()}
+def _optimizer_payload(state_dicts, param_names, table_of_key: dict[str, str], rows_of: dict[str, int]):
+    """(payload entries, row-state tensors by table) for optimizer ``state_dicts`` whose parameters are named
+    ``param_names`` (per optimizer, in ``param_groups`` order), as the Checkpointer's state blob holds them
+    (``Checkpointer._state_blob``): a state tensor of an embedding weight whose leading dimension is the
+    table's rows is moved to table ``"<table>.optim.<k>"``, a marker left in its place."""
     optims, row_tables = [], {}
-    for opt in optimizers:
-        sd = opt.state_dict()
-        params = [p for g in opt.param_groups for p in g["params"]]
+    for sd, names in zip(state_dicts, param_names):
         state = {}
         for idx, st in sd["state"].items():
-            p = params[idx] if idx < len(params) else None
-            table = table_of.get(id(p)) if p is not None else None
+            if isinstance(idx, int) and not isinstance(idx, bool):
+                name = names[idx] if 0 <= idx < len(names) else None
+            else:
+                name = idx if isinstance(idx, str) else None  # a name-keyed (torchrec) optimizer's state
+            table = table_of_key.get(name) if name is not None else None
+            if not isinstance(st, Mapping):
+                raise InvalidArgument(f"optimizer state of parameter {idx!r} is a {type(st).__name__}, not a dict; "
+                                      "re-export the checkpoint, or import with --model-only")
             entry = {}
             for k, v in st.items():
-                if table is not None and torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == p.shape[0]:
+                if table is not None and torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == rows_of[table]:
                     sname = f"{table}.optim.{k}"
-                    row_tables[sname] = v.detach().reshape(p.shape[0], -1)
+                    if sname in row_tables:
+                        raise InvalidArgument(f"two optimizers hold state {k!r} of table {table!r}; the Checkpointer "
+                                              "keeps one per table: import with one of them")
+                    _check_tensor(f"optimizer state {k!r} of {name!r}", v)
+                    row_tables[sname] = v.detach().reshape(v.shape[0], -1)
                     entry[k] = {_ROW_MARK: sname, "dtype": str(v.dtype).split(".")[-1], "shape": tuple(v.shape)}
                 else:
                     entry[k] = v
             state[idx] = entry
-        optims.append({"state": state, "param_groups": sd["param_groups"]})
-    param_names = [[names.get(id(p)) for g in opt.param_groups for p in g["params"]] for opt in optimizers]
-    return optims, param_names, row_tables
+        optims.append({**{k: v for k, v in sd.items() if k != "state"}, "state": state})
+    return optims, row_tables
+
+
+def _live_optimizers(optimizers, model: nn.Module):
+    """(state dicts, param names) of the ``optimizer=`` objects over ``model``'s parameters."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return ([opt.state_dict() for opt in optimizers],
+            [[names.get(id(p)) for g in opt.param_groups for p in g["params"]] for opt in optimizers])
+
+
+def _open_store(store):
+    """(store, path the call created or None, entries of an existing non-store directory before the call or
+    None): what to undo if the import fails."""
+    if isinstance(store, _store.Store):
+        return store, None, None
+    try:
+        path = os.fspath(store)
+    except TypeError:
+        raise InvalidArgument(f"store must be a cnrstore.Store or a path, got {type(store).__name__}") from None
+    created, before = None, None
+    if not os.path.exists(path):
+        created = path
+    elif os.path.isdir(path) and not os.path.exists(filenames.marker_path(path)):
+        before = set(os.listdir(path))
+    try:
+        return _store.open(path, create=True), created, before
+    except BaseException:
+        _undo(path, created, before)
+        raise
+
+
+def _undo(path: str, created, before) -> None:
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+    elif before is not None:
+        for name in set(os.listdir(path)) - before:
+            p = os.path.join(path, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
 
 
 def import_checkpoint(store, source, *, model: nn.Module | None = None, optimizer=None, codec: str = "fp32",
                       codecs: Mapping[str, str] | None = None, optimizer_codec: str = "fp32", tables=None,
                       min_rows: int = DEFAULT_MIN_ROWS, format: str | None = None, step: int | None = None,
-                      meta: dict | None = None) -> ImportReport:
+                      meta: dict | None = None, model_only: bool = False) -> ImportReport:
     """Write ``source`` as the first version of ``store`` (a writable ``cnrstore.Store`` or a path, created
     if absent), in the Checkpointer's layout, so that ``Checkpointer(store, model, optimizer).restore()``
     loads it (module doc). ``codec`` is every table's codec, ``codecs`` overrides it per table name;
     ``optimizer`` (needs ``model``) is an Optimizer or a list of them over ``model``'s parameters whose
-    current state is recorded; ``step`` and ``meta`` are the version's.
+    current state is recorded (refused when the source holds optimizer state, unless ``model_only``);
+    ``step`` and ``meta`` are the version's (default: the source's, if it has them). ``model_only`` imports
+    the source's model state dict alone, ignoring its other entries (``ImportReport.ignored``); without it a
+    source holding entries the import does not understand is refused.
 
     Raises InvalidArgument for a source that cannot be read or does not fit (with what to fix), a store
     that holds versions already, an unknown codec or a ``codecs`` entry naming no table; the store's errors
@@ -326,8 +619,19 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
     if optimizers and model is None:
         raise InvalidArgument("optimizer= needs model=: the optimizer's state is recorded by the model's "
                               "parameter names")
-    state_dict, fmt = read_state_dict(source, format)
-    chosen = select_tables(state_dict, model=model, tables=tables, min_rows=min_rows)
+    src, fmt = _read(source, format, bool(model_only))
+    state_dict = src.state_dict
+    where = "the state dict given" if fmt == "state_dict" else repr(os.fspath(source))
+    if optimizers and src.optimizers:
+        raise InvalidArgument(f"{where} holds the state of {len(src.optimizers)} optimizer(s) and optimizer= is "
+                              "given too; drop optimizer= to import the source's, or pass model_only=True to "
+                              "record optimizer='s")
+    for key, t in state_dict.items():
+        _check_tensor(key, t)
+    if model is None and tables is None and src.tables is not None:
+        chosen = _listed_tables(state_dict, src.tables, where)
+    else:
+        chosen = select_tables(state_dict, model=model, tables=tables, min_rows=min_rows)
     unknown = sorted(set(codec_of) - set(chosen))
     if unknown:
         raise InvalidArgument(f"codecs= names {unknown}, which are not tables of this import (tables: "
@@ -339,12 +643,16 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
         if key in consumed:
             continue
         if key in target and t.dtype != target[key].dtype:
+            if t.is_complex() and not target[key].is_complex():
+                raise InvalidArgument(f"{key!r} is {t.dtype} in the checkpoint, {target[key].dtype} in the model: the "
+                                      "cast would drop the imaginary part; pass the model it was saved from")
             t = t.to(target[key].dtype)
         dense[key] = t
     for key, t in dense.items():
         if t.dtype != torch.bfloat16 and not _numpy_dtype(t.dtype):
             raise InvalidArgument(f"{key!r} has dtype {t.dtype}, which a dense array cannot hold exactly; convert "
                                   "it before the import")
+        validate.dense_size(DENSE_PREFIX + key, t)
     weights = {name: state_dict[keys[0]] for name, keys in chosen.items()}
     if model is not None:  # a shared weight's keys hold one tensor: check the copies agree
         for name, keys in chosen.items():
@@ -352,31 +660,36 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
                 if k in state_dict and not torch.equal(state_dict[k], weights[name]):
                     raise InvalidArgument(f"{keys[0]!r} and {k!r} are one shared weight in the model but differ in "
                                           "the checkpoint")
-    optims, param_names, row_tables = [], [], {}
+    table_of_key = {k: name for name, keys in chosen.items() for k in keys}
+    rows_of = {name: int(w.shape[0]) for name, w in weights.items()}
     if optimizers:
-        table_of = {}
-        for path, module in model.named_modules():
-            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-                table_of.setdefault(id(module.weight), path or "embedding")
-        optims, param_names, row_tables = _optimizer_payload(optimizers, model, table_of)
+        opt_sds, param_names = _live_optimizers(optimizers, model)
+    else:
+        opt_sds, param_names = src.optimizers, src.param_names or []
+    optims, row_tables = _optimizer_payload(opt_sds, param_names, table_of_key, rows_of)
+    for name, w in weights.items():
+        validate.table_shape(name, int(w.shape[0]), int(w.shape[1]))
+        _check_finite(f"table {name!r} ({chosen[name][0]!r})", w)
+    for name, v in row_tables.items():
+        _check_finite(f"optimizer state table {name!r}", v)
+    step = src.step if step is None else step
+    meta = src.meta if meta is None else meta
+    validate.step_arg(step)
+    pack_meta(meta)
     payload = {"format": _FORMAT, "mode": "imported", "tables": list(chosen),
                "dense_dtypes": {k: str(v.dtype).split(".")[-1] for k, v in dense.items()},
-               "optimizers": optims, "extra": {}, "param_names": param_names,
-               "imported": {"format": fmt, "source": None if isinstance(source, Mapping) else os.fspath(source)}}
+               "optimizers": optims, "extra": dict(src.extra), "param_names": param_names,
+               "imported": {"format": fmt, "source": None if isinstance(source, Mapping) else os.fspath(source),
+                            "version": src.version}}
     buf = io.BytesIO()
     torch.save(payload, buf)
     blob = np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
+    if blob.nbytes > validate.max_dense_bytes():
+        raise InvalidArgument(f"the optimizer state outside the embedding tables (and extra) pickles to "
+                              f"{blob.nbytes:,} bytes, more than one dense record holds "
+                              f"({validate.max_dense_bytes():,}); import with --model-only")
 
-    created = None  # a store directory this call makes, removed again if the import fails
-    if isinstance(store, _store.Store):
-        st = store
-    else:
-        try:
-            path = os.fspath(store)
-        except TypeError:
-            raise InvalidArgument(f"store must be a cnrstore.Store or a path, got {type(store).__name__}") from None
-        created = None if os.path.exists(path) else path
-        st = _store.open(path, create=True)
+    st, created, before = _open_store(store)
     ok = False
     try:
         if st.versions():
@@ -385,13 +698,14 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
         existing = st.tables()
         specs = {name: (w.shape[0], w.shape[1], codec_of.get(name, codec)) for name, w in weights.items()}
         specs.update({name: (v.shape[0], v.shape[1], optimizer_codec) for name, v in row_tables.items()})
-        for name, (rows, dim, c) in specs.items():
+        for name, (rows, dim, _c) in specs.items():
             info = existing.get(name)
-            if info is None:
-                st.create_table(name, int(rows), int(dim), codec=c)
-            elif (info.num_rows, info.dim) != (rows, dim):
+            if info is not None and (info.num_rows, info.dim) != (rows, dim):
                 raise InvalidArgument(f"table {name!r} exists in the store with {info.num_rows} x {info.dim}, the "
                                       f"checkpoint's is {rows} x {dim}; import into a new store")
+        for name, (rows, dim, c) in specs.items():
+            if name not in existing:
+                st.create_table(name, int(rows), int(dim), codec=c)
         infos = st.tables()
         with st.checkpoint(step=step, meta=meta) as ck:
             for name, w in weights.items():
@@ -404,9 +718,10 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
         ok = True
         return ImportReport(version=ck.version, step=step, source_format=fmt,
                             tables={name: (chosen[name][0], *specs[name]) for name in weights},
-                            dense=tuple(dense), optimizer_tables=tuple(row_tables))
+                            dense=tuple(dense), optimizer_tables=tuple(row_tables), optimizers=len(optims),
+                            extra=tuple(src.extra), ignored=src.ignored)
     finally:
         if st is not store:
             st.close()
-            if not ok and created is not None:
-                shutil.rmtree(created, ignore_errors=True)
+            if not ok:
+                _undo(os.fspath(store), created, before)
