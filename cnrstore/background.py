@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from . import compaction
+from . import compaction, fs
 from .errors import StorageFull
 from .policy.compaction import CompactionPolicy
 
@@ -97,6 +97,7 @@ class BackgroundCompactor:
             if plan.drop:
                 compaction.drop_versions(engine, set(plan.drop))
             if plan.collect:
+                fs.pause_point("background_before_collect")
                 report = compaction.collect(engine)
                 if report.incomplete:  # a full disk stopped the copies: surface it like a failed step
                     raise StorageFull(f"background gc: {report.incomplete}")

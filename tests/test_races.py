@@ -64,3 +64,47 @@ def test_gc_never_frees_a_segment_that_a_commit_grew_after_gc_planned(tmp_path, 
         check_all(store, expected)
     with cnrstore.open(path, readonly=True) as store:
         check_all(store, expected)
+
+
+def test_background_gc_beside_the_next_checkpoint_loses_no_version_across_a_restart(tmp_path, monkeypatch):
+    """Fault 1 of issue 21 ("SIGKILL during maintenance loses versions"), by schedule: its policy's
+    background step materializes, drops, then collects. The trainer's next checkpoint opens while the
+    step materializes, so collect finds the writer busy (its segment not sealed) and plans on a snapshot
+    that misses what the checkpoint then commits into that segment. Before the fix, the version read
+    fine in the writing process until the freed file was deleted, and after a restart (the kill in the
+    issue) it raised "segment ... is missing" and verify named an entry into a segment the catalog lacks."""
+    from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention
+
+    monkeypatch.setattr(knobs, "SEGMENT_BYTES", 3 * ROWS * DIM * 4 + 4096)
+    path = str(tmp_path / "s")
+    policy = CompactionPolicy(materialize=MaxChain(1), retention=Retention(KeepLast(1)), gc=True)
+    expected = {}
+    store = cnrstore.open(path, create=True, compaction=policy)
+    try:
+        store.create_table("a", ROWS, DIM, codec="fp32", block_rows=ROWS)
+        store.create_table("b", ROWS, DIM, codec="fp32", block_rows=ROWS)
+        for v in (1, 2):
+            with store.checkpoint() as ck:
+                ck.put_rows("a", np.arange(ROWS), full(v))
+            assert store._compactor.wait_idle(60)
+        with Pause("background_before_collect") as materializing, Pause("gc_planned") as planned:
+            with store.checkpoint() as ck3:  # its commit starts the background step
+                ck3.put_rows("a", np.arange(ROWS // 2), full(3, ROWS // 2))
+            materializing.wait_reached()
+            ck = store.checkpoint()  # opens while the step materializes and drops
+            ck.put_rows("a", np.arange(ROWS), full(4))  # into the writer's active segment, uncommitted
+            materializing.release()
+            planned.wait_reached()  # collect found the writer busy and planned on its snapshot
+            monkeypatch.setattr(knobs, "SEGMENT_BYTES", 4096)
+            ck.put_rows("b", np.arange(ROWS), full(40))  # rolls over
+            ck.commit()
+            planned.release()
+            assert store._compactor.wait_idle(60)
+        expected[4] = {"a": full(4), "b": full(40)}
+        assert store.compaction_error is None, store.compaction_error
+        check_all(store, {v: t for v, t in expected.items() if v in {i.version for i in store.versions()}})
+    finally:
+        store.close()
+    with cnrstore.open(path, readonly=True) as store:
+        assert store.latest().version == 4
+        check_all(store, {v: expected[v] for v in (i.version for i in store.versions())})
