@@ -74,13 +74,15 @@ class RecordingFileSystem(fs.FileSystem):
 
     def pwritev(self, fd: int, buffers: list, offset: int) -> int:
         n = super().pwritev(fd, buffers, offset)
-        data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
-        self._log(Effect("write", self._paths[fd], offset, data))
+        if fd in self._paths:  # (not the temporary file of write_file_atomic: logged as one replace)
+            data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+            self._log(Effect("write", self._paths[fd], offset, data))
         return n
 
     def fsync(self, fd: int) -> None:
         super().fsync(fd)
-        self._log(Effect("fsync", self._paths[fd]))
+        if fd in self._paths:
+            self._log(Effect("fsync", self._paths[fd]))
 
     def fsync_dir(self, path: str) -> None:
         super().fsync_dir(path)
@@ -103,8 +105,11 @@ class RecordingFileSystem(fs.FileSystem):
         self._log(Effect("remove", self._rel(path)))
 
     def index_committed(self, _name: str) -> None:
-        with open(filenames.index_dir(self.root) + "/data.mdb", "rb") as f:
-            self._log(Effect("index", data=f.read()))
+        try:
+            with open(filenames.index_dir(self.root) + "/data.mdb", "rb") as f:
+                self._log(Effect("index", data=f.read()))
+        except FileNotFoundError:
+            pass  # another index committed (repair's, built beside the store): not this store's
 
     def op_start(self, name: str, versions) -> None:
         self._log(Effect("op_start", name=name, versions=frozenset(versions)))
@@ -149,8 +154,8 @@ class FileModel:
             for name in names:
                 path = os.path.join(dirpath, name)
                 rel = os.path.relpath(path, root)
-                if rel.startswith(filenames.INDEX_DIR + os.sep):
-                    continue
+                if rel.startswith(filenames.INDEX_DIR + os.sep) or name == "lock.mdb":
+                    continue  # (the index is copied at its commits; LMDB makes its lock file anew)
                 with open(path, "rb") as f:
                     data = f.read()
                 model.files[rel] = _File(bytearray(data), bytearray(data))
@@ -213,6 +218,7 @@ def write_state(files: dict[str, bytes], root: str) -> None:
     for sub in (filenames.INDEX_DIR, filenames.SEGMENTS_DIR):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     for rel, data in files.items():
+        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
         with open(os.path.join(root, rel), "wb") as f:
             f.write(data)
 

@@ -23,10 +23,12 @@ happen within a few steps.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -36,7 +38,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import cnrstore
-from cnrstore import codecs, compaction, knobs
+from cnrstore import codecs, compaction, fs, knobs
+from cnrstore.store import Store
+
+import crash_states as cs
 from cnrstore.errors import (
     CheckpointInProgress,
     InvalidArgument,
@@ -154,6 +159,21 @@ class PendingModel:
 # the machine
 
 
+@dataclass
+class LastOp:
+    """The last commit or maintenance call: the files before it, its effects [start, end), the model
+    before it, and the version it committed (None for maintenance)."""
+
+    fmodel: "cs.FileModel"
+    start: int
+    end: int
+    versions: list
+    head_tables: dict
+    head_dense: dict
+    dead_versions: list
+    committed: int | None
+
+
 class StoreMachine(RuleBasedStateMachine):
     """A store and its model. ``versions`` holds what each committed version reads as, oldest first;
     ``head_tables``/``head_dense`` the newest committed state; ``pending`` the open checkpoint."""
@@ -162,7 +182,9 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.tmp = tempfile.mkdtemp(prefix="cnr-stateful-")
         self.path = os.path.join(self.tmp, "store")
-        self.store = cnrstore.open(self.path, create=True)
+        self.store = None
+        self._open(create=True)
+        self.crashes = 0
         self.tables: dict[str, TableModel] = {}
         self.versions: list[VersionModel] = []
         self.head_tables: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -177,7 +199,37 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             self.store.close()
         finally:
+            fs.pause_at("index_committed", None)
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # -- crash states (tests/crash_states.py) ---------------------------------------------------------
+
+    def _open(self, create: bool = False) -> None:
+        """Open the store at ``self.path`` through a file system that records every effect, with the file
+        model of the store at rest, so that the crash rule can rebuild any state in the next operation."""
+        self.rec = cs.RecordingFileSystem(self.path)
+        self.fmodel = cs.FileModel.of_directory(self.path) if not create else None
+        self.applied = 0
+        self.last_op: LastOp | None = None
+        self.store = Store(self.path, create=create, readonly=False, filesystem=self.rec)
+        fs.pause_at("index_committed", self.rec.index_committed)
+        if create:
+            self.store.close()
+            self.store = None
+            self._open()
+
+    def _op_begin(self) -> "LastOp":
+        """Before a commit or a maintenance call: where its effects start, and the model before it."""
+        for e in self.rec.effects[self.applied:]:
+            self.fmodel.apply(e)
+        self.applied = len(self.rec.effects)
+        return LastOp(copy.deepcopy(self.fmodel), self.applied, 0, list(self.versions), self.head_tables,
+                      dict(self.head_dense), list(self.dead_versions), None)
+
+    def _op_end(self, op: "LastOp", committed: int | None = None) -> None:
+        op.end = len(self.rec.effects)
+        op.committed = committed
+        self.last_op = op
 
     # -- helpers -------------------------------------------------------------------------------------
 
@@ -520,6 +572,7 @@ class StoreMachine(RuleBasedStateMachine):
         """Commit (``commit()`` or leaving the ``with`` block) or abort (``abort()`` or an exception
         leaving the block) the open version; commits twice as likely as aborts."""
         pend, self.pending = self.pending, None
+        op = self._op_begin()
         if how == "commit":
             assert pend.ck.commit() == pend.ck.version
             assert pend.ck.commit() == pend.ck.version  # idempotent
@@ -534,6 +587,7 @@ class StoreMachine(RuleBasedStateMachine):
         if how in ("commit", "exit"):
             note(f"committed version {pend.ck.version}")
             self._committed(pend, pend.ck.version)
+            self._op_end(op, pend.ck.version)
             return
         with pytest.raises(StoreClosed):
             pend.ck.put_rows(next(iter(self.tables)) if self.tables else "x", [0], np.zeros((1, 1)))
@@ -690,7 +744,9 @@ class StoreMachine(RuleBasedStateMachine):
         """Materialize baselines at a retained version (possibly while a checkpoint is open): every
         block's read chain there is one record long, and every retained version reads as before."""
         version = self.draw_version(data)
+        op = self._op_begin()
         report = self.store.compact(version)
+        self._op_end(op)
         v = self.versions[-1].version if version is None else version
         assert report.version == v
         note(f"compact({version}): {report.blocks_materialized} blocks")
@@ -705,6 +761,7 @@ class StoreMachine(RuleBasedStateMachine):
     def retain(self, keep_last):
         """Drop all but the newest ``keep_last`` versions: they raise VersionNotFound from now on (the
         invariant checks them with the aborted ones); the others read as before."""
+        op = self._op_begin()
         dropped = self.store.retain(keep_last=keep_last)
         assert dropped == [vm.version for vm in self.versions[:-keep_last]]
         assert self.store.retain(keep_last=keep_last) == []
@@ -713,6 +770,7 @@ class StoreMachine(RuleBasedStateMachine):
             event("retain: dropped versions")
         self.versions = self.versions[-keep_last:]
         self.dead_versions.extend(dropped)
+        self._op_end(op)
         assert self.store.stats()["versions"] == len(self.versions)
         self.dirty = self.dirty or bool(dropped)
 
@@ -720,7 +778,9 @@ class StoreMachine(RuleBasedStateMachine):
     def gc(self):
         """Collect garbage (possibly while a checkpoint is open): nothing retained changes, and the
         store still verifies."""
+        op = self._op_begin()
         report = self.store.gc()
+        self._op_end(op)
         note(f"gc: {report}")
         if report.segments_deleted:
             event("gc: deleted segments")
@@ -762,7 +822,38 @@ class StoreMachine(RuleBasedStateMachine):
                 pend.ck.put_dense("after-close", np.zeros(1))
             self.dead_versions.append(pend.ck.version)
             note(f"reopen aborted version {pend.ck.version}")
-        self.store = cnrstore.open(self.path)
+        self._open()
+        self.dirty = True
+
+    @precondition(lambda self: self.pending is None and self.last_op is not None
+                  and self.last_op.end == len(self.rec.effects))
+    @rule(data=st.data(), variant=st.sampled_from(["kill", "power", "torn"]))
+    def crash_in_last_operation(self, data, variant):
+        """The process dies (kill), or the machine loses power (power; torn: in the middle of an
+        unsynced append), at a point drawn within the last commit, compact, retain or gc: the store
+        recovers at open with the versions before that operation or after it, each reading as the model
+        says, and goes on (tests/crash_states.py rebuilds the state from the recorded effects)."""
+        op = self.last_op
+        k = data.draw(st.integers(op.start, op.end), label="effects applied")
+        model = op.fmodel
+        for e in self.rec.effects[op.start:k]:
+            model.apply(e)
+        files = model.state(variant) or model.state("kill")
+        self.store.close()
+        self.crashes += 1
+        self.path = os.path.join(self.tmp, f"crashed-{self.crashes}")
+        cs.write_state(files, self.path)
+        self._open()
+        listed = [v.version for v in self.store.versions()]
+        after = [vm.version for vm in self.versions]
+        note(f"crash ({variant}) after {k - op.start} of {op.end - op.start} effects: lists {listed}")
+        if listed != after:
+            assert listed == [vm.version for vm in op.versions], (listed, after)
+            self.versions, self.head_tables, self.head_dense = op.versions, op.head_tables, op.head_dense
+            self.dead_versions = op.dead_versions + ([op.committed] if op.committed else [])
+            event("crash: the operation in flight is undone")
+        else:
+            event("crash: the operation in flight survived")
         self.dirty = True
 
     @precondition(lambda self: self.pending is None)
@@ -778,7 +869,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert report.ok, report.versions_lost
         assert report.versions_recovered == [vm.version for vm in self.versions]
         event("repair")
-        self.store = cnrstore.open(self.path)
+        self._open()
         for name, t in self.tables.items():  # only the index knew tables no committed version wrote
             if name not in self.store.tables():
                 self.store.create_table(name, t.num_rows, t.dim, codec=t.codec, block_rows=t.block_rows)
