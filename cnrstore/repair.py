@@ -126,6 +126,7 @@ class _Found:
         self.max_table = 0
         self.max_dense = 0
         self.seen_versions: set[int] = set()
+        self.codec_of: dict[tuple[int, int], int] = {}  # (segment, offset) of a row record -> its codec id
         self.compacted_at: dict[int, set] = {}  # version -> {(tid, block)} with a COMPACTED record there
         self._by_block: dict[tuple[int, int], list[int]] | None = None
 
@@ -297,8 +298,15 @@ def _bad_stretch(found: _Found, report: RepairReport, mm, seg: int, seg_path: st
         _magic, kind, _codec, flags, obj, count, block, version, aux_len, body_len = \
             record.HEADER.unpack_from(mm, start)
         length = record.HEADER_BYTES + aux_len + body_len + record.TRAILER_BYTES
-        if kind in (record.KIND_ROWS, record.KIND_DENSE, record.KIND_COMMIT, record.KIND_ANCHOR,
-                    record.KIND_DROP) and start + length == end:
+        if kind == record.KIND_ROWS:  # a header whose fields disagree is no evidence of anything
+            plausible = not flags & ~_KNOWN_FLAGS and aux_len == (0 if flags & record.FLAG_FULL else 2 * count) + (
+                record.BASE.size if flags & record.FLAG_DELTA else 0)
+        elif kind == record.KIND_DENSE:
+            plausible = not flags and not count and not block
+        else:
+            plausible = kind in (record.KIND_COMMIT, record.KIND_ANCHOR, record.KIND_DROP) and not (
+                flags or obj or count or block or aux_len)
+        if plausible and start + length == end:
             name = {1: "rows", 2: "dense", 3: "commit", 4: "anchor", 5: "drop"}[kind]
             if kind == record.KIND_ROWS:
                 base = record.BASE.unpack_from(mm, start + record.HEADER_BYTES)[0] \
@@ -354,6 +362,7 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
         compacted = bool(rec.flags & record.FLAG_COMPACTED)
         found.rows.setdefault((rec.object_id, rec.block, v), []).append(
             (RowLoc(seg, pos, length, rec.count, rec.flags, base), compacted))
+        found.codec_of[(seg, pos)] = rec.codec_id
         if compacted:
             found.compacted_at.setdefault(v, set()).add((rec.object_id, rec.block))
     elif rec.kind == record.KIND_DENSE:
@@ -413,6 +422,7 @@ def _healthy(chain) -> bool:
     return not isinstance(chain, str) and (not chain or chain[-1][2] is None)
 
 
+_KNOWN_FLAGS = record.FLAG_BASELINE | record.FLAG_FULL | record.FLAG_COMPACTED | record.FLAG_DELTA
 _SHAPE = record.FLAG_BASELINE | record.FLAG_DELTA  # what a GC rewrite keeps of a record's flags
 
 
@@ -662,8 +672,16 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     for (kind, _v), (_loc, body) in found.suspect_log.items():  # last resort: damaged bodies' catalogs
         for info in (body or {}).get("catalog", ()) if isinstance((body or {}).get("catalog"), list) else ():
             if isinstance(info, dict) and isinstance(info.get("id"), int) and info["id"] not in plan.tables:
-                plan.tables[info["id"]] = dict(info)
-                report.notes.append(f"table {info.get('name')!r}: its definition comes from a damaged record")
+                if _plausible_table(found, info):
+                    plan.tables[info["id"]] = dict(info)
+                    report.notes.append(f"table {info.get('name')!r}: its definition comes from a damaged "
+                                        "record (checked against the table's row records)")
+    for (kind, _v), (_loc, body) in found.suspect_log.items():
+        names = (body or {}).get("dense_ids") or (body or {}).get("dense_names")
+        if isinstance(names, dict):
+            for name, did in names.items():
+                if isinstance(name, str) and isinstance(did, int) and did not in plan.dense_names.values():
+                    plan.dense_names.setdefault(name, did)
     if old is not None:  # the intact index's catalog and drops are the truth
         for tid, info in old.tables.items():
             plan.tables[tid] = dict(info)
@@ -680,7 +698,8 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
 
     proof = _LogProof(found, plan, report, tname)
     commits = dict(found.commits)
-    rebuilt = _rebuild_damaged_commits(found, commits, proof, report)
+    # with an intact index the index holds every committed version's info: nothing to rebuild
+    rebuilt = _rebuild_damaged_commits(found, commits, proof, report) if old is None else []
     nodes = sorted(set(commits) | set(found.anchors))
     states: dict[int, _State] = {}
     waiting: dict[int, int] = {}
@@ -809,6 +828,37 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     return plan
 
 
+def _plausible_table(found: _Found, info: dict) -> bool:
+    """Whether a catalog entry decoded from a damaged record agrees with every row record of its table
+    (types, a power-of-two block size, blocks within the table, the row size of each record's codec)."""
+    from . import codecs
+
+    try:
+        tid, dim, rows, block_rows = info["id"], info["dim"], info["num_rows"], info["block_rows"]
+        if not all(isinstance(x, int) and x > 0 for x in (dim, rows, block_rows)) or block_rows & (block_rows - 1) \
+                or not isinstance(info["name"], str) or not isinstance(info["codec"], str):
+            return False
+        n_blocks = -(-rows // block_rows)
+        for (t, block, _v), locs in found.rows.items():
+            if t != tid:
+                continue
+            if block >= n_blocks:
+                return False
+            for loc, _comp in locs:
+                aux = (0 if loc.flags & record.FLAG_FULL else 2 * loc.count) + (
+                    record.BASE.size if loc.flags & record.FLAG_DELTA else 0)
+                body = loc.length - record.HEADER_BYTES - record.TRAILER_BYTES - aux
+                rec_codec = found.valid.get((loc.segment, loc.offset))
+                if rec_codec is None or loc.count == 0:
+                    continue
+                codec_id = found.codec_of.get((loc.segment, loc.offset))
+                if codec_id is None or body != loc.count * codecs.by_id(codec_id).row_bytes(dim):
+                    return False
+        return True
+    except (KeyError, TypeError, CnrError):
+        return False
+
+
 def _why_base(commits, found, v) -> str:
     parent = commits[v][0].get("parent")
     return f"the commit record of version {parent} (an ancestor) and any anchor covering it are missing or damaged"
@@ -824,6 +874,10 @@ def _rebuild_damaged_commits(found: _Found, commits: dict, proof: _LogProof, rep
     for (kind, v), (_loc, damaged_body) in sorted(found.suspect_log.items()):
         if kind != record.KIND_COMMIT or v in commits:
             continue
+        body = damaged_body if isinstance(damaged_body, dict) else {}
+        if body.get("version") != v and not any(u == v for _t, _b, u in found.rows) and \
+                not any(u == v for _d, u in found.dense):
+            continue  # nothing corroborates the version its header names (the flipped byte may be there)
         blocks: dict[int, list] = {}
         for (tid, block, u), locs in found.rows.items():
             if u != v:
