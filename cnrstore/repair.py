@@ -669,14 +669,7 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
         for name, did in names.items():
             plan.dense_names.setdefault(name, did)
         plan.floor = max(plan.floor, body.get("dropped_below", 0) or 0)
-    for (kind, _v), (_loc, body) in found.suspect_log.items():  # last resort: damaged bodies' catalogs
-        for info in (body or {}).get("catalog", ()) if isinstance((body or {}).get("catalog"), list) else ():
-            if isinstance(info, dict) and isinstance(info.get("id"), int) and info["id"] not in plan.tables:
-                if _plausible_table(found, info):
-                    plan.tables[info["id"]] = dict(info)
-                    report.notes.append(f"table {info.get('name')!r}: its definition comes from a damaged "
-                                        "record (checked against the table's row records)")
-    for (kind, _v), (_loc, body) in found.suspect_log.items():
+    for (kind, _v), (_loc, body) in (found.suspect_log.items() if old is None else ()):
         names = (body or {}).get("dense_ids") or (body or {}).get("dense_names")
         if isinstance(names, dict):
             for name, did in names.items():
@@ -688,6 +681,15 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
         for name, did in old.dense_names.items():
             plan.dense_names[name] = did
         plan.floor = max(plan.floor, old.meta.get("dropped_below") or 0)
+    for (kind, _v), (_loc, body) in (found.suspect_log.items() if old is None else ()):  # last resort
+        for info in (body or {}).get("catalog", ()) if isinstance((body or {}).get("catalog"), list) else ():
+            known_names = {t["name"] for t in plan.tables.values()}
+            if isinstance(info, dict) and isinstance(info.get("id"), int) and info["id"] not in plan.tables \
+                    and info.get("name") not in known_names:
+                if _plausible_table(found, info):
+                    plan.tables[info["id"]] = dict(info)
+                    report.notes.append(f"table {info.get('name')!r}: its definition comes from a damaged "
+                                        "record (checked against the table's row records)")
     if found.drop is not None:
         plan.drop = dict(found.drop[0], kept_set=set(found.drop[0]["kept"]))
         plan.log[(record.KIND_DROP, plan.drop["seq"])] = found.drop[1]
