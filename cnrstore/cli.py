@@ -66,7 +66,7 @@ from . import compaction
 from . import filenames
 from .errors import CnrError, CorruptionError, InvalidArgument, StoreNotFound
 from .export import DEFAULT_MIN_ROWS, FORMATS, LAYOUTS, SOURCE_FORMATS, check_path, export
-from .repair import repair as repair_store
+from .repair import damaged_blocks, repair as repair_store
 from .store import Store, open as open_store
 from .types import Snapshot
 
@@ -134,6 +134,10 @@ def _names(names: list[str], noun: str, width: int = 48) -> str:
 def _versions_rows(store: Store) -> list[dict]:
     """One row per version; every version's read-chain length comes from one pass over the row index
     (``compaction.versions_with_read_chains``), so a listing is linear in versions and index entries."""
+    with store.engine.index.read() as view:
+        damaged = damaged_blocks(view)
+        names = {info["id"]: name for name, info in view.tables().items()}
+        dense = {did: name for name, did in view.dense_names().items()}
     rows = []
     for v, info, chain in compaction.versions_with_read_chains(store.engine):
         rows.append({
@@ -143,6 +147,9 @@ def _versions_rows(store: Store) -> list[dict]:
             "bytes": info["bytes"],
             "tables": list(info["tables"]),
             "read_chain": chain,
+            # blocks repair found damaged (reads of them raise CorruptionError; `cnrstore verify` says more)
+            "damaged": [f"{names.get(d['table'], d['table'])}[{d['block']}]" if "table" in d
+                        else f"dense {dense.get(d['dense'], d['dense'])}" for d in damaged.get(v, ())],
         })
     return rows
 
@@ -212,7 +219,8 @@ def cmd_ls(args) -> int:
         rows = _versions_rows(store)
     return _print_versions(args, rows, f"{'version':>8} {'step':>10} {'created (UTC)':<20} {'bytes':>14} {'chain':>6}  "
                                        "tables", "version(s)",
-                           lambda r: f"{r['bytes']:>14,} {r['read_chain']:>6}  {_names(r['tables'], 'tables')}")
+                           lambda r: f"{r['bytes']:>14,} {r['read_chain']:>6}  {_names(r['tables'], 'tables')}"
+                                     + (f"  DAMAGED: {_names(r['damaged'], 'blocks')}" if r["damaged"] else ""))
 
 
 def cmd_info(args) -> int:
@@ -406,11 +414,19 @@ def cmd_repair(args) -> int:
             print(f"note: {line}")
         for v, why in sorted(report.versions_lost.items()):
             print(f"NOT RECOVERED: {why if why.startswith('version') else f'version {v}: {why}'}")
+        for v, whats in sorted(report.damaged.items()):
+            for what in whats:
+                print(f"DAMAGED BLOCK: version {v}: {what}")
         if report.versions_dropped:
             print(f"left dropped (retain dropped them before): {len(report.versions_dropped)} version(s)")
         if report.old_index:
             print(f"the previous index was moved to {report.old_index}")
-        print(f"{'ok' if report.ok else 'DAMAGED'}: {len(report.versions_recovered)} version(s) recovered, "
+        if report.damaged:
+            print(f"{len(report.damaged)} recovered version(s) have damaged blocks: reads of them raise "
+                  "CorruptionError; `cnrstore ls` marks them and `cnrstore verify` lists them. Restore an "
+                  "undamaged version, or write those blocks again in a full checkpoint")
+        print(f"{'ok' if report.ok else 'DAMAGED'}: {len(report.versions_recovered)} version(s) recovered"
+              f" ({len(report.damaged)} with damaged blocks), "
               f"{len(report.versions_lost)} not recovered; {len(report.tables_recovered)} table(s); "
               f"{report.segments_scanned} segment(s), {report.records_scanned} records scanned, "
               f"{len(report.bad_records)} bad")

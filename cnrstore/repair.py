@@ -1,27 +1,50 @@
-"""Rebuild a store's index from its segment log (leveldb's RepairDB is the model).
+"""Rebuild a store's index from its segment log, salvaging (leveldb's RepairDB is the model).
 
 The log is self-describing: every record is checksummed and names its kind, object, block and version;
 each commit appends a COMMIT record (the version's info, the catalog entries of the tables it wrote, the
-dense ids it wrote, and the count and flags of every block record it wrote); each compaction appends an
-ANCHOR record (every block's read chain at its version, the dense heads and the catalog).
+dense ids it wrote, and the count and flags of every block record it wrote); each compaction and each
+drop appends an ANCHOR record (every block's read chain at its version, the dense heads and the
+catalog); each drop a DROP record (the versions kept).
 
-Repair scans every segment record by record (a bad record is noted and skipped: the scan resumes at
-the next record magic whose checksum holds), then decides which versions are *provably whole*: version
-v is recovered when its COMMIT record is present and, following parent pointers back to the version's
-newest ANCHOR (or to a version without parent), every record its reads need is present — per block the
-records of its ancestors that wrote the block, newest first, until a baseline (a compacted baseline at
-an ancestor's version, or an anchor's head, holds the whole block). Every other version is reported
-with the reason. Versions dropped before (the newest DROP record lists the versions kept then; an
-ANCHOR's ``dropped_below`` says retain dropped every older one) stay dropped.
+Two invariants govern repair (docs/DESIGN.md, "Repair"):
+
+* **R1 — the repaired index never reads differently from the committed history.** A (version, block)
+  pair is indexed only along a read chain that is *proven*: every record of it is present and is the
+  record that history wrote there (the COMMIT's count and flags, an ANCHOR's listing, or the intact
+  index's entry). A record that is damaged or gone is never skipped over: the pairs that need it are
+  *damaged*, and their index entry points at the damaged bytes (or at segment 0, which no segment has),
+  so that a read of them raises CorruptionError instead of returning older data.
+* **R2 — repair never leaves a store less readable than it found it.** A damaged record costs only the
+  (version, block) pairs whose chain visits it: the version stays listed, its damaged blocks are
+  recorded in the index (meta ``damaged``) and named by ``verify`` and ``cnrstore ls``. When the index
+  is intact, it is a source of truth: every entry it holds whose record the scan finds whole is kept,
+  so nothing the old index could read is dropped.
+
+Scan: every segment record by record; a bad stretch is skipped (the scan resumes at the next record
+magic whose checksum holds) and, when the stretch is exactly one record whose header still names it,
+*attributed* to that record (a "suspect": its key is known, its bytes are not trustworthy).
+
+Proof, per version, ascending (``_LogProof``): the state (per block its read chain) is derived from the
+parent's state and the version's COMMIT; a materialized baseline (a COMPACTED record with BASELINE)
+resets a block; an ANCHOR resets every block. The chain *from an index entry* does not depend on where
+a walk began, so every entry's chain is remembered: a delta's base is looked up there (whether it came
+from a COMMIT, a compacted baseline or an ANCHOR listing). Where a version's ancestry is not proven (an
+ancestor's COMMIT or the ANCHOR that covered it is damaged), and the scan found no damage it could not
+attribute, the chain is taken from the row records' own headers (the walk the index would do over every
+record present). A damaged COMMIT's version is rebuilt from its records' headers and what its damaged
+body still decodes to.
 
 The new index is built in ``index.repair-tmp/`` beside ``index/``, synced, and swapped in: the old
 ``index/`` is renamed ``index.damaged-<time>/`` (never deleted). Segment files are not changed, except
 that one whose header is damaged (so that no record in it can be read) is renamed ``<name>.damaged``.
-Counters are set past every version, table id, dense id and segment id found, so none is reused.
+Counters are set past every version, table id, dense id and segment id found, so none is reused. Every
+COMMIT, ANCHOR and newest DROP found is indexed in ``log`` and the liveness rule (``compaction.prune_log``)
+decides which stay, so that a GC after repair keeps every record a later repair needs.
 """
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import shutil
@@ -29,25 +52,34 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgpack
 import numpy as np
 
 from . import compaction, filenames, fs, record, segments
-from .errors import CorruptionError, StoreNotFound
+from .verify import LOST_SEGMENT, damaged_blocks
+from .errors import CnrError, CorruptionError, StoreNotFound
 from .index import DenseLoc, Index, IndexWriter, RowLoc
 from .lock import ProcessLock
 from .marker import FORMAT_VERSION, read_marker
 
 Progress = Callable[[int, int], None]
 
+# LOST_SEGMENT (verify.py): the segment id of an index entry whose record repair knows is lost (no segment
+# has id 0): reads of it raise CorruptionError (the segment is missing), so a lost record is never skipped.
+#: Index meta key of the damaged (version, block) pairs repair recorded (docs/FORMAT.md).
+DAMAGED_META = "damaged"
+
 
 @dataclass
 class RepairReport:
-    """What ``repair`` did. ``ok`` is True when every committed version found was recovered."""
+    """What ``repair`` did. ``ok`` is True when every committed version found was recovered whole."""
 
     path: str
     versions_recovered: list[int] = field(default_factory=list)
-    #: version -> why it could not be proven whole (its data is left in the log, unindexed)
+    #: version -> why it could not be recovered at all (its data is left in the log, unindexed)
     versions_lost: dict[int, str] = field(default_factory=dict)
+    #: recovered version -> what of it is damaged (reads of those blocks raise CorruptionError)
+    damaged: dict[int, list[str]] = field(default_factory=dict)
     #: versions retain had dropped before the repair: left dropped, not damage
     versions_dropped: list[int] = field(default_factory=list)
     tables_recovered: list[str] = field(default_factory=list)
@@ -58,34 +90,45 @@ class RepairReport:
     notes: list[str] = field(default_factory=list)
     #: where the previous index was moved (None if there was none)
     old_index: str | None = None
+    #: whether the previous index opened and served as a source of truth
+    used_index: bool = False
 
     @property
     def ok(self) -> bool:
-        return not self.versions_lost
+        return not self.versions_lost and not self.damaged
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "path": self.path, "versions_recovered": self.versions_recovered,
                 "versions_lost": {str(v): why for v, why in sorted(self.versions_lost.items())},
+                "damaged": {str(v): whats for v, whats in sorted(self.damaged.items())},
                 "versions_dropped": self.versions_dropped, "tables_recovered": self.tables_recovered,
                 "segments_scanned": self.segments_scanned, "records_scanned": self.records_scanned,
                 "bytes_scanned": self.bytes_scanned, "bad_records": self.bad_records, "notes": self.notes,
-                "old_index": self.old_index}
+                "old_index": self.old_index, "used_index": self.used_index}
 
 
 class _Found:
-    """What the scan found: record locations by key, and the parsed COMMIT / ANCHOR bodies."""
+    """What the scan found: record locations by key, the parsed COMMIT / ANCHOR bodies, and the
+    records whose bytes are damaged but whose header still names them (suspects)."""
 
     def __init__(self):
         self.rows: dict[tuple[int, int, int], list] = {}  # (tid, block, version) -> [(RowLoc, compacted)]
-        self.compacted_at: dict[int, list] = {}  # version -> [(tid, block)] with a compacted record there
         self.dense: dict[tuple[int, int], DenseLoc] = {}
         self.commits: dict[int, tuple[dict, DenseLoc]] = {}
         self.anchors: dict[int, list[tuple[dict, DenseLoc]]] = {}
         self.drop: tuple[dict, DenseLoc] | None = None  # the newest DROP record
+        self.valid: dict[tuple[int, int], tuple] = {}  # (segment, offset) -> (length, kind, object, block, version, count, flags, base)
+        self.suspect_rows: dict[tuple[int, int, int], RowLoc] = {}
+        self.suspect_dense: dict[tuple[int, int], DenseLoc] = {}
+        self.suspect_log: dict[tuple[int, int], tuple[DenseLoc, dict | None]] = {}
+        self.unattributed: list[str] = []  # damaged stretches no one record's header accounts for
         self.max_version = 0
         self.max_table = 0
         self.max_dense = 0
         self.seen_versions: set[int] = set()
+        self.codec_of: dict[tuple[int, int], int] = {}  # (segment, offset) of a row record -> its codec id
+        self.compacted_at: dict[int, set] = {}  # version -> {(tid, block)} with a COMPACTED record there
+        self._by_block: dict[tuple[int, int], list[int]] | None = None
 
     def row(self, tid: int, block: int, version: int, count: int | None = None, flags: int | None = None,
             compacted: bool = False):
@@ -95,46 +138,24 @@ class _Found:
         for loc, is_compacted in self.rows.get((tid, block, version), ()):
             if compacted:
                 if is_compacted:
-                    return loc
+                    best = loc  # the later one in log order (a GC copy of a copy)
             elif not is_compacted and (count is None or (loc.count == count and loc.flags == flags)):
                 best = loc  # the later one in log order
         return best
 
-
-def _block_record_at(found: _Found, tid: int, block: int, version: int) -> RowLoc | None:
-    """The record of (tid, block) at ``version`` a delta names as its base: a compacted record there
-    (a materialized baseline, or one GC rewrote), else the checkpoint's (as its COMMIT record lists it)."""
-    loc = found.row(tid, block, version, compacted=True)
-    if loc is not None:
-        return loc
-    commit = found.commits.get(version)
-    if commit is None:
-        return None
-    for block_id, count, flags in _unpack_blocks(commit[0].get("blocks", {}).get(tid, [b"", b"", b""])):
-        if block_id == block:
-            return found.row(tid, block, version, count, flags)
-    return None
-
-
-def _delta_chain(found: _Found, tid: int, block: int, version: int, loc: RowLoc, prev) -> tuple | None:
-    """The read chain of a delta record ``loc`` at ``version``: it, then the chain from its base (taken
-    from ``prev``, the chain it was written over, where it is there; else found in the log: the base is a
-    baseline, or a delta on one). None if a record of it is missing."""
-    chain = [(version, loc)]
-    while loc.base:
-        suffix = [i for i, e in enumerate(prev or ()) if e[0] == loc.base] if not isinstance(prev, str) else []
-        if suffix:
-            return tuple(chain) + tuple(prev[suffix[0]:])
-        base_version = loc.base
-        loc = _block_record_at(found, tid, block, base_version)
-        if loc is None or (not loc.base and not loc.flags & record.FLAG_BASELINE) or len(chain) > 64:
-            return None
-        chain.append((base_version, loc))
-    return tuple(chain)
+    def by_block(self) -> dict[tuple[int, int], list[int]]:
+        """(tid, block) -> sorted versions with a present or suspect record."""
+        if self._by_block is None:
+            out: dict[tuple[int, int], set] = {}
+            for tid, block, v in list(self.rows) + list(self.suspect_rows):
+                out.setdefault((tid, block), set()).add(v)
+            self._by_block = {k: sorted(vs) for k, vs in out.items()}
+        return self._by_block
 
 
 def repair(path, progress: Progress | None = None) -> RepairReport:
-    """Rebuild the index of the store at ``path`` from its segment log; see the module docstring.
+    """Rebuild the index of the store at ``path`` from its segment log (and its old index, when that
+    still opens); see the module docstring.
 
     Takes the store's lock (raises StoreLocked while a writer holds it). Close every handle of the store
     in this process first. ``progress(done, total)`` is called as segment bytes are scanned.
@@ -148,12 +169,57 @@ def repair(path, progress: Progress | None = None) -> RepairReport:
     lock.acquire()
     try:
         report = RepairReport(root)
+        old = _read_old_index(root, report)
         found, lengths = _scan(root, report, progress)
-        plan = _prove(found, report)
-        _install(root, found, lengths, plan, report, FORMAT_VERSION)
+        plan = _prove(found, report, old)
+        _install(root, found, lengths, plan, report, FORMAT_VERSION, old)
         return report
     finally:
         lock.release()
+
+
+# the old index ----------------------------------------------------------------------------------------
+@dataclass
+class _OldIndex:
+    versions: dict[int, dict]
+    tables: dict[int, dict]
+    dense_names: dict[str, int]
+    rows: dict[tuple[int, int], list[tuple[int, RowLoc]]]  # (tid, block) -> [(version, loc)] ascending
+    dense: dict[int, list[tuple[int, DenseLoc]]]
+    meta: dict
+    damaged: dict[int, list[dict]]
+
+
+def _read_old_index(root: str, report: RepairReport) -> _OldIndex | None:
+    """The old index's content, if it opens (it is a source of truth, cross-checked against the log)."""
+    path = filenames.index_dir(root)
+    if not os.path.isdir(path):
+        return None
+    try:
+        index = Index(path, readonly=True)
+    except CnrError as exc:
+        report.notes.append(f"the old index cannot be used ({type(exc).__name__}: {exc}); rebuilt from the log alone")
+        return None
+    try:
+        with index.read() as view:
+            rows: dict = {}
+            for tid, block, v, loc in view.row_entries():
+                rows.setdefault((tid, block), []).append((v, loc))
+            dense: dict = {}
+            for did, v, loc in view.dense_entries():
+                dense.setdefault(did, []).append((v, loc))
+            meta = {k: view.meta(k) for k in ("next_version", "next_table_id", "next_dense_id", "dropped_below",
+                                               "drop_seq", "last_baseline", "bytes_written", "increment_bytes",
+                                               "max_deleted_segment")}
+            old = _OldIndex(dict(view.versions()), {info["id"]: info for info in view.tables().values()},
+                            view.dense_names(), rows, dense, meta, damaged_blocks(view))
+    except (CnrError, KeyError, ValueError, TypeError) as exc:
+        report.notes.append(f"the old index cannot be read ({type(exc).__name__}: {exc}); rebuilt from the log alone")
+        return None
+    finally:
+        index.close()
+    report.used_index = True
+    return old
 
 
 # scan -------------------------------------------------------------------------------------------------
@@ -173,6 +239,7 @@ def _scan(root: str, report: RepairReport, progress: Progress | None) -> tuple[_
             os.rename(seg_path, seg_path + ".damaged")  # unreadable by the store, kept as evidence
             report.notes.append(f"segment {seg_path} has a damaged header: none of its records can be read; "
                                 f"renamed to {name}.damaged")
+            found.unattributed.append(f"segment {seg_path} (damaged header)")
         done += size
         if progress is not None:
             progress(done, total)
@@ -206,14 +273,12 @@ def _scan_segment(seg: int, seg_path: str, found: _Found, report: RepairReport) 
                 pos = nxt
                 continue
             if bad_from is not None:
-                report.bad_records.append(f"{seg_path}: {pos - bad_from} bytes at offset {bad_from} are no "
-                                          "valid record (damaged, skipped)")
+                _bad_stretch(found, report, mm, seg, seg_path, bad_from, pos, at_end=False)
                 bad_from = None
             _note(found, rec, seg, pos, length, report)
             pos += length
         if bad_from is not None:
-            report.bad_records.append(f"{seg_path}: {size - bad_from} bytes at offset {bad_from} (the end) are "
-                                      "no valid record (damage, or the torn tail of a crash; skipped)")
+            _bad_stretch(found, report, mm, seg, seg_path, bad_from, size, at_end=True)
         del buf
         return True
     finally:
@@ -221,6 +286,53 @@ def _scan_segment(seg: int, seg_path: str, found: _Found, report: RepairReport) 
             mm.close()
         except BufferError:
             pass
+
+
+def _bad_stretch(found: _Found, report: RepairReport, mm, seg: int, seg_path: str, start: int, end: int,
+                 at_end: bool) -> None:
+    """Account for bytes [start, end) that hold no valid record: attribute them to the one record whose
+    header (unverified) spans exactly that stretch, if there is one; a record cut short by the end of
+    the segment is the torn tail of a crash."""
+    what = f"{seg_path}: {end - start} bytes at offset {start}" + (" (the end)" if at_end else "")
+    if start + record.HEADER_BYTES <= len(mm):
+        _magic, kind, _codec, flags, obj, count, block, version, aux_len, body_len = \
+            record.HEADER.unpack_from(mm, start)
+        length = record.HEADER_BYTES + aux_len + body_len + record.TRAILER_BYTES
+        if kind == record.KIND_ROWS:  # a header whose fields disagree is no evidence of anything
+            plausible = not flags & ~_KNOWN_FLAGS and aux_len == (0 if flags & record.FLAG_FULL else 2 * count) + (
+                record.BASE.size if flags & record.FLAG_DELTA else 0)
+        elif kind == record.KIND_DENSE:
+            plausible = not flags and not count and not block
+        else:
+            plausible = kind in (record.KIND_COMMIT, record.KIND_ANCHOR, record.KIND_DROP) and not (
+                flags or obj or count or block or aux_len)
+        if plausible and start + length == end:
+            name = {1: "rows", 2: "dense", 3: "commit", 4: "anchor", 5: "drop"}[kind]
+            if kind == record.KIND_ROWS:
+                base = record.BASE.unpack_from(mm, start + record.HEADER_BYTES)[0] \
+                    if flags & record.FLAG_DELTA and aux_len >= record.BASE.size else 0
+                found.suspect_rows[(obj, block, version)] = RowLoc(seg, start, length, count, flags, base)
+                desc = f"the {name} record of table id {obj} block {block} at version {version}"
+            elif kind == record.KIND_DENSE:
+                found.suspect_dense[(obj, version)] = DenseLoc(seg, start, length)
+                desc = f"the {name} record of dense id {obj} at version {version}"
+            else:
+                try:  # what the damaged body still decodes to: evidence of last resort, never trusted alone
+                    body = msgpack.unpackb(bytes(mm[start + record.HEADER_BYTES + aux_len:start + length
+                                                    - record.TRAILER_BYTES]), raw=False, strict_map_key=False)
+                    body = body if isinstance(body, dict) else None
+                except Exception:  # noqa: BLE001 - any decoding failure means "no usable body"
+                    body = None
+                found.suspect_log[(kind, version)] = (DenseLoc(seg, start, length), body)
+                desc = f"the {name} record of version {version}"
+            found.max_version = max(found.max_version, version) if kind != record.KIND_DROP else found.max_version
+            report.bad_records.append(f"{what} are {desc}, damaged (checksum mismatch)")
+            return
+        if at_end and start + length > end:
+            report.bad_records.append(f"{what} are a record cut short: the torn tail of a crash (skipped)")
+            return
+    found.unattributed.append(what)
+    report.bad_records.append(f"{what} are no valid record (damaged, skipped)")
 
 
 def _record_at(buf, mm, pos: int, size: int, seg_path: str):
@@ -240,15 +352,19 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
     report.records_scanned += 1
     report.bytes_scanned += length
     v = rec.version
-    found.max_version = max(found.max_version, v)
+    if rec.kind != record.KIND_DROP:
+        found.max_version = max(found.max_version, v)
+    base = rec.base() if rec.kind == record.KIND_ROWS else 0
+    found.valid[(seg, pos)] = (length, rec.kind, rec.object_id, rec.block, v, rec.count, rec.flags, base)
     if rec.kind == record.KIND_ROWS:
         found.seen_versions.add(v)
         found.max_table = max(found.max_table, rec.object_id)
         compacted = bool(rec.flags & record.FLAG_COMPACTED)
         found.rows.setdefault((rec.object_id, rec.block, v), []).append(
-            (RowLoc(seg, pos, length, rec.count, rec.flags, rec.base()), compacted))
+            (RowLoc(seg, pos, length, rec.count, rec.flags, base), compacted))
+        found.codec_of[(seg, pos)] = rec.codec_id
         if compacted:
-            found.compacted_at.setdefault(v, []).append((rec.object_id, rec.block))
+            found.compacted_at.setdefault(v, set()).add((rec.object_id, rec.block))
     elif rec.kind == record.KIND_DENSE:
         found.seen_versions.add(v)
         found.max_dense = max(found.max_dense, rec.object_id)
@@ -256,7 +372,7 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
     else:
         try:
             body = record.log_body(rec)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, msgpack.ExtraData) as exc:
             report.bad_records.append(f"segment {seg} offset {pos}: undecodable log record ({exc})")
             return
         for info in body.get("catalog", ()):
@@ -273,7 +389,7 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
                 found.max_version = max(found.max_version, body["parent"])
             for did in body.get("dense_ids", {}).values():
                 found.max_dense = max(found.max_dense, did)
-            found.commits.setdefault(v, (body, DenseLoc(seg, pos, length)))
+            found.commits[v] = (body, DenseLoc(seg, pos, length))  # a GC copy is the same record
         else:
             for did in body.get("dense_names", {}).values():
                 found.max_dense = max(found.max_dense, did)
@@ -281,36 +397,10 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
 
 
 # proof ------------------------------------------------------------------------------------------------
-class _State:
-    """What reading at one version needs: per block its read chain (RowLocs with versions, newest first)
-    or why it is unreadable; per dense id its record or why not; ``unknown``: why blocks this state does
-    not list may be unreadable (None: they were never written)."""
-
-    __slots__ = ("unknown", "blocks", "dense")
-
-    def __init__(self, unknown, blocks, dense):
-        self.unknown = unknown
-        self.blocks = blocks
-        self.dense = dense
-
-
-@dataclass
-class _Plan:
-    versions: dict[int, dict] = field(default_factory=dict)  # recovered version -> version info
-    rows: dict[tuple[int, int, int], RowLoc] = field(default_factory=dict)
-    dense: dict[tuple[int, int], DenseLoc] = field(default_factory=dict)
-    tables: dict[int, dict] = field(default_factory=dict)  # table id -> catalog entry
-    dense_names: dict[str, int] = field(default_factory=dict)
-    log: dict[tuple[int, int], DenseLoc] = field(default_factory=dict)
-    floor: int = 0
-    drop: dict | None = None
-    last_baseline: dict | None = None
-
-    def dropped(self, v: int) -> bool:
-        """Whether version v was dropped (by retain or a retention policy) before the repair."""
-        if v < self.floor:
-            return True
-        return self.drop is not None and v <= self.drop["latest"] and v not in self.drop["kept_set"]
+# A chain is a tuple of links (version, loc, why), newest first: ``why`` is None for a present record, or
+# says why the record is damaged or lost (then ``loc`` points at its damaged bytes, or at LOST_SEGMENT)
+# and the link is the chain's last. A block's state is a chain, or a str when not even the key of the
+# record that is missing is known (the version's ancestry is not proven).
 
 
 def _unpack_blocks(packed) -> list[tuple[int, int, int]]:
@@ -328,33 +418,300 @@ def _unpack_heads(packed) -> list[tuple[int, int, int, int]]:
     return list(zip(blocks.tolist(), versions.tolist(), counts.tolist(), flags.tolist()))
 
 
-def _prove(found: _Found, report: RepairReport) -> _Plan:
+def _healthy(chain) -> bool:
+    return not isinstance(chain, str) and (not chain or chain[-1][2] is None)
+
+
+_KNOWN_FLAGS = record.FLAG_BASELINE | record.FLAG_FULL | record.FLAG_COMPACTED | record.FLAG_DELTA
+_SHAPE = record.FLAG_BASELINE | record.FLAG_DELTA  # what a GC rewrite keeps of a record's flags
+
+
+class _State:
+    __slots__ = ("unknown", "blocks", "dense")
+
+    def __init__(self, unknown, blocks, dense):
+        self.unknown = unknown  # why blocks not listed may be unreadable (None: never written)
+        self.blocks = blocks  # (tid, block) -> chain or str
+        self.dense = dense  # dense id -> (version, loc, why) or str
+
+
+@dataclass
+class _Plan:
+    versions: dict[int, dict] = field(default_factory=dict)  # recovered version -> version info
+    #: per recovered version: (tid, block) -> chain, dense id -> link
+    chains: dict[int, dict] = field(default_factory=dict)
+    dense: dict[int, dict] = field(default_factory=dict)
+    tables: dict[int, dict] = field(default_factory=dict)  # table id -> catalog entry
+    dense_names: dict[str, int] = field(default_factory=dict)
+    log: dict[tuple[int, int], DenseLoc] = field(default_factory=dict)
+    floor: int = 0
+    drop: dict | None = None
+    last_baseline: dict | None = None
+    partial: set = field(default_factory=set)  # versions whose chains use a record GC rewrote partly
+
+    def dropped(self, v: int) -> bool:
+        """Whether version v was dropped (by retain or a retention policy) before the repair."""
+        if v < self.floor:
+            return True
+        return self.drop is not None and v <= self.drop["latest"] and v not in self.drop["kept_set"]
+
+    def known_kept(self, v: int) -> bool:
+        return self.drop is not None and (v > self.drop["latest"] or v in self.drop["kept_set"])
+
+
+class _LogProof:
+    """The per-version proof from the log alone (see the module docstring)."""
+
+    def __init__(self, found: _Found, plan: _Plan, report: RepairReport, tname):
+        self.found = found
+        self.plan = plan
+        self.report = report
+        self.tname = tname
+        self.entry: dict[tuple[int, int, int], tuple] = {}  # (tid, block, version) -> chain from that entry
+        skipped = []  # versions a COMMIT's parent pointer jumps over: never part of the history
+        for v, (body, _loc) in found.commits.items():
+            p = body.get("parent")
+            if p is not None and v - p > 1:
+                skipped.append((p, v))
+        self.skipped = skipped
+
+    def in_history(self, u: int) -> bool:
+        return not any(p < u < v for p, v in self.skipped)
+
+    # links --------------------------------------------------------------------------------------------
+    def lost(self, tid, block, v, count, flags, base, what="record") -> tuple:
+        suspect = self.found.suspect_rows.get((tid, block, v))
+        where = f"the {what} of table {self.tname(tid)} block {block} at version {v}"
+        if suspect is not None:
+            return (v, suspect, f"{where} is damaged (checksum mismatch at segment {suspect.segment} offset "
+                                f"{suspect.offset})")
+        return (v, RowLoc(LOST_SEGMENT, 0, 0, count, flags, base), f"{where} is missing")
+
+    def own(self, tid, block, v, count, flags, version_of=None) -> tuple:
+        """The link of the record (tid, block, v) that history wrote with ``count`` and ``flags``: the
+        checkpoint's record, or its rewrite by GC (COMPACTED, its live rows only)."""
+        loc = self.found.row(tid, block, v, count, flags)
+        if loc is not None:
+            return (v, loc, None)
+        loc = self.found.row(tid, block, v, compacted=True)
+        if loc is not None and (loc.flags & _SHAPE) == (flags & _SHAPE):
+            if loc.count < count and version_of is not None:
+                self.plan.partial.add(version_of)
+            return (v, loc, None)
+        base = 0
+        if flags & record.FLAG_DELTA:
+            cand = self.found.suspect_rows.get((tid, block, v))
+            base = cand.base if cand is not None else 0
+        return self.lost(tid, block, v, count, flags, base)
+
+    def chain_from(self, tid, block, link, below) -> tuple | str:
+        """The chain starting at ``link``: ``below`` is the state of the block just under it (what a
+        plain increment is read with)."""
+        v, loc, why = link
+        if why is not None or loc.flags & record.FLAG_BASELINE:
+            out = (link,)
+        elif loc.base:
+            out = self.base_chain(tid, block, loc.base, below)
+            out = (link,) + out if not isinstance(out, str) else out
+        elif isinstance(below, str):
+            out = below
+        else:
+            out = (link,) + (below or ())
+        if not isinstance(out, str):
+            self.entry[(tid, block, v)] = out
+        return out
+
+    def base_chain(self, tid, block, base, below) -> tuple | str:
+        """The chain from the entry at a delta's ``base``: remembered from wherever it was proven, else
+        found in ``below`` (the chain the delta was written over), else the record at ``base``."""
+        known = self.entry.get((tid, block, base))
+        if known is not None:
+            return known
+        if not isinstance(below, str) and below:
+            for i, link in enumerate(below):
+                if link[0] == base:
+                    return below[i:]
+        loc = self.found.row(tid, block, base, compacted=True)
+        if loc is None:
+            locs = [loc for loc, comp in self.found.rows.get((tid, block, base), ()) if not comp]
+            loc = locs[-1] if locs else None
+        if loc is None:
+            return (self.lost(tid, block, base, 0, record.FLAG_BASELINE, 0, "base record"),)
+        if loc.flags & record.FLAG_BASELINE:
+            return self.chain_from(tid, block, (base, loc, None), None)
+        if loc.base:
+            return self.chain_from(tid, block, (base, loc, None), None)
+        return (f"the records of table {self.tname(tid)} block {block} under the delta base at version {base} "
+                "are not proven")
+
+    def header_chain(self, tid, block, v) -> tuple | str:
+        """The chain at ``v`` as the index would walk it over every record present (their headers)."""
+        versions = self.found.by_block().get((tid, block), [])
+        i = bisect.bisect_right(versions, v) - 1
+        links = []
+        while i >= 0:
+            u = versions[i]
+            if not self.in_history(u):
+                i -= 1
+                continue
+            known = self.entry.get((tid, block, u))
+            if known is not None:
+                links.extend(known)
+                break
+            loc = self.found.row(tid, block, u, compacted=True)
+            if loc is None or not loc.flags & record.FLAG_BASELINE:
+                plain = [loc for loc, comp in self.found.rows.get((tid, block, u), ()) if not comp]
+                loc = plain[-1] if plain else loc
+            if loc is None:
+                suspect = self.found.suspect_rows[(tid, block, u)]
+                links.append(self.lost(tid, block, u, suspect.count, suspect.flags, suspect.base))
+                break
+            links.append((u, loc, None))
+            if loc.flags & record.FLAG_BASELINE:
+                break
+            if loc.base:
+                j = bisect.bisect_left(versions, loc.base)
+                if j >= len(versions) or versions[j] != loc.base:
+                    links.append(self.lost(tid, block, loc.base, 0, record.FLAG_BASELINE, 0, "base record"))
+                    break
+                i = j
+            else:
+                i -= 1
+        return tuple(links)
+
+    # states -------------------------------------------------------------------------------------------
+    def apply_commit(self, st: _State, v: int, body: dict) -> None:
+        for tid, packed in body.get("blocks", {}).items():
+            for block, count, flags in _unpack_blocks(packed):
+                key = (tid, block)
+                link = self.own(tid, block, v, count, flags, version_of=v)
+                st.blocks[key] = self.chain_from(tid, block, link, st.blocks.get(key, st.unknown))
+        for _name, did in body.get("dense_ids", {}).items():
+            loc = self.found.dense.get((did, v))
+            if loc is not None:
+                st.dense[did] = (v, loc, None)
+            else:
+                suspect = self.found.suspect_dense.get((did, v))
+                st.dense[did] = (v, suspect or DenseLoc(LOST_SEGMENT, 0, 0),
+                                 f"the record of dense array {self._dname(did)} at version {v} is "
+                                 + ("damaged" if suspect else "missing"))
+
+    def _dname(self, did):
+        return repr({i: n for n, i in self.plan.dense_names.items()}.get(did, f"id {did}"))
+
+    def apply_compacted(self, st: _State, v: int) -> None:
+        """Materialized baselines at v (COMPACTED with BASELINE) hold the whole block; a COMPACTED
+        record without BASELINE is GC's rewrite of the checkpoint's own record at v, never a baseline."""
+        for tid, block in sorted(self.found.compacted_at.get(v, ())):
+            loc = self.found.row(tid, block, v, compacted=True)
+            if loc is not None and loc.flags & record.FLAG_BASELINE:
+                st.blocks[(tid, block)] = self.chain_from(tid, block, (v, loc, None), None)
+
+    def apply_anchor(self, st: _State, v: int) -> _State:
+        heads: dict[tuple[int, int], tuple | None] = {}
+        dense_heads: dict[int, tuple | None] = {}
+        for body, _loc in self.found.anchors[v]:
+            listed: dict[tuple[int, int], list] = {}  # a block's read chain at v, newest first
+            for tid, packed in body.get("heads", {}).items():
+                for block, hv, count, flags in _unpack_heads(packed):
+                    listed.setdefault((tid, block), []).append((hv, count, flags))
+            for (tid, block), entries in listed.items():
+                if heads.get((tid, block)) is not None and _healthy(heads[(tid, block)]):
+                    continue
+                links = []
+                for hv, count, flags in entries:
+                    if flags & record.FLAG_COMPACTED:
+                        loc = self.found.row(tid, block, hv, compacted=True)
+                        link = (hv, loc, None) if loc is not None else self.lost(tid, block, hv, count, flags, 0)
+                    else:
+                        link = self.own(tid, block, hv, count, flags)
+                    links.append(link)
+                    if link[2] is not None or link[1].flags & record.FLAG_BASELINE:
+                        break
+                chain = tuple(links)
+                for i in range(len(chain)):  # every suffix is the chain from that entry
+                    if _healthy(chain[i:]):
+                        self.entry.setdefault((tid, block, chain[i][0]), chain[i:])
+                heads[(tid, block)] = chain
+            for did, hv in body.get("dense", {}).items():
+                loc = self.found.dense.get((did, hv))
+                if loc is not None:
+                    dense_heads[did] = (hv, loc, None)
+                elif dense_heads.get(did) is None:
+                    suspect = self.found.suspect_dense.get((did, hv))
+                    dense_heads[did] = (hv, suspect or DenseLoc(LOST_SEGMENT, 0, 0),
+                                        f"the record of dense array {self._dname(did)} at version {hv} "
+                                        f"(anchor at {v}) is " + ("damaged" if suspect else "missing"))
+        return _State(None, heads, dense_heads)
+
+    def header_state(self, v: int) -> _State:
+        """The state at v from the records' own headers (every block with a record at or before v)."""
+        blocks = {}
+        for (tid, block), versions in self.found.by_block().items():
+            if versions[0] <= v:
+                chain = self.header_chain(tid, block, v)
+                if chain:
+                    blocks[(tid, block)] = chain
+        dense = {}
+        for (did, u), loc in sorted(self.found.dense.items()):
+            if u <= v and self.in_history(u):
+                dense[did] = (u, loc, None)
+        return _State(None, blocks, dense)
+
+
+def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     plan = _Plan()
-    for body, _loc in list(found.commits.values()) + [a for lst in found.anchors.values() for a in lst]:
+    bodies = list(found.commits.values()) + [a for lst in found.anchors.values() for a in lst]
+    for body, _loc in bodies:
         for info in body.get("catalog", ()):
             plan.tables[info["id"]] = dict(info)
         names = body.get("dense_names") or body.get("dense_ids") or {}
         for name, did in names.items():
             plan.dense_names.setdefault(name, did)
         plan.floor = max(plan.floor, body.get("dropped_below", 0) or 0)
+    for (kind, _v), (_loc, body) in (found.suspect_log.items() if old is None else ()):
+        names = (body or {}).get("dense_ids") or (body or {}).get("dense_names")
+        if isinstance(names, dict):
+            for name, did in names.items():
+                if isinstance(name, str) and isinstance(did, int) and did not in plan.dense_names.values():
+                    plan.dense_names.setdefault(name, did)
+    if old is not None:  # the intact index's catalog and drops are the truth
+        for tid, info in old.tables.items():
+            plan.tables[tid] = dict(info)
+        for name, did in old.dense_names.items():
+            plan.dense_names[name] = did
+        plan.floor = max(plan.floor, old.meta.get("dropped_below") or 0)
+    for (kind, _v), (_loc, body) in (found.suspect_log.items() if old is None else ()):  # last resort
+        for info in (body or {}).get("catalog", ()) if isinstance((body or {}).get("catalog"), list) else ():
+            known_names = {t["name"] for t in plan.tables.values()}
+            if isinstance(info, dict) and isinstance(info.get("id"), int) and info["id"] not in plan.tables \
+                    and info.get("name") not in known_names:
+                if _plausible_table(found, info):
+                    plan.tables[info["id"]] = dict(info)
+                    report.notes.append(f"table {info.get('name')!r}: its definition comes from a damaged "
+                                        "record (checked against the table's row records)")
     if found.drop is not None:
         plan.drop = dict(found.drop[0], kept_set=set(found.drop[0]["kept"]))
         plan.log[(record.KIND_DROP, plan.drop["seq"])] = found.drop[1]
     table_name = {tid: info["name"] for tid, info in plan.tables.items()}
-    dense_name = {did: name for name, did in plan.dense_names.items()}
 
     def tname(tid):
         return repr(table_name.get(tid, f"id {tid}"))
 
-    nodes = sorted(set(found.commits) | set(found.anchors))
-    states: dict[int, _State] = {}  # only of versions some unprocessed version names as parent
+    proof = _LogProof(found, plan, report, tname)
+    commits = dict(found.commits)
+    # with an intact index the index holds every committed version's info: nothing to rebuild
+    rebuilt = _rebuild_damaged_commits(found, commits, proof, report) if old is None else []
+    nodes = sorted(set(commits) | set(found.anchors))
+    states: dict[int, _State] = {}
     waiting: dict[int, int] = {}
-    for body, _loc in found.commits.values():
+    for body, _loc in commits.values():
         if body.get("parent") is not None:
             waiting[body["parent"]] = waiting.get(body["parent"], 0) + 1
     empty = _State(None, {}, {})
+    log_chains: dict[int, tuple[dict, dict, _State]] = {}
     for v in nodes:
-        commit = found.commits.get(v)
+        commit = commits.get(v)
         if commit is None:
             base = _State(f"the commit record of version {v} is missing", {}, {})
         else:
@@ -368,171 +725,381 @@ def _prove(found: _Found, report: RepairReport) -> _Plan:
                     del states[parent]  # memory: only the states still needed are kept
             else:
                 base = _State(f"the commit record of version {parent} (an ancestor) is missing", {}, {})
+        if base.unknown is not None and v not in found.anchors and commit is not None and not found.unattributed:
+            # the ancestry is not proven (a COMMIT or the ANCHOR that covered it is damaged or gone) and
+            # the scan accounted for every damaged byte: the chains the records' own headers give
+            parent = commit[0].get("parent")
+            base = proof.header_state(parent) if parent is not None else empty
+            report.notes.append(f"version {v}: {_why_base(commits, found, v)}; its read chains below it were "
+                                "taken from the row records' own headers")
         st = _State(base.unknown, dict(base.blocks), dict(base.dense))
         if commit is not None:
-            body = commit[0]
-            for tid, packed in body.get("blocks", {}).items():
-                for block, count, flags in _unpack_blocks(packed):
-                    loc = found.row(tid, block, v, count, flags)
-                    key = (tid, block)
-                    if loc is None:
-                        st.blocks[key] = f"the record of table {tname(tid)} block {block} at version {v} is missing"
-                    elif flags & record.FLAG_BASELINE:
-                        st.blocks[key] = ((v, loc),)
-                    elif loc.base:  # a delta: read with the chain from its base only
-                        chain = _delta_chain(found, tid, block, v, loc, st.blocks.get(key, st.unknown))
-                        st.blocks[key] = chain if chain is not None else (
-                            f"the records of table {tname(tid)} block {block} that version {v}'s delta on "
-                            f"version {loc.base} reads are missing")
-                    else:
-                        prev = st.blocks.get(key, st.unknown)
-                        st.blocks[key] = prev if isinstance(prev, str) else ((v, loc),) + (prev or ())
-            for _name, did in body.get("dense_ids", {}).items():
-                loc = found.dense.get((did, v))
-                st.dense[did] = (v, loc) if loc is not None else \
-                    f"the record of dense array {dense_name.get(did, did)!r} at version {v} is missing"
-        for tid, block in found.compacted_at.get(v, ()):  # a compacted baseline holds the whole block
-            loc = found.row(tid, block, v, compacted=True)
-            if not loc.base:
-                st.blocks[(tid, block)] = ((v, loc),)
-            else:  # a delta GC rewrote with its live rows: read with the chain from its base
-                chain = _delta_chain(found, tid, block, v, loc, st.blocks.get((tid, block)))
-                st.blocks[(tid, block)] = chain if chain is not None else (
-                    f"the records of table {tname(tid)} block {block} that version {v}'s delta on "
-                    f"version {loc.base} reads are missing")
+            proof.apply_commit(st, v, commit[0])
+        proof.apply_compacted(st, v)
         if v in found.anchors:
-            heads: dict[tuple[int, int], tuple] = {}
-            dense_heads: dict[int, tuple] = {}
-            for body, _loc in found.anchors[v]:
-                listed: dict[tuple[int, int], list] = {}  # a block's read chain at v, newest first
-                for tid, packed in body.get("heads", {}).items():
-                    for block, hv, count, flags in _unpack_heads(packed):
-                        listed.setdefault((tid, block), []).append((hv, count, flags))
-                for (tid, block), entries in listed.items():
-                    if heads.get((tid, block)) is not None:
-                        continue
-                    chain: list | None = []
-                    for hv, count, flags in entries:
-                        loc = None if flags & record.FLAG_COMPACTED else found.row(tid, block, hv, count, flags)
-                        if loc is None:  # compacted, or rewritten by GC with its live rows (compacted too)
-                            loc = found.row(tid, block, hv, compacted=True)
-                        if loc is None:
-                            chain = None
-                            break
-                        chain.append((hv, loc))
-                        if loc.flags & record.FLAG_BASELINE:
-                            break
-                    heads[(tid, block)] = tuple(chain) if chain else None
-                for did, hv in body.get("dense", {}).items():
-                    loc = found.dense.get((did, hv))
-                    if loc is not None and dense_heads.get(did) is None:
-                        dense_heads[did] = (hv, loc)
-                    dense_heads.setdefault(did, None)
-            blocks = {}
-            for key, chain in heads.items():  # blocks the anchor does not list had no record yet
-                if chain is not None:
-                    blocks[key] = chain
-                else:
-                    derived = st.blocks.get(key, st.unknown)
-                    blocks[key] = derived if derived is not None else \
-                        f"the anchor record of table {tname(key[0])} block {key[1]} at version {v} is missing"
-            dense = {}
-            for did, head in dense_heads.items():
-                dense[did] = head if head is not None else st.dense.get(did, st.unknown) or \
-                    f"the record of dense array {dense_name.get(did, did)!r} (anchor at {v}) is missing"
-            st = _State(None, blocks, dense)
+            anchored = proof.apply_anchor(st, v)
+            for key, chain in anchored.blocks.items():  # a damaged listing: what the commits proved
+                if not _healthy(chain) and _healthy(st.blocks.get(key, st.unknown)) and key in st.blocks:
+                    anchored.blocks[key] = st.blocks[key]
+            for did, link in anchored.dense.items():
+                if link[2] is not None and did in st.dense and not isinstance(st.dense[did], str) \
+                        and st.dense[did][2] is None:
+                    anchored.dense[did] = st.dense[did]
+            st = anchored
         if waiting.get(v):
             states[v] = st
-        # decide v
         if commit is None:
             continue
-        if plan.dropped(v):
+        if old is not None and v in old.versions:
+            log_chains[v] = (commit[0], commit[1], st)  # the intact index decides; the log cross-checks
+            continue
+        if plan.dropped(v) or (old is not None and v not in old.versions and v <= max(old.versions, default=0)):
             report.versions_dropped.append(v)
             continue
-        why = _why_unreadable(st, plan, tname)
-        if why is not None:
-            report.versions_lost[v] = why
+        if v in plan.partial and not plan.known_kept(v) and (old is None or v not in old.versions):
+            report.versions_dropped.append(v)
+            report.notes.append(f"version {v}: GC rewrote records it reads for the versions kept (it was "
+                                "dropped; the DROP record that says so is damaged or gone): left dropped")
             continue
-        body = commit[0]
-        plan.versions[v] = {k: body.get(k) for k in ("step", "meta", "created", "parent", "tables", "dense", "bytes")}
-        plan.log[(record.KIND_COMMIT, v)] = commit[1]
-        for (tid, block), chain in st.blocks.items():
-            for hv, loc in chain:
-                have = plan.rows.get((tid, block, hv))
-                if have is None or (loc.flags & record.FLAG_COMPACTED and not have.flags & record.FLAG_COMPACTED):
-                    plan.rows[(tid, block, hv)] = loc
-        for did, (hv, loc) in st.dense.items():
-            plan.dense[(did, hv)] = loc
-        if v in found.anchors:  # versions ascend: the newest recovered anchor wins
-            plan.last_baseline = {"version": v, "bytes": sum(c[0][1].length for c in st.blocks.values())}
+        log_chains[v] = (commit[0], commit[1], st)
     for a, lst in found.anchors.items():
         plan.log[(record.KIND_ANCHOR, a)] = lst[-1][1]
+    for v, (_body, loc) in found.commits.items():
+        plan.log[(record.KIND_COMMIT, v)] = loc  # prune_log keeps what later repairs need
+
+    # decide each version: from the old index where it holds it, else from the log proof
+    candidates = set(log_chains) | (set(old.versions) if old is not None else set())
+    for v in sorted(candidates):
+        if old is not None and v in old.versions:
+            info = dict(old.versions[v])
+            chains, dense = _old_index_state(old, v, found, tname, proof)
+            if v in log_chains:  # cross-check: where the log proves a block the index cannot read
+                _body, _loc, st = log_chains[v]
+                for key, chain in st.blocks.items():
+                    if _healthy(chain) and not _healthy(chains.get(key, ())):
+                        chains[key] = chain
+        else:
+            body, _loc, st = log_chains[v]
+            unproven = [chain for chain in st.blocks.values() if isinstance(chain, str)]
+            unproven += [link for link in st.dense.values() if isinstance(link, str)]
+            if st.unknown is not None:
+                unproven.append(st.unknown)
+            if unproven:
+                report.versions_lost[v] = unproven[0] if unproven[0].startswith("version") else \
+                    f"version {v}: {unproven[0]}"
+                continue
+            info = {k: body.get(k) for k in ("step", "meta", "created", "parent", "tables", "dense", "bytes")}
+            chains, dense = st.blocks, st.dense
+        missing_tables = sorted({tid for tid, _b in chains} - set(plan.tables))
+        if missing_tables:
+            report.versions_lost[v] = f"version {v}: the definition of table {tname(missing_tables[0])} is missing"
+            continue
+        plan.versions[v] = info
+        plan.chains[v] = chains
+        plan.dense[v] = dense
+        if v in found.anchors:
+            plan.last_baseline = {"version": v, "bytes": sum(c[0][1].length for c in chains.values() if c)}
+    if rebuilt:
+        report.notes.extend(rebuilt)
+
     # versions seen in records without a commit record: uncommitted checkpoints, or lost commit records
-    parents = {b.get("parent") for b, _l in found.commits.values()}
-    for v in sorted(found.seen_versions - set(found.commits)):
-        if plan.dropped(v):
+    parents = {b.get("parent") for b, _l in commits.values()}
+    for v in sorted(found.seen_versions - set(commits)):
+        if plan.dropped(v) or v in plan.versions:
             continue
         if v in parents:
             report.versions_lost[v] = f"version {v}: its commit record is missing (a later version names it as parent)"
         else:
             report.versions_lost[v] = (f"version {v}: records without a commit record (a checkpoint that never "
                                        "committed, a version written before format 2, or a lost commit record)")
-    for v in sorted(parents - set(found.commits) - found.seen_versions - {None}):
-        if not plan.dropped(v) and v not in found.anchors:
+    for v in sorted(parents - set(commits) - found.seen_versions - {None}):
+        if not plan.dropped(v) and v not in found.anchors and v not in plan.versions:
             report.versions_lost[v] = f"version {v}: its commit record is missing (a later version names it as parent)"
+    for v in list(report.versions_lost):
+        if v in plan.versions:
+            del report.versions_lost[v]
     report.versions_recovered = sorted(plan.versions)
     written = {tid for tid, _b, _v in found.rows}
     for tid in sorted(written - set(plan.tables)):
         report.notes.append(f"table id {tid}: rows were found but its definition is in no commit or anchor "
                             "record: they cannot be read")
     report.tables_recovered = sorted(info["name"] for info in plan.tables.values())
-    report.notes.append("tables created but never written by a committed version are not in the log and "
-                        "cannot be recovered")
+    if old is None:
+        report.notes.append("tables created but never written by a committed version are not in the log and "
+                            "cannot be recovered")
     return plan
 
 
-def _why_unreadable(st: _State, plan: _Plan, tname) -> str | None:
-    for (tid, block), chain in sorted(st.blocks.items()):
-        if isinstance(chain, str):
-            return chain
-        if tid not in plan.tables:
-            return f"the definition of table {tname(tid)} is missing"
-    for did, entry in sorted(st.dense.items()):
-        if isinstance(entry, str):
-            return entry
-    if st.unknown is not None:
-        return st.unknown
-    return None
+def _plausible_table(found: _Found, info: dict) -> bool:
+    """Whether a catalog entry decoded from a damaged record agrees with every row record of its table
+    (types, a power-of-two block size, blocks within the table, the row size of each record's codec)."""
+    from . import codecs
+
+    try:
+        tid, dim, rows, block_rows = info["id"], info["dim"], info["num_rows"], info["block_rows"]
+        if not all(isinstance(x, int) and x > 0 for x in (dim, rows, block_rows)) or block_rows & (block_rows - 1) \
+                or not isinstance(info["name"], str) or not isinstance(info["codec"], str):
+            return False
+        n_blocks = -(-rows // block_rows)
+        for (t, block, _v), locs in found.rows.items():
+            if t != tid:
+                continue
+            if block >= n_blocks:
+                return False
+            for loc, _comp in locs:
+                aux = (0 if loc.flags & record.FLAG_FULL else 2 * loc.count) + (
+                    record.BASE.size if loc.flags & record.FLAG_DELTA else 0)
+                body = loc.length - record.HEADER_BYTES - record.TRAILER_BYTES - aux
+                rec_codec = found.valid.get((loc.segment, loc.offset))
+                if rec_codec is None or loc.count == 0:
+                    continue
+                codec_id = found.codec_of.get((loc.segment, loc.offset))
+                if codec_id is None or body != loc.count * codecs.by_id(codec_id).row_bytes(dim):
+                    return False
+        return True
+    except (KeyError, TypeError, CnrError):
+        return False
+
+
+def _why_base(commits, found, v) -> str:
+    parent = commits[v][0].get("parent")
+    return f"the commit record of version {parent} (an ancestor) and any anchor covering it are missing or damaged"
+
+
+def _rebuild_damaged_commits(found: _Found, commits: dict, proof: _LogProof, report: RepairReport) -> list[str]:
+    """A version whose COMMIT record is damaged (the scan attributed a damaged stretch to it) is rebuilt:
+    its blocks from the headers of its row records (the newest record of each key at that version), its
+    parent from the versions around it, and step / meta / created from what the damaged body still
+    decodes to (unverified: said in the notes)."""
+    notes = []
+    known = sorted(set(found.commits) | set(found.anchors))
+    for (kind, v), (_loc, damaged_body) in sorted(found.suspect_log.items()):
+        if kind != record.KIND_COMMIT or v in commits:
+            continue
+        body = damaged_body if isinstance(damaged_body, dict) else {}
+        if body.get("version") != v and not any(u == v for _t, _b, u in found.rows) and \
+                not any(u == v for _d, u in found.dense):
+            continue  # nothing corroborates the version its header names (the flipped byte may be there)
+        blocks: dict[int, list] = {}
+        for (tid, block, u), locs in found.rows.items():
+            if u != v:
+                continue
+            plain = [loc for loc, comp in locs if not comp]
+            if plain:
+                blocks.setdefault(tid, []).append((block, plain[-1].count, plain[-1].flags))
+            else:  # only GC's rewrite is left: its shape (BASELINE, DELTA) is the record's
+                loc = locs[-1][0]
+                blocks.setdefault(tid, []).append((block, loc.count, loc.flags & ~record.FLAG_COMPACTED))
+        for (tid, block, u), loc in found.suspect_rows.items():
+            if u == v and not any(b == block for b, _c, _f in blocks.get(tid, ())):
+                blocks.setdefault(tid, []).append((block, loc.count, loc.flags))
+        body = damaged_body if isinstance(damaged_body, dict) else {}
+        older = [u for u in known if u < v]
+        parent = body.get("parent") if isinstance(body.get("parent"), int) and body.get("parent") in known \
+            else (older[-1] if older else None)
+        dense_ids = {}
+        for (did, u) in list(found.dense) + list(found.suspect_dense):
+            if u == v:
+                dense_ids[next((n for n, i in proof.plan.dense_names.items() if i == did), f"dense{did}")] = did
+        packed = {tid: [np.array([b for b, _c, _f in items], "<u8").tobytes(),
+                        np.array([c for _b, c, _f in items], "<u4").tobytes(),
+                        np.array([f for _b, _c, f in items], "<u1").tobytes()]
+                  for tid, items in blocks.items()}
+        tables = sorted({proof.plan.tables[tid]["name"] for tid in blocks if tid in proof.plan.tables})
+        created = body.get("created") if isinstance(body.get("created"), (int, float)) else 0.0
+        step = body.get("step") if isinstance(body.get("step"), int) or body.get("step") is None else None
+        meta = body.get("meta") if isinstance(body.get("meta"), dict) or body.get("meta") is None else None
+        nbytes = body.get("bytes") if isinstance(body.get("bytes"), int) else 0
+        commits[v] = ({"version": v, "parent": parent, "step": step, "meta": meta, "created": created,
+                       "tables": tables, "dense": sorted(dense_ids), "bytes": nbytes, "dense_ids": dense_ids,
+                       "blocks": packed}, None)
+        notes.append(f"version {v}: its commit record is damaged; its blocks were rebuilt from its records' "
+                     f"headers, its parent taken as version {parent}, and its step, meta and creation time "
+                     + ("from what the damaged record still decodes to (unverified)" if body else "are lost"))
+    return notes
+
+
+def _old_index_state(old: _OldIndex, v: int, found: _Found, tname, proof: _LogProof) -> tuple[dict, dict]:
+    """Version v's chains and dense heads as the old index reads them, each record checked against the
+    scan: a present record is kept (found elsewhere by its key, count and flags if the entry points
+    astray); a damaged one ends its chain as a damaged link (a read of it raises CorruptionError)."""
+    why_damaged = {}
+    for item in old.damaged.get(v, ()):
+        if "table" in item:
+            why_damaged[(item["table"], item["block"])] = item.get("why")
+    chains = {}
+    for (tid, block), entries in old.rows.items():
+        versions = [u for u, _loc in entries]
+        i = bisect.bisect_right(versions, v) - 1
+        if i < 0:
+            continue
+        position = {u: j for j, u in enumerate(versions)}
+        links = []
+        while i is not None:
+            u, loc = entries[i]
+            link = _checked_row(found, tid, block, u, loc, tname, why_damaged.get((tid, block)))
+            links.append(link)
+            if link[2] is not None or loc.flags & record.FLAG_BASELINE:
+                break
+            if loc.base:
+                j = position.get(loc.base)
+                if j is None:
+                    links.append(proof.lost(tid, block, loc.base, 0, record.FLAG_BASELINE, 0, "base record"))
+                    break
+                i = j
+            else:
+                i = i - 1 if i else None
+        chains[(tid, block)] = tuple(links)
+    dense = {}
+    for did, entries in old.dense.items():
+        versions = [u for u, _loc in entries]
+        i = bisect.bisect_right(versions, v) - 1
+        if i < 0:
+            continue
+        u, loc = entries[i]
+        got = found.valid.get((loc.segment, loc.offset))
+        if got is not None and got[0] == loc.length and got[1] == record.KIND_DENSE and got[2] == did and got[4] == u:
+            dense[did] = (u, loc, None)
+        elif (did, u) in found.dense:
+            dense[did] = (u, found.dense[(did, u)], None)
+        else:
+            dense[did] = (u, loc, f"the record of dense array id {did} at version {u} is damaged or missing")
+    return chains, dense
+
+
+def _checked_row(found: _Found, tid, block, u, loc: RowLoc, tname, old_why) -> tuple:
+    got = found.valid.get((loc.segment, loc.offset))
+    if got is not None and got[:8] == (loc.length, record.KIND_ROWS, tid, block, u, loc.count, loc.flags, loc.base):
+        return (u, loc, None)
+    for other, _comp in found.rows.get((tid, block, u), ()):  # the same record elsewhere (a GC copy)
+        if other.count == loc.count and other.flags == loc.flags and other.base == loc.base:
+            return (u, other, None)
+    if loc.segment == LOST_SEGMENT:
+        why = old_why or f"the record of table {tname(tid)} block {block} at version {u} is missing"
+    else:
+        why = (f"the record of table {tname(tid)} block {block} at version {u} (segment {loc.segment} offset "
+               f"{loc.offset}) is " + ("damaged (checksum mismatch)" if got is None else "not the one the index names"))
+    return (u, loc, why)
 
 
 # install ----------------------------------------------------------------------------------------------
+def _entries(plan: _Plan, report: RepairReport) -> tuple[dict, dict, dict]:
+    """The row and dense entries every recovered version's chains need (a present record wins over a
+    damaged one at the same key), and the damaged pairs, computed from those entries as a read walks
+    them (so that what meta ``damaged`` says is exactly what reads find)."""
+    rows: dict[tuple[int, int, int], tuple] = {}
+    dense: dict[tuple[int, int], tuple] = {}
+    for v in plan.versions:
+        for (tid, block), chain in plan.chains[v].items():
+            for u, loc, why in chain:
+                have = rows.get((tid, block, u))
+                if have is None or (have[1] is not None and why is None):
+                    rows[(tid, block, u)] = (loc, why)
+        for did, (u, loc, why) in plan.dense[v].items():
+            have = dense.get((did, u))
+            if have is None or (have[1] is not None and why is None):
+                dense[(did, u)] = (loc, why)
+    # walk each block's entries as a read does: damage of an entry's chain is that of its first bad link
+    by_block: dict[tuple[int, int], list] = {}
+    for (tid, block, u), (loc, why) in sorted(rows.items()):
+        by_block.setdefault((tid, block), []).append((u, loc, why))
+    recovered = sorted(plan.versions)
+    damaged: dict[int, list] = {}
+    for (tid, block), entries in by_block.items():
+        position = {u: i for i, (u, _l, _w) in enumerate(entries)}
+        memo: dict[int, str | None] = {}
+
+        def bad(i):
+            path = []
+            result = None
+            while i is not None and i not in memo:
+                path.append(i)
+                u, loc, why = entries[i]
+                if why is not None:
+                    result = why
+                    break
+                if loc.flags & record.FLAG_BASELINE:
+                    break
+                if loc.base:
+                    i = position.get(loc.base)
+                    if i is None:
+                        result = f"the base record of table id {tid} block {block} at version {loc.base} is missing"
+                        break
+                else:
+                    i = i - 1 if i else None
+            else:
+                if i is not None:
+                    result = memo[i]
+            for j in path:
+                memo[j] = result
+            return result
+
+        versions = [u for u, _l, _w in entries]
+        for i, (u, _loc, _why) in enumerate(entries):
+            why = bad(i)
+            if why is None:
+                continue
+            hi = versions[i + 1] if i + 1 < len(versions) else None
+            for v in recovered[bisect.bisect_left(recovered, u):
+                               (bisect.bisect_left(recovered, hi) if hi is not None else None)]:
+                damaged.setdefault(v, []).append({"table": tid, "block": block, "why": why})
+    by_dense: dict[int, list] = {}
+    for (did, u), (loc, why) in sorted(dense.items()):
+        by_dense.setdefault(did, []).append((u, why))
+    for did, entries in by_dense.items():
+        versions = [u for u, _w in entries]
+        for i, (u, why) in enumerate(entries):
+            if why is None:
+                continue
+            hi = versions[i + 1] if i + 1 < len(versions) else None
+            for v in recovered[bisect.bisect_left(recovered, u):
+                               (bisect.bisect_left(recovered, hi) if hi is not None else None)]:
+                damaged.setdefault(v, []).append({"dense": did, "why": why})
+    names = {tid: info["name"] for tid, info in plan.tables.items()}
+    dnames = {did: name for name, did in plan.dense_names.items()}
+    for v, items in sorted(damaged.items()):
+        report.damaged[v] = [(f"table {names.get(i['table'], i['table'])!r} block {i['block']}" if "table" in i
+                              else f"dense array {dnames.get(i['dense'], i['dense'])!r}") + f": {i['why']}"
+                             for i in items]
+    return rows, dense, damaged
+
+
 def _install(root: str, found: _Found, lengths: dict[int, int], plan: _Plan, report: RepairReport,
-             format_version: int) -> None:
+             format_version: int, old: _OldIndex | None) -> None:
+    rows, dense, damaged = _entries(plan, report)
     tmp = filenames.index_repair_tmp(root)
     shutil.rmtree(tmp, ignore_errors=True)  # a previous repair's unfinished build: ours, never installed
     filesystem = fs.DEFAULT
     index = Index(tmp, readonly=False, create=True)
+    meta = old.meta if old is not None else {}
     try:
-        max_seg = max(lengths, default=0)
+        max_seg = max([*lengths, meta.get("max_deleted_segment") or 0], default=0)
         seg_dir = filenames.segments_dir(root)
         for name in os.listdir(seg_dir):  # renamed-aside damaged segments too: never reuse an id
             if name.endswith(".damaged"):
                 s = filenames.parse_segment_name(name[: -len(".damaged")])
                 max_seg = max(max_seg, s or 0)
+        drop_seq = max(plan.drop["seq"] if plan.drop is not None else 0, meta.get("drop_seq") or 0)
 
         def body(w: IndexWriter) -> None:
             w.put_meta("format", format_version)
-            w.put_meta("next_version", found.max_version + 1)
+            w.put_meta("next_version", max(found.max_version + 1, meta.get("next_version") or 0,
+                                           max(plan.versions, default=0) + 1))
             w.put_meta("next_table_id", max([found.max_table, *plan.tables]) + 1)
             w.put_meta("next_dense_id", max([found.max_dense, *plan.dense_names.values()]) + 1)
-            w.put_meta("bytes_written", report.bytes_scanned)
+            w.put_meta("bytes_written", max(report.bytes_scanned, meta.get("bytes_written") or 0))
+            if meta.get("increment_bytes"):
+                w.put_meta("increment_bytes", meta["increment_bytes"])
             w.put_meta("max_deleted_segment", max_seg)
             w.put_meta("segment_ids", {"high": max_seg, "pending": []})
             w.put_meta("dropped_below", plan.floor)
-            if plan.drop is not None:  # later drops are numbered after it (the newest DROP wins)
-                w.put_meta("drop_seq", plan.drop["seq"])
-            if plan.last_baseline is not None:
-                w.put_meta("last_baseline", plan.last_baseline)
+            if drop_seq:  # later drops are numbered after it (the newest DROP wins)
+                w.put_meta("drop_seq", drop_seq)
+            last = plan.last_baseline or meta.get("last_baseline")
+            if last is not None:
+                w.put_meta("last_baseline", last)
+            if damaged:
+                w.put_meta(DAMAGED_META, damaged)
             for info in plan.tables.values():
                 w.put_table(info["name"], info)
             for name, did in plan.dense_names.items():
@@ -541,9 +1108,9 @@ def _install(root: str, found: _Found, lengths: dict[int, int], plan: _Plan, rep
                 w.put_segment(seg, length)
             for v, info in plan.versions.items():
                 w.put_version(v, info)
-            for (tid, block, v), loc in plan.rows.items():
+            for (tid, block, v), (loc, _why) in rows.items():
                 w.put_row(tid, block, v, loc)
-            for (did, v), loc in plan.dense.items():
+            for (did, v), (loc, _why) in dense.items():
                 w.put_dense(did, v, loc)
             for (kind, v), loc in plan.log.items():
                 w.put_log(kind, v, loc)
@@ -566,4 +1133,4 @@ def _install(root: str, found: _Found, lengths: dict[int, int], plan: _Plan, rep
     filesystem.fsync_dir(root)
 
 
-__all__ = ["repair", "RepairReport"]
+__all__ = ["repair", "RepairReport", "damaged_blocks", "LOST_SEGMENT", "DAMAGED_META"]

@@ -11,6 +11,31 @@ from . import codecs, reader, record, segments
 from .errors import CnrError
 from .types import VerifyReport
 
+#: What to do next, per kind of problem (appended to each problem verify reports).
+DO_RECORD = ("reads that need it raise CorruptionError, never other data: restore a version that does not need "
+             "it; `cnrstore repair` keeps every version and records which blocks are damaged")
+DO_INDEX = "the index is damaged: `cnrstore repair` rebuilds it from the log (keeping what this index proves)"
+DO_SEGMENT = ("restore the file from a copy if there is one; else `cnrstore repair` keeps every version and records "
+              "which blocks are lost")
+DO_DAMAGED = ("restore an undamaged version (`cnrstore ls` marks the damaged ones), then write a full checkpoint; "
+              "`cnrstore retain` can drop the damaged versions, after which `cnrstore gc` works again")
+DO_UNREAD = "harmless (space only): `cnrstore repair` rebuilds the index without it"
+DO_LOG = ("reads are unaffected; keep index/ intact (back it up): a repair without it rebuilds from the other "
+          "records, and may lose what only this record held (a version's step and meta)")
+#: repair.LOST_SEGMENT (no segment has id 0): the entry of a record repair knows is lost
+LOST_SEGMENT = 0
+
+
+def damaged_blocks(view) -> dict[int, list[dict]]:
+    """The damaged (version, block) pairs repair recorded (index meta ``damaged``, docs/FORMAT.md), for
+    the versions the index still holds: version -> [{"table": id, "block": b, "why": str} or
+    {"dense": id, "why": str}]."""
+    raw = view.meta("damaged", None) or {}
+    versions = set(view.version_numbers()) if raw else set()
+    return {int(v): list(items) for v, items in raw.items() if int(v) in versions}
+
+
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -23,6 +48,10 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
     """
     report = VerifyReport()
     seg_reader = engine.segments
+
+    def add(problem: str, advice: str) -> None:
+        report.problems.append(f"{problem} -- what to do: {advice}")
+
     with engine.pin_lock:  # entries an open checkpoint's deltas will read (writer.pins) are not leftovers
         pinned = engine.pinned()
     with engine.index.read() as view:
@@ -31,16 +60,17 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
             path = seg_reader.path(seg)
             size = seg_reader.size(seg)  # through the storage seam (storage.py), like every read here
             if size is None:
-                report.problems.append(f"segment {path} is missing")
+                add(f"segment {path} is missing", DO_SEGMENT)
                 continue
             if size < length:
-                report.problems.append(f"segment {path} holds {size} bytes, fewer than its committed {length}")
+                add(f"segment {path} holds {size} bytes, fewer than its committed {length}", DO_SEGMENT)
             try:
                 segments.check_segment_header(seg_reader.read(seg, 0, segments.SEGMENT_HEADER_BYTES), seg, path)
             except CnrError as exc:
-                report.problems.append(str(exc))
+                add(str(exc), DO_SEGMENT)
         tables = {info["id"]: info for info in view.tables().values()}
         versions = dict(view.versions())
+        damaged = damaged_blocks(view)
         unread = _unread_entries(view, sorted(versions)) - pinned
         total = view.stat()["rows"]["entries"] + view.stat()["dense"]["entries"]
         done = 0
@@ -49,22 +79,25 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
             done += 1
             info = tables.get(tid)
             if info is None:
-                report.problems.append(f"index entry table id {tid} block {block} version {version} names "
-                                       "an unknown table")
+                add(f"index entry table id {tid} block {block} version {version} names an unknown table", DO_INDEX)
                 continue
             where = f"table {info['name']!r} (id {tid}) block {block} version {version}"
             if (tid, block) != block_key:
                 block_key, block_versions = (tid, block), set()
             if loc.base and loc.base not in block_versions:
-                report.problems.append(f"index entry {where} is a delta on version {loc.base}, which has no "
-                                       "entry: reads of it fail")
+                add(f"index entry {where} is a delta on version {loc.base}, which has no entry: reads of it fail",
+                    DO_INDEX)
             block_versions.add(version)
             if (tid, block, version) in unread:
-                report.problems.append(f"index entry {where} is read by no retained version "
-                                       "(its version is gone and a baseline shadows it)")
+                add(f"index entry {where} is read by no retained version (its version is gone and a baseline "
+                    "shadows it)", DO_UNREAD)
+            if loc.segment == LOST_SEGMENT:  # repair's mark of a lost record: listed with its versions below
+                if not damaged:
+                    add(f"index entry {where}: its record is lost", DO_RECORD)
+                continue
             problem = _check_location(committed, loc.segment, loc.offset, loc.length)
             if problem:
-                report.problems.append(f"{where}: {problem}")
+                add(f"{where}: {problem}", DO_INDEX)
                 continue
             try:
                 rec = _parse_counted(seg_reader, loc, report)
@@ -72,13 +105,17 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
             except CnrError as exc:
                 problem = str(exc)
             if problem:
-                report.problems.append(f"{where}: {problem}")
+                add(f"{where}: {problem}", DO_RECORD)
             if progress is not None and done % 256 == 0:
                 progress(done, total)
         dense_names = {i: n for n, i in view.dense_names().items()}
         for dense_id, version, loc in view.dense_entries():
             done += 1
             where = f"dense {dense_names.get(dense_id, dense_id)!r} version {version}"
+            if loc.segment == LOST_SEGMENT:
+                if not damaged:
+                    add(f"{where}: its record is lost", DO_RECORD)
+                continue
             problem = _check_location(committed, loc.segment, loc.offset, loc.length)
             if not problem:
                 try:
@@ -93,11 +130,18 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
                 except (ValueError, TypeError, KeyError) as exc:
                     problem = f"bad dense descriptor: {exc}"
             if problem:
-                report.problems.append(f"{where}: {problem}")
+                add(f"{where}: {problem}", DO_RECORD)
         _check_log_records(view, committed, seg_reader, versions, report)
         for version, info in versions.items():
             if info.get("parent") is not None and info["parent"] >= version:
-                report.problems.append(f"version {version} has parent {info['parent']} that is not older")
+                add(f"version {version} has parent {info['parent']} that is not older", DO_INDEX)
+        for version, items in sorted(damaged.items()):
+            for item in items:
+                what = (f"table {tables[item['table']]['name']!r} block {item['block']}"
+                        if "table" in item and item["table"] in tables else
+                        f"dense array {dense_names.get(item.get('dense'), item.get('dense'))!r}")
+                add(f"version {version}: {what} is damaged ({item.get('why')}); repair recorded it, and reads "
+                    "of it raise CorruptionError", DO_DAMAGED)
         if progress is not None:
             progress(total, total)
     return report
@@ -134,7 +178,7 @@ def _check_log_records(view, committed, seg_reader, versions: dict, report: Veri
             except (ValueError, TypeError, AttributeError) as exc:
                 problem = f"bad record body: {exc}"
         if problem:
-            report.problems.append(f"{where}: {problem}")
+            report.problems.append(f"{where}: {problem} -- what to do: {DO_LOG}")
 
 
 def _unread_entries(view, kept: list[int]) -> set[tuple[int, int, int]]:

@@ -175,6 +175,35 @@ def _everything(path) -> dict:
     return out
 
 
+def _everything_or_damage(path) -> dict:
+    """Per version: every table's bytes, "CorruptionError" where the read raises it, dense arrays."""
+    out = {}
+    with cnrstore.open(path, readonly=True) as s:
+        tables = s.tables()
+        with s.engine.index.read() as view:
+            dense_names = sorted(view.dense_names())
+        for info in s.versions():
+            v = info.version
+            reads = {}
+            for name in tables:
+                try:
+                    reads[name] = s.read_table(name, v).tobytes()
+                except cnrstore.MissingRows:
+                    reads[name] = None
+                except CorruptionError:
+                    reads[name] = "CorruptionError"
+            for name in dense_names:
+                try:
+                    arr = s.read_dense(name, v)
+                    reads["dense:" + name] = (arr.dtype.str, arr.shape, arr.tobytes())
+                except cnrstore.MissingRows:
+                    reads["dense:" + name] = None
+                except CorruptionError:
+                    reads["dense:" + name] = "CorruptionError"
+            out[v] = reads
+    return out
+
+
 def _rich_store(path) -> None:
     """Increments, merges within a version, several codecs (and a codec fallback), dense arrays, meta."""
     rng = np.random.default_rng(1)
@@ -315,7 +344,9 @@ def _record_location(path, kind, version, block=0):
             return next(loc for k, v, loc in view.log_entries() if k == cnrstore.record.KIND_COMMIT and v == version)
 
 
-def test_repair_with_a_corrupted_record_reports_the_versions_that_need_it(tmp_path, monkeypatch):
+def test_repair_with_a_corrupted_record_keeps_the_versions_and_names_the_damaged_block(tmp_path, monkeypatch):
+    """A damaged record costs only the (version, block) pairs that need it (R2): versions 3-5 stay listed,
+    block 0 of each is recorded damaged and reads of it raise CorruptionError (never older data, R1)."""
     path = tmp_path / "s"
     _linear_store(path, monkeypatch)
     before = _everything(path)
@@ -329,18 +360,23 @@ def test_repair_with_a_corrupted_record_reports_the_versions_that_need_it(tmp_pa
     _lose_deleted(path)
     report = cnrstore.repair(path)
     assert not report.ok
-    assert report.versions_recovered == [1, 2]
-    assert sorted(report.versions_lost) == [3, 4, 5]
-    assert "table 't' block 0 at version 3 is missing" in report.versions_lost[4]
+    assert report.versions_recovered == [1, 2, 3, 4, 5] and report.versions_lost == {}
+    assert sorted(report.damaged) == [3, 4, 5]
+    assert "table 't' block 0" in report.damaged[4][0] and "version 3 is damaged" in report.damaged[4][0]
     assert report.bad_records and seg_path in report.bad_records[0]
-    after = _everything(path)
+    after = _everything_or_damage(path)
     for v in (1, 2):
-        assert after[v] == before[v]
+        assert after[v] == before[v][1]
+    for v in (3, 4, 5):
+        assert after[v]["t"] == "CorruptionError"
+        assert after[v]["dense:d"] == before[v][1]["dense:d"]
+        with cnrstore.open(path, readonly=True) as s:
+            assert s.read_rows("t", [20, 63], v).tolist() == [[1.0] * 4, [1.0] * 4]  # blocks 1-3 are whole
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     res = subprocess.run([PY, "-m", "cnrstore.cli", "repair", str(path)], capture_output=True, text=True,
                          env=env, timeout=120)
     assert res.returncode == 1, res.stderr
-    assert "NOT RECOVERED: version 3" in res.stdout and "DAMAGED" in res.stdout
+    assert "DAMAGED BLOCK: version 3" in res.stdout and "DAMAGED" in res.stdout
 
 
 def test_repair_with_a_segment_deleted_recovers_the_versions_that_do_not_need_it(tmp_path, monkeypatch):
@@ -359,30 +395,37 @@ def test_repair_with_a_segment_deleted_recovers_the_versions_that_do_not_need_it
     os.remove(filenames.segment_path(str(path), loc.segment))
     _lose_deleted(path)
     report = cnrstore.repair(path)
-    assert report.versions_recovered == [1, 2, 6, 7]
-    assert sorted(report.versions_lost) == [3, 4, 5]
-    after = _everything(path)
+    assert report.versions_recovered == [1, 2, 3, 4, 5, 6, 7] and report.versions_lost == {}
+    assert sorted(report.damaged) == [3, 4, 5]
+    assert "missing" in report.damaged[3][0]
+    after = _everything_or_damage(path)
     for v in (1, 2, 6, 7):
-        assert after[v] == before[v]
-    with cnrstore.open(path) as s:  # the repaired store is whole and writable
-        assert s.verify().ok
+        assert after[v] == before[v][1]
+    for v in (3, 4, 5):
+        assert after[v]["t"] == "CorruptionError"
+    with cnrstore.open(path) as s:  # the repaired store is writable; verify names what is damaged
+        problems = s.verify().problems
+        assert problems and all("version 3" in p or "version 4" in p or "version 5" in p for p in problems), problems
         with s.checkpoint(step=8) as ck:
             ck.put_rows("t", [1], np.zeros((1, 4)))
         assert ck.version == 8
 
 
-def test_repair_with_a_commit_record_lost_reports_its_descendants(tmp_path, monkeypatch):
+def test_repair_with_a_commit_record_damaged_rebuilds_it_from_its_records(tmp_path, monkeypatch):
     path = tmp_path / "s"
     _linear_store(path, monkeypatch)
+    before = _everything(path)
     loc = _record_location(path, "commit", 2)
     with open(filenames.segment_path(str(path), loc.segment), "r+b") as f:
         f.seek(loc.offset + 50)
         f.write(b"\x00\x01\x02")
     _lose_deleted(path)
     report = cnrstore.repair(path)
-    assert report.versions_recovered == [1]
-    assert "commit record of version 2" in report.versions_lost[3]
-    assert set(report.versions_lost) == {2, 3, 4, 5}
+    assert report.versions_recovered == [1, 2, 3, 4, 5] and report.versions_lost == {}
+    assert any("version 2: its commit record is damaged" in n for n in report.notes)
+    after = _everything(path)
+    for v in (1, 2, 3, 4, 5):
+        assert after[v][1] == before[v][1], v
 
 
 def test_cli_repair_json_on_a_healthy_store(tmp_path):
@@ -433,7 +476,13 @@ def test_repair_of_format1_versions_says_they_cannot_be_proven(tmp_path):
     path = tmp_path / "s"
     shutil.copytree(GOLDEN1, path)
     segs = _segment_digests(path)
-    report = cnrstore.repair(path)
+    before = _everything(path)
+    report = cnrstore.repair(path)  # the intact index proves both versions: repair keeps them (R2)
+    assert report.ok and report.used_index and report.versions_recovered == [1, 2]
+    assert {v: x[1] for v, x in _everything(path).items() if v != "tables"} == \
+        {v: x[1] for v, x in before.items() if v != "tables"}
+    _lose_deleted(path)
+    report = cnrstore.repair(path)  # the log alone cannot prove a version without a COMMIT record
     assert not report.ok and report.versions_recovered == []
     assert sorted(report.versions_lost) == [1, 2]
     assert "before format 2" in report.versions_lost[1]
