@@ -133,16 +133,20 @@ def run(tmp_path, seed: int, script, policy=None, keep_last=None) -> cs.Sweep:
 
 # -- named workloads -------------------------------------------------------------------------------------
 
-def maintenance_mix(w: Workload) -> None:
+def _checkpoints_with_maintenance(w: Workload, checkpoints: int, keep_last: int) -> None:
     """Issue 21's fault 1, scaled down: retain every 3rd checkpoint, gc every 4th, compact every 5th."""
-    for i in range(1, 11):
+    for i in range(1, checkpoints + 1):
         w.checkpoint(60)
         if i % 3 == 0:
-            w.retain(4)
+            w.retain(keep_last)
         if i % 4 == 0:
             w.gc()
         if i % 5 == 0:
             w.compact()
+
+
+def maintenance_mix(w: Workload) -> None:
+    _checkpoints_with_maintenance(w, 10, keep_last=4)
 
 
 def clean_after_drop(w: Workload) -> None:
@@ -178,14 +182,7 @@ def test_every_crash_state_of_a_named_workload_recovers(tmp_path, script):
 def background_policy(w: Workload) -> None:
     """Issue 21's fault 1 with its policy: background materialization, retention and GC beside the
     writer (effects of both threads recorded in the order they happened), plus explicit maintenance."""
-    for i in range(1, 13):
-        w.checkpoint(60)
-        if i % 3 == 0:
-            w.retain(8)
-        if i % 4 == 0:
-            w.gc()
-        if i % 5 == 0:
-            w.compact()
+    _checkpoints_with_maintenance(w, 12, keep_last=8)
 
 
 def test_every_crash_state_of_background_maintenance_recovers(tmp_path):

@@ -149,59 +149,44 @@ def test_truncated_data_mdb_cli_verify_exits_1_with_message(tmp_path):
 
 
 # repair -------------------------------------------------------------------------------------------------
+def _read_all(s, v: int, tables, dense_names, *, damage: bool) -> dict:
+    """Every byte version ``v`` reads: None where rows are missing, and with ``damage`` the string
+    "CorruptionError" where a read raises it (else it propagates)."""
+    caught = (cnrstore.MissingRows, CorruptionError) if damage else cnrstore.MissingRows
+    reads = {}
+    for key, read in [*((name, lambda n=name: s.read_table(n, v).tobytes()) for name in tables),
+                      *(("dense:" + name, lambda n=name: _dense_bytes(s.read_dense(n, v))) for name in dense_names)]:
+        try:
+            reads[key] = read()
+        except caught as exc:
+            reads[key] = "CorruptionError" if isinstance(exc, CorruptionError) else None
+    return reads
+
+
+def _dense_bytes(arr) -> tuple:
+    return arr.dtype.str, arr.shape, arr.tobytes()
+
+
 def _everything(path) -> dict:
     """Every version's info and every byte it reads (tables and dense arrays)."""
-    out = {}
-    with cnrstore.open(path, readonly=True) as s:
-        tables = s.tables()
-        for info in s.versions():
-            v = info.version
-            reads = {}
-            for name in tables:
-                try:
-                    reads[name] = s.read_table(name, v).tobytes()
-                except cnrstore.MissingRows:
-                    reads[name] = None
-            with s.engine.index.read() as view:
-                dense_names = sorted(view.dense_names())
-            for name in dense_names:
-                try:
-                    arr = s.read_dense(name, v)
-                    reads["dense:" + name] = (arr.dtype.str, arr.shape, arr.tobytes())
-                except cnrstore.MissingRows:
-                    reads["dense:" + name] = None
-            out[v] = (info, reads)
-        out["tables"] = tables
-    return out
-
-
-def _everything_or_damage(path) -> dict:
-    """Per version: every table's bytes, "CorruptionError" where the read raises it, dense arrays."""
     out = {}
     with cnrstore.open(path, readonly=True) as s:
         tables = s.tables()
         with s.engine.index.read() as view:
             dense_names = sorted(view.dense_names())
         for info in s.versions():
-            v = info.version
-            reads = {}
-            for name in tables:
-                try:
-                    reads[name] = s.read_table(name, v).tobytes()
-                except cnrstore.MissingRows:
-                    reads[name] = None
-                except CorruptionError:
-                    reads[name] = "CorruptionError"
-            for name in dense_names:
-                try:
-                    arr = s.read_dense(name, v)
-                    reads["dense:" + name] = (arr.dtype.str, arr.shape, arr.tobytes())
-                except cnrstore.MissingRows:
-                    reads["dense:" + name] = None
-                except CorruptionError:
-                    reads["dense:" + name] = "CorruptionError"
-            out[v] = reads
+            out[info.version] = (info, _read_all(s, info.version, tables, dense_names, damage=False))
+        out["tables"] = tables
     return out
+
+
+def _everything_or_damage(path) -> dict:
+    """Per version: every table's bytes, "CorruptionError" where the read raises it, dense arrays."""
+    with cnrstore.open(path, readonly=True) as s:
+        tables = s.tables()
+        with s.engine.index.read() as view:
+            dense_names = sorted(view.dense_names())
+        return {info.version: _read_all(s, info.version, tables, dense_names, damage=True) for info in s.versions()}
 
 
 def _rich_store(path) -> None:
