@@ -278,3 +278,52 @@ def test_interrupt_while_close_waits_for_a_save_leaves_the_store_open_and_consis
         pending.wait()
     with cnrstore.open(store_path) as again:
         assert [v.step for v in again.versions()] == [1] and again.verify().ok
+
+
+DIST_SAVER = """
+    import sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from torch import nn
+    from cnrstore import writer
+    from cnrstore.distributed import DistributedCheckpointer, ShardingPlan
+
+    root, rdzv = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 4), nn.Linear(4, 1))
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    ckpt = DistributedCheckpointer(root, model, opt, plan=ShardingPlan.row_wise({"0": (100, 4)}, 1), codec="fp32")
+    model(torch.arange(10)).sum().backward(); opt.step()
+    ckpt.save(1).wait()
+    model(torch.arange(20)).sum().backward(); opt.step()
+    real = writer.CheckpointWriter.put_rows
+    def put_rows(self, *a, **kw):
+        time.sleep(0.3)
+        return real(self, *a, **kw)
+    writer.CheckpointWriter.put_rows = put_rows
+    torch.save(model.state_dict(), root + ".expected")
+    ckpt.save(2)
+    print("saved", flush=True)
+    raise KeyboardInterrupt
+"""
+
+
+def test_distributed_save_then_ctrl_c_becomes_a_global_version(tmp_path):
+    """The DistributedCheckpointer's global commit runs in a daemon thread of its own after the local
+    write: the exit waits for it too, so the save becomes a global version (here one rank; with more,
+    as long as the other ranks live to take part in the commit's collectives)."""
+    import torch
+    from torch import nn
+    from cnrstore.distributed import versions
+
+    root = tmp_path / "root"
+    proc = _child(tmp_path, DIST_SAVER, root, tmp_path / "rdzv")
+    assert proc.returncode != 0 and "saved" in proc.stdout and "KeyboardInterrupt" in proc.stderr
+    assert [gv.step for gv in versions(root)] == [1, 2], proc.stderr
+    expected = torch.load(str(root) + ".expected")
+    gv = versions(root)[-1]
+    with cnrstore.open(os.path.join(root, gv.stores[0]), readonly=True) as store:
+        weight = store.read_table("0", gv.local_versions[0])
+    assert np.array_equal(weight.view(np.uint32), expected["0.weight"].numpy().view(np.uint32))
