@@ -362,6 +362,11 @@ class Store:
                 return self._abandon(f"checkpoint {writer.version} still open")
         except KeyboardInterrupt:
             return self._abandon(f"interrupted while {what}")
+        for saver in list(self._savers):  # a save that failed while the exit waited: nobody else will say so
+            failed = getattr(saver, "_error", None)
+            if failed is not None:
+                log.warning("cnrstore: a background save into store %r failed before the exit: %s: %s; the "
+                            "versions committed before it are intact", self.path, type(failed).__name__, failed)
         self._close_engine()
         compactor = self._compactor
         if compactor is not None and compactor.failures > compactor.reported:

@@ -644,6 +644,17 @@ class Checkpointer:
         ``ceil(top · num_rows)`` of the touched rows, the most updated first (module doc). Waits for the
         save in flight first. A failure of an earlier background write is raised here (once) instead of
         taking a snapshot.
+
+        Once ``save()`` has returned, the save commits even if the process then ends: ``store.close()``,
+        ``Checkpointer.close()`` and the interpreter's exit (Ctrl-C, an uncaught exception, ``sys.exit``)
+        wait for it; the exit waits at most ``cnrstore.store.EXIT_WAIT_S`` seconds (300, env
+        ``CNRSTORE_EXIT_WAIT_S``) for all of a store's work in flight. What loses it: SIGKILL, ``os._exit``,
+        a signal whose default action kills the process without Python's exit (SIGTERM: install a handler
+        that raises ``SystemExit`` to finish the save), a write still running after ``EXIT_WAIT_S``, or a
+        second Ctrl-C while something waits for it: the interrupted wait cancels the save (it aborts at its
+        next table: nothing of it commits, ``wait()`` raises ``KeyboardInterrupt``) or, at exit, abandons
+        it. In every case the store is left as ``kill -9`` would leave it: every committed version intact,
+        the torn tail truncated by the next writable open.
         """
         if self._closed:
             raise InvalidArgument("this Checkpointer is closed")
