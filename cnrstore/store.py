@@ -229,6 +229,7 @@ class Store:
             self._engine.close()
             raise
         if not readonly:
+            self._pid = os.getpid()  # a forked child's exit must not close (and unlock) its parent's store
             _open_stores.add(self)
 
     def _create(self) -> ProcessLock:
@@ -347,7 +348,7 @@ class Store:
         """The interpreter is exiting with this store open: finish its saves and compaction as close()
         does, but give up at ``deadline`` or at an interrupt: then the store is abandoned as it is (as
         ``kill -9`` would leave it: consistent), never closed under a thread still writing to it."""
-        if self._closed or self._abandoned:
+        if self._closed or self._abandoned or getattr(self, "_pid", None) != os.getpid():
             return
         what = "waiting"
         try:

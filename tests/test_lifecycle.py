@@ -327,3 +327,41 @@ def test_distributed_save_then_ctrl_c_becomes_a_global_version(tmp_path):
     with cnrstore.open(os.path.join(root, gv.stores[0]), readonly=True) as store:
         weight = store.read_table("0", gv.local_versions[0])
     assert np.array_equal(weight.view(np.uint32), expected["0.weight"].numpy().view(np.uint32))
+
+
+def test_a_compaction_failure_of_a_store_left_open_is_logged_at_exit(tmp_path, store_path):
+    body = """
+        import sys, numpy as np, cnrstore
+        from cnrstore import compaction
+        from cnrstore.policy import CompactionPolicy, MaxChain
+        def materialize(*a, **kw):
+            raise cnrstore.StorageFull("injected: no space left on device")
+        compaction.materialize = materialize
+        store = cnrstore.open(sys.argv[1], create=True, compaction=CompactionPolicy(materialize=MaxChain(1)))
+        store.create_table("e", 100, 4, codec="fp32")
+        for i in range(2):
+            with store.checkpoint(step=i) as ck:
+                ck.put_rows("e", np.arange(100), np.full((100, 4), i, np.float32))
+    """
+    proc = _child(tmp_path, body, store_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "background compaction of store" in proc.stderr and "injected" in proc.stderr
+    with cnrstore.open(store_path) as store:
+        assert [v.step for v in store.versions()] == [0, 1] and store.verify().ok
+
+
+def test_a_forked_child_exiting_leaves_the_parents_store_open_and_locked(store_path):
+    store = cnrstore.open(store_path, create=True)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child runs the exit hooks (as its interpreter's exit would): they must skip our store
+            import atexit
+
+            atexit._run_exitfuncs()
+            os._exit(0)
+        _pid, status = os.waitpid(pid, 0)
+        with pytest.raises(cnrstore.StoreLocked):
+            cnrstore.open(store_path)
+        store.create_table("e", 10, 2)  # still open and writable
+    finally:
+        store.close()
