@@ -1,7 +1,11 @@
 """Background compaction: a worker thread in the writing process that carries out a CompactionPolicy.
 
-After each commit the store wakes the worker; it asks the policy for a plan on the current history
-and materializes a baseline at the newest version, drops versions and collects garbage as planned.
+At start (a writable open: it catches up on what the history asks for, e.g. versions a retention rule
+should have dropped in an earlier process) and after each commit the store wakes the worker; it asks the
+policy for a plan on the current history and materializes a baseline at the newest version, drops
+versions and collects garbage as planned. ``close()`` runs the step a commit asked for and the worker
+has not started yet (unless told to skip it), so that a job that saves once and closes still applies its
+policy; what is skipped (or cut short by an exit) is caught up by the next writable open.
 It appends to a segment of its own, so the trainer's next checkpoint never waits for it; the two
 share only the cores and the (short) index commits. Failures are logged and kept in ``errors``; a
 failed step leaves the store as it was (every step commits atomically or not at all), and the worker
@@ -28,9 +32,10 @@ KEEP_ERRORS = 8
 
 
 class BackgroundCompactor:
-    """Runs ``policy`` on the store of ``engine`` after commits, in a daemon thread. ``close()`` stops it cleanly."""
+    """Runs ``policy`` on the store of ``engine`` at start and after commits, in a daemon thread.
+    ``close()`` stops it cleanly."""
 
-    def __init__(self, engine: "Engine", policy: CompactionPolicy):
+    def __init__(self, engine: "Engine", policy: CompactionPolicy, *, catch_up: bool = True):
         self._engine = engine
         self.policy = policy
         #: the newest failures, oldest first (at most ``KEEP_ERRORS``: each holds its traceback's frames)
@@ -39,8 +44,9 @@ class BackgroundCompactor:
         self.reported = 0  # failures the store has raised already (close() raises the rest once)
         self.steps = 0  # policy runs that did something (for tests and stats)
         self._wake = threading.Condition()
-        self._pending = False
+        self._pending = catch_up  # the first step: catch up on what the history asks for
         self._stopping = False
+        self._halt = False  # stop before the next phase of the step in flight (an exit that cannot wait)
         self._idle = True
         self._thread = threading.Thread(target=self._run, name="cnrstore-compactor", daemon=True)
         self._thread.start()
@@ -56,18 +62,49 @@ class BackgroundCompactor:
         with self._wake:
             return self._wake.wait_for(lambda: (not self._pending and self._idle) or self._stopping, timeout)
 
-    def close(self) -> None:
-        """Finish the step in flight (if any), then stop the thread."""
+    @property
+    def pending(self) -> bool:
+        """Whether a step was asked for (a commit, or the catch-up at start) and has not started yet."""
+        with self._wake:
+            return self._pending
+
+    def close(self, finish: bool = True, timeout: float | None = None) -> bool:
+        """Stop the thread once the step in flight (if any) has finished.
+
+        ``finish=True`` first runs the step that was asked for and has not started (a commit since the
+        last step began): at most the step in flight plus one more, planned on the final history.
+        ``finish=False`` skips it (the next writable open with a policy catches up). Returns whether the
+        thread has stopped; with a ``timeout`` that ran out it is still working, and is told to stop
+        before the next phase (materialize, drop, collect) of its step: every phase commits on its own,
+        so what it leaves undone is only not done yet. Idempotent.
+        """
         with self._wake:
             self._stopping = True
+            if not finish:
+                self._pending = False
             self._wake.notify_all()
-        self._thread.join()
+        try:
+            self._thread.join(timeout)
+        except BaseException:  # e.g. KeyboardInterrupt while waiting: stop as early as is safe
+            self.halt()
+            raise
+        if self._thread.is_alive():
+            self.halt()
+            return False
+        return True
+
+    def halt(self) -> None:
+        """Stop at the next phase boundary and start no further step (an exit that cannot wait)."""
+        with self._wake:
+            self._halt = self._stopping = True
+            self._pending = False
+            self._wake.notify_all()
 
     def _run(self) -> None:
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._pending or self._stopping)
-                if self._stopping:
+                if not self._pending:  # stopping, and nothing asked for (close(finish=True) runs what was)
                     self._idle = True
                     self._wake.notify_all()
                     return
@@ -92,11 +129,12 @@ class BackgroundCompactor:
             plan = self.policy.plan(history)
             if not (plan.materialize or plan.drop):
                 return
-            if plan.materialize:
+            # each phase commits on its own: a halt between them leaves the rest to the next open
+            if plan.materialize and not self._halt:
                 compaction.materialize(engine, history.versions[-1].version)
-            if plan.drop:
+            if plan.drop and not self._halt:
                 compaction.drop_versions(engine, set(plan.drop))
-            if plan.collect:
+            if plan.collect and not self._halt:
                 fs.pause_point("background_before_collect")
                 report = compaction.collect(engine)
                 if report.incomplete:  # a full disk stopped the copies: surface it like a failed step

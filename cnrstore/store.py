@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import errno
+import logging
 import os
+import sys
 import time
+import weakref
 
 import numpy as np
 
@@ -41,16 +45,44 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None)
     while another holds it for writing. A file the process may not read or write raises PermissionDenied.
 
     ``compaction`` is None (off), "auto" (``cnrstore.policy.CompactionPolicy()``: the paper's intermittent
-    rule) or a ``CompactionPolicy``: a background thread then carries it out after each commit.
+    rule) or a ``CompactionPolicy``: a background thread then carries it out after each commit, and
+    catches up at once on what the history asks for (versions an earlier process committed and did not
+    get to apply the policy to, e.g. a job that saves once per process); ``close()`` finishes it.
     """
     policy = compaction_policy.resolve(compaction)
     if policy is not None and readonly:
         raise InvalidArgument("compaction= needs a writable store; open with readonly=False")
     store = Store(os.fspath(path), create=create, readonly=readonly, filesystem=fs.DEFAULT)
     if policy is not None:
-        store._compactor = BackgroundCompactor(store._engine, policy)
+        store._compactor = BackgroundCompactor(store._engine, policy, catch_up=True)
         store._engine.on_commit = store._compactor.notify
     return store
+
+
+log = logging.getLogger("cnrstore.store")
+
+#: The most seconds the interpreter's exit waits, over all stores together, for what this process has in
+#: flight on its writable stores: saves a ``cnrstore.torch`` / ``cnrstore.distributed`` checkpointer has
+#: returned from, and the pending background-compaction step. Past it (or at an interrupt while waiting)
+#: the exit abandons that work: the store is left as ``kill -9`` would leave it (every committed version
+#: intact; the next writable open truncates the torn tail and catches up on compaction). The environment
+#: variable ``CNRSTORE_EXIT_WAIT_S`` sets it at import; assign it to change it later.
+EXIT_WAIT_S = float(os.environ.get("CNRSTORE_EXIT_WAIT_S", "300"))
+
+_open_stores: "weakref.WeakSet[Store]" = weakref.WeakSet()  # writable stores not closed yet
+
+
+def _close_at_exit() -> None:
+    """atexit: finish (within ``EXIT_WAIT_S``) and close every writable store this process left open."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for store in sorted(_open_stores, key=lambda s: s.path):
+        try:
+            store._close_at_exit(deadline)
+        except BaseException as exc:  # noqa: BLE001 - one store's trouble must not stop the others' close
+            log.warning("cnrstore: closing store %r at exit failed: %s: %s", store.path, type(exc).__name__, exc)
+
+
+atexit.register(_close_at_exit)
 
 
 #: How long ``open(create=True)`` waits for another process's creation of the same store to finish.
@@ -133,6 +165,10 @@ class Store:
         self._engine = Engine(self.path, filesystem, readonly)
         self._closed = False
         self._compactor: BackgroundCompactor | None = None
+        self._abandoned = False  # an exit gave up on work in flight: nothing may close the engine under it
+        #: objects with background saves into this store (cnrstore.torch.Checkpointer, DistributedCheckpointer):
+        #: close() first waits for what they have in flight (``_finish_saves(timeout) -> bool``)
+        self._savers: "weakref.WeakSet" = weakref.WeakSet()
         self.recovery_notes: list[str] = []
         if not _marker_exists(self.path, readonly):
             if not create or readonly:
@@ -192,6 +228,9 @@ class Store:
             self._closed = True  # nothing for close() or __del__ to do
             self._engine.close()
             raise
+        if not readonly:
+            self._pid = os.getpid()  # a forked child's exit must not close (and unlock) its parent's store
+            _open_stores.add(self)
 
     def _create(self) -> ProcessLock:
         """Make the store (or finish a half-made one); returns its lock, held for writing.
@@ -259,8 +298,23 @@ class Store:
                                    _marker_bytes())
 
     # lifecycle --------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Close the store; idempotent. An open checkpoint writer is aborted.
+    def close(self, *, finish_compaction: bool = True) -> None:
+        """Close the store; idempotent.
+
+        First it waits for the saves a ``cnrstore.torch`` (or distributed) checkpointer of this store
+        has in flight: a save that returned commits. Then, with a compaction policy, it finishes the
+        background work: the step in flight, and (``finish_compaction=True``, the default) the step a
+        commit asked for that has not started, so that the policy applies to every committed version even
+        when a process saves once and closes. That costs at most one more step on the final history: a
+        drop is one index transaction; a baseline rewrites each block whose read chain is longer than
+        one record (up to the size of the model); a GC pass walks the index and copies the live rows of
+        the segments it cleans. ``finish_compaction=False`` skips that step when close must be quick: the
+        next writable open with a policy catches up. Then an open checkpoint writer (one this program
+        opened itself) is aborted.
+
+        An interrupt (KeyboardInterrupt) while close waits leaves the store open and consistent: the
+        interrupted save is told to abort at its next step, the compaction step to stop at its next
+        phase, and a second ``close()`` (or the interpreter's exit) finishes the job.
 
         If background compaction failed since the last report, the store is still closed completely
         and then CompactionFailed is raised (once; ``__cause__`` is the newest failure). Every committed
@@ -268,13 +322,72 @@ class Store:
         """
         if self._closed:
             return
+        self._finish_saves(None)
         if self._compactor is not None:
-            self._compactor.close()  # finishes the step in flight
+            self._compactor.close(finish=finish_compaction)  # the step in flight, then the one asked for
+        self._close_engine()
+        self._raise_compaction_failure()
+
+    def _finish_saves(self, deadline: float | None) -> bool:
+        """Wait for every registered saver's background save (until ``deadline``, a time.monotonic(),
+        or for good); returns whether all finished."""
+        for saver in list(self._savers):
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not saver._finish_saves(timeout):
+                return False
+        return True
+
+    def _close_engine(self) -> None:
         if self._engine.writer is not None:
             self._engine.writer.abort()
         self._closed = True
+        _open_stores.discard(self)
         self._engine.close()
-        self._raise_compaction_failure()
+
+    def _close_at_exit(self, deadline: float) -> None:
+        """The interpreter is exiting with this store open: finish its saves and compaction as close()
+        does, but give up at ``deadline`` or at an interrupt: then the store is abandoned as it is (as
+        ``kill -9`` would leave it: consistent), never closed under a thread still writing to it."""
+        if self._closed or self._abandoned or getattr(self, "_pid", None) != os.getpid():
+            return
+        what = "waiting"
+        try:
+            if not self._finish_saves(deadline):
+                return self._abandon("a checkpoint save still running")
+            if self._compactor is not None:
+                what = "compacting"
+                if not self._compactor.close(finish=True, timeout=max(0.0, deadline - time.monotonic())):
+                    return self._abandon("the background compaction step still running")
+            writer = self._engine.writer
+            if writer is not None:  # a thread of this program still writing: abort it from here would race it
+                return self._abandon(f"checkpoint {writer.version} still open")
+        except KeyboardInterrupt:
+            return self._abandon(f"interrupted while {what}")
+        for saver in list(self._savers):  # a save that failed while the exit waited: nobody else will say so
+            failed = getattr(saver, "_error", None)
+            if failed is not None:
+                log.warning("cnrstore: a background save into store %r failed before the exit: %s: %s; the "
+                            "versions committed before it are intact", self.path, type(failed).__name__, failed)
+        self._close_engine()
+        compactor = self._compactor
+        if compactor is not None and compactor.failures > compactor.reported:
+            log.warning("cnrstore: background compaction of store %r failed %d time(s) (newest: %r); every "
+                        "committed version is intact", self.path, compactor.failures - compactor.reported,
+                        compactor.errors[-1] if compactor.errors else None)
+            compactor.reported = compactor.failures
+
+    def _abandon(self, why: str) -> None:
+        self._abandoned = True
+        _open_stores.discard(self)
+        if self._compactor is not None:
+            self._compactor.halt()
+        for saver in list(self._savers):
+            cancel = getattr(saver, "_cancel_saves", None)
+            if cancel is not None:
+                cancel()
+        log.warning("cnrstore: exiting with store %r not closed (%s, after EXIT_WAIT_S=%gs or an interrupt): it "
+                    "is left as kill -9 would leave it; every committed version is intact, and the next "
+                    "writable open truncates what was not committed", self.path, why, EXIT_WAIT_S)
 
     def __enter__(self) -> "Store":
         return self
@@ -307,6 +420,10 @@ class Store:
             "space), then run `cnrstore compact`/`cnrstore gc` or reopen with compaction on") from cause
 
     def __del__(self):
+        # Not while the interpreter finalizes: background threads are frozen by then, and close() would
+        # wait for them forever (the atexit hook has closed or abandoned every writable store already)
+        if sys.is_finalizing() or getattr(self, "_abandoned", True):
+            return
         try:
             if not self._closed and getattr(self, "_engine", None) is not None:
                 self.close()

@@ -160,6 +160,10 @@ class DistributedCheckpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
+        # the rank store's close() and the interpreter's exit wait for the global commit in flight (its
+        # thread is a daemon; see store.EXIT_WAIT_S), so a save() that returned becomes a global version
+        # when the process then dies of Ctrl-C or an uncaught exception, as long as the other ranks live
+        self.store._savers.add(self)
 
     # -- set-up ---------------------------------------------------------------------------------------
     def _check_model(self, model: nn.Module) -> None:
@@ -278,9 +282,18 @@ class DistributedCheckpointer:
 
     # -- save -----------------------------------------------------------------------------------------
     def _finish(self) -> None:
-        t, self._thread = self._thread, None
-        if t is not None:
-            t.join()
+        if self._finish_saves(None):
+            self._thread = None
+
+    def _finish_saves(self, timeout: float | None) -> bool:
+        """Wait for the global commit in flight (for good, or ``timeout`` seconds); whether it has ended.
+        The thread is forgotten only once it has ended: an interrupt while waiting leaves it to the next
+        wait (the store is never closed under it)."""
+        t = self._thread
+        if t is None:
+            return True
+        t.join(timeout)
+        return not t.is_alive()
 
     def _raise_pending_error(self) -> None:
         if self._error is not None:

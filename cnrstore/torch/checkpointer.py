@@ -120,6 +120,7 @@ class PendingSave:
         self._error: BaseException | None = None
         self._reported = False
         self._thread: threading.Thread | None = None
+        self._cancelled = False  # an interrupt while waiting for it: abort at the next step, commit nothing
 
     def done(self) -> bool:
         """True once the background write has committed or failed."""
@@ -513,6 +514,9 @@ class Checkpointer:
         self._error: BaseException | None = None  # a background failure not yet re-raised by save()
         self._failed: PendingSave | None = None  # the save that failed with it
         self._closed = False
+        savers = getattr(store, "_savers", None)
+        if savers is not None:  # store.close() and the interpreter's exit wait for our save in flight
+            savers.add(self)
 
     def _add_shards(self, model: nn.Module, existing: dict) -> set:
         """The local shards of TorchRec-sharded tables become tables (``sharded``); returns the state-dict keys
@@ -609,9 +613,28 @@ class Checkpointer:
             raise err
 
     def _finish_inflight(self) -> None:
-        p, self._pending = self._pending, None
-        if p is not None:
-            p._done.wait()
+        if not self._finish_saves(None):
+            return
+        self._pending = None
+
+    def _finish_saves(self, timeout: float | None) -> bool:
+        """Wait for the save in flight (for good, or ``timeout`` seconds); whether it has ended. An
+        interrupt while waiting cancels it (it aborts at its next step: nothing of it commits) and is
+        re-raised; the save stays pending until its thread has ended, so that the store is never closed
+        under it. (Store.close() and the store's exit hook call this.)"""
+        p = self._pending
+        if p is None:
+            return True
+        try:
+            return p._done.wait(timeout)
+        except BaseException:
+            p._cancelled = True
+            raise
+
+    def _cancel_saves(self) -> None:
+        """Tell the save in flight to abort at its next step (an exit that cannot wait for it)."""
+        if self._pending is not None:
+            self._pending._cancelled = True
 
     # -- save -----------------------------------------------------------------------------------------
     def save(self, step: int | None = None, meta: dict | None = None, *, top: float | None = None) -> PendingSave:
@@ -621,6 +644,17 @@ class Checkpointer:
         ``ceil(top · num_rows)`` of the touched rows, the most updated first (module doc). Waits for the
         save in flight first. A failure of an earlier background write is raised here (once) instead of
         taking a snapshot.
+
+        Once ``save()`` has returned, the save commits even if the process then ends: ``store.close()``,
+        ``Checkpointer.close()`` and the interpreter's exit (Ctrl-C, an uncaught exception, ``sys.exit``)
+        wait for it; the exit waits at most ``cnrstore.store.EXIT_WAIT_S`` seconds (300, env
+        ``CNRSTORE_EXIT_WAIT_S``) for all of a store's work in flight. What loses it: SIGKILL, ``os._exit``,
+        a signal whose default action kills the process without Python's exit (SIGTERM: install a handler
+        that raises ``SystemExit`` to finish the save), a write still running after ``EXIT_WAIT_S``, or a
+        second Ctrl-C while something waits for it: the interrupted wait cancels the save (it aborts at its
+        next table: nothing of it commits, ``wait()`` raises ``KeyboardInterrupt``) or, at exit, abandons
+        it. In every case the store is left as ``kill -9`` would leave it: every committed version intact,
+        the torn tail truncated by the next writable open.
         """
         if self._closed:
             raise InvalidArgument("this Checkpointer is closed")
@@ -795,14 +829,22 @@ class Checkpointer:
         return np.frombuffer(out.getbuffer(), dtype=np.uint8).copy()
 
     def _write(self, pending: PendingSave, step, meta, row_jobs, dense, blob) -> None:
+        def check():  # an interrupt cancelled this save while the trainer waited for it: abort, commit nothing
+            if pending._cancelled:
+                raise KeyboardInterrupt(f"the save of step {step} was cancelled by an interrupt while waiting "
+                                        "for it; nothing of it was committed")
+
         try:
             with self.store.checkpoint(step, meta) as ck:
                 for name, rows, values, codec in row_jobs:
+                    check()
                     if rows.size:
                         ck.put_rows(name, rows, values.numpy(), codec=codec)
                 for key, arr in dense.items():
+                    check()
                     ck.put_dense(DENSE_PREFIX + key, arr)
                 ck.put_dense(STATE_BLOB, blob)
+                check()
             pending._version = ck.version
             pending.report.version = ck.version
         except BaseException as exc:  # re-raised by wait() and the next save()
