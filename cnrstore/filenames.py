@@ -6,6 +6,7 @@ Layout of a store directory::
     <store>/LOCK                pid of the writing process (which flocks the store directory)
     <store>/index/              the LMDB environment (data.mdb, lock.mdb)
     <store>/index.repair-tmp/   the index `cnrstore repair` is building (swapped in when done)
+    <store>/index.repair-tmp/READY  written once that index is built and durable: repair installs it
     <store>/index.damaged-<time>/  an index repair replaced (kept as evidence; delete it by hand)
     <store>/segments/<id>.seg   append-only segment files, id as 16 hex digits
 """
@@ -40,6 +41,10 @@ def index_dir(root: str) -> str:
 
 def index_repair_tmp(root: str) -> str:
     return os.path.join(root, INDEX_DIR + ".repair-tmp")
+
+
+def index_repair_ready(root: str) -> str:
+    return os.path.join(index_repair_tmp(root), "READY")
 
 
 def index_damaged(root: str, stamp: str) -> str:

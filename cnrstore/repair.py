@@ -169,6 +169,7 @@ def repair(path, progress: Progress | None = None) -> RepairReport:
     lock.acquire()
     try:
         report = RepairReport(root)
+        _finish_interrupted_install(root, report)
         old = _read_old_index(root, report)
         found, lengths = _scan(root, report, progress)
         plan = _prove(found, report, old)
@@ -1120,6 +1121,11 @@ def _install(root: str, found: _Found, lengths: dict[int, int], plan: _Plan, rep
     finally:
         index.close()
     filesystem.fsync_dir(tmp)
+    # From here on the new index is whole: a repair interrupted below installs it (see
+    # _finish_interrupted_install) rather than rebuilding without the old index it has just moved aside.
+    filesystem.write_file_atomic(filenames.index_repair_ready(root), filenames.index_repair_ready(root) + ".tmp",
+                                 b"built\n")
+    fs.crash_point("repair_before_install")
     current = filenames.index_dir(root)
     if os.path.exists(current):
         aside = filenames.index_damaged(root, time.strftime("%Y%m%dT%H%M%S"))
@@ -1129,8 +1135,29 @@ def _install(root: str, found: _Found, lengths: dict[int, int], plan: _Plan, rep
             n += 1
         os.rename(current, aside)
         report.old_index = aside
-    os.rename(tmp, current)
-    filesystem.fsync_dir(root)
+        fs.crash_point("repair_between_renames")  # no index/ now: the next repair installs the built one
+    _install_built(root)
+
+
+def _install_built(root: str) -> None:
+    """Rename the built index (index.repair-tmp/, with its READY mark) into place as index/, then drop
+    the mark (a kill before that leaves index/READY behind, which nothing reads)."""
+    os.rename(filenames.index_repair_tmp(root), filenames.index_dir(root))
+    fs.DEFAULT.fsync_dir(root)
+    try:
+        os.remove(os.path.join(filenames.index_dir(root), os.path.basename(filenames.index_repair_ready(root))))
+    except FileNotFoundError:
+        pass
+
+
+def _finish_interrupted_install(root: str, report: RepairReport) -> None:
+    """A repair killed between moving the old index aside and renaming the new one in leaves no index/
+    but a whole, durable index.repair-tmp/ (marked READY): install it, so that this repair starts from
+    what that one proved (its view of the old index included) instead of from the log alone."""
+    if os.path.exists(filenames.index_dir(root)) or not os.path.exists(filenames.index_repair_ready(root)):
+        return
+    _install_built(root)
+    report.notes.append("installed the index an interrupted repair had built (index.repair-tmp/)")
 
 
 __all__ = ["repair", "RepairReport", "damaged_blocks", "LOST_SEGMENT", "DAMAGED_META"]

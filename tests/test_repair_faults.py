@@ -414,3 +414,39 @@ def _check_against_model(path, model, report) -> dict:
                 assert any(f"version {v}: its commit record is damaged" in n and "lost" in n
                            for n in report.notes), report.notes
     return seen
+
+
+# a repair killed while it installs its index ------------------------------------------------------------
+@pytest.mark.parametrize("point", ["repair_before_install", "repair_between_renames"])
+def test_a_repair_killed_while_installing_its_index_loses_nothing(tmp_path, point):
+    """Repair moves the old index aside, then renames the new one in. Killed between the two (no index/
+    at all), the next repair installs the index the killed one built (READY) instead of rebuilding from
+    the log alone; killed before, the old index is still in place. Either way every version reads as
+    before, with its step and meta, although v4's COMMIT record is damaged (only the old index knew them),
+    and verify is clean."""
+    path = tmp_path / "s"
+    with cnrstore.open(path, create=True) as s:
+        s.create_table("t", num_rows=32, dim=2, codec="fp32", block_rows=16)
+        for v in range(1, 5):
+            with s.checkpoint(step=v) as ck:
+                rows = np.arange(32) if v == 1 else np.array([v, 16 + v])
+                ck.put_rows("t", rows, np.full((rows.size, 2), float(v), np.float32))
+        with s.engine.index.read() as view:
+            commit4 = next(loc for _k, v, loc in view.log_entries(record.KIND_COMMIT) if v == 4)
+    _flip(path, commit4)  # v4's step and meta now live only in the (intact) index
+    before = _reads(path)
+    env = {**os.environ, "CNRSTORE_CRASH_AT": point, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([PY, "-c", f"import cnrstore; cnrstore.repair({str(path)!r})"], env=env)
+    assert done.returncode == -9  # killed at the point
+    if point == "repair_between_renames":
+        assert not os.path.exists(filenames.index_dir(str(path)))
+        with pytest.raises(CorruptionError, match="cnrstore repair"):
+            cnrstore.open(path)
+        report = cnrstore.repair(path)
+        assert any("interrupted repair" in n for n in report.notes), report.notes
+    else:
+        report = cnrstore.repair(path)
+    assert report.ok and report.versions_recovered == [1, 2, 3, 4]
+    assert _reads(path) == before
+    with cnrstore.open(path) as s:
+        assert s.verify().ok
