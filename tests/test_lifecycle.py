@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import cnrstore
+from cnrstore import fs
 from cnrstore.policy import CompactionPolicy, KeepLast, Retention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(cnrstore.__file__)))
@@ -167,6 +168,8 @@ SAVER = """
     with open(path + ".expected", "wb") as f:
         pickle.dump({k: v.numpy() for k, v in expected.items()}, f)
     print("saved", flush=True)
+    # say when the exit (or close) starts waiting for the save: the parent's Ctrl-C then lands in the wait
+    cnrstore.fs.pause_at("checkpointer_waits_for_save", lambda _name: print("waiting", flush=True))
     if how == "interrupt":
         raise KeyboardInterrupt
     if how == "error":
@@ -234,7 +237,7 @@ def test_ctrl_c_while_the_exit_waits_abandons_the_save_consistently(tmp_path, st
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "saved"
-        time.sleep(1.0)  # the KeyboardInterrupt's traceback is printed; the exit hook is waiting
+        assert proc.stdout.readline().strip() == "waiting"  # the exit hook is waiting for the save
         proc.send_signal(signal.SIGINT)
         _out, err = proc.communicate(timeout=60)
     finally:
@@ -258,19 +261,28 @@ def test_interrupt_while_close_waits_for_a_save_leaves_the_store_open_and_consis
     ckpt = Checkpointer(store, model, codec="fp32")
     ckpt.save(1).wait()
     real = writer.CheckpointWriter.put_rows
+    go_on = threading.Event()
 
-    def put_rows(self, *a, **kw):
-        time.sleep(0.5)
+    def put_rows(self, *a, **kw):  # the save stays in flight until the test has interrupted close()
+        assert go_on.wait(60)
         return real(self, *a, **kw)
 
     monkeypatch.setattr(writer.CheckpointWriter, "put_rows", put_rows)
-    for emb in model:  # rows to write: two put_rows of 0.5 s each
+    for emb in model:  # rows to write: two put_rows
         emb(torch.arange(50))
     pending = ckpt.save(2)
-    main = threading.main_thread().ident  # a real SIGINT to the main thread: it interrupts close()'s wait
-    threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        store.close()
+
+    def ctrl_c(_name):  # Ctrl-C, as close() starts waiting for the save
+        fs.pause_at("checkpointer_waits_for_save", None)
+        raise KeyboardInterrupt
+
+    fs.pause_at("checkpointer_waits_for_save", ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            store.close()
+    finally:
+        fs.pause_at("checkpointer_waits_for_save", None)
+        go_on.set()
     assert not store._closed
     store.close()  # waits for the cancelled save to abort, then closes
     assert pending.done()

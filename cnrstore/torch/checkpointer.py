@@ -78,7 +78,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import codecs, validate
+from .. import codecs, fs, validate
 from . import sharded
 from ..errors import InvalidArgument, MissingRows, VersionNotFound
 from ..types import VersionInfo
@@ -626,6 +626,7 @@ class Checkpointer:
         if p is None:
             return True
         try:
+            fs.pause_point("checkpointer_waits_for_save")  # (tests: where a Ctrl-C lands while close waits)
             return p._done.wait(timeout)
         except BaseException:
             p._cancelled = True
