@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import io
 import logging
 import os
 import shutil
@@ -95,6 +94,7 @@ from .. import store as _store
 from .. import validate
 from ..errors import InvalidArgument
 from ..writer import pack_meta
+from . import payload as _payload
 from .checkpointer import _FORMAT, _ROW_MARK, DENSE_PREFIX, STATE_BLOB, _as_list, _host_copy
 from .export import embedding_tables
 
@@ -681,9 +681,7 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
                "optimizers": optims, "extra": dict(src.extra), "param_names": param_names,
                "imported": {"format": fmt, "source": None if isinstance(source, Mapping) else os.fspath(source),
                             "version": src.version}}
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    blob = np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
+    blob = _payload.encode(payload, what="the imported checkpoint's state")
     if blob.nbytes > validate.max_dense_bytes():
         raise InvalidArgument(f"the optimizer state outside the embedding tables (and extra) pickles to "
                               f"{blob.nbytes:,} bytes, more than one dense record holds "
