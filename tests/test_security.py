@@ -370,3 +370,38 @@ def test_a_distributed_restore_of_a_poisoned_payload_and_manifest_runs_nothing(t
     assert cli.main(["verify", str(root)]) == 1
     assert cli.main(["ls", str(root)]) in (0, 2)
     assert not marker.exists()
+
+
+def test_import_of_a_dcp_directory_whose_metadata_or_values_name_code_runs_nothing(tmp_path):
+    """DCP's own reader unpickles .metadata with pickle.load; import reads it with an allowlist of DCP's
+    metadata classes, and non-tensor values with weights_only=True."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from cnrstore.torch import import_checkpoint
+
+    src = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"emb.weight": torch.randn(20, 4), "lin.weight": torch.randn(1, 4)}, "step": 3},
+                 checkpoint_id=str(src))
+    report = import_checkpoint(str(tmp_path / "ok"), str(src))  # a DCP directory reads, its non-tensor step too
+    assert "emb" in report.tables and report.step == 3
+    marker = tmp_path / "RAN"
+    meta = src / ".metadata"
+    good = meta.read_bytes()
+    with open(meta, "wb") as f:
+        pickle.dump(Boom(marker), f)
+    with pytest.raises(InvalidArgument, match="posix.mkdir|does not unpickle"):
+        import_checkpoint(str(tmp_path / "s1"), str(src), model_only=True)
+    assert not marker.exists() and not (tmp_path / "s1").exists()
+    # a non-tensor value (DCP stores it as a torch.save blob) that would run code
+    meta.write_bytes(good)
+    src2 = tmp_path / "dcp2"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"emb.weight": torch.randn(20, 4), "boom": Boom(marker)}, checkpoint_id=str(src2))
+    with pytest.raises(InvalidArgument):
+        import_checkpoint(str(tmp_path / "s2"), str(src2), model_only=True)
+    assert not marker.exists()
