@@ -34,6 +34,7 @@ from .errors import (
     StoreMoved,
     StoreNotFound,
     TableNotFound,
+    UnsafePayload,
     VersionNotFound,
 )
 from .store import FORMAT_VERSION, Store, open
@@ -49,5 +50,5 @@ __all__ = [
     "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "TableNotFound",
     "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",
     "CheckpointInProgress", "GlobalCommitError", "IndexDamaged", "StorageIOError", "IndexBusy", "CompactionFailed",
-    "ExportFailed", "PermissionDenied", "StoreMoved",
+    "ExportFailed", "PermissionDenied", "StoreMoved", "UnsafePayload",
 ]

@@ -7,12 +7,13 @@
     cnrstore compact STORE [--version V] [--json] [--progress]   materialize baselines (default: newest)
     cnrstore retain STORE --keep-last N [--json] [--progress]    drop all but the newest N versions
     cnrstore gc STORE [--json] [--progress]              reclaim space of dropped and shadowed data
-    cnrstore export STORE --format F OUT [--version V] [--layout L] [--force] [--json] [--progress]
+    cnrstore export STORE --format F OUT [--version V] [--layout L] [--force] [--trust-pickle] [--json] [--progress]
                                  F: torch|safetensors|dcp|npz (cnrstore.export.FORMATS; dcp writes a directory);
                                  L: auto (a Checkpointer's version as the model's state dict, any other as its
                                  fp32 tables and dense arrays), state_dict, checkpoint, nested (cnrstore/export.py);
                                  an existing OUT file is replaced only with --force; a link, FIFO, socket or
-                                 device at OUT (and for dcp anything but an empty directory) is always refused
+                                 device at OUT (and for dcp anything but an empty directory) is always refused;
+                                 --trust-pickle unpickles a payload written before payload format 2 (it warns)
     cnrstore import STORE SOURCE [--codec C] [--table-codec NAME=C] [--table PATTERN] [--min-rows N]
                                  [--source-format F] [--step S] [--model-only] [--json]
                                  seed a new store's first version from a torch.save / safetensors / DCP
@@ -20,6 +21,10 @@
                                  model and what an export in the checkpoint layout adds (optimizers, extra,
                                  step, meta); a source holding anything else is refused unless --model-only
     cnrstore repair STORE [--json] [--progress]          rebuild a lost or damaged index from the log
+    cnrstore migrate-payload STORE [--trust-pickle] [--json] [--progress]
+                                 rewrite pickled trainer payloads (stores written before payload format 2)
+                                 as data, once; without --trust-pickle only list them (export and restore
+                                 refuse them with UnsafePayload, or unpickle them with --trust-pickle)
 
 ``ls``, ``verify`` and ``export`` also take the root of a multi-rank job (``cnrstore.distributed``): they
 list its global versions, verify its manifests and every rank store they name, and export a global
@@ -341,7 +346,7 @@ def _export_snapshot(args, progress: Progress) -> tuple[Snapshot, bool]:
 
         progress(0, 2, "assembling " + ("the newest global version" if args.version is None
                                         else f"global version {args.version}") + " from every rank")
-        return merged_snapshot(args.store, args.version), True
+        return merged_snapshot(args.store, args.version, trust_pickle=args.trust_pickle), True
     with open_store(args.store, readonly=True) as store:
         progress(0, 2, "reading " + ("the newest version" if args.version is None else f"version {args.version}"))
         return store.restore(args.version), False
@@ -355,7 +360,8 @@ def cmd_export(args) -> int:
     progress = _progress(args, "export")
     snapshot, merged = _export_snapshot(args, progress)
     progress(1, 2, f"writing {args.out} ({args.format})")
-    report = export(snapshot, args.format, args.out, layout=args.layout, overwrite=args.force)
+    report = export(snapshot, args.format, args.out, layout=args.layout, overwrite=args.force,
+                    trust_pickle=args.trust_pickle)
     report = dataclasses.replace(report, merged=merged)
     progress(2, 2, "done")
     _emit(args, dataclasses.asdict(report),
@@ -381,6 +387,26 @@ def cmd_import(args) -> int:
           + "".join(f"\n  table {name}: {rows:,} x {dim} from {key!r}, {codec}"
                     for name, (key, rows, dim, codec) in sorted(report.tables.items()))
           + (f"\n  left out (--model-only): {', '.join(report.ignored)}" if report.ignored else ""))
+    return 0
+
+
+def cmd_migrate_payload(args) -> int:
+    """Rewrite pickled trainer payloads as data (``cnrstore.torch.migrate``); without --trust-pickle, list them."""
+    _refuse_root(args)
+    from .torch.migrate import migrate_payloads  # torch: only this command needs it
+
+    report = migrate_payloads(args.store, trust_pickle=args.trust_pickle,
+                              progress=_progress(args, "migrate-payload"))
+    lines = [f"version {v}: the payload's pickle names {', '.join(n) or 'what weights_only refuses'}"
+             for v, n in sorted(report.unsafe.items())]
+    if report.dry_run:
+        tail = (f"{len(report.unsafe)} version(s) hold a pickled payload that cnrstore will not unpickle; if you "
+                "wrote this store and trust it, run again with --trust-pickle to rewrite them as data (this "
+                "unpickles each once)" if report.unsafe else "every payload is data already: nothing to do")
+    else:
+        tail = (f"rewrote {len(report.rewritten)} payload(s) as data; {len(report.clean)} were data already "
+                "(run `cnrstore gc` to reclaim the old payloads' bytes)")
+    _emit(args, dataclasses.asdict(report), "\n".join(lines + [tail]))
     return 0
 
 
@@ -484,6 +510,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace OUT if it is an existing regular file (without it an existing OUT is refused); "
                         "a symbolic link, FIFO, socket or device at OUT is refused even so, and a DCP export "
                         "never replaces a non-empty directory")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="unpickle a trainer payload that is not data (written before payload format 2): this runs "
+                        "code the pickle names, so only for a store you wrote; `cnrstore migrate-payload` rewrites "
+                        "such payloads as data once")
     p = add("import", cmd_import, "seed a new, empty store's first version (a baseline in the Checkpointer's "
             "layout, restorable by cnrstore.torch.Checkpointer) from a torch.save file, a safetensors file or "
             "a DCP directory: the model, and the optimizer and extra state of an `export --layout checkpoint` "
@@ -508,6 +538,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "trainer's optimizer, epoch, ...); without it SOURCE may hold beside 'model' only what "
                         "`export --layout checkpoint` writes (optimizers with param_names, extra, step, meta), "
                         "which is imported, and anything else is refused")
+    p = add("migrate-payload", cmd_migrate_payload, "rewrite, once, the trainer payloads (torch.state) of a store "
+            "written before payload format 2 as data, so that restore and export read them without unpickling; "
+            "without --trust-pickle only list them", progress=True)
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="unpickle each pickled payload once to rewrite it (this runs code the pickle names: only "
+                        "for a store you wrote)")
     add("repair", cmd_repair, "rebuild the index from the segment log (after index loss or damage); keeps "
         "every version it can prove whole and says which it cannot (exit 1 then)", progress=True)
     return parser

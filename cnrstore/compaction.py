@@ -22,7 +22,7 @@ import numpy as np
 
 from . import blocks as blocks_math
 from . import codecs, filenames, fs, knobs, liveness, reader, record
-from .errors import CnrError, StorageFull
+from .errors import CnrError, InvalidArgument, StorageFull
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
 from .segments import SEGMENT_HEADER_BYTES
 from .reader import unread_versions
@@ -649,3 +649,34 @@ def delete_doomed(engine: "Engine", report: GCReport) -> GCReport:
 
 
 _UNRECORDED = "the index could not record the deletion of freed segments"
+
+
+def replace_dense(engine: "Engine", name: str, version: int, array: np.ndarray) -> DenseLoc:
+    """Rewrite dense array ``name`` of committed ``version`` as ``array``: a new DENSE record (same dense id
+    and version) appended by compaction's appender, then one index transaction points the entry at it. The
+    old record becomes dead bytes that ``gc`` reclaims. Used once per version by ``cnrstore migrate-payload``
+    (docs/DESIGN.md "Security"); nothing else rewrites a committed version's data.
+
+    The caller holds the maintenance lock. InvalidArgument if the version holds no such array (now)."""
+    with engine.index.read() as view:
+        dense_id = view.dense_id(name)
+        old = None if dense_id is None else view.dense_loc(dense_id, version)
+    if old is None:
+        raise InvalidArgument(f"version {version} holds no dense array {name!r}")
+    appender = engine.compaction_appender
+    buffers, length = record.dense_record(dense_id, version, array)
+    try:
+        loc = DenseLoc(*appender.append(buffers, length), length)
+    except BaseException:
+        appender.rollback()
+        raise
+
+    def update(w: IndexWriter) -> None:
+        if not _same_place(w.dense_loc(dense_id, version), old):
+            raise InvalidArgument(f"dense array {name!r} of version {version} changed (dropped or moved) while it "
+                                  "was rewritten; run the command again")
+        w.put_dense(dense_id, version, loc)
+        w.put_meta("bytes_written", w.meta("bytes_written", 0) + length)
+
+    _commit(engine, appender, True, "replace_dense", update)
+    return loc

@@ -31,6 +31,7 @@ __all__ = [
     "IndexBusy",
     "PermissionDenied",
     "StoreMoved",
+    "UnsafePayload",
 ]
 
 
@@ -169,3 +170,18 @@ class RecoveryFailed(CnrError):
     def __init__(self, message: str, reason: str = ""):
         super().__init__(message)
         self.reason = reason
+
+
+class UnsafePayload(CnrError):
+    """A version's trainer payload (the dense array ``"torch.state"``) is a pickle that names code: classes
+    or functions ``torch.load(weights_only=True)`` does not rebuild. cnrstore never unpickles it by itself,
+    since unpickling runs what the pickle names (a store is data, never code: docs/DESIGN.md "Security").
+    Stores written by cnrstore before payload format 2 may hold such payloads. If you wrote the store and
+    trust it: rewrite the payloads as data once (``cnrstore migrate-payload STORE --trust-pickle``), or
+    read with ``trust_pickle=True`` (``--trust-pickle``). ``.version`` is the version, ``.names`` what the
+    pickle names (empty when the refusal came from torch's unpickler itself)."""
+
+    def __init__(self, message: str, version: int | None = None, names=()):
+        super().__init__(message)
+        self.version = version
+        self.names = tuple(names)

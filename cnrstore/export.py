@@ -239,7 +239,7 @@ def _torch_export():
     return torch_export
 
 
-def _content(snapshot: Snapshot, fmt: str, layout: str, model) -> _Content:
+def _content(snapshot: Snapshot, fmt: str, layout: str, model, trust_pickle: bool = False) -> _Content:
     meta = {"version": str(snapshot.version), "step": str(snapshot.step), "layout": layout}
     if layout == "nested":
         tables = dict(snapshot.tables)
@@ -252,7 +252,7 @@ def _content(snapshot: Snapshot, fmt: str, layout: str, model) -> _Content:
             data = {"version": snapshot.version, "step": snapshot.step, "meta": snapshot.meta,
                     "tables": tables, "dense": dense}
         return _Content(layout, data, meta, len(tables) + len(dense), len(tables))
-    view = _torch_export().CheckpointView(snapshot, model=model)
+    view = _torch_export().CheckpointView(snapshot, model=model, trust_pickle=trust_pickle)
     meta["meta"] = view.meta_json()
     if layout == "checkpoint":
         data = view.checkpoint_dict()
@@ -310,7 +310,7 @@ def _write_error(exc: BaseException, path: str) -> Exception:
 
 
 def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=None,
-           overwrite: bool = False) -> ExportReport:
+           overwrite: bool = False, trust_pickle: bool = False) -> ExportReport:
     """Write ``snapshot`` to ``path`` in format ``fmt`` (one of FORMATS) and ``layout`` (module doc),
     atomically.
 
@@ -323,6 +323,9 @@ def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=No
     ``overwrite`` (the command's ``--force``) lets the export replace an existing regular file at ``path``;
     without it an existing file is refused. Nothing else is ever replaced (module doc).
 
+    The trainer payload of a state-dict or checkpoint layout is read as data: a pickle naming code raises
+    UnsafePayload unless ``trust_pickle`` (the command's ``--trust-pickle``; it warns, then unpickles).
+
     Raises InvalidArgument for an unknown format or layout, a layout the version or format cannot hold, or a
     path that cannot be written (missing or non-writable directory; a directory, a symbolic link, a FIFO,
     a socket or a device for a file format; an existing file without ``overwrite``; anything but an absent
@@ -334,7 +337,7 @@ def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=No
         raise InvalidArgument("model= names a state dict's keys; the nested layout has none: drop model= or "
                               "choose layout state_dict")
     path = check_path(path, fmt, overwrite=overwrite)
-    content = _content(snapshot, fmt, layout, model)
+    content = _content(snapshot, fmt, layout, model, trust_pickle)
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
                        f".{os.path.basename(os.path.normpath(path))}.cnrstore-export-{os.getpid()}.tmp")
     _remove(tmp)  # a leftover of an export killed in this pid's earlier life
@@ -359,7 +362,7 @@ def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=No
 
 
 def export_path(source, fmt: str, path, *, version: int | None = None, layout: str = "auto",
-                model=None, overwrite: bool = False) -> ExportReport:
+                model=None, overwrite: bool = False, trust_pickle: bool = False) -> ExportReport:
     """Export ``version`` (default newest) of ``source`` to ``path``: ``source`` is an open ``Store``, the
     path of a store, or the root of a multi-rank job (``cnrstore.distributed``), whose global ``version``
     is exported as one merged model (every table assembled from all ranks' shards, dense state from rank 0;
@@ -373,7 +376,7 @@ def export_path(source, fmt: str, path, *, version: int | None = None, layout: s
     if fmt not in FORMATS:
         raise InvalidArgument(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     path = check_path(path, fmt, overwrite=overwrite)
-    kw = {"layout": layout, "model": model, "overwrite": overwrite}
+    kw = {"layout": layout, "model": model, "overwrite": overwrite, "trust_pickle": trust_pickle}
     if isinstance(source, Store):
         return export(source.restore(version), fmt, path, **kw)
     src = os.fspath(source)
@@ -387,7 +390,7 @@ def export_path(source, fmt: str, path, *, version: int | None = None, layout: s
                 raise InvalidArgument(f"{src} is a multi-rank root: its merged export holds the model only (each "
                                       "rank's optimizer state is its own); choose layout state_dict or nested, or "
                                       "export one rank's store with layout checkpoint")
-            report = export(dist_export.merged_snapshot(src, version), fmt, path, **kw)
+            report = export(dist_export.merged_snapshot(src, version, trust_pickle=trust_pickle), fmt, path, **kw)
             return dataclasses.replace(report, merged=True)
     with open_store(src, readonly=True) as store:
         snapshot = store.restore(version)

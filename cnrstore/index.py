@@ -32,17 +32,34 @@ import lmdb
 import msgpack
 
 from . import fs, knobs
+from .msgpack_safe import unpack_bounded
 from .errors import CorruptionError, IndexBusy, IndexDamaged, PermissionDenied, StorageFull, StorageIOError
 
 T = TypeVar("T")
 
-ROW_KEY = struct.Struct(">IQQ")
-DENSE_KEY = struct.Struct(">IQ")
-VERSION_KEY = struct.Struct(">Q")
-LOG_KEY = struct.Struct(">BQ")
-ROW_LOC = struct.Struct("<IIIIB")  # segment, offset, length, count, flags
-ROW_LOC_DELTA = struct.Struct("<IIIIBQ")  # ... and the base version of a cumulative delta
-DENSE_LOC = struct.Struct("<III")  # segment, offset, length
+
+
+class _Fixed(struct.Struct):
+    """A fixed-size key or value of the index: one of another size is damage (CorruptionError), never a
+    bare ``struct.error`` (docs/DESIGN.md "Security": every parser of store bytes fails typed)."""
+
+    def unpack(self, buffer):
+        try:
+            return super().unpack(buffer)
+        except struct.error:
+            raise IndexDamaged(f"an index key or value of {len(buffer)} bytes where {self.size} are stored (format "
+                               f"{self.format!r}): the index is damaged; run `cnrstore verify`, then "
+                               "`cnrstore repair`", None, None) from None
+
+
+ROW_KEY = _Fixed(">IQQ")
+DENSE_KEY = _Fixed(">IQ")
+VERSION_KEY = _Fixed(">Q")
+LOG_KEY = _Fixed(">BQ")
+ROW_LOC = _Fixed("<IIIIB")  # segment, offset, length, count, flags
+ROW_LOC_DELTA = _Fixed("<IIIIBQ")  # ... and the base version of a cumulative delta
+DENSE_LOC = _Fixed("<III")  # segment, offset, length
+_DENSE_ID = _Fixed(">I")
 #: Below this an empty store's catalogs do not fit the map (LMDB needs a few pages per database).
 _MIN_MAP_BYTES = 64 << 10
 _DBS = (b"meta", b"tables", b"versions", b"segments", b"rows", b"dense_names", b"dense", b"log")
@@ -87,7 +104,7 @@ def _pack(obj) -> bytes:
 
 
 def _unpack(data) -> object:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    return unpack_bounded(data, what="index value")
 
 
 class _SharedExclusiveLock:
@@ -210,7 +227,7 @@ class IndexView:
 
     def dense_id(self, name: str) -> int | None:
         raw = self._txn.get(name.encode(), db=self._dbs[b"dense_names"])
-        return None if raw is None else struct.unpack(">I", raw)[0]
+        return None if raw is None else _DENSE_ID.unpack(raw)[0]
 
     # row index ------------------------------------------------------------------------------------
     def row_chain(self, table_id: int, block: int, version: int) -> Iterator[tuple[int, RowLoc]]:

@@ -25,6 +25,7 @@ import numpy as np
 import xxhash
 
 from .errors import CorruptionError
+from .msgpack_safe import unpack_bounded
 
 # On disk: never change these values. -------------------------------------------------------------
 MAGIC = b"CNRr"
@@ -99,7 +100,28 @@ class Record(NamedTuple):
         return BASE.unpack_from(self.aux, 0)[1] if self.flags & FLAG_DELTA else 0
 
     def dense_descriptor(self) -> dict:
-        return msgpack.unpackb(self.aux.tobytes())
+        """The DENSE record's ``{"dtype", "shape"}``, checked as untrusted data: a numeric or bool dtype
+        string, a shape of at most 64 non-negative ints whose product times the itemsize is the body's
+        length. CorruptionError otherwise (without path: callers add theirs)."""
+        desc = unpack_bounded(self.aux, what="dense descriptor")
+        try:
+            if not isinstance(desc, dict) or not isinstance(desc.get("dtype"), str) or len(desc["dtype"]) > 16:
+                raise ValueError("not a map with a dtype string")
+            dtype = np.dtype(desc["dtype"])
+            shape = desc.get("shape")
+            if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "biufc":
+                raise ValueError(f"dtype {desc['dtype']!r} is not numeric")
+            if not isinstance(shape, list) or len(shape) > 64 or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2 ** 63 for d in shape):
+                raise ValueError(f"shape {shape!r} is not a list of sizes")
+            size = dtype.itemsize
+            for d in shape:
+                size *= d
+            if size != self.body.size:
+                raise ValueError(f"dtype {dtype} and shape {shape} make {size} bytes, the body holds {self.body.size}")
+        except (ValueError, TypeError) as exc:
+            raise CorruptionError(f"bad dense descriptor: {exc}", None, None) from None
+        return {"dtype": desc["dtype"], "shape": shape}
 
 
 def rows_record(
@@ -135,8 +157,86 @@ def log_record(kind: int, version: int, body: dict) -> tuple[list, int]:
 
 
 def log_body(rec: Record) -> dict:
-    """The msgpack map of a COMMIT, ANCHOR or DROP record."""
-    return msgpack.unpackb(rec.body.tobytes(), raw=False, strict_map_key=False)
+    """The msgpack map of a COMMIT, ANCHOR or DROP record, decoded within bounds and checked against its
+    layout (docs/FORMAT.md): CorruptionError for anything else."""
+    body = unpack_bounded(rec.body, what="log record body")
+    check_log_body(rec.kind, body)
+    return body
+
+
+def _is_uint(x, bits: int = 64) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << bits
+
+
+def _check_arrays(packed, dtypes: tuple) -> None:
+    """A "blocks array" list: byte strings of little-endian arrays of ``dtypes``, of equal length."""
+    if not isinstance(packed, list) or len(packed) != len(dtypes) or not all(isinstance(b, bytes) for b in packed):
+        raise ValueError("not a list of packed arrays")
+    lengths = set()
+    for b, dt in zip(packed, dtypes):
+        if len(b) % np.dtype(dt).itemsize:
+            raise ValueError("a packed array's length is not a multiple of its item size")
+        lengths.add(len(b) // np.dtype(dt).itemsize)
+    if len(lengths) != 1:
+        raise ValueError("packed arrays of unequal length")
+
+
+def _check_catalog(catalog) -> None:
+    if not isinstance(catalog, list):
+        raise ValueError("catalog is not a list")
+    for info in catalog:
+        if not isinstance(info, dict) or not _is_uint(info.get("id"), 32) or not isinstance(info.get("name"), str) \
+                or not _is_uint(info.get("num_rows"), 63) or not _is_uint(info.get("dim"), 32) \
+                or not isinstance(info.get("codec"), str) or not _is_uint(info.get("block_rows"), 32):
+            raise ValueError("a catalog entry is not {id, name, num_rows, dim, codec, block_rows}")
+
+
+def _check_id_map(m, key_is_str: bool) -> None:
+    if not isinstance(m, dict) or not all((isinstance(k, str) if key_is_str else _is_uint(k)) and _is_uint(v)
+                                          for k, v in m.items()):
+        raise ValueError("an id map is malformed")
+
+
+def check_log_body(kind: int, body) -> None:
+    """CorruptionError unless ``body`` has the layout docs/FORMAT.md gives a COMMIT, ANCHOR or DROP body
+    (the fields readers use, of their types; unknown fields are allowed)."""
+    try:
+        if not isinstance(body, dict):
+            raise ValueError("not a map")
+        if kind == KIND_COMMIT:
+            if not _is_uint(body.get("version")) or not (body.get("parent") is None or _is_uint(body.get("parent"))):
+                raise ValueError("version or parent is not a version number")
+            for key in ("tables", "dense"):
+                if not isinstance(body.get(key, []), list) or not all(isinstance(n, str) for n in body.get(key, [])):
+                    raise ValueError(f"{key} is not a list of names")
+            if not (body.get("meta") is None or isinstance(body.get("meta"), dict)):
+                raise ValueError("meta is not a map")
+            _check_catalog(body.get("catalog", []))
+            _check_id_map(body.get("dense_ids", {}), True)
+            blocks = body.get("blocks", {})
+            if not isinstance(blocks, dict) or not all(_is_uint(k, 32) for k in blocks):
+                raise ValueError("blocks is not a map of table ids")
+            for packed in blocks.values():
+                _check_arrays(packed, ("<u8", "<u4", "<u1"))
+        elif kind == KIND_ANCHOR:
+            if not _is_uint(body.get("version")) or not _is_uint(body.get("dropped_below", 0)):
+                raise ValueError("version or dropped_below is not a version number")
+            _check_catalog(body.get("catalog", []))
+            _check_id_map(body.get("dense_names", {}), True)
+            _check_id_map(body.get("dense", {}), False)
+            heads = body.get("heads", {})
+            if not isinstance(heads, dict) or not all(_is_uint(k, 32) for k in heads):
+                raise ValueError("heads is not a map of table ids")
+            for packed in heads.values():
+                _check_arrays(packed, ("<u8", "<u8", "<u4", "<u1"))
+        elif kind == KIND_DROP:
+            if not _is_uint(body.get("seq")) or not _is_uint(body.get("latest")) \
+                    or not isinstance(body.get("kept"), list) or not all(_is_uint(v) for v in body["kept"]):
+                raise ValueError("seq, latest or kept is malformed")
+        else:
+            raise ValueError(f"record kind {kind} has no log body")
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise CorruptionError(f"bad log record body: {exc}", None, None) from None
 
 
 def _assemble(kind, codec_id, flags, object_id, count, block, version, aux: bytes, body: np.ndarray):

@@ -59,6 +59,7 @@ from . import compaction, filenames, fs, record, segments
 from .verify import LOST_SEGMENT, damaged_blocks
 from .errors import CnrError, CorruptionError, StoreNotFound
 from .index import DenseLoc, Index, IndexWriter, RowLoc
+from .msgpack_safe import unpack_bounded
 from .lock import ProcessLock
 from .marker import FORMAT_VERSION, read_marker
 
@@ -319,8 +320,8 @@ def _bad_stretch(found: _Found, report: RepairReport, mm, seg: int, seg_path: st
                 desc = f"the {name} record of dense id {obj} at version {version}"
             else:
                 try:  # what the damaged body still decodes to: evidence of last resort, never trusted alone
-                    body = msgpack.unpackb(bytes(mm[start + record.HEADER_BYTES + aux_len:start + length
-                                                    - record.TRAILER_BYTES]), raw=False, strict_map_key=False)
+                    body = unpack_bounded(mm[start + record.HEADER_BYTES + aux_len:start + length
+                                             - record.TRAILER_BYTES])
                     body = body if isinstance(body, dict) else None
                 except Exception:  # noqa: BLE001 - any decoding failure means "no usable body"
                     body = None
@@ -373,7 +374,7 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
     else:
         try:
             body = record.log_body(rec)
-        except (ValueError, TypeError, msgpack.ExtraData) as exc:
+        except (ValueError, TypeError, msgpack.ExtraData, CorruptionError) as exc:
             report.bad_records.append(f"segment {seg} offset {pos}: undecodable log record ({exc})")
             return
         for info in body.get("catalog", ()):

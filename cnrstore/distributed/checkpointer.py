@@ -21,7 +21,6 @@ versions no manifest names are orphans; they are dropped when a rank starts up a
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 from collections.abc import Mapping
@@ -37,6 +36,7 @@ from .. import compaction as _compaction
 from .. import store as _store
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
+from ..torch import payload as _payload
 from ..torch.checkpointer import (DENSE_PREFIX, STATE_BLOB, Checkpointer, SaveReport, _ROW_MARK, _ShardTable,
                                   _create_lazy_state, _width, _with_live_state)
 from .manifest import GlobalVersion, Root
@@ -389,13 +389,16 @@ class DistributedCheckpointer:
         return "ok", number, []
 
     # -- restore --------------------------------------------------------------------------------------
-    def restore(self, version: int | None = None) -> GlobalVersion:
+    def restore(self, version: int | None = None, *, trust_pickle: bool = False) -> GlobalVersion:
         """Load global ``version`` (default newest) into this rank's model, optimizers and ``extra``.
 
         A version written under this checkpointer's plan is restored from this rank's own store; one
         written under another plan or world size is resharded: each shard's rows are read, at their
         point in time, from the stores of the ranks that held them (read-only), dense state from rank 0's
-        store and optimizer state by parameter name. Every rank must restore the same version."""
+        store and optimizer state by parameter name. Every rank must restore the same version.
+
+        Each store's trainer payload is read as data (``Checkpointer.restore``): UnsafePayload for one whose
+        pickle names code, unless ``trust_pickle=True`` (a warning, then a full unpickle)."""
         if self._closed:
             raise InvalidArgument("this DistributedCheckpointer is closed")
         self._finish()
@@ -403,9 +406,9 @@ class DistributedCheckpointer:
         if gv is None:
             raise InvalidArgument(f"{self.root.path} holds no global version to restore; save() one first")
         if gv.generation == self.generation and gv.plan == self.plan:
-            self._local.restore(gv.local_versions[self.rank])
+            self._local.restore(gv.local_versions[self.rank], trust_pickle=trust_pickle)
         else:
-            _Resharder(self, gv).load()
+            _Resharder(self, gv, trust_pickle=trust_pickle).load()
         return gv
 
     # -- partial recovery (CPR) -----------------------------------------------------------------------
@@ -528,8 +531,9 @@ class _Resharder:
     """Loads a global version written under another plan into one rank's checkpointer (read-only reads
     of the other ranks' stores at their local versions)."""
 
-    def __init__(self, owner: DistributedCheckpointer, gv: GlobalVersion):
+    def __init__(self, owner: DistributedCheckpointer, gv: GlobalVersion, *, trust_pickle: bool = False):
         self.owner = owner
+        self.trust_pickle = trust_pickle
         self.gv = gv
         self.local = owner._local
         self._stores: dict[int, object] = {}
@@ -550,7 +554,8 @@ class _Resharder:
 
     def _payload(self, rank: int) -> dict:
         blob = self._store(rank).read_dense(STATE_BLOB, self.gv.local_versions[rank])
-        return torch.load(io.BytesIO(blob.tobytes()), weights_only=False)
+        return _payload.decode(blob, self.gv.local_versions[rank], trust_pickle=self.trust_pickle,
+                               store=self.gv.stores[rank] if self.gv.stores else None)
 
     def rows(self, name: str, table: str, width: int) -> np.ndarray:
         """Rows of this rank's shard of ``table`` from store table ``name`` (the weight or a row state)."""
@@ -632,7 +637,7 @@ class _Resharder:
                         shape = (self.owner._shards[t.name].num_rows,) + tuple(val["shape"][1:])
                         width = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
                         arr = torch.from_numpy(self.rows(val[_ROW_MARK], t.name, width))
-                        val = arr.reshape(shape).to(getattr(torch, val["dtype"]))
+                        val = arr.reshape(shape).to(_payload.torch_dtype(val["dtype"], self.gv.version))
                     st[k] = val
                 state[name if keyed else idx] = st
             sd = {**current, "state": state}

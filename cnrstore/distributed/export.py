@@ -16,15 +16,13 @@ model in fp32, plus one rank's shards while they are copied in.
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
-import torch
 
 from .. import store as _store
 from ..errors import InvalidArgument, MissingRows
 from ..torch import sharded
 from ..torch.checkpointer import DENSE_PREFIX, STATE_BLOB
+from ..torch import payload as _payload
 from ..torch.export import load_payload
 from ..types import Snapshot
 from .manifest import GlobalVersion, Root
@@ -45,7 +43,7 @@ def _global_version(root: Root, version: int | None) -> GlobalVersion:
     return gv
 
 
-def merged_snapshot(root, version: int | None = None) -> Snapshot:
+def merged_snapshot(root, version: int | None = None, *, trust_pickle: bool = False) -> Snapshot:
     """Global ``version`` (default newest) of the root at ``root`` as one unsharded Snapshot (module doc).
 
     Raises StoreNotFound if ``root`` is not a root, VersionNotFound for an unknown global version,
@@ -94,14 +92,12 @@ def merged_snapshot(root, version: int | None = None) -> Snapshot:
             tables[sname] = out
     tables = sharded.join_column_slices(tables)
     if blob is not None:
-        payload = load_payload(blob, gv.local_versions[0])
+        payload = load_payload(blob, gv.local_versions[0], trust_pickle=trust_pickle)
         names = sorted({sharded.table_of(n) for n in plan.tables})
-        merged = {"format": payload.get("format"), "mode": payload.get("mode"), "tables": names,
+        merged = {"format": _payload.PAYLOAD_FORMAT, "mode": payload.get("mode"), "tables": names,
                   "dense_dtypes": dict(payload["dense_dtypes"]), "optimizers": [], "extra": {},
                   "param_names": [], "merged": {"global_version": gv.version, "world_size": gv.world_size}}
-        buf = io.BytesIO()
-        torch.save(merged, buf)
-        dense[STATE_BLOB] = np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
+        dense[STATE_BLOB] = _payload.encode(merged, what="the merged export's state")
     return Snapshot(version=gv.version, step=gv.step, meta=gv.meta, tables=tables, dense=dense)
 
 

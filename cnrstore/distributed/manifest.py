@@ -32,6 +32,7 @@ import msgpack
 import xxhash
 
 from .. import fs
+from ..msgpack_safe import unpack_bounded
 from ..errors import CorruptionError, FormatVersionError, InvalidArgument, StoreNotFound, VersionNotFound
 from .plan import ShardingPlan
 
@@ -44,6 +45,8 @@ PLAN_FILE = "PLAN"
 _MAGIC = {MARKER: b"CNRDIST\0", PLAN_FILE: b"CNRPLAN\0", "manifest": b"CNRGLOB\0"}
 _MANIFEST_RE = re.compile(r"^g-(\d{12})\.cnrg$")
 _GEN_RE = re.compile(r"^gen-(\d{6})$")
+_STORE_RE = re.compile(r"^gen-(\d{6})/rank-(\d{5})$")  # a manifest's store paths: inside the root, nothing else
+_MAX_FILE_BYTES = 1 << 30  # a marker, plan or manifest larger than this is not one (read whole into memory)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,47 @@ class GlobalVersion:
                 "priority": self.priority}
 
     @classmethod
+    def parse(cls, d, path: str, version: int | None = None) -> "GlobalVersion":
+        """The global version a manifest's body ``d`` describes, checked as untrusted data: every field of
+        its type, one local version and one store per rank, each store path ``gen-GGGGGG/rank-RRRRR`` of its
+        generation (never a path outside the root), the version the file's name says. CorruptionError
+        otherwise."""
+        def bad(what: str) -> CorruptionError:
+            return CorruptionError(f"{path} is not a global-version manifest ({what}); remove it or restore the "
+                                   "root's global/ directory from a copy", path, 0)
+
+        def is_int(x, lo=0, hi=2 ** 64 - 1) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+        if not isinstance(d, dict):
+            raise bad("its body is not a map")
+        try:
+            plan = ShardingPlan.from_dict(d["plan"]) if isinstance(d.get("plan"), dict) else None
+        except Exception as exc:  # noqa: BLE001 - the plan's own checks: InvalidArgument (and what a map holds)
+            raise bad(f"its plan: {exc}") from exc
+        if plan is None:
+            raise bad("no plan")
+        gv_version, gen, lvs, stores = d.get("version"), d.get("generation"), d.get("local_versions"), d.get("stores")
+        if not is_int(gv_version, 1) or (version is not None and gv_version != version):
+            raise bad(f"version {gv_version!r} in a file named for version {version}")
+        if not is_int(gen, 1, 999_999):
+            raise bad(f"generation {gen!r}")
+        if not isinstance(lvs, list) or len(lvs) != plan.world_size or not all(is_int(v, 1) for v in lvs):
+            raise bad("local_versions is not one version number per rank")
+        if not isinstance(stores, list) or (stores and len(stores) != plan.world_size):
+            raise bad("stores is not one store path per rank")
+        for rank, rel in enumerate(stores):
+            m = _STORE_RE.match(rel) if isinstance(rel, str) else None
+            if m is None or int(m.group(2)) != rank:
+                raise bad(f"rank {rank}'s store path {rel!r} is not gen-GGGGGG/rank-{rank:05d} inside the root")
+        step, meta, created = d.get("step"), d.get("meta"), d.get("created")
+        if not all(k in d for k in ("step", "meta", "created")) or not (step is None or is_int(step, -2 ** 63)) or not (meta is None or isinstance(meta, dict)) \
+                or not isinstance(created, (int, float)) or isinstance(created, bool) \
+                or not isinstance(d.get("priority", False), bool):
+            raise bad("step, meta, created or priority of the wrong type")
+        return cls.from_dict(d)
+
+    @classmethod
     def from_dict(cls, d: dict) -> "GlobalVersion":
         return cls(version=int(d["version"]), step=d["step"], meta=d["meta"], created=float(d["created"]),
                    generation=int(d["generation"]), plan=ShardingPlan.from_dict(d["plan"]),
@@ -86,7 +130,10 @@ def _seal(kind: str, payload: dict) -> bytes:
 def _unseal(kind: str, path: str) -> dict:
     try:
         with builtins.open(path, "rb") as f:
-            data = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size > _MAX_FILE_BYTES:
+                raise CorruptionError(f"{path} is corrupt: {size:,} bytes, no {kind} file is that large", path, 0)
+            data = f.read(size)  # what is there, never more: a read's buffer is allocated up front
     except PermissionError as exc:
         raise fs.permission_denied(exc, f"cannot read {kind} file {path}", path, needs="read", writing=False) \
             from None
@@ -94,10 +141,10 @@ def _unseal(kind: str, path: str) -> dict:
     if len(data) < len(magic) + 8 or not data.startswith(magic) or \
             struct.unpack_from("<Q", data, len(data) - 8)[0] != xxhash.xxh3_64_intdigest(data[:-8]):
         raise CorruptionError(f"{path} is corrupt (bad magic or checksum)", path, 0)
-    try:
-        return msgpack.unpackb(data[len(magic):-8], raw=False, strict_map_key=False)
-    except Exception as exc:  # a checksummed body that does not parse: written by something else
-        raise CorruptionError(f"{path} does not parse: {exc}", path, len(magic)) from exc
+    body = unpack_bounded(data[len(magic):-8], path, len(magic))
+    if not isinstance(body, dict):
+        raise CorruptionError(f"{path} is corrupt: its body is not a map", path, len(magic))
+    return body
 
 
 class Root:
@@ -176,7 +223,12 @@ class Root:
         return sorted(out)
 
     def plan_of(self, generation: int) -> ShardingPlan:
-        return ShardingPlan.from_dict(_unseal(PLAN_FILE, os.path.join(self.gen_dir(generation), PLAN_FILE))["plan"])
+        path = os.path.join(self.gen_dir(generation), PLAN_FILE)
+        body = _unseal(PLAN_FILE, path)
+        try:
+            return ShardingPlan.from_dict(body["plan"])
+        except Exception as exc:  # noqa: BLE001 - a checksummed file that is no plan: untrusted bytes
+            raise CorruptionError(f"{path} is not a sharding plan ({type(exc).__name__}: {exc})", path, 0) from exc
 
     def generation_for(self, plan: ShardingPlan) -> int:
         """The newest generation if its plan is ``plan``; else a new generation with that plan (rank 0)."""
@@ -216,7 +268,7 @@ class Root:
         d = _unseal("manifest", path)
         if d.get("format") != DIST_FORMAT_VERSION:
             raise FormatVersionError(f"{path} has format {d.get('format')}, expected {DIST_FORMAT_VERSION}")
-        return GlobalVersion.from_dict(d)
+        return GlobalVersion.parse(d, path, version)
 
     def versions(self) -> list[GlobalVersion]:
         """Every committed global version, oldest first (manifests removed meanwhile are skipped).

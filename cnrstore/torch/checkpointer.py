@@ -11,7 +11,8 @@ What goes where in the store:
 - every other parameter and persistent buffer is a dense array ``f"torch.model/{state_dict key}"``,
   stored exactly (bfloat16 as its raw 16-bit pattern);
 - the rest (each optimizer's ``state_dict()`` without its row-wise tensors, the ``extra`` objects'
-  ``state_dict()``, dtypes) is one ``torch.save`` blob, the uint8 dense array ``"torch.state"``.
+  ``state_dict()``, dtypes) is one ``torch.save`` blob, the uint8 dense array ``"torch.state"``: data only
+  (payload format 2, ``cnrstore/torch/payload.py``), checked at save and read with ``weights_only=True``.
 
 Row tracking: a forward pre-hook on each embedding sets a bool mask (on the weight's device) at every
 looked-up index, while autograd is enabled (lookups under ``torch.no_grad()``, e.g. evaluation, are not
@@ -66,7 +67,6 @@ every count.
 
 from __future__ import annotations
 
-import io
 import math
 import random
 import threading
@@ -79,6 +79,7 @@ import torch
 from torch import nn
 
 from .. import codecs, fs, validate
+from . import payload as _payload
 from . import sharded
 from ..errors import InvalidArgument, MissingRows, VersionNotFound
 from ..types import VersionInfo
@@ -92,7 +93,7 @@ STATE_BLOB = "torch.state"
 DENSE_PREFIX = "torch.model/"
 _ROW_MARK = "__cnrstore_row_state__"
 _LIVE_MARK = "__cnrstore_sharded_state__"  # a fused optimizer's sharded state: restored through the shard tables
-_FORMAT = 1
+_FORMAT = _payload.PAYLOAD_FORMAT  # 2: data only (weights_only); 1: before issue 26
 _SSU_SEED = 0x5C5_0000  # + the table's index: each table's sampling stream is reproducible
 
 
@@ -825,9 +826,7 @@ class Checkpointer:
             "param_names": [[names.get(id(p)) for g in opt.param_groups for p in g["params"]]
                             for opt in self._optimizers],
         }
-        out = io.BytesIO()
-        torch.save(payload, out)
-        return np.frombuffer(out.getbuffer(), dtype=np.uint8).copy()
+        return _payload.encode(payload)
 
     def _write(self, pending: PendingSave, step, meta, row_jobs, dense, blob) -> None:
         def check():  # an interrupt cancelled this save while the trainer waited for it: abort, commit nothing
@@ -860,8 +859,12 @@ class Checkpointer:
             pending._done.set()
 
     # -- restore --------------------------------------------------------------------------------------
-    def restore(self, version: int | None = None) -> VersionInfo:
+    def restore(self, version: int | None = None, *, trust_pickle: bool = False) -> VersionInfo:
         """Load ``version`` (default newest) into the model, optimizers and ``extra`` in place.
+
+        The trainer payload is read as data (``torch.load(weights_only=True)``); a payload whose pickle names
+        code (written before payload format 2, or crafted) raises :class:`UnsafePayload` before anything is
+        changed, unless ``trust_pickle=True`` (a warning, then a full unpickle: only for a store you wrote).
 
         Waits for an in-flight save (its failure, if any, is still raised by the next ``save``). A model
         whose shapes differ from the stored ones raises :class:`InvalidArgument`, and so does a version
@@ -886,7 +889,7 @@ class Checkpointer:
                 raise InvalidArgument(
                     f"table {t.name!r}: the store has {ti.num_rows} rows x {ti.dim} dims, the model "
                     f"{t.num_rows} x {t.dim}; restore into a model of the stored shape")
-        payload = torch.load(io.BytesIO(self.store.read_dense(STATE_BLOB, v).tobytes()), weights_only=False)
+        payload = _payload.decode(self.store.read_dense(STATE_BLOB, v), v, trust_pickle=trust_pickle)
         dense = {}
         for key, target in self._dense.items():
             try:
@@ -998,7 +1001,10 @@ class Checkpointer:
             for k, val in st.items():
                 if isinstance(val, dict) and _ROW_MARK in val:
                     arr = torch.from_numpy(self.store.read_table(val[_ROW_MARK], v))
-                    val = arr.reshape(val["shape"]).to(getattr(torch, val["dtype"]))
+                    if math.prod(val["shape"]) != arr.numel():
+                        raise InvalidArgument(f"version {v}: optimizer state {val[_ROW_MARK]!r} has {arr.numel()} "
+                                              f"values, its payload names shape {tuple(val['shape'])}")
+                    val = arr.reshape(val["shape"]).to(_payload.torch_dtype(val["dtype"], v))
                 out[k] = val
             state[idx] = out
         return {**sd, "state": state}

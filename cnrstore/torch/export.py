@@ -11,7 +11,6 @@ embedding, key ``"weight"``, recognized from the optimizers' parameter names or 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import warnings
@@ -22,26 +21,18 @@ from torch import nn
 
 from ..errors import InvalidArgument
 from ..types import Snapshot
+from . import payload as _payload
 from . import sharded
 from .checkpointer import _ROW_MARK, DENSE_PREFIX, STATE_BLOB
 
 __all__ = ["CheckpointView", "load_payload", "save", "write"]
 
 
-def load_payload(blob, version) -> dict:
-    """The Checkpointer's state payload from the uint8 array ``blob`` of ``version``.
-
-    It is unpickled with ``torch.load(weights_only=False)``, as ``Checkpointer.restore`` does (it holds
-    the ``extra`` objects' state): read only stores you trust."""
-    try:
-        payload = torch.load(io.BytesIO(np.asarray(blob).tobytes()), weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - a checksummed array that is no payload: written by something else
-        raise InvalidArgument(f"version {version}'s {STATE_BLOB!r} array is not a cnrstore.torch state blob "
-                              f"({type(exc).__name__}: {exc}); export it with layout 'nested'") from exc
-    if not isinstance(payload, dict) or "tables" not in payload or "dense_dtypes" not in payload:
-        raise InvalidArgument(f"version {version}'s {STATE_BLOB!r} array is not a cnrstore.torch state blob "
-                              "(no table list); export it with layout 'nested'")
-    return payload
+def load_payload(blob, version, *, trust_pickle: bool = False) -> dict:
+    """The Checkpointer's state payload from the uint8 array ``blob`` of ``version``, read as data
+    (``cnrstore.torch.payload.decode``: ``weights_only=True``; UnsafePayload for a pickle naming code unless
+    ``trust_pickle``; InvalidArgument for an array that is no payload)."""
+    return _payload.decode(blob, version, trust_pickle=trust_pickle)
 
 
 def _tensor(arr: np.ndarray) -> torch.Tensor:
@@ -68,12 +59,12 @@ class CheckpointView:
     the rest; see the module doc. Raises InvalidArgument if ``snapshot`` is not in that layout or does not
     match ``model`` (when given)."""
 
-    def __init__(self, snapshot: Snapshot, *, model: nn.Module | None = None):
+    def __init__(self, snapshot: Snapshot, *, model: nn.Module | None = None, trust_pickle: bool = False):
         blob = snapshot.dense.get(STATE_BLOB)
         if blob is None:
             raise InvalidArgument(f"version {snapshot.version} was not written by cnrstore.torch.Checkpointer "
                                   f"(no {STATE_BLOB!r} array); export it with layout 'nested'")
-        self.payload = load_payload(blob, snapshot.version)
+        self.payload = load_payload(blob, snapshot.version, trust_pickle=trust_pickle)
         if any(sharded.parse_column_name(n) for n in self.payload["tables"]):   # TorchRec column-wise shards
             snapshot = dataclasses.replace(snapshot, tables=sharded.join_column_slices(snapshot.tables))
             self.payload = {**self.payload, "tables": sorted({sharded.table_of(n) for n in self.payload["tables"]})}
@@ -174,7 +165,7 @@ class CheckpointView:
                         if arr is None:
                             raise InvalidArgument(f"version {self.snapshot.version} has no table "
                                                   f"{val[_ROW_MARK]!r} of optimizer state")
-                        val = _tensor(arr).reshape(val["shape"]).to(getattr(torch, val["dtype"]))
+                        val = _tensor(arr).reshape(val["shape"]).to(_payload.torch_dtype(val["dtype"], self.snapshot.version))
                     entry[k] = val
                 state[idx] = entry
             out.append({"state": state, "param_groups": sd["param_groups"]})

@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import io
 import logging
 import os
 import shutil
@@ -95,6 +94,7 @@ from .. import store as _store
 from .. import validate
 from ..errors import InvalidArgument
 from ..writer import pack_meta
+from . import payload as _payload
 from .checkpointer import _FORMAT, _ROW_MARK, DENSE_PREFIX, STATE_BLOB, _as_list, _host_copy
 from .export import embedding_tables
 
@@ -201,6 +201,63 @@ def _quiet_dcp():
         root.removeFilter(drop)
 
 
+#: What a DCP ``.metadata`` pickle may name (torch 2.x writes these): DCP's metadata classes (dataclasses and
+#: one enum: built from their fields, no code of the file's choosing runs), torch.Size, torch dtypes, the
+#: layout lookup torch.serialization._get_layout and pathlib paths. Anything else is refused.
+_DCP_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+     ("collections", "OrderedDict")}
+
+
+def _load_dcp(path: str):
+    """A DCP directory's state dict, read without running code the directory names: DCP's own reader
+    unpickles ``.metadata`` with ``pickle.load`` and non-tensor values with ``torch.load(weights_only=False)``;
+    here ``.metadata`` goes through an unpickler that resolves only ``_DCP_GLOBALS`` (and torch dtypes), and
+    non-tensor values through ``weights_only=True`` (docs/DESIGN.md "Security")."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    class DataUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in _DCP_GLOBALS or (
+                    module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"its .metadata names {module}.{name}, which cnrstore does not unpickle "
+                                         "(a DCP .metadata holds only DCP's metadata classes)")
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(os.path.join(path, ".metadata"), "rb") as f:
+                metadata = DataUnpickler(f).load()
+            if not type(metadata).__name__ == "Metadata":
+                raise pickle.UnpicklingError(".metadata does not hold DCP metadata")
+            if getattr(metadata, "storage_meta", None) is not None:
+                metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item, value):
+            obj = torch.load(value, weights_only=True, map_location="cpu")
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    sd: dict = {}
+    _load_state_dict(state_dict=sd, storage_reader=Reader(path), process_group=None, no_dist=True,
+                     planner=Planner())
+    return sd
+
+
 def _load(path: str, fmt: str):
     """The object stored at ``path`` in ``fmt``; InvalidArgument (one line) when it cannot be read."""
     try:
@@ -215,10 +272,8 @@ def _load(path: str, fmt: str):
             from safetensors.torch import load_file
 
             return load_file(path)
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
         with _quiet_dcp():
-            return _load_state_dict_from_keys(checkpoint_id=path)
+            return _load_dcp(path)
     except InvalidArgument:
         raise
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
@@ -681,9 +736,7 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
                "optimizers": optims, "extra": dict(src.extra), "param_names": param_names,
                "imported": {"format": fmt, "source": None if isinstance(source, Mapping) else os.fspath(source),
                             "version": src.version}}
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    blob = np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
+    blob = _payload.encode(payload, what="the imported checkpoint's state")
     if blob.nbytes > validate.max_dense_bytes():
         raise InvalidArgument(f"the optimizer state outside the embedding tables (and extra) pickles to "
                               f"{blob.nbytes:,} bytes, more than one dense record holds "

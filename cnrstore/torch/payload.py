@@ -1,0 +1,210 @@
+"""The trainer payload: the dense array ``"torch.state"`` a ``Checkpointer`` writes beside the tables (the
+optimizers' state outside the tables, the ``extra`` objects' state, the table list, dense dtypes).
+
+A store is data, never code (docs/DESIGN.md "Security"). The payload is a ``torch.save`` file whose
+pickle holds *data only*: what ``torch.load(weights_only=True)`` rebuilds (tensors, ``torch.dtype`` /
+``Size`` / ``device``, ``dict`` / ``OrderedDict`` / ``list`` / ``tuple`` / ``set``, ``str``, ``bytes``,
+numbers, ``bool``, ``None``), plus the classes the *reading* process has registered with
+``torch.serialization.add_safe_globals``. Format 2 (docs/FORMAT.md "Trainer payload") is checked when it
+is written (:func:`encode` refuses anything else, naming the object and the fix) and read with
+``weights_only=True`` only (:func:`decode`). A payload whose pickle needs anything else (one written by
+cnrstore before format 2 holding such objects, or a crafted one) is refused with :class:`UnsafePayload`
+unless the caller passes ``trust_pickle=True`` (it then warns and unpickles it: that runs whatever code the
+pickle names); ``cnrstore migrate-payload`` rewrites such payloads as data once.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgument, UnsafePayload
+
+__all__ = ["PAYLOAD_FORMAT", "encode", "decode", "unsafe_globals", "torch_dtype", "check_structure"]
+
+#: Format of the payload (docs/FORMAT.md): 1 = any pickle (before issue 26), 2 = data only (weights_only).
+PAYLOAD_FORMAT = 2
+STATE_BLOB = "torch.state"
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.Size, torch.device)
+
+
+def unsafe_globals(blob) -> list[str]:
+    """The classes and functions the pickle of the ``torch.save`` bytes ``blob`` names that
+    ``weights_only=True`` would not rebuild here (a static scan of the pickle opcodes: nothing is
+    unpickled). Raises whatever torch raises for bytes that are no ``torch.save`` zip."""
+    return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(_as_bytes(blob))))
+
+
+def _as_bytes(blob) -> bytes:
+    if isinstance(blob, (bytes, bytearray, memoryview)):
+        return bytes(blob)
+    return np.ascontiguousarray(blob).tobytes()
+
+
+def _first_unsafe(obj, path: str, safe: set, seen: set):
+    """(path, type name) of the first object under ``obj`` that is not data, or None."""
+    if id(obj) in seen:
+        return None
+    t = type(obj)
+    if t in _PLAIN:
+        return None
+    if isinstance(obj, torch.Tensor) and t in (torch.Tensor, torch.nn.Parameter):
+        return None
+    name = f"{t.__module__}.{t.__qualname__}"
+    if t in (dict, OrderedDict):
+        seen.add(id(obj))
+        for k, v in obj.items():
+            found = _first_unsafe(k, f"{path} (a key)", safe, seen) or _first_unsafe(v, f"{path}[{k!r}]", safe, seen)
+            if found:
+                return found
+        return None
+    if t in (list, tuple, set):
+        seen.add(id(obj))
+        for i, v in enumerate(obj):
+            found = _first_unsafe(v, f"{path}[{i}]", safe, seen)
+            if found:
+                return found
+        return None
+    if t in safe or name in safe:
+        return None
+    return path, name
+
+
+def encode(payload: dict, *, what: str = "the Checkpointer's state") -> np.ndarray:
+    """``payload`` as a format-2 payload (uint8 array). InvalidArgument, naming the object, its type and the
+    fix, when it holds anything ``torch.load(weights_only=True)`` would not rebuild: found at save, never at
+    restore."""
+    safe = set()
+    for g in torch.serialization.get_safe_globals():
+        safe.add(g[0] if isinstance(g, tuple) else g)
+    found = _first_unsafe(payload, "payload", safe, set())
+    out = io.BytesIO()
+    if found is None:
+        try:
+            torch.save(payload, out)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:  # e.g. a registered but local class
+            raise InvalidArgument(f"{what} cannot be saved: {_one_line(exc)}; make the state plain data") from exc
+        bad = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(out.getvalue()))
+        if bad:
+            found = ("payload", ", ".join(bad))
+    if found is not None:
+        where, name = found
+        where = where.replace("payload['extra']", "extra").replace("payload['optimizers']", "optimizers")
+        raise InvalidArgument(
+            f"{what} holds {where} of type {name}, which a checkpoint does not store: a store is data, never "
+            "code, and restore reads it with torch.load(weights_only=True). Make that state_dict() return plain "
+            "data (tensors, numbers, strings, lists, tuples, dicts), or, if the type is safe to rebuild, "
+            f"register it with torch.serialization.add_safe_globals([{name.rsplit('.', 1)[-1]}]) in the saving "
+            "and in every restoring process")
+    return np.frombuffer(out.getbuffer(), dtype=np.uint8).copy()
+
+
+def decode(blob, version, *, trust_pickle: bool = False, store: str | None = None) -> dict:
+    """The payload stored as ``blob`` (the ``"torch.state"`` array of ``version``), read as data.
+
+    - UnsafePayload when its pickle names anything ``weights_only`` does not rebuild (unless
+      ``trust_pickle``: then a warning and a full unpickle, which runs the code the pickle names);
+    - InvalidArgument when the bytes are no ``torch.save`` file or not a Checkpointer payload.
+    Nothing in the blob is executed unless ``trust_pickle``."""
+    data = _as_bytes(blob)
+    try:
+        bad = unsafe_globals(data)
+    except Exception as exc:  # noqa: BLE001 - torch's zip reader raises its own types (RuntimeError)
+        raise _not_payload(version, exc) from exc
+    where = f"store {store!r}, " if store else ""
+    refused = None
+    if bad:
+        refused = f"is a pickle naming {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+    else:
+        try:
+            payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError as exc:
+            refused = f"is a pickle that torch.load(weights_only=True) refuses ({_one_line(exc)})"
+        except Exception as exc:  # noqa: BLE001 - torch raises its own types for a damaged zip or pickle
+            raise _not_payload(version, exc) from exc
+    if refused is not None:
+        if not trust_pickle:
+            raise UnsafePayload(
+                f"{where}version {version}: the trainer payload ({STATE_BLOB!r}) {refused}, which cnrstore does "
+                "not unpickle (unpickling runs code the pickle names). It was written by cnrstore before payload "
+                "format 2 (or crafted). If you wrote this store and trust every byte of it: rewrite it as data "
+                "once with `cnrstore migrate-payload STORE --trust-pickle`, or pass trust_pickle=True "
+                "(`--trust-pickle` on the CLI) for this read; if a class named is safe to rebuild, "
+                "torch.serialization.add_safe_globals([...]) it instead", version=version, names=bad)
+        warnings.warn(f"{where}version {version}: the trainer payload {refused}; unpickling it because "
+                      "trust_pickle=True: this runs code the pickle names, do it only for a store you wrote",
+                      UserWarning, stacklevel=3)
+        try:
+            payload = torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
+        except Exception as exc:  # noqa: BLE001
+            raise _not_payload(version, exc) from exc
+    check_structure(payload, version)
+    return payload
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _not_payload(version, exc: BaseException) -> InvalidArgument:
+    return InvalidArgument(f"version {version}'s {STATE_BLOB!r} array is not a cnrstore.torch state blob "
+                           f"({_one_line(exc)}); export it with layout 'nested'")
+
+
+def torch_dtype(name, version=None) -> torch.dtype:
+    """The torch dtype a payload names (``"float32"``); InvalidArgument for anything else (a payload is
+    data: a name is never resolved to another attribute of torch)."""
+    dt = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(dt, torch.dtype):
+        raise InvalidArgument(f"version {version}'s {STATE_BLOB!r} names dtype {name!r}, which is no torch dtype")
+    return dt
+
+
+def _bad(version, what: str) -> InvalidArgument:
+    return InvalidArgument(f"version {version}'s {STATE_BLOB!r} array is not a cnrstore.torch state blob ({what}); "
+                           "export it with layout 'nested'")
+
+
+def check_structure(payload, version) -> None:
+    """The shape of a payload the readers rely on: InvalidArgument for anything else (so that a crafted
+    payload fails with a typed error, not a KeyError deep in restore)."""
+    if not isinstance(payload, dict) or "tables" not in payload or "dense_dtypes" not in payload:
+        raise _bad(version, "no table list")
+    if not isinstance(payload["tables"], (list, tuple)) or not all(isinstance(t, str) for t in payload["tables"]):
+        raise _bad(version, "the table list is not a list of names")
+    dd = payload["dense_dtypes"]
+    if not isinstance(dd, dict) or not all(isinstance(k, str) for k in dd):
+        raise _bad(version, "dense_dtypes is not a map of names")
+    for v in dd.values():
+        torch_dtype(v, version)
+    optims = payload.get("optimizers", [])
+    if not isinstance(optims, (list, tuple)):
+        raise _bad(version, "optimizers is not a list")
+    for sd in optims:
+        if not isinstance(sd, dict) or not isinstance(sd.get("state", {}), dict) \
+                or not isinstance(sd.get("param_groups", []), (list, tuple)):
+            raise _bad(version, "an optimizer state is not a map with 'state' and 'param_groups'")
+        for st in sd.get("state", {}).values():
+            if not isinstance(st, dict):
+                raise _bad(version, "an optimizer's per-parameter state is not a map")
+            for val in st.values():
+                if isinstance(val, dict) and "__cnrstore_row_state__" in val:
+                    shape = val.get("shape")
+                    if not isinstance(val["__cnrstore_row_state__"], str) or not isinstance(shape, (list, tuple)) \
+                            or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2 ** 63
+                                       for n in shape):
+                        raise _bad(version, "a row-wise state marker is malformed")
+                    torch_dtype(val.get("dtype"), version)
+    if not isinstance(payload.get("extra", {}), dict):
+        raise _bad(version, "extra is not a map")
+    names = payload.get("param_names")
+    if names is not None and (not isinstance(names, (list, tuple)) or not all(
+            isinstance(n, (list, tuple)) and all(x is None or isinstance(x, str) for x in n) for n in names)):
+        raise _bad(version, "param_names is not a list of name lists")
