@@ -211,14 +211,20 @@ def test_repair_fault5_delta_base_found_in_the_anchor(tmp_path, monkeypatch):
 
 
 # fault 6 ------------------------------------------------------------------------------------------------
+def _small_history(s, versions: int, dense: bool) -> None:
+    """Version 1 writes every row of table "t" (two blocks), each later version v rows v and 16 + v."""
+    s.create_table("t", num_rows=32, dim=2, codec="fp32", block_rows=16)
+    for v in range(1, versions + 1):
+        with s.checkpoint(step=v) as ck:
+            rows = np.arange(32) if v == 1 else np.array([v, 16 + v])
+            ck.put_rows("t", rows, np.full((rows.size, 2), float(v), np.float32))
+            if dense:
+                ck.put_dense("d", np.array([v]))
+
+
 def _middle_drop_store(path):
     with cnrstore.open(path, create=True) as s:
-        s.create_table("t", num_rows=32, dim=2, codec="fp32", block_rows=16)
-        for v in range(1, 7):
-            with s.checkpoint(step=v) as ck:
-                rows = np.arange(32) if v == 1 else np.array([v, 16 + v])
-                ck.put_rows("t", rows, np.full((rows.size, 2), float(v), np.float32))
-                ck.put_dense("d", np.array([v]))
+        _small_history(s, 6, dense=True)
         with s.engine.maintenance_lock:
             assert compaction.drop_versions(s.engine, {3, 4}) == [3, 4]
 
@@ -426,11 +432,7 @@ def test_a_repair_killed_while_installing_its_index_loses_nothing(tmp_path, poin
     and verify is clean."""
     path = tmp_path / "s"
     with cnrstore.open(path, create=True) as s:
-        s.create_table("t", num_rows=32, dim=2, codec="fp32", block_rows=16)
-        for v in range(1, 5):
-            with s.checkpoint(step=v) as ck:
-                rows = np.arange(32) if v == 1 else np.array([v, 16 + v])
-                ck.put_rows("t", rows, np.full((rows.size, 2), float(v), np.float32))
+        _small_history(s, 4, dense=False)
         with s.engine.index.read() as view:
             commit4 = next(loc for _k, v, loc in view.log_entries(record.KIND_COMMIT) if v == 4)
     _flip(path, commit4)  # v4's step and meta now live only in the (intact) index

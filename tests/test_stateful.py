@@ -218,6 +218,12 @@ class StoreMachine(RuleBasedStateMachine):
             self.store = None
             self._open()
 
+    def _recreate_unwritten_tables(self) -> None:
+        """After a repair: only the index knew tables no committed version wrote (API.md, Repair)."""
+        for name, t in self.tables.items():
+            if name not in self.store.tables():
+                self.store.create_table(name, t.num_rows, t.dim, codec=t.codec, block_rows=t.block_rows)
+
     def _op_begin(self) -> "LastOp":
         """Before a commit or a maintenance call: where its effects start, and the model before it."""
         for e in self.rec.effects[self.applied:]:
@@ -869,9 +875,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert report.versions_recovered == [vm.version for vm in self.versions]
         event("repair with the index intact")
         self._open()
-        for name, t in self.tables.items():  # only the index knew tables no committed version wrote
-            if name not in self.store.tables():
-                self.store.create_table(name, t.num_rows, t.dim, codec=t.codec, block_rows=t.block_rows)
+        self._recreate_unwritten_tables()
         self.dirty = True
 
     @precondition(lambda self: self.pending is None)
@@ -888,9 +892,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert report.versions_recovered == [vm.version for vm in self.versions]
         event("repair")
         self._open()
-        for name, t in self.tables.items():  # only the index knew tables no committed version wrote
-            if name not in self.store.tables():
-                self.store.create_table(name, t.num_rows, t.dim, codec=t.codec, block_rows=t.block_rows)
+        self._recreate_unwritten_tables()
         # an aborted checkpoint newer than every record left no trace: its number may come again
         with self.store.engine.index.read() as view:
             next_version = view.meta("next_version")
