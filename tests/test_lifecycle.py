@@ -136,7 +136,11 @@ def test_close_finishes_the_pending_step_unless_told_to_skip_it(store_path, fini
 # -- fault 11: a returned save() commits when the process dies of Ctrl-C or an uncaught exception ---------
 
 SAVER = """
-    import os, sys, time, pickle
+    import os, sys, time, pickle, signal
+    # Ctrl-C as in an interactive Python, whatever this test process passed on: an ignored or blocked
+    # SIGINT is inherited across fork and exec (and Python then installs no KeyboardInterrupt handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     import numpy as np, torch
     from torch import nn
     import cnrstore
