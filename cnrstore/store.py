@@ -369,12 +369,10 @@ class Store:
                 log.warning("cnrstore: a background save into store %r failed before the exit: %s: %s; the "
                             "versions committed before it are intact", self.path, type(failed).__name__, failed)
         self._close_engine()
-        compactor = self._compactor
-        if compactor is not None and compactor.failures > compactor.reported:
-            log.warning("cnrstore: background compaction of store %r failed %d time(s) (newest: %r); every "
-                        "committed version is intact", self.path, compactor.failures - compactor.reported,
-                        compactor.errors[-1] if compactor.errors else None)
-            compactor.reported = compactor.failures
+        try:
+            self._raise_compaction_failure()
+        except CompactionFailed as exc:  # nobody is left to catch it at exit: say it
+            log.warning("cnrstore: %s", exc)
 
     def _abandon(self, why: str) -> None:
         self._abandoned = True
