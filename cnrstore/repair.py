@@ -1037,25 +1037,21 @@ def _entries(plan: _Plan, report: RepairReport) -> tuple[dict, dict, dict]:
             return result
 
         versions = [u for u, _l, _w in entries]
-        for i, (u, _loc, _why) in enumerate(entries):
+        for i in range(len(entries)):
             why = bad(i)
             if why is None:
                 continue
-            hi = versions[i + 1] if i + 1 < len(versions) else None
-            for v in recovered[bisect.bisect_left(recovered, u):
-                               (bisect.bisect_left(recovered, hi) if hi is not None else None)]:
+            for v in _readers_of(recovered, versions, i):
                 damaged.setdefault(v, []).append({"table": tid, "block": block, "why": why})
     by_dense: dict[int, list] = {}
     for (did, u), (loc, why) in sorted(dense.items()):
         by_dense.setdefault(did, []).append((u, why))
     for did, entries in by_dense.items():
         versions = [u for u, _w in entries]
-        for i, (u, why) in enumerate(entries):
+        for i, (_u, why) in enumerate(entries):
             if why is None:
                 continue
-            hi = versions[i + 1] if i + 1 < len(versions) else None
-            for v in recovered[bisect.bisect_left(recovered, u):
-                               (bisect.bisect_left(recovered, hi) if hi is not None else None)]:
+            for v in _readers_of(recovered, versions, i):
                 damaged.setdefault(v, []).append({"dense": did, "why": why})
     names = {tid: info["name"] for tid, info in plan.tables.items()}
     dnames = {did: name for name, did in plan.dense_names.items()}
@@ -1064,6 +1060,14 @@ def _entries(plan: _Plan, report: RepairReport) -> tuple[dict, dict, dict]:
                               else f"dense array {dnames.get(i['dense'], i['dense'])!r}") + f": {i['why']}"
                              for i in items]
     return rows, dense, damaged
+
+
+def _readers_of(recovered: list[int], versions: list[int], i: int) -> list[int]:
+    """The recovered versions (ascending) that read the i-th of one key's index entries (``versions``:
+    theirs, ascending): those from its version up to, not including, the next entry's."""
+    hi = versions[i + 1] if i + 1 < len(versions) else None
+    return recovered[bisect.bisect_left(recovered, versions[i]):
+                     (bisect.bisect_left(recovered, hi) if hi is not None else None)]
 
 
 def _install(root: str, found: _Found, lengths: dict[int, int], plan: _Plan, report: RepairReport,
