@@ -99,6 +99,10 @@ class DenseLoc(NamedTuple):
     length: int
 
 
+def _dense_loc(raw: bytes) -> DenseLoc:
+    return DenseLoc._make(DENSE_LOC.unpack(raw))
+
+
 def _pack(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
@@ -217,13 +221,13 @@ class IndexView:
     def dense_loc(self, dense_id: int, version: int) -> DenseLoc | None:
         """The index entry of dense array ``dense_id`` at ``version`` exactly, or None."""
         raw = self._txn.get(DENSE_KEY.pack(dense_id, version), db=self._dbs[b"dense"])
-        return None if raw is None else DenseLoc._make(DENSE_LOC.unpack(raw))
+        return None if raw is None else _dense_loc(raw)
 
     def log_loc(self, kind: int, version: int) -> DenseLoc | None:
         """The location of the log record (kind, version) the index keeps, or None."""
         db = self._dbs.get(b"log")
         raw = None if db is None else self._txn.get(LOG_KEY.pack(kind, version), db=db)
-        return None if raw is None else DenseLoc._make(DENSE_LOC.unpack(raw))
+        return None if raw is None else _dense_loc(raw)
 
     def dense_id(self, name: str) -> int | None:
         raw = self._txn.get(name.encode(), db=self._dbs[b"dense_names"])
@@ -298,13 +302,13 @@ class IndexView:
             d, v = DENSE_KEY.unpack(cur.key())
             if d != dense_id:
                 return None
-            return v, DenseLoc._make(DENSE_LOC.unpack(cur.value()))
+            return v, _dense_loc(cur.value())
 
     def dense_entries(self) -> Iterator[tuple[int, int, DenseLoc]]:
         with self._txn.cursor(db=self._dbs[b"dense"]) as cur:
             for k, val in cur:
                 d, v = DENSE_KEY.unpack(k)
-                yield d, v, DenseLoc._make(DENSE_LOC.unpack(val))
+                yield d, v, _dense_loc(val)
 
     def dense_names(self) -> dict[str, int]:
         with self._txn.cursor(db=self._dbs[b"dense_names"]) as cur:
@@ -321,7 +325,7 @@ class IndexView:
                 k, v = LOG_KEY.unpack(cur.key())
                 if kind is not None and k != kind:
                     return
-                yield k, v, DenseLoc._make(DENSE_LOC.unpack(cur.value()))
+                yield k, v, _dense_loc(cur.value())
                 ok = cur.next()
 
     def stat(self) -> dict[str, dict]:
