@@ -38,7 +38,6 @@ from .errors import CorruptionError, IndexBusy, IndexDamaged, PermissionDenied, 
 T = TypeVar("T")
 
 
-
 class _Fixed(struct.Struct):
     """A fixed-size key or value of the index: one of another size is damage (CorruptionError), never a
     bare ``struct.error`` (docs/DESIGN.md "Security": every parser of store bytes fails typed)."""

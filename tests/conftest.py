@@ -50,3 +50,16 @@ def single_threaded_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A one-rank gloo process group (the default group) for the test, destroyed after it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()

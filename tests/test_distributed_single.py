@@ -6,12 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import cnrstore
@@ -20,14 +18,6 @@ from cnrstore.errors import CorruptionError, InvalidArgument
 from cnrstore.policy import CompactionPolicy, KeepLast, Retention
 
 TABLES = {"emb.a": (50, 4), "emb.b": (30, 2)}
-
-
-@pytest.fixture
-def group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 class Model(nn.Module):

@@ -191,17 +191,6 @@ def test_a_replaced_manifest_is_parsed_again(tmp_path, count_manifest_parses):
     assert count_manifest_parses[0] == 1
 
 
-@pytest.fixture
-def group(tmp_path):
-    import torch.distributed as dist
-    from datetime import timedelta
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
-
-
 def test_a_distributed_save_parses_only_its_own_manifest(tmp_path, group, count_manifest_parses):
     import torch
     from torch import nn

@@ -11,13 +11,11 @@ import io
 import os
 import struct
 import warnings
-from datetime import timedelta
 
 import msgpack
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import xxhash
 from torch import nn
 
@@ -27,6 +25,7 @@ from cnrstore.errors import CorruptionError, InvalidArgument, UnsafePayload
 from cnrstore.torch import Checkpointer
 from cnrstore.torch import payload as payload_mod
 from cnrstore.torch.checkpointer import STATE_BLOB
+from test_import import Position
 
 
 class Boom:
@@ -48,17 +47,6 @@ class Model(nn.Module):
 
     def forward(self, ids):
         return self.lin(self.emb(ids)).sum()
-
-
-class Position:
-    def __init__(self, pos=0):
-        self.pos = pos
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, sd):
-        self.pos = sd["pos"]
 
 
 def _train(model, opt, ids=(1, 2, 3)):
@@ -314,14 +302,6 @@ def test_a_malformed_payload_of_plain_data_is_a_typed_error(tmp_path):
 
 
 # -- a multi-rank root ---------------------------------------------------------------------------------
-@pytest.fixture
-def group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
-
-
 def _seal(magic: bytes, body: dict) -> bytes:
     data = magic + msgpack.packb(body, use_bin_type=True)
     return data + struct.pack("<Q", xxhash.xxh3_64_intdigest(data))
