@@ -14,7 +14,6 @@ meta ``doomed_segments`` with the id of the transaction that freed it.
 from __future__ import annotations
 
 import bisect
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 

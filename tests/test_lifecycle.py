@@ -331,7 +331,6 @@ def test_distributed_save_then_ctrl_c_becomes_a_global_version(tmp_path):
     write: the exit waits for it too, so the save becomes a global version (here one rank; with more,
     as long as the other ranks live to take part in the commit's collectives)."""
     import torch
-    from torch import nn
     from cnrstore.distributed import versions
 
     root = tmp_path / "root"

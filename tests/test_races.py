@@ -9,7 +9,6 @@ reads back exactly and ``verify()`` is clean.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 import cnrstore
 from cnrstore import knobs
