@@ -35,7 +35,7 @@ class BackgroundCompactor:
     """Runs ``policy`` on the store of ``engine`` at start and after commits, in a daemon thread.
     ``close()`` stops it cleanly."""
 
-    def __init__(self, engine: "Engine", policy: CompactionPolicy, *, catch_up: bool = True):
+    def __init__(self, engine: "Engine", policy: CompactionPolicy):
         self._engine = engine
         self.policy = policy
         #: the newest failures, oldest first (at most ``KEEP_ERRORS``: each holds its traceback's frames)
@@ -44,7 +44,7 @@ class BackgroundCompactor:
         self.reported = 0  # failures the store has raised already (close() raises the rest once)
         self.steps = 0  # policy runs that did something (for tests and stats)
         self._wake = threading.Condition()
-        self._pending = catch_up  # the first step: catch up on what the history asks for
+        self._pending = True  # the first step: catch up on what the history asks for
         self._stopping = False
         self._halt = False  # stop before the next phase of the step in flight (an exit that cannot wait)
         self._idle = True

@@ -54,7 +54,7 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None)
         raise InvalidArgument("compaction= needs a writable store; open with readonly=False")
     store = Store(os.fspath(path), create=create, readonly=readonly, filesystem=fs.DEFAULT)
     if policy is not None:
-        store._compactor = BackgroundCompactor(store._engine, policy, catch_up=True)
+        store._compactor = BackgroundCompactor(store._engine, policy)
         store._engine.on_commit = store._compactor.notify
     return store
 
