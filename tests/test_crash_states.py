@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 import pytest
 
-from cnrstore import knobs
+from cnrstore import compaction, knobs
 from cnrstore.background import BackgroundCompactor
 from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention
 from cnrstore.store import Store
@@ -64,10 +64,12 @@ class Workload:
                     values = self.rng.standard_normal((rows.size, dim)).astype(np.float32)
                     ck.put_rows(name, rows, values)
                     self.model[name][rows] = values
+                ck.put_dense("d", np.arange(ck.version, ck.version + 40, dtype=np.int64))
             return ck.version
 
         v = self._op("checkpoint", write)
         self.content[v] = {name: self.store.read_table(name, version=v) for name in TABLES}
+        self.content[v][cs.DENSE + "d"] = np.arange(v, v + 40, dtype=np.int64)
         np.testing.assert_array_equal(self.content[v]["f"], self.model["f"])  # fp32 is exact
         return v
 
@@ -79,6 +81,14 @@ class Workload:
 
     def gc(self):
         return self._op("gc", self.store.gc)
+
+    def rewrite_dense(self, version: int):
+        """``compaction.replace_dense`` (what ``cnrstore migrate-payload`` does to a trainer payload): the
+        array of ``version`` rewritten, here with the same values, so every version reads the same."""
+        def rewrite():
+            with self.store.engine.maintenance_lock:
+                compaction.replace_dense(self.store.engine, "d", version, self.content[version][cs.DENSE + "d"])
+        return self._op("rewrite_dense", rewrite)
 
 
 def make_base(path: str) -> None:
@@ -172,7 +182,19 @@ def deltas_then_compact(w: Workload) -> None:
     w.checkpoint(25)
 
 
-@pytest.mark.parametrize("script", [maintenance_mix, clean_after_drop, deltas_then_compact],
+def rewrite_dense_then_gc(w: Workload) -> None:
+    """Dense arrays of committed versions rewritten (migrate-payload's replace_dense), the old records
+    reclaimed by gc, beside checkpoints and a drop."""
+    versions = [w.checkpoint(30) for _ in range(4)]
+    w.rewrite_dense(versions[1])
+    w.rewrite_dense(versions[-1])
+    w.retain(3)
+    w.gc()
+    w.rewrite_dense(w.checkpoint(30))
+    w.gc()
+
+
+@pytest.mark.parametrize("script", [maintenance_mix, clean_after_drop, deltas_then_compact, rewrite_dense_then_gc],
                          ids=lambda s: s.__name__)
 def test_every_crash_state_of_a_named_workload_recovers(tmp_path, script):
     sweep = run(tmp_path, 0, script)
