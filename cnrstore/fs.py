@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import signal
 from typing import Callable
 
@@ -24,7 +25,7 @@ NO_PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 #: name -> hook run when a thread reaches that point (``pause_at``); empty outside tests.
-_PAUSE_HOOKS: dict[str, Callable[[str], None]] = {}
+_PAUSE_HOOKS: dict[str, Callable[..., None]] = {}
 
 
 def crash_point(name: str) -> None:
@@ -37,18 +38,19 @@ def crash_point(name: str) -> None:
     pause_point(name)
 
 
-def pause_point(name: str) -> None:
+def pause_point(name: str, *detail) -> None:
     """Run the hook a test installed for ``name`` (``pause_at``), if any: races by schedule, not by luck.
 
-    The hook typically blocks the calling thread until the test releases it (tests/schedule.py). A
-    point costs one dict lookup when no hook is installed."""
+    The hook is called as ``hook(name, *detail)`` (``index_committed`` passes the environment's path)
+    and typically blocks the calling thread until the test releases it (tests/schedule.py). A point
+    costs one dict lookup when no hook is installed."""
     if _PAUSE_HOOKS:
         hook = _PAUSE_HOOKS.get(name)
         if hook is not None:
-            hook(name)
+            hook(name, *detail)
 
 
-def pause_at(name: str, hook: Callable[[str], None] | None) -> None:
+def pause_at(name: str, hook: Callable[..., None] | None) -> None:
     """Install (or with None remove) the hook run at pause point ``name`` (tests only)."""
     if hook is None:
         _PAUSE_HOOKS.pop(name, None)
@@ -164,6 +166,17 @@ class FileSystem:
 
     def remove(self, path: str) -> None:
         os.remove(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Rename ``src`` (a file or a directory) to ``dst``; durable once the directories are fsynced."""
+        os.rename(src, dst)
+
+    def mkdir(self, path: str) -> None:
+        os.mkdir(path, 0o755)
+
+    def remove_tree(self, path: str) -> None:
+        """Remove the directory ``path`` and everything in it; nothing if it does not exist."""
+        shutil.rmtree(path, ignore_errors=True)
 
 
 DEFAULT = FileSystem()

@@ -31,7 +31,7 @@ from typing import Callable, Iterator, NamedTuple, TypeVar
 import lmdb
 import msgpack
 
-from . import fs, knobs
+from . import filenames, fs, knobs
 from .msgpack_safe import unpack_bounded
 from .errors import CorruptionError, IndexBusy, IndexDamaged, PermissionDenied, StorageFull, StorageIOError
 
@@ -479,7 +479,7 @@ class Index:
                 finally:
                     if txn is not None:
                         self._resize.release_shared()
-            fs.pause_point("index_committed")  # durable now (the crash-state explorer snapshots it here)
+            fs.pause_point("index_committed", self.path)  # durable now (the crash-state explorer snapshots it here)
             return result
 
     def _abort_alone(self, txn: lmdb.Transaction) -> None:
@@ -596,8 +596,32 @@ _META_PSIZE_AT, _META_TAIL_AT = 40, 136
 
 def damage_hint(index_path: str) -> str:
     root = os.path.dirname(os.path.abspath(index_path))
+    if not os.path.exists(index_path) and os.path.exists(filenames.index_repair_ready(root)):
+        return (f"an interrupted `cnrstore repair` left the index it built in {filenames.index_repair_tmp(root)}: "
+                f"open the store for writing, or run `cnrstore repair {root}`, to install it")
     return (f"nothing was deleted: the segment log still holds the data. Run `cnrstore repair {root}` "
             "to rebuild the index from it")
+
+
+def install_built_index(root: str, filesystem: fs.FileSystem) -> None:
+    """Rename the index repair built (index.repair-tmp/, marked READY) into place as index/, make that
+    durable, then drop the mark (a crash before that leaves index/READY behind, which nothing reads).
+    The caller holds the store's lock and has moved any old index/ aside."""
+    filesystem.rename(filenames.index_repair_tmp(root), filenames.index_dir(root))
+    filesystem.fsync_dir(root)
+    ready = os.path.join(filenames.index_dir(root), os.path.basename(filenames.index_repair_ready(root)))
+    if os.path.exists(ready):
+        filesystem.remove(ready)
+
+
+def finish_interrupted_install(root: str, filesystem: fs.FileSystem) -> bool:
+    """Finish a repair killed between moving the old index aside and renaming the new one in: it left
+    no index/ but a whole, durable index.repair-tmp/ marked READY. Install that (roll forward) and
+    return True; return False, touching nothing, in every other state. The caller holds the lock."""
+    if os.path.exists(filenames.index_dir(root)) or not os.path.exists(filenames.index_repair_ready(root)):
+        return False
+    install_built_index(root, filesystem)
+    return True
 
 
 def check_data_file(path: str) -> None:

@@ -47,7 +47,6 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -58,7 +57,7 @@ import numpy as np
 from . import compaction, filenames, fs, record, segments
 from .verify import LOST_SEGMENT, damaged_blocks
 from .errors import CnrError, CorruptionError, StoreNotFound
-from .index import DenseLoc, Index, IndexWriter, RowLoc
+from .index import DenseLoc, Index, IndexWriter, RowLoc, finish_interrupted_install, install_built_index
 from .msgpack_safe import unpack_bounded
 from .lock import ProcessLock
 from .marker import FORMAT_VERSION, read_marker
@@ -154,13 +153,16 @@ class _Found:
         return self._by_block
 
 
-def repair(path, progress: Progress | None = None) -> RepairReport:
+def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem | None = None) -> RepairReport:
     """Rebuild the index of the store at ``path`` from its segment log (and its old index, when that
     still opens); see the module docstring.
 
     Takes the store's lock (raises StoreLocked while a writer holds it). Close every handle of the store
-    in this process first. ``progress(done, total)`` is called as segment bytes are scanned.
+    in this process first. ``progress(done, total)`` is called as segment bytes are scanned. Every
+    effect on the store's files (renames, the new index's directory and commit, removals) goes through
+    ``filesystem`` (default: the real one; tests record it to enumerate repair's crash states).
     """
+    filesystem = filesystem if filesystem is not None else fs.DEFAULT
     root = os.path.abspath(os.fspath(path))
     if not os.path.exists(filenames.marker_path(root)) or not os.path.isdir(filenames.segments_dir(root)):
         raise StoreNotFound(f"no cnrstore store at {root!r} (no marker or no segments/ directory); repair "
@@ -170,11 +172,11 @@ def repair(path, progress: Progress | None = None) -> RepairReport:
     lock.acquire()
     try:
         report = RepairReport(root)
-        _finish_interrupted_install(root, report)
+        _finish_interrupted_install(root, filesystem, report)
         old = _read_old_index(root, report)
-        found, lengths = _scan(root, report, progress)
+        found, lengths = _scan(root, filesystem, report, progress)
         plan = _prove(found, report, old)
-        _install(root, found, lengths, plan, report, FORMAT_VERSION, old)
+        _install(root, filesystem, found, lengths, plan, report, FORMAT_VERSION, old)
         return report
     finally:
         lock.release()
@@ -225,7 +227,8 @@ def _read_old_index(root: str, report: RepairReport) -> _OldIndex | None:
 
 
 # scan -------------------------------------------------------------------------------------------------
-def _scan(root: str, report: RepairReport, progress: Progress | None) -> tuple[_Found, dict[int, int]]:
+def _scan(root: str, filesystem: fs.FileSystem, report: RepairReport,
+          progress: Progress | None) -> tuple[_Found, dict[int, int]]:
     seg_dir = filenames.segments_dir(root)
     names = [(filenames.parse_segment_name(n), n) for n in sorted(os.listdir(seg_dir))]
     names = [(s, n) for s, n in names if s is not None]
@@ -238,7 +241,7 @@ def _scan(root: str, report: RepairReport, progress: Progress | None) -> tuple[_
         if _scan_segment(seg, seg_path, found, report):
             lengths[seg] = size
         else:
-            os.rename(seg_path, seg_path + ".damaged")  # unreadable by the store, kept as evidence
+            filesystem.rename(seg_path, seg_path + ".damaged")  # unreadable by the store, kept as evidence
             report.notes.append(f"segment {seg_path} has a damaged header: none of its records can be read; "
                                 f"renamed to {name}.damaged")
             found.unattributed.append(f"segment {seg_path} (damaged header)")
@@ -1070,12 +1073,12 @@ def _readers_of(recovered: list[int], versions: list[int], i: int) -> list[int]:
                      (bisect.bisect_left(recovered, hi) if hi is not None else None)]
 
 
-def _install(root: str, found: _Found, lengths: dict[int, int], plan: _Plan, report: RepairReport,
-             format_version: int, old: _OldIndex | None) -> None:
+def _install(root: str, filesystem: fs.FileSystem, found: _Found, lengths: dict[int, int], plan: _Plan,
+             report: RepairReport, format_version: int, old: _OldIndex | None) -> None:
     rows, dense, damaged = _entries(plan, report)
     tmp = filenames.index_repair_tmp(root)
-    shutil.rmtree(tmp, ignore_errors=True)  # a previous repair's unfinished build: ours, never installed
-    filesystem = fs.DEFAULT
+    filesystem.remove_tree(tmp)  # a previous repair's unfinished build: ours, never installed
+    filesystem.mkdir(tmp)
     index = Index(tmp, readonly=False, create=True)
     meta = old.meta if old is not None else {}
     try:
@@ -1138,31 +1141,18 @@ def _install(root: str, found: _Found, lengths: dict[int, int], plan: _Plan, rep
         while os.path.exists(aside):
             aside = filenames.index_damaged(root, time.strftime("%Y%m%dT%H%M%S") + f"-{n}")
             n += 1
-        os.rename(current, aside)
+        filesystem.rename(current, aside)
         report.old_index = aside
-        fs.crash_point("repair_between_renames")  # no index/ now: the next repair installs the built one
-    _install_built(root)
+        fs.crash_point("repair_between_renames")  # no index/ now: the next open or repair installs the built one
+    install_built_index(root, filesystem)
 
 
-def _install_built(root: str) -> None:
-    """Rename the built index (index.repair-tmp/, with its READY mark) into place as index/, then drop
-    the mark (a kill before that leaves index/READY behind, which nothing reads)."""
-    os.rename(filenames.index_repair_tmp(root), filenames.index_dir(root))
-    fs.DEFAULT.fsync_dir(root)
-    try:
-        os.remove(os.path.join(filenames.index_dir(root), os.path.basename(filenames.index_repair_ready(root))))
-    except FileNotFoundError:
-        pass
-
-
-def _finish_interrupted_install(root: str, report: RepairReport) -> None:
-    """A repair killed between moving the old index aside and renaming the new one in leaves no index/
-    but a whole, durable index.repair-tmp/ (marked READY): install it, so that this repair starts from
-    what that one proved (its view of the old index included) instead of from the log alone."""
-    if os.path.exists(filenames.index_dir(root)) or not os.path.exists(filenames.index_repair_ready(root)):
-        return
-    _install_built(root)
-    report.notes.append("installed the index an interrupted repair had built (index.repair-tmp/)")
+def _finish_interrupted_install(root: str, filesystem: fs.FileSystem, report: RepairReport) -> None:
+    """A repair killed between moving the old index aside and renaming the new one in: install what it
+    built (index.finish_interrupted_install), so that this repair starts from what that one proved (its
+    view of the old index included) instead of from the log alone."""
+    if finish_interrupted_install(root, filesystem):
+        report.notes.append("installed the index an interrupted repair had built (index.repair-tmp/)")
 
 
 __all__ = ["repair", "RepairReport", "damaged_blocks", "LOST_SEGMENT", "DAMAGED_META"]

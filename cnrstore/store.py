@@ -27,7 +27,7 @@ from .errors import (
     TableNotFound,
     VersionNotFound,
 )
-from .index import Index, IndexView, damage_hint
+from .index import Index, IndexView, damage_hint, finish_interrupted_install
 from .background import BackgroundCompactor
 from .engine import Engine, version_info as _version_info
 from .storage import LocalSegmentStorage, SegmentStorage
@@ -194,6 +194,9 @@ class Store:
                 self._engine.lock.release()
             raise
         try:
+            if not readonly and finish_interrupted_install(self.path, self._engine.fs):
+                self.recovery_notes.append("installed the index an interrupted `cnrstore repair` had built "
+                                           "(index.repair-tmp/)")
             self._engine.index = Index(filenames.index_dir(self.path), readonly=readonly)
             self._engine.segments = storage if storage is not None else LocalSegmentStorage(self.path, filesystem)
             self._engine.appender = self._engine.compaction_appender = None
@@ -207,8 +210,8 @@ class Store:
                     doomed = {int(k) for k in view.meta("doomed_segments", {})}
                     deleted = view.meta("max_deleted_segment", 0)
                     seg_ids = view.meta("segment_ids")
-                self.recovery_notes = segments.recover(self.path, committed, self._engine.fs, doomed,
-                                                       max_deleted=deleted, ids=seg_ids)
+                self.recovery_notes += segments.recover(self.path, committed, self._engine.fs, doomed,
+                                                        max_deleted=deleted, ids=seg_ids)
                 # never reuse the id of a deleted segment: a long-lived reader may still map the old file
                 high, _pending = segments.leftover_rule(committed, doomed, deleted, seg_ids)
                 ids = segments.SegmentIds(high + 1)

@@ -2,16 +2,17 @@
 OSDI'14; CrashMonkey, OSDI'18).
 
 1. **Record.** A workload runs against a real store through ``RecordingFileSystem``, the engine's
-   file-system seam (cnrstore/fs.py): every create, append, fsync, directory fsync, truncate, remove and
-   atomic replace is logged in order with its bytes, and each LMDB commit (the index's
-   ``index_committed`` pause point) as one atomic step with a copy of ``index/data.mdb`` as committed
+   file-system seam (cnrstore/fs.py): every create, append, fsync, directory fsync, truncate, remove,
+   rename, mkdir, directory removal and atomic replace is logged in order with its bytes, and each LMDB
+   commit (the ``index_committed`` pause point, with the environment's path: the store's index/, or the
+   one repair builds in index.repair-tmp/) as one atomic step with a copy of its ``data.mdb`` as committed
    (LMDB writes its meta page last: a commit is all or nothing, and durable when it returns). The
    workload also logs where each operation starts and ends, with the versions that must be listed
    before and after it and the content every version must read.
 2. **Rebuild.** For every prefix of that log, ``FileModel`` gives the files a crash right there leaves:
    - ``kill``: the process died (SIGKILL): everything written reached the page cache and survives;
    - ``power``: the machine lost power: a file holds only what its last fsync made durable, a
-     created or removed directory entry counts only once its directory was fsynced;
+     created, removed or renamed directory entry counts only once its directory was fsynced;
    - ``torn``: power lost in the middle of the last unsynced append: the first half of it survives.
    Identical states are checked once.
 3. **Check** (``check_state``). The state is opened for writing (recovery runs), then: the versions
@@ -33,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from cnrstore import filenames, fs
+from cnrstore.repair import repair
 from cnrstore.store import Store
 
 
@@ -40,12 +42,14 @@ from cnrstore.store import Store
 
 @dataclass
 class Effect:
-    kind: str  # create | write | fsync | fsync_dir | truncate | remove | replace | index | op_start | op_end
+    # create | write | fsync | fsync_dir | truncate | remove | replace | rename | mkdir | rmtree | index
+    # | op_start | op_end
+    kind: str
     path: str = ""
     offset: int = 0
     data: bytes = b""
     versions: frozenset = frozenset()  # op_start / op_end: the versions listed then
-    name: str = ""  # op_start: the operation
+    name: str = ""  # op_start: the operation; rename: the new path
 
 
 class RecordingFileSystem(fs.FileSystem):
@@ -104,12 +108,25 @@ class RecordingFileSystem(fs.FileSystem):
         super().remove(path)
         self._log(Effect("remove", self._rel(path)))
 
-    def index_committed(self, _name: str) -> None:
-        try:
-            with open(filenames.index_dir(self.root) + "/data.mdb", "rb") as f:
-                self._log(Effect("index", data=f.read()))
-        except FileNotFoundError:
-            pass  # another index committed (repair's, built beside the store): not this store's
+    def rename(self, src: str, dst: str) -> None:
+        super().rename(src, dst)
+        self._log(Effect("rename", self._rel(src), name=self._rel(dst)))
+
+    def mkdir(self, path: str) -> None:
+        super().mkdir(path)
+        self._log(Effect("mkdir", self._rel(path)))
+
+    def remove_tree(self, path: str) -> None:
+        super().remove_tree(path)
+        self._log(Effect("rmtree", self._rel(path)))
+
+    def index_committed(self, _name: str, env_path: str) -> None:
+        """An LMDB commit of the environment at ``env_path`` (the store's index/, or the one repair
+        builds in index.repair-tmp/): its data.mdb as committed, one atomic and durable step."""
+        if os.path.relpath(os.path.abspath(env_path), self.root).startswith(".."):
+            return  # an environment outside this store
+        with open(os.path.join(env_path, "data.mdb"), "rb") as f:
+            self._log(Effect("index", os.path.join(self._rel(env_path), "data.mdb"), data=f.read()))
 
     def op_start(self, name: str, versions) -> None:
         self._log(Effect("op_start", name=name, versions=frozenset(versions)))
@@ -127,106 +144,150 @@ class RecordingFileSystem(fs.FileSystem):
 
 # -- 2. rebuild --------------------------------------------------------------------------------------------
 
-INDEX_FILE = os.path.join(filenames.INDEX_DIR, "data.mdb")
-
-
-@dataclass
+@dataclass(eq=False)
 class _File:
     current: bytearray
     durable: bytearray
-    exists: bool = True  # the directory entry, as the running process sees it
-    entry_durable: bool = True  # ... as it survives a power loss
 
 
-@dataclass
+@dataclass(eq=False)
+class _Dir:
+    """A directory: its entries as the running process sees them, and as they survive a power loss
+    (as of its last fsync). An entry maps a name to a ``_File`` or ``_Dir`` (an inode: a renamed
+    directory takes its contents along)."""
+
+    current: dict = field(default_factory=dict)
+    durable: dict = field(default_factory=dict)
+
+
 class FileModel:
-    """The store's files after a prefix of the effect log: what the process saw and what is durable."""
+    """The store's files after a prefix of the effect log: what the process saw and what is durable.
 
-    files: dict[str, _File] = field(default_factory=dict)
-    index: bytes = b""
-    last_write: str | None = None  # the file of the newest write, while that write is unsynced
+    A tree of inodes: a file holds its current and its durable bytes; a directory its current and its
+    durable entries. A created, removed or renamed entry survives a power loss only once its directory
+    was fsynced; an LMDB commit (``index``) is durable when it returns."""
+
+    def __init__(self):
+        self.root = _Dir()
+        self.last_write: _File | None = None  # the file of the newest write, while that write is unsynced
 
     @classmethod
     def of_directory(cls, root: str) -> "FileModel":
         """The model of a store at rest (everything durable): the state before the recorded workload."""
         model = cls()
-        for dirpath, _dirs, names in os.walk(root):
+        for dirpath, dirs, names in os.walk(root):
+            rel = os.path.relpath(dirpath, root)
+            for name in dirs:
+                model._add(os.path.normpath(os.path.join(rel, name)), _Dir(), durable=True)
             for name in names:
-                path = os.path.join(dirpath, name)
-                rel = os.path.relpath(path, root)
-                if rel.startswith(filenames.INDEX_DIR + os.sep) or name == "lock.mdb":
-                    continue  # (the index is copied at its commits; LMDB makes its lock file anew)
-                with open(path, "rb") as f:
+                if name == "lock.mdb":
+                    continue  # LMDB makes its lock file anew
+                with open(os.path.join(dirpath, name), "rb") as f:
                     data = f.read()
-                model.files[rel] = _File(bytearray(data), bytearray(data))
-        with open(os.path.join(root, INDEX_FILE), "rb") as f:
-            model.index = f.read()
+                model._add(os.path.normpath(os.path.join(rel, name)), _File(bytearray(data), bytearray(data)),
+                           durable=True)
         return model
+
+    def _parent(self, path: str) -> tuple[_Dir, str]:
+        d = self.root
+        head, name = os.path.split(path)
+        for part in head.split(os.sep) if head else ():
+            d = d.current[part]
+        return d, name
+
+    def _get(self, path: str):
+        d, name = self._parent(path)
+        return d.current[name]
+
+    def _add(self, path: str, node, *, durable: bool = False) -> None:
+        d, name = self._parent(path)
+        d.current[name] = node
+        if durable:
+            d.durable[name] = node
 
     def apply(self, e: Effect) -> None:
         if e.kind == "create":
-            self.files[e.path] = _File(bytearray(), bytearray(), True, False)
+            self._add(e.path, _File(bytearray(), bytearray()))
         elif e.kind == "write":
-            f = self.files[e.path]
+            f = self._get(e.path)
             end = e.offset + len(e.data)
             if len(f.current) < end:
                 f.current.extend(b"\0" * (end - len(f.current)))
             f.current[e.offset:end] = e.data
-            self.last_write = e.path
+            self.last_write = f
         elif e.kind == "fsync":
-            f = self.files[e.path]
+            f = self._get(e.path)
             f.durable = bytearray(f.current)
-            if self.last_write == e.path:
+            if self.last_write is f:
                 self.last_write = None
         elif e.kind == "fsync_dir":
-            prefix = "" if e.path == "." else e.path + os.sep
-            for path in list(self.files):
-                if os.path.dirname(path) == prefix.rstrip(os.sep):
-                    f = self.files[path]
-                    f.entry_durable = f.exists
-                    if not f.exists:
-                        del self.files[path]
+            d = self.root if e.path == "." else self._get(e.path)
+            d.durable = dict(d.current)
         elif e.kind == "truncate":
-            del self.files[e.path].current[e.offset:]
-        elif e.kind == "remove":
-            self.files[e.path].exists = False
-        elif e.kind == "replace":  # written, fsynced, renamed, directory fsynced
-            self.files[e.path] = _File(bytearray(e.data), bytearray(e.data))
-        elif e.kind == "index":
-            self.index = e.data
+            del self._get(e.path).current[e.offset:]
+        elif e.kind in ("remove", "rmtree"):
+            d, name = self._parent(e.path)
+            d.current.pop(name, None)
+        elif e.kind == "rename":
+            d, name = self._parent(e.path)
+            self._add(e.name, d.current.pop(name))
+        elif e.kind == "mkdir":
+            self._add(e.path, _Dir())
+        elif e.kind == "replace":  # written, fsynced, renamed, its directory fsynced (all of its entries)
+            self._add(e.path, _File(bytearray(e.data), bytearray(e.data)))
+            d, _name = self._parent(e.path)
+            d.durable = dict(d.current)
+        elif e.kind == "index":  # committed and synced (the file made at the environment's creation if new)
+            d, name = self._parent(e.path)
+            f = d.current.get(name)
+            if f is None:
+                f = d.current[name] = _File(bytearray(), bytearray())
+            f.current, f.durable = bytearray(e.data), bytearray(e.data)
 
-    def state(self, variant: str) -> dict[str, bytes] | None:
-        """{relative path: bytes} of the crash state ``variant`` (kill, power, torn); None when ``torn``
-        does not apply (no unsynced append)."""
-        out: dict[str, bytes] = {INDEX_FILE: self.index}
-        for path, f in self.files.items():
-            if variant == "kill":
-                if f.exists:
-                    out[path] = bytes(f.current)
-            elif f.entry_durable:
-                out[path] = bytes(f.durable)
-        if variant == "torn":
-            f = self.files.get(self.last_write) if self.last_write else None
-            if f is None or not f.entry_durable or len(f.current) <= len(f.durable):
-                return None
-            half = len(f.durable) + (len(f.current) - len(f.durable)) // 2
-            out[self.last_write] = bytes(f.current[:half])
+    def state(self, variant: str) -> dict[str, bytes | None] | None:
+        """{relative path: bytes, or None for a directory} of the crash state ``variant`` (kill, power,
+        torn); None when ``torn`` does not apply (no unsynced append that would survive in part)."""
+        out: dict[str, bytes | None] = {}
+        torn: list = []
+
+        def walk(d: _Dir, prefix: str) -> None:
+            for name, node in (d.current if variant == "kill" else d.durable).items():
+                path = os.path.join(prefix, name) if prefix else name
+                if isinstance(node, _Dir):
+                    out[path] = None
+                    walk(node, path)
+                elif variant == "kill":
+                    out[path] = bytes(node.current)
+                else:
+                    out[path] = bytes(node.durable)
+                    if variant == "torn" and node is self.last_write and len(node.current) > len(node.durable):
+                        half = len(node.durable) + (len(node.current) - len(node.durable)) // 2
+                        out[path] = bytes(node.current[:half])
+                        torn.append(path)
+
+        walk(self.root, "")
+        if variant == "torn" and not torn:
+            return None
         return out
 
 
-def write_state(files: dict[str, bytes], root: str) -> None:
-    for sub in (filenames.INDEX_DIR, filenames.SEGMENTS_DIR):
-        os.makedirs(os.path.join(root, sub), exist_ok=True)
-    for rel, data in files.items():
-        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
-        with open(os.path.join(root, rel), "wb") as f:
-            f.write(data)
+def write_state(files: dict[str, bytes | None], root: str) -> None:
+    os.makedirs(root, exist_ok=True)
+    for rel in sorted(files):  # a directory before what it holds
+        path = os.path.join(root, rel)
+        if files[rel] is None:
+            os.makedirs(path, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(files[rel])
 
 
-def state_key(files: dict[str, bytes]) -> bytes:
+def state_key(files: dict[str, bytes | None]) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     for rel in sorted(files):
-        h.update(rel.encode() + b"\0" + hashlib.blake2b(files[rel], digest_size=16).digest())
+        data = files[rel]
+        h.update(rel.encode() + b"\0" + (b"dir" if data is None else hashlib.blake2b(data, digest_size=16).digest()))
     return h.digest()
 
 
@@ -294,6 +355,23 @@ def check_state(root: str, expect: Expectation, write_more: CheckNewWrite) -> No
         _check_versions(store, listed, expect, "after reopening")
 
 
+def check_repair_from_log(root: str, expect: Expectation) -> None:
+    """The crash state at ``root`` with its index lost: ``repair`` rebuilds it from the segment log
+    alone, and the store then lists the versions before the operation in flight or after it, each
+    reading bit for bit as acknowledged, and verifies clean (repair's index never reads differently
+    from the committed history)."""
+    shutil.rmtree(filenames.index_dir(root), ignore_errors=True)
+    report = repair(root)
+    acknowledged = frozenset.intersection(*expect.allowed)  # (a version in flight may be reported lost)
+    lost = acknowledged & set(report.versions_lost)
+    assert not lost, f"repair lost versions {sorted(lost)}: {report.versions_lost} (notes: {report.notes[:3]})"
+    with Store(root, create=False, readonly=True, filesystem=fs.DEFAULT) as store:
+        listed = frozenset(v.version for v in store.versions())
+        assert listed in expect.allowed, (f"repair from the log lists versions {sorted(listed)}; expected one of "
+                                          f"{[sorted(a) for a in expect.allowed]}")
+        _check_versions(store, listed, expect, "after repair from the log")
+
+
 #: content keys with this prefix name a dense array (read_dense) rather than a table (read_table)
 DENSE = "dense:"
 
@@ -320,9 +398,10 @@ class Sweep:
 
 def explore(base: str, effects: list[Effect], content, workdir: str, write_more: CheckNewWrite, *,
             initial=frozenset(), variants=("kill", "power", "torn"), stride: int = 1,
-            max_failures: int = 5, keep_last: int | None = None) -> Sweep:
+            max_failures: int = 5, keep_last: int | None = None, repair_from_log: bool = False) -> Sweep:
     """Rebuild and check the crash state after every ``stride``-th prefix of ``effects`` (every prefix
-    with 1), in each variant. ``base`` is a copy of the store before the workload."""
+    with 1), in each variant. ``base`` is a copy of the store before the workload. With
+    ``repair_from_log`` each state is also checked with its index lost and repaired (a second copy)."""
     model = FileModel.of_directory(base)
     expect = expectations(effects, content, initial)
     for e in expect:
@@ -347,6 +426,9 @@ def explore(base: str, effects: list[Effect], content, workdir: str, write_more:
             n += 1
             write_state(files, root)
             try:
+                if repair_from_log:
+                    write_state(files, root + "-repaired")
+                    check_repair_from_log(root + "-repaired", expect[k])
                 check_state(root, expect[k], write_more)
             except Exception as exc:  # noqa: BLE001 - collected and reported with the state's place
                 sweep.failures.append(f"after effect {k} ({effects[k - 1].kind if k else 'start'} "
@@ -355,6 +437,7 @@ def explore(base: str, effects: list[Effect], content, workdir: str, write_more:
                     return sweep
             finally:
                 shutil.rmtree(root, ignore_errors=True)
+                shutil.rmtree(root + "-repaired", ignore_errors=True)
             sweep.states += 1
             sweep.by_variant[variant] = sweep.by_variant.get(variant, 0) + 1
     return sweep

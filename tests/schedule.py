@@ -30,7 +30,7 @@ class Pause:
         self._go = threading.Event()
         self._lock = threading.Lock()
 
-    def _hook(self, _name: str) -> None:
+    def _hook(self, _name: str, *_detail) -> None:
         with self._lock:
             if self.hits >= self.times:
                 return

@@ -1,6 +1,7 @@
 """Crash states enumerated, not sampled (issue 21): named deterministic workloads of checkpoints
-(increments and merged deltas), compact, retain and gc (freeing and cleaning segments), each recorded
-through the file-system seam and checked in every crash state of every prefix (tests/crash_states.py).
+(increments and merged deltas), compact, retain, gc (freeing and cleaning segments) and repair, each
+recorded through the file-system seam and checked in every crash state of every prefix
+(tests/crash_states.py); for some workloads every crash state is also repaired from its log alone.
 
 ``make test`` runs each named workload over every prefix and prints how many distinct crash states it
 checked. The deep sweep (``pytest --runslow tests/test_crash_states.py -k deep_sweep -s``) runs random
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from cnrstore import compaction, knobs
+from cnrstore.repair import repair
 from cnrstore.background import BackgroundCompactor
 from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention
 from cnrstore.store import Store
@@ -82,6 +84,16 @@ class Workload:
     def gc(self):
         return self._op("gc", self.store.gc)
 
+    def repair(self):
+        """``cnrstore repair`` of the store with its index intact (closed first, reopened after): the
+        new index is built beside the old one, the old one moved aside and the new one renamed in."""
+        def run_repair():
+            self.store.close()
+            report = repair(self.store.path, filesystem=self.rec)
+            assert report.ok, report.versions_lost
+            self.store = Store(self.store.path, create=False, readonly=False, filesystem=self.rec)
+        return self._op("repair", run_repair)
+
     def rewrite_dense(self, version: int):
         """``compaction.replace_dense`` (what ``cnrstore migrate-payload`` does to a trainer payload): the
         array of ``version`` rewritten, here with the same values, so every version reads the same."""
@@ -116,7 +128,7 @@ def write_more(store: Store) -> None:
     store.gc()
 
 
-def run(tmp_path, seed: int, script, policy=None, keep_last=None) -> cs.Sweep:
+def run(tmp_path, seed: int, script, policy=None, keep_last=None, repair_from_log=False) -> cs.Sweep:
     """Record ``script(workload)`` on a fresh base store, then explore every crash state of it."""
     path = str(tmp_path / "store")
     make_base(path)
@@ -134,8 +146,10 @@ def run(tmp_path, seed: int, script, policy=None, keep_last=None) -> cs.Sweep:
             w.store.close()
     work = str(tmp_path / "states")
     os.makedirs(work)
-    sweep = cs.explore(base, rec.effects, w.content, work, write_more, initial=initial, keep_last=keep_last)
-    print(f"\n{script.__name__}: {sweep.effects} effects, {sweep.states} distinct crash states checked "
+    sweep = cs.explore(base, rec.effects, w.content, work, write_more, initial=initial, keep_last=keep_last,
+                       repair_from_log=repair_from_log)
+    print(f"\n{script.__name__}{' (each also repaired from the log)' if repair_from_log else ''}: "
+          f"{sweep.effects} effects, {sweep.states} distinct crash states checked "
           f"{sweep.by_variant}")
     assert not sweep.failures, "\n".join(sweep.failures)
     return sweep
@@ -194,10 +208,33 @@ def rewrite_dense_then_gc(w: Workload) -> None:
     w.gc()
 
 
-@pytest.mark.parametrize("script", [maintenance_mix, clean_after_drop, deltas_then_compact, rewrite_dense_then_gc],
+def repair_amid_maintenance(w: Workload) -> None:
+    """Repair of a store with its index intact, between checkpoints, a drop, gc's cleaning and a
+    compaction, twice (idempotent): repair's new index, its renames and its READY mark recorded too."""
+    for _ in range(3):
+        w.checkpoint(40)
+    w.retain(2)
+    w.gc()
+    w.repair()
+    w.checkpoint(60)
+    w.compact()
+    w.repair()
+    w.gc()
+    w.checkpoint(20)
+
+
+#: workloads whose every crash state is also checked with its index lost and repaired from the log
+REPAIRED_FROM_LOG = {"maintenance_mix", "clean_after_drop", "deltas_then_compact"}
+
+
+@pytest.mark.parametrize("script", [maintenance_mix, clean_after_drop, deltas_then_compact, rewrite_dense_then_gc,
+                                    repair_amid_maintenance],
                          ids=lambda s: s.__name__)
 def test_every_crash_state_of_a_named_workload_recovers(tmp_path, script):
-    sweep = run(tmp_path, 0, script)
+    """Every crash state opens with the versions before or after the operation in flight, bit for bit;
+    for the REPAIRED_FROM_LOG workloads each state, its index lost, also repairs from the segment log
+    alone to the same (issue 21: "repair's index never reads differently from the committed history")."""
+    sweep = run(tmp_path, 0, script, repair_from_log=script.__name__ in REPAIRED_FROM_LOG)
     assert sweep.states > 50  # the workload did record effects to explore
 
 
@@ -216,13 +253,15 @@ def random_workload(seed: int):
     def script(w: Workload) -> None:
         rng = np.random.default_rng(seed)
         for _ in range(14):
-            op = rng.choice(["ck", "ck", "ck", "compact", "retain", "gc"])
+            op = rng.choice(["ck", "ck", "ck", "compact", "retain", "gc", "repair"])
             if op == "ck" or len(w.listed()) < 2:
                 w.checkpoint(int(rng.integers(5, 200)))
             elif op == "compact":
                 w.compact()
             elif op == "retain":
                 w.retain(int(rng.integers(1, 4)))
+            elif op == "repair":
+                w.repair()
             else:
                 w.gc()
     script.__name__ = f"random_workload_{seed}"
@@ -231,10 +270,13 @@ def random_workload(seed: int):
 
 @pytest.mark.slow
 def test_deep_sweep_random_workloads(tmp_path):
-    """The opt-in sweep (``pytest --runslow -k deep_sweep``): random workloads of 14 operations over
-    ``CNRSTORE_CRASH_SEEDS`` seeds (default 40), every prefix of each."""
-    total = 0
+    """The opt-in sweep (``pytest --runslow -k deep_sweep``): random workloads of 14 operations (repair
+    among them) over ``CNRSTORE_CRASH_SEEDS`` seeds (default 40), every prefix of each; with an odd seed
+    every state is also repaired from its log alone."""
+    total = repaired = 0
     for seed in range(int(os.environ.get("CNRSTORE_CRASH_SEEDS", "40"))):
-        total += run(tmp_path / f"seed{seed}", seed, random_workload(seed)).states
+        states = run(tmp_path / f"seed{seed}", seed, random_workload(seed), repair_from_log=seed % 2 == 1).states
+        total += states
+        repaired += states if seed % 2 else 0
         shutil.rmtree(tmp_path / f"seed{seed}")
-    print(f"\ndeep sweep: {total} distinct crash states checked, 0 failures")
+    print(f"\ndeep sweep: {total} distinct crash states checked ({repaired} also repaired from the log), 0 failures")

@@ -423,13 +423,14 @@ def _check_against_model(path, model, report) -> dict:
 
 
 # a repair killed while it installs its index ------------------------------------------------------------
-@pytest.mark.parametrize("point", ["repair_before_install", "repair_between_renames"])
-def test_a_repair_killed_while_installing_its_index_loses_nothing(tmp_path, point):
+@pytest.mark.parametrize("point,finisher", [("repair_before_install", "repair"), ("repair_between_renames", "open"),
+                                             ("repair_between_renames", "repair")])
+def test_a_repair_killed_while_installing_its_index_loses_nothing(tmp_path, point, finisher):
     """Repair moves the old index aside, then renames the new one in. Killed between the two (no index/
-    at all), the next repair installs the index the killed one built (READY) instead of rebuilding from
-    the log alone; killed before, the old index is still in place. Either way every version reads as
-    before, with its step and meta, although v4's COMMIT record is damaged (only the old index knew them),
-    and verify is clean."""
+    at all), a readonly open refuses and says how to finish; the next writable open (or repair) installs
+    the index the killed one built (READY) instead of rebuilding from the log alone; killed before, the
+    old index is still in place. Either way every version reads as before, with its step and meta,
+    although v4's COMMIT record is damaged (only the old index knew them), and verify is clean."""
     path = tmp_path / "s"
     with cnrstore.open(path, create=True) as s:
         _small_history(s, 4, dense=False)
@@ -442,10 +443,13 @@ def test_a_repair_killed_while_installing_its_index_loses_nothing(tmp_path, poin
     assert done.returncode == -9  # killed at the point
     if point == "repair_between_renames":
         assert not os.path.exists(filenames.index_dir(str(path)))
-        with pytest.raises(CorruptionError, match="cnrstore repair"):
-            cnrstore.open(path)
+        with pytest.raises(CorruptionError, match="interrupted `cnrstore repair`.*open the store for writing"):
+            cnrstore.open(path, readonly=True)
+        if finisher == "open":
+            with cnrstore.open(path) as s:  # rolls the install forward
+                assert any("interrupted `cnrstore repair`" in n for n in s.recovery_notes), s.recovery_notes
         report = cnrstore.repair(path)
-        assert any("interrupted repair" in n for n in report.notes), report.notes
+        assert any("interrupted repair" in n for n in report.notes) == (finisher == "repair"), report.notes
     else:
         report = cnrstore.repair(path)
     assert report.ok and report.versions_recovered == [1, 2, 3, 4]
