@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, filenames, fs, knobs, liveness, reader, record
+from . import codecs, fs, knobs, liveness, reader, record
 from .errors import CnrError, InvalidArgument, StorageFull
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
 from .segments import SEGMENT_HEADER_BYTES
@@ -627,7 +627,7 @@ def delete_doomed(engine: "Engine", report: GCReport) -> GCReport:
         if seg not in deletable:
             report.bytes_pending += storage.size(seg) or 0
     if deletable:
-        engine.fs.fsync_dir(filenames.segments_dir(engine.path))
+        storage.sync_removals()
 
         def body(w: IndexWriter) -> None:
             current = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}

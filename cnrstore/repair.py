@@ -45,7 +45,6 @@ decides which stay, so that a GC after repair keeps every record a later repair 
 from __future__ import annotations
 
 import bisect
-import mmap
 import os
 import time
 from dataclasses import dataclass, field
@@ -60,6 +59,7 @@ from .errors import CnrError, CorruptionError, StoreNotFound
 from .index import DenseLoc, Index, IndexWriter, RowLoc, finish_interrupted_install, install_built_index
 from .msgpack_safe import unpack_bounded
 from .lock import ProcessLock
+from .storage import LocalSegmentStorage
 from .marker import FORMAT_VERSION, read_marker
 
 Progress = Callable[[int, int], None]
@@ -174,9 +174,13 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
         report = RepairReport(root)
         _finish_interrupted_install(root, filesystem, report)
         old = _read_old_index(root, report)
-        found, lengths = _scan(root, filesystem, report, progress)
-        plan = _prove(found, report, old)
-        _install(root, filesystem, found, lengths, plan, report, FORMAT_VERSION, old)
+        storage = LocalSegmentStorage(root, filesystem)
+        try:
+            found, lengths = _scan(storage, report, progress)
+            plan = _prove(found, report, old)
+            _install(root, filesystem, storage, found, lengths, plan, report, FORMAT_VERSION, old)
+        finally:
+            storage.close()
         return report
     finally:
         lock.release()
@@ -227,23 +231,20 @@ def _read_old_index(root: str, report: RepairReport) -> _OldIndex | None:
 
 
 # scan -------------------------------------------------------------------------------------------------
-def _scan(root: str, filesystem: fs.FileSystem, report: RepairReport,
+def _scan(storage: LocalSegmentStorage, report: RepairReport,
           progress: Progress | None) -> tuple[_Found, dict[int, int]]:
-    seg_dir = filenames.segments_dir(root)
-    names = [(filenames.parse_segment_name(n), n) for n in sorted(os.listdir(seg_dir))]
-    names = [(s, n) for s, n in names if s is not None]
-    total = sum(os.path.getsize(os.path.join(seg_dir, n)) for _s, n in names)
+    sizes = {seg: storage.size(seg) or 0 for seg in storage.list()}
+    total = sum(sizes.values())
     found, lengths, done = _Found(), {}, 0
-    for seg, name in names:
-        seg_path = os.path.join(seg_dir, name)
-        size = os.path.getsize(seg_path)
+    for seg, size in sizes.items():
+        seg_path = storage.path(seg)
         report.segments_scanned += 1
-        if _scan_segment(seg, seg_path, found, report):
+        if _scan_segment(storage, seg, seg_path, found, report):
             lengths[seg] = size
         else:
-            filesystem.rename(seg_path, seg_path + ".damaged")  # unreadable by the store, kept as evidence
+            aside = storage.quarantine(seg)  # unreadable by the store, kept as evidence
             report.notes.append(f"segment {seg_path} has a damaged header: none of its records can be read; "
-                                f"renamed to {name}.damaged")
+                                f"renamed to {os.path.basename(aside)}")
             found.unattributed.append(f"segment {seg_path} (damaged header)")
         done += size
         if progress is not None:
@@ -253,14 +254,12 @@ def _scan(root: str, filesystem: fs.FileSystem, report: RepairReport,
     return found, lengths
 
 
-def _scan_segment(seg: int, seg_path: str, found: _Found, report: RepairReport) -> bool:
+def _scan_segment(storage: LocalSegmentStorage, seg: int, seg_path: str, found: _Found, report: RepairReport) -> bool:
     """Scan one segment into ``found``; False if its header is damaged (its records are unusable)."""
-    with open(seg_path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    with storage.scan(seg) as mm:
+        size = len(mm)
         if size == 0:
             return False
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-    try:
         buf = np.frombuffer(mm, dtype=np.uint8)
         try:
             segments.check_segment_header(buf, seg, seg_path)
@@ -286,11 +285,6 @@ def _scan_segment(seg: int, seg_path: str, found: _Found, report: RepairReport) 
             _bad_stretch(found, report, mm, seg, seg_path, bad_from, size, at_end=True)
         del buf
         return True
-    finally:
-        try:
-            mm.close()
-        except BufferError:
-            pass
 
 
 def _bad_stretch(found: _Found, report: RepairReport, mm, seg: int, seg_path: str, start: int, end: int,
@@ -1073,8 +1067,9 @@ def _readers_of(recovered: list[int], versions: list[int], i: int) -> list[int]:
                      (bisect.bisect_left(recovered, hi) if hi is not None else None)]
 
 
-def _install(root: str, filesystem: fs.FileSystem, found: _Found, lengths: dict[int, int], plan: _Plan,
-             report: RepairReport, format_version: int, old: _OldIndex | None) -> None:
+def _install(root: str, filesystem: fs.FileSystem, storage: LocalSegmentStorage, found: _Found,
+             lengths: dict[int, int], plan: _Plan, report: RepairReport, format_version: int,
+             old: _OldIndex | None) -> None:
     rows, dense, damaged = _entries(plan, report)
     tmp = filenames.index_repair_tmp(root)
     filesystem.remove_tree(tmp)  # a previous repair's unfinished build: ours, never installed
@@ -1082,12 +1077,8 @@ def _install(root: str, filesystem: fs.FileSystem, found: _Found, lengths: dict[
     index = Index(tmp, readonly=False, create=True)
     meta = old.meta if old is not None else {}
     try:
-        max_seg = max([*lengths, meta.get("max_deleted_segment") or 0], default=0)
-        seg_dir = filenames.segments_dir(root)
-        for name in os.listdir(seg_dir):  # renamed-aside damaged segments too: never reuse an id
-            if name.endswith(".damaged"):
-                s = filenames.parse_segment_name(name[: -len(".damaged")])
-                max_seg = max(max_seg, s or 0)
+        # set-aside damaged segments count too: never reuse an id
+        max_seg = max([*lengths, *storage.quarantined(), meta.get("max_deleted_segment") or 0], default=0)
         drop_seq = max(plan.drop["seq"] if plan.drop is not None else 0, meta.get("drop_seq") or 0)
 
         def body(w: IndexWriter) -> None:

@@ -1,52 +1,106 @@
-"""The segment storage seam: where sealed and active segment files are read, measured, listed and removed.
+"""The segment storage seam: where segments are appended, read, measured, listed, recovered and removed.
 
-The engine reads segment bytes, sizes them, lists them and removes freed ones only through a
-``SegmentStorage`` (leveldb's ``Env``, torchsnapshot's ``StoragePlugin``), so that another store for
-segments can be added without touching the engine. ``LocalSegmentStorage`` is today's: files under
-``<store>/segments/``, read through mmap (segments.SegmentReader), removed through the file-system seam
-(cnrstore/fs.py).
+The engine, GC and repair touch segments only through a ``SegmentStorage`` (leveldb's ``Env``,
+torchsnapshot's ``StoragePlugin``, zarr v3's ``abc/store.py``), so that another store for segments can be
+added without touching them; tests/test_engine.py proves it with an audit hook that sees every file
+access. ``LocalSegmentStorage`` is today's: files under ``<store>/segments/``, read through mmap
+(segments.SegmentReader), appended, truncated, renamed and removed through the file-system seam
+(cnrstore/fs.py), so that the crash-state explorer sees every effect.
 
-Appending stays local: the checkpoint writer and compaction append to local files (SegmentAppender) and
-fsync them before each commit. An appender calls ``sealed(seg)`` once it will never append to ``seg``
-again (it rolled over to a new segment, or GC sealed it): the hook where a remote implementation would
-upload the now immutable file (and could later serve reads of it from the object store), and where a
-local one has nothing to do. Crash recovery (segments.recover) works on the local directory.
+What a storage can do is stated by capability flags (``supports_appends``, ``supports_deletes``,
+``local_files``): a read-only storage never hands out an appender. An appender (``appender``) calls
+``sealed(seg)`` once it will never append to ``seg`` again (it rolled over to a new segment, or GC sealed
+it): the hook where a remote implementation would upload the now immutable file (and could later serve
+reads of it from the object store), and where a local one has nothing to do.
 """
 
 from __future__ import annotations
 
+import abc
+import contextlib
+import errno
+import mmap
 import os
+from typing import Iterator
 
 import numpy as np
 
-from . import filenames, fs
-from .segments import SegmentReader
+from . import errors, filenames, fs
+from .segments import SegmentAppender, SegmentIds, SegmentReader, recover
+
+#: suffix repair gives a segment whose header is damaged (kept as evidence, never read or reused)
+QUARANTINE_SUFFIX = ".damaged"
 
 
-class SegmentStorage:
+class SegmentStorage(abc.ABC):
     """What the engine needs of the place segments live. Implementations must be thread-safe for reads."""
 
+    #: hands out appenders (a writable store needs this)
+    supports_appends: bool = False
+    #: removes segments (GC needs this to reclaim space)
+    supports_deletes: bool = True
+    #: segments are files of the local file system that ``recover`` brings in line with the index
+    local_files: bool = False
+
+    @abc.abstractmethod
     def read(self, seg: int, offset: int, length: int) -> np.ndarray:
         """A read-only uint8 view of ``length`` bytes at ``offset`` of segment ``seg`` (CorruptionError if
         the segment is missing or shorter)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def path(self, seg: int) -> str:
         """Where segment ``seg`` lives, for messages (a path, or a URL)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def size(self, seg: int) -> int | None:
         """Bytes of segment ``seg`` as stored, or None if it does not exist."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def list(self) -> list[int]:
         """Ids of every segment stored, ascending."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def remove(self, seg: int) -> None:
         """Delete segment ``seg`` (GC freed it and no reader can need it any more). FileNotFoundError if
-        it is already gone."""
-        raise NotImplementedError
+        it is already gone. Durable once ``sync_removals`` returns."""
+
+    def sync_removals(self) -> None:
+        """Make the removals so far durable."""
+
+    def disk_bytes(self) -> int:
+        """Bytes the stored segments occupy (allocated, where the storage knows; else their sizes)."""
+        return sum(self.size(seg) or 0 for seg in self.list())
+
+    def appender(self, committed: dict[int, int], format_version: int, ids: SegmentIds, *,
+                 active=None, resume: bool = False, on_sealed=None) -> SegmentAppender:
+        """An appender of segments here (segments.SegmentAppender): ``committed`` maps segment → committed
+        length; with ``resume`` appends go on in the newest committed segment, else in ``active`` (None:
+        a new segment on the first append)."""
+        raise errors.ReadOnlyError(f"{type(self).__name__} takes no appends: open the store readonly=True")
+
+    def recover(self, committed: dict[int, int], doomed=(), *, max_deleted: int = 0, ids=None) -> list[str]:
+        """Bring the stored segments in line with the index after a crash (writer only, at open): see
+        segments.recover. Returns notes of what it did."""
+        return []
+
+    def check_writable(self, what: str) -> None:
+        """PermissionDenied (saying ``what`` was being done) unless appends and removals can succeed."""
+
+    @contextlib.contextmanager
+    def scan(self, seg: int) -> Iterator[bytes]:
+        """The whole stored segment, unchecked (repair scans it record by record): a bytes-like object
+        with ``find``. CorruptionError if it cannot be read."""
+        size = self.size(seg)
+        yield b"" if not size else bytes(self.read(seg, 0, size))
+
+    def quarantine(self, seg: int) -> str:
+        """Move segment ``seg`` (its header is damaged) out of the store's way, kept as evidence; returns
+        where it went. Its id is never reused (``quarantined``)."""
+        raise errors.ReadOnlyError(f"{type(self).__name__} cannot set a damaged segment aside")
+
+    def quarantined(self) -> list[int]:
+        """Ids of the segments ``quarantine`` set aside."""
+        return []
 
     def sealed(self, seg: int) -> None:
         """Segment ``seg`` will never be appended to again (its committed bytes are final)."""
@@ -59,12 +113,21 @@ class SegmentStorage:
 
 
 class LocalSegmentStorage(SegmentStorage):
-    """Segment files under ``<root>/segments/``, read through mmap, removed through ``filesystem``."""
+    """Segment files under ``<root>/segments/``, read through mmap, written through ``filesystem``."""
+
+    supports_appends = True
+    local_files = True
 
     def __init__(self, root: str, filesystem: fs.FileSystem = fs.DEFAULT):
         self.root = root
         self.fs = filesystem
         self._reader = SegmentReader(root)
+
+    @staticmethod
+    def create(root: str, filesystem: fs.FileSystem = fs.DEFAULT) -> None:
+        """Make ``<root>/segments/`` for a new store (nothing if it exists: a creation is retried)."""
+        if not os.path.isdir(filenames.segments_dir(root)):
+            filesystem.mkdir(filenames.segments_dir(root))
 
     def read(self, seg: int, offset: int, length: int) -> np.ndarray:
         return self._reader.read(seg, offset, length)
@@ -85,6 +148,76 @@ class LocalSegmentStorage(SegmentStorage):
     def remove(self, seg: int) -> None:
         self._reader.forget(seg)
         self.fs.remove(filenames.segment_path(self.root, seg))
+
+    def sync_removals(self) -> None:
+        self.fs.fsync_dir(filenames.segments_dir(self.root))
+
+    def disk_bytes(self) -> int:
+        """Blocks allocated to every file in segments/ (set-aside damaged ones too)."""
+        with os.scandir(filenames.segments_dir(self.root)) as entries:
+            return sum(e.stat().st_blocks * 512 for e in entries if e.is_file(follow_symlinks=False))
+
+    def appender(self, committed: dict[int, int], format_version: int, ids: SegmentIds, *,
+                 active=None, resume: bool = False, on_sealed=None) -> SegmentAppender:
+        if resume:
+            active = max(committed) if committed else None
+        return SegmentAppender(self.root, committed, format_version, self.fs, ids, active=active, on_sealed=on_sealed)
+
+    def recover(self, committed: dict[int, int], doomed=(), *, max_deleted: int = 0, ids=None) -> list[str]:
+        return recover(self.root, committed, self.fs, doomed, max_deleted=max_deleted, ids=ids)
+
+    def check_writable(self, what: str) -> None:
+        seg_dir = filenames.segments_dir(self.root)
+        needs = [(seg_dir, os.W_OK | os.X_OK, "write and search (-wx)")]
+        try:
+            names = sorted(os.listdir(seg_dir))
+        except FileNotFoundError:
+            raise errors.CorruptionError(
+                f"the segments directory {seg_dir} of store {self.root!r} is missing: the data of every version "
+                "that wrote to it is gone. Restore the directory from a copy; `cnrstore verify` lists what is "
+                "lost", seg_dir, None) from None
+        except PermissionError as exc:
+            raise fs.permission_denied(exc, what, seg_dir, needs="read, write and search (rwx)") from None
+        needs += [(os.path.join(seg_dir, n), os.R_OK | os.W_OK, "read and write") for n in names
+                  if filenames.parse_segment_name(n) is not None]
+        for path, mode, need in needs:
+            if not os.access(path, mode):
+                try:
+                    code = errno.EROFS if os.statvfs(path).f_flag & os.ST_RDONLY else errno.EACCES
+                except OSError:
+                    code = errno.EACCES
+                raise fs.permission_denied(OSError(code, os.strerror(code)), what, path, needs=need)
+
+    @contextlib.contextmanager
+    def scan(self, seg: int) -> Iterator[bytes]:
+        with open(filenames.segment_path(self.root, seg), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                yield b""
+                return
+            mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        try:
+            yield mm
+        finally:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping is closed when it is collected
+
+    def quarantine(self, seg: int) -> str:
+        path = filenames.segment_path(self.root, seg)
+        self._reader.forget(seg)
+        self.fs.rename(path, path + QUARANTINE_SUFFIX)
+        return path + QUARANTINE_SUFFIX
+
+    def quarantined(self) -> list[int]:
+        out = []
+        for name in os.listdir(filenames.segments_dir(self.root)):
+            if name.endswith(QUARANTINE_SUFFIX):
+                seg = filenames.parse_segment_name(name[: -len(QUARANTINE_SUFFIX)])
+                if seg is not None:
+                    out.append(seg)
+        return sorted(out)
 
     def forget(self, seg: int) -> None:
         self._reader.forget(seg)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import errno
 import logging
 import os
 import sys
@@ -17,7 +16,6 @@ from . import codecs, compaction, filenames, fs, knobs, reader, segments, valida
 from .errors import (
     CheckpointInProgress,
     CompactionFailed,
-    CorruptionError,
     FormatVersionError,
     IndexDamaged,
     InvalidArgument,
@@ -125,35 +123,6 @@ def _not_found_message(root: str, readonly: bool) -> str:
     return f"no cnrstore store at {root!r}{hint}"
 
 
-def _check_writable_files(root: str) -> None:
-    """PermissionDenied unless this process may write what a writer writes (segments/ and its files).
-
-    (The LOCK file and the index are checked where they are opened.) Checked at open, so that a store
-    the process may only read fails there, not at its first checkpoint.
-    """
-    seg_dir = filenames.segments_dir(root)
-    needs = [(seg_dir, os.W_OK | os.X_OK, "write and search (-wx)")]
-    try:
-        names = sorted(os.listdir(seg_dir))
-    except FileNotFoundError:
-        raise CorruptionError(f"the segments directory {seg_dir} of store {root!r} is missing: the data of every "
-                              "version that wrote to it is gone. Restore the directory from a copy; `cnrstore "
-                              "verify` lists what is lost", seg_dir, None) from None
-    except PermissionError as exc:
-        raise fs.permission_denied(exc, _opening(root, False), seg_dir, needs="read, write and search (rwx)") \
-            from None
-    needs += [(os.path.join(seg_dir, n), os.R_OK | os.W_OK, "read and write") for n in names
-              if filenames.parse_segment_name(n) is not None]
-    for path, mode, what in needs:
-        if not os.access(path, mode):
-            try:
-                code = errno.EROFS if os.statvfs(path).f_flag & os.ST_RDONLY else errno.EACCES
-            except OSError:
-                code = errno.EACCES
-            exc = OSError(code, os.strerror(code))
-            raise fs.permission_denied(exc, _opening(root, False), path, needs=what)
-
-
 class Store:
     """An open checkpoint store. Thread-safe for reads; one checkpoint writer at a time."""
 
@@ -187,7 +156,6 @@ class Store:
                 if self._engine.lock is None:
                     self._engine.lock = ProcessLock(self.path)
                     self._engine.lock.acquire()
-                _check_writable_files(self.path)
         except BaseException:
             self._closed = self._engine.closed = True
             if self._engine.lock is not None:
@@ -199,6 +167,8 @@ class Store:
                                            "(index.repair-tmp/)")
             self._engine.index = Index(filenames.index_dir(self.path), readonly=readonly)
             self._engine.segments = storage if storage is not None else LocalSegmentStorage(self.path, filesystem)
+            if not readonly:  # a store this process may only read fails here, not at its first checkpoint
+                self._engine.segments.check_writable(_opening(self.path, False))
             self._engine.appender = self._engine.compaction_appender = None
             with self._engine.index.read() as view:
                 if view.meta("format") is None:  # an empty environment LMDB made in place of a lost one
@@ -210,17 +180,17 @@ class Store:
                     doomed = {int(k) for k in view.meta("doomed_segments", {})}
                     deleted = view.meta("max_deleted_segment", 0)
                     seg_ids = view.meta("segment_ids")
-                self.recovery_notes += segments.recover(self.path, committed, self._engine.fs, doomed,
-                                                        max_deleted=deleted, ids=seg_ids)
+                self.recovery_notes += self._engine.segments.recover(committed, doomed, max_deleted=deleted,
+                                                                     ids=seg_ids)
                 # never reuse the id of a deleted segment: a long-lived reader may still map the old file
                 high, _pending = segments.leftover_rule(committed, doomed, deleted, seg_ids)
                 ids = segments.SegmentIds(high + 1)
                 # the checkpoint writer and compaction append to active segments of their own
-                sealed = self._engine.segments.sealed
-                self._engine.appender = segments.SegmentAppender(self.path, committed, FORMAT_VERSION,
-                                                                 self._engine.fs, ids, on_sealed=sealed)
-                self._engine.compaction_appender = segments.SegmentAppender(
-                    self.path, {}, FORMAT_VERSION, self._engine.fs, ids, active=None, on_sealed=sealed)
+                store_segments = self._engine.segments
+                self._engine.appender = store_segments.appender(committed, FORMAT_VERSION, ids, resume=True,
+                                                                on_sealed=store_segments.sealed)
+                self._engine.compaction_appender = store_segments.appender({}, FORMAT_VERSION, ids, active=None,
+                                                                           on_sealed=store_segments.sealed)
                 if doomed:  # segments GC freed before a restart: delete those no reader needs now
                     compaction.delete_doomed(self._engine, compaction.GCReport())
                 if fmt < FORMAT_VERSION:  # from now on it holds format-2 records an older GC would drop
@@ -280,7 +250,7 @@ class Store:
         return lock
 
     def _create_files(self) -> None:
-        os.makedirs(filenames.segments_dir(self.path), exist_ok=True)
+        LocalSegmentStorage.create(self.path, self._engine.fs)
         index = Index(filenames.index_dir(self.path), readonly=False, create=True)
         try:
             def init(w):
@@ -661,8 +631,8 @@ class Store:
         return stats
 
     def _disk_bytes(self) -> int:
-        total = 0
-        for directory in (self.path, filenames.segments_dir(self.path), filenames.index_dir(self.path)):
+        total = self._engine.segments.disk_bytes()
+        for directory in (self.path, filenames.index_dir(self.path)):
             for entry in os.scandir(directory):
                 if entry.is_file(follow_symlinks=False):
                     total += entry.stat().st_blocks * 512

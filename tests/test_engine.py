@@ -4,7 +4,10 @@ only way the engine reads, measures and removes segments."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
+import sys
+import traceback
 
 import numpy as np
 
@@ -153,9 +156,17 @@ class TieredStorage(storage.SegmentStorage):
     dict) and deletes the local file; reads, sizes and removals of sealed segments are served from the
     upload, those of the active segments from the local files."""
 
+    supports_appends = True  # (appends go to local files, as the seam's docstring says)
+
     def __init__(self, root):
         self.local = storage.LocalSegmentStorage(root)
         self.remote: dict[int, np.ndarray] = {}
+
+    def appender(self, committed, format_version, ids, **kwargs):
+        return self.local.appender(committed, format_version, ids, **kwargs)
+
+    def recover(self, committed, doomed=(), **kwargs):
+        return self.local.recover(committed, doomed, **kwargs)
 
     def read(self, seg, offset, length):
         if seg in self.remote:
@@ -225,3 +236,85 @@ def test_sealed_segments_moved_to_another_storage_are_read_verified_and_freed_th
     np.testing.assert_array_equal(store.read_table("t"), snapshots[newest])
     assert store.verify().ok
     store.close()
+
+
+# -- every segment file access goes through the storage seam ----------------------------------------------
+_AUDIT: dict = {"root": None, "events": [], "outside": []}
+_SEAM_FILES = ("cnrstore/storage.py", "cnrstore/segments.py")  # the local storage and its files
+_PATH_EVENTS = {"open": 0, "os.listdir": 0, "os.scandir": 0, "os.rename": 0, "os.remove": 0, "os.truncate": 0,
+                "os.rmdir": 0, "os.mkdir": 0, "os.chmod": 0, "os.utime": 0, "shutil.rmtree": 0}
+
+
+def _audit(event, args):
+    seg_dir = _AUDIT["root"]
+    if seg_dir is None or event not in _PATH_EVENTS or not args:
+        return
+    path = args[_PATH_EVENTS[event]]
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return
+    path = os.path.abspath(os.fsdecode(path))
+    if path != seg_dir and not path.startswith(seg_dir + os.sep):
+        return
+    _AUDIT["events"].append(event)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.replace(os.sep, "/").endswith(_SEAM_FILES):
+            return
+        frame = frame.f_back
+    stack = [f"{f.filename.rsplit('/', 2)[-2:]}:{f.lineno}" for f in traceback.extract_stack()[-8:-1]]
+    _AUDIT["outside"].append((event, path, stack))
+
+
+sys.addaudithook(_audit)
+
+
+@contextlib.contextmanager
+def _audited(path):
+    _AUDIT["root"] = os.path.abspath(cnrstore.filenames.segments_dir(path))
+    try:
+        yield
+    finally:
+        _AUDIT["root"] = None
+
+
+def _segment_ids(path):
+    return sorted(s for s in map(cnrstore.filenames.parse_segment_name, os.listdir(
+        cnrstore.filenames.segments_dir(path))) if s is not None)
+
+
+def test_every_segment_file_access_goes_through_the_storage_seam(tmp_path, monkeypatch):
+    """An audit hook sees every open, listing, rename, removal and truncation of the interpreter: in a
+    workload of checkpoints, reads, retain, gc (freeing and cleaning), compact, verify, stats, a reopen
+    after a torn write, and repair of a segment with a damaged header, every one under segments/ comes
+    from the storage seam (storage.py and the local segment files of segments.py) — none from the
+    engine, GC, verify, the Store or repair (issue 22)."""
+    monkeypatch.setattr(cnrstore.knobs, "SEGMENT_BYTES", 2048)
+    path = str(tmp_path / "s")
+    _AUDIT.update(events=[], outside=[])
+    with _audited(path):
+        cnrstore.open(path, create=True).close()
+        with cnrstore.open(path) as store:
+            store.create_table("t", 256, 4, codec="fp32", block_rows=64)
+            for v in range(6):
+                rows = np.arange(256) if v in (0, 3) else np.arange(v, 256, 5)
+                with store.checkpoint() as ck:
+                    ck.put_rows("t", rows, np.full((len(rows), 4), v, np.float32))
+            store.read_table("t", version=2)
+            store.retain(keep_last=2)
+            store.gc()
+            store.compact()
+            store.gc()
+            assert store.verify().ok
+            store.stats()
+    with open(cnrstore.filenames.segment_path(path, _segment_ids(path)[-1]), "ab") as f:
+        f.write(b"torn tail")
+    with _audited(path):
+        with cnrstore.open(path) as store:  # recovery truncates the torn tail
+            assert store.recovery_notes
+    with open(cnrstore.filenames.segment_path(path, _segment_ids(path)[0]), "r+b") as f:
+        f.write(b"X")  # a damaged header: repair sets the segment aside
+    with _audited(path):
+        report = cnrstore.repair(path)
+    assert any("damaged header" in n for n in report.notes), report.notes
+    assert {"os.rename", "os.listdir", "open", "os.remove", "os.truncate"} <= set(_AUDIT["events"]), _AUDIT["events"]
+    assert not _AUDIT["outside"], _AUDIT["outside"][:5]

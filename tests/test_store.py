@@ -1236,7 +1236,7 @@ def test_a_failed_open_releases_the_lock_and_the_index(store_path, monkeypatch):
     def broken_recover(*args, **kwargs):
         raise OSError("injected failure during recovery")
 
-    monkeypatch.setattr(cnrstore.segments, "recover", broken_recover)
+    monkeypatch.setattr(cnrstore.storage.LocalSegmentStorage, "recover", broken_recover)
     with pytest.raises(OSError, match="injected"):
         cnrstore.open(store_path)
     assert not cnrstore.index._SharedEnv._registry, "the failed open left its LMDB environment open"
