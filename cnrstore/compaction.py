@@ -24,6 +24,7 @@ from . import codecs, fs, knobs, liveness, reader, record
 from .errors import CnrError, InvalidArgument, StorageFull
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
 from .segments import SEGMENT_HEADER_BYTES
+from .storage import Expect, fetch
 from .reader import unread_versions
 from .rowrecords import block_records
 
@@ -467,16 +468,19 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
                 for tid, block, v, loc in row_users.get(seg, []):
                     rows = alive.partial.get((tid, block, v))
                     if rows is None:
-                        copies.append(("row", (tid, block, v, loc), [_verified_bytes(engine, loc)], loc.length))
+                        copies.append(("row", (tid, block, v, loc),
+                                       [_verified_bytes(engine, loc, Expect(record.KIND_ROWS, tid, v, block))],
+                                       loc.length))
                     else:  # partly live: rewritten with its live rows only
                         new_loc, buffers, length = _live_rows_record(engine, loc, rows, tid, block)
                         copies.append(("row", (tid, block, v, new_loc), buffers, length))
                     sources.append(loc)
                 for dense_id, v, loc in dense_users.get(seg, []):
-                    copies.append(("dense", (dense_id, v, loc), [_verified_bytes(engine, loc)], loc.length))
+                    copies.append(("dense", (dense_id, v, loc),
+                                  [_verified_bytes(engine, loc, Expect(record.KIND_DENSE, dense_id, v))], loc.length))
                     sources.append(loc)
                 for kind, v, loc in log_users.get(seg, []):
-                    copies.append(("log", (kind, v, loc), [_verified_bytes(engine, loc)], loc.length))
+                    copies.append(("log", (kind, v, loc), [_verified_bytes(engine, loc, Expect(kind))], loc.length))
                     sources.append(loc)
                 locations = appender.append_many([(buffers, length) for _kind, _key, buffers, length in copies])
                 fs.crash_point("gc_cleaned_segment")
@@ -562,7 +566,7 @@ def _live_rows_record(engine: "Engine", loc: RowLoc, rows: np.ndarray, tid: int,
     """(new RowLoc without its place, buffers, length) of the record at ``loc`` holding only the block
     offsets ``rows`` (sorted, a subset of its rows): encoded bytes copied, flags kept (FULL recomputed),
     marked COMPACTED (written by maintenance: repair reads it as the block's record at its version)."""
-    rec = _verified_record(engine, loc)
+    rec = _verified_record(engine, loc, Expect(record.KIND_ROWS, tid, None, block))
     offsets = rec.offsets()
     take = np.searchsorted(offsets, rows)
     body = rec.body.reshape(rec.count, -1)[take]
@@ -573,10 +577,9 @@ def _live_rows_record(engine: "Engine", loc: RowLoc, rows: np.ndarray, tid: int,
     return RowLoc(0, 0, length, int(rows.size), flags, rec.base()), buffers, length
 
 
-def _verified_record(engine: "Engine", loc) -> record.Record:
-    """The checksum-verified record at ``loc``."""
-    buf = engine.segments.read(loc.segment, loc.offset, loc.length)
-    return record.parse(buf, engine.segments.path(loc.segment), loc.offset)
+def _verified_record(engine: "Engine", loc, expect: Expect | None = None) -> record.Record:
+    """The checksum-verified record at ``loc`` (and, with ``expect``, the one its index entry names)."""
+    return fetch(engine.segments, loc, expect)
 
 
 #: GC copies the live records of about this many bytes of under-full segments per index commit.
@@ -597,11 +600,11 @@ def _incomplete(candidates: list[int], done: int, exc: BaseException) -> str:
             "free disk space and run gc again to reclaim them")
 
 
-def _verified_bytes(engine: "Engine", loc) -> np.ndarray:
-    """A record's bytes, checksum-verified: GC never copies damage into a new segment."""
-    buf = engine.segments.read(loc.segment, loc.offset, loc.length)
-    record.parse(buf, engine.segments.path(loc.segment), loc.offset)
-    return buf
+def _verified_bytes(engine: "Engine", loc, expect: Expect) -> np.ndarray:
+    """A record's bytes, checksum-verified and checked against the index entry that names it: GC never
+    copies damage, nor a record other than the one the entry names, into a new segment."""
+    fetch(engine.segments, loc, expect)
+    return engine.segments.read(loc.segment, loc.offset, loc.length)
 
 
 def delete_doomed(engine: "Engine", report: GCReport) -> GCReport:

@@ -82,7 +82,7 @@ def merge_block(resolver: BlockResolver, block: int, block_len: int, merge: Chai
     block's merges have copied ``knobs.DELTA_RESET_FRACTION`` of the block since it, a new baseline).
     """
     records = list(merge.records)
-    loaded = [(v, loc) + resolver._load_rows(loc, block, v) for v, loc in records]
+    loaded = [(v, loc) + resolver.load_rows(loc, block, v) for v, loc in records]
     copied_before = max((rec.copied() for _v, _loc, rec, _rows in loaded), default=0)
     base_version = merge.baseline[0] if merge.baseline is not None else 0
     # the level-2 record: the oldest of the chain, if it is a cumulative delta on the baseline
@@ -100,7 +100,7 @@ def merge_block(resolver: BlockResolver, block: int, block_len: int, merge: Chai
     if merge.baseline is not None and (copied >= knobs.DELTA_RESET_FRACTION * block_len
                                        or union.size >= knobs.DELTA_FULL_FRACTION * block_len):
         v, loc = merge.baseline
-        rec, rows = resolver._load_rows(loc, block, v)
+        rec, rows = resolver.load_rows(loc, block, v)
         parts.append((rec.codec_id, rec.offsets(), rows))
         return _merged(parts, codec, resolver.dim, offsets, 0, 0)  # a new baseline: every row the block has
     return _merged(parts, codec, resolver.dim, offsets, base_version, copied)

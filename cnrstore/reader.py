@@ -17,6 +17,7 @@ from . import codecs, record
 from .errors import CorruptionError, InvalidArgument, MissingRows
 from .index import IndexView
 from .segments import SegmentReader
+from .storage import Expect, fetch
 
 
 @dataclass
@@ -40,14 +41,7 @@ class BlockResolver:
 
     def load(self, loc, block: int | None = None, version: int | None = None) -> record.Record:
         """The verified record at ``loc``; it must be the one its index entry (block, version) names."""
-        buf = self.segments.read(loc.segment, loc.offset, loc.length)
-        rec = record.parse(buf, self.segments.path(loc.segment), loc.offset)
-        if (rec.kind != record.KIND_ROWS or rec.object_id != self.table["id"] or rec.count != loc.count
-                or rec.flags != loc.flags or rec.base() != loc.base or (block is not None and rec.block != block)
-                or (version is not None and rec.version != version)):
-            path = self.segments.path(loc.segment)
-            raise CorruptionError(f"record at {path}:{loc.offset} is not the one the index names", path, loc.offset)
-        return rec
+        return fetch(self.segments, loc, Expect(record.KIND_ROWS, self.table["id"], version, block))
 
     def resolve(self, block: int, want: np.ndarray | None, version: int) -> tuple[list[Piece], np.ndarray]:
         """Pieces holding the rows ``want`` (sorted unique block offsets; None = every row) at ``version``.
@@ -60,7 +54,7 @@ class BlockResolver:
         remaining = want
         pieces: list[Piece] = []
         for v, loc in self.view.row_chain(self.table["id"], block, version):
-            rec, rows = self._load_rows(loc, block, v)
+            rec, rows = self.load_rows(loc, block, v)
             if not rec.count:  # a record GC emptied (every row of it shadowed for every kept version)
                 if rec.flags & record.FLAG_BASELINE:
                     break
@@ -87,7 +81,7 @@ class BlockResolver:
         filled = None
         left = block_len
         for v, loc in self.view.row_chain(self.table["id"], block, version):
-            rec, rows = self._load_rows(loc, block, v)
+            rec, rows = self.load_rows(loc, block, v)
             if filled is None and rec.flags & record.FLAG_FULL and rec.count == block_len:
                 return [Piece(rec.codec_id, rows, None)], np.zeros(0, dtype=np.int64)  # the common case
             offsets = rec.offsets()
@@ -110,7 +104,7 @@ class BlockResolver:
             return pieces, np.arange(block_len, dtype=np.int64)
         return pieces, (np.flatnonzero(~filled) if left else np.zeros(0, dtype=np.int64))
 
-    def _load_rows(self, loc, block: int, version: int) -> tuple[record.Record, np.ndarray]:
+    def load_rows(self, loc, block: int, version: int) -> tuple[record.Record, np.ndarray]:
         """The verified record and its encoded rows as a (count, row_bytes) array."""
         rec = self.load(loc, block, version)
         path = self.segments.path(loc.segment)
@@ -304,9 +298,7 @@ def read_dense(view: IndexView, segments: SegmentReader, dense_id: int, name: st
         return None
     found_version, loc = found
     path = segments.path(loc.segment)
-    rec = record.parse(segments.read(loc.segment, loc.offset, loc.length), path, loc.offset)
-    if rec.kind != record.KIND_DENSE or rec.object_id != dense_id or rec.version != found_version:
-        raise CorruptionError(f"record at {path}:{loc.offset} is not the one the index names", path, loc.offset)
+    rec = fetch(segments, loc, Expect(record.KIND_DENSE, dense_id, found_version))
     try:
         desc = rec.dense_descriptor()
         dtype = np.dtype(desc["dtype"])

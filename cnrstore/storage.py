@@ -21,15 +21,44 @@ import contextlib
 import errno
 import mmap
 import os
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from . import errors, filenames, fs
+from . import errors, filenames, fs, record
+from .index import RowLoc
 from .segments import SegmentAppender, SegmentIds, SegmentReader, recover
 
 #: suffix repair gives a segment whose header is damaged (kept as evidence, never read or reused)
 QUARANTINE_SUFFIX = ".damaged"
+
+
+class Expect(NamedTuple):
+    """What the index entry that led to a record says of it (None: not checked)."""
+
+    kind: int
+    object_id: int | None = None
+    version: int | None = None
+    block: int | None = None
+
+
+def fetch(storage: "SegmentStorage", loc, expect: Expect | None = None) -> record.Record:
+    """The checksum-verified record at ``loc`` (an index location), read through ``storage``: the one
+    place beneath reads, merges, verify and compaction where a record is fetched and checked against its
+    index entry. With ``expect`` it must be the record that entry names: its kind, object, version and
+    block, and for a row entry (``index.RowLoc``) its row count, flags and delta base too. Raises
+    CorruptionError (naming the place) for damage or a mismatch."""
+    path = storage.path(loc.segment)
+    rec = record.parse(storage.read(loc.segment, loc.offset, loc.length), path, loc.offset)
+    if expect is not None and (
+            rec.kind != expect.kind
+            or (expect.object_id is not None and rec.object_id != expect.object_id)
+            or (expect.version is not None and rec.version != expect.version)
+            or (expect.block is not None and rec.block != expect.block)
+            or (isinstance(loc, RowLoc) and (rec.count != loc.count or rec.flags != loc.flags
+                                             or rec.base() != loc.base))):
+        raise errors.CorruptionError(f"record at {path}:{loc.offset} is not the one the index names", path, loc.offset)
+    return rec
 
 
 class SegmentStorage(abc.ABC):

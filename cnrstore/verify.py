@@ -10,6 +10,7 @@ from . import blocks as blocks_math
 from . import codecs, reader, record, segments
 from .errors import CnrError
 from .types import VerifyReport
+from .storage import fetch
 
 #: What to do next, per kind of problem (appended to each problem verify reports).
 DO_RECORD = ("reads that need it raise CorruptionError, never other data: restore a version that does not need "
@@ -149,8 +150,7 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
 
 def _parse_counted(seg_reader, loc, report: VerifyReport) -> record.Record:
     """The checksum-verified record at ``loc``, counted in the report (CorruptionError if damaged)."""
-    rec = record.parse(seg_reader.read(loc.segment, loc.offset, loc.length), seg_reader.path(loc.segment),
-                       loc.offset)
+    rec = fetch(seg_reader, loc)  # (what the record must be is checked by the caller, naming the problem)
     report.records_checked += 1
     report.bytes_checked += loc.length
     return rec
