@@ -59,7 +59,7 @@ def test_gc_never_copies_a_record_other_than_the_one_its_entry_names(two_version
         s.retain(keep_last=2)
         with s.engine.index.read() as view:
             entries = sorted(view.row_entries())
-        (t1, b1, v1, _loc1), (t2, b2, v2, loc2) = entries[0], entries[-1]
+        (t1, b1, v1), (t2, b2, v2, loc2) = entries[0][:3], entries[-1]
         assert (t1, b1) != (t2, b2) or v1 != v2
 
         def swap(w):
