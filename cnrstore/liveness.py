@@ -22,6 +22,7 @@ import numpy as np
 from . import blocks as blocks_math
 from . import record
 from .index import IndexView, RowLoc
+from .reader import check_offsets
 
 
 @dataclass
@@ -98,7 +99,10 @@ def _block(result: Liveness, info: dict | None, key: tuple[int, int], entries: l
 
         def rows_of(i):
             if i not in offsets:
-                offsets[i] = load(entries[i][1]).offsets()
+                loc = entries[i][1]
+                rec = load(loc)
+                check_offsets(rec, block_len, f"segment {loc.segment}", loc.offset)  # a crafted catalog
+                offsets[i] = rec.offsets()
             return offsets[i]
 
         for chain in chains:

@@ -116,7 +116,19 @@ class BlockResolver:
         if rec.body.size != rec.count * row_bytes:
             raise CorruptionError(f"record at {path}:{loc.offset} holds {rec.body.size} body bytes, not "
                                   f"{rec.count} rows of {row_bytes}", path, loc.offset)
+        check_offsets(rec, blocks_math.length(block, self.block_rows, self.table["num_rows"]), path, loc.offset)
         return rec, rec.body.reshape(rec.count, row_bytes)
+
+
+def check_offsets(rec: record.Record, block_len: int, path: str, offset: int) -> None:
+    """CorruptionError unless every row offset of ROWS record ``rec`` lies in its block of ``block_len`` rows
+    (the table catalog and the record disagree otherwise): a FULL record's count, else its largest stored
+    offset (one vectorized pass over at most 2**16 u16)."""
+    last = (rec.count if rec.flags & record.FLAG_FULL else
+            int(rec.stored_offsets().max()) + 1 if rec.count else 0)
+    if last > block_len:
+        raise CorruptionError(f"record at {path}:{offset} holds row offset {last - 1} of block {rec.block}, which "
+                              f"has {block_len} rows in the table catalog: the store is damaged", path, offset)
 
 
 def unread_versions(entries: list[tuple], kept: list[int]) -> list[int]:

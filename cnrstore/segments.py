@@ -17,7 +17,7 @@ import numpy as np
 import xxhash
 
 from . import filenames, fs, knobs
-from .errors import CorruptionError, IndexDamaged
+from .errors import CorruptionError, IndexDamaged, InvalidArgument
 
 log = logging.getLogger("cnrstore.segments")
 # On disk: never change. magic, segment id u64, format version u32, reserved u32 (0), xxh3-64 of the
@@ -61,7 +61,11 @@ class SegmentIds:
 
     def take(self) -> int:
         with self._lock:
-            seg, self._next = self._next, self._next + 1
+            seg = self._next
+            if seg > 0xFFFFFFFF:  # index entries hold segment ids as u32
+                raise InvalidArgument("the store has used up its 2**32 segment ids; write new checkpoints in a "
+                                      "new store")
+            self._next = seg + 1
             self._outstanding.add(seg)
             return seg
 

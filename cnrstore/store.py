@@ -490,6 +490,9 @@ class Store:
 
             def allocate(w):  # durably, so that a version number is never handed out twice
                 v = w.meta("next_version", 1)
+                if v >= (1 << 64) - 1:  # versions are u64 (the last one would leave no next_version to store)
+                    raise InvalidArgument(f"store {self.path!r} has used up its 2**64 version numbers; write new "
+                                          "checkpoints in a new store")
                 w.put_meta("next_version", v + 1)
                 latest = w.latest()
                 return v, (latest[0] if latest else None)

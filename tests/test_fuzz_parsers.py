@@ -207,3 +207,269 @@ def test_trainer_payloads_decode_typed(edits):
         pass
     assert not os.path.exists("RAN")
     assert issubclass(UnsafePayload, CnrError)
+
+
+# -- index values: well-formed msgpack (or struct) of the wrong shape ---------------------------------------
+# A crafted index value that decodes within its bounds may still hold a string where an int belongs, a
+# negative row count, a dim of 2**40, an unknown codec, a delta based on itself... Each is rewritten into a
+# small real store with lmdb directly, and every read path runs over it: only cnrstore's typed errors may
+# come out, and memory stays within the bound of the store's size.
+
+_INDEX_DBS = (b"meta", b"tables", b"versions", b"segments", b"rows", b"dense_names", b"dense", b"log")
+_STRUCT_VALUES = {b"rows": None, b"dense": index_mod.DENSE_LOC, b"log": index_mod.DENSE_LOC,
+                  b"dense_names": index_mod._DENSE_ID}
+_index_base: dict = {}
+
+
+def _index_store(tmp_path_factory) -> tuple[str, list[tuple[bytes, bytes, bytes]]]:
+    """A store of two tables over six versions (cumulative deltas included) and a dense array, built once,
+    and every (database, key, value) of its index."""
+    if "path" not in _index_base:
+        import lmdb
+
+        import cnrstore
+
+        path = str(tmp_path_factory.mktemp("index-base") / "s")
+        rng = np.random.default_rng(0)
+        with cnrstore.open(path, create=True) as s:
+            s.create_table("emb", 300, 4, codec="int4", block_rows=64)
+            s.create_table("e2", 50, 3, codec="fp32")
+            for v in range(6):
+                with s.checkpoint(step=v, meta={"k": v}) as w:
+                    rows = np.arange(300) if v == 0 else rng.choice(300, 20, replace=False)
+                    w.put_rows("emb", rows, rng.random((rows.size, 4)))
+                    if v < 2:
+                        w.put_rows("e2", np.arange(50), rng.random((50, 3)))
+                    w.put_dense("d", np.arange(5.0) + v)
+        env = lmdb.open(os.path.join(path, "index"), max_dbs=len(_INDEX_DBS), readonly=True, lock=False)
+        items = []
+        with env.begin() as txn:
+            for name in _INDEX_DBS:
+                db = env.open_db(name, txn=txn, create=False)
+                items += [(name, bytes(k), bytes(v)) for k, v in txn.cursor(db=db)]
+        env.close()
+        assert {len(v) for db, _k, v in items if db == b"rows"} == {17, 25}  # plain and delta entries
+        _index_base.update(path=path, items=items)
+    return _index_base["path"], _index_base["items"]
+
+
+_ODD_VALUES = st.one_of(
+    st.none(), st.booleans(), st.floats(), st.text(max_size=6), st.binary(max_size=6),
+    st.sampled_from([0, -1, 1, 3, 63, 64, 2**16, 2**16 + 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**62, 2**63 - 1,
+                     2**64 - 1, -2**63, "int4", "nope", "emb", [], [1, -1], {}, {"length": 1}, [["emb"]]]),
+    st.integers(-2**63, 2**64 - 1), st.lists(st.integers(-2, 70), max_size=3),
+    st.dictionaries(st.sampled_from(["version", "bytes", "high", "pending", "table", "block", "why", "dense", 1]),
+                    st.integers(-2, 3), max_size=3))
+_U_FIELD = st.one_of(st.sampled_from([0, 1, 7, 63, 64, 2**16, 2**16 + 1, 255, 2**32 - 1]), st.integers(0, 2**32 - 1))
+
+
+@st.composite
+def _index_edit(draw, items):
+    """(database, key, new value) for one value of the index: a field replaced or dropped, the whole value
+    replaced, or its bytes mutated."""
+    db, key, raw = items[draw(st.integers(0, len(items) - 1))]
+    how = draw(st.sampled_from(["field", "field", "field", "drop", "whole", "bytes"]))
+    if how == "bytes":
+        return db, key, _mutate(raw, draw(_mutations()))
+    if db in _STRUCT_VALUES:
+        if how != "field":
+            return db, key, msgpack.packb(draw(_ODD_VALUES), use_bin_type=True)[:25] if how == "whole" else raw[:-1]
+        if db == b"rows":
+            fields = list(index_mod._row_loc(raw))
+            i = draw(st.integers(0, 5))
+            version = index_mod.ROW_KEY.unpack(key)[2]
+            fields[i] = (draw(st.sampled_from([0, 1, version - 1, version, version + 1, 2**64 - 1])) if i == 5
+                         else draw(_U_FIELD) % (256 if i == 4 else 2**32))
+            if i == 5 and fields[5]:
+                fields[4] |= record.FLAG_DELTA
+            return db, key, index_mod._row_loc_bytes(index_mod.RowLoc(*fields))
+        fmt = _STRUCT_VALUES[db]
+        fields = list(fmt.unpack(raw))
+        fields[draw(st.integers(0, len(fields) - 1))] = draw(_U_FIELD)
+        return db, key, fmt.pack(*fields)
+    value = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    if how == "whole" or not isinstance(value, dict) or not value:
+        return db, key, msgpack.packb(draw(_ODD_VALUES), use_bin_type=True)
+    field = draw(st.sampled_from(sorted(value, key=str)))
+    if how == "drop":
+        value.pop(field)
+    else:
+        value[field] = draw(_ODD_VALUES)
+    return db, key, msgpack.packb(value, use_bin_type=True)
+
+
+def _read_everything(path: str) -> None:
+    """open, ls, info, verify and every read of the store at ``path``; CnrError from any one is fine."""
+    import contextlib
+    import io
+
+    import cnrstore
+    from cnrstore import cli
+
+    def each(*calls):
+        for call in calls:
+            try:
+                call()
+            except CnrError:
+                pass
+
+    def api():
+        with cnrstore.open(path, readonly=True) as s:
+            tables = {}
+
+            def catalog():
+                tables.update(s.tables())
+
+            each(catalog, s.versions, s.latest, s.stats, s.verify, s.restore, lambda: s.read_dense("d"),
+                 lambda: s.read_dense("d", 2))
+            for name in ("emb", "e2", *tables):
+                each(lambda: s.read_table(name), lambda: s.read_table(name, 3), lambda: s.read_rows(name, [0, 7, 49]))
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        each(api)
+        for argv in (["ls"], ["info"], ["info", "--json"], ["verify"]):
+            cli.main([*argv, path])  # a CnrError is exit status 2; anything else escapes
+
+
+def _rewrite_index_value(path: str, db: bytes, key: bytes, value: bytes) -> None:
+    import lmdb
+
+    env = lmdb.open(os.path.join(path, "index"), max_dbs=len(_INDEX_DBS))
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(key, value, db=env.open_db(db, txn=txn, create=False))
+    finally:
+        env.close()
+
+
+def _store_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _dirs, names in os.walk(path) for n in names)
+
+
+def _check_edit(tmp_path_factory, db: bytes, key: bytes, value: bytes) -> None:
+    import shutil
+
+    base, _items = _index_store(tmp_path_factory)
+    path = str(tmp_path_factory.mktemp("ix") / "s")
+    shutil.copytree(base, path)
+    _rewrite_index_value(path, db, key, value)
+    _bounded(lambda: _read_everything(path), _store_bytes(path), (CnrError,))
+    shutil.rmtree(path)
+
+
+@settings(max_examples=int(os.environ.get("CNRSTORE_FUZZ_EXAMPLES", "20")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_index_values_of_the_wrong_shape_are_typed_errors_in_every_read(tmp_path_factory, data):
+    _base, items = _index_store(tmp_path_factory)
+    _check_edit(tmp_path_factory, *data.draw(_index_edit(items), label="edit"))
+
+
+def _table_value(**fields) -> bytes:
+    info = {"id": 1, "name": "emb", "num_rows": 300, "dim": 4, "codec": "int4", "block_rows": 64, "created": 1.0}
+    return msgpack.packb({**info, **fields}, use_bin_type=True)
+
+
+_CRAFTED = {  # (database, key, value) each of which reached the code using it before its field checks
+    "negative num_rows": (b"tables", b"emb", _table_value(num_rows=-1)),
+    "huge num_rows": (b"tables", b"emb", _table_value(num_rows=2**40)),
+    "dim 0": (b"tables", b"emb", _table_value(dim=0)),
+    "dim 2**40": (b"tables", b"emb", _table_value(dim=2**40)),
+    "unknown codec": (b"tables", b"emb", _table_value(codec="int99")),
+    "block_rows 0": (b"tables", b"emb", _table_value(block_rows=0)),
+    "string id": (b"tables", b"emb", _table_value(id="1")),
+    "num_rows below the records": (b"tables", b"emb", _table_value(num_rows=1)),
+    "another table's id": (b"tables", b"e2", msgpack.packb({**msgpack.unpackb(_table_value(name="e2")), "num_rows": 50,
+                                                             "dim": 3, "codec": "fp32"})),
+    "no id": (b"tables", b"emb", msgpack.packb({k: v for k, v in msgpack.unpackb(_table_value()).items() if k != "id"})),
+    "step bytes": (b"versions", index_mod.VERSION_KEY.pack(1),
+                      msgpack.packb({"step": b"x", "meta": None, "created": 1.0, "parent": None, "tables": [],
+                                     "dense": [], "bytes": 0})),
+    "created beyond time_t": (b"versions", index_mod.VERSION_KEY.pack(1),
+                              msgpack.packb({"step": 0, "meta": None, "created": 2**64 - 1, "parent": None,
+                                             "tables": [], "dense": [], "bytes": 0})),
+    "segment length nil": (b"segments", index_mod.VERSION_KEY.pack(1), msgpack.packb({"length": None})),
+    "bytes_written a string": (b"meta", b"bytes_written", msgpack.packb("x")),
+    "bytes_written nil": (b"meta", b"bytes_written", msgpack.packb(None)),
+    "dense id of 3 bytes": (b"dense_names", b"d", b"\0\0\1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CRAFTED))
+def test_crafted_index_values_are_typed_errors_in_every_read(tmp_path_factory, case):
+    _check_edit(tmp_path_factory, *_CRAFTED[case])
+
+
+def test_a_delta_entry_based_on_itself_is_damage_not_an_endless_read_chain(tmp_path_factory):
+    """A cumulative delta's base at or above its own version would send a read chain round for ever."""
+    import itertools
+    import shutil
+
+    import cnrstore
+    from cnrstore.errors import IndexDamaged
+
+    base, items = _index_store(tmp_path_factory)
+    key, raw = next((k, v) for db, k, v in items if db == b"rows" and len(v) == index_mod.ROW_LOC_DELTA.size)
+    table, block, version = index_mod.ROW_KEY.unpack(key)
+    for based_on in (version, version + 1):
+        path = str(tmp_path_factory.mktemp("loop") / "s")
+        shutil.copytree(base, path)
+        _rewrite_index_value(path, b"rows", key, index_mod._row_loc_bytes(index_mod._row_loc(raw)._replace(base=based_on)))
+        with cnrstore.open(path, readonly=True) as s:
+            with s.engine.index.read() as view, pytest.raises(IndexDamaged, match="base"):
+                list(itertools.islice(view.row_chain(table, block, version), 20))
+            with pytest.raises(CorruptionError):
+                s.read_table("emb", version)
+        _bounded(lambda: _read_everything(path), _store_bytes(path), (CnrError,))
+
+
+@settings(max_examples=int(os.environ.get("CNRSTORE_FUZZ_EXAMPLES", "15")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(_mutations(), st.booleans(), st.booleans())
+def test_repair_of_mutated_segment_bytes_is_typed(tmp_path_factory, edits, reseal, drop_index):
+    """`cnrstore repair` over a segment whose bytes were mutated (the record holding the first edit resealed
+    or not) and an index kept or lost: only typed errors, and a store that verify then reads typed too."""
+    import glob
+    import shutil
+
+    import cnrstore
+
+    base, _items = _index_store(tmp_path_factory)
+    path = str(tmp_path_factory.mktemp("rp") / "s")
+    shutil.copytree(base, path)
+    (seg,) = glob.glob(os.path.join(path, "segments", "*.seg"))
+    data = open(seg, "rb").read()
+    mutated = _mutate(data, edits)
+    if reseal:  # recompute the checksum of the record the first edit fell in (records found by their lengths)
+        mutated = _reseal_at(mutated, int(edits[0][0] * len(mutated)))
+    with open(seg, "wb") as f:
+        f.write(mutated)
+    if drop_index:
+        shutil.rmtree(os.path.join(path, "index"))
+
+    def run():
+        try:
+            cnrstore.repair(path)
+        except CnrError:
+            pass
+        _read_everything(path)
+
+    _bounded(run, _store_bytes(path), (CnrError,))
+    shutil.rmtree(path)
+
+
+def _reseal_at(data: bytes, at: int) -> bytes:
+    """``data`` (a segment) with the checksum of the record around byte ``at`` recomputed, walking records by
+    the lengths in their headers from the segment header; unchanged if the walk does not reach it."""
+    from cnrstore import segments
+
+    pos = segments.SEGMENT_HEADER_BYTES
+    while pos + record.HEADER_BYTES <= len(data):
+        fields = record.HEADER.unpack_from(data, pos)
+        end = pos + record.HEADER_BYTES + fields[-2] + fields[-1] + record.TRAILER_BYTES
+        if end > len(data) or end <= pos:
+            return data
+        if pos <= at < end:
+            return data[:pos] + _reseal_record(data[pos:end]) + data[end:]
+        pos = end
+    return data

@@ -149,13 +149,23 @@ def test_dense_at_boundaries(index):
 
 
 # catalogs -------------------------------------------------------------------------------------------
+def _table(tid, name, num_rows=10):
+    return {"id": tid, "name": name, "num_rows": num_rows, "dim": 4, "codec": "int4", "block_rows": 64,
+            "created": 1.5}
+
+
+def _version(v):
+    return {"step": v, "meta": {"a": [1, 2]}, "created": 2.0, "parent": None, "tables": ["emb"], "dense": [],
+            "bytes": 100}
+
+
 def test_catalogs_round_trip(index):
     def body(w):
         w.put_meta("next_version", 7)
-        w.put_table("emb", {"id": 1, "name": "emb", "num_rows": 10})
-        w.put_table("ém", {"id": 2, "name": "ém"})
+        w.put_table("emb", _table(1, "emb"))
+        w.put_table("ém", _table(2, "ém"))
         for v in (3, 1, 2**40):
-            w.put_version(v, {"step": v, "meta": {"a": [1, 2]}})
+            w.put_version(v, _version(v))
         w.put_segment(1, 4096)
         w.put_segment(2**33, 32)
         return "done"
@@ -165,8 +175,8 @@ def test_catalogs_round_trip(index):
         assert view.table("emb")["num_rows"] == 10 and view.table("nope") is None
         assert sorted(view.tables()) == ["emb", "ém"]
         assert [v for v, _ in view.versions()] == [1, 3, 2**40]  # numeric order
-        assert view.latest() == (2**40, {"step": 2**40, "meta": {"a": [1, 2]}})
-        assert view.version(3) == {"step": 3, "meta": {"a": [1, 2]}}
+        assert view.latest() == (2**40, _version(2**40))
+        assert view.version(3) == _version(3)
         for missing in (0, 2, U64, 2**64, 2**70, -1):
             assert view.version(missing) is None
         assert view.segments() == {1: 4096, 2**33: 32}

@@ -352,6 +352,63 @@ def test_a_distributed_restore_of_a_poisoned_payload_and_manifest_runs_nothing(t
     assert not marker.exists()
 
 
+def _set_table(store_path, name, **fields):
+    """Rewrite table ``name``'s catalog entry in the index of ``store_path`` (lmdb directly)."""
+    import lmdb
+
+    env = lmdb.open(os.path.join(store_path, "index"), max_dbs=8)
+    try:
+        with env.begin(write=True) as txn:
+            db = env.open_db(b"tables", txn=txn, create=False)
+            info = msgpack.unpackb(txn.get(name.encode(), db=db), raw=False)
+            txn.put(name.encode(), msgpack.packb({**info, **fields}, use_bin_type=True), db=db)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("rows, dim", [(10**12, 4), (20_000_000, 4), (20, 1 << 20)])
+def test_a_merged_export_checks_what_the_plan_claims_before_allocating(tmp_path, group, rows, dim):
+    """A forged manifest whose plan claims a table far bigger than the rank stores hold: the merged export
+    refuses it before allocating the merged table (at 10**12 rows that allocation was a MemoryError; at
+    2*10**7 x 4 it was 320 MB), whether the rank store's catalog disagrees (InvalidArgument: no such shard)
+    or was forged to agree (CorruptionError: its segments cannot hold those rows)."""
+    import tracemalloc
+
+    from cnrstore.distributed import DistributedCheckpointer, Root, ShardingPlan
+    from cnrstore.distributed.export import merged_snapshot
+    from cnrstore.export import export_path
+
+    root = tmp_path / "root"
+    model = Model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    ck = DistributedCheckpointer(root, model, opt, plan=ShardingPlan.row_wise({"emb": (20, 4)}, 1), codec="fp32")
+    _train(model, opt)
+    ck.save(step=1).wait()
+    gv = ck.versions()[-1]
+    ck.close()
+    assert merged_snapshot(root).tables["emb"].shape == (20, 4)
+    plan = {"world_size": 1, "tables": {"emb": [rows, dim]}, "shards": [["emb", 0, 0, rows]]}
+    with open(os.path.join(root, "global", "g-000000000002.cnrg"), "wb") as f:
+        f.write(_seal(b"CNRGLOB\0", {**gv.to_dict(), "version": 2, "plan": plan}))
+    assert Root(str(root)).read(2).plan.tables == {"emb": (rows, dim)}
+    store_path = os.path.join(root, gv.stores[0])
+    for forged, error in ((False, InvalidArgument), (True, CorruptionError)):
+        if forged:  # the rank store's catalog says so too (its checksum-free index: anyone can)
+            _set_table(store_path, "emb", num_rows=rows, dim=dim)
+        tracemalloc.start()
+        try:
+            with pytest.raises(error, match="root is damaged"):
+                merged_snapshot(root, 2)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20, peak
+        with pytest.raises(error):
+            export_path(root, "torch", tmp_path / "m.pt", version=2)
+        assert cli.main(["export", str(root), "--format", "torch", str(tmp_path / "m.pt"), "--version", "2"]) == 2
+        assert not (tmp_path / "m.pt").exists()
+
+
 def test_import_of_a_dcp_directory_whose_metadata_or_values_name_code_runs_nothing(tmp_path):
     """DCP's own reader unpickles .metadata with pickle.load; import reads it with an allowlist of DCP's
     metadata classes, and non-tensor values with weights_only=True."""

@@ -16,10 +16,13 @@ model in fp32, plus one rank's shards while they are copied in.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
+from .. import codecs, filenames
 from .. import store as _store
-from ..errors import InvalidArgument, MissingRows
+from ..errors import CorruptionError, InvalidArgument, MissingRows
 from ..torch import sharded
 from ..torch.checkpointer import DENSE_PREFIX, STATE_BLOB
 from ..torch import payload as _payload
@@ -47,19 +50,20 @@ def merged_snapshot(root, version: int | None = None, *, trust_pickle: bool = Fa
     """Global ``version`` (default newest) of the root at ``root`` as one unsharded Snapshot (module doc).
 
     Raises StoreNotFound if ``root`` is not a root, VersionNotFound for an unknown global version,
-    InvalidArgument when a rank's store lacks a shard the plan gives it, and the rank stores' own errors
-    (CorruptionError, ...)."""
+    InvalidArgument when a rank's store lacks a shard the plan gives it, CorruptionError when the plan
+    claims more rows than the rank stores' segments can hold (checked before anything is allocated), and
+    the rank stores' own errors (CorruptionError, ...)."""
     r = Root(root)
     gv = _global_version(r, version)
     plan = gv.plan
+    states = _check_claims(r, gv)  # before anything is allocated by the sizes the plan claims
     tables = {name: np.empty((n, d), dtype=np.float32) for name, (n, d) in plan.tables.items()}
     row_state: dict[str, np.ndarray] = {}
     covered: dict[str, int] = {}
     dense: dict[str, np.ndarray] = {}
     blob = None
     for rank in range(gv.world_size):
-        rel = gv.stores[rank] if gv.stores else r.store_rel(gv.generation, rank)
-        with _store.open(r.store_path(rel), readonly=True) as st:
+        with _store.open(_rank_path(r, gv, rank), readonly=True) as st:
             snap = (st.restore(gv.local_versions[rank]) if plan.row_ids == "local"
                     else _shards_by_global_id(st, plan, rank, gv.local_versions[rank]))
         for name, shard in plan.shards_of(rank).items():
@@ -73,14 +77,13 @@ def merged_snapshot(root, version: int | None = None, *, trust_pickle: bool = Fa
             tables[name][shard.row_start:shard.row_end] = arr
             prefix = f"{name}.optim."
             for sname, sarr in snap.tables.items():
-                if not sname.startswith(prefix) or sarr.shape[0] != shard.num_rows:
+                if (not sname.startswith(prefix) or sarr.shape != (shard.num_rows, states.get(sname, -1))):
                     continue
                 out = row_state.get(sname)
                 if out is None:
                     out = row_state[sname] = np.empty((plan.tables[name][0], sarr.shape[1]), dtype=np.float32)
-                if out.shape[1] == sarr.shape[1]:
-                    out[shard.row_start:shard.row_end] = sarr
-                    covered[sname] = covered.get(sname, 0) + shard.num_rows
+                out[shard.row_start:shard.row_end] = sarr
+                covered[sname] = covered.get(sname, 0) + shard.num_rows
         if rank == 0:
             dense = {k: v for k, v in snap.dense.items() if k.startswith(DENSE_PREFIX)}
             blob = snap.dense.get(STATE_BLOB)
@@ -99,6 +102,80 @@ def merged_snapshot(root, version: int | None = None, *, trust_pickle: bool = Fa
                   "param_names": [], "merged": {"global_version": gv.version, "world_size": gv.world_size}}
         dense[STATE_BLOB] = _payload.encode(merged, what="the merged export's state")
     return Snapshot(version=gv.version, step=gv.step, meta=gv.meta, tables=tables, dense=dense)
+
+
+def _rank_path(r: Root, gv: GlobalVersion, rank: int) -> str:
+    return r.store_path(gv.stores[rank] if gv.stores else r.store_rel(gv.generation, rank))
+
+
+def _min_row_bytes(dim: int) -> int:
+    """Bytes one row of ``dim`` floats takes in a record of the most compact codec for that dim."""
+    return min(codecs.get(n).row_bytes(dim) for n in codecs.names())
+
+
+def _segment_bytes(path: str) -> int:
+    total = 0
+    with os.scandir(filenames.segments_dir(path)) as entries:
+        for entry in entries:
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat().st_size
+    return total
+
+
+def _check_claims(r: Root, gv: GlobalVersion) -> dict[str, int]:
+    """Check, before the merged tables are allocated by the sizes the plan claims, that the rank stores can
+    hold what the plan gives them, and return the row-wise optimizer states that have a merged form
+    (``"<table>.optim.<state>"`` -> width). Reads only the rank stores' catalogs and file sizes.
+
+    Each rank store must list every table of its shards with the plan's dim and the shard's rows
+    (InvalidArgument, as a missing shard); and its segments must be at least as big as those rows in the
+    most compact codec (every row a read returns is in some record): else a crafted plan or manifest claims
+    more than the root holds, CorruptionError. So the merged tables cost at most a fixed multiple of the
+    segment bytes (fp32 over the most compact codec: ~32x). A row-wise state is merged only if every shard's
+    store lists it (same width, the shard's rows) and the states' rows fit each store's segments too.
+    """
+    plan = gv.plan
+    local = plan.row_ids == "local"
+    budget: dict[int, int] = {}
+    listed: dict[str, dict[int, int]] = {}  # state -> {rank: width} as the catalogs list it
+    for rank in range(gv.world_size):
+        path = _rank_path(r, gv, rank)
+        with _store.open(path, readonly=True) as st:
+            catalog = st.tables()
+        need = 0
+        for name, shard in plan.shards_of(rank).items():
+            dim = plan.tables[name][1]
+            info = catalog.get(name)
+            if (info is None or info.dim != dim
+                    or (info.num_rows != shard.num_rows if local else info.num_rows < shard.row_end)):
+                got = "no table" if info is None else f"a table of {info.num_rows} rows x {info.dim}"
+                raise InvalidArgument(f"global version {gv.version}: rank {rank}'s store has {got} for table "
+                                      f"{name!r}, its shard is rows [{shard.row_start}, {shard.row_end}) x {dim}; "
+                                      "the root is damaged")
+            need += shard.num_rows * _min_row_bytes(dim)
+            for sname, sinfo in catalog.items():
+                if sname.startswith(f"{name}.optim.") and (sinfo.num_rows == shard.num_rows if local
+                                                           else sinfo.num_rows >= shard.row_end):
+                    listed.setdefault(sname, {})[rank] = sinfo.dim
+        have = _segment_bytes(path)
+        if need > have:
+            raise CorruptionError(f"global version {gv.version}: the plan gives rank {rank} rows that take at "
+                                  f"least {need:,} bytes in any codec, but its store {path} holds {have:,} bytes "
+                                  "of segments: the plan or manifest claims more than the root holds; the root "
+                                  "is damaged", path, None)
+        budget[rank] = have - need
+    states: dict[str, int] = {}
+    for sname, widths in sorted(listed.items()):
+        owner = plan.shards_of_table(sname.split(".optim.")[0])
+        if {s.rank for s in owner} != set(widths) or len(set(widths.values())) != 1:
+            continue  # some shard lacks it: no merged form
+        width = next(iter(widths.values()))
+        cost = {s.rank: s.num_rows * _min_row_bytes(width) for s in owner}
+        if all(cost[rank] <= budget[rank] for rank in cost):
+            for rank, c in cost.items():
+                budget[rank] -= c
+            states[sname] = width
+    return states
 
 
 def _shards_by_global_id(st, plan, rank: int, version: int) -> Snapshot:
