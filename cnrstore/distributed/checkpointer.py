@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -89,6 +90,26 @@ class DistributedPendingSave:
             raise self._error
         assert self.global_version is not None
         return self.global_version
+
+
+class _CommitWork:
+    """A DistributedCheckpointer's global commit in flight as its rank store's ``PendingWork``
+    (``Store.add_pending_work``): what the store's ``close()`` and the interpreter's exit wait for. Its
+    commit cannot be cancelled from outside (the other ranks wait on it); the local save beneath has its own."""
+
+    def __init__(self, owner: "DistributedCheckpointer"):
+        self._owner = weakref.ref(owner)
+
+    def finish(self, timeout: float | None) -> bool:
+        owner = self._owner()
+        return True if owner is None else owner._finish_saves(timeout)
+
+    def cancel(self) -> None:
+        pass
+
+    def failure(self) -> BaseException | None:
+        owner = self._owner()
+        return None if owner is None else owner._error
 
 
 def _check_dist() -> tuple[int, int]:
@@ -163,7 +184,8 @@ class DistributedCheckpointer:
         # the rank store's close() and the interpreter's exit wait for the global commit in flight (its
         # thread is a daemon; see store.EXIT_WAIT_S), so a save() that returned becomes a global version
         # when the process then dies of Ctrl-C or an uncaught exception, as long as the other ranks live
-        self.store._savers.add(self)
+        self._work = _CommitWork(self)
+        self.store.add_pending_work(self._work)
 
     # -- set-up ---------------------------------------------------------------------------------------
     def _check_model(self, model: nn.Module) -> None:

@@ -71,6 +71,7 @@ import math
 import random
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -411,6 +412,28 @@ def _nonzero_rows(states: list, num_rows: int, device) -> torch.Tensor:
     return nz
 
 
+class _SaveWork:
+    """A Checkpointer's save in flight as the store's ``PendingWork`` (``Store.add_pending_work``): what
+    ``store.close()`` and the interpreter's exit wait for. Refers to its Checkpointer weakly, as the store
+    refers to it: a Checkpointer that is gone has no save in flight (the write's thread holds it)."""
+
+    def __init__(self, owner: "Checkpointer"):
+        self._owner = weakref.ref(owner)
+
+    def finish(self, timeout: float | None) -> bool:
+        owner = self._owner()
+        return True if owner is None else owner._finish_saves(timeout)
+
+    def cancel(self) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._cancel_saves()
+
+    def failure(self) -> BaseException | None:
+        owner = self._owner()
+        return None if owner is None else owner._error
+
+
 def _is_fraction(x) -> bool:
     """A real number in (0, 1] (not a bool)."""
     return (not isinstance(x, bool) and isinstance(x, (int, float, np.integer, np.floating))
@@ -515,9 +538,10 @@ class Checkpointer:
         self._error: BaseException | None = None  # a background failure not yet re-raised by save()
         self._failed: PendingSave | None = None  # the save that failed with it
         self._closed = False
-        savers = getattr(store, "_savers", None)
-        if savers is not None:  # store.close() and the interpreter's exit wait for our save in flight
-            savers.add(self)
+        self._work = _SaveWork(self)
+        add_work = getattr(store, "add_pending_work", None)
+        if add_work is not None:  # store.close() and the interpreter's exit wait for our save in flight
+            add_work(self._work)
 
     def _add_shards(self, model: nn.Module, existing: dict) -> set:
         """The local shards of TorchRec-sharded tables become tables (``sharded``); returns the state-dict keys
@@ -622,7 +646,7 @@ class Checkpointer:
         """Wait for the save in flight (for good, or ``timeout`` seconds); whether it has ended. An
         interrupt while waiting cancels it (it aborts at its next step: nothing of it commits) and is
         re-raised; the save stays pending until its thread has ended, so that the store is never closed
-        under it. (Store.close() and the store's exit hook call this.)"""
+        under it. (Store.close() and the store's exit hook call this, through ``_SaveWork``.)"""
         p = self._pending
         if p is None:
             return True
