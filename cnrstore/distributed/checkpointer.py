@@ -38,8 +38,10 @@ from .. import store as _store
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
 from ..torch import payload as _payload
-from ..torch.checkpointer import (DENSE_PREFIX, STATE_BLOB, Checkpointer, SaveReport, _ROW_MARK, _ShardTable,
-                                  _create_lazy_state, _width, _with_live_state)
+from ..torch.checkpointer import Checkpointer, SaveReport
+from ..torch.optim_state import create_lazy_state, row_state_width, with_live_state
+from ..torch.payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
+from ..torch.tracking import ShardTable
 from .manifest import GlobalVersion, Root
 from .plan import ShardingPlan
 
@@ -655,10 +657,10 @@ class _Resharder:
                     continue
                 st = {}
                 for k, val in src.items():
-                    if isinstance(val, dict) and _ROW_MARK in val:
+                    if isinstance(val, dict) and ROW_MARK in val:
                         shape = (self.owner._shards[t.name].num_rows,) + tuple(val["shape"][1:])
                         width = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-                        arr = torch.from_numpy(self.rows(val[_ROW_MARK], t.name, width))
+                        arr = torch.from_numpy(self.rows(val[ROW_MARK], t.name, width))
                         val = arr.reshape(shape).to(_payload.torch_dtype(val["dtype"], self.gv.version))
                     st[k] = val
                 state[name if keyed else idx] = st
@@ -679,8 +681,8 @@ class _Resharder:
                     dense[k] = dense[k].view(torch.bfloat16)
             payloads = {r: self._payload(r) for r in range(self.gv.world_size)}
             optim_sds = self._optimizer_states(payloads)
-            shard_states = [(state, self.rows(f"{t.name}.optim.{key}", t.name, _width(state)))
-                            for t in self.local._tables if isinstance(t, _ShardTable) for key, state in t.states]
+            shard_states = [(state, self.rows(f"{t.name}.optim.{key}", t.name, row_state_width(state)))
+                            for t in self.local._tables if isinstance(t, ShardTable) for key, state in t.states]
             extra_src = payloads[self.owner.rank if self.owner.rank in payloads else 0]["extra"]
             missing = [k for k in self.local._extra if k not in extra_src]
             if missing:
@@ -688,7 +690,7 @@ class _Resharder:
         finally:
             for st in self._stores.values():
                 st.close()
-        _create_lazy_state(self.local._optimizers, optim_sds)
+        create_lazy_state(self.local._optimizers, optim_sds)
         with torch.no_grad():
             for t, w in zip(self.local._tables, weights):
                 t.weight.copy_(w)
@@ -697,7 +699,7 @@ class _Resharder:
             for k, v in dense.items():
                 self.local._dense[k].copy_(v)
         for opt, sd in zip(self.local._optimizers, optim_sds):
-            opt.load_state_dict(_with_live_state(sd, opt))
+            opt.load_state_dict(with_live_state(sd, opt))
         for k, obj in self.local._extra.items():
             obj.load_state_dict(extra_src[k])
         for t in self.local._tables:

@@ -55,7 +55,7 @@ from torch import nn
 
 from .. import fs
 from ..errors import InvalidArgument, RecoveryFailed
-from ..torch.checkpointer import _nonzero_rows, table_drift
+from ..torch.optim_state import nonzero_rows, table_drift
 from . import gf256
 from .stripes import StripeLayout, fingerprint, fingerprint_range
 
@@ -448,7 +448,7 @@ class ECRM:
         if worst == "state":
             states = [it.words for it in self._items if it.table == ti and not it.name.endswith("/weight")]
             if states:
-                mask |= _nonzero_rows(states, rows, mask.device)
+                mask |= nonzero_rows(states, rows, mask.device)
         return np.flatnonzero(mask.cpu().numpy()).astype(np.int64)
 
     def begin(self, step: int) -> None:
