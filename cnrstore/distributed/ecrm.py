@@ -672,7 +672,7 @@ class ECRM:
         if not failed or any(not 0 <= r < self.world_size for r in failed):
             raise InvalidArgument(f"failed_ranks must name ranks in [0, {self.world_size}), got {failed_ranks!r}")
         self._open = None
-        if self.checkpointer is not None and dist.group.WORLD is not getattr(self.checkpointer, "_world", None):
+        if self.checkpointer is not None and self.checkpointer.needs_rejoin():
             self.checkpointer.rejoin()
         if dist.group.WORLD is not self._world:
             self._join()

@@ -74,6 +74,8 @@ import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -92,7 +94,7 @@ from .tracking import SSU_SEED, ShardTable, Table, tbe_tracker
 
 # STATE_BLOB, DENSE_PREFIX and table_drift are importable from here as before (they live in payload.py and
 # optim_state.py)
-__all__ = ["Checkpointer", "DENSE_PREFIX", "PendingSave", "STATE_BLOB", "SaveReport", "table_drift"]
+__all__ = ["Checkpointer", "DENSE_PREFIX", "PendingSave", "STATE_BLOB", "SaveReport", "TrainerState", "table_drift"]
 
 MODES = ("incremental", "one-shot", "intermittent")
 PRIORITIES = ("mfu", "ssu")
@@ -137,6 +139,18 @@ class PendingSave:
             raise self._error
         assert self._version is not None
         return self._version
+
+
+class TrainerState(NamedTuple):
+    """What a Checkpointer saves and restores, as live objects (``Checkpointer.trainer_state()``, for sibling
+    packages): ``tables`` (a ``tracking.Table`` per embedding weight or local shard, in the model's order),
+    ``dense`` ({state-dict key: parameter or buffer} stored as ``DENSE_PREFIX`` arrays), ``optimizers``
+    and ``extra`` ({name: object with ``state_dict()`` / ``load_state_dict()``})."""
+
+    tables: tuple
+    dense: Mapping
+    optimizers: tuple
+    extra: Mapping
 
 
 class _SaveWork:
@@ -639,8 +653,30 @@ class Checkpointer:
         shard_states = [(state, torch.from_numpy(vals)) for state, vals in shard_states]
         # a version without optimizer state (an import of model weights) leaves the optimizers as they are
         optim_sds = [self._optimizer_state(sd, v) for sd in payload["optimizers"]]
-        create_lazy_state(self._optimizers, optim_sds)
         # everything read and checked: now change the live objects
+        self.load_state(weights, shard_states, dense, optim_sds, payload["extra"])
+        latest = self.store.latest()
+        self.note_restore(matches_newest=latest is not None and latest.version == v)
+        return info
+
+    # -- for sibling packages (cnrstore.distributed; docs/ARCHITECTURE.md, "Seams between packages") -----
+    def trainer_state(self) -> "TrainerState":
+        """*For sibling packages* (``cnrstore.distributed``), not part of the trainer API: the live objects
+        this Checkpointer saves and restores (:class:`TrainerState`). The tensors, optimizers and ``extra``
+        objects are the model's own; the containers are read-only views."""
+        return TrainerState(tuple(self._tables), MappingProxyType(self._dense), tuple(self._optimizers),
+                            MappingProxyType(self._extra))
+
+    def load_state(self, weights, shard_states, dense, optimizer_states, extra) -> None:
+        """*For sibling packages* (``cnrstore.distributed``'s resharding restore) and ``restore``: put state
+        read from a stored version, all of it read and checked already, into the live objects, in place.
+
+        ``weights``: a tensor per table (``trainer_state().tables`` order); ``shard_states``: (row-wise state
+        tensor of a ``ShardTable``, its stored values); ``dense``: {state-dict key: tensor} (bfloat16 viewed
+        as such); ``optimizer_states``: a state dict per optimizer with its row-wise state filled in (an
+        empty list leaves the optimizers as they are); ``extra``: {name: state dict}, loaded in that order.
+        Call :meth:`note_restore` after it."""
+        create_lazy_state(self._optimizers, optimizer_states)
         with torch.no_grad():
             for t, w in zip(self._tables, weights):
                 t.weight.copy_(w)
@@ -648,22 +684,33 @@ class Checkpointer:
                 state.copy_(w.reshape(state.shape))
             for key, src in dense.items():
                 self._dense[key].copy_(src)
-        for opt, sd in zip(self._optimizers, optim_sds):
+        for opt, sd in zip(self._optimizers, optimizer_states):
             opt.load_state_dict(with_live_state(sd, opt))
-        for k, state in payload["extra"].items():
+        for k, state in extra.items():
             self._extra[k].load_state_dict(state)
+
+    def note_restore(self, *, matches_newest: bool = False) -> None:
+        """*For sibling packages* (``cnrstore.distributed``) and ``restore``: the live state was just loaded
+        from a stored version. Clears the row tracking (touched rows, rows since the baseline, update
+        counts), remembers where the optimizer state is non-zero, makes the next save a baseline (unless
+        ``matches_newest``, the state is the store's newest version, and the mode is incremental: the next
+        increment then follows it) and records the restore with a ``BitWidthPolicy``."""
         for t in self._tables:
             t.touched.zero_()
             t.since_baseline.zero_()
             if t.counts is not None:
                 t.counts.zero_()
         self._note_restored_state()
-        latest = self.store.latest()
-        self._force_full = not (self.mode == "incremental" and latest is not None and latest.version == v)
+        self._force_full = not (self.mode == "incremental" and matches_newest)
         self._diffs = []
         if self._policy is not None and callable(getattr(self._policy, "record_restore", None)):
             self._policy.record_restore()
-        return info
+
+    def forget_failure(self) -> None:
+        """*For sibling packages* (``cnrstore.distributed``): drop the failure of a background write that the
+        next ``save()`` would raise, because the caller has surfaced it itself (the next save is still a
+        baseline)."""
+        self._error = None
 
     def _read_shard(self, tables: dict, t: "ShardTable", suffix: str, width: int, v: int) -> np.ndarray:
         """The stored rows of shard ``t`` (its global row range, its columns) of the table ``<fqn><suffix>``
