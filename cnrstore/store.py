@@ -123,6 +123,23 @@ def _not_found_message(root: str, readonly: bool) -> str:
     return f"no cnrstore store at {root!r}{hint}"
 
 
+class PendingWork:
+    """What ``Store.add_pending_work`` takes (for sibling packages): background work writing into a store,
+    which ``close()`` and the interpreter's exit wait for. Subclass it or provide the same three methods."""
+
+    def finish(self, timeout: float | None) -> bool:
+        """Wait for the work in flight, for good (None) or at most ``timeout`` seconds; whether none is left.
+        An interrupt while waiting may cancel the work (it then commits nothing) and is re-raised."""
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        """Tell the work in flight to stop at its next step, committing nothing (an exit that cannot wait)."""
+
+    def failure(self) -> BaseException | None:
+        """The failure of background work that nobody has reported yet (logged at exit), or None."""
+        return None
+
+
 class Store:
     """An open checkpoint store. Thread-safe for reads; one checkpoint writer at a time."""
 
@@ -135,8 +152,8 @@ class Store:
         self._closed = False
         self._compactor: BackgroundCompactor | None = None
         self._abandoned = False  # an exit gave up on work in flight: nothing may close the engine under it
-        #: objects with background saves into this store (cnrstore.torch.Checkpointer, DistributedCheckpointer):
-        #: close() first waits for what they have in flight (``_finish_saves(timeout) -> bool``)
+        #: the PendingWork of background saves into this store (add_pending_work): close() and the exit
+        #: hook first wait for what they have in flight
         self._savers: "weakref.WeakSet" = weakref.WeakSet()
         self.recovery_notes: list[str] = []
         if not _marker_exists(self.path, readonly):
@@ -306,9 +323,16 @@ class Store:
         or for good); returns whether all finished."""
         for saver in list(self._savers):
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not saver._finish_saves(timeout):
+            if not saver.finish(timeout):
                 return False
         return True
+
+    def add_pending_work(self, work: "PendingWork") -> None:
+        """*For sibling packages* (``cnrstore.torch``, ``cnrstore.distributed``), not for applications:
+        register background work that writes into this store (a checkpointer's saves in flight), so that
+        ``close()`` and the interpreter's exit wait for it (see :class:`PendingWork`). The store holds
+        ``work`` weakly: its owner keeps it alive as long as it may have work in flight."""
+        self._savers.add(work)
 
     def _close_engine(self) -> None:
         if self._engine.writer is not None:
@@ -337,7 +361,7 @@ class Store:
         except KeyboardInterrupt:
             return self._abandon(f"interrupted while {what}")
         for saver in list(self._savers):  # a save that failed while the exit waited: nobody else will say so
-            failed = getattr(saver, "_error", None)
+            failed = saver.failure()
             if failed is not None:
                 log.warning("cnrstore: a background save into store %r failed before the exit: %s: %s; the "
                             "versions committed before it are intact", self.path, type(failed).__name__, failed)
@@ -353,9 +377,7 @@ class Store:
         if self._compactor is not None:
             self._compactor.halt()
         for saver in list(self._savers):
-            cancel = getattr(saver, "_cancel_saves", None)
-            if cancel is not None:
-                cancel()
+            saver.cancel()
         log.warning("cnrstore: exiting with store %r not closed (%s, after EXIT_WAIT_S=%gs or an interrupt): it "
                     "is left as kill -9 would leave it; every committed version is intact, and the next "
                     "writable open truncates what was not committed", self.path, why, EXIT_WAIT_S)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -37,8 +37,10 @@ from .. import store as _store
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
 from ..torch import payload as _payload
-from ..torch.checkpointer import (DENSE_PREFIX, STATE_BLOB, Checkpointer, SaveReport, _ROW_MARK, _ShardTable,
-                                  _create_lazy_state, _width, _with_live_state)
+from ..torch.checkpointer import Checkpointer, SaveReport
+from ..torch.optim_state import is_keyed, row_state_width
+from ..torch.payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
+from ..torch.tracking import ShardTable
 from .manifest import GlobalVersion, Root
 from .plan import ShardingPlan
 
@@ -89,6 +91,26 @@ class DistributedPendingSave:
             raise self._error
         assert self.global_version is not None
         return self.global_version
+
+
+class _CommitWork:
+    """A DistributedCheckpointer's global commit in flight as its rank store's ``PendingWork``
+    (``Store.add_pending_work``): what the store's ``close()`` and the interpreter's exit wait for. Its
+    commit cannot be cancelled from outside (the other ranks wait on it); the local save beneath has its own."""
+
+    def __init__(self, owner: "DistributedCheckpointer"):
+        self._owner = weakref.ref(owner)
+
+    def finish(self, timeout: float | None) -> bool:
+        owner = self._owner()
+        return True if owner is None else owner._finish_saves(timeout)
+
+    def cancel(self) -> None:
+        pass
+
+    def failure(self) -> BaseException | None:
+        owner = self._owner()
+        return None if owner is None else owner._error
 
 
 def _check_dist() -> tuple[int, int]:
@@ -163,7 +185,8 @@ class DistributedCheckpointer:
         # the rank store's close() and the interpreter's exit wait for the global commit in flight (its
         # thread is a daemon; see store.EXIT_WAIT_S), so a save() that returned becomes a global version
         # when the process then dies of Ctrl-C or an uncaught exception, as long as the other ranks live
-        self.store._savers.add(self)
+        self._work = _CommitWork(self)
+        self.store.add_pending_work(self._work)
 
     # -- set-up ---------------------------------------------------------------------------------------
     def _check_model(self, model: nn.Module) -> None:
@@ -233,6 +256,11 @@ class DistributedCheckpointer:
                 raise InvalidArgument("the re-formed job's TorchRec shards are not the ones this checkpointer saved "
                                       "(another world size or plan): open a new DistributedCheckpointer and restore()")
         self._join()
+
+    def needs_rejoin(self) -> bool:
+        """*For sibling modules* (``ECRM.recover``): whether the default process group was re-created since
+        this checkpointer last joined it, so that :meth:`rejoin` must run before its other collectives."""
+        return dist.group.WORLD is not self._world
 
     def rejoin(self) -> str | None:
         """Join the default process group re-formed after a failure (collective, on every rank of the new
@@ -316,7 +344,7 @@ class DistributedCheckpointer:
             # this rank would skip a collective the others enter
             # (a local version that committed while the global commit failed is an orphan that later
             # increments still read through: drop_versions keeps whatever a kept version reads)
-            self._local._error = None
+            self._local.forget_failure()
         self._raise_pending_error()
         local = self._local.save(step, meta) if top is None else self._local.save(step, meta, top=top)
         pending = DistributedPendingSave(local.report)
@@ -480,22 +508,24 @@ class DistributedCheckpointer:
     def _replicated_state(self) -> dict:
         """The dense parameters/buffers and their optimizer state, by name (sent to replaced ranks)."""
         names = self._param_names()
-        dense_ids = {id(v) for v in self._local._dense.values()}
+        local = self._local.trainer_state()
+        dense_ids = {id(v) for v in local.dense.values()}
         optims = []
-        for opt in self._local._optimizers:
+        for opt in local.optimizers:
             optims.append({names[id(p)]: {k: (v.detach().clone() if torch.is_tensor(v) else v)
                                           for k, v in opt.state.get(p, {}).items()}
                            for g in opt.param_groups for p in g["params"]
                            if id(p) in dense_ids and id(p) in names})
-        return {"dense": {k: v.detach().cpu().clone() for k, v in self._local._dense.items()}, "optim": optims}
+        return {"dense": {k: v.detach().cpu().clone() for k, v in local.dense.items()}, "optim": optims}
 
     def _load_replicated_state(self, state: dict) -> None:
         names = self._param_names()
+        local = self._local.trainer_state()
         with torch.no_grad():
             for k, v in state["dense"].items():
-                if k in self._local._dense:
-                    self._local._dense[k].copy_(v)
-        for opt, by_name in zip(self._local._optimizers, state["optim"]):
+                if k in local.dense:
+                    local.dense[k].copy_(v)
+        for opt, by_name in zip(local.optimizers, state["optim"]):
             for g in opt.param_groups:
                 for p in g["params"]:
                     st = by_name.get(names.get(id(p)))
@@ -535,7 +565,8 @@ class _Resharder:
         self.owner = owner
         self.trust_pickle = trust_pickle
         self.gv = gv
-        self.local = owner._local
+        self.local = owner.local
+        self.state = owner.local.trainer_state()
         self._stores: dict[int, object] = {}
         new, old = owner.plan.tables, gv.plan.tables
         if owner.plan.row_ids != gv.plan.row_ids:
@@ -598,14 +629,15 @@ class _Resharder:
 
     def _optimizer_states(self, payloads: dict[int, dict]) -> list[dict]:
         names = self.owner._param_names()
-        table_of = {id(t.weight): t for t in self.local._tables}
+        table_of = {id(t.weight): t for t in self.state.tables}
+        optimizers = self.state.optimizers
         out = []
-        for i, opt in enumerate(self.local._optimizers):
+        for i, opt in enumerate(optimizers):
             by_rank = {}
             for r, payload in payloads.items():
-                if len(payload["optimizers"]) != len(self.local._optimizers):
+                if len(payload["optimizers"]) != len(optimizers):
                     raise InvalidArgument(f"global version {self.gv.version} holds {len(payload['optimizers'])} "
-                                          f"optimizer(s) on rank {r}, this checkpointer has {len(self.local._optimizers)}")
+                                          f"optimizer(s) on rank {r}, this checkpointer has {len(optimizers)}")
                 pnames = payload.get("param_names")
                 if pnames is None:
                     raise InvalidArgument(f"global version {self.gv.version} was saved without parameter names "
@@ -616,7 +648,7 @@ class _Resharder:
                 else:
                     by_rank[r] = {n: saved["state"].get(j) for j, n in enumerate(pnames[i]) if n is not None}
             current = opt.state_dict()
-            keyed = isinstance(getattr(opt, "params", None), Mapping)
+            keyed = is_keyed(opt)
             params = [p for g in opt.param_groups for p in g["params"]]
             name_of = names
             if keyed:
@@ -633,10 +665,10 @@ class _Resharder:
                     continue
                 st = {}
                 for k, val in src.items():
-                    if isinstance(val, dict) and _ROW_MARK in val:
+                    if isinstance(val, dict) and ROW_MARK in val:
                         shape = (self.owner._shards[t.name].num_rows,) + tuple(val["shape"][1:])
                         width = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-                        arr = torch.from_numpy(self.rows(val[_ROW_MARK], t.name, width))
+                        arr = torch.from_numpy(self.rows(val[ROW_MARK], t.name, width))
                         val = arr.reshape(shape).to(_payload.torch_dtype(val["dtype"], self.gv.version))
                     st[k] = val
                 state[name if keyed else idx] = st
@@ -649,40 +681,23 @@ class _Resharder:
         return out
 
     def load(self) -> None:
+        state = self.state
         try:
-            weights = [torch.from_numpy(self.rows(t.name, t.name, t.dim)) for t in self.local._tables]
-            dense = {k: self._dense(k, v.shape) for k, v in self.local._dense.items()}
-            for k, v in self.local._dense.items():
+            weights = [torch.from_numpy(self.rows(t.name, t.name, t.dim)) for t in state.tables]
+            dense = {k: self._dense(k, v.shape) for k, v in state.dense.items()}
+            for k, v in state.dense.items():
                 if v.dtype == torch.bfloat16:
                     dense[k] = dense[k].view(torch.bfloat16)
             payloads = {r: self._payload(r) for r in range(self.gv.world_size)}
             optim_sds = self._optimizer_states(payloads)
-            shard_states = [(state, self.rows(f"{t.name}.optim.{key}", t.name, _width(state)))
-                            for t in self.local._tables if isinstance(t, _ShardTable) for key, state in t.states]
+            shard_states = [(st, torch.from_numpy(self.rows(f"{t.name}.optim.{key}", t.name, row_state_width(st))))
+                            for t in state.tables if isinstance(t, ShardTable) for key, st in t.states]
             extra_src = payloads[self.owner.rank if self.owner.rank in payloads else 0]["extra"]
-            missing = [k for k in self.local._extra if k not in extra_src]
+            missing = [k for k in state.extra if k not in extra_src]
             if missing:
                 raise InvalidArgument(f"global version {self.gv.version} holds no extra state {missing}")
         finally:
             for st in self._stores.values():
                 st.close()
-        _create_lazy_state(self.local._optimizers, optim_sds)
-        with torch.no_grad():
-            for t, w in zip(self.local._tables, weights):
-                t.weight.copy_(w)
-            for state, w in shard_states:
-                state.copy_(torch.from_numpy(w).reshape(state.shape))
-            for k, v in dense.items():
-                self.local._dense[k].copy_(v)
-        for opt, sd in zip(self.local._optimizers, optim_sds):
-            opt.load_state_dict(_with_live_state(sd, opt))
-        for k, obj in self.local._extra.items():
-            obj.load_state_dict(extra_src[k])
-        for t in self.local._tables:
-            t.touched.zero_()
-            t.since_baseline.zero_()
-        self.local._force_full = True
-        self.local._diffs = []
-        policy = self.local._policy
-        if policy is not None and callable(getattr(policy, "record_restore", None)):
-            policy.record_restore()
+        self.local.load_state(weights, shard_states, dense, optim_sds, {k: extra_src[k] for k in state.extra})
+        self.local.note_restore()

@@ -55,7 +55,7 @@ from torch import nn
 
 from .. import fs
 from ..errors import InvalidArgument, RecoveryFailed
-from ..torch.checkpointer import _nonzero_rows, table_drift
+from ..torch.optim_state import nonzero_rows, table_drift
 from . import gf256
 from .stripes import StripeLayout, fingerprint, fingerprint_range
 
@@ -448,7 +448,7 @@ class ECRM:
         if worst == "state":
             states = [it.words for it in self._items if it.table == ti and not it.name.endswith("/weight")]
             if states:
-                mask |= _nonzero_rows(states, rows, mask.device)
+                mask |= nonzero_rows(states, rows, mask.device)
         return np.flatnonzero(mask.cpu().numpy()).astype(np.int64)
 
     def begin(self, step: int) -> None:
@@ -672,7 +672,7 @@ class ECRM:
         if not failed or any(not 0 <= r < self.world_size for r in failed):
             raise InvalidArgument(f"failed_ranks must name ranks in [0, {self.world_size}), got {failed_ranks!r}")
         self._open = None
-        if self.checkpointer is not None and dist.group.WORLD is not getattr(self.checkpointer, "_world", None):
+        if self.checkpointer is not None and self.checkpointer.needs_rejoin():
             self.checkpointer.rejoin()
         if dist.group.WORLD is not self._world:
             self._join()

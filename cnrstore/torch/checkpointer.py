@@ -17,11 +17,12 @@ What goes where in the store:
 Row tracking: a forward pre-hook on each embedding sets a bool mask (on the weight's device) at every
 looked-up index, while autograd is enabled (lookups under ``torch.no_grad()``, e.g. evaluation, are not
 tracked: they cannot change the weights). Weights changed outside a forward pass and an optimizer step
-are not tracked.
+are not tracked. (The masks and counts: ``tracking.py``; drift, non-zero rows and restored optimizer state:
+``optim_state.py``; this module: what a save writes, the background write, restore.)
 
 Every mode is exact with every optimizer: a regular save adds to the looked-up rows those the optimizer
 may have changed without a lookup, judged per table from the optimizers holding its weight, with the
-hyper-parameters of the weight's param group at save time (``_drift``):
+hyper-parameters of the weight's param group at save time (``optim_state.table_drift``):
 
 - none: plain SGD (no momentum), Adagrad and ``SparseAdam``, all without weight decay, leave a row with a
   zero gradient untouched: the looked-up rows are all that changed;
@@ -68,11 +69,13 @@ every count.
 from __future__ import annotations
 
 import math
-import random
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -84,17 +87,17 @@ from . import sharded
 from ..errors import InvalidArgument, MissingRows, VersionNotFound
 from ..types import VersionInfo
 from ..writer import pack_meta
+from .optim_state import (as_optimizer_list, create_lazy_state, is_sharded_value, nonzero_rows, row_state_width,
+                          row_states, table_drift, with_live_state)
+from .payload import DENSE_PREFIX, LIVE_MARK, PAYLOAD_FORMAT, ROW_MARK, STATE_BLOB, dense_copy
+from .tracking import SSU_SEED, ShardTable, Table, tbe_tracker
 
-__all__ = ["Checkpointer", "PendingSave", "SaveReport"]
+# STATE_BLOB, DENSE_PREFIX and table_drift are importable from here as before (they live in payload.py and
+# optim_state.py)
+__all__ = ["Checkpointer", "DENSE_PREFIX", "PendingSave", "STATE_BLOB", "SaveReport", "TrainerState", "table_drift"]
 
 MODES = ("incremental", "one-shot", "intermittent")
 PRIORITIES = ("mfu", "ssu")
-STATE_BLOB = "torch.state"
-DENSE_PREFIX = "torch.model/"
-_ROW_MARK = "__cnrstore_row_state__"
-_LIVE_MARK = "__cnrstore_sharded_state__"  # a fused optimizer's sharded state: restored through the shard tables
-_FORMAT = _payload.PAYLOAD_FORMAT  # 2: data only (weights_only); 1: before issue 26
-_SSU_SEED = 0x5C5_0000  # + the table's index: each table's sampling stream is reproducible
 
 
 @dataclass
@@ -138,295 +141,44 @@ class PendingSave:
         return self._version
 
 
-class _Table:
-    """One embedding module: its table, tracking masks, update counts (priority saves) and reusable host
-    buffers.
+class TrainerState(NamedTuple):
+    """What a Checkpointer saves and restores, as live objects (``Checkpointer.trainer_state()``, for sibling
+    packages): ``tables`` (a ``tracking.Table`` per embedding weight or local shard, in the model's order),
+    ``dense`` ({state-dict key: parameter or buffer} stored as ``DENSE_PREFIX`` arrays), ``optimizers``
+    and ``extra`` ({name: object with ``state_dict()`` / ``load_state_dict()``})."""
 
-    ``counts`` (int32 per row, on the weight's device, or None without ``priority``) holds the lookups
-    since the row was last saved, all of them (``"mfu"``) or a sample (``"ssu"``); ``count_scale`` turns
-    a count into an estimate of the exact one (1, or ``1 / ssu_rate``)."""
-
-    def __init__(self, path: str, module: nn.Module | None, priority: str | None = None, ssu_rate: float = 1.0,
-                 seed: int = _SSU_SEED, weight: torch.Tensor | None = None):
-        self.path = path
-        self.name = path or "embedding"
-        self.module = module
-        self.weight: torch.Tensor = module.weight if weight is None else weight
-        self.num_rows, self.dim = self.weight.shape
-        self.touched = torch.zeros(self.num_rows, dtype=torch.bool, device=self.weight.device)
-        self.since_baseline = torch.zeros_like(self.touched)
-        self.on_cpu = self.weight.device.type == "cpu"
-        self.counts: torch.Tensor | None = None
-        self.count_scale = 1.0
-        self.ssu_rate: float | None = None
-        if priority is not None:
-            self.counts = torch.zeros(self.num_rows, dtype=torch.int32, device=self.weight.device)
-            self._ones = torch.ones(0, dtype=torch.int32, device=self.weight.device)
-        if priority == "ssu":
-            self.ssu_rate = float(ssu_rate)
-            self.count_scale = 1.0 / self.ssu_rate
-            # private streams, so the training RNG is untouched: positions from a torch.Generator, the
-            # sample size's rounding from a random.Random (a Python float: no tensor op in the hook)
-            self.generator = torch.Generator().manual_seed(seed)
-            self._rounding = random.Random(seed)
-        self.buffers: dict[str, torch.Tensor] = {}  # host buffers by table name, reused across saves
-        # rows whose row-wise optimizer state was non-zero at the last regular save ("state" drift only)
-        self.nonzero_saved: torch.Tensor | None = None
-        self.full_written: set[str] = set()  # row-state tables written in full in this session
-        self.offset = 0                 # global id of local row 0 (a sharded table's shard: its row offset)
-        self.store_rows = self.num_rows  # rows of the store table (a shard's table has the global count)
-        self.hooks = [module.register_forward_pre_hook(self._track, with_kwargs=True)] if module is not None else []
-
-    def _track(self, module, args, kwargs) -> None:
-        if torch.is_grad_enabled():
-            self.note((args[0] if args else kwargs["input"]).reshape(-1))
-
-    def note(self, ids: torch.Tensor) -> None:
-        """Record a lookup of the local rows ``ids`` (1-D, duplicates allowed)."""
-        self.touched[ids] = True
-        if self.counts is not None:
-            self._count(ids)
-
-    def _count(self, ids: torch.Tensor) -> None:
-        """Add one per id (duplicates too), or per id of a random sample of ``ssu_rate · len(ids)`` ids
-        drawn with replacement (the sample size rounded stochastically, so the estimate stays unbiased)."""
-        if self.ssu_rate is not None:
-            expected = self.ssu_rate * ids.numel()
-            k = int(expected)
-            if self._rounding.random() < expected - k:
-                k += 1
-            if k == 0:
-                return
-            pos = torch.randint(ids.numel(), (k,), generator=self.generator)
-            ids = ids.index_select(0, pos if self.on_cpu else pos.to(ids.device, non_blocking=True))
-        n = ids.numel()
-        if self._ones.numel() < n:
-            self._ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.int32, device=self._ones.device)
-        self.counts.index_add_(0, ids, self._ones[:n])
-
-    # mask arithmetic on CPU goes through numpy views: single-threaded, so a save does not wait on
-    # intra-op worker threads of a busy machine for what are microseconds of work
-    def rows(self, mask: torch.Tensor) -> torch.Tensor:
-        if self.on_cpu:
-            return torch.from_numpy(np.flatnonzero(mask.numpy()))
-        return mask.nonzero().squeeze(1)
-
-    def count(self, mask: torch.Tensor) -> int:
-        return int(np.count_nonzero(mask.numpy())) if self.on_cpu else int(mask.sum())
-
-    def host(self, t: torch.Tensor) -> np.ndarray:
-        """``t`` as numpy: a view on CPU (writes go through), a copy otherwise."""
-        return t.numpy() if self.on_cpu else t.cpu().numpy()
-
-    def top_rows(self, k: int) -> torch.Tensor:
-        """The touched rows with the highest counts, at most ``k``, ties to the lower row id; ascending,
-        on the weight's device."""
-        rows = np.flatnonzero(self.host(self.touched))
-        if rows.size > k:
-            rows = _top_rows(rows, self.host(self.counts)[rows], k)
-        out = torch.from_numpy(rows)
-        return out if self.on_cpu else out.to(self.weight.device)
-
-    def settle_priority(self, rows: torch.Tensor, keep_since_baseline: bool) -> None:
-        """After a priority save wrote ``rows``: clear their touched bit and count; record them as
-        changed since the baseline if ``keep_since_baseline`` (one-shot and intermittent modes)."""
-        if self.on_cpu:
-            r = rows.numpy()
-            self.touched.numpy()[r] = False
-            self.counts.numpy()[r] = 0
-            if keep_since_baseline:
-                self.since_baseline.numpy()[r] = True
-        else:
-            self.touched[rows] = False
-            self.counts[rows] = 0
-            if keep_since_baseline:
-                self.since_baseline[rows] = True
-
-    def merge_touched(self) -> None:
-        if self.on_cpu:
-            np.logical_or(self.since_baseline.numpy(), self.touched.numpy(), out=self.since_baseline.numpy())
-        else:
-            self.since_baseline |= self.touched
-
-    @staticmethod
-    def clear(mask: torch.Tensor) -> None:
-        """Zero a mask or a count tensor."""
-        if mask.device.type == "cpu":
-            mask.numpy().fill(0)
-        else:
-            mask.zero_()
-
-    def host_buffer(self, table: str, n: int, width: int) -> torch.Tensor:
-        buf = self.buffers.get(table)
-        if buf is None or buf.shape[0] < n or buf.shape[1] != width:
-            buf = torch.empty((max(n, 1), width), dtype=torch.float32)
-            self.buffers[table] = buf
-        return buf[:n]
+    tables: tuple
+    dense: Mapping
+    optimizers: tuple
+    extra: Mapping
 
 
-class _ShardTable(_Table):
-    """One local shard of a TorchRec-sharded table (``sharded.Shard``): no module of its own (its lookups
-    are tracked by a hook on the TBE kernel), rows written under their global ids, its row-wise optimizer
-    state the fused optimizer's."""
+class _SaveWork:
+    """A Checkpointer's save in flight as the store's ``PendingWork`` (``Store.add_pending_work``): what
+    ``store.close()`` and the interpreter's exit wait for. Refers to its Checkpointer weakly, as the store
+    refers to it: a Checkpointer that is gone has no save in flight (the write's thread holds it)."""
 
-    def __init__(self, shard, priority: str | None, ssu_rate: float, seed: int):
-        super().__init__(shard.name, None, priority, ssu_rate, seed, weight=shard.tensor)
-        self.shard = shard
-        self.offset = shard.row_offset
-        self.store_rows = shard.global_rows
-        self.states = sorted(shard.states, key=lambda kv: kv[0])
+    def __init__(self, owner: "Checkpointer"):
+        self._owner = weakref.ref(owner)
 
+    def finish(self, timeout: float | None) -> bool:
+        owner = self._owner()
+        return True if owner is None else owner._finish_saves(timeout)
 
-def _tbe_tracker(tables: list, features: list):
-    """A forward pre-hook for a TBE kernel whose ids feed ``tables`` (a _ShardTable or None per config table,
-    ``features[i]`` keys each): the ids of table i are the values of its keys, in key order."""
-    bounds = np.cumsum([0] + list(features)).tolist()
+    def cancel(self) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._cancel_saves()
 
-    def track(module, args, kwargs) -> None:
-        if not torch.is_grad_enabled():
-            return
-        kjt = args[0] if args else kwargs.get("features")
-        if kjt is None or not hasattr(kjt, "length_per_key"):
-            return
-        per_key = kjt.length_per_key()
-        ends = np.cumsum([0] + list(per_key)).tolist()
-        values = kjt.values()
-        for t, lo, hi in zip(tables, bounds[:-1], bounds[1:]):
-            if t is not None and ends[hi] > ends[lo]:
-                t.note(values[ends[lo]:ends[hi]].to(t.touched.device))
-
-    return track
-
-
-def _width(state: torch.Tensor) -> int:
-    """Columns of the table holding row-wise ``state`` (trailing dimensions flattened, at least 1)."""
-    return int(np.prod(state.shape[1:], dtype=np.int64)) if state.dim() > 1 else 1
-
-
-def _is_sharded_value(v) -> bool:
-    return type(v).__name__ in ("ShardedTensor", "DTensor")
-
-
-def _with_live_state(sd: dict, opt) -> dict:
-    """``sd`` with each ``_LIVE_MARK`` replaced by the optimizer's own current value: sharded state (a fused
-    optimizer's ``ShardedTensor``) is restored through the shard tables, in place, before this is loaded."""
-    marked = any(isinstance(v, dict) and _LIVE_MARK in v for st in sd["state"].values() for v in st.values())
-    live = {idx: {k: v for k, v in st.items() if _is_sharded_value(v)}
-            for idx, st in opt.state_dict()["state"].items()} if marked or _is_keyed(opt) else {}
-    if not marked and not any(live.values()):
-        return sd
-    state = {idx: {k: v for k, v in st.items() if not (isinstance(v, dict) and _LIVE_MARK in v)}
-             for idx, st in sd["state"].items()}
-    for idx, st in live.items():     # this rank's sharded state, whichever rank's payload the rest came from
-        if st:
-            state.setdefault(idx, {}).update(st)
-    return {**sd, "state": state}
-
-
-def _create_lazy_state(optimizers, state_dicts) -> None:
-    """torchrec's KeyedOptimizer loads into existing state only: create the state an optimizer makes lazily
-    (Adam's) by its own zero-gradient ``init_state()`` step -- before a restore puts the weights back."""
-    for opt, sd in zip(optimizers, state_dicts):
-        if callable(getattr(opt, "init_state", None)) and len(opt.state_dict()["state"]) < len(sd["state"]):
-            opt.init_state()
-
-
-def _is_keyed(opt) -> bool:
-    return isinstance(getattr(opt, "params", None), Mapping)
-
-
-def _top_rows(rows: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
-    """The ``k`` entries of ``rows`` (ascending) with the highest ``counts``, ties to the lower row;
-    ascending. Linear time: a partition finds the k-th highest count, the ties at it fill up in row order."""
-    threshold = np.partition(counts, rows.size - k)[rows.size - k]
-    above = rows[counts > threshold]
-    at = rows[counts == threshold][: k - above.size]
-    return np.union1d(above, at)
-
-
-#: Optimizers that change a row without a lookup exactly while its row-wise state is non-zero.
-_STATE_DRIFT = tuple(getattr(torch.optim, n) for n in (
-    "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "RMSprop", "Adadelta", "Rprop") if hasattr(torch.optim, n))
-_DRIFT_ORDER = {None: 0, "state": 1, "all": 2}
-#: Elements scanned per chunk when looking for non-zero optimizer state (bounds the temporary memory).
-_SCAN_ELEMENTS = 1 << 24
-
-
-def _drift(opt: torch.optim.Optimizer, group: dict) -> str | None:
-    """Which rows ``opt`` may change without a lookup, for a weight in param group ``group``: None (none),
-    "state" (those with non-zero row-wise state) or "all" (module doc)."""
-    if group.get("weight_decay"):
-        return "all"
-    if isinstance(opt, torch.optim.SGD):
-        return "state" if group.get("momentum") else None
-    if isinstance(opt, (torch.optim.Adagrad, torch.optim.SparseAdam)):
-        return None
-    if isinstance(opt, _STATE_DRIFT):
-        return "state"
-    return "all"
-
-
-def _leaf_optimizers(opt):
-    """The torch optimizers doing the work inside torchrec's wrappers (``KeyedOptimizerWrapper`` holds one
-    as ``_optimizer``, ``CombinedOptimizer`` lists ``(key, optimizer)`` pairs as ``optimizers``), else ``opt``."""
-    inner = getattr(opt, "_optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer) and inner is not opt:
-        yield from _leaf_optimizers(inner)
-        return
-    subs = getattr(opt, "optimizers", None)
-    if isinstance(subs, list) and subs and all(isinstance(x, tuple) and len(x) == 2 for x in subs):
-        for _key, sub in subs:
-            yield from _leaf_optimizers(sub)
-        return
-    yield opt
-
-
-def table_drift(optimizers, weight) -> str | None:
-    """The widest drift (see ``_drift``) of the ``optimizers`` holding ``weight``, judged with the
-    hyper-parameters of its param group now (also used by ``cnrstore.distributed.ecrm``). Optimizers
-    wrapped by torchrec (``KeyedOptimizerWrapper``, ``CombinedOptimizer``) are judged by what they wrap."""
-    worst = None
-    for opt in (leaf for o in optimizers for leaf in _leaf_optimizers(o)):
-        for group in opt.param_groups:
-            if any(p is weight for p in group["params"]):
-                d = _drift(opt, group)
-                if _DRIFT_ORDER[d] > _DRIFT_ORDER[worst]:
-                    worst = d
-    return worst
-
-
-def _nonzero_rows(states: list, num_rows: int, device) -> torch.Tensor:
-    """Bool per row: any element of any of ``states`` (each ``(num_rows, ...)``) has non-zero bits (so -0.0
-    and NaN count as non-zero). Vectorized, in chunks of about ``_SCAN_ELEMENTS`` elements."""
-    nz = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    for state in states:
-        flat = state.detach().reshape(num_rows, -1)
-        if flat.is_floating_point() and flat.element_size() in ints:
-            flat = flat.view(ints[flat.element_size()])
-        chunk = max(1, _SCAN_ELEMENTS // max(1, flat.shape[1]))
-        for start in range(0, num_rows, chunk):
-            part = flat[start:start + chunk]
-            nz[start:start + chunk] |= (part != 0).any(dim=1).to(nz.device)
-    return nz
+    def failure(self) -> BaseException | None:
+        owner = self._owner()
+        return None if owner is None else owner._error
 
 
 def _is_fraction(x) -> bool:
     """A real number in (0, 1] (not a bool)."""
     return (not isinstance(x, bool) and isinstance(x, (int, float, np.integer, np.floating))
             and 0 < float(x) <= 1)
-
-
-def _as_list(optimizer) -> list:
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    opts = list(optimizer)
-    for o in opts:
-        if not isinstance(o, torch.optim.Optimizer):
-            raise InvalidArgument(f"optimizer must be an Optimizer, a list of them or None; got {type(o).__name__}")
-    return opts
 
 
 def _as_extra(extra) -> dict:
@@ -442,14 +194,6 @@ def _as_extra(extra) -> dict:
         if not (callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))):
             raise InvalidArgument(f"extra {k!r} ({type(v).__name__}) needs state_dict() and load_state_dict()")
     return items
-
-
-def _host_copy(t: torch.Tensor) -> np.ndarray:
-    """An exact host copy as numpy (bfloat16 as its raw int16 pattern)."""
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.to("cpu", copy=True).numpy()
 
 
 class Checkpointer:
@@ -485,10 +229,10 @@ class Checkpointer:
         self.optimizer_codec = optimizer_codec
         self.priority = priority
         self.ssu_rate = float(ssu_rate)
-        self._optimizers = _as_list(optimizer)
+        self._optimizers = as_optimizer_list(optimizer)
         self._extra = _as_extra(extra)
-        self._tables: list[_Table] = []
-        self._by_weight: dict[int, _Table] = {}
+        self._tables: list[Table] = []
+        self._by_weight: dict[int, Table] = {}
         existing = store.tables()
         try:
             for path, module in model.named_modules():
@@ -496,9 +240,9 @@ class Checkpointer:
                     continue
                 if id(module.weight) in self._by_weight:  # a weight shared by modules: one table
                     shared = self._by_weight[id(module.weight)]
-                    shared.hooks.append(module.register_forward_pre_hook(shared._track, with_kwargs=True))
+                    shared.track_module(module)
                     continue
-                t = _Table(path, module, priority, self.ssu_rate, _SSU_SEED + len(self._tables))
+                t = Table(path, module, priority, self.ssu_rate, SSU_SEED + len(self._tables))
                 self._tables.append(t)
                 self._by_weight[id(t.weight)] = t
                 self._ensure_table(existing, t.name, t.num_rows, t.dim, self._weight_codec())
@@ -515,9 +259,10 @@ class Checkpointer:
         self._error: BaseException | None = None  # a background failure not yet re-raised by save()
         self._failed: PendingSave | None = None  # the save that failed with it
         self._closed = False
-        savers = getattr(store, "_savers", None)
-        if savers is not None:  # store.close() and the interpreter's exit wait for our save in flight
-            savers.add(self)
+        self._work = _SaveWork(self)
+        add_work = getattr(store, "add_pending_work", None)
+        if add_work is not None:  # store.close() and the interpreter's exit wait for our save in flight
+            add_work(self._work)
 
     def _add_shards(self, model: nn.Module, existing: dict) -> set:
         """The local shards of TorchRec-sharded tables become tables (``sharded``); returns the state-dict keys
@@ -529,13 +274,13 @@ class Checkpointer:
         for shard in shards:
             if not shard.tensor.numel():
                 continue
-            t = _ShardTable(shard, self.priority, self.ssu_rate, _SSU_SEED + len(self._tables))
+            t = ShardTable(shard, self.priority, self.ssu_rate, SSU_SEED + len(self._tables))
             self._tables.append(t)
             by_id[id(shard)] = t
             self._ensure_table(existing, t.name, t.store_rows, t.dim, self._weight_codec())
         for module, per_table, features in feeds:
             tables = [by_id.get(id(s)) if s is not None else None for s in per_table]
-            hook = module.register_forward_pre_hook(_tbe_tracker(tables, features), with_kwargs=True)
+            hook = module.register_forward_pre_hook(tbe_tracker(tables, features), with_kwargs=True)
             next(t for t in tables if t is not None).hooks.append(hook)
         return keys
 
@@ -557,22 +302,15 @@ class Checkpointer:
                 f"table {name!r} in the store has {info.num_rows} rows x {info.dim} dims but the model's has "
                 f"{num_rows} x {dim}; use a new store, or a model of the stored shape")
 
-    def _row_states(self, t: _Table):
+    def _row_states(self, t: Table):
         """(state name, tensor) of the row-wise optimizer state of ``t``'s weight, in a stable order."""
-        if isinstance(t, _ShardTable):
+        if isinstance(t, ShardTable):
             yield from t.states
             return
-        for opt in self._optimizers:
-            state = opt.state.get(t.weight)
-            if not state:
-                continue
-            for key in sorted(state, key=str):
-                v = state[key]
-                if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == t.num_rows:
-                    yield str(key), v
+        yield from row_states(self._optimizers, t.weight, t.num_rows)
 
-    def _table_drift(self, t: _Table) -> str | None:
-        if isinstance(t, _ShardTable):
+    def _table_drift(self, t: Table) -> str | None:
+        if isinstance(t, ShardTable):
             return None  # fused TBE optimizers update the rows of the batch only (sharded.py)
         return table_drift(self._optimizers, t.weight)
 
@@ -588,7 +326,7 @@ class Checkpointer:
                     t.touched.fill_(True)
                 t.nonzero_saved = None
             elif drift == "state":
-                nz = _nonzero_rows([v for _k, v in self._row_states(t)], t.num_rows, t.touched.device)
+                nz = nonzero_rows([v for _k, v in self._row_states(t)], t.num_rows, t.touched.device)
                 changed = nz if t.nonzero_saved is None else nz | t.nonzero_saved
                 t.touched |= changed
                 t.nonzero_saved = nz
@@ -600,13 +338,12 @@ class Checkpointer:
         for t in self._tables:
             t.nonzero_saved = None
             if self._table_drift(t) == "state":
-                t.nonzero_saved = _nonzero_rows([v for _k, v in self._row_states(t)], t.num_rows,
+                t.nonzero_saved = nonzero_rows([v for _k, v in self._row_states(t)], t.num_rows,
                                                 t.touched.device)
 
     def _remove_hooks(self) -> None:
         for t in self._tables:
-            for h in t.hooks:
-                h.remove()
+            t.remove_hooks()
 
     def _raise_pending_error(self) -> None:
         if self._error is not None:
@@ -622,7 +359,7 @@ class Checkpointer:
         """Wait for the save in flight (for good, or ``timeout`` seconds); whether it has ended. An
         interrupt while waiting cancels it (it aborts at its next step: nothing of it commits) and is
         re-raised; the save stays pending until its thread has ended, so that the store is never closed
-        under it. (Store.close() and the store's exit hook call this.)"""
+        under it. (Store.close() and the store's exit hook call this, through ``_SaveWork``.)"""
         p = self._pending
         if p is None:
             return True
@@ -717,7 +454,7 @@ class Checkpointer:
                     self._gather(state.reshape(t.num_rows, width), s_rows, sbuf)
                     row_jobs.append((name, s_np, sbuf, None))
                     report.rows[name] = m
-            dense = {k: _host_copy(v) for k, v in self._dense.items()}
+            dense = {k: dense_copy(v) for k, v in self._dense.items()}
             blob = self._state_blob()
             if blob.nbytes > validate.max_dense_bytes():  # the optimizers' dense state can outgrow a record
                 raise InvalidArgument(
@@ -770,7 +507,7 @@ class Checkpointer:
         return True, [None] * len(self._tables)
 
     def _pick_priority(self, top: float):
-        """Per table, the rows a priority save writes (``_Table.top_rows``); changes no mask."""
+        """Per table, the rows a priority save writes (``Table.top_rows``); changes no mask."""
         picks = []
         for t in self._tables:
             # the epsilon keeps 0.07 * 100 (= 7.000000000000001) at 7 rows
@@ -782,7 +519,7 @@ class Checkpointer:
     def _gather(src: torch.Tensor, rows, out: torch.Tensor) -> None:
         src = src.detach()
         if src.device.type == "cpu" and src.dtype == torch.float32:
-            # numpy: single-threaded copies (see _Table.rows); out is a reused host buffer
+            # numpy: single-threaded copies (see Table.rows); out is a reused host buffer
             if rows is None:
                 np.copyto(out.numpy(), src.numpy())
             else:
@@ -811,13 +548,13 @@ class Checkpointer:
                     param = named.get(idx) if isinstance(named, Mapping) else None
                 t = self._by_weight.get(id(param)) if param is not None else None
                 row_keys = {k for k, _ in self._row_states(t)} if t is not None else set()
-                state[idx] = {k: ({_ROW_MARK: f"{t.name}.optim.{k}", "dtype": str(v.dtype).split(".")[-1],
+                state[idx] = {k: ({ROW_MARK: f"{t.name}.optim.{k}", "dtype": str(v.dtype).split(".")[-1],
                                    "shape": tuple(v.shape)} if str(k) in row_keys
-                                  else {_LIVE_MARK: True} if _is_sharded_value(v) else v)
+                                  else {LIVE_MARK: True} if is_sharded_value(v) else v)
                               for k, v in st.items()}
             optims.append({**{k: v for k, v in sd.items() if k != "state"}, "state": state})
         payload = {
-            "format": _FORMAT,
+            "format": PAYLOAD_FORMAT,
             "mode": self.mode,
             "tables": [t.name for t in self._tables],
             "dense_dtypes": {k: str(v.dtype).split(".")[-1] for k, v in self._dense.items()},
@@ -880,7 +617,7 @@ class Checkpointer:
         v = info.version
         tables = self.store.tables()
         for t in self._tables:
-            if isinstance(t, _ShardTable):
+            if isinstance(t, ShardTable):
                 continue  # read by rows and column slices, checked there (_read_shard)
             ti = tables.get(t.name)
             if ti is None:
@@ -909,14 +646,37 @@ class Checkpointer:
         missing = [k for k in payload["extra"] if k not in self._extra]
         if missing:
             raise InvalidArgument(f"version {v} holds extra state {missing}, which this Checkpointer lacks")
-        weights = [torch.from_numpy(self._read_shard(tables, t, "", t.dim, v)) if isinstance(t, _ShardTable)
+        weights = [torch.from_numpy(self._read_shard(tables, t, "", t.dim, v)) if isinstance(t, ShardTable)
                    else torch.from_numpy(self.store.read_table(t.name, v)) for t in self._tables]
-        shard_states = [(state, torch.from_numpy(self._read_shard(tables, t, f".optim.{key}", _width(state), v)))
-                        for t in self._tables if isinstance(t, _ShardTable) for key, state in t.states]
+        shard_states = [(state, self._read_shard(tables, t, f".optim.{key}", row_state_width(state), v))
+                        for t in self._tables if isinstance(t, ShardTable) for key, state in t.states]
+        shard_states = [(state, torch.from_numpy(vals)) for state, vals in shard_states]
         # a version without optimizer state (an import of model weights) leaves the optimizers as they are
         optim_sds = [self._optimizer_state(sd, v) for sd in payload["optimizers"]]
-        _create_lazy_state(self._optimizers, optim_sds)
         # everything read and checked: now change the live objects
+        self.load_state(weights, shard_states, dense, optim_sds, payload["extra"])
+        latest = self.store.latest()
+        self.note_restore(matches_newest=latest is not None and latest.version == v)
+        return info
+
+    # -- for sibling packages (cnrstore.distributed; docs/ARCHITECTURE.md, "Seams between packages") -----
+    def trainer_state(self) -> "TrainerState":
+        """*For sibling packages* (``cnrstore.distributed``), not part of the trainer API: the live objects
+        this Checkpointer saves and restores (:class:`TrainerState`). The tensors, optimizers and ``extra``
+        objects are the model's own; the containers are read-only views."""
+        return TrainerState(tuple(self._tables), MappingProxyType(self._dense), tuple(self._optimizers),
+                            MappingProxyType(self._extra))
+
+    def load_state(self, weights, shard_states, dense, optimizer_states, extra) -> None:
+        """*For sibling packages* (``cnrstore.distributed``'s resharding restore) and ``restore``: put state
+        read from a stored version, all of it read and checked already, into the live objects, in place.
+
+        ``weights``: a tensor per table (``trainer_state().tables`` order); ``shard_states``: (row-wise state
+        tensor of a ``ShardTable``, its stored values); ``dense``: {state-dict key: tensor} (bfloat16 viewed
+        as such); ``optimizer_states``: a state dict per optimizer with its row-wise state filled in (an
+        empty list leaves the optimizers as they are); ``extra``: {name: state dict}, loaded in that order.
+        Call :meth:`note_restore` after it."""
+        create_lazy_state(self._optimizers, optimizer_states)
         with torch.no_grad():
             for t, w in zip(self._tables, weights):
                 t.weight.copy_(w)
@@ -924,24 +684,35 @@ class Checkpointer:
                 state.copy_(w.reshape(state.shape))
             for key, src in dense.items():
                 self._dense[key].copy_(src)
-        for opt, sd in zip(self._optimizers, optim_sds):
-            opt.load_state_dict(_with_live_state(sd, opt))
-        for k, state in payload["extra"].items():
+        for opt, sd in zip(self._optimizers, optimizer_states):
+            opt.load_state_dict(with_live_state(sd, opt))
+        for k, state in extra.items():
             self._extra[k].load_state_dict(state)
+
+    def note_restore(self, *, matches_newest: bool = False) -> None:
+        """*For sibling packages* (``cnrstore.distributed``) and ``restore``: the live state was just loaded
+        from a stored version. Clears the row tracking (touched rows, rows since the baseline, update
+        counts), remembers where the optimizer state is non-zero, makes the next save a baseline (unless
+        ``matches_newest``, the state is the store's newest version, and the mode is incremental: the next
+        increment then follows it) and records the restore with a ``BitWidthPolicy``."""
         for t in self._tables:
             t.touched.zero_()
             t.since_baseline.zero_()
             if t.counts is not None:
                 t.counts.zero_()
         self._note_restored_state()
-        latest = self.store.latest()
-        self._force_full = not (self.mode == "incremental" and latest is not None and latest.version == v)
+        self._force_full = not (self.mode == "incremental" and matches_newest)
         self._diffs = []
         if self._policy is not None and callable(getattr(self._policy, "record_restore", None)):
             self._policy.record_restore()
-        return info
 
-    def _read_shard(self, tables: dict, t: "_ShardTable", suffix: str, width: int, v: int) -> np.ndarray:
+    def forget_failure(self) -> None:
+        """*For sibling packages* (``cnrstore.distributed``): drop the failure of a background write that the
+        next ``save()`` would raise, because the caller has surfaced it itself (the next save is still a
+        baseline)."""
+        self._error = None
+
+    def _read_shard(self, tables: dict, t: "ShardTable", suffix: str, width: int, v: int) -> np.ndarray:
         """The stored rows of shard ``t`` (its global row range, its columns) of the table ``<fqn><suffix>``
         (suffix "" for the weights, ``".optim.<state>"`` for row-wise state of ``width`` columns) at version
         ``v``, assembled from whichever column slices the saving plan stored (any sharding plan at save)."""
@@ -999,10 +770,10 @@ class Checkpointer:
         for idx, st in sd["state"].items():
             out = {}
             for k, val in st.items():
-                if isinstance(val, dict) and _ROW_MARK in val:
-                    arr = torch.from_numpy(self.store.read_table(val[_ROW_MARK], v))
+                if isinstance(val, dict) and ROW_MARK in val:
+                    arr = torch.from_numpy(self.store.read_table(val[ROW_MARK], v))
                     if math.prod(val["shape"]) != arr.numel():
-                        raise InvalidArgument(f"version {v}: optimizer state {val[_ROW_MARK]!r} has {arr.numel()} "
+                        raise InvalidArgument(f"version {v}: optimizer state {val[ROW_MARK]!r} has {arr.numel()} "
                                               f"values, its payload names shape {tuple(val['shape'])}")
                     val = arr.reshape(val["shape"]).to(_payload.torch_dtype(val["dtype"], v))
                 out[k] = val

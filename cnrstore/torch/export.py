@@ -23,7 +23,7 @@ from ..errors import InvalidArgument
 from ..types import Snapshot
 from . import payload as _payload
 from . import sharded
-from .checkpointer import _ROW_MARK, DENSE_PREFIX, STATE_BLOB
+from .payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
 
 __all__ = ["CheckpointView", "load_payload", "save", "write"]
 
@@ -160,11 +160,11 @@ class CheckpointView:
             for idx, st in sd["state"].items():
                 entry = {}
                 for k, val in st.items():
-                    if isinstance(val, dict) and _ROW_MARK in val:
-                        arr = self.snapshot.tables.get(val[_ROW_MARK])
+                    if isinstance(val, dict) and ROW_MARK in val:
+                        arr = self.snapshot.tables.get(val[ROW_MARK])
                         if arr is None:
                             raise InvalidArgument(f"version {self.snapshot.version} has no table "
-                                                  f"{val[_ROW_MARK]!r} of optimizer state")
+                                                  f"{val[ROW_MARK]!r} of optimizer state")
                         val = _tensor(arr).reshape(val["shape"]).to(_payload.torch_dtype(val["dtype"], self.snapshot.version))
                     entry[k] = val
                 state[idx] = entry

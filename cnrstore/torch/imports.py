@@ -95,7 +95,8 @@ from .. import validate
 from ..errors import InvalidArgument
 from ..writer import pack_meta
 from . import payload as _payload
-from .checkpointer import _FORMAT, _ROW_MARK, DENSE_PREFIX, STATE_BLOB, _as_list, _host_copy
+from .optim_state import as_optimizer_list
+from .payload import DENSE_PREFIX, PAYLOAD_FORMAT, ROW_MARK, STATE_BLOB, dense_copy
 from .export import embedding_tables
 
 __all__ = ["CHECKPOINT_KEYS", "DEFAULT_MIN_ROWS", "SOURCE_FORMATS", "ImportReport", "import_checkpoint",
@@ -602,7 +603,7 @@ def _optimizer_payload(state_dicts, param_names, table_of_key: dict[str, str], r
                                               "keeps one per table: import with one of them")
                     _check_tensor(f"optimizer state {k!r} of {name!r}", v)
                     row_tables[sname] = v.detach().reshape(v.shape[0], -1)
-                    entry[k] = {_ROW_MARK: sname, "dtype": str(v.dtype).split(".")[-1], "shape": tuple(v.shape)}
+                    entry[k] = {ROW_MARK: sname, "dtype": str(v.dtype).split(".")[-1], "shape": tuple(v.shape)}
                 else:
                     entry[k] = v
             state[idx] = entry
@@ -670,7 +671,7 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
     codec_of = dict(codecs or {})
     for c in [codec, optimizer_codec, *codec_of.values()]:
         _codecs.get(c)  # unknown name -> InvalidArgument
-    optimizers = _as_list(optimizer)
+    optimizers = as_optimizer_list(optimizer)
     if optimizers and model is None:
         raise InvalidArgument("optimizer= needs model=: the optimizer's state is recorded by the model's "
                               "parameter names")
@@ -731,7 +732,7 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
     meta = src.meta if meta is None else meta
     validate.step_arg(step)
     pack_meta(meta)
-    payload = {"format": _FORMAT, "mode": "imported", "tables": list(chosen),
+    payload = {"format": PAYLOAD_FORMAT, "mode": "imported", "tables": list(chosen),
                "dense_dtypes": {k: str(v.dtype).split(".")[-1] for k, v in dense.items()},
                "optimizers": optims, "extra": dict(src.extra), "param_names": param_names,
                "imported": {"format": fmt, "source": None if isinstance(source, Mapping) else os.fspath(source),
@@ -766,7 +767,7 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
             for name, v in row_tables.items():
                 _put_table(ck, name, v, optimizer_codec, infos[name].block_rows)
             for key, t in dense.items():
-                ck.put_dense(DENSE_PREFIX + key, _host_copy(t))
+                ck.put_dense(DENSE_PREFIX + key, dense_copy(t))
             ck.put_dense(STATE_BLOB, blob)
         ok = True
         return ImportReport(version=ck.version, step=step, source_format=fmt,

@@ -25,11 +25,22 @@ import torch
 
 from ..errors import InvalidArgument, UnsafePayload
 
-__all__ = ["PAYLOAD_FORMAT", "encode", "decode", "unsafe_globals", "torch_dtype", "check_structure"]
+__all__ = ["DENSE_PREFIX", "LIVE_MARK", "PAYLOAD_FORMAT", "ROW_MARK", "STATE_BLOB", "check_structure", "decode",
+           "dense_copy", "encode", "torch_dtype", "unsafe_globals"]
 
 #: Format of the payload (docs/FORMAT.md): 1 = any pickle (before issue 26), 2 = data only (weights_only).
 PAYLOAD_FORMAT = 2
+#: The dense array holding the payload.
 STATE_BLOB = "torch.state"
+#: Prefix of the dense arrays holding the model's parameters and buffers that are not tables:
+#: ``DENSE_PREFIX + state-dict key``.
+DENSE_PREFIX = "torch.model/"
+#: Key of the marker standing for a row-wise optimizer state tensor in ``optimizers``: ``{ROW_MARK: table
+#: name, "dtype": torch dtype name, "shape": [int, ...]}`` (the tensor is read back from that table).
+ROW_MARK = "__cnrstore_row_state__"
+#: Key of the marker standing for a fused optimizer's sharded state (``{LIVE_MARK: True}``): restored through
+#: the shard tables, in place.
+LIVE_MARK = "__cnrstore_sharded_state__"
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.Size, torch.device)
 
@@ -158,6 +169,15 @@ def _not_payload(version, exc: BaseException) -> InvalidArgument:
                            f"({_one_line(exc)}); export it with layout 'nested'")
 
 
+def dense_copy(t: torch.Tensor) -> np.ndarray:
+    """An exact host copy of the tensor ``t`` as numpy, as a ``DENSE_PREFIX`` array stores it (bfloat16 as its
+    raw int16 pattern)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.to("cpu", copy=True).numpy()
+
+
 def torch_dtype(name, version=None) -> torch.dtype:
     """The torch dtype a payload names (``"float32"``); InvalidArgument for anything else (a payload is
     data: a name is never resolved to another attribute of torch)."""
@@ -195,9 +215,9 @@ def check_structure(payload, version) -> None:
             if not isinstance(st, dict):
                 raise _bad(version, "an optimizer's per-parameter state is not a map")
             for val in st.values():
-                if isinstance(val, dict) and "__cnrstore_row_state__" in val:
+                if isinstance(val, dict) and ROW_MARK in val:
                     shape = val.get("shape")
-                    if not isinstance(val["__cnrstore_row_state__"], str) or not isinstance(shape, (list, tuple)) \
+                    if not isinstance(val[ROW_MARK], str) or not isinstance(shape, (list, tuple)) \
                             or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2 ** 63
                                        for n in shape):
                         raise _bad(version, "a row-wise state marker is malformed")

@@ -1,0 +1,205 @@
+"""Row tracking for ``cnrstore.torch.Checkpointer``: which rows of each embedding table a save must write.
+
+A :class:`Table` is one embedding weight: a bool mask of the rows looked up since the last save
+(``touched``), of those changed since the last baseline (``since_baseline``), per-row update counts for
+priority saves (``counts``, ``"mfu"`` exact or ``"ssu"`` sampled) and reusable host buffers. Lookups are
+recorded by a forward pre-hook on the embedding module (:meth:`Table.track_module`), or, for the local
+shards of a TorchRec-sharded table (:class:`ShardTable`), by a hook on the TBE kernel
+(:func:`tbe_tracker`). The Checkpointer's module doc says how the masks become the rows of a save.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["SSU_SEED", "ShardTable", "Table", "tbe_tracker"]
+
+#: Seed of a table's SSU sampling streams: + the table's index, so each table's stream is reproducible.
+SSU_SEED = 0x5C5_0000
+
+
+class Table:
+    """One embedding module: its table, tracking masks, update counts (priority saves) and reusable host
+    buffers.
+
+    ``counts`` (int32 per row, on the weight's device, or None without ``priority``) holds the lookups
+    since the row was last saved, all of them (``"mfu"``) or a sample (``"ssu"``); ``count_scale`` turns
+    a count into an estimate of the exact one (1, or ``1 / ssu_rate``)."""
+
+    def __init__(self, path: str, module: nn.Module | None, priority: str | None = None, ssu_rate: float = 1.0,
+                 seed: int = SSU_SEED, weight: torch.Tensor | None = None):
+        self.path = path
+        self.name = path or "embedding"
+        self.module = module
+        self.weight: torch.Tensor = module.weight if weight is None else weight
+        self.num_rows, self.dim = self.weight.shape
+        self.touched = torch.zeros(self.num_rows, dtype=torch.bool, device=self.weight.device)
+        self.since_baseline = torch.zeros_like(self.touched)
+        self.on_cpu = self.weight.device.type == "cpu"
+        self.counts: torch.Tensor | None = None
+        self.count_scale = 1.0
+        self.ssu_rate: float | None = None
+        if priority is not None:
+            self.counts = torch.zeros(self.num_rows, dtype=torch.int32, device=self.weight.device)
+            self._ones = torch.ones(0, dtype=torch.int32, device=self.weight.device)
+        if priority == "ssu":
+            self.ssu_rate = float(ssu_rate)
+            self.count_scale = 1.0 / self.ssu_rate
+            # private streams, so the training RNG is untouched: positions from a torch.Generator, the
+            # sample size's rounding from a random.Random (a Python float: no tensor op in the hook)
+            self.generator = torch.Generator().manual_seed(seed)
+            self._rounding = random.Random(seed)
+        self.buffers: dict[str, torch.Tensor] = {}  # host buffers by table name, reused across saves
+        # rows whose row-wise optimizer state was non-zero at the last regular save ("state" drift only)
+        self.nonzero_saved: torch.Tensor | None = None
+        self.full_written: set[str] = set()  # row-state tables written in full in this session
+        self.offset = 0                 # global id of local row 0 (a sharded table's shard: its row offset)
+        self.store_rows = self.num_rows  # rows of the store table (a shard's table has the global count)
+        self.hooks = []
+        if module is not None:
+            self.track_module(module)
+
+    def track_module(self, module: nn.Module) -> None:
+        """Track the lookups of ``module`` (an embedding module using this table's weight; a weight shared
+        by several modules is one table tracked through each of them)."""
+        self.hooks.append(module.register_forward_pre_hook(self._track, with_kwargs=True))
+
+    def remove_hooks(self) -> None:
+        """Stop tracking: remove every hook this table put on a module."""
+        for h in self.hooks:
+            h.remove()
+
+    def _track(self, module, args, kwargs) -> None:
+        if torch.is_grad_enabled():
+            self.note((args[0] if args else kwargs["input"]).reshape(-1))
+
+    def note(self, ids: torch.Tensor) -> None:
+        """Record a lookup of the local rows ``ids`` (1-D, duplicates allowed)."""
+        self.touched[ids] = True
+        if self.counts is not None:
+            self._count(ids)
+
+    def _count(self, ids: torch.Tensor) -> None:
+        """Add one per id (duplicates too), or per id of a random sample of ``ssu_rate · len(ids)`` ids
+        drawn with replacement (the sample size rounded stochastically, so the estimate stays unbiased)."""
+        if self.ssu_rate is not None:
+            expected = self.ssu_rate * ids.numel()
+            k = int(expected)
+            if self._rounding.random() < expected - k:
+                k += 1
+            if k == 0:
+                return
+            pos = torch.randint(ids.numel(), (k,), generator=self.generator)
+            ids = ids.index_select(0, pos if self.on_cpu else pos.to(ids.device, non_blocking=True))
+        n = ids.numel()
+        if self._ones.numel() < n:
+            self._ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.int32, device=self._ones.device)
+        self.counts.index_add_(0, ids, self._ones[:n])
+
+    # mask arithmetic on CPU goes through numpy views: single-threaded, so a save does not wait on
+    # intra-op worker threads of a busy machine for what are microseconds of work
+    def rows(self, mask: torch.Tensor) -> torch.Tensor:
+        if self.on_cpu:
+            return torch.from_numpy(np.flatnonzero(mask.numpy()))
+        return mask.nonzero().squeeze(1)
+
+    def count(self, mask: torch.Tensor) -> int:
+        return int(np.count_nonzero(mask.numpy())) if self.on_cpu else int(mask.sum())
+
+    def host(self, t: torch.Tensor) -> np.ndarray:
+        """``t`` as numpy: a view on CPU (writes go through), a copy otherwise."""
+        return t.numpy() if self.on_cpu else t.cpu().numpy()
+
+    def top_rows(self, k: int) -> torch.Tensor:
+        """The touched rows with the highest counts, at most ``k``, ties to the lower row id; ascending,
+        on the weight's device."""
+        rows = np.flatnonzero(self.host(self.touched))
+        if rows.size > k:
+            rows = _top_rows(rows, self.host(self.counts)[rows], k)
+        out = torch.from_numpy(rows)
+        return out if self.on_cpu else out.to(self.weight.device)
+
+    def settle_priority(self, rows: torch.Tensor, keep_since_baseline: bool) -> None:
+        """After a priority save wrote ``rows``: clear their touched bit and count; record them as
+        changed since the baseline if ``keep_since_baseline`` (one-shot and intermittent modes)."""
+        if self.on_cpu:
+            r = rows.numpy()
+            self.touched.numpy()[r] = False
+            self.counts.numpy()[r] = 0
+            if keep_since_baseline:
+                self.since_baseline.numpy()[r] = True
+        else:
+            self.touched[rows] = False
+            self.counts[rows] = 0
+            if keep_since_baseline:
+                self.since_baseline[rows] = True
+
+    def merge_touched(self) -> None:
+        if self.on_cpu:
+            np.logical_or(self.since_baseline.numpy(), self.touched.numpy(), out=self.since_baseline.numpy())
+        else:
+            self.since_baseline |= self.touched
+
+    @staticmethod
+    def clear(mask: torch.Tensor) -> None:
+        """Zero a mask or a count tensor."""
+        if mask.device.type == "cpu":
+            mask.numpy().fill(0)
+        else:
+            mask.zero_()
+
+    def host_buffer(self, table: str, n: int, width: int) -> torch.Tensor:
+        buf = self.buffers.get(table)
+        if buf is None or buf.shape[0] < n or buf.shape[1] != width:
+            buf = torch.empty((max(n, 1), width), dtype=torch.float32)
+            self.buffers[table] = buf
+        return buf[:n]
+
+
+class ShardTable(Table):
+    """One local shard of a TorchRec-sharded table (``sharded.Shard``): no module of its own (its lookups
+    are tracked by a hook on the TBE kernel), rows written under their global ids, its row-wise optimizer
+    state the fused optimizer's."""
+
+    def __init__(self, shard, priority: str | None, ssu_rate: float, seed: int):
+        super().__init__(shard.name, None, priority, ssu_rate, seed, weight=shard.tensor)
+        self.shard = shard
+        self.offset = shard.row_offset
+        self.store_rows = shard.global_rows
+        self.states = sorted(shard.states, key=lambda kv: kv[0])
+
+
+def tbe_tracker(tables: list, features: list):
+    """A forward pre-hook for a TBE kernel whose ids feed ``tables`` (a ShardTable or None per config table,
+    ``features[i]`` keys each): the ids of table i are the values of its keys, in key order."""
+    bounds = np.cumsum([0] + list(features)).tolist()
+
+    def track(module, args, kwargs) -> None:
+        if not torch.is_grad_enabled():
+            return
+        kjt = args[0] if args else kwargs.get("features")
+        if kjt is None or not hasattr(kjt, "length_per_key"):
+            return
+        per_key = kjt.length_per_key()
+        ends = np.cumsum([0] + list(per_key)).tolist()
+        values = kjt.values()
+        for t, lo, hi in zip(tables, bounds[:-1], bounds[1:]):
+            if t is not None and ends[hi] > ends[lo]:
+                t.note(values[ends[lo]:ends[hi]].to(t.touched.device))
+
+    return track
+
+
+
+def _top_rows(rows: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` entries of ``rows`` (ascending) with the highest ``counts``, ties to the lower row;
+    ascending. Linear time: a partition finds the k-th highest count, the ties at it fill up in row order."""
+    threshold = np.partition(counts, rows.size - k)[rows.size - k]
+    above = rows[counts > threshold]
+    at = rows[counts == threshold][: k - above.size]
+    return np.union1d(above, at)
+
