@@ -392,7 +392,7 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
         committed = view.segments()
         kept = view.version_numbers()
         newest = kept[-1] if kept else 0
-        alive = liveness.row_liveness(view, lambda loc: _verified_record(engine, loc), kept, pinned)
+        alive = liveness.row_liveness(view, lambda loc: fetch(engine.segments, loc), kept, pinned)
         live = dict(alive.live_bytes)
         age: dict[int, int] = {}  # segment -> newest version of a live record in it
         row_users: dict[int, list] = {}
@@ -566,7 +566,7 @@ def _live_rows_record(engine: "Engine", loc: RowLoc, rows: np.ndarray, tid: int,
     """(new RowLoc without its place, buffers, length) of the record at ``loc`` holding only the block
     offsets ``rows`` (sorted, a subset of its rows): encoded bytes copied, flags kept (FULL recomputed),
     marked COMPACTED (written by maintenance: repair reads it as the block's record at its version)."""
-    rec = _verified_record(engine, loc, Expect(record.KIND_ROWS, tid, None, block))
+    rec = fetch(engine.segments, loc, Expect(record.KIND_ROWS, tid, None, block))
     offsets = rec.offsets()
     take = np.searchsorted(offsets, rows)
     body = rec.body.reshape(rec.count, -1)[take]
@@ -575,11 +575,6 @@ def _live_rows_record(engine: "Engine", loc: RowLoc, rows: np.ndarray, tid: int,
     buffers, length = record.rows_record(rec.codec_id, flags, rec.object_id, rec.block, rec.version,
                                          None if full else rows, np.ascontiguousarray(body), rec.base(), rec.copied())
     return RowLoc(0, 0, length, int(rows.size), flags, rec.base()), buffers, length
-
-
-def _verified_record(engine: "Engine", loc, expect: Expect | None = None) -> record.Record:
-    """The checksum-verified record at ``loc`` (and, with ``expect``, the one its index entry names)."""
-    return fetch(engine.segments, loc, expect)
 
 
 #: GC copies the live records of about this many bytes of under-full segments per index commit.

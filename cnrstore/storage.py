@@ -42,22 +42,30 @@ class Expect(NamedTuple):
     block: int | None = None
 
 
+def mismatch(rec: record.Record, loc, expect: Expect) -> str | None:
+    """Why ``rec`` (read at index location ``loc``) is not the record ``expect`` names, or None if it is:
+    its kind, object, version and block, and for a row entry (``index.RowLoc``) its row count, flags and
+    delta base too."""
+    if (rec.kind != expect.kind or (expect.object_id is not None and rec.object_id != expect.object_id)
+            or (expect.version is not None and rec.version != expect.version)
+            or (expect.block is not None and rec.block != expect.block)):
+        return "record does not match its index entry (kind, object, block or version)"
+    if isinstance(loc, RowLoc) and (rec.count != loc.count or rec.flags != loc.flags or rec.base() != loc.base):
+        return "record row count, flags or delta base disagree with the index"
+    return None
+
+
 def fetch(storage: "SegmentStorage", loc, expect: Expect | None = None) -> record.Record:
     """The checksum-verified record at ``loc`` (an index location), read through ``storage``: the one
     place beneath reads, merges, verify and compaction where a record is fetched and checked against its
-    index entry. With ``expect`` it must be the record that entry names: its kind, object, version and
-    block, and for a row entry (``index.RowLoc``) its row count, flags and delta base too. Raises
+    index entry. With ``expect`` it must be the record that entry names (``mismatch``). Raises
     CorruptionError (naming the place) for damage or a mismatch."""
     path = storage.path(loc.segment)
     rec = record.parse(storage.read(loc.segment, loc.offset, loc.length), path, loc.offset)
-    if expect is not None and (
-            rec.kind != expect.kind
-            or (expect.object_id is not None and rec.object_id != expect.object_id)
-            or (expect.version is not None and rec.version != expect.version)
-            or (expect.block is not None and rec.block != expect.block)
-            or (isinstance(loc, RowLoc) and (rec.count != loc.count or rec.flags != loc.flags
-                                             or rec.base() != loc.base))):
-        raise errors.CorruptionError(f"record at {path}:{loc.offset} is not the one the index names", path, loc.offset)
+    why = mismatch(rec, loc, expect) if expect is not None else None
+    if why is not None:
+        raise errors.CorruptionError(f"record at {path}:{loc.offset} is not the one the index names: {why}",
+                                     path, loc.offset)
     return rec
 
 

@@ -10,7 +10,7 @@ from . import blocks as blocks_math
 from . import codecs, reader, record, segments
 from .errors import CnrError
 from .types import VerifyReport
-from .storage import fetch
+from .storage import Expect, fetch, mismatch
 
 #: What to do next, per kind of problem (appended to each problem verify reports).
 DO_RECORD = ("reads that need it raise CorruptionError, never other data: restore a version that does not need "
@@ -123,9 +123,9 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
                     rec = _parse_counted(seg_reader, loc, report)
                     desc = rec.dense_descriptor()
                     expect = np.dtype(desc["dtype"]).itemsize * int(np.prod(desc["shape"], dtype=np.int64))
-                    if (rec.kind != record.KIND_DENSE or rec.object_id != dense_id or rec.version != version
-                            or rec.body.size != expect):
-                        problem = "record does not match its index entry"
+                    problem = mismatch(rec, loc, Expect(record.KIND_DENSE, dense_id, version))
+                    if not problem and rec.body.size != expect:
+                        problem = "record body length disagrees with its dense descriptor"
                 except CnrError as exc:
                     problem = str(exc)
                 except (ValueError, TypeError, KeyError) as exc:
@@ -209,10 +209,9 @@ def _check_location(committed: dict[int, int], seg: int, offset: int, length: in
 
 
 def _check_rows_record(rec: record.Record, info: dict, block: int, version: int, loc) -> str | None:
-    if rec.kind != record.KIND_ROWS or rec.object_id != info["id"] or rec.block != block or rec.version != version:
-        return "record does not match its index entry (kind, table, block or version)"
-    if rec.count != loc.count or rec.flags != loc.flags or rec.base() != loc.base:
-        return "record row count, flags or delta base disagree with the index"
+    problem = mismatch(rec, loc, Expect(record.KIND_ROWS, info["id"], version, block))
+    if problem:
+        return problem
     try:
         codec = codecs.by_id(rec.codec_id)
     except CnrError:
