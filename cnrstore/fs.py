@@ -100,6 +100,12 @@ def permission_denied(exc: OSError | None, what: str, path: str | None = None, *
     return err
 
 
+def allocated_bytes(directory: str) -> int:
+    """Bytes of disk allocated to the regular files directly in ``directory`` (what ``du`` counts)."""
+    with os.scandir(directory) as entries:
+        return sum(e.stat().st_blocks * 512 for e in entries if e.is_file(follow_symlinks=False))
+
+
 def same_file(fd: int, path: str) -> bool:
     """Whether ``path`` still names the file open as ``fd``."""
     try:

@@ -191,8 +191,7 @@ class LocalSegmentStorage(SegmentStorage):
 
     def disk_bytes(self) -> int:
         """Blocks allocated to every file in segments/ (set-aside damaged ones too)."""
-        with os.scandir(filenames.segments_dir(self.root)) as entries:
-            return sum(e.stat().st_blocks * 512 for e in entries if e.is_file(follow_symlinks=False))
+        return fs.allocated_bytes(filenames.segments_dir(self.root))
 
     def appender(self, committed: dict[int, int], format_version: int, ids: SegmentIds, *,
                  active=None, resume: bool = False, on_sealed=None) -> SegmentAppender:

@@ -656,12 +656,8 @@ class Store:
         return stats
 
     def _disk_bytes(self) -> int:
-        total = self._engine.segments.disk_bytes()
-        for directory in (self.path, filenames.index_dir(self.path)):
-            for entry in os.scandir(directory):
-                if entry.is_file(follow_symlinks=False):
-                    total += entry.stat().st_blocks * 512
-        return total
+        return self._engine.segments.disk_bytes() + sum(
+            fs.allocated_bytes(d) for d in (self.path, filenames.index_dir(self.path)))
 
 
 class _ReadContext:

@@ -16,11 +16,9 @@ model in fp32, plus one rank's shards while they are copied in.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from .. import codecs, filenames
+from .. import codecs
 from .. import store as _store
 from ..errors import CorruptionError, InvalidArgument, MissingRows
 from ..torch import sharded
@@ -113,15 +111,6 @@ def _min_row_bytes(dim: int) -> int:
     return min(codecs.get(n).row_bytes(dim) for n in codecs.names())
 
 
-def _segment_bytes(path: str) -> int:
-    total = 0
-    with os.scandir(filenames.segments_dir(path)) as entries:
-        for entry in entries:
-            if entry.is_file(follow_symlinks=False):
-                total += entry.stat().st_size
-    return total
-
-
 def _check_claims(r: Root, gv: GlobalVersion) -> dict[str, int]:
     """Check, before the merged tables are allocated by the sizes the plan claims, that the rank stores can
     hold what the plan gives them, and return the row-wise optimizer states that have a merged form
@@ -142,6 +131,8 @@ def _check_claims(r: Root, gv: GlobalVersion) -> dict[str, int]:
         path = _rank_path(r, gv, rank)
         with _store.open(path, readonly=True) as st:
             catalog = st.tables()
+            segments = st.engine.segments  # (through the storage seam: the sizes of the segments stored)
+            have = sum(segments.size(seg) or 0 for seg in segments.list())
         need = 0
         for name, shard in plan.shards_of(rank).items():
             dim = plan.tables[name][1]
@@ -157,7 +148,6 @@ def _check_claims(r: Root, gv: GlobalVersion) -> dict[str, int]:
                 if sname.startswith(f"{name}.optim.") and (sinfo.num_rows == shard.num_rows if local
                                                            else sinfo.num_rows >= shard.row_end):
                     listed.setdefault(sname, {})[rank] = sinfo.dim
-        have = _segment_bytes(path)
         if need > have:
             raise CorruptionError(f"global version {gv.version}: the plan gives rank {rank} rows that take at "
                                   f"least {need:,} bytes in any codec, but its store {path} holds {have:,} bytes "
