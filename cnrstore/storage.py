@@ -7,8 +7,8 @@ access. ``LocalSegmentStorage`` is today's: files under ``<store>/segments/``, r
 (segments.SegmentReader), appended, truncated, renamed and removed through the file-system seam
 (cnrstore/fs.py), so that the crash-state explorer sees every effect.
 
-What a storage can do is stated by capability flags (``supports_appends``, ``supports_deletes``,
-``local_files``): a read-only storage never hands out an appender. An appender (``appender``) calls
+What a storage can do is stated by a capability flag (``supports_appends``): a writable open refuses a
+storage without it, which never hands out an appender. An appender (``appender``) calls
 ``sealed(seg)`` once it will never append to ``seg`` again (it rolled over to a new segment, or GC sealed
 it): the hook where a remote implementation would upload the now immutable file (and could later serve
 reads of it from the object store), and where a local one has nothing to do.
@@ -72,12 +72,8 @@ def fetch(storage: "SegmentStorage", loc, expect: Expect | None = None) -> recor
 class SegmentStorage(abc.ABC):
     """What the engine needs of the place segments live. Implementations must be thread-safe for reads."""
 
-    #: hands out appenders (a writable store needs this)
+    #: hands out appenders (``appender``): a writable open refuses a storage without it (ReadOnlyError)
     supports_appends: bool = False
-    #: removes segments (GC needs this to reclaim space)
-    supports_deletes: bool = True
-    #: segments are files of the local file system that ``recover`` brings in line with the index
-    local_files: bool = False
 
     @abc.abstractmethod
     def read(self, seg: int, offset: int, length: int) -> np.ndarray:
@@ -125,8 +121,9 @@ class SegmentStorage(abc.ABC):
 
     @contextlib.contextmanager
     def scan(self, seg: int) -> Iterator[bytes]:
-        """The whole stored segment, unchecked (repair scans it record by record): a bytes-like object
-        with ``find``. CorruptionError if it cannot be read."""
+        """The whole stored segment (repair scans it record by record): a bytes-like object with ``find``.
+        The local storage maps it unchecked; this default goes through ``read``, which may check the
+        segment's header. CorruptionError if it cannot be read."""
         size = self.size(seg)
         yield b"" if not size else bytes(self.read(seg, 0, size))
 
@@ -153,7 +150,6 @@ class LocalSegmentStorage(SegmentStorage):
     """Segment files under ``<root>/segments/``, read through mmap, written through ``filesystem``."""
 
     supports_appends = True
-    local_files = True
 
     def __init__(self, root: str, filesystem: fs.FileSystem = fs.DEFAULT):
         self.root = root

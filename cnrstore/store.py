@@ -185,6 +185,9 @@ class Store:
             self._engine.index = Index(filenames.index_dir(self.path), readonly=readonly)
             self._engine.segments = storage if storage is not None else LocalSegmentStorage(self.path, filesystem)
             if not readonly:  # a store this process may only read fails here, not at its first checkpoint
+                if not self._engine.segments.supports_appends:
+                    raise ReadOnlyError(f"{type(self._engine.segments).__name__} takes no appends: open store "
+                                        f"{self.path!r} readonly=True")
                 self._engine.segments.check_writable(_opening(self.path, False))
             self._engine.appender = self._engine.compaction_appender = None
             with self._engine.index.read() as view:
