@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -37,7 +36,7 @@ from .. import store as _store
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
 from ..torch import payload as _payload
-from ..torch.checkpointer import Checkpointer, SaveReport
+from ..torch.checkpointer import Checkpointer, SaveReport, WeakPendingWork
 from ..torch.optim_state import is_keyed, row_state_width
 from ..torch.payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
 from ..torch.tracking import ShardTable
@@ -91,26 +90,6 @@ class DistributedPendingSave:
             raise self._error
         assert self.global_version is not None
         return self.global_version
-
-
-class _CommitWork:
-    """A DistributedCheckpointer's global commit in flight as its rank store's ``PendingWork``
-    (``Store.add_pending_work``): what the store's ``close()`` and the interpreter's exit wait for. Its
-    commit cannot be cancelled from outside (the other ranks wait on it); the local save beneath has its own."""
-
-    def __init__(self, owner: "DistributedCheckpointer"):
-        self._owner = weakref.ref(owner)
-
-    def finish(self, timeout: float | None) -> bool:
-        owner = self._owner()
-        return True if owner is None else owner._finish_saves(timeout)
-
-    def cancel(self) -> None:
-        pass
-
-    def failure(self) -> BaseException | None:
-        owner = self._owner()
-        return None if owner is None else owner._error
 
 
 def _check_dist() -> tuple[int, int]:
@@ -185,7 +164,9 @@ class DistributedCheckpointer:
         # the rank store's close() and the interpreter's exit wait for the global commit in flight (its
         # thread is a daemon; see store.EXIT_WAIT_S), so a save() that returned becomes a global version
         # when the process then dies of Ctrl-C or an uncaught exception, as long as the other ranks live
-        self._work = _CommitWork(self)
+        # (its commit cannot be cancelled from outside: the other ranks wait on it; the local save beneath
+        # has its own pending work)
+        self._work = WeakPendingWork(self, DistributedCheckpointer._finish_saves, None, lambda owner: owner._error)
         self.store.add_pending_work(self._work)
 
     # -- set-up ---------------------------------------------------------------------------------------

@@ -153,26 +153,29 @@ class TrainerState(NamedTuple):
     extra: Mapping
 
 
-class _SaveWork:
-    """A Checkpointer's save in flight as the store's ``PendingWork`` (``Store.add_pending_work``): what
-    ``store.close()`` and the interpreter's exit wait for. Refers to its Checkpointer weakly, as the store
-    refers to it: a Checkpointer that is gone has no save in flight (the write's thread holds it)."""
+class WeakPendingWork:
+    """Background work of ``owner`` as a store's ``PendingWork`` (``Store.add_pending_work``): what
+    ``store.close()`` and the interpreter's exit wait for, cancel or report. It refers to its owner weakly,
+    as the store refers to it: an owner that is gone has no work in flight (the work's thread holds it).
+    ``finish(owner, timeout)``, ``cancel(owner)`` and ``failure(owner)`` do the work's part for a live owner.
+    *For sibling packages*: the Checkpointer's saves and the DistributedCheckpointer's global commits."""
 
-    def __init__(self, owner: "Checkpointer"):
+    def __init__(self, owner, finish, cancel=None, failure=None):
         self._owner = weakref.ref(owner)
+        self._finish, self._cancel, self._failure = finish, cancel, failure
 
     def finish(self, timeout: float | None) -> bool:
         owner = self._owner()
-        return True if owner is None else owner._finish_saves(timeout)
+        return True if owner is None else self._finish(owner, timeout)
 
     def cancel(self) -> None:
         owner = self._owner()
-        if owner is not None:
-            owner._cancel_saves()
+        if owner is not None and self._cancel is not None:
+            self._cancel(owner)
 
     def failure(self) -> BaseException | None:
         owner = self._owner()
-        return None if owner is None else owner._error
+        return None if owner is None or self._failure is None else self._failure(owner)
 
 
 def _is_fraction(x) -> bool:
@@ -259,7 +262,8 @@ class Checkpointer:
         self._error: BaseException | None = None  # a background failure not yet re-raised by save()
         self._failed: PendingSave | None = None  # the save that failed with it
         self._closed = False
-        self._work = _SaveWork(self)
+        self._work = WeakPendingWork(self, Checkpointer._finish_saves, Checkpointer._cancel_saves,
+                                     lambda owner: owner._error)
         add_work = getattr(store, "add_pending_work", None)
         if add_work is not None:  # store.close() and the interpreter's exit wait for our save in flight
             add_work(self._work)
@@ -359,7 +363,7 @@ class Checkpointer:
         """Wait for the save in flight (for good, or ``timeout`` seconds); whether it has ended. An
         interrupt while waiting cancels it (it aborts at its next step: nothing of it commits) and is
         re-raised; the save stays pending until its thread has ended, so that the store is never closed
-        under it. (Store.close() and the store's exit hook call this, through ``_SaveWork``.)"""
+        under it. (Store.close() and the store's exit hook call this, through its ``WeakPendingWork``.)"""
         p = self._pending
         if p is None:
             return True
