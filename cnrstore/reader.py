@@ -7,7 +7,6 @@ written at or before its version) ends the chain: rows not found by then were ne
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass
 
 import numpy as np
