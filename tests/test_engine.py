@@ -265,11 +265,12 @@ def _audit(event, args):
     _AUDIT["outside"].append((event, path, stack))
 
 
-sys.addaudithook(_audit)
-
 
 @contextlib.contextmanager
 def _audited(path):
+    if not _AUDIT.get("installed"):  # (an audit hook cannot be removed: installed once, by the test that needs it)
+        sys.addaudithook(_audit)
+        _AUDIT["installed"] = True
     _AUDIT["root"] = os.path.abspath(cnrstore.filenames.segments_dir(path))
     try:
         yield
