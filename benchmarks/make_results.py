@@ -91,6 +91,40 @@ SECTIONS = [
 ]
 
 
+#: The GPU section: run where torch sees a CUDA device (and then also rewrite RESULTS-gpu.md); elsewhere the
+#: last GPU run's report, committed as RESULTS-gpu.md, is included as it is, saying so.
+GPU_SCRIPT, GPU_RESULTS = "bench_gpu.py", os.path.join(HERE, "RESULTS-gpu.md")
+GPU_TITLE = "On a GPU: save stall and restore with CUDA embeddings"
+GPU_WHAT = ("8 nn.EmbeddingBag(sparse=True) of 1M rows x 64 on a CUDA device with Adagrad (3.8 GiB of state), a "
+            "baseline and 5 increments of 2% Zipf-touched rows, saved by cnrstore (fp32 and int4 weights), "
+            "torch.save, DCP save and DCP async_save: trainer stall, time until durable, bytes, restore of "
+            "the newest into the CUDA model against torch.load and dcp.load.")
+
+
+def has_cuda() -> bool:
+    """Whether torch sees a CUDA device (asked in a child process: this parent never imports torch)."""
+    probe = subprocess.run([sys.executable, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+def gpu_section(quick: bool, timeout: float) -> tuple[str, float, bool]:
+    """(the GPU section's markdown, seconds run, ok): measured here on a GPU, else the committed report."""
+    if has_cuda():
+        report, seconds, ok = run_section(GPU_SCRIPT, ["--quick"] if quick else [], timeout)
+        if ok and not quick:
+            with open(GPU_RESULTS, "w") as f:
+                f.write(report)
+        return report, seconds, ok
+    if not os.path.exists(GPU_RESULTS):
+        return "*Not run: this machine has no CUDA device, and no earlier GPU run is recorded.*\n", 0.0, True
+    with open(GPU_RESULTS) as f:
+        note = ("*This machine has no CUDA device: below is the last GPU run, as committed in "
+                "`benchmarks/RESULTS-gpu.md` (`python benchmarks/bench_gpu.py --out benchmarks/RESULTS-gpu.md` "
+                "on a GPU machine writes it).*\n\n")
+        return note + f.read(), 0.0, True
+
+
 def load_average() -> str:
     """The 1/5/15-minute load averages (the machine is shared: the load beside each benchmark's time). The
     twin of bench_engine.load_average, kept here so that this long-lived parent never imports torch."""
@@ -157,6 +191,13 @@ def main(argv=None) -> int:
         if png and ok and not args.quick:
             parts.append(f"\n![{title}]({png})\n")
         # the report's own headings go one level under the section's
+        parts.append("\n" + "\n".join("#" + line if line.startswith("#") else line for line in report.splitlines()) + "\n")
+    if not args.only or GPU_SCRIPT in args.only:
+        report, seconds, ok = gpu_section(args.quick, timeout)
+        if not ok:
+            failed.append(GPU_SCRIPT)
+        parts.append(f"\n## {GPU_TITLE}\n\n{GPU_WHAT}\n\nReproduce: `python benchmarks/{GPU_SCRIPT}` on a machine "
+                     f"with a CUDA device.\n")
         parts.append("\n" + "\n".join("#" + line if line.startswith("#") else line for line in report.splitlines()) + "\n")
     total = time.monotonic() - t_all
     budget = QUICK_BUDGET_S if args.quick else FULL_BUDGET_S

@@ -3,7 +3,8 @@
     python tests/dist_worker.py '<json config>'
 
 The config names the scenario, rank, world size, the FileStore path for init_process_group, the root, an
-output directory and scenario options. A rank dumps its state (shard rows of every table, row-wise
+output directory and scenario options (``device``: where the model lives, "cpu" unless tests/test_cuda.py
+asks for "cuda"). A rank dumps its state (shard rows of every table, row-wise
 optimizer state, dense parameters) as ``<out>/<tag>-rank<r>.npz``; the test assembles the global tables
 from the dumps of all ranks and compares. Exit status 0 means the rank's own checks passed.
 """
@@ -64,13 +65,14 @@ class Model(nn.Module):
 
 
 def train(model: Model, opt, loader: Loader, steps: int, rank: int) -> None:
+    device = next(model.parameters()).device  # (the inputs are drawn on the CPU, the same on every device)
     for _ in range(steps):
         k = loader.position
         g = torch.Generator().manual_seed(1000 * k + rank)
-        loss = model.mlp(torch.randn(16, 5, generator=torch.Generator().manual_seed(k))).pow(2).mean()
+        loss = model.mlp(torch.randn(16, 5, generator=torch.Generator().manual_seed(k)).to(device)).pow(2).mean()
         for bag in model.emb.values():
-            ids = torch.randint(bag.num_embeddings, (12,), generator=g)
-            loss = loss + bag(ids, torch.tensor([0, 5])).pow(2).mean()
+            ids = torch.randint(bag.num_embeddings, (12,), generator=g).to(device)
+            loss = loss + bag(ids, torch.tensor([0, 5], device=device)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         for p in model.mlp.parameters():  # DDP's job: keep the dense replicas equal
@@ -86,16 +88,16 @@ def dump(model: Model, opt, loader: Loader, plan: ShardingPlan, rank: int, path:
     for key, bag in model.emb.items():
         name = f"emb.{key}"
         out[f"{name}/start"] = np.array(shards[name].row_start)
-        out[f"{name}/weight"] = bag.weight.detach().numpy().copy()
+        out[f"{name}/weight"] = bag.weight.detach().cpu().numpy().copy()
         state = opt.state.get(bag.weight, {})
         if "sum" in state:
-            out[f"{name}/sum"] = state["sum"].numpy().copy()
+            out[f"{name}/sum"] = state["sum"].cpu().numpy().copy()
             out[f"{name}/step"] = np.array(float(state["step"]))
     for n, p in model.mlp.named_parameters():
-        out[f"mlp/{n}"] = p.detach().numpy().copy()
+        out[f"mlp/{n}"] = p.detach().cpu().numpy().copy()
         state = opt.state.get(p, {})
         if "sum" in state:
-            out[f"mlp/{n}/sum"] = state["sum"].numpy().copy()
+            out[f"mlp/{n}/sum"] = state["sum"].cpu().numpy().copy()
     np.savez(path, **out)
 
 
@@ -106,7 +108,7 @@ def main() -> int:
     dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg.get("pg_timeout", 60)))
     plan = make_plan(cfg.get("plan", "row"), world)
-    model = Model(plan, rank, cfg.get("seed", 0))
+    model = Model(plan, rank, cfg.get("seed", 0)).to(cfg.get("device", "cpu"))  # "cuda": tests/test_cuda.py
     opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
     loader = Loader()
     kwargs = dict(plan=plan, codec=cfg.get("codec", "fp32"), mode=cfg.get("mode", "incremental"),

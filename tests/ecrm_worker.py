@@ -8,7 +8,8 @@ A small sharded model (row-wise shards of three embedding tables, a replicated d
 ("kill"). Survivors notice at their next collective, re-form the group (rendezvous file ``rdzv-<epoch>``)
 with the replacements the test spawned, call ``recover`` and redo the steps after its boundary. Every rank
 dumps its final state (weights, optimizer state, dense parameters, parity) to ``<out>/final-rank<r>.npz``
-and what it saw to ``<out>/report-rank<r>.json``.
+and what it saw to ``<out>/report-rank<r>.json``. ``device`` puts the model on "cuda" (tests/test_cuda.py);
+the data is drawn on the CPU, the same on every device.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ class Model(nn.Module):
 
     def forward(self, ids: dict[str, torch.Tensor]) -> torch.Tensor:
         parts = []
+        device = self.head.weight.device
         for name, (rows, dim) in TABLES.items():
-            col = ids[name]
-            out = torch.zeros(col.shape[0], dim)
+            col = ids[name].to(device)
+            out = torch.zeros(col.shape[0], dim, device=device)
             if name in self.bounds:
                 lo, hi = self.bounds[name]
                 mine = torch.nonzero((col >= lo) & (col < hi)).squeeze(1)
@@ -79,7 +81,7 @@ def train_step(model, optimizer, ecrm, step: int) -> None:
     ids, labels = batch(step)
     optimizer.zero_grad(set_to_none=True)
     logits, local, pooled = model(ids)
-    loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    loss = nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits.device))
     loss.backward()
     local.backward(pooled.grad)
     dense = [p.grad for p in model.head.parameters()]
@@ -95,11 +97,11 @@ def train_step(model, optimizer, ecrm, step: int) -> None:
 
 
 def state_of(model, optimizer, ecrm) -> dict[str, np.ndarray]:
-    out = {f"model/{k}": v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    out = {f"model/{k}": v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in optimizer.state.items():
         for k, v in st.items():
-            out[f"optim/{names[id(p)]}/{k}"] = v.detach().numpy().copy()
+            out[f"optim/{names[id(p)]}/{k}"] = v.detach().cpu().numpy().copy()
     out["parity"] = ecrm.parity.copy()
     return out
 
@@ -109,9 +111,9 @@ def words(model, optimizer) -> dict[str, np.ndarray]:
     out = {}
     for name, p in model.named_parameters():
         if name.startswith("emb."):
-            out[name] = p.detach().numpy().view(np.uint32).copy()
+            out[name] = p.detach().cpu().numpy().view(np.uint32).copy()
             for k, v in optimizer.state.get(p, {}).items():
-                out[f"{name}/{k}"] = v.detach().numpy().reshape(max(1, v.shape[0] if v.dim() else 1), -1) \
+                out[f"{name}/{k}"] = v.detach().cpu().numpy().reshape(max(1, v.shape[0] if v.dim() else 1), -1) \
                     .view(np.uint32).copy()
     return out
 
@@ -127,7 +129,7 @@ def main(cfg: dict) -> int:
 
     rendezvous(epoch)
     plan = ShardingPlan.row_wise(TABLES, world)
-    model = Model(plan, rank, 7 if not replacement else 1234 + epoch)
+    model = Model(plan, rank, 7 if not replacement else 1234 + epoch).to(cfg.get("device", "cpu"))
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
     ckpt = None
     if cfg.get("ckpt_every"):

@@ -189,8 +189,14 @@ def test_sigkill_of_one_rank_in_a_save_leaves_the_previous_global_version_whole(
 
 
 def test_partial_recovery_restores_only_the_failed_rank(tmp_path):
+    check_partial_recovery(tmp_path)
+
+
+def check_partial_recovery(tmp_path, **extra) -> None:
+    """Rank 1 of 3 is SIGKILLed after a checkpoint; a replacement restores its shards from the checkpoint and
+    the survivors' dense replicas, the survivors keep their live state (``extra``: more worker config)."""
     cfg = {"scenario": "partial", "world": 3, "init": str(tmp_path / "rdzv1"), "init2": str(tmp_path / "rdzv2"),
-           "root": str(tmp_path / "root"), "out": str(tmp_path / "out"), "fail_rank": 1}
+           "root": str(tmp_path / "root"), "out": str(tmp_path / "out"), "fail_rank": 1, **extra}
     os.makedirs(cfg["out"])
     procs = [_spawn(cfg, r) for r in range(3)]
     procs[1].wait(timeout=TIMEOUT)

@@ -1,0 +1,261 @@
+"""cnrstore.torch and cnrstore.distributed with the model on a CUDA device.
+
+Skipped where torch sees no GPU (CI has none); run on a lent GPU machine with ``pytest tests/test_cuda.py``.
+The same properties as the CPU tests: tracking catches every looked-up row, every mode writes exactly the
+rows it must, restores are bit-exact (fp32) or equal the decoded saved rows (int4), a store written from
+CUDA restores onto the CPU and back, and a one-rank NCCL job saves and restores through its own gloo group.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import cnrstore
+from cnrstore.torch import Checkpointer
+from test_torch_checkpointer import Loader, TinyDLRM, assert_state_equal, batch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = torch.device("cuda")
+
+
+def make(seed, optim, device):
+    torch.manual_seed(seed)
+    model = TinyDLRM().to(device)
+    if optim == "adagrad":
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    elif optim == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, opt
+
+
+def train_step(model, opt, b):
+    device = next(model.parameters()).device
+    dense, ids, bag_ids, offsets, y = (x.to(device) for x in b)
+    opt.zero_grad()
+    loss = nn.functional.binary_cross_entropy_with_logits(model(dense, ids, bag_ids, offsets), y)
+    loss.backward()
+    opt.step()
+
+
+def on_cpu(state):
+    """A deep copy of a state dict with every tensor on the CPU (for comparing across devices)."""
+    if torch.is_tensor(state):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: on_cpu(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(on_cpu(v) for v in state)
+    return copy.deepcopy(state)
+
+
+@pytest.mark.parametrize("mode", ["incremental", "one-shot", "intermittent"])
+@pytest.mark.parametrize("optim", ["adagrad", "adam", "sgd"])
+def test_cuda_save_train_restore_is_bit_exact_at_every_version(store, optim, mode):
+    model, opt = make(0, optim, CUDA)
+    loader = Loader()
+    ck = Checkpointer(store, model, opt, codec="fp32", mode=mode, extra={"loader": loader})
+    expected = {}
+    for _ in range(5):
+        for _ in range(2):
+            train_step(model, opt, loader.next())
+        v = ck.save(step=loader.position).wait()
+        expected[v] = (on_cpu(model.state_dict()), on_cpu(opt.state_dict()), loader.position)
+    for v, (want_model, want_opt, position) in expected.items():
+        train_step(model, opt, loader.next())
+        info = ck.restore(v)
+        assert info.version == v and loader.position == position
+        assert model.emb.weight.device.type == "cuda"
+        assert all(t.device.type == "cuda" for st in opt.state.values() for t in st.values()
+                   if torch.is_tensor(t) and t.dim() > 0)
+        assert_state_equal(want_model, on_cpu(model.state_dict()))
+        assert_state_equal(want_opt, on_cpu(opt.state_dict()))
+    ck.close()
+
+
+def test_cuda_incremental_save_writes_exactly_the_looked_up_rows(store):
+    model, _ = make(0, "sgd", CUDA)
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental")
+    ck.save(0).wait()  # the baseline
+    ids = torch.tensor([3, 7, 7, 41], device=CUDA)
+    bag_ids = torch.tensor([0, 5, 39], device=CUDA)
+    model.emb(ids)  # (a lookup under no_grad is not tracked: it changes no row)
+    model.bag(bag_ids, torch.tensor([0], device=CUDA))
+    pending = ck.save(1)
+    pending.wait()
+    report = pending.report
+    assert report.rows["emb"] == 3 and report.rows["bag"] == 3
+    ck.close()
+
+
+def test_a_store_written_from_cuda_restores_on_cpu_and_back(tmp_path):
+    cuda_model, cuda_opt = make(0, "adagrad", CUDA)
+    with cnrstore.open(str(tmp_path / "from-cuda"), create=True) as store:
+        ck = Checkpointer(store, cuda_model, cuda_opt, codec="fp32")
+        for i in range(3):
+            train_step(cuda_model, cuda_opt, batch(i))
+        ck.save(3).wait()
+        ck.close()
+    cpu_model, cpu_opt = make(7, "adagrad", "cpu")
+    with cnrstore.open(str(tmp_path / "from-cuda")) as store:
+        ck = Checkpointer(store, cpu_model, cpu_opt, codec="fp32")
+        ck.restore()
+        ck.close()
+    assert_state_equal(on_cpu(cuda_model.state_dict()), cpu_model.state_dict())
+    assert_state_equal(on_cpu(cuda_opt.state_dict()), cpu_opt.state_dict())
+
+    for i in range(3, 5):
+        train_step(cpu_model, cpu_opt, batch(i))
+    with cnrstore.open(str(tmp_path / "from-cpu"), create=True) as store:
+        ck = Checkpointer(store, cpu_model, cpu_opt, codec="fp32")
+        ck.save(5).wait()
+        ck.close()
+    back_model, back_opt = make(9, "adagrad", CUDA)
+    with cnrstore.open(str(tmp_path / "from-cpu")) as store:
+        ck = Checkpointer(store, back_model, back_opt, codec="fp32")
+        ck.restore()
+        ck.close()
+    assert back_model.emb.weight.device.type == "cuda"
+    assert_state_equal(cpu_model.state_dict(), on_cpu(back_model.state_dict()))
+    assert_state_equal(cpu_opt.state_dict(), on_cpu(back_opt.state_dict()))
+
+
+def test_cuda_sparse_embedding_with_sparse_adam(store):
+    torch.manual_seed(0)
+    emb = nn.Embedding(200, 8, sparse=True).to(CUDA)
+    model = nn.ModuleDict({"emb": emb})
+    opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.01)
+    ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental")
+
+    def step(i):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, 200, (16,), generator=g).to(CUDA)
+        opt.zero_grad()
+        emb(ids).pow(2).sum().backward()
+        opt.step()
+
+    for i in range(3):
+        step(i)
+        ck.save(i).wait()
+    want_model, want_opt = on_cpu(model.state_dict()), on_cpu(opt.state_dict())
+    for i in range(3, 6):
+        step(i)
+    ck.restore()
+    assert_state_equal(want_model, on_cpu(model.state_dict()))
+    assert_state_equal(want_opt, on_cpu(opt.state_dict()))
+    ck.close()
+
+
+def test_cuda_int4_restore_gives_the_decoded_saved_rows(store):
+    torch.manual_seed(0)
+    model = TinyDLRM().to(CUDA)
+    ck = Checkpointer(store, model, codec="int4")
+    saved = model.emb.weight.detach().cpu().numpy().copy()
+    saved_dense = model.bottom.weight.detach().clone()
+    ck.save(0).wait()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ck.restore()
+    codec = cnrstore.codecs.get("int4")
+    np.testing.assert_array_equal(model.emb.weight.detach().cpu().numpy(), codec.decode(codec.encode(saved), 4))
+    assert torch.equal(model.bottom.weight, saved_dense)
+    ck.close()
+
+
+@pytest.mark.parametrize("priority", ["mfu", "ssu"])
+def test_cuda_priority_save_writes_the_most_looked_up_rows(store, priority):
+    model, _ = make(0, "sgd", CUDA)
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental", priority=priority, ssu_rate=1.0)
+    ck.save(0).wait()
+    hot = torch.tensor([4] * 9 + [11] * 5 + [30], device=CUDA)
+    model.emb(hot)
+    pending = ck.save(1, top=2 / 50)
+    pending.wait()
+    report = pending.report
+    assert report.priority and report.rows["emb"] == 2
+    v = store.versions()[-1].version
+    rows = store.read_rows("emb", np.array([4, 11], dtype=np.int64), version=v)
+    np.testing.assert_array_equal(rows, model.emb.weight.detach().cpu().numpy()[[4, 11]])
+    ck.close()
+
+
+def test_one_rank_nccl_job_saves_and_restores_bit_exact(tmp_path):
+    import torch.distributed as dist
+
+    from cnrstore.distributed import DistributedCheckpointer, ShardingPlan
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60), device_id=torch.device("cuda", 0))
+    try:
+        tables = {"emb.a": (50, 4), "emb.b": (30, 2)}
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.emb = nn.ModuleDict({k.split(".")[1]: nn.EmbeddingBag(n, d, mode="sum") for k, (n, d) in tables.items()})
+        model.lin = nn.Linear(3, 1)
+        model.to(CUDA)
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+
+        def step(rows):
+            loss = model.lin(torch.ones(2, 3, device=CUDA)).sum()
+            for bag in model.emb.values():
+                loss = loss + bag(torch.tensor(rows, device=CUDA), torch.tensor([0], device=CUDA)).pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        ck = DistributedCheckpointer(str(tmp_path / "root"), model, opt, plan=ShardingPlan.row_wise(tables, 1),
+                                     codec="fp32", mode="incremental", keep_last=2)
+        step((1, 2, 3))
+        ck.save(1).wait()
+        step((4, 5))
+        ck.save(2).wait()
+        want_model, want_opt = on_cpu(model.state_dict()), on_cpu(opt.state_dict())
+        step((6, 7))
+        gv = ck.restore()
+        assert gv.step == 2
+        assert_state_equal(want_model, on_cpu(model.state_dict()))
+        assert_state_equal(want_opt, on_cpu(opt.state_dict()))
+        ck.close()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- several ranks sharing the one GPU: a gloo default group (NCCL refuses two ranks on one device) ----------
+
+def test_two_cuda_ranks_save_and_a_cpu_job_restores_bit_exact(tmp_path):
+    from test_distributed import assemble, assert_ok, assert_same_state, run_job
+
+    assert_ok(run_job(tmp_path, "save", 2, train=[3, 2], device="cuda"))
+    assert_ok(run_job(tmp_path, "restore", 2, tag="cpu", version=2, seed=99))
+    assert_same_state(assemble(tmp_path / "out", "g2"), assemble(tmp_path / "out", "restored-g2"), skip=())
+    assert_ok(run_job(tmp_path, "restore", 2, tag="cuda", version=1, seed=98, device="cuda"))
+    assert_same_state(assemble(tmp_path / "out", "g1"), assemble(tmp_path / "out", "restored-g1"), skip=())
+
+
+def test_cuda_partial_recovery_restores_only_the_failed_rank(tmp_path):
+    from test_distributed import check_partial_recovery
+
+    check_partial_recovery(tmp_path, device="cuda")
+
+
+def test_cuda_ecrm_recovers_one_killed_rank_bit_exactly(tmp_path, tmp_path_factory):
+    from test_ecrm import assert_bit_equal, run_job
+
+    ref, _ = run_job(tmp_path_factory.mktemp("ref"), "ref", 3, 2, 1, device="cuda")
+    states, reports = run_job(tmp_path, "kill", 3, 2, 1, victims=[1], crash="kill", device="cuda")
+    assert_bit_equal(states, ref)
+    assert {rep["recoveries"][-1]["mode"] for rep in reports.values()} == {"ecrm"}
+    cpu, _ = run_job(tmp_path_factory.mktemp("cpu"), "cpu", 3, 2, 1)
+    for q in ref:  # the same training on the CPU ends in the same embeddings, to float rounding
+        for key in ref[q]:
+            if key.startswith("model/emb."):
+                np.testing.assert_allclose(ref[q][key], cpu[q][key], rtol=1e-5, atol=1e-6)
