@@ -104,6 +104,21 @@ def test_no_import_circle_in_the_package():
     assert importers <= above, f"modules beneath the Store import store.py: {sorted(importers - above)}"
 
 
+WINGS = ("cnrstore.torch", "cnrstore.distributed")
+
+
+def test_the_core_imports_no_wing():
+    """Beneath the command line, no module outside cnrstore/torch/ and cnrstore/distributed/ imports
+    either (not even inside a function): the wings register what the core asks of them (export's
+    exporters)."""
+    graph = _import_graph()
+    assert "cnrstore.export" in graph["cnrstore.torch.export"], "the graph was built"
+    wing = lambda m: any(m == w or m.startswith(w + ".") for w in WINGS)  # noqa: E731
+    reaches = sorted(f"{m} -> {d}" for m, deps in graph.items() if not wing(m) and m != "cnrstore.cli"
+                     for d in deps if wing(d))
+    assert not reaches, "core modules import a wing: " + ", ".join(reaches)
+
+
 TOOLS = os.path.join(os.path.dirname(PACKAGE), "tools")
 
 
