@@ -26,9 +26,9 @@ from .. import store as _store
 from ..errors import CorruptionError, InvalidArgument, MissingRows
 from ..export import register
 from ..torch import sharded
-from ..torch.checkpointer import DENSE_PREFIX, STATE_BLOB
 from ..torch import payload as _payload
 from ..torch.export import load_payload
+from ..torch.payload import DENSE_PREFIX, STATE_BLOB
 from ..types import Snapshot
 from .manifest import GlobalVersion, Root
 
