@@ -51,6 +51,7 @@ back to ``torch.save`` and says so.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import sys
@@ -170,8 +171,8 @@ class CnrstoreBackend:
 def torchrec_missing() -> str | None:
     """Why ``--torchrec`` cannot run here (torchrec or fbgemm-gpu missing), or None."""
     try:
-        import fbgemm_gpu  # noqa: F401, PLC0415
-        import torchrec  # noqa: F401, PLC0415
+        for name in ("fbgemm_gpu", "torchrec"):
+            importlib.import_module(name)  # imported, not only found: a broken install shows here
     except ImportError as e:
         return str(e)
     return None
