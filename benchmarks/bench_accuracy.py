@@ -58,6 +58,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 
 import torch  # noqa: E402
 
+import dlrm_model as dm  # noqa: E402
 import train_dlrm as td  # noqa: E402
 from bench_engine import T80, T975, Z80, Z975, load_average, machine_description, publish, t_quantile  # noqa: E402
 
@@ -89,9 +90,9 @@ def seed_data(ns, seed: int):
         _SEED_DATA.clear()
         args = td.parse_args(["--max-rows", str(ns.max_rows), "--batch-size", str(ns.batch_size),
                               "--dim", str(ns.dim), "--seed", str(seed), "--no-progress"])
-        data = td.SyntheticCriteo(args)
+        data = dm.SyntheticCriteo(args)
         batches = [data.batch(k) for k in range(ns.steps)]
-        _SEED_DATA[seed] = (args, batches, td.Holdout(args, ns.holdout_batches))
+        _SEED_DATA[seed] = (args, batches, dm.Holdout(args, ns.holdout_batches))
     return _SEED_DATA[seed]
 
 
@@ -125,7 +126,7 @@ def run_one(ns, seed: int, codec: str | None, restores: int, snapshot_at: frozen
     eval_at = {ns.steps - i * ns.eval_every for i in range(ns.evals)}
     curve_at = {ns.steps // 4, ns.steps // 2, 3 * ns.steps // 4} if codec is None else set()
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    model = td.build_model(args, seed)
+    model = dm.build_model(args, seed)
     opt = torch.optim.Adagrad(model.parameters(), lr=ns.lr)
     step = 0
     if fail_at and codec != LOSSLESS_CODEC and ns.fork:
@@ -147,7 +148,7 @@ def run_one(ns, seed: int, codec: str | None, restores: int, snapshot_at: frozen
                 ckpt.close()
                 restarts += 1
                 # a restarted process: a differently initialized model, a new optimizer and Checkpointer
-                model = td.build_model(args, seed + 1000 * restarts)
+                model = dm.build_model(args, seed + 1000 * restarts)
                 opt = torch.optim.Adagrad(model.parameters(), lr=ns.lr)
                 ckpt = Checkpointer(store, model, opt, codec=codec, mode=ns.mode)
                 if ckpt.restore().step != step:
@@ -293,7 +294,7 @@ def render(ns, st: Study, results: dict, header: list[str], elapsed: float) -> s
     lines = ["# Quantized checkpoints against the paper's bit-width table", ""]
     lines += [f"- {h}" for h in header]
     lines.append(f"- load average at start: {ns.load_start}; at end: {load_average()}")
-    card = td.cardinalities(ns)
+    card = dm.cardinalities(ns)
     lines.append(f"- workload: the DLRM of tools/train_dlrm.py, 26 EmbeddingBags, {sum(card):,} rows x dim {ns.dim}; "
                  f"{ns.steps} steps x batch {ns.batch_size}; Adagrad, learning rate {ns.lr} decayed linearly to 0; "
                  f"checkpoint mode {ns.mode}; optimizer state and dense layers lossless")

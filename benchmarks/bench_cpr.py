@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 from bench_engine import load_average, machine_description, median, publish  # noqa: E402
 import dlrm_dist  # noqa: E402
-import train_dlrm  # noqa: E402
+import dlrm_model  # noqa: E402
 
 from cnrstore.distributed import DistributedCheckpointer  # noqa: E402
 from cnrstore.policy.interval import CheckpointInterval  # noqa: E402
@@ -99,7 +99,7 @@ class BenchWorker:
 
     def fresh(self):
         model = dlrm_dist.ShardedDLRM(self.args, self.plan, self.rank, self.args.seed)
-        return model, train_dlrm.build_optimizer(model, self.args.lr), train_dlrm.SyntheticCriteo(self.args)
+        return model, dlrm_model.build_optimizer(model, self.args.lr), dlrm_model.SyntheticCriteo(self.args)
 
     def slowest(self, *values: float) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
@@ -242,7 +242,7 @@ class BenchWorker:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(self.tmp, 'rdzv')}", rank=self.rank,
                                 world_size=self.world, timeout=timedelta(seconds=dlrm_dist.PG_TIMEOUT_S))
         t0 = time.perf_counter()
-        self.holdout = train_dlrm.Holdout(a, a.holdout_batches)
+        self.holdout = dlrm_model.Holdout(a, a.holdout_batches)
         setup_s = time.perf_counter() - t0
         runs: list[dict] = []
         self.log("  reference run (no checkpoints, no failures) ...")
@@ -349,7 +349,7 @@ def report(args, res: dict, load_start: str) -> tuple[str, dict]:
     ref_ll = [r["logloss"] for r in ref_runs]
     cal = res["calibration"]
     iv = res["intervals"]
-    card = train_dlrm.cardinalities(args)
+    card = dlrm_model.cardinalities(args)
     lines = ["## CPR: full against partial recovery (plain, MFU, SSU)", ""]
     lines += [f"- {h}" for h in machine_description()]
     lines += [

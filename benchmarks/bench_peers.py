@@ -63,7 +63,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 from bench_engine import fmt_bytes, load_average, machine_description, median, publish  # noqa: E402
-import train_dlrm  # noqa: E402
+import dlrm_model  # noqa: E402
 
 import cnrstore  # noqa: E402
 from cnrstore.policy import CompactionPolicy, KeepLast, Retention  # noqa: E402
@@ -100,10 +100,10 @@ class CnrConfig:
 
 def rows_cap_for(total_rows: int) -> int:
     """The smallest ``--max-rows`` cap whose capped Criteo cardinalities sum to >= ``total_rows``."""
-    lo, hi = 1, max(train_dlrm.CRITEO_KAGGLE_CARDINALITIES)
+    lo, hi = 1, max(dlrm_model.CRITEO_KAGGLE_CARDINALITIES)
     while lo < hi:
         mid = (lo + hi) // 2
-        if sum(min(c, mid) for c in train_dlrm.CRITEO_KAGGLE_CARDINALITIES) >= total_rows:
+        if sum(min(c, mid) for c in dlrm_model.CRITEO_KAGGLE_CARDINALITIES) >= total_rows:
             hi = mid
         else:
             lo = mid + 1
@@ -149,8 +149,8 @@ def fmt_s(s: float) -> str:
 
 
 def fresh(args, seed: int):
-    model = train_dlrm.build_model(args, seed)
-    return model, train_dlrm.build_optimizer(model, args.lr)
+    model = dlrm_model.build_model(args, seed)
+    return model, dlrm_model.build_optimizer(model, args.lr)
 
 
 def remove_path(path: str) -> None:
@@ -186,7 +186,7 @@ def run(args) -> tuple[str, dict]:
     torch.set_num_threads(args.threads)
     rows_target = args.emb_mib * 2**20 // (4 * args.dim)
     args.max_rows = rows_cap_for(rows_target)
-    card = train_dlrm.cardinalities(args)
+    card = dlrm_model.cardinalities(args)
     emb_bytes = sum(card) * args.dim * 4
     has_async = hasattr(dcp, "async_save")
     configs = [CnrConfig(s, oc) for s in args.schemes for oc in args.optimizer_codecs]
@@ -199,7 +199,7 @@ def run(args) -> tuple[str, dict]:
     t_all = time.perf_counter()
     try:
         t0 = time.perf_counter()
-        loader = train_dlrm.SyntheticCriteo(args)
+        loader = dlrm_model.SyntheticCriteo(args)
         model, opt = fresh(args, args.seed)
         loss_fn = nn.BCEWithLogitsLoss()
         setup_s = time.perf_counter() - t0

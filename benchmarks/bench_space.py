@@ -46,7 +46,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 from bench_engine import load_average, machine_description, median  # noqa: E402
 
-import train_dlrm  # noqa: E402
+import dlrm_model  # noqa: E402
 
 import cnrstore  # noqa: E402
 from cnrstore import knobs  # noqa: E402
@@ -68,8 +68,8 @@ def run_policy(name: str, args, root: str) -> dict:
 
 def _run(name: str, compaction, args, root: str) -> dict:
     ns = SimpleNamespace(seed=args.seed, batch_size=args.batch_size, max_rows=args.max_rows, dim=args.dim)
-    data = train_dlrm.SyntheticCriteo(ns)
-    model = train_dlrm.build_model(ns, args.seed)
+    data = dlrm_model.SyntheticCriteo(ns)
+    model = dlrm_model.build_model(ns, args.seed)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     path = os.path.join(root, name)

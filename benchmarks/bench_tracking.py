@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 from bench_engine import T975, Z975, fmt_bytes, load_average, machine_description, median, publish, t_quantile  # noqa: E402
-import train_dlrm as td  # noqa: E402
+import dlrm_model as dm  # noqa: E402
 
 import cnrstore  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
@@ -64,11 +64,11 @@ def tracking_bytes(ckpt: Checkpointer) -> tuple[int, int]:
 def run(args) -> str:
     torch.set_num_threads(args.threads)
     t_all = time.perf_counter()
-    card = td.cardinalities(args)
-    loader = td.SyntheticCriteo(args)
+    card = dm.cardinalities(args)
+    loader = dm.SyntheticCriteo(args)
     pool = [loader.next() for _ in range(args.pool)]
-    model = td.build_model(args, args.seed)
-    opt = td.build_optimizer(model, args.lr)
+    model = dm.build_model(args, args.seed)
+    opt = dm.build_optimizer(model, args.lr)
     loss_fn = nn.BCEWithLogitsLoss()
     emb_bytes = sum(e.weight.nbytes for e in model.embs)
     root = tempfile.mkdtemp(prefix="bench_tracking-", dir=args.tmp)

@@ -38,18 +38,24 @@ right before ``rename(2)``. A DCP export takes an absent path or an empty direct
 never a non-empty directory: it would have to delete a directory tree, which it never does).
 
 A multi-rank job's root exports as one merged model (``export_path``; ``cnrstore.distributed.export``).
+
+What needs a wing is asked of the exporter the wing registered (:func:`register`, :func:`exporter`): the
+``"torch"`` one reads the Checkpointer's layout and writes the torch-based formats, the ``"distributed"``
+one merges a root's global version. This module imports neither wing; it names the module whose import
+registers each (``WINGS``) and imports it the first time an export needs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib
 import os
 import re
 import shutil
 import stat
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -71,6 +77,60 @@ _LAYOUT_FORMATS = {"state_dict": FORMATS, "checkpoint": ("torch",), "nested": FO
 _PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
                 errno.ENAMETOOLONG, errno.ELOOP}
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+#: The exporters the wings register, by name, and the module whose import registers each. ``"torch"``
+#: (:class:`TorchExporter`): a version in the Checkpointer's layout read as PyTorch objects, and the
+#: torch-based writers. ``"distributed"`` (:class:`RootExporter`): one merged snapshot of a multi-rank root.
+WINGS = {"torch": "cnrstore.torch.export", "distributed": "cnrstore.distributed.export"}
+_exporters: dict[str, Any] = {}
+
+
+class TorchExporter(Protocol):
+    """What the ``"torch"`` exporter provides (``cnrstore.torch.export`` registers itself)."""
+
+    def CheckpointView(self, snapshot: Snapshot, *, model=None, trust_pickle: bool = False) -> Any:
+        """A version in the Checkpointer's layout: ``state_dict()``, ``checkpoint_dict()``, ``meta_json()``,
+        ``numpy_compatible(tensor)``, ``table_key_count()``; InvalidArgument if it is not in that layout."""
+
+    def write(self, data, fmt: str, layout: str, path: str, metadata: dict[str, str]) -> None:
+        """Write ``data`` to ``path`` as ``fmt`` (torch, safetensors of tensors, dcp)."""
+
+
+class RootExporter(Protocol):
+    """What the ``"distributed"`` exporter provides (``cnrstore.distributed.export`` registers itself)."""
+
+    def is_root(self, path) -> bool:
+        """True if ``path`` holds a multi-rank root's marker."""
+
+    def merged_snapshot(self, root, version: int | None = None, *, trust_pickle: bool = False) -> Snapshot:
+        """Global ``version`` (default newest) of ``root`` as one snapshot in the Checkpointer's layout."""
+
+
+def register(name: str, exporter: Any) -> None:
+    """Make ``exporter`` the one :func:`exporter` returns for ``name`` (a wing's export module calls this as
+    it is imported; a later registration under the same name replaces an earlier one)."""
+    _exporters[name] = exporter
+
+
+def exporter(name: str) -> Any:
+    """The exporter registered as ``name``, after importing the module ``WINGS`` names for it (once; that
+    import registers it). Raises ImportError when that module cannot be imported (PyTorch missing), and
+    KeyError when nothing registered ``name``."""
+    if name in WINGS:
+        importlib.import_module(WINGS[name])
+    try:
+        return _exporters[name]
+    except KeyError:
+        raise KeyError(f"no exporter is registered as {name!r}") from None
+
+
+def _torch_exporter(message: str) -> TorchExporter:
+    """The ``"torch"`` exporter; InvalidArgument with ``message`` when PyTorch is missing."""
+    try:
+        return exporter("torch")
+    except ImportError as exc:
+        raise InvalidArgument(message) from exc
 
 
 @dataclass(frozen=True)
@@ -230,15 +290,6 @@ def resolve_layout(snapshot: Snapshot, fmt: str, layout: str = "auto") -> str:
     return layout
 
 
-def _torch_export():
-    try:
-        from .torch import export as torch_export
-    except ImportError as exc:
-        raise InvalidArgument("this export needs PyTorch (pip install torch), or choose --format npz or "
-                              "safetensors with the nested layout") from exc
-    return torch_export
-
-
 def _content(snapshot: Snapshot, fmt: str, layout: str, model, trust_pickle: bool = False) -> _Content:
     meta = {"version": str(snapshot.version), "step": str(snapshot.step), "layout": layout}
     if layout == "nested":
@@ -252,7 +303,9 @@ def _content(snapshot: Snapshot, fmt: str, layout: str, model, trust_pickle: boo
             data = {"version": snapshot.version, "step": snapshot.step, "meta": snapshot.meta,
                     "tables": tables, "dense": dense}
         return _Content(layout, data, meta, len(tables) + len(dense), len(tables))
-    view = _torch_export().CheckpointView(snapshot, model=model, trust_pickle=trust_pickle)
+    torch_exporter = _torch_exporter("this export needs PyTorch (pip install torch), or choose --format npz or "
+                                     "safetensors with the nested layout")
+    view = torch_exporter.CheckpointView(snapshot, model=model, trust_pickle=trust_pickle)
     meta["meta"] = view.meta_json()
     if layout == "checkpoint":
         data = view.checkpoint_dict()
@@ -382,15 +435,15 @@ def export_path(source, fmt: str, path, *, version: int | None = None, layout: s
     src = os.fspath(source)
     if not os.path.exists(filenames.marker_path(src)):
         try:
-            from .distributed import export as dist_export  # a root's marker name lives there (needs torch)
+            roots: RootExporter | None = exporter("distributed")  # a root's marker name lives there (needs torch)
         except ImportError:
-            dist_export = None
-        if dist_export is not None and dist_export.is_root(src):
+            roots = None
+        if roots is not None and roots.is_root(src):
             if layout == "checkpoint":
                 raise InvalidArgument(f"{src} is a multi-rank root: its merged export holds the model only (each "
                                       "rank's optimizer state is its own); choose layout state_dict or nested, or "
                                       "export one rank's store with layout checkpoint")
-            report = export(dist_export.merged_snapshot(src, version, trust_pickle=trust_pickle), fmt, path, **kw)
+            report = export(roots.merged_snapshot(src, version, trust_pickle=trust_pickle), fmt, path, **kw)
             return dataclasses.replace(report, merged=True)
     with open_store(src, readonly=True) as store:
         snapshot = store.restore(version)
@@ -443,9 +496,6 @@ def _write(content: _Content, fmt: str, path: str) -> None:
                                   "pip install 'cnrstore[export]'") from exc
         save_file(content.data, path, metadata={k: content.metadata[k] for k in ("version", "step")})
         return
-    try:
-        from .torch.export import write
-    except ImportError as exc:
-        raise InvalidArgument(f"export to {fmt} needs PyTorch (pip install torch), or choose --format npz "
-                              "or safetensors") from exc
-    write(content.data, fmt, content.layout, path, content.metadata)
+    torch_exporter = _torch_exporter(f"export to {fmt} needs PyTorch (pip install torch), or choose --format npz "
+                                     "or safetensors")
+    torch_exporter.write(content.data, fmt, content.layout, path, content.metadata)

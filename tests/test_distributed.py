@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from cnrstore.distributed import Root, Shard, ShardingPlan, versions
+from cnrstore.distributed import Root, ShardingPlan, versions
 from cnrstore.errors import InvalidArgument, StoreNotFound
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
@@ -87,33 +87,7 @@ def assert_same_state(a: dict, b: dict, skip=("position",)) -> None:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-# -- pure parts ---------------------------------------------------------------------------------------------
-
-def test_plans_cover_every_row_once():
-    tables = {"a": (10, 4), "b": (3, 2), "c": (50, 1)}
-    for world in (1, 2, 3, 4, 7):
-        for plan in (ShardingPlan.row_wise(tables, world), ShardingPlan.table_wise(tables, world)):
-            assert ShardingPlan.from_dict(plan.to_dict()) == plan
-            for name, (rows, _dim) in tables.items():
-                cover = np.zeros(rows, dtype=int)
-                for s in plan.shards_of_table(name):
-                    cover[s.row_start:s.row_end] += 1
-                assert (cover == 1).all()
-            assert sum(plan.rows_of(r) for r in range(world)) == plan.total_rows() == 63
-
-
-def test_plan_errors_say_what_is_wrong():
-    with pytest.raises(InvalidArgument, match="cover"):
-        ShardingPlan({"a": (10, 4)}, [Shard("a", 0, 0, 5)], 2)
-    with pytest.raises(InvalidArgument, match="two shards"):
-        ShardingPlan({"a": (10, 4)}, [Shard("a", 0, 0, 5), Shard("a", 0, 5, 10)], 2)
-    with pytest.raises(InvalidArgument, match="rank must be"):
-        ShardingPlan({"a": (10, 4)}, [Shard("a", 2, 0, 10)], 2)
-    with pytest.raises(InvalidArgument, match="world_size"):
-        ShardingPlan.row_wise({"a": (10, 4)}, 0)
-    with pytest.raises(InvalidArgument, match="shape"):
-        ShardingPlan({"a": 10}, [], 1)
-
+# -- pure parts (the sharding plan's own tests: test_distributed_plan.py) ----------------------------------
 
 def test_versions_of_a_missing_root(tmp_path):
     with pytest.raises(StoreNotFound):

@@ -1,6 +1,7 @@
-"""ECRM: the erasure code, the parity layout, and recovery on spawned gloo jobs (tests/ecrm_worker.py).
+"""ECRM: the erasure code and recovery on spawned gloo jobs (tests/ecrm_worker.py); the parity layout and
+the fingerprints are test_distributed_stripes.py's.
 
-The code and layout tests simulate every rank's data space in one process. The spawned tests kill ranks
+The code tests run in one process. The spawned tests kill ranks
 with SIGKILL at named points of the parity update (and of the decode), re-form the group with
 replacement processes, and compare every rank's final state -- weights, Adagrad state, dense head and the
 parity itself -- bit for bit with the same job run without a failure.
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from cnrstore.distributed import gf256
-from cnrstore.distributed.stripes import StripeLayout, fingerprint, fingerprint_range
+from cnrstore.distributed.stripes import StripeLayout
 from cnrstore.errors import InvalidArgument
 
 WORKER = os.path.join(os.path.dirname(__file__), "ecrm_worker.py")
@@ -62,99 +63,6 @@ def test_bad_codes_are_refused():
         gf256.encode_matrix(200, 100)
     with pytest.raises(InvalidArgument, match="singular"):
         gf256.invert(np.array([[1, 1], [1, 1]], dtype=np.uint8))
-    with pytest.raises(InvalidArgument, match="k \\+ r <= world"):
-        StripeLayout(3, 2, 2, [10, 10, 10])
-    with pytest.raises(InvalidArgument, match="positive integer k"):
-        StripeLayout(3, 0, 1, [10, 10, 10])
-
-
-# -- the layout, simulated ----------------------------------------------------------------------------------
-
-def encode_all(lay: StripeLayout, data: list[np.ndarray]) -> list[np.ndarray]:
-    """Every rank's parity, straight from the definition (module doc of stripes)."""
-    w = lay.world_size
-    parity = [np.zeros((lay.periods, lay.r, lay.unit), dtype=np.uint32) for _ in range(w)]
-    for q in range(w):
-        view = padded(lay, data[q])
-        for i in range(lay.k):
-            c = lay.residue(q, i)
-            for j in range(lay.r):
-                h = int(lay.holder(c, j))
-                parity[h][:, j, :] ^= gf256.mul(lay.matrix[j, i], view[:, i, :].copy().view(np.uint8)).view(np.uint32)
-    return parity
-
-
-def padded(lay: StripeLayout, words: np.ndarray) -> np.ndarray:
-    out = np.zeros(lay.data_words, dtype=np.uint32)
-    out[:words.size] = words
-    return out.reshape(lay.periods, lay.k, lay.unit)
-
-
-@pytest.mark.parametrize("world,k,r,unit", [(3, 2, 1, None), (4, 2, 2, 7), (5, 3, 2, 5), (6, 2, 1, 3), (2, 1, 1, None)])
-def test_layout_rotates_parity_and_recovers_any_r_failures(world, k, r, unit):
-    rng = np.random.default_rng(world * 10 + k)
-    lengths = [int(n) for n in rng.integers(30, 90, world)]   # ranges below must not overlap
-    lay = StripeLayout(world, k, r, lengths, unit_words=unit)
-    assert lay.parity_words == lay.periods * r * lay.unit
-    assert lay.data_words >= max(lengths) and lay.data_words - max(lengths) < k * lay.unit
-    for c in range(world):                              # a stripe's ranks are distinct
-        ranks = [m[0] for m in lay.members(c)]
-        assert len(set(ranks)) == k + r
-    # every rank holds parity of r residues and data of k: rotated, no hot spot
-    held = [sum(1 for c in range(world) for j in range(r) if lay.holder(c, j) == q) for q in range(world)]
-    assert held == [r] * world
-    data = [rng.integers(0, 2**32, n, dtype=np.uint32) for n in lengths]
-    parity = encode_all(lay, data)
-    # an update routed piece by piece lands where the definition puts it
-    q = 1 % world
-    starts = np.array([0, 5, lengths[q] - 9], dtype=np.int64)
-    lens = np.array([3, 11, 9], dtype=np.int64)
-    delta = rng.integers(0, 2**32, int(lens.sum()), dtype=np.uint32)
-    ps, pl = lay.split(starts, lens)
-    assert pl.sum() == lens.sum() and ((ps % lay.unit) + pl <= lay.unit).all()
-    offsets = np.cumsum(pl) - pl
-    for j in range(r):
-        dest, ppos, index = lay.route(q, ps, j)
-        for s0, n, o, d, pp, i in zip(ps, pl, offsets, dest, ppos, index):
-            parity[d].reshape(-1)[pp:pp + n] ^= gf256.mul(lay.matrix[j, i], delta[o:o + n].copy().view(np.uint8)).view(np.uint32)
-    flat = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
-    data[q][flat] ^= delta
-    expect = encode_all(lay, data)
-    for h in range(world):
-        assert np.array_equal(parity[h], expect[h])
-    # any r failed ranks: decode their data from k survivors of each stripe
-    for failed in itertools.combinations(range(world), r):
-        for f in failed:
-            got = np.zeros((lay.periods, k, lay.unit), dtype=np.uint32)
-            for i in range(k):
-                members = lay.members(lay.residue(f, i))
-                avail = [m for m in members if m[0] not in failed][:k]
-                shard = [m[2] if m[1] == "data" else k + m[2] for m in avail]
-                dm = gf256.decode_matrix(k, r, shard)
-                for col, (rank, kind, idx) in enumerate(avail):
-                    block = padded(lay, data[rank])[:, idx, :] if kind == "data" else parity[rank][:, idx, :]
-                    got[:, i, :] ^= gf256.mul(dm[i, col], block.copy().view(np.uint8)).view(np.uint32)
-            assert np.array_equal(got.reshape(-1)[:lengths[f]], data[f]), (failed, f)
-
-
-def test_fingerprint_is_linear_and_sees_one_flipped_bit():
-    rng = np.random.default_rng(3)
-    a = rng.integers(0, 2**32, 1000, dtype=np.uint32)
-    b = rng.integers(0, 2**32, 1000, dtype=np.uint32)
-    pos = np.arange(1000)
-    assert fingerprint(a ^ b, pos) == fingerprint(a, pos) ^ fingerprint(b, pos)
-    for i in (0, 31, 32, 999):
-        c = a.copy()
-        c[i] ^= 1 << (i % 32)
-        assert fingerprint(c, pos) != fingerprint(a, pos)
-    assert fingerprint(a[10:20], pos[10:20]) ^ fingerprint(a[:10], pos[:10]) == fingerprint(a[:20], pos[:20])
-
-
-@pytest.mark.parametrize("start", [0, 1, 30, 31, 32, 33, 961, 12345])
-@pytest.mark.parametrize("n", [0, 1, 30, 31, 32, 63, 993, 4097])
-def test_fingerprint_of_a_range_equals_the_general_one(start, n):
-    words = np.random.default_rng(n + start).integers(0, 2**32, n, dtype=np.uint32)
-    assert fingerprint_range(words, start) == fingerprint(words, start + np.arange(n))
 
 
 # -- spawned jobs -------------------------------------------------------------------------------------------

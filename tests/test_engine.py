@@ -1,5 +1,5 @@
-"""The engine layer (issue 12, part 1): no import circle in cnrstore/, and the segment storage seam is the
-only way the engine reads, measures and removes segments."""
+"""The engine layer (issue 12, part 1): no import circle in cnrstore/ (nor among the scripts in tools/), and
+the segment storage seam is the only way the engine reads, measures and removes segments."""
 
 from __future__ import annotations
 
@@ -102,6 +102,50 @@ def test_no_import_circle_in_the_package():
              "cnrstore.torch.migrate"}
     importers = {m for m, deps in graph.items() if "cnrstore.store" in deps}
     assert importers <= above, f"modules beneath the Store import store.py: {sorted(importers - above)}"
+
+
+WINGS = ("cnrstore.torch", "cnrstore.distributed")
+
+
+def test_the_core_imports_no_wing():
+    """Beneath the command line, no module outside cnrstore/torch/ and cnrstore/distributed/ imports
+    either (not even inside a function): the wings register what the core asks of them (export's
+    exporters)."""
+    graph = _import_graph()
+    assert "cnrstore.export" in graph["cnrstore.torch.export"], "the graph was built"
+    wing = lambda m: any(m == w or m.startswith(w + ".") for w in WINGS)  # noqa: E731
+    reaches = sorted(f"{m} -> {d}" for m, deps in graph.items() if not wing(m) and m != "cnrstore.cli"
+                     for d in deps if wing(d))
+    assert not reaches, "core modules import a wing: " + ", ".join(reaches)
+
+
+TOOLS = os.path.join(os.path.dirname(PACKAGE), "tools")
+
+
+def _tools_graph() -> dict[str, set[str]]:
+    """Script of tools/ -> the scripts of tools/ it imports (they import each other by bare name, with
+    tools/ on ``sys.path``): every import statement, inside functions too."""
+    names = {f[:-3] for f in os.listdir(TOOLS) if f.endswith(".py")}
+    graph: dict[str, set[str]] = {}
+    for name in names:
+        path = os.path.join(TOOLS, name + ".py")
+        deps = set()
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Import):
+                deps.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                deps.add(node.module.split(".")[0])
+        graph[name] = (deps & names) - {name}
+    return graph
+
+
+def test_no_import_circle_in_tools():
+    """The trainer and its multi-rank mode share the model module; neither imports the other back."""
+    graph = _tools_graph()
+    assert {"dlrm_dist", "dlrm_model"} <= graph["train_dlrm"], "the graph was built"
+    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"], "the check finds a circle"
+    cycle = _cycle(graph)
+    assert cycle is None, "import circle in tools/: " + " -> ".join(cycle)
 
 
 class RecordingStorage(storage.LocalSegmentStorage):

@@ -155,7 +155,7 @@ def test_priority_save_writes_the_top_rows_and_the_next_save_the_rest(store, mod
     assert set(np.flatnonzero(t.touched.numpy()).tolist()) == {9} | set(range(10, 20))
     if mode != "incremental":
         assert set(np.flatnonzero(t.since_baseline.numpy()).tolist()) == picked
-    assert ck._diffs == []  # a priority save is no differential of the intermittent rule
+    assert ck._plan.diffs == []  # a priority save is no differential of the intermittent rule
 
     # the next regular save writes the remaining touched rows (and, since the baseline, the picked ones)
     bump(model)
@@ -171,7 +171,7 @@ def test_priority_save_writes_the_top_rows_and_the_next_save_the_rest(store, mod
     np.testing.assert_array_equal(store.read_table("emb", v2)[~mask], got[~mask])
     assert not counts(ck)["emb"].any()  # a regular save clears every count
     if mode == "intermittent":
-        assert ck._diffs == [len(want) / 100]
+        assert ck._plan.diffs == [len(want) / 100]
     ck.close()
 
 

@@ -56,15 +56,16 @@ def test_torchrec_model_computes_what_the_plain_model_computes():
     try:
         import torch
 
+        import dlrm_model
         import train_dlrm
     finally:
         sys.path.remove(TOOLS)
     args = train_dlrm.parse_args(["--quick", "--max-rows", "3000", "--batch-size", "64"])
-    plain = train_dlrm.build_model(args, 5)
+    plain = dlrm_model.build_model(args, 5)
     args.torchrec = True
-    model = train_dlrm.make_model(args, 5)
+    model = dlrm_model.make_model(args, 5)
     assert type(model).__name__ == "TorchRecDLRM"
-    dense, ids, labels = train_dlrm.SyntheticCriteo(args).batch(3)
+    dense, ids, labels = dlrm_model.SyntheticCriteo(args).batch(3)
     logits = [m(dense, ids) for m in (plain, model)]
     assert torch.equal(*logits)   # same init, same lookups and interaction: bit for bit
     for m, lg in zip((plain, model), logits):

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""The multi-rank mode of ``tools/train_dlrm.py`` (``--world-size N``): the same DLRM, data and metrics,
-trained by N processes on this machine over ``torch.distributed`` (gloo, FileStore rendezvous under the
-run's temp dir) and checkpointed with ``cnrstore.distributed.DistributedCheckpointer``.
+"""The multi-rank mode of ``tools/train_dlrm.py`` (``--world-size N``): the same DLRM, data and metrics
+(``tools/dlrm_model.py``), trained by N processes on this machine over ``torch.distributed`` (gloo,
+FileStore rendezvous under the run's temp dir) and checkpointed with
+``cnrstore.distributed.DistributedCheckpointer``.
 
 The parallel scheme (simple and exact, not fast):
 
@@ -18,7 +19,7 @@ The parallel scheme (simple and exact, not fast):
   the replicas stay bit-equal);
 - evaluation runs the same sharded forward under ``torch.no_grad()`` (a collective).
 
-With ``--torchrec`` the model is ``train_dlrm.TorchRecDLRM`` sharded by torchrec's
+With ``--torchrec`` the model is ``dlrm_model.TorchRecDLRM`` sharded by torchrec's
 ``DistributedModelParallel`` instead (``build_dmp``; an ``Arch`` picks the model's build, training step and
 evaluation once): the tables row-wise or table-wise as torchrec's planner places them, on the fused TBE
 kernel with row-wise Adagrad (updated inside the backward pass), the dense layers replicated under an
@@ -82,7 +83,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import train_dlrm  # noqa: E402
+import dlrm_model  # noqa: E402
 
 from cnrstore.distributed import ECRM, DistributedCheckpointer, ShardingPlan  # noqa: E402
 
@@ -98,7 +99,7 @@ RECOVERIES = ("full", "partial", "ecrm")
 
 def table_shapes(args) -> dict[str, tuple[int, int]]:
     """The global embedding tables, by module path: ``{"embs.<t>": (rows, dim)}``."""
-    return {f"embs.{t}": (n, args.dim) for t, n in enumerate(train_dlrm.cardinalities(args))}
+    return {f"embs.{t}": (n, args.dim) for t, n in enumerate(dlrm_model.cardinalities(args))}
 
 
 def make_plan(args, world_size: int) -> ShardingPlan:
@@ -109,12 +110,12 @@ def make_plan(args, world_size: int) -> ShardingPlan:
 
 
 class ShardedDLRM(nn.Module):
-    """One rank's part of ``train_dlrm.DLRM``: replicated bottom/top MLPs and this rank's embedding shards
+    """One rank's part of ``dlrm_model.DLRM``: replicated bottom/top MLPs and this rank's embedding shards
     (``embs.<t>``, rows ``[row_start, row_end)`` of table ``t``). ``forward`` is a collective."""
 
     def __init__(self, args, plan: ShardingPlan, rank: int, seed: int):
         super().__init__()
-        full = train_dlrm.build_model(args, seed)   # the global init, identical on every rank
+        full = dlrm_model.build_model(args, seed)   # the global init, identical on every rank
         self.dim = full.dim
         self.num_tables = len(full.embs)
         self.bottom, self.top = full.bottom, full.top
@@ -155,7 +156,7 @@ class ShardedDLRM(nn.Module):
         return torch.stack(cols, dim=1)
 
     def head(self, x: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        return self.top(train_dlrm.interaction(x, pooled, self._tri)).squeeze(1)
+        return self.top(dlrm_model.interaction(x, pooled, self._tri)).squeeze(1)
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor):
         """(logits, this rank's pooled part with its graph, the assembled pooled leaf). Collective."""
@@ -199,12 +200,12 @@ def all_reduce_(tensors: list[torch.Tensor], divisor: int = 1) -> None:
         offset += t.numel()
 
 
-def evaluate(model: ShardedDLRM, holdout: train_dlrm.Holdout) -> tuple[float, float]:
+def evaluate(model: ShardedDLRM, holdout: dlrm_model.Holdout) -> tuple[float, float]:
     """Held-out (logloss, AUC) of the sharded model (collective; every rank gets the same numbers)."""
     with torch.no_grad():
         logits, _part, _pooled = model(holdout.dense, holdout.ids)
         probs = torch.sigmoid(logits).numpy()
-    return train_dlrm.logloss(holdout.labels, probs), train_dlrm.auc(holdout.labels, probs)
+    return dlrm_model.logloss(holdout.labels, probs), dlrm_model.auc(holdout.labels, probs)
 
 
 def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -233,12 +234,12 @@ def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
 
 
 def build_dmp(args, plan: None, rank: int, seed: int):
-    """``train_dlrm.TorchRecDLRM`` sharded by ``DistributedModelParallel`` over the default group
+    """``dlrm_model.TorchRecDLRM`` sharded by ``DistributedModelParallel`` over the default group
     (collective), and its dense optimizer: (model, optimizer).
 
     The tables are sharded row-wise (``--sharding row``) or table-wise (``table``, where torchrec's planner
     puts them), on the fused TBE kernel with row-wise Adagrad (``--lr``) updating them inside the backward
-    pass; every rank starts from ``train_dlrm.build_model``'s global init, written into its local shards.
+    pass; every rank starts from ``dlrm_model.build_model``'s global init, written into its local shards.
     The bottom/top MLPs are replicated, updated by Adagrad through a ``KeyedOptimizerWrapper`` (state keyed
     by parameter name). ``plan`` is unused: torchrec's planner makes the plan, which the checkpointer reads
     off the model."""
@@ -259,8 +260,8 @@ def build_dmp(args, plan: None, rank: int, seed: int):
             return [ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value]
 
     world = dist.get_world_size()
-    plain = train_dlrm.build_model(args, seed)
-    model = train_dlrm.TorchRecDLRM(plain, device="meta")
+    plain = dlrm_model.build_model(args, seed)
+    model = dlrm_model.TorchRecDLRM(plain, device="meta")
     sharder = CPUSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": args.lr})
     kind = (ShardingType.ROW_WISE if args.sharding == "row" else ShardingType.TABLE_WISE).value
     constraints = {f"t{t}": ParameterConstraints(sharding_types=[kind], compute_kernels=["fused"])
@@ -302,7 +303,7 @@ def dmp_train_step(model, optimizer, loss_fn, batch, ecrm: None = None, step: in
     return float(total)
 
 
-def dmp_evaluate(model, holdout: train_dlrm.Holdout) -> tuple[float, float]:
+def dmp_evaluate(model, holdout: dlrm_model.Holdout) -> tuple[float, float]:
     """Held-out (logloss, AUC) of the sharded model (collective): each rank scores its slice of the held-out
     set (padded to equal slices), the scores are gathered."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -314,7 +315,7 @@ def dmp_evaluate(model, holdout: train_dlrm.Holdout) -> tuple[float, float]:
     every = [torch.empty_like(logits) for _ in range(world)]
     dist.all_gather(every, logits)
     probs = torch.sigmoid(torch.cat(every)[:n]).numpy()
-    return train_dlrm.logloss(holdout.labels, probs), train_dlrm.auc(holdout.labels, probs)
+    return dlrm_model.logloss(holdout.labels, probs), dlrm_model.auc(holdout.labels, probs)
 
 
 def dmp_carry_over(src, src_optimizer, dst, dst_optimizer) -> None:
@@ -335,7 +336,7 @@ def dmp_carry_over(src, src_optimizer, dst, dst_optimizer) -> None:
 def build_sharded(args, plan: ShardingPlan, rank: int, seed: int):
     """``ShardedDLRM`` and its Adagrad: (model, optimizer)."""
     model = ShardedDLRM(args, plan, rank, seed)
-    return model, train_dlrm.build_optimizer(model, args.lr)
+    return model, dlrm_model.build_optimizer(model, args.lr)
 
 
 @dataclass(frozen=True)
@@ -419,7 +420,7 @@ class Worker:
         """A freshly built model, optimizer and loader (a restart uses another init: what a restore misses
         shows up in the metrics)."""
         model, optimizer = self.arch.build(self.args, self.plan, self.rank, self.args.seed + 1000 * restarts)
-        return model, optimizer, train_dlrm.SyntheticCriteo(self.args)
+        return model, optimizer, dlrm_model.SyntheticCriteo(self.args)
 
     def open_checkpointer(self) -> DistributedCheckpointer:
         a = self.args
@@ -438,7 +439,7 @@ class Worker:
     def main(self, replacement: bool) -> int:
         a = self.args
         torch.set_num_threads(max(a.threads, 1))
-        self.holdout = train_dlrm.Holdout(a, a.holdout_batches)
+        self.holdout = dlrm_model.Holdout(a, a.holdout_batches)
         self.rendezvous()
         self.model, self.optimizer, self.loader = self.fresh(self.epoch if replacement else 0)
         self.ckpt = self.open_checkpointer()
@@ -466,7 +467,7 @@ class Worker:
     def train_loop(self) -> None:
         a = self.args
         eval_every = max(1, a.steps // 4)
-        self.prog = train_dlrm.Progress(a.steps, f"rank {self.rank}", enabled=self.rank == 0 and not a.no_progress)
+        self.prog = dlrm_model.Progress(a.steps, f"rank {self.rank}", enabled=self.rank == 0 and not a.no_progress)
         ema = None
         replay_until = None            # full recovery: (failure, step it struck, time training resumed)
         while self.step < a.steps:
@@ -648,7 +649,7 @@ def worker_entry(cfg: dict) -> int:
     import argparse  # noqa: PLC0415
     args = argparse.Namespace(**cfg["args"])
     if getattr(args, "torchrec", False):
-        train_dlrm.quiet_torchrec()
+        dlrm_model.quiet_torchrec()
     return Worker(args, cfg["rank"], cfg["epoch"], cfg["run_dir"]).main(cfg["replacement"])
 
 
@@ -767,8 +768,8 @@ def format_summary(args, s: dict, wall_s: float) -> str:
                  f"{len(regular) / n_ranks:.0f} ({len(prio) / n_ranks:.0f}) / {len(s['failures'])}", ""))
     stalls = [e["stall"] for e in s["saves"]]
     if stalls:
-        rows.append(("trainer stall per save, median / max", f"{train_dlrm.fmt_ms(float(np.median(stalls)))} / "
-                     f"{train_dlrm.fmt_ms(float(np.max(stalls)))}", "all ranks' saves"))
+        rows.append(("trainer stall per save, median / max", f"{dlrm_model.fmt_ms(float(np.median(stalls)))} / "
+                     f"{dlrm_model.fmt_ms(float(np.max(stalls)))}", "all ranks' saves"))
     stall_total = max(s["stall_per_rank"]) if s["stall_per_rank"] else 0.0
     rec_total = sum(f["recovery_s"] for f in s["failures"])
     replay_total = sum(f["replayed_s"] for f in s["failures"])
@@ -796,16 +797,16 @@ def format_summary(args, s: dict, wall_s: float) -> str:
         for e in s["ecrm"][:1]:
             st = e["stats"]
             per = st["seconds"] / max(st["steps"], 1) + st["seconds_capture"] / max(st["steps"], 1)
-            rows.append(("parity update per step (rank 0)", train_dlrm.fmt_ms(per),
-                         f"capture {train_dlrm.fmt_ms(st['seconds_capture'] / max(st['steps'], 1))}, encode "
-                         f"{train_dlrm.fmt_ms(st['seconds_encode'] / max(st['steps'], 1))}, size exchange "
-                         f"{train_dlrm.fmt_ms(st['seconds_sizes'] / max(st['steps'], 1))}, send "
-                         f"{train_dlrm.fmt_ms(st['seconds_send'] / max(st['steps'], 1))}, apply "
-                         f"{train_dlrm.fmt_ms(st['seconds_apply'] / max(st['steps'], 1))}; "
-                         f"{train_dlrm.fmt_bytes(st['bytes_sent'] / max(st['steps'], 1))} sent per step"))
-            rows.append(("parity memory per rank (rank 0)", train_dlrm.fmt_bytes(e["parity_bytes"]),
+            rows.append(("parity update per step (rank 0)", dlrm_model.fmt_ms(per),
+                         f"capture {dlrm_model.fmt_ms(st['seconds_capture'] / max(st['steps'], 1))}, encode "
+                         f"{dlrm_model.fmt_ms(st['seconds_encode'] / max(st['steps'], 1))}, size exchange "
+                         f"{dlrm_model.fmt_ms(st['seconds_sizes'] / max(st['steps'], 1))}, send "
+                         f"{dlrm_model.fmt_ms(st['seconds_send'] / max(st['steps'], 1))}, apply "
+                         f"{dlrm_model.fmt_ms(st['seconds_apply'] / max(st['steps'], 1))}; "
+                         f"{dlrm_model.fmt_bytes(st['bytes_sent'] / max(st['steps'], 1))} sent per step"))
+            rows.append(("parity memory per rank (rank 0)", dlrm_model.fmt_bytes(e["parity_bytes"]),
                          f"{e['parity_bytes'] / max(e['data_bytes'], 1):.0%} of its protected shard "
-                         f"({train_dlrm.fmt_bytes(e['data_bytes'])})"))
+                         f"({dlrm_model.fmt_bytes(e['data_bytes'])})"))
     elif args.recovery == "partial" and s["failures"]:
         lost = sum(f["row_share"] * (f["lost_steps"] or 0) for f in s["failures"]) / args.steps
         rows.append(("lost updates (estimate)", f"{lost:.3%}",
@@ -893,7 +894,7 @@ def run(args) -> int:
         else:
             args.store_root = os.path.join(tmp, "root")
         plan = make_plan(args, args.world_size)
-        card = train_dlrm.cardinalities(args)
+        card = dlrm_model.cardinalities(args)
         prio = (f", priority saves {args.priority} top {args.priority_top:g} every {args.priority_every}"
                 if args.priority else "")
         if args.torchrec:
@@ -932,4 +933,8 @@ def run(args) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "worker":
         exit_now(worker_entry(json.loads(sys.argv[2])))
-    sys.exit(train_dlrm.main(sys.argv[1:]))
+    # The options are tools/train_dlrm.py's: it parses them and calls run() (importing it back from here
+    # would make the two modules a circle).
+    print("usage: python tools/train_dlrm.py --world-size N [options] (this file is its multi-rank mode; "
+          "run it as 'dlrm_dist.py worker CONFIG' only from the launcher)", file=sys.stderr)
+    sys.exit(2)

@@ -36,7 +36,8 @@ from .. import store as _store
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
 from ..torch import payload as _payload
-from ..torch.checkpointer import Checkpointer, SaveReport, WeakPendingWork
+from ..torch.async_save import PendingSave, SaveReport, WeakPendingWork
+from ..torch.checkpointer import Checkpointer
 from ..torch.optim_state import is_keyed, row_state_width
 from ..torch.payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
 from ..torch.tracking import ShardTable
@@ -68,28 +69,15 @@ class RecoveryReport:
     discarded_save_error: str | None = None  # a save in flight when the failure struck, which failed
 
 
-class DistributedPendingSave:
+class DistributedPendingSave(PendingSave):
     """A distributed save: the local snapshot is taken; the local write and the global commit run in the
-    background. ``wait()`` returns the global version, or raises ``GlobalCommitError`` (or the local
-    write's own error on the rank where it failed)."""
+    background. ``wait()`` returns the global version (also ``global_version`` once committed), or raises
+    ``GlobalCommitError`` (or the local write's own error on the rank where it failed). ``cancel()`` does not
+    stop a global commit: every rank takes part in it (the local write it waits for is cancellable)."""
 
     def __init__(self, report: SaveReport):
-        self.report = report
+        super().__init__(report)
         self.global_version: int | None = None
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._reported = False
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> int:
-        self._done.wait()
-        if self._error is not None:
-            self._reported = True
-            raise self._error
-        assert self.global_version is not None
-        return self.global_version
 
 
 def _check_dist() -> tuple[int, int]:
@@ -336,15 +324,15 @@ class DistributedCheckpointer:
         return pending
 
     def _commit(self, pending: DistributedPendingSave, local, step, meta) -> None:
+        version, error = None, None
         try:
-            pending.global_version = self._commit_global(local, step, meta)
+            version = pending.global_version = self._commit_global(local, step, meta)
             if self.keep_last is not None:
                 self._reclaim_local()
         except BaseException as exc:
-            pending._error = exc
-            self._error = exc
+            error = self._error = exc
         finally:
-            pending._done.set()
+            pending.finish(version, error)
 
     def _commit_global(self, local, step, meta) -> int:
         ok, version, reason = True, None, ""
@@ -527,7 +515,7 @@ class DistributedCheckpointer:
         finally:
             self.store.close()
             self._release_group()
-        if self._error is not None and self._pending is not None and not self._pending._reported:
+        if self._error is not None and self._pending is not None and not self._pending.failure_reported:
             err, self._error = self._error, None
             raise err
 

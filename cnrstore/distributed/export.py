@@ -1,4 +1,5 @@
-"""One merged model from a multi-rank root, for export (``cnrstore.export.export_path``) or any reader.
+"""One merged model from a multi-rank root, for export (``cnrstore.export.export_path``, where this module
+registers itself as the ``"distributed"`` exporter on import) or any reader.
 
 ``merged_snapshot(root, version)`` reads global ``version`` (default newest) and returns one ``Snapshot``
 of the *unsharded* model in ``cnrstore.torch.Checkpointer``'s layout:
@@ -16,15 +17,18 @@ model in fp32, plus one rank's shards while they are copied in.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from .. import codecs
 from .. import store as _store
 from ..errors import CorruptionError, InvalidArgument, MissingRows
+from ..export import register
 from ..torch import sharded
-from ..torch.checkpointer import DENSE_PREFIX, STATE_BLOB
 from ..torch import payload as _payload
 from ..torch.export import load_payload
+from ..torch.payload import DENSE_PREFIX, STATE_BLOB
 from ..types import Snapshot
 from .manifest import GlobalVersion, Root
 
@@ -191,3 +195,5 @@ def _shards_by_global_id(st, plan, rank: int, version: int) -> Snapshot:
             continue
     return snap
 
+
+register("distributed", sys.modules[__name__])   # cnrstore.export's "distributed" exporter (its RootExporter)

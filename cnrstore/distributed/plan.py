@@ -70,6 +70,10 @@ class ShardingPlan:
             if num_rows < 1 or dim < 1:
                 raise InvalidArgument(f"table {name!r}: num_rows and dim must be positive, got {shape!r}")
             self.tables[name] = (num_rows, dim)
+        shards = list(shards)
+        for s in shards:
+            if not isinstance(s, Shard):
+                raise InvalidArgument(f"shards must be Shard objects, got {type(s).__name__}")
         self.shards = tuple(sorted(shards, key=lambda s: (s.table, s.row_start)))
         self._check()
 
@@ -77,8 +81,6 @@ class ShardingPlan:
         by_table: dict[str, list[Shard]] = {name: [] for name in self.tables}
         seen: set[tuple[str, int]] = set()
         for s in self.shards:
-            if not isinstance(s, Shard):
-                raise InvalidArgument(f"shards must be Shard objects, got {type(s).__name__}")
             if s.table not in by_table:
                 raise InvalidArgument(f"shard {s} names a table the plan does not list ({sorted(self.tables)})")
             if not 0 <= s.rank < self.world_size:
@@ -191,5 +193,5 @@ class ShardingPlan:
             return cls({k: tuple(v) for k, v in data["tables"].items()},
                        [Shard(t, int(r), int(a), int(b)) for t, r, a, b in data["shards"]], data["world_size"],
                        row_ids=data.get("row_ids", "local"))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InvalidArgument(f"not a sharding plan description: {exc}") from exc

@@ -18,7 +18,9 @@ Row tracking: a forward pre-hook on each embedding sets a bool mask (on the weig
 looked-up index, while autograd is enabled (lookups under ``torch.no_grad()``, e.g. evaluation, are not
 tracked: they cannot change the weights). Weights changed outside a forward pass and an optimizer step
 are not tracked. (The masks and counts: ``tracking.py``; drift, non-zero rows and restored optimizer state:
-``optim_state.py``; this module: what a save writes, the background write, restore.)
+``optim_state.py``; which rows each save writes: ``save_plan.py``; the host snapshot's write in the
+background: ``async_save.py``; the payload: ``payload.py``; reading a version back: ``restore.py``; this
+module: the ``Checkpointer`` that owns the live objects and ties them together.)
 
 Every mode is exact with every optimizer: a regular save adds to the looked-up rows those the optimizer
 may have changed without a lookup, judged per table from the optimizers holding its weight, with the
@@ -68,12 +70,10 @@ every count.
 
 from __future__ import annotations
 
-import math
+import functools
 import threading
 import time
-import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -83,62 +83,23 @@ from torch import nn
 
 from .. import codecs, fs, validate
 from . import payload as _payload
+from . import restore as _restore
 from . import sharded
-from ..errors import InvalidArgument, MissingRows, VersionNotFound
+from ..errors import InvalidArgument
 from ..types import VersionInfo
 from ..writer import pack_meta
-from .optim_state import (as_optimizer_list, create_lazy_state, is_sharded_value, nonzero_rows, row_state_width,
-                          row_states, table_drift, with_live_state)
-from .payload import DENSE_PREFIX, LIVE_MARK, PAYLOAD_FORMAT, ROW_MARK, STATE_BLOB, dense_copy
+from .async_save import PendingSave, SaveReport, WeakPendingWork, gather, write
+from .optim_state import as_optimizer_list, create_lazy_state, table_drift, with_live_state
+from .payload import DENSE_PREFIX, STATE_BLOB, dense_copy
+from .save_plan import MODES, SavePlanner
 from .tracking import SSU_SEED, ShardTable, Table, tbe_tracker
 
-# STATE_BLOB, DENSE_PREFIX and table_drift are importable from here as before (they live in payload.py and
-# optim_state.py)
-__all__ = ["Checkpointer", "DENSE_PREFIX", "PendingSave", "STATE_BLOB", "SaveReport", "TrainerState", "table_drift"]
+# STATE_BLOB, DENSE_PREFIX, table_drift, SaveReport, PendingSave and WeakPendingWork are importable from here as
+# before (they live in payload.py, optim_state.py and async_save.py); MODES lives in save_plan.py
+__all__ = ["Checkpointer", "DENSE_PREFIX", "MODES", "PendingSave", "STATE_BLOB", "SaveReport", "TrainerState",
+           "WeakPendingWork", "table_drift"]
 
-MODES = ("incremental", "one-shot", "intermittent")
 PRIORITIES = ("mfu", "ssu")
-
-
-@dataclass
-class SaveReport:
-    """What one save wrote: rows per table (weights and row-wise optimizer state), whether it was a
-    baseline or a priority save (``save(top=...)``), and how long ``save()`` held the trainer
-    (``stall_s``)."""
-
-    step: int | None
-    baseline: bool
-    rows: dict[str, int] = field(default_factory=dict)
-    stall_s: float = 0.0
-    version: int | None = None
-    priority: bool = False
-
-
-class PendingSave:
-    """A save whose snapshot is taken and whose write runs in the background."""
-
-    def __init__(self, report: SaveReport):
-        self.report = report
-        self._done = threading.Event()
-        self._version: int | None = None
-        self._error: BaseException | None = None
-        self._reported = False
-        self._thread: threading.Thread | None = None
-        self._cancelled = False  # an interrupt while waiting for it: abort at the next step, commit nothing
-
-    def done(self) -> bool:
-        """True once the background write has committed or failed."""
-        return self._done.is_set()
-
-    def wait(self) -> int:
-        """Block until the write ends; return the committed version, or re-raise its failure (the
-        exception the store raised)."""
-        self._done.wait()
-        if self._error is not None:
-            self._reported = True
-            raise self._error
-        assert self._version is not None
-        return self._version
 
 
 class TrainerState(NamedTuple):
@@ -151,31 +112,6 @@ class TrainerState(NamedTuple):
     dense: Mapping
     optimizers: tuple
     extra: Mapping
-
-
-class WeakPendingWork:
-    """Background work of ``owner`` as a store's ``PendingWork`` (``Store.add_pending_work``): what
-    ``store.close()`` and the interpreter's exit wait for, cancel or report. It refers to its owner weakly,
-    as the store refers to it: an owner that is gone has no work in flight (the work's thread holds it).
-    ``finish(owner, timeout)``, ``cancel(owner)`` and ``failure(owner)`` do the work's part for a live owner.
-    *For sibling packages*: the Checkpointer's saves and the DistributedCheckpointer's global commits."""
-
-    def __init__(self, owner, finish, cancel=None, failure=None):
-        self._owner = weakref.ref(owner)
-        self._finish, self._cancel, self._failure = finish, cancel, failure
-
-    def finish(self, timeout: float | None) -> bool:
-        owner = self._owner()
-        return True if owner is None else self._finish(owner, timeout)
-
-    def cancel(self) -> None:
-        owner = self._owner()
-        if owner is not None and self._cancel is not None:
-            self._cancel(owner)
-
-    def failure(self) -> BaseException | None:
-        owner = self._owner()
-        return None if owner is None or self._failure is None else self._failure(owner)
 
 
 def _is_fraction(x) -> bool:
@@ -255,9 +191,7 @@ class Checkpointer:
             raise
         self._dense = {k: v for k, v in model.state_dict(keep_vars=True).items()
                        if id(v) not in self._by_weight and k not in sharded_keys}
-        self._total_rows = sum(t.num_rows for t in self._tables)
-        self._force_full = True
-        self._diffs: list[float] = []  # S_1..S_i since the last baseline (intermittent)
+        self._plan = SavePlanner(mode, self._tables, self._optimizers)  # which rows each save writes
         self._pending: PendingSave | None = None
         self._error: BaseException | None = None  # a background failure not yet re-raised by save()
         self._failed: PendingSave | None = None  # the save that failed with it
@@ -306,45 +240,6 @@ class Checkpointer:
                 f"table {name!r} in the store has {info.num_rows} rows x {info.dim} dims but the model's has "
                 f"{num_rows} x {dim}; use a new store, or a model of the stored shape")
 
-    def _row_states(self, t: Table):
-        """(state name, tensor) of the row-wise optimizer state of ``t``'s weight, in a stable order."""
-        if isinstance(t, ShardTable):
-            yield from t.states
-            return
-        yield from row_states(self._optimizers, t.weight, t.num_rows)
-
-    def _table_drift(self, t: Table) -> str | None:
-        if isinstance(t, ShardTable):
-            return None  # fused TBE optimizers update the rows of the batch only (sharded.py)
-        return table_drift(self._optimizers, t.weight)
-
-    def _add_drifted_rows(self) -> None:
-        """Before a regular save: mark as touched the rows the optimizers may have changed without a lookup
-        since the previous regular save, so that every mode writes them (module doc)."""
-        for t in self._tables:
-            drift = self._table_drift(t)
-            if drift == "all":
-                if t.on_cpu:
-                    t.touched.numpy().fill(True)
-                else:
-                    t.touched.fill_(True)
-                t.nonzero_saved = None
-            elif drift == "state":
-                nz = nonzero_rows([v for _k, v in self._row_states(t)], t.num_rows, t.touched.device)
-                changed = nz if t.nonzero_saved is None else nz | t.nonzero_saved
-                t.touched |= changed
-                t.nonzero_saved = nz
-            else:
-                t.nonzero_saved = None
-
-    def _note_restored_state(self) -> None:
-        """After a restore: the optimizer state now equals the stored one; remember where it is non-zero."""
-        for t in self._tables:
-            t.nonzero_saved = None
-            if self._table_drift(t) == "state":
-                t.nonzero_saved = nonzero_rows([v for _k, v in self._row_states(t)], t.num_rows,
-                                                t.touched.device)
-
     def _remove_hooks(self) -> None:
         for t in self._tables:
             t.remove_hooks()
@@ -369,15 +264,15 @@ class Checkpointer:
             return True
         try:
             fs.pause_point("checkpointer_waits_for_save")  # (tests: where a Ctrl-C lands while close waits)
-            return p._done.wait(timeout)
+            return p.wait_done(timeout)
         except BaseException:
-            p._cancelled = True
+            p.cancel()
             raise
 
     def _cancel_saves(self) -> None:
         """Tell the save in flight to abort at its next step (an exit that cannot wait for it)."""
         if self._pending is not None:
-            self._pending._cancelled = True
+            self._pending.cancel()
 
     # -- save -----------------------------------------------------------------------------------------
     def save(self, step: int | None = None, meta: dict | None = None, *, top: float | None = None) -> PendingSave:
@@ -421,17 +316,14 @@ class Checkpointer:
         try:
             return self._snapshot(step, meta, top)
         except BaseException:
-            self._force_full = True  # the masks may be half-consumed: the next save writes everything
+            self._plan.force_full = True  # the masks may be half-consumed: the next save writes everything
             raise
 
     def _snapshot(self, step, meta, top=None) -> PendingSave:
+        """Copy what the save writes into host memory (the trainer's stall), then start its write."""
         start = time.perf_counter()
         codec = self._weight_codec()
-        priority = top is not None and not self._force_full and bool(self._tables)
-        if priority:
-            baseline, picks = False, self._pick_priority(top)
-        else:
-            baseline, picks = self._pick_rows()
+        baseline, priority, picks = self._plan.pick(top)
         report = SaveReport(step=step, baseline=baseline, priority=priority)
         row_jobs = []  # (table, rows numpy, values tensor, codec)
         existing = self.store.tables()
@@ -439,14 +331,14 @@ class Checkpointer:
             for t, rows in zip(self._tables, picks):
                 n = t.num_rows if rows is None else int(rows.numel())
                 buf = t.host_buffer(t.name, n, t.dim)
-                self._gather(t.weight, rows, buf)
+                gather(t.weight, rows, buf)
                 rows_np = np.arange(t.num_rows, dtype=np.int64) if rows is None else rows.cpu().numpy()
                 if t.offset:
                     rows_np = rows_np + t.offset  # a shard's rows under their global ids
                 self._ensure_table(existing, t.name, t.store_rows, t.dim, codec)
                 row_jobs.append((t.name, rows_np, buf, codec))
                 report.rows[t.name] = n
-                for key, state in self._row_states(t):
+                for key, state in self._plan.row_states(t):
                     name = f"{t.name}.optim.{key}"
                     width = int(np.prod(state.shape[1:], dtype=np.int64)) if state.dim() > 1 else 1
                     self._ensure_table(existing, name, t.store_rows, width, self.optimizer_codec)
@@ -455,7 +347,7 @@ class Checkpointer:
                         s_rows, s_np = None, np.arange(t.offset, t.offset + t.num_rows, dtype=np.int64)
                     m = t.num_rows if s_rows is None else int(s_rows.numel())
                     sbuf = t.host_buffer(name, m, width)
-                    self._gather(state.reshape(t.num_rows, width), s_rows, sbuf)
+                    gather(state.reshape(t.num_rows, width), s_rows, sbuf)
                     row_jobs.append((name, s_np, sbuf, None))
                     report.rows[name] = m
             dense = {k: dense_copy(v) for k, v in self._dense.items()}
@@ -465,139 +357,32 @@ class Checkpointer:
                     f"the optimizer state outside the embedding tables (and extra) pickles to {blob.nbytes:,} "
                     f"bytes, more than one dense array holds ({validate.max_dense_bytes():,}); keep large "
                     "row-wise state on nn.Embedding weights (saved as tables) or split the dense layers")
-        for t, rows in zip(self._tables, picks):
-            if priority:
-                t.settle_priority(rows, keep_since_baseline=self.mode != "incremental")
-            else:
-                t.clear(t.touched)
-                if t.counts is not None:
-                    t.clear(t.counts)
+        self._plan.settle(picks, priority)
+        for t in self._tables:
             for name, _, _, _ in row_jobs:
                 if name.startswith(f"{t.name}.optim."):
                     t.full_written.add(name)
         report.stall_s = time.perf_counter() - start
         pending = PendingSave(report)
-        thread = threading.Thread(target=self._write, args=(pending, step, meta, row_jobs, dense, blob),
-                                  name=f"cnrstore-save-{step}", daemon=True)
-        pending._thread = thread
         self._pending = pending
-        thread.start()
+        threading.Thread(target=write, args=(self.store, pending, step, meta, row_jobs, dense, blob,
+                                             functools.partial(self._write_failed, pending)),
+                         name=f"cnrstore-save-{step}", daemon=True).start()
         return pending
 
-    def _pick_rows(self):
-        """(baseline?, per table: rows tensor to write, or None for all rows). Updates the masks."""
-        self._add_drifted_rows()
-        if self._force_full or not self._tables:
-            baseline = True
-        elif self.mode == "incremental":
-            return False, [t.rows(t.touched) for t in self._tables]
-        else:
-            for t in self._tables:
-                t.merge_touched()
-            count = sum(t.count(t.since_baseline) for t in self._tables)
-            baseline = False
-            if self.mode == "intermittent":
-                s = self._diffs + [count / self._total_rows]
-                i = len(s)
-                baseline = 1 + sum(s) <= (i + 1) * s[-1]
-                if not baseline:
-                    self._diffs = s
-            if not baseline:
-                return False, [t.rows(t.since_baseline) for t in self._tables]
-        self._force_full = False
-        self._diffs = []
-        for t in self._tables:
-            t.clear(t.since_baseline)
-        return True, [None] * len(self._tables)
-
-    def _pick_priority(self, top: float):
-        """Per table, the rows a priority save writes (``Table.top_rows``); changes no mask."""
-        picks = []
-        for t in self._tables:
-            # the epsilon keeps 0.07 * 100 (= 7.000000000000001) at 7 rows
-            k = min(t.num_rows, max(1, math.ceil(top * t.num_rows - 1e-6)))
-            picks.append(t.top_rows(k))
-        return picks
-
-    @staticmethod
-    def _gather(src: torch.Tensor, rows, out: torch.Tensor) -> None:
-        src = src.detach()
-        if src.device.type == "cpu" and src.dtype == torch.float32:
-            # numpy: single-threaded copies (see Table.rows); out is a reused host buffer
-            if rows is None:
-                np.copyto(out.numpy(), src.numpy())
-            else:
-                np.take(src.numpy(), rows.numpy(), axis=0, out=out.numpy())
-        elif rows is None:
-            out.copy_(src)
-        else:
-            out.copy_(src.index_select(0, rows))
-
     def _state_blob(self) -> np.ndarray:
-        """The ``torch.save`` payload: format, mode, tables, dense dtypes, each optimizer's state without its
-        row-wise tensors (markers naming their tables instead), ``extra``, and ``param_names``: per
-        optimizer, the model's name of each parameter in ``param_groups`` order (None for a parameter
-        that is not the model's). Readers must accept payloads without ``param_names`` (older versions)."""
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        optims = []
-        for opt in self._optimizers:
-            sd = opt.state_dict()
-            params = [p for g in opt.param_groups for p in g["params"]]
-            state = {}
-            named = getattr(opt, "params", None)  # torchrec's KeyedOptimizer: state keyed by parameter name
-            for idx, st in sd["state"].items():
-                if isinstance(idx, int):
-                    param = params[idx] if 0 <= idx < len(params) else None
-                else:
-                    param = named.get(idx) if isinstance(named, Mapping) else None
-                t = self._by_weight.get(id(param)) if param is not None else None
-                row_keys = {k for k, _ in self._row_states(t)} if t is not None else set()
-                state[idx] = {k: ({ROW_MARK: f"{t.name}.optim.{k}", "dtype": str(v.dtype).split(".")[-1],
-                                   "shape": tuple(v.shape)} if str(k) in row_keys
-                                  else {LIVE_MARK: True} if is_sharded_value(v) else v)
-                              for k, v in st.items()}
-            optims.append({**{k: v for k, v in sd.items() if k != "state"}, "state": state})
-        payload = {
-            "format": PAYLOAD_FORMAT,
-            "mode": self.mode,
-            "tables": [t.name for t in self._tables],
-            "dense_dtypes": {k: str(v.dtype).split(".")[-1] for k, v in self._dense.items()},
-            "optimizers": optims,
-            "extra": {k: obj.state_dict() for k, obj in self._extra.items()},
-            "param_names": [[names.get(id(p)) for g in opt.param_groups for p in g["params"]]
-                            for opt in self._optimizers],
-        }
-        return _payload.encode(payload)
+        """This save's trainer payload, encoded (``payload.build``, then ``payload.encode``)."""
+        row_tables = {w: (t.name, {k for k, _ in self._plan.row_states(t)}) for w, t in self._by_weight.items()}
+        return _payload.encode(_payload.build(
+            mode=self.mode, tables=[t.name for t in self._tables], dense=self._dense, optimizers=self._optimizers,
+            extra=self._extra, param_names={id(p): name for name, p in self.model.named_parameters()},
+            row_tables=row_tables))
 
-    def _write(self, pending: PendingSave, step, meta, row_jobs, dense, blob) -> None:
-        def check():  # an interrupt cancelled this save while the trainer waited for it: abort, commit nothing
-            if pending._cancelled:
-                raise KeyboardInterrupt(f"the save of step {step} was cancelled by an interrupt while waiting "
-                                        "for it; nothing of it was committed")
-
-        try:
-            with self.store.checkpoint(step, meta) as ck:
-                for name, rows, values, codec in row_jobs:
-                    check()
-                    if rows.size:
-                        ck.put_rows(name, rows, values.numpy(), codec=codec)
-                for key, arr in dense.items():
-                    check()
-                    ck.put_dense(DENSE_PREFIX + key, arr)
-                ck.put_dense(STATE_BLOB, blob)
-                check()
-            pending._version = ck.version
-            pending.report.version = ck.version
-        except BaseException as exc:  # re-raised by wait() and the next save()
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"(cnrstore.torch: the background write of the checkpoint of step {step} failed; "
-                             "the next save() re-raises this once, without taking a snapshot, and the one "
-                             "after writes a full baseline)")
-            pending._error = exc
-            self._error, self._failed = exc, pending
-            self._force_full = True
-        finally:
-            pending._done.set()
+    def _write_failed(self, pending: PendingSave, exc: BaseException) -> None:
+        """The background write of ``pending`` failed (on its thread, before anyone waiting for it wakes):
+        the next save() re-raises ``exc`` once, and the one after writes a baseline."""
+        self._error, self._failed = exc, pending
+        self._plan.force_full = True
 
     # -- restore --------------------------------------------------------------------------------------
     def restore(self, version: int | None = None, *, trust_pickle: bool = False) -> VersionInfo:
@@ -615,52 +400,12 @@ class Checkpointer:
         if self._closed:
             raise InvalidArgument("this Checkpointer is closed")
         self._finish_inflight()
-        info = self.store.latest() if version is None else self._version_info(version)
-        if info is None:
-            raise InvalidArgument("the store holds no version to restore; save() one first")
-        v = info.version
-        tables = self.store.tables()
-        for t in self._tables:
-            if isinstance(t, ShardTable):
-                continue  # read by rows and column slices, checked there (_read_shard)
-            ti = tables.get(t.name)
-            if ti is None:
-                raise InvalidArgument(f"version {v} has no table {t.name!r} for the model's embedding")
-            if (ti.num_rows, ti.dim) != (t.num_rows, t.dim):
-                raise InvalidArgument(
-                    f"table {t.name!r}: the store has {ti.num_rows} rows x {ti.dim} dims, the model "
-                    f"{t.num_rows} x {t.dim}; restore into a model of the stored shape")
-        payload = _payload.decode(self.store.read_dense(STATE_BLOB, v), v, trust_pickle=trust_pickle)
-        dense = {}
-        for key, target in self._dense.items():
-            try:
-                arr = self.store.read_dense(DENSE_PREFIX + key, v)
-            except MissingRows as exc:
-                raise InvalidArgument(f"version {v} has no state {key!r} of the model") from exc
-            if tuple(arr.shape) != tuple(target.shape):
-                raise InvalidArgument(f"state {key!r}: version {v} has shape {tuple(arr.shape)}, the model "
-                                      f"{tuple(target.shape)}; restore into a model of the stored shape")
-            src = torch.from_numpy(arr.copy())
-            if target.dtype == torch.bfloat16:
-                src = src.view(torch.bfloat16)
-            dense[key] = src
-        if payload["optimizers"] and len(payload["optimizers"]) != len(self._optimizers):
-            raise InvalidArgument(f"version {v} holds {len(payload['optimizers'])} optimizer(s), this "
-                                  f"Checkpointer has {len(self._optimizers)}")
-        missing = [k for k in payload["extra"] if k not in self._extra]
-        if missing:
-            raise InvalidArgument(f"version {v} holds extra state {missing}, which this Checkpointer lacks")
-        weights = [torch.from_numpy(self._read_shard(tables, t, "", t.dim, v)) if isinstance(t, ShardTable)
-                   else torch.from_numpy(self.store.read_table(t.name, v)) for t in self._tables]
-        shard_states = [(state, self._read_shard(tables, t, f".optim.{key}", row_state_width(state), v))
-                        for t in self._tables if isinstance(t, ShardTable) for key, state in t.states]
-        shard_states = [(state, torch.from_numpy(vals)) for state, vals in shard_states]
-        # a version without optimizer state (an import of model weights) leaves the optimizers as they are
-        optim_sds = [self._optimizer_state(sd, v) for sd in payload["optimizers"]]
+        info, stored = _restore.read_version(self.store, self._tables, self._dense, len(self._optimizers),
+                                             self._extra, version, trust_pickle=trust_pickle)
         # everything read and checked: now change the live objects
-        self.load_state(weights, shard_states, dense, optim_sds, payload["extra"])
+        self.load_state(*stored)
         latest = self.store.latest()
-        self.note_restore(matches_newest=latest is not None and latest.version == v)
+        self.note_restore(matches_newest=latest is not None and latest.version == info.version)
         return info
 
     # -- for sibling packages (cnrstore.distributed; docs/ARCHITECTURE.md, "Seams between packages") -----
@@ -699,14 +444,7 @@ class Checkpointer:
         counts), remembers where the optimizer state is non-zero, makes the next save a baseline (unless
         ``matches_newest``, the state is the store's newest version, and the mode is incremental: the next
         increment then follows it) and records the restore with a ``BitWidthPolicy``."""
-        for t in self._tables:
-            t.touched.zero_()
-            t.since_baseline.zero_()
-            if t.counts is not None:
-                t.counts.zero_()
-        self._note_restored_state()
-        self._force_full = not (self.mode == "incremental" and matches_newest)
-        self._diffs = []
+        self._plan.note_restore(matches_newest=matches_newest)
         if self._policy is not None and callable(getattr(self._policy, "record_restore", None)):
             self._policy.record_restore()
 
@@ -715,74 +453,6 @@ class Checkpointer:
         next ``save()`` would raise, because the caller has surfaced it itself (the next save is still a
         baseline)."""
         self._error = None
-
-    def _read_shard(self, tables: dict, t: "ShardTable", suffix: str, width: int, v: int) -> np.ndarray:
-        """The stored rows of shard ``t`` (its global row range, its columns) of the table ``<fqn><suffix>``
-        (suffix "" for the weights, ``".optim.<state>"`` for row-wise state of ``width`` columns) at version
-        ``v``, assembled from whichever column slices the saving plan stored (any sharding plan at save)."""
-        shard = t.shard
-        c0, c1 = shard.col_offset, shard.col_offset + t.dim
-        per_column = width == t.dim
-        if not per_column:  # row-wise state of a column slice: only the same slice holds it
-            c0, c1 = 0, width
-        pieces = []
-        for name, info in tables.items():
-            if suffix and not name.endswith(suffix):
-                continue
-            base = name[: len(name) - len(suffix)] if suffix else name
-            if base == shard.fqn and per_column:
-                pieces.append((0, info.dim, name, info))
-            elif base == t.name and not per_column:
-                pieces.append((0, info.dim, name, info))
-            elif per_column:
-                parsed = sharded.parse_column_name(base)
-                if parsed is not None and parsed[0] == shard.fqn:
-                    pieces.append((parsed[1], parsed[2], name, info))
-        rows = np.arange(t.offset, t.offset + t.num_rows, dtype=np.int64)
-        out = np.empty((t.num_rows, c1 - c0), dtype=np.float32)
-        covered = np.zeros(c1 - c0, dtype=bool)
-        for a, b, name, info in sorted(pieces):
-            lo, hi = max(a, c0), min(b, c1)
-            if lo >= hi or covered[lo - c0:hi - c0].all():
-                continue
-            if info.num_rows != t.store_rows or info.dim != b - a:
-                raise InvalidArgument(
-                    f"table {name!r}: the store has {info.num_rows} rows x {info.dim} dims, the model's shard of "
-                    f"{shard.fqn!r} belongs to a table of {t.store_rows} rows; restore into a model of the stored shape")
-            if a == 0 and info.num_rows == t.num_rows and t.offset == 0:
-                vals = self.store.read_table(name, v)
-            else:
-                vals = self.store.read_rows(name, rows, version=v)
-            out[:, lo - c0:hi - c0] = vals[:, lo - a:hi - a]
-            covered[lo - c0:hi - c0] = True
-        if not covered.all():
-            what = f"columns {c0}:{c1} of {shard.fqn + suffix!r}" if per_column else f"{t.name + suffix!r}"
-            raise InvalidArgument(f"version {v} holds no table with {what} for the model's shard (rows "
-                                  f"{t.offset}..{t.offset + t.num_rows - 1}); restore into a model of the stored "
-                                  "tables" + ("" if per_column else ", sharded with the same column slices "
-                                              "(row-wise optimizer state of a column slice cannot be re-sliced)"))
-        return out
-
-    def _version_info(self, version: int) -> VersionInfo:
-        for vi in self.store.versions():
-            if vi.version == version:
-                return vi
-        raise VersionNotFound(f"version {version} is not in the store (see store.versions())")
-
-    def _optimizer_state(self, sd: dict, v: int) -> dict:
-        state = {}
-        for idx, st in sd["state"].items():
-            out = {}
-            for k, val in st.items():
-                if isinstance(val, dict) and ROW_MARK in val:
-                    arr = torch.from_numpy(self.store.read_table(val[ROW_MARK], v))
-                    if math.prod(val["shape"]) != arr.numel():
-                        raise InvalidArgument(f"version {v}: optimizer state {val[ROW_MARK]!r} has {arr.numel()} "
-                                              f"values, its payload names shape {tuple(val['shape'])}")
-                    val = arr.reshape(val["shape"]).to(_payload.torch_dtype(val["dtype"], v))
-                out[k] = val
-            state[idx] = out
-        return {**sd, "state": state}
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -793,7 +463,7 @@ class Checkpointer:
         self._finish_inflight()
         self._remove_hooks()
         self._closed = True
-        if self._error is not None and self._failed is not None and not self._failed._reported:
+        if self._error is not None and self._failed is not None and not self._failed.failure_reported:
             err, self._error = self._error, None
             raise err
 

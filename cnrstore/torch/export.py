@@ -1,5 +1,6 @@
 """A version written by ``cnrstore.torch.Checkpointer`` as PyTorch objects, and the writers of the torch-based
-export formats (``cnrstore/export.py`` decides what to write; this module builds and writes it).
+export formats (``cnrstore/export.py`` decides what to write; this module builds and writes it: it registers
+itself there as the ``"torch"`` exporter on import).
 
 :class:`CheckpointView` reads the Checkpointer's layout back (see ``checkpointer``'s module doc): the
 ``"torch.state"`` blob lists the embedding tables and the dense state's dtypes; each table ``t`` is the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgument
+from ..export import register
 from ..types import Snapshot
 from . import payload as _payload
 from . import sharded
@@ -255,3 +258,6 @@ def save(snapshot: Snapshot, path) -> None:
         },
         path,
     )
+
+
+register("torch", sys.modules[__name__])   # cnrstore.export's "torch" exporter (its TorchExporter)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgument
-from .payload import LIVE_MARK
+from .payload import LIVE_MARK, is_sharded_value  # (is_sharded_value: importable from here too)
 
 __all__ = ["as_optimizer_list", "create_lazy_state", "is_keyed", "is_sharded_value", "nonzero_rows",
            "row_state_width", "row_states", "table_drift", "with_live_state"]
@@ -30,12 +30,6 @@ __all__ = ["as_optimizer_list", "create_lazy_state", "is_keyed", "is_sharded_val
 def row_state_width(state: torch.Tensor) -> int:
     """Columns of the table holding row-wise ``state`` (trailing dimensions flattened, at least 1)."""
     return int(np.prod(state.shape[1:], dtype=np.int64)) if state.dim() > 1 else 1
-
-
-def is_sharded_value(v) -> bool:
-    """Whether the optimizer state value ``v`` is sharded (a fused optimizer's ``ShardedTensor``, or a
-    ``DTensor``): its rows are this rank's shard tables', not a payload's."""
-    return type(v).__name__ in ("ShardedTensor", "DTensor")
 
 
 def with_live_state(sd: dict, opt) -> dict:

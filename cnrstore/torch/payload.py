@@ -19,14 +19,15 @@ import io
 import pickle
 import warnings
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from ..errors import InvalidArgument, UnsafePayload
 
-__all__ = ["DENSE_PREFIX", "LIVE_MARK", "PAYLOAD_FORMAT", "ROW_MARK", "STATE_BLOB", "check_structure", "decode",
-           "dense_copy", "encode", "torch_dtype", "unsafe_globals"]
+__all__ = ["DENSE_PREFIX", "LIVE_MARK", "PAYLOAD_FORMAT", "ROW_MARK", "STATE_BLOB", "build", "check_structure",
+           "decode", "dense_copy", "encode", "is_sharded_value", "torch_dtype", "unsafe_globals"]
 
 #: Format of the payload (docs/FORMAT.md): 1 = any pickle (before issue 26), 2 = data only (weights_only).
 PAYLOAD_FORMAT = 2
@@ -43,6 +44,50 @@ ROW_MARK = "__cnrstore_row_state__"
 LIVE_MARK = "__cnrstore_sharded_state__"
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.Size, torch.device)
+
+
+def is_sharded_value(v) -> bool:
+    """Whether the optimizer state value ``v`` is sharded (a fused optimizer's ``ShardedTensor``, or a
+    ``DTensor``): its rows are this rank's shard tables', not a payload's (``LIVE_MARK`` stands for it)."""
+    return type(v).__name__ in ("ShardedTensor", "DTensor")
+
+
+def build(*, mode: str, tables: list[str], dense: Mapping, optimizers: list, extra: Mapping,
+          param_names: Mapping[int, str], row_tables: Mapping[int, tuple[str, set]]) -> dict:
+    """The payload a save writes (docs/FORMAT.md, "Trainer payload"), before :func:`encode`: ``mode``, the
+    names of the embedding ``tables``, the dtype of each ``dense`` tensor (by state-dict key), each optimizer's
+    ``state_dict()`` with every row-wise tensor replaced by a ``ROW_MARK`` marker naming its table and each
+    sharded value by a ``LIVE_MARK`` marker, the ``extra`` objects' ``state_dict()``, and ``param_names``:
+    per optimizer, the model's name of each parameter in ``param_groups`` order (None for one that is not
+    the model's). ``param_names`` maps ``id(parameter)`` to its name; ``row_tables`` maps ``id(weight)`` of
+    an embedding weight to (its table, the names of its row-wise optimizer state)."""
+    optims = []
+    for opt in optimizers:
+        sd = opt.state_dict()
+        params = [p for g in opt.param_groups for p in g["params"]]
+        state = {}
+        named = getattr(opt, "params", None)  # torchrec's KeyedOptimizer: state keyed by parameter name
+        for idx, st in sd["state"].items():
+            if isinstance(idx, int):
+                param = params[idx] if 0 <= idx < len(params) else None
+            else:
+                param = named.get(idx) if isinstance(named, Mapping) else None
+            table, row_keys = row_tables.get(id(param), (None, set())) if param is not None else (None, set())
+            state[idx] = {k: ({ROW_MARK: f"{table}.optim.{k}", "dtype": str(v.dtype).split(".")[-1],
+                               "shape": tuple(v.shape)} if str(k) in row_keys
+                              else {LIVE_MARK: True} if is_sharded_value(v) else v)
+                          for k, v in st.items()}
+        optims.append({**{k: v for k, v in sd.items() if k != "state"}, "state": state})
+    return {
+        "format": PAYLOAD_FORMAT,
+        "mode": mode,
+        "tables": list(tables),
+        "dense_dtypes": {k: str(v.dtype).split(".")[-1] for k, v in dense.items()},
+        "optimizers": optims,
+        "extra": {k: obj.state_dict() for k, obj in extra.items()},
+        "param_names": [[param_names.get(id(p)) for g in opt.param_groups for p in g["params"]]
+                        for opt in optimizers],
+    }
 
 
 def unsafe_globals(blob) -> list[str]:
