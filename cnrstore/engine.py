@@ -5,7 +5,7 @@ An ``Engine`` owns the index, the segment storage (storage.py: reads, sizes, lis
 two appenders (the checkpoint writer's and compaction's, sharing one segment-id allocator), the
 process lock, the maintenance lock (compact, retain and gc run one at a time), the open checkpoint and
 the bases its deltas pin, the table catalog cache, the version history background compaction plans on,
-and the one commit path (``Engine.commit``: leveldb's LogAndApply). ``Store`` (store.py) opens it, recovers it, and is the thin API façade of API.md over it.
+and the one commit path (``Engine.commit``: leveldb's LogAndApply of a ``VersionEdit``, version_edit.py). ``Store`` (store.py) opens it, recovers it, and is the thin API façade of API.md over it.
 
 Nothing here imports the writer, compaction, background or verify modules, nor store.py: they import
 this module (for types only), so the package has no import circle.
@@ -18,11 +18,12 @@ from typing import Callable, Optional
 
 from . import fs, record
 from .errors import StoreClosed
-from .index import Index, IndexView, IndexWriter, RowLoc
+from .index import DenseLoc, Index, IndexView, IndexWriter, RowLoc
 from .reader import BlockResolver
 from .policy import compaction as compaction_policy
 from .storage import SegmentStorage
 from .types import VersionInfo
+from .version_edit import VersionEdit
 
 
 class Engine:
@@ -127,17 +128,18 @@ class Engine:
             self.on_commit()
 
     # the one commit path ----------------------------------------------------------------------------
-    def commit(self, appender, appended: bool, update: Callable[[IndexWriter], None], *, after_append: str,
-               inside_index_commit: str, after_fsync: Optional[str] = None,
-               on_failure: Optional[Callable[[BaseException], None]] = None) -> None:
-        """Make what ``appender`` appended durable and record it in one index transaction.
+    def commit(self, appender, edit: VersionEdit, *, appended: bool, after_append: str, inside_index_commit: str,
+               after_fsync: Optional[str] = None, on_failure: Optional[Callable[[BaseException], None]] = None) -> None:
+        """Log and apply ``edit`` (leveldb's ``VersionSet::LogAndApply``): make what ``appender`` appended
+        durable, with the log records the edit encodes, and record it in one index transaction.
 
-        Every change to a store (a checkpoint, a compaction, a drop, a GC batch) ends here, as every
-        change to a leveldb ends in its one LogAndApply: (1) the caller appended its records, (2) fsync
-        the appender's segments (if ``appended``), (3) check the store's directory is still ours
-        (StoreMoved: after a rename our paths may name another store's files), (4) one synced LMDB
-        write transaction records the segments' committed lengths and meta ``segment_ids``, then runs
-        ``update``. The change exists exactly when (4) has committed; then ``appender.mark_committed``.
+        Every change to a store (a checkpoint, a compaction, a drop, a GC batch) ends here: (1) the caller
+        appended its data records (``appended``: whether it did), (2) the edit's log records
+        (``edit.encode()``: COMMIT, DROP, ANCHOR) are appended and their places noted in ``edit.log``, (3)
+        fsync the appender's segments, (4) check the store's directory is still ours (StoreMoved: after a
+        rename our paths may name another store's files), (5) one synced LMDB write transaction records
+        the segments' committed lengths and meta ``segment_ids`` in the edit and runs ``edit.apply``. The
+        change exists exactly when (5) has committed; then ``appender.mark_committed``.
 
         On any failure (including StoreMoved and KeyboardInterrupt) the appended bytes are thrown away
         and the exception re-raised: by ``appender.rollback()``, or by ``on_failure(exc)`` when given
@@ -145,22 +147,25 @@ class Engine:
         the same bytes again).
 
         Crash points (fs.crash_point), in order: ``after_append`` (before the fsync), ``after_fsync``
-        (after it; only if named), ``inside_index_commit`` (inside the transaction, after ``update``).
+        (after it; only if named), ``inside_index_commit`` (inside the transaction, after the edit).
 
         Call it with no read transaction of this thread open: a commit that must grow the index map
         waits for every transaction of the process to end.
         """
         try:
+            for rec in edit.encode():
+                buffers, length = record.log_record(rec.kind, rec.version, rec.body)
+                edit.log[(rec.kind, rec.key)] = DenseLoc(*appender.append(buffers, length), length)
+                appended = True
             fs.crash_point(after_append)
             lengths = appender.sync() if appended else {}
             if after_fsync is not None:
                 fs.crash_point(after_fsync)
+            edit.segments.update(lengths)
+            edit.meta["segment_ids"] = appender.ids_state(lengths)
 
             def body(w: IndexWriter) -> None:
-                for seg, length in lengths.items():
-                    w.put_segment(seg, length)
-                w.put_meta("segment_ids", appender.ids_state(lengths))
-                update(w)
+                edit.apply(w)
                 fs.crash_point(inside_index_commit)
 
             if self.lock is not None:

@@ -38,7 +38,7 @@ The new index is built in ``index.repair-tmp/`` beside ``index/``, synced, and s
 ``index/`` is renamed ``index.damaged-<time>/`` (never deleted). Segment files are not changed, except
 that one whose header is damaged (so that no record in it can be read) is renamed ``<name>.damaged``.
 Counters are set past every version, table id, dense id and segment id found, so none is reused. Every
-COMMIT, ANCHOR and newest DROP found is indexed in ``log`` and the liveness rule (``compaction.prune_log``)
+COMMIT, ANCHOR and newest DROP found is indexed in ``log`` and the liveness rule (``version_edit.prune_log``)
 decides which stay, so that a GC after repair keeps every record a later repair needs.
 """
 
@@ -53,14 +53,15 @@ from typing import Callable
 import msgpack
 import numpy as np
 
-from . import compaction, filenames, fs, record, segments
+from . import filenames, fs, record, segments, version_edit
 from .verify import LOST_SEGMENT, damaged_blocks
 from .errors import CnrError, CorruptionError, StoreNotFound
-from .index import DenseLoc, Index, IndexWriter, RowLoc, finish_interrupted_install, install_built_index
+from .index import DenseLoc, Index, RowLoc, finish_interrupted_install, install_built_index
 from .msgpack_safe import unpack_bounded
 from .lock import ProcessLock
 from .storage import LocalSegmentStorage
 from .marker import FORMAT_VERSION, read_marker
+from .version_edit import AnchorLog, DropLog, VersionEdit
 
 Progress = Callable[[int, int], None]
 
@@ -114,9 +115,9 @@ class _Found:
     def __init__(self):
         self.rows: dict[tuple[int, int, int], list] = {}  # (tid, block, version) -> [(RowLoc, compacted)]
         self.dense: dict[tuple[int, int], DenseLoc] = {}
-        self.commits: dict[int, tuple[dict, DenseLoc]] = {}
-        self.anchors: dict[int, list[tuple[dict, DenseLoc]]] = {}
-        self.drop: tuple[dict, DenseLoc] | None = None  # the newest DROP record
+        self.commits: dict[int, tuple[VersionEdit, DenseLoc | None]] = {}  # the edit each COMMIT encodes
+        self.anchors: dict[int, list[tuple[AnchorLog, DenseLoc]]] = {}
+        self.drop: tuple[DropLog, DenseLoc] | None = None  # the newest DROP record
         self.valid: dict[tuple[int, int], tuple] = {}  # (segment, offset) -> (length, kind, object, block, version, count, flags, base)
         self.suspect_rows: dict[tuple[int, int, int], RowLoc] = {}
         self.suspect_dense: dict[tuple[int, int], DenseLoc] = {}
@@ -369,30 +370,29 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
         found.max_dense = max(found.max_dense, rec.object_id)
         found.dense[(rec.object_id, v)] = DenseLoc(seg, pos, length)
     else:
-        try:
-            body = record.log_body(rec)
+        try:  # the edit the record encodes, decoded where commits encode it (version_edit.py)
+            edit = version_edit.decode(rec.kind, v, record.log_body(rec))
         except (ValueError, TypeError, msgpack.ExtraData, CorruptionError) as exc:
             report.bad_records.append(f"segment {seg} offset {pos}: undecodable log record ({exc})")
             return
-        for info in body.get("catalog", ()):
+        for info in edit.catalog + (edit.anchor.catalog if edit.anchor is not None else []):
             found.max_table = max(found.max_table, info["id"])
-        if rec.kind == record.KIND_DROP:
+        if edit.drop is not None:
             # the newest DROP: by seq, then by the newest version it saw (a store repaired by a cnrstore
             # that did not restore meta drop_seq numbered its later drops from 1 again)
-            if found.drop is None or (body.get("seq", 0), body.get("latest", 0)) > \
-                    (found.drop[0].get("seq", 0), found.drop[0].get("latest", 0)):
-                found.drop = (body, DenseLoc(seg, pos, length))
-        elif rec.kind == record.KIND_COMMIT:
+            if found.drop is None or (edit.drop.seq, edit.drop.latest) > (found.drop[0].seq, found.drop[0].latest):
+                found.drop = (edit.drop, DenseLoc(seg, pos, length))
+        elif edit.anchor is None:
             found.seen_versions.add(v)
-            if body.get("parent") is not None:
-                found.max_version = max(found.max_version, body["parent"])
-            for did in body.get("dense_ids", {}).values():
+            if edit.info["parent"] is not None:
+                found.max_version = max(found.max_version, edit.info["parent"])
+            for did in edit.dense_names.values():
                 found.max_dense = max(found.max_dense, did)
-            found.commits[v] = (body, DenseLoc(seg, pos, length))  # a GC copy is the same record
+            found.commits[v] = (edit, DenseLoc(seg, pos, length))  # a GC copy is the same record
         else:
-            for did in body.get("dense_names", {}).values():
+            for did in edit.anchor.dense_names.values():
                 found.max_dense = max(found.max_dense, did)
-            found.anchors.setdefault(v, []).append((body, DenseLoc(seg, pos, length)))
+            found.anchors.setdefault(v, []).append((edit.anchor, DenseLoc(seg, pos, length)))
 
 
 # proof ------------------------------------------------------------------------------------------------
@@ -400,21 +400,6 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
 # says why the record is damaged or lost (then ``loc`` points at its damaged bytes, or at LOST_SEGMENT)
 # and the link is the chain's last. A block's state is a chain, or a str when not even the key of the
 # record that is missing is known (the version's ancestry is not proven).
-
-
-def _unpack_blocks(packed) -> list[tuple[int, int, int]]:
-    blocks = np.frombuffer(packed[0], dtype="<u8")
-    counts = np.frombuffer(packed[1], dtype="<u4")
-    flags = np.frombuffer(packed[2], dtype="<u1")
-    return list(zip(blocks.tolist(), counts.tolist(), flags.tolist()))
-
-
-def _unpack_heads(packed) -> list[tuple[int, int, int, int]]:
-    blocks = np.frombuffer(packed[0], dtype="<u8")
-    versions = np.frombuffer(packed[1], dtype="<u8")
-    counts = np.frombuffer(packed[2], dtype="<u4")
-    flags = np.frombuffer(packed[3], dtype="<u1")
-    return list(zip(blocks.tolist(), versions.tolist(), counts.tolist(), flags.tolist()))
 
 
 def _healthy(chain) -> bool:
@@ -444,7 +429,7 @@ class _Plan:
     dense_names: dict[str, int] = field(default_factory=dict)
     log: dict[tuple[int, int], DenseLoc] = field(default_factory=dict)
     floor: int = 0
-    drop: dict | None = None
+    drop: DropLog | None = None  # the newest DROP record
     last_baseline: dict | None = None
     partial: set = field(default_factory=set)  # versions whose chains use a record GC rewrote partly
 
@@ -452,10 +437,10 @@ class _Plan:
         """Whether version v was dropped (by retain or a retention policy) before the repair."""
         if v < self.floor:
             return True
-        return self.drop is not None and v <= self.drop["latest"] and v not in self.drop["kept_set"]
+        return self.drop is not None and self.drop.dropped(v)
 
     def known_kept(self, v: int) -> bool:
-        return self.drop is not None and (v > self.drop["latest"] or v in self.drop["kept_set"])
+        return self.drop is not None and not self.drop.dropped(v)
 
 
 class _LogProof:
@@ -468,8 +453,8 @@ class _LogProof:
         self.tname = tname
         self.entry: dict[tuple[int, int, int], tuple] = {}  # (tid, block, version) -> chain from that entry
         skipped = []  # versions a COMMIT's parent pointer jumps over: never part of the history
-        for v, (body, _loc) in found.commits.items():
-            p = body.get("parent")
+        for v, (edit, _loc) in found.commits.items():
+            p = edit.info["parent"]
             if p is not None and v - p > 1:
                 skipped.append((p, v))
         self.skipped = skipped
@@ -579,13 +564,14 @@ class _LogProof:
         return tuple(links)
 
     # states -------------------------------------------------------------------------------------------
-    def apply_commit(self, st: _State, v: int, body: dict) -> None:
-        for tid, packed in body.get("blocks", {}).items():
-            for block, count, flags in _unpack_blocks(packed):
-                key = (tid, block)
-                link = self.own(tid, block, v, count, flags, version_of=v)
-                st.blocks[key] = self.chain_from(tid, block, link, st.blocks.get(key, st.unknown))
-        for _name, did in body.get("dense_ids", {}).items():
+    def apply_commit(self, st: _State, v: int, edit: VersionEdit) -> None:
+        """Replay the COMMIT of version v (its decoded edit) over the parent's state ``st``: each block
+        it wrote reads the record it names (count and flags), then what that record is read with."""
+        for tid, block, _v, loc in edit.rows:
+            key = (tid, block)
+            link = self.own(tid, block, v, loc.count, loc.flags, version_of=v)
+            st.blocks[key] = self.chain_from(tid, block, link, st.blocks.get(key, st.unknown))
+        for _name, did in edit.dense_names.items():
             loc = self.found.dense.get((did, v))
             if loc is not None:
                 st.dense[did] = (v, loc, None)
@@ -609,12 +595,8 @@ class _LogProof:
     def apply_anchor(self, st: _State, v: int) -> _State:
         heads: dict[tuple[int, int], tuple | None] = {}
         dense_heads: dict[int, tuple | None] = {}
-        for body, _loc in self.found.anchors[v]:
-            listed: dict[tuple[int, int], list] = {}  # a block's read chain at v, newest first
-            for tid, packed in body.get("heads", {}).items():
-                for block, hv, count, flags in _unpack_heads(packed):
-                    listed.setdefault((tid, block), []).append((hv, count, flags))
-            for (tid, block), entries in listed.items():
+        for anchor, _loc in self.found.anchors[v]:
+            for (tid, block), entries in anchor.heads.items():  # a block's read chain at v, newest first
                 if heads.get((tid, block)) is not None and _healthy(heads[(tid, block)]):
                     continue
                 links = []
@@ -632,7 +614,7 @@ class _LogProof:
                     if _healthy(chain[i:]):
                         self.entry.setdefault((tid, block, chain[i][0]), chain[i:])
                 heads[(tid, block)] = chain
-            for did, hv in body.get("dense", {}).items():
+            for did, hv in anchor.dense.items():
                 loc = self.found.dense.get((did, hv))
                 if loc is not None:
                     dense_heads[did] = (hv, loc, None)
@@ -660,14 +642,14 @@ class _LogProof:
 
 def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     plan = _Plan()
-    bodies = list(found.commits.values()) + [a for lst in found.anchors.values() for a in lst]
-    for body, _loc in bodies:
-        for info in body.get("catalog", ()):
+    facts = [(e.catalog, e.dense_names, 0) for e, _loc in found.commits.values()]
+    facts += [(a.catalog, a.dense_names, a.dropped_below) for lst in found.anchors.values() for a, _loc in lst]
+    for catalog, names, dropped_below in facts:
+        for info in catalog:
             plan.tables[info["id"]] = dict(info)
-        names = body.get("dense_names") or body.get("dense_ids") or {}
         for name, did in names.items():
             plan.dense_names.setdefault(name, did)
-        plan.floor = max(plan.floor, body.get("dropped_below", 0) or 0)
+        plan.floor = max(plan.floor, dropped_below)
     for (kind, _v), (_loc, body) in (found.suspect_log.items() if old is None else ()):
         names = (body or {}).get("dense_ids") or (body or {}).get("dense_names")
         if isinstance(names, dict):
@@ -690,8 +672,8 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
                     report.notes.append(f"table {info.get('name')!r}: its definition comes from a damaged "
                                         "record (checked against the table's row records)")
     if found.drop is not None:
-        plan.drop = dict(found.drop[0], kept_set=set(found.drop[0]["kept"]))
-        plan.log[(record.KIND_DROP, plan.drop["seq"])] = found.drop[1]
+        plan.drop = found.drop[0]
+        plan.log[(record.KIND_DROP, plan.drop.seq)] = found.drop[1]
     table_name = {tid: info["name"] for tid, info in plan.tables.items()}
 
     def tname(tid):
@@ -704,9 +686,9 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     nodes = sorted(set(commits) | set(found.anchors))
     states: dict[int, _State] = {}
     waiting: dict[int, int] = {}
-    for body, _loc in commits.values():
-        if body.get("parent") is not None:
-            waiting[body["parent"]] = waiting.get(body["parent"], 0) + 1
+    for edit, _loc in commits.values():
+        if edit.info["parent"] is not None:
+            waiting[edit.info["parent"]] = waiting.get(edit.info["parent"], 0) + 1
     empty = _State(None, {}, {})
     log_chains: dict[int, tuple[dict, dict, _State]] = {}
     for v in nodes:
@@ -714,7 +696,7 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
         if commit is None:
             base = _State(f"the commit record of version {v} is missing", {}, {})
         else:
-            parent = commit[0].get("parent")
+            parent = commit[0].info["parent"]
             if parent is None:
                 base = empty
             elif parent in states:
@@ -727,7 +709,7 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
         if base.unknown is not None and v not in found.anchors and commit is not None and not found.unattributed:
             # the ancestry is not proven (a COMMIT or the ANCHOR that covered it is damaged or gone) and
             # the scan accounted for every damaged byte: the chains the records' own headers give
-            parent = commit[0].get("parent")
+            parent = commit[0].info["parent"]
             base = proof.header_state(parent) if parent is not None else empty
             report.notes.append(f"version {v}: {_why_base(commits, found, v)}; its read chains below it were "
                                 "taken from the row records' own headers")
@@ -787,7 +769,7 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
                 report.versions_lost[v] = unproven[0] if unproven[0].startswith("version") else \
                     f"version {v}: {unproven[0]}"
                 continue
-            info = {k: body.get(k) for k in ("step", "meta", "created", "parent", "tables", "dense", "bytes")}
+            info = dict(body.info)
             chains, dense = st.blocks, st.dense
         missing_tables = sorted({tid for tid, _b in chains} - set(plan.tables))
         if missing_tables:
@@ -802,7 +784,7 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
         report.notes.extend(rebuilt)
 
     # versions seen in records without a commit record: uncommitted checkpoints, or lost commit records
-    parents = {b.get("parent") for b, _l in commits.values()}
+    parents = {e.info["parent"] for e, _l in commits.values()}
     for v in sorted(found.seen_versions - set(commits)):
         if plan.dropped(v) or v in plan.versions:
             continue
@@ -861,7 +843,7 @@ def _plausible_table(found: _Found, info: dict) -> bool:
 
 
 def _why_base(commits, found, v) -> str:
-    parent = commits[v][0].get("parent")
+    parent = commits[v][0].info["parent"]
     return f"the commit record of version {parent} (an ancestor) and any anchor covering it are missing or damaged"
 
 
@@ -900,18 +882,16 @@ def _rebuild_damaged_commits(found: _Found, commits: dict, proof: _LogProof, rep
         for (did, u) in list(found.dense) + list(found.suspect_dense):
             if u == v:
                 dense_ids[next((n for n, i in proof.plan.dense_names.items() if i == did), f"dense{did}")] = did
-        packed = {tid: [np.array([b for b, _c, _f in items], "<u8").tobytes(),
-                        np.array([c for _b, c, _f in items], "<u4").tobytes(),
-                        np.array([f for _b, _c, f in items], "<u1").tobytes()]
-                  for tid, items in blocks.items()}
+        rows = [(tid, b, v, RowLoc(version_edit.UNPLACED, 0, 0, c, f)) for tid, items in blocks.items()
+                for b, c, f in items]
         tables = sorted({proof.plan.tables[tid]["name"] for tid in blocks if tid in proof.plan.tables})
         created = body.get("created") if isinstance(body.get("created"), (int, float)) else 0.0
         step = body.get("step") if isinstance(body.get("step"), int) or body.get("step") is None else None
         meta = body.get("meta") if isinstance(body.get("meta"), dict) or body.get("meta") is None else None
         nbytes = body.get("bytes") if isinstance(body.get("bytes"), int) else 0
-        commits[v] = ({"version": v, "parent": parent, "step": step, "meta": meta, "created": created,
-                       "tables": tables, "dense": sorted(dense_ids), "bytes": nbytes, "dense_ids": dense_ids,
-                       "blocks": packed}, None)
+        info = {"step": step, "meta": meta, "created": created, "parent": parent, "tables": tables,
+                "dense": sorted(dense_ids), "bytes": nbytes}
+        commits[v] = (VersionEdit(version=v, versions={v: info}, rows=rows, dense_names=dense_ids), None)
         notes.append(f"version {v}: its commit record is damaged; its blocks were rebuilt from its records' "
                      f"headers, its parent taken as version {parent}, and its step, meta and creation time "
                      + ("from what the damaged record still decodes to (unverified)" if body else "are lost"))
@@ -1079,44 +1059,31 @@ def _install(root: str, filesystem: fs.FileSystem, storage: LocalSegmentStorage,
     try:
         # set-aside damaged segments count too: never reuse an id
         max_seg = max([*lengths, *storage.quarantined(), meta.get("max_deleted_segment") or 0], default=0)
-        drop_seq = max(plan.drop["seq"] if plan.drop is not None else 0, meta.get("drop_seq") or 0)
+        drop_seq = max(plan.drop.seq if plan.drop is not None else 0, meta.get("drop_seq") or 0)
 
-        def body(w: IndexWriter) -> None:
-            w.put_meta("format", format_version)
-            w.put_meta("next_version", max(found.max_version + 1, meta.get("next_version") or 0,
-                                           max(plan.versions, default=0) + 1))
-            w.put_meta("next_table_id", max([found.max_table, *plan.tables]) + 1)
-            w.put_meta("next_dense_id", max([found.max_dense, *plan.dense_names.values()]) + 1)
-            w.put_meta("bytes_written", max(report.bytes_scanned, meta.get("bytes_written") or 0))
-            if meta.get("increment_bytes"):
-                w.put_meta("increment_bytes", meta["increment_bytes"])
-            w.put_meta("max_deleted_segment", max_seg)
-            w.put_meta("segment_ids", {"high": max_seg, "pending": []})
-            w.put_meta("dropped_below", plan.floor)
-            if drop_seq:  # later drops are numbered after it (the newest DROP wins)
-                w.put_meta("drop_seq", drop_seq)
-            last = plan.last_baseline or meta.get("last_baseline")
-            if last is not None:
-                w.put_meta("last_baseline", last)
-            if damaged:
-                w.put_meta(DAMAGED_META, damaged)
-            for info in plan.tables.values():
-                w.put_table(info["name"], info)
-            for name, did in plan.dense_names.items():
-                w.put_dense_name(name, did)
-            for seg, length in lengths.items():
-                w.put_segment(seg, length)
-            for v, info in plan.versions.items():
-                w.put_version(v, info)
-            for (tid, block, v), (loc, _why) in rows.items():
-                w.put_row(tid, block, v, loc)
-            for (did, v), (loc, _why) in dense.items():
-                w.put_dense(did, v, loc)
-            for (kind, v), loc in plan.log.items():
-                w.put_log(kind, v, loc)
-            compaction.prune_log(w)
-
-        index.write(body)
+        meta_set = {
+            "format": format_version,
+            "next_version": max(found.max_version + 1, meta.get("next_version") or 0, max(plan.versions, default=0) + 1),
+            "next_table_id": max([found.max_table, *plan.tables]) + 1,
+            "next_dense_id": max([found.max_dense, *plan.dense_names.values()]) + 1,
+            "bytes_written": max(report.bytes_scanned, meta.get("bytes_written") or 0),
+            **({"increment_bytes": meta["increment_bytes"]} if meta.get("increment_bytes") else {}),
+            "max_deleted_segment": max_seg,
+            "segment_ids": {"high": max_seg, "pending": []},
+            "dropped_below": plan.floor,
+            **({"drop_seq": drop_seq} if drop_seq else {}),  # later drops are numbered after it
+        }
+        last = plan.last_baseline or meta.get("last_baseline")
+        if last is not None:
+            meta_set["last_baseline"] = last
+        if damaged:
+            meta_set[DAMAGED_META] = damaged
+        # the whole index as one edit; the liveness rule decides which log records stay (prune_log)
+        edit = VersionEdit(segments=dict(lengths), tables=list(plan.tables.values()), dense_names=dict(plan.dense_names),
+                           rows=[(tid, block, v, loc) for (tid, block, v), (loc, _why) in rows.items()],
+                           dense=[(did, v, loc) for (did, v), (loc, _why) in dense.items()],
+                           versions=dict(plan.versions), log=dict(plan.log), meta=meta_set, prune_log_records=True)
+        index.write(edit.apply)
     finally:
         index.close()
     filesystem.fsync_dir(tmp)

@@ -22,8 +22,9 @@ import numpy as np
 from . import blocks as blocks_math
 from . import codecs, fs, knobs, merge, reader, record, validate
 from .errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
-from .index import DenseLoc, IndexWriter, RowLoc
+from .index import DenseLoc, RowLoc
 from .rowrecords import block_records
+from .version_edit import CATALOG_FIELDS, VersionEdit
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -151,45 +152,14 @@ class CheckpointWriter:
         self._check_open()
         engine = self._engine
         try:
-            info = {
-                "step": self._step,
-                "meta": self._meta,
-                "created": time.time(),
-                "parent": self._parent,
-                "tables": sorted(self._rows),
-                "dense": sorted(self._dense),
-                "bytes": self._bytes,
-            }
-            table_ids = {name: engine.table_record(name)["id"] for name in self._rows}
-            increment = self._increment_bytes()
-            # the version's catalog facts travel in the log too, so that repair can rebuild the index
-            buffers, length = record.log_record(record.KIND_COMMIT, self.version,
-                                                commit_body(engine, self.version, info, self._rows, self._dense))
-            commit_loc = DenseLoc(*engine.appender.append(buffers, length), length)
+            edit = self._edit()
         except BaseException as exc:
             self._fail(exc)
             raise
-
-        def update(w: IndexWriter) -> None:
-            for name, blocks in self._rows.items():
-                tid = table_ids[name]
-                for block in sorted(blocks):
-                    w.put_row(tid, block, self.version, blocks[block])
-            for name, (dense_id, loc) in self._dense.items():
-                if w.dense_id(name) is None:
-                    w.put_dense_name(name, dense_id)
-                    w.put_meta("next_dense_id", max(w.meta("next_dense_id", 1), dense_id + 1))
-                w.put_dense(dense_id, self.version, loc)
-            w.put_log(record.KIND_COMMIT, self.version, commit_loc)
-            w.put_version(self.version, info)
-            w.put_meta("bytes_written", w.meta("bytes_written", 0) + self._bytes)
-            # (a store written before this counter existed counts its earlier bytes as increments)
-            w.put_meta("increment_bytes", w.meta("increment_bytes", w.meta("bytes_written", 0) - self._bytes)
-                       + increment)
-
-        # fsync, StoreMoved check, one index transaction; on failure self._fail rolls the version back
-        engine.commit(engine.appender, True, update, after_append="after_append", after_fsync="after_fsync",
-                   inside_index_commit="inside_index_commit", on_failure=self._fail)
+        # append the COMMIT, fsync, StoreMoved check, one index transaction; on failure self._fail rolls
+        # the version back
+        engine.commit(engine.appender, edit, appended=True, after_append="after_append", after_fsync="after_fsync",
+                      inside_index_commit="inside_index_commit", on_failure=self._fail)
         self._state = "committed"
         engine.writer_done(self)
         return self.version
@@ -205,6 +175,30 @@ class CheckpointWriter:
         self._engine.writer_done(self)
 
     # internals --------------------------------------------------------------------------------------
+    def _edit(self) -> VersionEdit:
+        """What committing this version does (version_edit.py): its row and dense entries, its dense
+        names, its ``versions`` entry and counters; encoded as its COMMIT record, with the catalog entries
+        of the tables it wrote, so that repair can rebuild the index from the log."""
+        engine = self._engine
+        info = {
+            "step": self._step,
+            "meta": self._meta,
+            "created": time.time(),
+            "parent": self._parent,
+            "tables": sorted(self._rows),
+            "dense": sorted(self._dense),
+            "bytes": self._bytes,
+        }
+        catalog, rows = [], []
+        for name, blocks in self._rows.items():
+            tinfo = engine.table_record(name)
+            catalog.append({k: tinfo[k] for k in CATALOG_FIELDS})
+            rows += [(tinfo["id"], block, self.version, blocks[block]) for block in sorted(blocks)]
+        return VersionEdit(version=self.version, versions={self.version: info}, catalog=catalog, rows=rows,
+                           dense=[(dense_id, self.version, loc) for dense_id, loc in self._dense.values()],
+                           dense_names={name: dense_id for name, (dense_id, _loc) in self._dense.items()},
+                           bytes_written=self._bytes, increment_bytes=self._increment_bytes())
+
     def _check_open(self) -> None:
         if self._state == "failed":
             raise CnrError(f"checkpoint {self.version} failed earlier ({self._failure!r}); abort it") from self._failure
@@ -346,21 +340,6 @@ class CheckpointWriter:
             if carried is not None:
                 self._carried[(table, block)] = np.setdiff1d(carried, new_rows, assume_unique=True)
         return plans
-
-
-def commit_body(engine: "Engine", version: int, info: dict, rows: dict, dense: dict) -> dict:
-    """The body of version ``version``'s COMMIT record (docs/FORMAT.md): its version info, the catalog
-    entries of the tables it wrote, the dense ids it wrote, and (count, flags) of every block it wrote."""
-    catalog, blocks = [], {}
-    for name, by_block in rows.items():
-        tinfo = engine.table_record(name)
-        catalog.append({k: tinfo[k] for k in ("id", "name", "num_rows", "dim", "codec", "block_rows", "created")})
-        ids = sorted(by_block)
-        blocks[tinfo["id"]] = [np.array(ids, dtype="<u8").tobytes(),
-                               np.array([by_block[b].count for b in ids], dtype="<u4").tobytes(),
-                               np.array([by_block[b].flags for b in ids], dtype="<u1").tobytes()]
-    return {**info, "version": version, "catalog": catalog,
-            "dense_ids": {name: dense_id for name, (dense_id, _loc) in dense.items()}, "blocks": blocks}
 
 
 def _codec_for(codec, values: np.ndarray):
