@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, fs, knobs, liveness, reader, record
+from . import codecs, fs, knobs, liveness, reader, record, schema
 from .errors import InvalidArgument, StorageFull
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
 from .segments import SEGMENT_HEADER_BYTES
@@ -68,7 +68,7 @@ def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tu
     ``version``): the cost does not grow with the records of other versions, so that a background
     materialization after many versions costs what the blocks' chains hold, not the whole history."""
     chains: dict[tuple[int, int], list] = {}
-    for tid in sorted(info["id"] for info in view.tables().values()):
+    for tid in sorted(info.id for info in view.tables().values()):
         for block, oldest in view.row_blocks(tid):
             if oldest > version:
                 continue
@@ -163,7 +163,7 @@ def materialize(engine: "Engine", version: int, progress: Progress | None = None
     appender = engine.compaction_appender
     new_entries: list[tuple[int, int, RowLoc]] = []
     with engine.index.read() as view:
-        tables = {info["id"]: info for info in view.tables().values()}
+        tables = {info.id: info for info in view.tables().values()}
         all_chains = block_chains(view, version)
         chains = {key: chain for key, chain in all_chains.items() if len(chain) > 1}
         # bytes of the state at `version` once materialized: what a full baseline there weighs
@@ -174,7 +174,7 @@ def materialize(engine: "Engine", version: int, progress: Progress | None = None
                 info = tables[tid]
                 resolver = reader.BlockResolver(view, engine.segments, info)
                 pieces, _never_written = resolver.resolve(block, None, version)
-                codec, rows, encoded = _merge_pieces(pieces, blocks_math.base(block, info["block_rows"]), info["dim"])
+                codec, rows, encoded = _merge_pieces(pieces, blocks_math.base(block, info.block_rows), info.dim)
                 records = block_records(info, codec, rows, encoded, version, compacted=True)
                 locations = appender.append_many([(buffers, length) for _key, buffers, length in records])
                 for ((blk, count, flags), _buffers, length), (seg, off) in zip(records, locations):
@@ -189,7 +189,7 @@ def materialize(engine: "Engine", version: int, progress: Progress | None = None
                      for key, chain in all_chains.items() if key not in chains}
             for tid, blk, loc in new_entries:
                 heads[(tid, blk)] = [(version, loc.count, loc.flags)]
-            floor = max(view.meta("dropped_below", 0), drop_below or 0)
+            floor = max(schema.DROPPED_BELOW.get(view), drop_below or 0)
             anchor = anchor_at(view, version, heads, floor)
         except BaseException:
             appender.rollback()
@@ -198,7 +198,7 @@ def materialize(engine: "Engine", version: int, progress: Progress | None = None
     # shadow for every kept version are garbage now
     edit = VersionEdit(anchor=anchor, rows=[(tid, blk, version, loc) for tid, blk, loc in new_entries],
                        shadowed=[(tid, blk) for tid, blk, _loc in new_entries], bytes_written=report.bytes_written,
-                       last_baseline={"version": version, "bytes": baseline_bytes}, meta={"dropped_below": floor},
+                       last_baseline={"version": version, "bytes": baseline_bytes}, meta={schema.DROPPED_BELOW: floor},
                        prune_log_records=True)
     with engine.pin_lock:  # as in drop_versions: never delete the base of an open checkpoint's delta
         edit.pinned = frozenset(engine.pinned())
@@ -241,7 +241,7 @@ def drop_versions(engine: "Engine", drop: set[int], *, allow_newest: bool = Fals
     """
     with engine.index.read() as view:
         present = view.version_numbers()
-        seq = view.meta("drop_seq", 0) + 1
+        seq = schema.DROP_SEQ.get(view) + 1
         if not set(present) & set(drop):
             return []
         kept_now = sorted(set(present) - set(drop))
@@ -252,10 +252,10 @@ def drop_versions(engine: "Engine", drop: set[int], *, allow_newest: bool = Fals
         if oldest is not None:
             chains = {key: [(v, loc.count, loc.flags) for v, loc in chain]
                       for key, chain in block_chains(view, oldest).items()}
-            anchor = anchor_at(view, oldest, chains, view.meta("dropped_below", 0))
+            anchor = anchor_at(view, oldest, chains, schema.DROPPED_BELOW.get(view))
     # the log records the drop, so that repair leaves these versions dropped (docs/FORMAT.md, DROP)
     edit = VersionEdit(drop=DropLog(seq, present[-1], kept_now), anchor=anchor, drop_versions=frozenset(drop),
-                       allow_newest=allow_newest, meta={"drop_seq": seq}, prune_log_records=True)
+                       allow_newest=allow_newest, meta={schema.DROP_SEQ: seq}, prune_log_records=True)
     with engine.pin_lock:  # a checkpoint cannot pin a base while the drop decides (writer._chain_merges)
         edit.pinned = frozenset(engine.pinned())  # the bases of deltas the open checkpoint writes
         _commit(engine, engine.compaction_appender, True, "drop", edit)
@@ -448,7 +448,7 @@ def delete_doomed(engine: "Engine", report: GCReport) -> GCReport:
     if engine.lock is not None:
         engine.lock.verify()  # never delete files under a path that no longer names this store
     with engine.index.read() as view:
-        doomed = {int(k): t for k, t in view.meta("doomed_segments", {}).items()}
+        doomed = schema.DOOMED_SEGMENTS.get(view)
     if not doomed:
         return report
     oldest = engine.index.oldest_reader_txn()
@@ -469,10 +469,10 @@ def delete_doomed(engine: "Engine", report: GCReport) -> GCReport:
         storage.sync_removals()
 
         def body(w: IndexWriter) -> None:
-            current = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
-            w.put_meta("doomed_segments", {s: t for s, t in current.items() if s not in deletable})
+            current = schema.DOOMED_SEGMENTS.get(w)
+            schema.DOOMED_SEGMENTS.put(w, {s: t for s, t in current.items() if s not in deletable})
             # the open after a restart allocates ids past this one (store.py)
-            w.put_meta("max_deleted_segment", max(w.meta("max_deleted_segment", 0), *deletable))
+            schema.MAX_DELETED_SEGMENT.put(w, max(schema.MAX_DELETED_SEGMENT.get(w), *deletable))
 
         try:
             engine.index.write(body)

@@ -16,11 +16,12 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional
 
-from . import fs, record
+from . import fs, record, schema
 from .errors import StoreClosed
 from .index import DenseLoc, Index, IndexView, IndexWriter, RowLoc
 from .reader import BlockResolver
 from .policy import compaction as compaction_policy
+from .schema import TableRecord
 from .storage import SegmentStorage
 from .types import VersionInfo
 from .version_edit import VersionEdit
@@ -45,7 +46,7 @@ class Engine:
         self.writer = None  # the open CheckpointWriter, if any
         #: Called after each committed checkpoint (the background compactor's ``notify``).
         self.on_commit: Optional[Callable[[], None]] = None
-        self._tables: dict[str, dict] = {}
+        self._tables: dict[str, TableRecord] = {}
         self._next_dense_id: int | None = None
         self._history: tuple[VersionInfo, ...] | None = None  # see history()
 
@@ -54,7 +55,7 @@ class Engine:
         if self.closed:
             raise StoreClosed(f"store {self.path!r} is closed")
 
-    def table_record(self, name: str, view: IndexView | None = None) -> dict | None:
+    def table_record(self, name: str, view: IndexView | None = None) -> TableRecord | None:
         """The catalog record of table ``name`` (None if absent); cached, since tables never change."""
         info = self._tables.get(name)
         if info is None:
@@ -67,8 +68,8 @@ class Engine:
                 self._tables[name] = info
         return info
 
-    def remember_table(self, name: str, info: dict) -> None:
-        self._tables[name] = info
+    def remember_table(self, table: TableRecord) -> None:
+        self._tables[table.name] = table
 
     def dense_id_for(self, name: str) -> int:
         """The id of dense array ``name``: its existing one, or a new one (recorded at commit)."""
@@ -77,12 +78,12 @@ class Engine:
             if existing is not None:
                 return existing
             if self._next_dense_id is None:
-                self._next_dense_id = view.meta("next_dense_id", 1)
+                self._next_dense_id = schema.NEXT_DENSE_ID.get(view)
         dense_id = self._next_dense_id
         self._next_dense_id += 1
         return dense_id
 
-    def load_pending(self, loc: RowLoc, info: dict) -> record.Record:
+    def load_pending(self, loc: RowLoc, info: TableRecord) -> record.Record:
         """A record this process appended but may not have committed yet (checksum-verified)."""
         return BlockResolver(None, self.segments, info).load(loc)
 
@@ -105,7 +106,7 @@ class Engine:
                 versions = cached + tuple(version_info(v, info) for v, info in newer)
                 if len(versions) != view.version_count():  # versions were dropped (or repaired)
                     versions = tuple(version_info(v, info) for v, info in view.versions())
-            baseline = view.meta("last_baseline")
+            baseline = schema.LAST_BASELINE.get(view)
         self._history = versions
         if baseline is not None:
             return compaction_policy.History(versions, baseline["version"], baseline["bytes"])
@@ -162,7 +163,7 @@ class Engine:
             if after_fsync is not None:
                 fs.crash_point(after_fsync)
             edit.segments.update(lengths)
-            edit.meta["segment_ids"] = appender.ids_state(lengths)
+            edit.meta[schema.SEGMENT_IDS] = appender.ids_state(lengths)
 
             def body(w: IndexWriter) -> None:
                 edit.apply(w)

@@ -53,7 +53,7 @@ from typing import Callable
 import msgpack
 import numpy as np
 
-from . import filenames, fs, record, segments, version_edit
+from . import filenames, fs, record, schema, segments, version_edit
 from .verify import LOST_SEGMENT, damaged_blocks
 from .errors import CnrError, CorruptionError, StoreNotFound
 from .index import DenseLoc, Index, RowLoc, finish_interrupted_install, install_built_index
@@ -61,14 +61,15 @@ from .msgpack_safe import unpack_bounded
 from .lock import ProcessLock
 from .storage import LocalSegmentStorage
 from .marker import FORMAT_VERSION, read_marker
+from .schema import TableRecord, table_from_log
 from .version_edit import AnchorLog, DropLog, VersionEdit
 
 Progress = Callable[[int, int], None]
 
 # LOST_SEGMENT (verify.py): the segment id of an index entry whose record repair knows is lost (no segment
 # has id 0): reads of it raise CorruptionError (the segment is missing), so a lost record is never skipped.
-#: Index meta key of the damaged (version, block) pairs repair recorded (docs/FORMAT.md).
-DAMAGED_META = "damaged"
+#: Index meta key of the damaged (version, block) pairs repair recorded (docs/FORMAT.md; schema.DAMAGED).
+DAMAGED_META = schema.DAMAGED.name
 
 
 @dataclass
@@ -188,14 +189,19 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
 
 
 # the old index ----------------------------------------------------------------------------------------
+#: The meta of an old index that still opens which repair carries over (so that no counter goes back).
+_CARRIED_META = (schema.NEXT_VERSION, schema.DROPPED_BELOW, schema.DROP_SEQ, schema.LAST_BASELINE,
+                 schema.BYTES_WRITTEN, schema.INCREMENT_BYTES, schema.MAX_DELETED_SEGMENT)
+
+
 @dataclass
 class _OldIndex:
     versions: dict[int, dict]
-    tables: dict[int, dict]
+    tables: dict[int, TableRecord]
     dense_names: dict[str, int]
     rows: dict[tuple[int, int], list[tuple[int, RowLoc]]]  # (tid, block) -> [(version, loc)] ascending
     dense: dict[int, list[tuple[int, DenseLoc]]]
-    meta: dict
+    meta: dict[schema.MetaKey, object]  # _CARRIED_META
     damaged: dict[int, list[dict]]
 
 
@@ -217,10 +223,8 @@ def _read_old_index(root: str, report: RepairReport) -> _OldIndex | None:
             dense: dict = {}
             for did, v, loc in view.dense_entries():
                 dense.setdefault(did, []).append((v, loc))
-            meta = {k: view.meta(k) for k in ("next_version", "next_table_id", "next_dense_id", "dropped_below",
-                                               "drop_seq", "last_baseline", "bytes_written", "increment_bytes",
-                                               "max_deleted_segment")}
-            old = _OldIndex(dict(view.versions()), {info["id"]: info for info in view.tables().values()},
+            meta = {key: key.get(view) for key in _CARRIED_META}
+            old = _OldIndex(dict(view.versions()), {info.id: info for info in view.tables().values()},
                             view.dense_names(), rows, dense, meta, damaged_blocks(view))
     except (CnrError, KeyError, ValueError, TypeError) as exc:
         report.notes.append(f"the old index cannot be read ({type(exc).__name__}: {exc}); rebuilt from the log alone")
@@ -376,7 +380,7 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
             report.bad_records.append(f"segment {seg} offset {pos}: undecodable log record ({exc})")
             return
         for info in edit.catalog + (edit.anchor.catalog if edit.anchor is not None else []):
-            found.max_table = max(found.max_table, info["id"])
+            found.max_table = max(found.max_table, info.id)
         if edit.drop is not None:
             # the newest DROP: by seq, then by the newest version it saw (a store repaired by a cnrstore
             # that did not restore meta drop_seq numbered its later drops from 1 again)
@@ -646,7 +650,7 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     facts += [(a.catalog, a.dense_names, a.dropped_below) for lst in found.anchors.values() for a, _loc in lst]
     for catalog, names, dropped_below in facts:
         for info in catalog:
-            plan.tables[info["id"]] = dict(info)
+            plan.tables[info.id] = info
         for name, did in names.items():
             plan.dense_names.setdefault(name, did)
         plan.floor = max(plan.floor, dropped_below)
@@ -658,23 +662,24 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
                     plan.dense_names.setdefault(name, did)
     if old is not None:  # the intact index's catalog and drops are the truth
         for tid, info in old.tables.items():
-            plan.tables[tid] = dict(info)
+            plan.tables[tid] = info
         for name, did in old.dense_names.items():
             plan.dense_names[name] = did
-        plan.floor = max(plan.floor, old.meta.get("dropped_below") or 0)
+        plan.floor = max(plan.floor, old.meta[schema.DROPPED_BELOW])
     for (kind, _v), (_loc, body) in (found.suspect_log.items() if old is None else ()):  # last resort
         for info in (body or {}).get("catalog", ()) if isinstance((body or {}).get("catalog"), list) else ():
-            known_names = {t["name"] for t in plan.tables.values()}
+            known_names = {t.name for t in plan.tables.values()}
             if isinstance(info, dict) and isinstance(info.get("id"), int) and info["id"] not in plan.tables \
                     and info.get("name") not in known_names:
-                if _plausible_table(found, info):
-                    plan.tables[info["id"]] = dict(info)
+                table = _plausible_table(found, info)
+                if table is not None:
+                    plan.tables[table.id] = table
                     report.notes.append(f"table {info.get('name')!r}: its definition comes from a damaged "
                                         "record (checked against the table's row records)")
     if found.drop is not None:
         plan.drop = found.drop[0]
         plan.log[(record.KIND_DROP, plan.drop.seq)] = found.drop[1]
-    table_name = {tid: info["name"] for tid, info in plan.tables.items()}
+    table_name = {tid: info.name for tid, info in plan.tables.items()}
 
     def tname(tid):
         return repr(table_name.get(tid, f"id {tid}"))
@@ -804,29 +809,27 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     for tid in sorted(written - set(plan.tables)):
         report.notes.append(f"table id {tid}: rows were found but its definition is in no commit or anchor "
                             "record: they cannot be read")
-    report.tables_recovered = sorted(info["name"] for info in plan.tables.values())
+    report.tables_recovered = sorted(info.name for info in plan.tables.values())
     if old is None:
         report.notes.append("tables created but never written by a committed version are not in the log and "
                             "cannot be recovered")
     return plan
 
 
-def _plausible_table(found: _Found, info: dict) -> bool:
-    """Whether a catalog entry decoded from a damaged record agrees with every row record of its table
-    (types, a power-of-two block size, blocks within the table, the row size of each record's codec)."""
+def _plausible_table(found: _Found, info: dict) -> TableRecord | None:
+    """The table of a catalog entry decoded from a damaged record, if the entry is well formed (checked as
+    a ``tables`` value is) and agrees with every row record of its table (blocks within the table, the
+    row size of each record's codec); else None."""
     from . import codecs
 
     try:
-        tid, dim, rows, block_rows = info["id"], info["dim"], info["num_rows"], info["block_rows"]
-        if not all(isinstance(x, int) and x > 0 for x in (dim, rows, block_rows)) or block_rows & (block_rows - 1) \
-                or not isinstance(info["name"], str) or not isinstance(info["codec"], str):
-            return False
-        n_blocks = -(-rows // block_rows)
+        table = table_from_log(info)
+        n_blocks = -(-table.num_rows // table.block_rows)
         for (t, block, _v), locs in found.rows.items():
-            if t != tid:
+            if t != table.id:
                 continue
             if block >= n_blocks:
-                return False
+                return None
             for loc, _comp in locs:
                 aux = (0 if loc.flags & record.FLAG_FULL else 2 * loc.count) + (
                     record.BASE.size if loc.flags & record.FLAG_DELTA else 0)
@@ -835,11 +838,11 @@ def _plausible_table(found: _Found, info: dict) -> bool:
                 if rec_codec is None or loc.count == 0:
                     continue
                 codec_id = found.codec_of.get((loc.segment, loc.offset))
-                if codec_id is None or body != loc.count * codecs.by_id(codec_id).row_bytes(dim):
-                    return False
-        return True
-    except (KeyError, TypeError, CnrError):
-        return False
+                if codec_id is None or body != loc.count * codecs.by_id(codec_id).row_bytes(table.dim):
+                    return None
+        return table
+    except CnrError:  # (a CorruptionError from the entry's check, or an unknown codec id)
+        return None
 
 
 def _why_base(commits, found, v) -> str:
@@ -884,7 +887,7 @@ def _rebuild_damaged_commits(found: _Found, commits: dict, proof: _LogProof, rep
                 dense_ids[next((n for n, i in proof.plan.dense_names.items() if i == did), f"dense{did}")] = did
         rows = [(tid, b, v, RowLoc(version_edit.UNPLACED, 0, 0, c, f)) for tid, items in blocks.items()
                 for b, c, f in items]
-        tables = sorted({proof.plan.tables[tid]["name"] for tid in blocks if tid in proof.plan.tables})
+        tables = sorted({proof.plan.tables[tid].name for tid in blocks if tid in proof.plan.tables})
         created = body.get("created") if isinstance(body.get("created"), (int, float)) else 0.0
         step = body.get("step") if isinstance(body.get("step"), int) or body.get("step") is None else None
         meta = body.get("meta") if isinstance(body.get("meta"), dict) or body.get("meta") is None else None
@@ -1030,7 +1033,7 @@ def _entries(plan: _Plan, report: RepairReport) -> tuple[dict, dict, dict]:
                 continue
             for v in _readers_of(recovered, versions, i):
                 damaged.setdefault(v, []).append({"dense": did, "why": why})
-    names = {tid: info["name"] for tid, info in plan.tables.items()}
+    names = {tid: info.name for tid, info in plan.tables.items()}
     dnames = {did: name for name, did in plan.dense_names.items()}
     for v, items in sorted(damaged.items()):
         report.damaged[v] = [(f"table {names.get(i['table'], i['table'])!r} block {i['block']}" if "table" in i
@@ -1055,29 +1058,31 @@ def _install(root: str, filesystem: fs.FileSystem, storage: LocalSegmentStorage,
     filesystem.remove_tree(tmp)  # a previous repair's unfinished build: ours, never installed
     filesystem.mkdir(tmp)
     index = Index(tmp, readonly=False, create=True)
-    meta = old.meta if old is not None else {}
+    meta = old.meta if old is not None else {key: key.default for key in _CARRIED_META}
     try:
         # set-aside damaged segments count too: never reuse an id
-        max_seg = max([*lengths, *storage.quarantined(), meta.get("max_deleted_segment") or 0], default=0)
-        drop_seq = max(plan.drop.seq if plan.drop is not None else 0, meta.get("drop_seq") or 0)
+        max_seg = max([*lengths, *storage.quarantined(), meta[schema.MAX_DELETED_SEGMENT]], default=0)
+        drop_seq = max(plan.drop.seq if plan.drop is not None else 0, meta[schema.DROP_SEQ])
 
         meta_set = {
-            "format": format_version,
-            "next_version": max(found.max_version + 1, meta.get("next_version") or 0, max(plan.versions, default=0) + 1),
-            "next_table_id": max([found.max_table, *plan.tables]) + 1,
-            "next_dense_id": max([found.max_dense, *plan.dense_names.values()]) + 1,
-            "bytes_written": max(report.bytes_scanned, meta.get("bytes_written") or 0),
-            **({"increment_bytes": meta["increment_bytes"]} if meta.get("increment_bytes") else {}),
-            "max_deleted_segment": max_seg,
-            "segment_ids": {"high": max_seg, "pending": []},
-            "dropped_below": plan.floor,
-            **({"drop_seq": drop_seq} if drop_seq else {}),  # later drops are numbered after it
+            schema.FORMAT: format_version,
+            schema.NEXT_VERSION: max(found.max_version + 1, meta[schema.NEXT_VERSION], max(plan.versions, default=0) + 1),
+            schema.NEXT_TABLE_ID: max([found.max_table, *plan.tables]) + 1,
+            schema.NEXT_DENSE_ID: max([found.max_dense, *plan.dense_names.values()]) + 1,
+            schema.BYTES_WRITTEN: max(report.bytes_scanned, meta[schema.BYTES_WRITTEN]),
+            schema.MAX_DELETED_SEGMENT: max_seg,
+            schema.SEGMENT_IDS: {"high": max_seg, "pending": []},
+            schema.DROPPED_BELOW: plan.floor,
         }
-        last = plan.last_baseline or meta.get("last_baseline")
+        if meta[schema.INCREMENT_BYTES]:
+            meta_set[schema.INCREMENT_BYTES] = meta[schema.INCREMENT_BYTES]
+        if drop_seq:  # later drops are numbered after it
+            meta_set[schema.DROP_SEQ] = drop_seq
+        last = plan.last_baseline or meta[schema.LAST_BASELINE]
         if last is not None:
-            meta_set["last_baseline"] = last
+            meta_set[schema.LAST_BASELINE] = last
         if damaged:
-            meta_set[DAMAGED_META] = damaged
+            meta_set[schema.DAMAGED] = damaged
         # the whole index as one edit; the liveness rule decides which log records stay (prune_log)
         edit = VersionEdit(segments=dict(lengths), tables=list(plan.tables.values()), dense_names=dict(plan.dense_names),
                            rows=[(tid, block, v, loc) for (tid, block, v), (loc, _why) in rows.items()],

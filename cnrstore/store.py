@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, compaction, filenames, fs, knobs, reader, segments, validate
+from . import codecs, compaction, filenames, fs, knobs, reader, schema, segments, validate
 from .errors import (
     CheckpointInProgress,
     CompactionFailed,
@@ -32,6 +32,7 @@ from .storage import LocalSegmentStorage, SegmentStorage
 from .lock import ProcessLock
 from .marker import FORMAT_VERSION, marker_bytes as _marker_bytes, read_marker as _read_marker
 from .policy import compaction as compaction_policy
+from .schema import TableRecord
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 from .writer import CheckpointWriter, pack_meta
 
@@ -191,15 +192,15 @@ class Store:
                 self._engine.segments.check_writable(_opening(self.path, False))
             self._engine.appender = self._engine.compaction_appender = None
             with self._engine.index.read() as view:
-                if view.meta("format") is None:  # an empty environment LMDB made in place of a lost one
+                if schema.FORMAT.get(view) is None:  # an empty environment LMDB made in place of a lost one
                     raise IndexDamaged(f"the index of store {self.path!r} holds no catalog (was index/data.mdb "
                                        f"replaced?); {damage_hint(self._engine.index.path)}", self._engine.index.path, None)
             if not readonly:
                 with self._engine.index.read() as view:
                     committed = view.segments()
-                    doomed = {int(k) for k in view.meta("doomed_segments", {})}
-                    deleted = view.meta("max_deleted_segment", 0)
-                    seg_ids = view.meta("segment_ids")
+                    doomed = set(schema.DOOMED_SEGMENTS.get(view))
+                    deleted = schema.MAX_DELETED_SEGMENT.get(view)
+                    seg_ids = schema.SEGMENT_IDS.get(view)
                 self.recovery_notes += self._engine.segments.recover(committed, doomed, max_deleted=deleted,
                                                                      ids=seg_ids)
                 # never reuse the id of a deleted segment: a long-lived reader may still map the old file
@@ -274,12 +275,10 @@ class Store:
         index = Index(filenames.index_dir(self.path), readonly=False, create=True)
         try:
             def init(w):
-                if w.meta("format") is None:
-                    w.put_meta("format", FORMAT_VERSION)
-                    w.put_meta("next_version", 1)
-                    w.put_meta("next_table_id", 1)
-                    w.put_meta("next_dense_id", 1)
-                    w.put_meta("bytes_written", 0)
+                if schema.FORMAT.get(w) is None:
+                    schema.FORMAT.put(w, FORMAT_VERSION)
+                    for key in (schema.NEXT_VERSION, schema.NEXT_TABLE_ID, schema.NEXT_DENSE_ID, schema.BYTES_WRITTEN):
+                        key.put(w, key.default)
             index.write(init)
         finally:
             index.close()
@@ -445,7 +444,7 @@ class Store:
     _maintenance_lock = property(lambda self: self._engine.maintenance_lock)
     _writer = property(lambda self: self._engine.writer)
 
-    def _table_record(self, name: str, view: IndexView | None = None) -> dict | None:
+    def _table_record(self, name: str, view: IndexView | None = None) -> TableRecord | None:
         return self._engine.table_record(name, view)
 
     def _history(self) -> "compaction_policy.History":
@@ -483,24 +482,23 @@ class Store:
         def body(w):
             if w.table(name) is not None:
                 raise InvalidArgument(f"a table named {name!r} already exists; choose another name")
-            tid = w.meta("next_table_id", 1)
+            tid = schema.NEXT_TABLE_ID.get(w)
             if tid > 0xFFFFFFFF:  # the index keys hold table ids as u32
                 raise InvalidArgument(f"store {self.path!r} has used up its 2**32 table ids; put new tables "
                                       "in a new store")
-            w.put_meta("next_table_id", tid + 1)
-            info = {"id": tid, "name": name, "num_rows": num_rows, "dim": dim, "codec": c.name,
-                    "block_rows": block_rows, "created": time.time()}
-            w.put_table(name, info)
-            return info
+            schema.NEXT_TABLE_ID.put(w, tid + 1)
+            table = TableRecord(tid, name, num_rows, dim, c.name, block_rows, time.time())
+            w.put_table(table)
+            return table
 
-        info = self._engine.index.write(body)
-        self._engine.remember_table(name, info)
-        return _table_info(info)
+        table = self._engine.index.write(body)
+        self._engine.remember_table(table)
+        return table.info()
 
     def tables(self) -> dict[str, TableInfo]:
         self._check_open()
         with self._engine.index.read() as view:
-            return {name: _table_info(info) for name, info in sorted(view.tables().items())}
+            return {name: table.info() for name, table in sorted(view.tables().items())}
 
     # checkpoints ------------------------------------------------------------------------------------
     def checkpoint(self, step: int | None = None, meta: dict | None = None) -> CheckpointWriter:
@@ -514,11 +512,11 @@ class Store:
                                            "it before starting another")
 
             def allocate(w):  # durably, so that a version number is never handed out twice
-                v = w.meta("next_version", 1)
+                v = schema.NEXT_VERSION.get(w)
                 if v >= (1 << 64) - 1:  # versions are u64 (the last one would leave no next_version to store)
                     raise InvalidArgument(f"store {self.path!r} has used up its 2**64 version numbers; write new "
                                           "checkpoints in a new store")
-                w.put_meta("next_version", v + 1)
+                schema.NEXT_VERSION.put(w, v + 1)
                 latest = w.latest()
                 return v, (latest[0] if latest else None)
 
@@ -542,7 +540,7 @@ class Store:
         """float32 (len(rows), dim): the rows as of ``version`` (default: newest committed)."""
         with self._read(version, table) as (view, v):
             info = self._table_or_raise(table, view)
-            ids = validate.row_ids(rows, info["num_rows"], table)
+            ids = validate.row_ids(rows, info.num_rows, table)
             return reader.read_rows(view, self._engine.segments, info, ids, v)
 
     def read_table(self, table: str, version: int | None = None) -> np.ndarray:
@@ -641,7 +639,7 @@ class Store:
             seg_bytes = sum(view.segments().values())
             entries = view.stat()["rows"]["entries"]
             stats = {
-                "bytes_written": view.meta("bytes_written", 0),
+                "bytes_written": schema.BYTES_WRITTEN.get(view),
                 "bytes_on_disk": self._disk_bytes(),
                 "live_bytes": live,
                 "segment_bytes": seg_bytes,
@@ -652,7 +650,7 @@ class Store:
                 "max_read_chain": max_chain,
                 "compaction_errors": self._compactor.failures if self._compactor is not None else 0,
             }
-            increments = view.meta("increment_bytes", stats["bytes_written"])
+            increments = schema.INCREMENT_BYTES.get(view, stats["bytes_written"])
         # all bytes appended over the bytes of the checkpoints' own rows; disk over what the index names
         stats["write_amplification"] = stats["bytes_written"] / increments if increments else None
         stats["space_amplification"] = stats["bytes_on_disk"] / live if live else None
@@ -696,10 +694,10 @@ class _ReadContext:
         return self._cm.__exit__(*exc)
 
 
-def _written_by(view: IndexView, tinfo: dict, version: int) -> bool:
+def _written_by(view: IndexView, tinfo: TableRecord, version: int) -> bool:
     """Whether any row of the table was written at or before ``version``: one index seek per block
     that has records (usually the first answers), however many versions or rows the table has."""
-    return any(oldest <= version for _block, oldest in view.row_blocks(tinfo["id"]))
+    return any(oldest <= version for _block, oldest in view.row_blocks(tinfo.id))
 
 
 def _scan_row_index(view: IndexView, versions: list[int]) -> tuple[int, int]:
@@ -716,6 +714,3 @@ def _scan_row_index(view: IndexView, versions: list[int]) -> tuple[int, int]:
     chains = compaction.read_chain_lengths(entries(), versions)
     return live, int(chains.max(initial=0))
 
-
-def _table_info(info: dict) -> TableInfo:
-    return TableInfo(info["name"], info["num_rows"], info["dim"], info["codec"], info["block_rows"])

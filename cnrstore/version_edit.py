@@ -35,11 +35,11 @@ from . import record
 from .errors import CnrError, InvalidArgument
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
 from .reader import unread_versions
+from .schema import (BYTES_WRITTEN, DOOMED_SEGMENTS, INCREMENT_BYTES, LAST_BASELINE, NEXT_DENSE_ID, MetaKey,
+                     TableRecord, table_from_log)
 
 #: The fields of a ``versions`` entry, as a COMMIT record carries them (on disk: never rename).
 VERSION_FIELDS = ("step", "meta", "created", "parent", "tables", "dense", "bytes")
-#: The fields of a ``tables`` entry, as COMMIT and ANCHOR records carry them (on disk: never rename).
-CATALOG_FIELDS = ("id", "name", "num_rows", "dim", "codec", "block_rows", "created")
 #: The segment of a row entry decoded from the log: where its record lies is not known (no segment has id 0).
 UNPLACED = 0
 
@@ -52,7 +52,7 @@ class AnchorLog:
 
     version: int
     dropped_below: int
-    catalog: list[dict]
+    catalog: list[TableRecord]
     dense_names: dict[str, int]
     heads: dict[tuple[int, int], list[tuple[int, int, int]]]
     dense: dict[int, int]
@@ -102,14 +102,14 @@ class VersionEdit:
 
     #: the version a checkpoint commits: its entry in ``versions`` is encoded as its COMMIT record
     version: int | None = None
-    #: catalog entries (CATALOG_FIELDS) a COMMIT carries: the tables its version wrote (not put)
-    catalog: list[dict] = field(default_factory=list)
+    #: catalog entries a COMMIT carries: the tables its version wrote (not put)
+    catalog: list[TableRecord] = field(default_factory=list)
     anchor: AnchorLog | None = None
     drop: DropLog | None = None
 
     # -- put into the index -----------------------------------------------------------------------
     segments: dict[int, int] = field(default_factory=dict)  # segment id -> committed length
-    tables: list[dict] = field(default_factory=list)  # catalog entries
+    tables: list[TableRecord] = field(default_factory=list)  # catalog entries
     #: dense names the change writes (a COMMIT's ``dense_ids``); a name new to the store is recorded and
     #: ``next_dense_id`` raised past its id
     dense_names: dict[str, int] = field(default_factory=dict)
@@ -132,7 +132,7 @@ class VersionEdit:
     bytes_written: int | None = None  # added to meta bytes_written
     increment_bytes: int | None = None  # added to meta increment_bytes
     last_baseline: dict | None = None  # {"version", "bytes"}: set unless a newer baseline is recorded
-    meta: dict = field(default_factory=dict)  # meta keys set as given, after everything above
+    meta: dict[MetaKey, object] = field(default_factory=dict)  # set as given, after everything above
 
     # -- what the transaction decided (set by apply) --------------------------------------------------
     dropped: list[int] = field(default_factory=list)
@@ -164,8 +164,8 @@ class VersionEdit:
                         np.array([c for _b, c, _f in items], dtype="<u4").tobytes(),
                         np.array([f for _b, _c, f in items], dtype="<u1").tobytes()]
                   for tid, items in blocks.items()}
-        return {**self.info, "version": self.version, "catalog": self.catalog, "dense_ids": self.dense_names,
-                "blocks": packed}
+        return {**self.info, "version": self.version, "catalog": [t.as_dict() for t in self.catalog],
+                "dense_ids": self.dense_names, "blocks": packed}
 
     # apply ----------------------------------------------------------------------------------------------
     def apply(self, w: IndexWriter) -> None:
@@ -173,12 +173,12 @@ class VersionEdit:
         retries after growing the map): everything it decides is decided afresh each time."""
         for seg, length in self.segments.items():
             w.put_segment(seg, length)
-        for info in self.tables:
-            w.put_table(info["name"], info)
+        for table in self.tables:
+            w.put_table(table)
         for name, dense_id in self.dense_names.items():
             if w.dense_id(name) is None:
                 w.put_dense_name(name, dense_id)
-                w.put_meta("next_dense_id", max(w.meta("next_dense_id", 1), dense_id + 1))
+                NEXT_DENSE_ID.put(w, max(NEXT_DENSE_ID.get(w), dense_id + 1))
         self.dropped = _drop_versions(w, self.drop_versions, self.allow_newest, self.pinned) \
             if self.drop_versions else []
         for tid, block, version, loc in self.rows:
@@ -193,15 +193,16 @@ class VersionEdit:
             _prune_shadowed(w, self.shadowed, self.pinned)
         self.freed = _doom(w, self.free_segments) if self.free_segments is not None else []
         if self.bytes_written is not None:
-            written = w.meta("bytes_written", 0)
-            w.put_meta("bytes_written", written + self.bytes_written)
+            written = BYTES_WRITTEN.get(w)
+            BYTES_WRITTEN.put(w, written + self.bytes_written)
             if self.increment_bytes is not None:
                 # (a store written before this counter existed counts its earlier bytes as increments)
-                w.put_meta("increment_bytes", w.meta("increment_bytes", written) + self.increment_bytes)
-        if self.last_baseline is not None and self.last_baseline["version"] >= w.meta("last_baseline", {}).get("version", 0):
-            w.put_meta("last_baseline", self.last_baseline)
+                INCREMENT_BYTES.put(w, INCREMENT_BYTES.get(w, written) + self.increment_bytes)
+        if self.last_baseline is not None and \
+                self.last_baseline["version"] >= (LAST_BASELINE.get(w) or {}).get("version", 0):
+            LAST_BASELINE.put(w, self.last_baseline)
         for key, value in self.meta.items():
-            w.put_meta(key, value)
+            key.put(w, value)
         for (kind, version), loc in self.log.items():
             w.put_log(kind, version, loc)
         if self.prune_log_records:
@@ -210,19 +211,21 @@ class VersionEdit:
 
 def decode(kind: int, version: int, body: dict) -> VersionEdit:
     """The edit a COMMIT, ANCHOR or DROP record with header version ``version`` and (checked,
-    record.log_body) ``body`` encodes. Its row entries are UNPLACED (see the module docstring)."""
+    record.log_body) ``body`` encodes. Its row entries are UNPLACED (see the module docstring). A catalog
+    entry is checked as a ``tables`` value is: CorruptionError if it is malformed."""
     if kind == record.KIND_COMMIT:
         rows = [(tid, block, version, RowLoc(UNPLACED, 0, 0, count, flags))
                 for tid, packed in body.get("blocks", {}).items() for block, count, flags in _unpack(packed, 3)]
         return VersionEdit(version=version, versions={version: {k: body.get(k) for k in VERSION_FIELDS}},
-                           catalog=list(body.get("catalog", ())), rows=rows,
+                           catalog=[table_from_log(t) for t in body.get("catalog", ())], rows=rows,
                            dense_names=dict(body.get("dense_ids", {})))
     if kind == record.KIND_ANCHOR:
         heads: dict[tuple[int, int], list] = {}
         for tid, packed in body.get("heads", {}).items():
             for block, hv, count, flags in _unpack(packed, 4):
                 heads.setdefault((tid, block), []).append((hv, count, flags))
-        return VersionEdit(anchor=AnchorLog(version, body.get("dropped_below", 0) or 0, list(body.get("catalog", ())),
+        return VersionEdit(anchor=AnchorLog(version, body.get("dropped_below", 0) or 0,
+                                            [table_from_log(t) for t in body.get("catalog", ())],
                                             dict(body.get("dense_names", {})), heads, dict(body.get("dense", {}))))
     if kind == record.KIND_DROP:
         return VersionEdit(drop=DropLog(body["seq"], body["latest"], list(body["kept"])))
@@ -237,8 +240,7 @@ def anchor_at(view: IndexView, version: int, heads: dict, dropped_below: int) ->
     for dense_id, v, _loc in view.dense_entries():
         if v <= version:
             dense[dense_id] = v  # entries come oldest first
-    catalog = [{k: info[k] for k in CATALOG_FIELDS} for info in view.tables().values()]
-    return AnchorLog(version, dropped_below, catalog, view.dense_names(), heads, dense)
+    return AnchorLog(version, dropped_below, list(view.tables().values()), view.dense_names(), heads, dense)
 
 
 def _anchor_body(anchor: AnchorLog) -> dict:
@@ -251,7 +253,8 @@ def _anchor_body(anchor: AnchorLog) -> dict:
         arr = np.array(items, dtype=np.int64).reshape(-1, 4)
         packed[tid] = [arr[:, 0].astype("<u8").tobytes(), arr[:, 1].astype("<u8").tobytes(),
                        arr[:, 2].astype("<u4").tobytes(), arr[:, 3].astype("<u1").tobytes()]
-    return {"version": anchor.version, "dropped_below": anchor.dropped_below, "catalog": anchor.catalog,
+    return {"version": anchor.version, "dropped_below": anchor.dropped_below,
+            "catalog": [t.as_dict() for t in anchor.catalog],
             "dense_names": anchor.dense_names, "heads": packed, "dense": anchor.dense}
 
 
@@ -326,11 +329,11 @@ def _doom(w: IndexWriter, planned: dict[int, int]) -> list[int]:
     no commit takes a segment out of the catalog while an entry points into it). Their files wait in
     meta ``doomed_segments``, with this transaction's id, for readers to finish. Returns them."""
     freed = [seg for seg, length in planned.items() if w.segment_length(seg) == length]
-    doomed = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
+    doomed = DOOMED_SEGMENTS.get(w)
     for seg in freed:
         w.delete_segment(seg)
         doomed[seg] = w.txn_id()
-    w.put_meta("doomed_segments", doomed)
+    DOOMED_SEGMENTS.put(w, doomed)
     return freed
 
 

@@ -24,7 +24,8 @@ from . import codecs, fs, knobs, merge, reader, record, validate
 from .errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
 from .index import DenseLoc, RowLoc
 from .rowrecords import block_records
-from .version_edit import CATALOG_FIELDS, VersionEdit
+from .schema import TableRecord
+from .version_edit import VersionEdit
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -77,15 +78,15 @@ class CheckpointWriter:
         info = self._engine.table_record(table)
         if info is None:
             raise TableNotFound(f"no table {table!r} in this store; create it with store.create_table()")
-        rows = validate.row_ids(rows, info["num_rows"], table)
-        values, value_range = validate.row_values(values, rows, info["dim"], table)
+        rows = validate.row_ids(rows, info.num_rows, table)
+        values, value_range = validate.row_values(values, rows, info.dim, table)
         order = validate.sorted_unique_rows(rows, table)
         if order is not None:
             rows, values = rows[order], values[order]
-        chosen = codecs.get(codec if codec is not None else info["codec"])
+        chosen = codecs.get(codec if codec is not None else info.codec)
         if not rows.size:
             return  # nothing to write: the table is not listed in this version
-        shift = blocks_math.shift(info["block_rows"])
+        shift = blocks_math.shift(info.block_rows)
         blocks = rows >> shift
         pending = self._rows.get(table, {})
         merging = np.isin(blocks, np.fromiter(pending, dtype=np.int64, count=len(pending))) if pending else None
@@ -192,8 +193,8 @@ class CheckpointWriter:
         catalog, rows = [], []
         for name, blocks in self._rows.items():
             tinfo = engine.table_record(name)
-            catalog.append({k: tinfo[k] for k in CATALOG_FIELDS})
-            rows += [(tinfo["id"], block, self.version, blocks[block]) for block in sorted(blocks)]
+            catalog.append(tinfo)
+            rows += [(tinfo.id, block, self.version, blocks[block]) for block in sorted(blocks)]
         return VersionEdit(version=self.version, versions={self.version: info}, catalog=catalog, rows=rows,
                            dense=[(dense_id, self.version, loc) for dense_id, loc in self._dense.values()],
                            dense_names={name: dense_id for name, (dense_id, _loc) in self._dense.items()},
@@ -240,7 +241,7 @@ class CheckpointWriter:
             total -= loc.length - (record.HEADER_BYTES + record.TRAILER_BYTES + own * (row_bytes + 2))
         return total
 
-    def _chain_merges(self, stack: contextlib.ExitStack, info: dict, blocks: np.ndarray):
+    def _chain_merges(self, stack: contextlib.ExitStack, info: TableRecord, blocks: np.ndarray):
         """({block: merge.ChainMerge} of the fresh ``blocks`` whose chain needs a merge, and a resolver
         reading within an index read transaction held by ``stack`` while the merges load records).
 
@@ -253,21 +254,21 @@ class CheckpointWriter:
         with engine.pin_lock:
             view = stack.enter_context(engine.index.read())
             for block in np.unique(blocks).tolist():
-                plan = merge.chain_merge(view, info["id"], block, self._parent)
+                plan = merge.chain_merge(view, info.id, block, self._parent)
                 if plan is not None:  # (every entry the merged record might read; narrowed after the merge)
                     found[block] = plan
                     for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
-                        self.pins.add((info["id"], block, v))
+                        self.pins.add((info.id, block, v))
         return found, reader.BlockResolver(view, engine.segments, info)
 
-    def _append_fresh(self, table: str, info: dict, codec, rows: np.ndarray, encoded: np.ndarray,
+    def _append_fresh(self, table: str, info: TableRecord, codec, rows: np.ndarray, encoded: np.ndarray,
                       chain_merges: dict, resolver) -> None:
         """Append records of rows of blocks this version had not written: plain increments, and for the
         blocks in ``chain_merges`` a delta (or new baseline) merged with the older chain (merge.py)."""
         if not chain_merges:
             self._append(table, block_records(info, codec, rows, encoded, self.version))
             return
-        shift = blocks_math.shift(info["block_rows"])
+        shift = blocks_math.shift(info.block_rows)
         blocks = rows >> shift
         keys = np.fromiter(chain_merges, dtype=np.int64, count=len(chain_merges))
         merged = np.isin(blocks, keys)
@@ -278,8 +279,8 @@ class CheckpointWriter:
         for i, start in enumerate(starts.tolist()):
             stop = int(bounds[i + 1])
             block = int(m_blocks[start])
-            first = blocks_math.base(block, info["block_rows"])
-            block_len = blocks_math.length(block, info["block_rows"], info["num_rows"])
+            first = blocks_math.base(block, info.block_rows)
+            block_len = blocks_math.length(block, info.block_rows, info.num_rows)
             m = merge.merge_block(resolver, block, block_len, chain_merges[block], codec, m_rows[start:stop] - first,
                                   m_encoded[start:stop])
             self._append(table, block_records(info, m.codec, m.offsets + first, m.encoded, self.version,
@@ -291,7 +292,7 @@ class CheckpointWriter:
             reads = {m.base} | ({plan.baseline[0]} if m.base and plan.baseline is not None else set())
             for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
                 if v not in reads:
-                    self.pins.discard((info["id"], block, v))
+                    self.pins.discard((info.id, block, v))
 
     def _plan_merges(self, table, info, rows, values, blocks, merging, codec) -> list:
         """For blocks this version already wrote: (codec, merged rows, merged encoded rows, delta base,
@@ -300,14 +301,14 @@ class CheckpointWriter:
         Raises InvalidArgument (before anything is written) if a row was already put in this version.
         """
         engine = self._engine
-        dim = info["dim"]
+        dim = info.dim
         plans = []
         m_rows, m_values, m_blocks = rows[merging], values[merging], blocks[merging]
         starts, bounds = blocks_math.runs(m_blocks)
         for i, start in enumerate(starts):
             stop = bounds[i + 1]
             block = int(m_blocks[start])
-            base = blocks_math.base(block, info["block_rows"])
+            base = blocks_math.base(block, info.block_rows)
             old = engine.load_pending(self._rows[table][block], info)
             old_rows = old.offsets() + base
             new_rows, new_values = m_rows[start:stop], m_values[start:stop]

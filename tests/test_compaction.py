@@ -412,7 +412,7 @@ def test_empty_store_maintenance(store):
 
 def _entry(store, table: str, block: int, version: int):
     """(version, RowLoc, parsed record) of the newest index entry of the block at or before ``version``."""
-    tid = store.engine.table_record(table)["id"]
+    tid = store.engine.table_record(table).id
     with store.engine.index.read() as view:
         v, loc = next(view.row_chain(tid, block, version))
     rec = record.parse(store.engine.segments.read(loc.segment, loc.offset, loc.length), "", loc.offset)
@@ -652,7 +652,7 @@ def test_gc_of_a_corrupted_live_record_changes_nothing(store):
     seg = candidates[-1]  # GC copies the other candidates first: those copies must be undone
     kind, obj, block, v, loc = live[seg][-1]
     if kind == "rows":
-        damaged = next(n for n in TABLES if store.engine.table_record(n)["id"] == obj)
+        damaged = next(n for n in TABLES if store.engine.table_record(n).id == obj)
     else:
         damaged = dense_names[obj]
     path = filenames.segment_path(store.path, seg)
