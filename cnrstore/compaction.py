@@ -13,7 +13,6 @@ meta ``doomed_segments`` with the id of the transaction that freed it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
@@ -21,9 +20,10 @@ import numpy as np
 from . import blocks as blocks_math
 from . import codecs, fs, knobs, liveness, reader, record, schema
 from .errors import InvalidArgument, StorageFull
-from .index import DenseLoc, IndexView, IndexWriter, RowLoc
+from .index import DenseLoc, IndexView, RowLoc
 from .segments import SEGMENT_HEADER_BYTES
 from .storage import Expect, fetch
+from .types import CompactReport, GCReport
 from .rowrecords import block_records
 from .version_edit import DropLog, Move, VersionEdit, anchor_at
 
@@ -31,33 +31,6 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 Progress = Callable[[int, int], None]
-
-
-@dataclass
-class CompactReport:
-    """What ``Store.compact`` did: baselines written at ``version`` and the bytes they took."""
-
-    version: int
-    blocks_materialized: int = 0
-    bytes_written: int = 0
-
-
-@dataclass
-class GCReport:
-    """What ``Store.gc`` did. ``bytes_reclaimed`` were freed on disk now; ``bytes_pending`` belong to
-    segments that readers may still use, deleted by a later ``gc`` (or open) once they are done.
-
-    ``incomplete`` is None when the pass did everything; otherwise it says what was left undone and
-    why (the disk filled while copying live records out of under-full segments): what the report counts
-    was reclaimed all the same, and a later ``gc`` with free space finishes the job.
-    """
-
-    bytes_reclaimed: int = 0
-    bytes_copied: int = 0
-    segments_deleted: int = 0
-    segments_rewritten: int = 0
-    bytes_pending: int = 0
-    incomplete: str | None = None
 
 
 def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tuple[int, RowLoc]]]:
@@ -339,7 +312,7 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
         free = VersionEdit(free_segments={seg: committed[seg] for seg in dead})
         _commit(engine, appender, False, "gc_free", free)  # StorageFull here: nothing changed
         appender.forget(free.freed)
-    delete_doomed(engine, report)  # the space the copies below may need
+    engine.delete_doomed(report)  # the space the copies below may need
 
     # 2. clean the chosen segments, one committed batch at a time
     batches: list[list[int]] = []
@@ -399,8 +372,8 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
         done += len(batch)
         if progress is not None:
             progress(done, len(candidates))
-        delete_doomed(engine, report)  # each batch's sources, as soon as no reader needs them
-    return delete_doomed(engine, report)
+        engine.delete_doomed(report)  # each batch's sources, as soon as no reader needs them
+    return engine.delete_doomed(report)
 
 
 def _seal_idle_writer_segment(engine: "Engine") -> None:
@@ -441,52 +414,6 @@ def _verified_bytes(engine: "Engine", loc, expect: Expect) -> np.ndarray:
     copies damage, nor a record other than the one the entry names, into a new segment."""
     fetch(engine.segments, loc, expect)
     return engine.segments.read(loc.segment, loc.offset, loc.length)
-
-
-def delete_doomed(engine: "Engine", report: GCReport) -> GCReport:
-    """Delete freed segment files no reader can need any more; the rest wait for a later call."""
-    if engine.lock is not None:
-        engine.lock.verify()  # never delete files under a path that no longer names this store
-    with engine.index.read() as view:
-        doomed = schema.DOOMED_SEGMENTS.get(view)
-    if not doomed:
-        return report
-    oldest = engine.index.oldest_reader_txn()
-    deletable = [seg for seg, freed_by in doomed.items() if oldest is None or oldest >= freed_by]
-    storage = engine.segments
-    for seg in deletable:
-        size = storage.size(seg) or 0
-        try:
-            storage.remove(seg)
-        except FileNotFoundError:
-            size = 0
-        report.bytes_reclaimed += size
-        report.segments_deleted += 1
-    for seg in doomed:
-        if seg not in deletable:
-            report.bytes_pending += storage.size(seg) or 0
-    if deletable:
-        storage.sync_removals()
-
-        def body(w: IndexWriter) -> None:
-            current = schema.DOOMED_SEGMENTS.get(w)
-            schema.DOOMED_SEGMENTS.put(w, {s: t for s, t in current.items() if s not in deletable})
-            # the open after a restart allocates ids past this one (store.py)
-            schema.MAX_DELETED_SEGMENT.put(w, max(schema.MAX_DELETED_SEGMENT.get(w), *deletable))
-
-        try:
-            engine.index.write(body)
-        except StorageFull as exc:
-            # the files are gone (their space is free); doomed_segments still lists them, which keeps
-            # their ids from being reused, and the next gc or open drops them from it
-            report.incomplete = report.incomplete or f"{_UNRECORDED} ({exc}); free disk space and run gc again"
-        else:
-            if report.incomplete and report.incomplete.startswith(_UNRECORDED):
-                report.incomplete = None  # a later call of this pass recorded them after all
-    return report
-
-
-_UNRECORDED = "the index could not record the deletion of freed segments"
 
 
 def replace_dense(engine: "Engine", name: str, version: int, array: np.ndarray) -> DenseLoc:
