@@ -1099,3 +1099,26 @@ def test_a_long_lived_reader_across_a_writer_restart(store_path):
         assert ro.read_table("t", version=3)[5, 0] == 3
     assert_consistent(store)
     store.close()
+
+
+def test_store_drop_versions_is_the_seam_for_sibling_packages(store):
+    """Store.drop_versions (what cnrstore.distributed calls): drops the versions present, keeps what kept
+    versions read, and drops the newest one only when allowed; gc then reclaims the space."""
+    store.create_table("t", 64, 4, codec="fp32", block_rows=16)
+    for v in range(1, 5):
+        with store.checkpoint() as ck:
+            ck.put_rows("t", np.arange(v, 64, 4), np.full((len(range(v, 64, 4)), 4), v, np.float32))
+    rows = np.arange(1, 64)  # (row 0 is written first by the last checkpoint below)
+    newest = store.read_rows("t", rows, 4)
+    with pytest.raises(cnrstore.CnrError, match="newest"):
+        store.drop_versions([4])
+    assert store.drop_versions([2, 3, 99]) == [2, 3]
+    assert [v.version for v in store.versions()] == [1, 4]
+    assert np.array_equal(store.read_rows("t", rows, 4), newest)
+    assert store.drop_versions([4], allow_newest=True) == [4]
+    assert [v.version for v in store.versions()] == [1]
+    store.gc()
+    assert store.verify().ok
+    with store.checkpoint() as ck:  # version numbers are never reused
+        ck.put_rows("t", [0], np.zeros((1, 4), np.float32))
+    assert store.latest().version == 5
