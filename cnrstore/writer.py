@@ -1,9 +1,10 @@
 """CheckpointWriter: stream one version's records into the log, then commit it atomically.
 
-Durability protocol (DESIGN.md): (1) append the version's records and its COMMIT record (what repair
-rebuilds the index from), (2) fsync them, (3) one synced LMDB transaction (the one commit path,
-Engine.commit in cnrstore/engine.py) inserts the index entries, the version record and the segments' committed lengths. The
-version exists exactly when (3) has committed. Abort (or any failure) truncates what was appended.
+Durability protocol (DESIGN.md): (1) append the version's records, then commit its ``VersionEdit``
+(version_edit.py) through the one commit path, Engine.commit: (2) its COMMIT record (what repair rebuilds
+the index from) is appended and everything fsynced, (3) one synced LMDB transaction applies the edit: the
+index entries, the version record and the segments' committed lengths. The version exists exactly when
+(3) has committed. Abort (or any failure) truncates what was appended.
 
 A version holds at most one record per (table, block). A second ``put_rows`` that touches a block this
 version already wrote merges into a new record for that block: encoded bytes are copied when the codecs
