@@ -37,7 +37,8 @@ from .errors import (
     UnsafePayload,
     VersionNotFound,
 )
-from .store import FORMAT_VERSION, Store, open
+from .marker import FORMAT_VERSION
+from .store import Store, open
 from .repair import RepairReport, repair
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 from .writer import CheckpointWriter

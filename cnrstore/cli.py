@@ -141,7 +141,7 @@ def _versions_rows(store: Store) -> list[dict]:
     (``compaction.versions_with_read_chains``), so a listing is linear in versions and index entries."""
     with store.engine.index.read() as view:
         damaged = damaged_blocks(view)
-        names = {info["id"]: name for name, info in view.tables().items()}
+        names = {info.id: name for name, info in view.tables().items()}
         dense = {did: name for name, did in view.dense_names().items()}
     rows = []
     for v, info, chain in compaction.versions_with_read_chains(store.engine):

@@ -13,52 +13,24 @@ meta ``doomed_segments`` with the id of the transaction that freed it.
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, fs, knobs, liveness, reader, record
-from .errors import CnrError, InvalidArgument, StorageFull
-from .index import DenseLoc, IndexView, IndexWriter, RowLoc
+from . import codecs, fs, knobs, liveness, reader, record, schema
+from .errors import InvalidArgument, StorageFull
+from .index import DenseLoc, IndexView, RowLoc
 from .segments import SEGMENT_HEADER_BYTES
 from .storage import Expect, fetch
-from .reader import unread_versions
+from .types import CompactReport, GCReport
 from .rowrecords import block_records
+from .version_edit import DropLog, Move, VersionEdit, anchor_at
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 Progress = Callable[[int, int], None]
-
-
-@dataclass
-class CompactReport:
-    """What ``Store.compact`` did: baselines written at ``version`` and the bytes they took."""
-
-    version: int
-    blocks_materialized: int = 0
-    bytes_written: int = 0
-
-
-@dataclass
-class GCReport:
-    """What ``Store.gc`` did. ``bytes_reclaimed`` were freed on disk now; ``bytes_pending`` belong to
-    segments that readers may still use, deleted by a later ``gc`` (or open) once they are done.
-
-    ``incomplete`` is None when the pass did everything; otherwise it says what was left undone and
-    why (the disk filled while copying live records out of under-full segments): what the report counts
-    was reclaimed all the same, and a later ``gc`` with free space finishes the job.
-    """
-
-    bytes_reclaimed: int = 0
-    bytes_copied: int = 0
-    segments_deleted: int = 0
-    segments_rewritten: int = 0
-    bytes_pending: int = 0
-    incomplete: str | None = None
 
 
 def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tuple[int, RowLoc]]]:
@@ -69,7 +41,7 @@ def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tu
     ``version``): the cost does not grow with the records of other versions, so that a background
     materialization after many versions costs what the blocks' chains hold, not the whole history."""
     chains: dict[tuple[int, int], list] = {}
-    for tid in sorted(info["id"] for info in view.tables().values()):
+    for tid in sorted(info.id for info in view.tables().values()):
         for block, oldest in view.row_blocks(tid):
             if oldest > version:
                 continue
@@ -164,7 +136,7 @@ def materialize(engine: "Engine", version: int, progress: Progress | None = None
     appender = engine.compaction_appender
     new_entries: list[tuple[int, int, RowLoc]] = []
     with engine.index.read() as view:
-        tables = {info["id"]: info for info in view.tables().values()}
+        tables = {info.id: info for info in view.tables().values()}
         all_chains = block_chains(view, version)
         chains = {key: chain for key, chain in all_chains.items() if len(chain) > 1}
         # bytes of the state at `version` once materialized: what a full baseline there weighs
@@ -175,7 +147,7 @@ def materialize(engine: "Engine", version: int, progress: Progress | None = None
                 info = tables[tid]
                 resolver = reader.BlockResolver(view, engine.segments, info)
                 pieces, _never_written = resolver.resolve(block, None, version)
-                codec, rows, encoded = _merge_pieces(pieces, blocks_math.base(block, info["block_rows"]), info["dim"])
+                codec, rows, encoded = _merge_pieces(pieces, blocks_math.base(block, info.block_rows), info.dim)
                 records = block_records(info, codec, rows, encoded, version, compacted=True)
                 locations = appender.append_many([(buffers, length) for _key, buffers, length in records])
                 for ((blk, count, flags), _buffers, length), (seg, off) in zip(records, locations):
@@ -186,93 +158,32 @@ def materialize(engine: "Engine", version: int, progress: Progress | None = None
                 done += 1
                 if progress is not None:
                     progress(done, len(chains))
-            heads = {key: (chain[0][0], chain[0][1].count, chain[0][1].flags)
+            heads = {key: [(chain[0][0], chain[0][1].count, chain[0][1].flags)]
                      for key, chain in all_chains.items() if key not in chains}
             for tid, blk, loc in new_entries:
-                heads[(tid, blk)] = (version, loc.count, loc.flags)
-            floor = max(view.meta("dropped_below", 0), drop_below or 0)
-            body = anchor_body(view, version, heads, floor)
-            buffers, length = record.log_record(record.KIND_ANCHOR, version, body)
-            anchor_loc = DenseLoc(*appender.append(buffers, length), length)
+                heads[(tid, blk)] = [(version, loc.count, loc.flags)]
+            floor = max(schema.DROPPED_BELOW.get(view), drop_below or 0)
+            anchor = anchor_at(view, version, heads, floor)
         except BaseException:
             appender.rollback()
             raise
-    def update(w: IndexWriter) -> None:
-        for tid, blk, loc in new_entries:
-            w.put_row(tid, blk, version, loc)  # replaces the entry this version may have had
-        # entries of dropped versions the new baselines shadow for every kept version are garbage now
-        kept = w.version_numbers()
-        for tid, blk, _loc in new_entries:
-            entries = [(v, bool(loc.flags & record.FLAG_BASELINE), loc.base) for v, loc in w.block_entries(tid, blk)]
-            for v in unread_versions(entries, kept):
-                if (tid, blk, v) not in pinned:
-                    w.delete_row(tid, blk, v)
-        w.put_meta("bytes_written", w.meta("bytes_written", 0) + report.bytes_written)
-        if version >= w.meta("last_baseline", {}).get("version", 0):
-            w.put_meta("last_baseline", {"version": version, "bytes": baseline_bytes})
-        w.put_meta("dropped_below", floor)
-        w.put_log(record.KIND_ANCHOR, version, anchor_loc)
-        prune_log(w)
-
+    # the new baselines replace the entries this version may have had; entries of dropped versions they
+    # shadow for every kept version are garbage now
+    edit = VersionEdit(anchor=anchor, rows=[(tid, blk, version, loc) for tid, blk, loc in new_entries],
+                       shadowed=[(tid, blk) for tid, blk, _loc in new_entries], bytes_written=report.bytes_written,
+                       last_baseline={"version": version, "bytes": baseline_bytes}, meta={schema.DROPPED_BELOW: floor},
+                       prune_log_records=True)
     with engine.pin_lock:  # as in drop_versions: never delete the base of an open checkpoint's delta
-        pinned = engine.pinned()
-        _commit(engine, appender, True, "compact", update)
+        edit.pinned = frozenset(engine.pinned())
+        _commit(engine, appender, True, "compact", edit)
     return report
 
 
-def anchor_body(view: IndexView, version: int, heads: dict, dropped_below: int) -> dict:
-    """The body of an ANCHOR record at ``version`` (docs/FORMAT.md). ``heads``: (table id, block) ->
-    (version, count, flags) of the one record of the block's read chain at ``version``, or a list of
-    those: the block's whole read chain there, newest first (format 3: chains of increments and deltas)."""
-    by_table: dict[int, list] = {}
-    for (tid, blk), head in sorted(heads.items()):
-        for entry in (head if isinstance(head, list) else [head]):
-            by_table.setdefault(tid, []).append((blk, *entry))
-    packed = {}
-    for tid, items in by_table.items():
-        arr = np.array(items, dtype=np.int64).reshape(-1, 4)
-        packed[tid] = [arr[:, 0].astype("<u8").tobytes(), arr[:, 1].astype("<u8").tobytes(),
-                       arr[:, 2].astype("<u4").tobytes(), arr[:, 3].astype("<u1").tobytes()]
-    dense: dict[int, int] = {}
-    for dense_id, v, _loc in view.dense_entries():
-        if v <= version:
-            dense[dense_id] = v  # entries come oldest first
-    catalog = [{k: info[k] for k in ("id", "name", "num_rows", "dim", "codec", "block_rows", "created")}
-               for info in view.tables().values()]
-    return {"version": version, "dropped_below": dropped_below, "catalog": catalog,
-            "dense_names": view.dense_names(), "heads": packed, "dense": dense}
-
-
-def prune_log(w: IndexWriter) -> None:
-    """Forget (so that GC may reclaim) the COMMIT and ANCHOR records repair no longer needs.
-
-    With k(u) the smallest kept version >= u: the COMMIT of a dropped version u is dead once an anchor
-    lies in (u, k(u)] (or no kept version is newer); an ANCHOR at a is dead once a newer anchor lies in
-    (a, k(a)] (or no kept version is newer). COMMITs of kept versions and their anchors stay. Only the
-    newest DROP record is needed: it lists every version kept at that drop.
-    """
-    kept = w.version_numbers()
-    anchors = [v for _k, v, _loc in w.log_entries(record.KIND_ANCHOR)]
-    drops = [seq for _k, seq, _loc in w.log_entries(record.KIND_DROP)]
-    dead = [(record.KIND_DROP, seq) for seq in drops[:-1]]  # the newest DROP lists every kept version
-    for kind, u, _loc in list(w.log_entries()):
-        if kind == record.KIND_DROP:
-            continue
-        i = bisect.bisect_left(kept, u)  # not np.searchsorted: it would convert the list on each call
-        if i < len(kept) and kept[i] == u and kind == record.KIND_COMMIT:
-            continue
-        k = kept[i] if i < len(kept) else None
-        j = bisect.bisect_right(anchors, u)  # first anchor > u
-        if k is None or (j < len(anchors) and anchors[j] <= k):
-            dead.append((kind, u))
-    for kind, u in dead:
-        w.delete_log(kind, u)
-
-
-def _commit(engine: "Engine", appender, appended: bool, name: str, update: Callable[[IndexWriter], None]) -> None:
-    """The engine's one commit path with compaction's crash points ``<name>_after_append`` and
-    ``<name>_inside_index_commit``; on any failure it throws the appended bytes away."""
-    engine.commit(appender, appended, update, after_append=f"{name}_after_append",
+def _commit(engine: "Engine", appender, appended: bool, name: str, edit: VersionEdit) -> None:
+    """The engine's one commit path (LogAndApply of ``edit``) with compaction's crash points
+    ``<name>_after_append`` and ``<name>_inside_index_commit``; on any failure it throws the appended
+    bytes away."""
+    engine.commit(appender, edit, appended=appended, after_append=f"{name}_after_append",
                   inside_index_commit=f"{name}_inside_index_commit")
 
 
@@ -303,7 +214,7 @@ def drop_versions(engine: "Engine", drop: set[int], *, allow_newest: bool = Fals
     """
     with engine.index.read() as view:
         present = view.version_numbers()
-        seq = view.meta("drop_seq", 0) + 1
+        seq = schema.DROP_SEQ.get(view) + 1
         if not set(present) & set(drop):
             return []
         kept_now = sorted(set(present) - set(drop))
@@ -314,53 +225,14 @@ def drop_versions(engine: "Engine", drop: set[int], *, allow_newest: bool = Fals
         if oldest is not None:
             chains = {key: [(v, loc.count, loc.flags) for v, loc in chain]
                       for key, chain in block_chains(view, oldest).items()}
-            floor = view.meta("dropped_below", 0)
-            anchor = record.log_record(record.KIND_ANCHOR, oldest, anchor_body(view, oldest, chains, floor))
+            anchor = anchor_at(view, oldest, chains, schema.DROPPED_BELOW.get(view))
     # the log records the drop, so that repair leaves these versions dropped (docs/FORMAT.md, DROP)
-    drop_body = {"seq": seq, "latest": present[-1], "kept": kept_now}
-    appender = engine.compaction_appender
-    try:
-        buffers, length = record.log_record(record.KIND_DROP, present[-1], drop_body)
-        drop_loc = DenseLoc(*appender.append(buffers, length), length)
-        anchor_loc = None if anchor is None else DenseLoc(*appender.append(*anchor), anchor[1])
-    except BaseException:
-        appender.rollback()
-        raise
-    result: list[int] = []
-
-    def body(w: IndexWriter) -> list[int]:
-        versions = w.version_numbers()
-        dropped = sorted(set(versions) & set(drop))
-        if dropped and dropped[-1] == versions[-1] and not allow_newest:
-            raise CnrError("the newest version cannot be dropped")  # a policy bug, not a user input
-        kept = sorted(set(versions) - set(dropped))
-        by_block: dict[tuple[int, int], list] = {}
-        for t, b, v, loc in w.row_entries():
-            by_block.setdefault((t, b), []).append((v, bool(loc.flags & record.FLAG_BASELINE), loc.base))
-        for (t, b), entries in by_block.items():
-            for v in unread_versions(entries, kept):
-                if (t, b, v) not in pinned:  # the base of a delta the open checkpoint writes
-                    w.delete_row(t, b, v)
-        by_dense: dict[int, list] = {}
-        for d, v, _loc in w.dense_entries():
-            by_dense.setdefault(d, []).append((v, True))
-        for d, entries in by_dense.items():
-            for v in unread_versions(entries, kept):
-                w.delete_dense(d, v)
-        for v in dropped:
-            w.delete_version(v)
-        w.put_meta("drop_seq", seq)
-        w.put_log(record.KIND_DROP, seq, drop_loc)
-        if anchor_loc is not None:
-            w.put_log(record.KIND_ANCHOR, oldest, anchor_loc)
-        prune_log(w)
-        result[:] = dropped
-        return dropped
-
+    edit = VersionEdit(drop=DropLog(seq, present[-1], kept_now), anchor=anchor, drop_versions=frozenset(drop),
+                       allow_newest=allow_newest, meta={schema.DROP_SEQ: seq}, prune_log_records=True)
     with engine.pin_lock:  # a checkpoint cannot pin a base while the drop decides (writer._chain_merges)
-        pinned = engine.pinned()
-        _commit(engine, appender, True, "drop", body)
-    return result
+        edit.pinned = frozenset(engine.pinned())  # the bases of deltas the open checkpoint writes
+        _commit(engine, engine.compaction_appender, True, "drop", edit)
+    return edit.dropped
 
 
 def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
@@ -437,15 +309,10 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
 
     # 1. free the wholly dead segments: no segment bytes to write (LMDB may need a page or two)
     if dead:
-        freed: list[int] = []
-
-        def free(w: IndexWriter) -> None:
-            freed[:] = unchanged_segments(w, dead, committed)
-            _doom(w, freed)
-
+        free = VersionEdit(free_segments={seg: committed[seg] for seg in dead})
         _commit(engine, appender, False, "gc_free", free)  # StorageFull here: nothing changed
-        appender.forget(freed)
-    delete_doomed(engine, report)  # the space the copies below may need
+        appender.forget(free.freed)
+    engine.delete_doomed(report)  # the space the copies below may need
 
     # 2. clean the chosen segments, one committed batch at a time
     batches: list[list[int]] = []
@@ -458,43 +325,30 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
         size += live.get(seg, 0)
     done = 0
     for batch in batches:
-        moved_rows: list[tuple[int, int, int, RowLoc]] = []
-        moved_dense: list[tuple[int, int, DenseLoc]] = []
-        moved_log: list[tuple[int, int, DenseLoc]] = []
+        moves: list[Move] = []
         copied = 0
         try:
             for seg in batch:
-                copies, sources = [], []  # sources: the entry each copy replaces, if it is still the same
+                # (kind, index key, the entry's record, the copy's location but for its place, buffers)
+                copies: list[tuple[str, tuple, object, object, list]] = []
                 for tid, block, v, loc in row_users.get(seg, []):
                     rows = alive.partial.get((tid, block, v))
                     if rows is None:
-                        copies.append(("row", (tid, block, v, loc),
-                                       [_verified_bytes(engine, loc, Expect(record.KIND_ROWS, tid, v, block))],
-                                       loc.length))
+                        buffers = [_verified_bytes(engine, loc, Expect(record.KIND_ROWS, tid, v, block))]
+                        copies.append(("row", (tid, block, v), loc, loc, buffers))
                     else:  # partly live: rewritten with its live rows only
-                        new_loc, buffers, length = _live_rows_record(engine, loc, rows, tid, block)
-                        copies.append(("row", (tid, block, v, new_loc), buffers, length))
-                    sources.append(loc)
+                        new_loc, buffers, _length = _live_rows_record(engine, loc, rows, tid, block)
+                        copies.append(("row", (tid, block, v), loc, new_loc, buffers))
                 for dense_id, v, loc in dense_users.get(seg, []):
-                    copies.append(("dense", (dense_id, v, loc),
-                                  [_verified_bytes(engine, loc, Expect(record.KIND_DENSE, dense_id, v))], loc.length))
-                    sources.append(loc)
+                    buffers = [_verified_bytes(engine, loc, Expect(record.KIND_DENSE, dense_id, v))]
+                    copies.append(("dense", (dense_id, v), loc, loc, buffers))
                 for kind, v, loc in log_users.get(seg, []):
-                    copies.append(("log", (kind, v, loc), [_verified_bytes(engine, loc, Expect(kind))], loc.length))
-                    sources.append(loc)
-                locations = appender.append_many([(buffers, length) for _kind, _key, buffers, length in copies])
+                    copies.append(("log", (kind, v), loc, loc, [_verified_bytes(engine, loc, Expect(kind))]))
+                locations = appender.append_many([(buffers, new.length) for _k, _key, _old, new, buffers in copies])
                 fs.crash_point("gc_cleaned_segment")
-                for (kind, key, _buffers, length), (new_seg, off), old in zip(copies, locations, sources):
-                    if kind == "row":
-                        tid, block, v, loc = key
-                        moved_rows.append((tid, block, v, old, loc._replace(segment=new_seg, offset=off)))
-                    elif kind == "log":
-                        log_kind, v, loc = key
-                        moved_log.append((log_kind, v, old, DenseLoc(new_seg, off, loc.length)))
-                    else:
-                        dense_id, v, loc = key
-                        moved_dense.append((dense_id, v, old, DenseLoc(new_seg, off, loc.length)))
-                    copied += length
+                for (kind, key, old, new, _buffers), (new_seg, off) in zip(copies, locations):
+                    moves.append(Move(kind, key, old, new._replace(segment=new_seg, offset=off)))
+                    copied += new.length
         except StorageFull as exc:
             appender.rollback()
             report.incomplete = _incomplete(candidates, done, exc)
@@ -503,54 +357,23 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
             appender.rollback()
             raise
 
-        cleaned: list[int] = []
-
-        def update(w: IndexWriter, moved_rows=moved_rows, moved_dense=moved_dense, moved_log=moved_log,
-                   batch=batch, copied=copied, cleaned=cleaned) -> None:
-            # The copies were planned on an older snapshot: each replaces its entry only if the entry is
-            # still the one copied, and a segment is freed only if no commit has grown it since.
-            for tid, block, v, old, loc in moved_rows:
-                if _same_place(w.row_at(tid, block, v), old):
-                    w.put_row(tid, block, v, loc)
-            for dense_id, v, old, loc in moved_dense:
-                if _same_place(w.dense_loc(dense_id, v), old):
-                    w.put_dense(dense_id, v, loc)
-            for kind, v, old, loc in moved_log:
-                if _same_place(w.log_loc(kind, v), old):
-                    w.put_log(kind, v, loc)
-            cleaned[:] = unchanged_segments(w, batch, committed)
-            _doom(w, cleaned)
-            w.put_meta("bytes_written", w.meta("bytes_written", 0) + copied)
-
+        # The copies were planned on an older snapshot: each replaces its entry only if the entry is still
+        # the one copied, and a segment is freed only if no commit has grown it since (VersionEdit).
+        edit = VersionEdit(moves=moves, free_segments={seg: committed[seg] for seg in batch}, bytes_written=copied)
         try:
-            _commit(engine, appender, bool(moved_rows or moved_dense or moved_log), "gc", update)  # rolls back on failure
+            _commit(engine, appender, bool(moves), "gc", edit)  # rolls back on failure
         except StorageFull as exc:
             report.incomplete = _incomplete(candidates, done, exc)
             break
+        cleaned = edit.freed
         appender.forget(cleaned)
         report.bytes_copied += copied
         report.segments_rewritten += len(cleaned)
         done += len(batch)
         if progress is not None:
             progress(done, len(candidates))
-        delete_doomed(engine, report)  # each batch's sources, as soon as no reader needs them
-    return delete_doomed(engine, report)
-
-
-def unchanged_segments(w: IndexWriter, segments: list[int], planned: dict[int, int]) -> list[int]:
-    """Those of ``segments`` whose committed length in the transaction ``w`` is still ``planned[seg]``.
-
-    GC plans on a snapshot and commits later; meanwhile a checkpoint may commit records into a segment
-    GC judged (the writer's active segment of that snapshot, which it has since rolled away from). Index
-    entries only ever point at records appended to a segment, so a segment whose committed length is
-    unchanged holds no entry the plan did not see. Invariant: no commit takes a segment out of the
-    catalog while an index entry points into it."""
-    return [seg for seg in segments if w.segment_length(seg) == planned[seg]]
-
-
-def _same_place(current, old) -> bool:
-    """Whether an index entry (RowLoc or DenseLoc, or None) still points at the record ``old`` does."""
-    return current is not None and (current.segment, current.offset) == (old.segment, old.offset)
+        engine.delete_doomed(report)  # each batch's sources, as soon as no reader needs them
+    return engine.delete_doomed(report)
 
 
 def _seal_idle_writer_segment(engine: "Engine") -> None:
@@ -581,15 +404,6 @@ def _live_rows_record(engine: "Engine", loc: RowLoc, rows: np.ndarray, tid: int,
 _GC_BATCH_BYTES = 64 << 20
 
 
-def _doom(w: IndexWriter, segments: list[int]) -> None:
-    """Take ``segments`` out of the index; their files wait in ``doomed_segments`` for readers to finish."""
-    doomed = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
-    for seg in segments:
-        w.delete_segment(seg)
-        doomed[seg] = w.txn_id()
-    w.put_meta("doomed_segments", doomed)
-
-
 def _incomplete(candidates: list[int], done: int, exc: BaseException) -> str:
     return (f"{len(candidates) - done} of {len(candidates)} under-full segments were not rewritten ({exc}); "
             "free disk space and run gc again to reclaim them")
@@ -600,52 +414,6 @@ def _verified_bytes(engine: "Engine", loc, expect: Expect) -> np.ndarray:
     copies damage, nor a record other than the one the entry names, into a new segment."""
     fetch(engine.segments, loc, expect)
     return engine.segments.read(loc.segment, loc.offset, loc.length)
-
-
-def delete_doomed(engine: "Engine", report: GCReport) -> GCReport:
-    """Delete freed segment files no reader can need any more; the rest wait for a later call."""
-    if engine.lock is not None:
-        engine.lock.verify()  # never delete files under a path that no longer names this store
-    with engine.index.read() as view:
-        doomed = {int(k): t for k, t in view.meta("doomed_segments", {}).items()}
-    if not doomed:
-        return report
-    oldest = engine.index.oldest_reader_txn()
-    deletable = [seg for seg, freed_by in doomed.items() if oldest is None or oldest >= freed_by]
-    storage = engine.segments
-    for seg in deletable:
-        size = storage.size(seg) or 0
-        try:
-            storage.remove(seg)
-        except FileNotFoundError:
-            size = 0
-        report.bytes_reclaimed += size
-        report.segments_deleted += 1
-    for seg in doomed:
-        if seg not in deletable:
-            report.bytes_pending += storage.size(seg) or 0
-    if deletable:
-        storage.sync_removals()
-
-        def body(w: IndexWriter) -> None:
-            current = {int(k): t for k, t in w.meta("doomed_segments", {}).items()}
-            w.put_meta("doomed_segments", {s: t for s, t in current.items() if s not in deletable})
-            # the open after a restart allocates ids past this one (store.py)
-            w.put_meta("max_deleted_segment", max(w.meta("max_deleted_segment", 0), *deletable))
-
-        try:
-            engine.index.write(body)
-        except StorageFull as exc:
-            # the files are gone (their space is free); doomed_segments still lists them, which keeps
-            # their ids from being reused, and the next gc or open drops them from it
-            report.incomplete = report.incomplete or f"{_UNRECORDED} ({exc}); free disk space and run gc again"
-        else:
-            if report.incomplete and report.incomplete.startswith(_UNRECORDED):
-                report.incomplete = None  # a later call of this pass recorded them after all
-    return report
-
-
-_UNRECORDED = "the index could not record the deletion of freed segments"
 
 
 def replace_dense(engine: "Engine", name: str, version: int, array: np.ndarray) -> DenseLoc:
@@ -668,12 +436,8 @@ def replace_dense(engine: "Engine", name: str, version: int, array: np.ndarray) 
         appender.rollback()
         raise
 
-    def update(w: IndexWriter) -> None:
-        if not _same_place(w.dense_loc(dense_id, version), old):
-            raise InvalidArgument(f"dense array {name!r} of version {version} changed (dropped or moved) while it "
-                                  "was rewritten; run the command again")
-        w.put_dense(dense_id, version, loc)
-        w.put_meta("bytes_written", w.meta("bytes_written", 0) + length)
-
-    _commit(engine, appender, True, "replace_dense", update)
+    conflict = (f"dense array {name!r} of version {version} changed (dropped or moved) while it was rewritten; "
+                "run the command again")
+    edit = VersionEdit(moves=[Move("dense", (dense_id, version), old, loc, conflict)], bytes_written=length)
+    _commit(engine, appender, True, "replace_dense", edit)
     return loc

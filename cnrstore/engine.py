@@ -1,11 +1,15 @@
 """The storage engine beneath a Store: what the writer, compaction, GC, verify and the background worker
 work on.
 
-An ``Engine`` owns the index, the segment storage (storage.py: reads, sizes, listing, removal) and the
-two appenders (the checkpoint writer's and compaction's, sharing one segment-id allocator), the
-process lock, the maintenance lock (compact, retain and gc run one at a time), the open checkpoint and
-the bases its deltas pin, the table catalog cache, the version history background compaction plans on,
-and the one commit path (``Engine.commit``: leveldb's LogAndApply). ``Store`` (store.py) opens it, recovers it, and is the thin API façade of API.md over it.
+``Engine.open`` (leveldb's ``DB::Open``) opens a store, or creates it, and the engine then owns its parts:
+the process lock, the index (rolling forward a repair killed between its renames), the segment storage
+(storage.py: reads, sizes, listing, removal), crash recovery of the segments, the two appenders (the
+checkpoint writer's and compaction's, sharing one segment-id allocator), the writer slot (the one open
+checkpoint, ``begin_writer`` / ``writer_done``) and the bases its deltas pin, the maintenance lock
+(compact, retain and gc run one at a time), the table catalog cache, the version history background
+compaction plans on, the deletion of freed segments (``delete_doomed``), and the one commit path
+(``Engine.commit``: leveldb's LogAndApply of a ``VersionEdit``, version_edit.py). ``Store`` (store.py)
+validates each call's arguments and delegates to it: the thin API façade of API.md.
 
 Nothing here imports the writer, compaction, background or verify modules, nor store.py: they import
 this module (for types only), so the package has no import circle.
@@ -14,26 +18,35 @@ this module (for types only), so the package has no import circle.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
-from . import fs, record
-from .errors import StoreClosed
-from .index import Index, IndexView, IndexWriter, RowLoc
+from . import filenames, fs, opening, record, schema, segments
+from .errors import CheckpointInProgress, IndexDamaged, InvalidArgument, ReadOnlyError, StorageFull, StoreClosed
+from .index import DenseLoc, Index, IndexView, IndexWriter, RowLoc, damage_hint, finish_interrupted_install
+from .lock import ProcessLock
+from .marker import FORMAT_VERSION, marker_bytes
 from .reader import BlockResolver
 from .policy import compaction as compaction_policy
-from .storage import SegmentStorage
-from .types import VersionInfo
+from .schema import TableRecord
+from .storage import LocalSegmentStorage, SegmentStorage
+from .types import GCReport, VersionInfo
+from .version_edit import VersionEdit
+
+W = TypeVar("W")
+_UNRECORDED = "the index could not record the deletion of freed segments"
 
 
 class Engine:
-    """One open store's engine state. ``Store`` fills in the index, storage, appenders and lock at open."""
+    """One open store's engine (see the module docstring). Open one with ``Engine.open``."""
 
     def __init__(self, path: str, filesystem, readonly: bool):
         self.path = path
         self.fs = filesystem
         self.readonly = readonly
         self.closed = False
-        self.lock = None  # lock.ProcessLock of a writable store
+        #: what opening for writing recovered or repaired (torn tails truncated, leftovers removed, ...)
+        self.recovery_notes: list[str] = []
+        self.lock: ProcessLock | None = None  # of a writable store
         self.index: Index | None = None
         self.segments: SegmentStorage | None = None
         self.appender = None  # segments.SegmentAppender of the checkpoint writer
@@ -44,16 +57,90 @@ class Engine:
         self.writer = None  # the open CheckpointWriter, if any
         #: Called after each committed checkpoint (the background compactor's ``notify``).
         self.on_commit: Optional[Callable[[], None]] = None
-        self._tables: dict[str, dict] = {}
+        self._tables: dict[str, TableRecord] = {}
         self._next_dense_id: int | None = None
         self._history: tuple[VersionInfo, ...] | None = None  # see history()
+
+    # open -------------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str, filesystem: fs.FileSystem, storage: SegmentStorage | None = None, *,
+             readonly: bool, create: bool = False, create_wait_s: float = 10.0) -> "Engine":
+        """Open the store at ``path`` (an absolute path): with ``create``, make it first if it has no
+        marker (``opening.create``; another process creating it meanwhile is waited for up to
+        ``create_wait_s``). ``storage``: where segments live (default: the local files, written through
+        ``filesystem``).
+
+        A writable open takes the store's lock, installs the index a repair killed between its renames
+        had built (``index.finish_interrupted_install``), checks the storage takes appends and that this
+        process may write, truncates torn tails and removes provable leftovers (``storage.recover``),
+        starts the two appenders past every segment id ever used, deletes freed segments no reader
+        needs, and upgrades an older format's marker; ``recovery_notes`` says what it did. A readonly
+        open changes nothing. Raises StoreNotFound, FormatVersionError, StoreLocked, PermissionDenied,
+        ReadOnlyError or IndexDamaged, having released whatever it took.
+        """
+        engine = cls(path, filesystem, readonly)
+        try:
+            if not opening.find(path, readonly):
+                if not create or readonly:
+                    raise opening.not_found(path, readonly)
+                engine.lock = opening.create(path, filesystem, create_wait_s)  # held for writing from here
+            fmt = opening.check_format(path, readonly)
+            if not readonly and engine.lock is None:
+                engine.lock = ProcessLock(path)
+                engine.lock.acquire()
+            engine._open_index(storage)
+            if not readonly:
+                engine._recover(fmt)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def _open_index(self, storage: SegmentStorage | None) -> None:
+        if not self.readonly and finish_interrupted_install(self.path, self.fs):
+            self.recovery_notes.append("installed the index an interrupted `cnrstore repair` had built "
+                                       "(index.repair-tmp/)")
+        self.index = Index(filenames.index_dir(self.path), readonly=self.readonly)
+        self.segments = storage if storage is not None else LocalSegmentStorage(self.path, self.fs)
+        if not self.readonly:  # a store this process may only read fails here, not at its first checkpoint
+            if not self.segments.supports_appends:
+                raise ReadOnlyError(f"{type(self.segments).__name__} takes no appends: open store {self.path!r} "
+                                    "readonly=True")
+            self.segments.check_writable(opening.opening(self.path, False))
+        with self.index.read() as view:
+            if schema.FORMAT.get(view) is None:  # an empty environment LMDB made in place of a lost one
+                raise IndexDamaged(f"the index of store {self.path!r} holds no catalog (was index/data.mdb "
+                                   f"replaced?); {damage_hint(self.index.path)}", self.index.path, None)
+
+    def _recover(self, fmt: int) -> None:
+        """Crash recovery of a writable open: the segments back to their committed lengths, the appenders,
+        the freed segments no reader needs deleted, the marker brought to this format."""
+        with self.index.read() as view:
+            committed = view.segments()
+            doomed = set(schema.DOOMED_SEGMENTS.get(view))
+            deleted = schema.MAX_DELETED_SEGMENT.get(view)
+            seg_ids = schema.SEGMENT_IDS.get(view)
+        self.recovery_notes += self.segments.recover(committed, doomed, max_deleted=deleted, ids=seg_ids)
+        # never reuse the id of a deleted segment: a long-lived reader may still map the old file
+        high, _pending = segments.leftover_rule(committed, doomed, deleted, seg_ids)
+        ids = segments.SegmentIds(high + 1)
+        # the checkpoint writer and compaction append to active segments of their own
+        storage = self.segments
+        self.appender = storage.appender(committed, FORMAT_VERSION, ids, resume=True, on_sealed=storage.sealed)
+        self.compaction_appender = storage.appender({}, FORMAT_VERSION, ids, active=None, on_sealed=storage.sealed)
+        if doomed:  # segments GC freed before a restart: delete those no reader needs now
+            self.delete_doomed(GCReport())
+        if fmt < FORMAT_VERSION:  # from now on it holds format-2 records an older GC would drop
+            self.fs.write_file_atomic(filenames.marker_path(self.path), filenames.marker_tmp_path(self.path),
+                                      marker_bytes())
+            self.recovery_notes.append(f"upgraded the store's format from {fmt} to {FORMAT_VERSION}")
 
     # state ------------------------------------------------------------------------------------------
     def check_open(self) -> None:
         if self.closed:
             raise StoreClosed(f"store {self.path!r} is closed")
 
-    def table_record(self, name: str, view: IndexView | None = None) -> dict | None:
+    def table_record(self, name: str, view: IndexView | None = None) -> TableRecord | None:
         """The catalog record of table ``name`` (None if absent); cached, since tables never change."""
         info = self._tables.get(name)
         if info is None:
@@ -66,8 +153,8 @@ class Engine:
                 self._tables[name] = info
         return info
 
-    def remember_table(self, name: str, info: dict) -> None:
-        self._tables[name] = info
+    def remember_table(self, table: TableRecord) -> None:
+        self._tables[table.name] = table
 
     def dense_id_for(self, name: str) -> int:
         """The id of dense array ``name``: its existing one, or a new one (recorded at commit)."""
@@ -76,12 +163,12 @@ class Engine:
             if existing is not None:
                 return existing
             if self._next_dense_id is None:
-                self._next_dense_id = view.meta("next_dense_id", 1)
+                self._next_dense_id = schema.NEXT_DENSE_ID.get(view)
         dense_id = self._next_dense_id
         self._next_dense_id += 1
         return dense_id
 
-    def load_pending(self, loc: RowLoc, info: dict) -> record.Record:
+    def load_pending(self, loc: RowLoc, info: TableRecord) -> record.Record:
         """A record this process appended but may not have committed yet (checksum-verified)."""
         return BlockResolver(None, self.segments, info).load(loc)
 
@@ -104,7 +191,7 @@ class Engine:
                 versions = cached + tuple(version_info(v, info) for v, info in newer)
                 if len(versions) != view.version_count():  # versions were dropped (or repaired)
                     versions = tuple(version_info(v, info) for v, info in view.versions())
-            baseline = view.meta("last_baseline")
+            baseline = schema.LAST_BASELINE.get(view)
         self._history = versions
         if baseline is not None:
             return compaction_policy.History(versions, baseline["version"], baseline["bytes"])
@@ -118,6 +205,28 @@ class Engine:
         writer = self.writer
         return set(writer.pins) if writer is not None else set()
 
+    def begin_writer(self, make: Callable[[int, int | None], W]) -> W:
+        """Put ``make(version, parent)`` (a CheckpointWriter) in the writer slot and return it: ``version``
+        the next version number, allocated in a synced transaction so that it is never handed out twice
+        (even to a checkpoint that aborts or is lost in a crash), ``parent`` the newest committed version.
+        CheckpointInProgress while the slot holds another; ``writer_done`` empties it."""
+        with self.writer_mutex:
+            if self.writer is not None:
+                raise CheckpointInProgress(f"checkpoint {self.writer.version} is still open; commit or abort it "
+                                           "before starting another")
+
+            def allocate(w: IndexWriter) -> tuple[int, int | None]:
+                v = schema.NEXT_VERSION.get(w)
+                if v >= (1 << 64) - 1:  # versions are u64 (the last one would leave no next_version to store)
+                    raise InvalidArgument(f"store {self.path!r} has used up its 2**64 version numbers; write new "
+                                          "checkpoints in a new store")
+                schema.NEXT_VERSION.put(w, v + 1)
+                latest = w.latest()
+                return v, (latest[0] if latest else None)
+
+            self.writer = make(*self.index.write(allocate))
+            return self.writer
+
     def writer_done(self, writer) -> None:
         """The open checkpoint committed, aborted or failed: another may open."""
         with self.writer_mutex:
@@ -126,18 +235,62 @@ class Engine:
         if self.on_commit is not None and writer.committed:
             self.on_commit()
 
-    # the one commit path ----------------------------------------------------------------------------
-    def commit(self, appender, appended: bool, update: Callable[[IndexWriter], None], *, after_append: str,
-               inside_index_commit: str, after_fsync: Optional[str] = None,
-               on_failure: Optional[Callable[[BaseException], None]] = None) -> None:
-        """Make what ``appender`` appended durable and record it in one index transaction.
+    def delete_doomed(self, report: GCReport) -> GCReport:
+        """Delete the freed segment files (meta ``doomed_segments``) no reader of any process can need any
+        more (LMDB's reader table), adding to ``report``; the rest wait for a later call (gc, or open)."""
+        if self.lock is not None:
+            self.lock.verify()  # never delete files under a path that no longer names this store
+        with self.index.read() as view:
+            doomed = schema.DOOMED_SEGMENTS.get(view)
+        if not doomed:
+            return report
+        oldest = self.index.oldest_reader_txn()
+        deletable = [seg for seg, freed_by in doomed.items() if oldest is None or oldest >= freed_by]
+        storage = self.segments
+        for seg in deletable:
+            size = storage.size(seg) or 0
+            try:
+                storage.remove(seg)
+            except FileNotFoundError:
+                size = 0
+            report.bytes_reclaimed += size
+            report.segments_deleted += 1
+        for seg in doomed:
+            if seg not in deletable:
+                report.bytes_pending += storage.size(seg) or 0
+        if deletable:
+            storage.sync_removals()
 
-        Every change to a store (a checkpoint, a compaction, a drop, a GC batch) ends here, as every
-        change to a leveldb ends in its one LogAndApply: (1) the caller appended its records, (2) fsync
-        the appender's segments (if ``appended``), (3) check the store's directory is still ours
-        (StoreMoved: after a rename our paths may name another store's files), (4) one synced LMDB
-        write transaction records the segments' committed lengths and meta ``segment_ids``, then runs
-        ``update``. The change exists exactly when (4) has committed; then ``appender.mark_committed``.
+            def body(w: IndexWriter) -> None:
+                current = schema.DOOMED_SEGMENTS.get(w)
+                schema.DOOMED_SEGMENTS.put(w, {s: t for s, t in current.items() if s not in deletable})
+                # the open after a restart allocates ids past this one (_recover)
+                schema.MAX_DELETED_SEGMENT.put(w, max(schema.MAX_DELETED_SEGMENT.get(w), *deletable))
+
+            try:
+                self.index.write(body)
+            except StorageFull as exc:
+                # the files are gone (their space is free); doomed_segments still lists them, which keeps
+                # their ids from being reused, and the next gc or open drops them from it
+                report.incomplete = report.incomplete or f"{_UNRECORDED} ({exc}); free disk space and run gc again"
+            else:
+                if report.incomplete and report.incomplete.startswith(_UNRECORDED):
+                    report.incomplete = None  # a later call of this pass recorded them after all
+        return report
+
+    # the one commit path ----------------------------------------------------------------------------
+    def commit(self, appender, edit: VersionEdit, *, appended: bool, after_append: str, inside_index_commit: str,
+               after_fsync: Optional[str] = None, on_failure: Optional[Callable[[BaseException], None]] = None) -> None:
+        """Log and apply ``edit`` (leveldb's ``VersionSet::LogAndApply``): make what ``appender`` appended
+        durable, with the log records the edit encodes, and record it in one index transaction.
+
+        Every change to a store (a checkpoint, a compaction, a drop, a GC batch) ends here: (1) the caller
+        appended its data records (``appended``: whether it did), (2) the edit's log records
+        (``edit.encode()``: COMMIT, DROP, ANCHOR) are appended and their places noted in ``edit.log``, (3)
+        fsync the appender's segments, (4) check the store's directory is still ours (StoreMoved: after a
+        rename our paths may name another store's files), (5) one synced LMDB write transaction records
+        the segments' committed lengths and meta ``segment_ids`` in the edit and runs ``edit.apply``. The
+        change exists exactly when (5) has committed; then ``appender.mark_committed``.
 
         On any failure (including StoreMoved and KeyboardInterrupt) the appended bytes are thrown away
         and the exception re-raised: by ``appender.rollback()``, or by ``on_failure(exc)`` when given
@@ -145,22 +298,25 @@ class Engine:
         the same bytes again).
 
         Crash points (fs.crash_point), in order: ``after_append`` (before the fsync), ``after_fsync``
-        (after it; only if named), ``inside_index_commit`` (inside the transaction, after ``update``).
+        (after it; only if named), ``inside_index_commit`` (inside the transaction, after the edit).
 
         Call it with no read transaction of this thread open: a commit that must grow the index map
         waits for every transaction of the process to end.
         """
         try:
+            for rec in edit.encode():
+                buffers, length = record.log_record(rec.kind, rec.version, rec.body)
+                edit.log[(rec.kind, rec.key)] = DenseLoc(*appender.append(buffers, length), length)
+                appended = True
             fs.crash_point(after_append)
             lengths = appender.sync() if appended else {}
             if after_fsync is not None:
                 fs.crash_point(after_fsync)
+            edit.segments.update(lengths)
+            edit.meta[schema.SEGMENT_IDS] = appender.ids_state(lengths)
 
             def body(w: IndexWriter) -> None:
-                for seg, length in lengths.items():
-                    w.put_segment(seg, length)
-                w.put_meta("segment_ids", appender.ids_state(lengths))
-                update(w)
+                edit.apply(w)
                 fs.crash_point(inside_index_commit)
 
             if self.lock is not None:
@@ -175,6 +331,9 @@ class Engine:
         appender.mark_committed(lengths)
 
     def close(self) -> None:
+        """Abort the open checkpoint writer, if any, then close every part (idempotent)."""
+        if self.writer is not None:
+            self.writer.abort()
         self.closed = True
         for appender in (self.appender, self.compaction_appender):
             if appender is not None:

@@ -2,8 +2,8 @@
 
 Named databases (keys big-endian so LMDB's byte order is numeric order; on disk, never change):
 
-    meta        ascii name → msgpack value          format, next_version, next_table_id, next_dense_id
-    tables      table name (utf-8) → msgpack dict   id, num_rows, dim, codec, block_rows, created
+    meta        ascii name → msgpack value          schema.py's MetaKeys: format, next_version, ...
+    tables      table name (utf-8) → msgpack dict   schema.TableRecord: id, num_rows, dim, codec, ...
     versions    version u64 → msgpack dict          step, meta, created, parent, tables, dense, bytes
     segments    segment id u64 → msgpack dict       {"length": committed length}
     rows        table u32 · block u64 · version u64 → ROW_LOC (segment, offset, length, count, flags), or
@@ -15,7 +15,7 @@ Named databases (keys big-endian so LMDB's byte order is numeric order; on disk,
 
 "Newest record of block b at or before version v" is one ``set_range`` to (t, b, v+1) and one ``prev``.
 Only this module imports lmdb; every lmdb error is wrapped here. The map grows on demand: callers
-never see MapFullError.
+never see MapFullError. What the values mean, and their checks, are in schema.py.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from typing import Callable, Iterator, NamedTuple, TypeVar
 import lmdb
 import msgpack
 
-from . import codecs, filenames, fs, knobs, record
+from . import filenames, fs, knobs, record
 from .msgpack_safe import unpack_bounded
 from .errors import CorruptionError, IndexBusy, IndexDamaged, PermissionDenied, StorageFull, StorageIOError
+from .schema import MAX_ROW_COUNT, TableRecord, check_meta, check_segment, check_table, check_version, damaged
 
 T = TypeVar("T")
 
@@ -84,7 +85,6 @@ class RowLoc(NamedTuple):
 
 #: Flags a ROWS record may carry (record.FLAG_*); u16 row offsets bound a record's rows.
 _ROW_FLAGS = record.FLAG_BASELINE | record.FLAG_FULL | record.FLAG_COMPACTED | record.FLAG_DELTA
-_MAX_COUNT = 1 << 16
 
 
 def _row_loc(raw: bytes, version: int | None = None) -> RowLoc:
@@ -95,10 +95,10 @@ def _row_loc(raw: bytes, version: int | None = None) -> RowLoc:
         loc = RowLoc(*ROW_LOC.unpack(raw))
     else:
         loc = RowLoc(*ROW_LOC_DELTA.unpack(raw))
-    if loc.count > _MAX_COUNT or loc.flags & ~_ROW_FLAGS or (loc.base and version is not None and loc.base >= version):
-        field = ("count" if loc.count > _MAX_COUNT else "flags" if loc.flags & ~_ROW_FLAGS else "base")
-        raise _damaged("rows", f"entry at version {version}", field, getattr(loc, field),
-                       {"count": f"at most {_MAX_COUNT}", "flags": f"only bits of {_ROW_FLAGS:#x}",
+    if loc.count > MAX_ROW_COUNT or loc.flags & ~_ROW_FLAGS or (loc.base and version is not None and loc.base >= version):
+        field = ("count" if loc.count > MAX_ROW_COUNT else "flags" if loc.flags & ~_ROW_FLAGS else "base")
+        raise damaged("rows", f"entry at version {version}", field, getattr(loc, field),
+                       {"count": f"at most {MAX_ROW_COUNT}", "flags": f"only bits of {_ROW_FLAGS:#x}",
                         "base": "a version below the entry's"}[field])
     return loc
 
@@ -125,176 +125,16 @@ def _unpack(data) -> object:
     return unpack_bounded(data, what="index value")
 
 
-# value checks ---------------------------------------------------------------------------------------
-# Every msgpack value of the index is checked field by field where it is decoded (one function per kind
-# of value), so that a well-formed value of the wrong shape -- a string for an int, a negative row count,
-# a dim of 2**40, an unknown codec -- is IndexDamaged naming the database, key and field, never an untyped
-# error (or a huge allocation) in the code that uses it (docs/DESIGN.md "Security"). The checks are a few
-# type and range comparisons per value; extra fields are ignored (a newer writer may add some).
-
-_U32, _U64 = (1 << 32) - 1, (1 << 64) - 1
-#: One fp32 row (the widest codec at large dims) must fit a record: u32 length less header, trailer and
-#: one u16 offset (docs/FORMAT.md, "Limits").
-_MAX_DIM = (_U32 - record.HEADER_BYTES - record.TRAILER_BYTES - 2) // 4
-_MAX_NUM_ROWS = (1 << 63) - 1  # row ids are int64
-#: A committed segment length: a record starts at a u32 offset and is at most u32 bytes long.
-_MAX_SEGMENT_LENGTH = 2 * _U32
-#: Unix seconds before the year 10000 (what datetime can show).
-_MAX_TIME = 253402300799.0
-_MIN_STEP = -(1 << 63)
-_MAX_BYTE_COUNT = 1 << 62
-
-
-def _damaged(db: str, key, field: str | None, value, want: str) -> IndexDamaged:
-    what = f"index value {db}[{key!r}]" + (f" field {field!r}" if field is not None else "")
-    shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return IndexDamaged(f"{what} is {shown}, not {want}: the index is damaged; run `cnrstore verify`, then "
-                        "`cnrstore repair`", None, None)
-
-
-def _is_int(value, lo: int, hi: int) -> bool:
-    return type(value) is int and lo <= value <= hi  # noqa: E721 - bool is not an int here
-
-
-def _is_time(value) -> bool:
-    return (type(value) is float or type(value) is int) and 0 <= value <= _MAX_TIME  # noqa: E721 (NaN fails)
-
-
-def _is_str_list(value) -> bool:
-    return type(value) is list and all(type(x) is str for x in value)  # noqa: E721
-
-
-def _field(db: str, key, info, field: str, ok, want: str):
-    if field not in info:
-        raise _damaged(db, key, field, "missing", want)
-    value = info[field]
-    if not ok(value):
-        raise _damaged(db, key, field, value, want)
-    return value
-
-
-def _check_map(db: str, key, info) -> dict:
-    if type(info) is not dict:  # noqa: E721
-        raise _damaged(db, key, None, info, "a map")
-    return info
-
-
-_CODEC_NAMES = frozenset(codecs.names())
-
-
-def _check_table(name: str, info) -> dict:
-    """A ``tables`` value: id in [1, 2**32), name (its key), num_rows in [1, 2**63-1], dim in [1, _MAX_DIM], a known
-    codec, block_rows a power of two in [1, 2**16], created unix seconds."""
-    _check_map("tables", name, info)
-    _field("tables", name, info, "id", lambda v: _is_int(v, 1, _U32), "a table id in [1, 2**32)")
-    _field("tables", name, info, "name", lambda v: v == name, f"the table's key {name!r}")
-    _field("tables", name, info, "num_rows", lambda v: _is_int(v, 1, _MAX_NUM_ROWS), "a row count in [1, 2**63-1]")
-    _field("tables", name, info, "dim", lambda v: _is_int(v, 1, _MAX_DIM), f"a dim in [1, {_MAX_DIM}]")
-    _field("tables", name, info, "codec", lambda v: type(v) is str and v in _CODEC_NAMES,  # noqa: E721
-           "the name of a codec this cnrstore knows")
-    _field("tables", name, info, "block_rows", lambda v: _is_int(v, 1, _MAX_COUNT) and not v & (v - 1),
-           f"a power of two in [1, {_MAX_COUNT}]")
-    _field("tables", name, info, "created", _is_time, "unix seconds")
-    return info
-
-
-def _check_version(version: int, info) -> dict:
-    """A ``versions`` value: step (int64 or uint64, or nil), meta (map or nil), created, parent (a smaller
-    version, or nil), tables and dense (lists of names), bytes (u64)."""
-    _check_map("versions", version, info)
-    _field("versions", version, info, "step", lambda v: v is None or _is_int(v, _MIN_STEP, _U64),
-           "an integer step or nil")
-    _field("versions", version, info, "meta", lambda v: v is None or type(v) is dict, "a map or nil")  # noqa: E721
-    _field("versions", version, info, "created", _is_time, "unix seconds")
-    _field("versions", version, info, "parent", lambda v: v is None or _is_int(v, 0, version - 1),
-           f"a version below {version}, or nil")
-    _field("versions", version, info, "tables", _is_str_list, "a list of table names")
-    _field("versions", version, info, "dense", _is_str_list, "a list of dense array names")
-    _field("versions", version, info, "bytes", lambda v: _is_int(v, 0, _U64), "a byte count")
-    return info
-
-
-def _check_segment(segment: int, info) -> int:
-    """A ``segments`` value: {"length": committed length}; returns the length."""
-    _check_map("segments", segment, info)
-    return _field("segments", segment, info, "length", lambda v: _is_int(v, 0, _MAX_SEGMENT_LENGTH),
-                  f"a segment length in [0, {_MAX_SEGMENT_LENGTH}]")
-
-
-def _count(v) -> bool:
-    return _is_int(v, 0, _U64)
-
-
-def _byte_count(v) -> bool:  # a counter that commits add to: far below 2**64, so that a sum never overflows
-    return _is_int(v, 0, _MAX_BYTE_COUNT)
-
-
-def _segment_id(v) -> bool:  # row and dense index values hold segment ids as u32
-    return _is_int(v, 0, _U32)
-
-
-def _id_map(v) -> bool:  # doomed_segments: segment id -> id of the transaction that freed it
-    return type(v) is dict and all(_segment_id(k) and _count(t) for k, t in v.items())  # noqa: E721
-
-
-def _segment_ids(v) -> bool:
-    return (type(v) is dict and _segment_id(v.get("high"))  # noqa: E721
-            and type(v.get("pending")) is list and all(map(_segment_id, v["pending"])))  # noqa: E721
-
-
-def _last_baseline(v) -> bool:
-    return type(v) is dict and _count(v.get("version")) and _count(v.get("bytes"))  # noqa: E721
-
-
-def _damaged_item(item) -> bool:
-    if type(item) is not dict or type(item.get("why")) is not str:  # noqa: E721
-        return False
-    if "table" in item:
-        return _is_int(item["table"], 0, _U32) and _count(item.get("block"))
-    return _is_int(item.get("dense"), 0, _U32)
-
-
-def _damaged_map(v) -> bool:  # {version: [{"table": id, "block": b, "why": str} or {"dense": id, "why": str}]}
-    return type(v) is dict and all(_count(k) and type(items) is list and all(map(_damaged_item, items))  # noqa: E721
-                                   for k, items in v.items())
-
-
-#: The ``meta`` keys this cnrstore reads (docs/FORMAT.md), each with its check and what it must be.
-_META_CHECKS = {
-    "format": (lambda v: _is_int(v, 1, _U32), "a format version"),
-    "next_version": (lambda v: _is_int(v, 1, _U64), "a version in [1, 2**64)"),
-    "next_table_id": (lambda v: _is_int(v, 1, 1 << 32), "a table id in [1, 2**32]"),
-    "next_dense_id": (lambda v: _is_int(v, 1, 1 << 32), "a dense id in [1, 2**32]"),
-    "bytes_written": (_byte_count, "a byte count below 2**62"),
-    "increment_bytes": (_byte_count, "a byte count below 2**62"),
-    "dropped_below": (_count, "a version"),
-    "drop_seq": (_count, "a sequence number"),
-    "max_deleted_segment": (_segment_id, "a segment id (u32)"),
-    "doomed_segments": (_id_map, "a map of segment id to transaction id"),
-    "segment_ids": (_segment_ids, '{"high": segment id, "pending": [segment id, ...]} (u32 ids)'),
-    "last_baseline": (_last_baseline, '{"version": version, "bytes": byte count}'),
-    "damaged": (_damaged_map, 'a map of version to [{"table", "block", "why"} or {"dense", "why"}, ...]'),
-}
-
-
-def _check_meta(key: str, value):
-    check = _META_CHECKS.get(key)
-    if check is not None and not check[0](value):
-        raise _damaged("meta", key, None, value, check[1])
-    return value
-
-
 def _key_name(db: str, raw: bytes) -> str:
     try:
         return raw.decode()
     except UnicodeDecodeError:
-        raise _damaged(db, raw, None, "the key", "UTF-8") from None
+        raise damaged(db, raw, None, "the key", "UTF-8") from None
 
 
 def _version_item(key: bytes, value: bytes) -> tuple[int, dict]:
     version = VERSION_KEY.unpack(key)[0]
-    return version, _check_version(version, _unpack(value))
+    return version, check_version(version, _unpack(value))
 
 
 class _SharedExclusiveLock:
@@ -348,28 +188,28 @@ class IndexView:
     # catalogs -------------------------------------------------------------------------------------
     def meta(self, key: str, default=None):
         raw = self._txn.get(key.encode(), db=self._dbs[b"meta"])
-        return default if raw is None else _check_meta(key, _unpack(raw))
+        return default if raw is None else check_meta(key, _unpack(raw))
 
-    def table(self, name: str) -> dict | None:
+    def table(self, name: str) -> TableRecord | None:
         raw = self._txn.get(name.encode(), db=self._dbs[b"tables"])
-        return None if raw is None else _check_table(name, _unpack(raw))
+        return None if raw is None else check_table(name, _unpack(raw))
 
-    def tables(self) -> dict[str, dict]:
+    def tables(self) -> dict[str, TableRecord]:
         with self._txn.cursor(db=self._dbs[b"tables"]) as cur:
             out, ids = {}, {}
             for k, v in cur:
                 name = _key_name("tables", k)
-                info = out[name] = _check_table(name, _unpack(v))
-                other = ids.setdefault(info["id"], name)
+                info = out[name] = check_table(name, _unpack(v))
+                other = ids.setdefault(info.id, name)
                 if other != name:
-                    raise _damaged("tables", name, "id", info["id"], f"an id no other table has ({other!r} has it)")
+                    raise damaged("tables", name, "id", info.id, f"an id no other table has ({other!r} has it)")
             return out
 
     def version(self, version: int) -> dict | None:
         if not 0 <= version < 2**64:
             return None  # no such key can exist
         raw = self._txn.get(VERSION_KEY.pack(version), db=self._dbs[b"versions"])
-        return None if raw is None else _check_version(version, _unpack(raw))
+        return None if raw is None else check_version(version, _unpack(raw))
 
     def versions(self) -> list[tuple[int, dict]]:
         with self._txn.cursor(db=self._dbs[b"versions"]) as cur:
@@ -402,13 +242,13 @@ class IndexView:
             out = {}
             for k, v in cur:
                 segment = VERSION_KEY.unpack(k)[0]
-                out[segment] = _check_segment(segment, _unpack(v))
+                out[segment] = check_segment(segment, _unpack(v))
             return out
 
     def segment_length(self, segment: int) -> int | None:
         """The committed length of ``segment`` in the catalog, or None if the catalog does not hold it."""
         raw = self._txn.get(VERSION_KEY.pack(segment), db=self._dbs[b"segments"])
-        return None if raw is None else _check_segment(segment, _unpack(raw))
+        return None if raw is None else check_segment(segment, _unpack(raw))
 
     def row_at(self, table_id: int, block: int, version: int) -> RowLoc | None:
         """The index entry of (table, block, version) exactly, or None."""
@@ -566,8 +406,8 @@ class IndexWriter(IndexView):
     def put_meta(self, key: str, value) -> None:
         self._txn.put(key.encode(), _pack(value), db=self._dbs[b"meta"])
 
-    def put_table(self, name: str, info: dict) -> None:
-        self._txn.put(name.encode(), _pack(info), db=self._dbs[b"tables"])
+    def put_table(self, table: TableRecord) -> None:
+        self._txn.put(table.name.encode(), _pack(table.as_dict()), db=self._dbs[b"tables"])
 
     def put_version(self, version: int, info: dict) -> None:
         self._txn.put(VERSION_KEY.pack(version), _pack(info), db=self._dbs[b"versions"])

@@ -23,6 +23,7 @@ from . import blocks as blocks_math
 from . import record
 from .index import IndexView, RowLoc
 from .reader import check_offsets
+from .schema import TableRecord
 
 
 @dataclass
@@ -46,7 +47,7 @@ def row_liveness(view: IndexView, load: Callable[[RowLoc], record.Record], kept:
     each record is visited once per distinct chain through it (at most the read-chain bound).
     """
     kept_arr = np.asarray(sorted(kept), dtype=np.int64)
-    tables = {info["id"]: info for info in view.tables().values()}
+    tables = {info.id: info for info in view.tables().values()}
     result = Liveness()
     block_key = None
     entries: list[tuple[int, RowLoc]] = []
@@ -64,7 +65,7 @@ def row_liveness(view: IndexView, load: Callable[[RowLoc], record.Record], kept:
     return result
 
 
-def _block(result: Liveness, info: dict | None, key: tuple[int, int], entries: list, kept: np.ndarray,
+def _block(result: Liveness, info: TableRecord | None, key: tuple[int, int], entries: list, kept: np.ndarray,
            load, pinned) -> None:
     tid, block = key
     versions = np.fromiter((v for v, _loc in entries), dtype=np.int64, count=len(entries))
@@ -94,7 +95,7 @@ def _block(result: Liveness, info: dict | None, key: tuple[int, int], entries: l
         if i in heads or (tid, block, entries[i][0]) in pinned or info is None:
             live[i] = None  # a chain's head: every row of it is read
     if any(i not in live for i in read):
-        block_len = blocks_math.length(block, info["block_rows"], info["num_rows"])
+        block_len = blocks_math.length(block, info.block_rows, info.num_rows)
         offsets: dict[int, np.ndarray] = {}
 
         def rows_of(i):

@@ -15,6 +15,7 @@ from . import blocks as blocks_math
 from . import codecs, record
 from .errors import CorruptionError, InvalidArgument, MissingRows
 from .index import IndexView
+from .schema import TableRecord
 from .segments import SegmentReader
 from .storage import Expect, fetch
 
@@ -31,28 +32,28 @@ class Piece:
 class BlockResolver:
     """Reads records of one table through a segment reader, within one index transaction."""
 
-    def __init__(self, view: IndexView, segments: SegmentReader, table: dict):
+    def __init__(self, view: IndexView, segments: SegmentReader, table: TableRecord):
         self.view = view
         self.segments = segments
         self.table = table
-        self.block_rows = table["block_rows"]
-        self.dim = table["dim"]
+        self.block_rows = table.block_rows
+        self.dim = table.dim
 
     def load(self, loc, block: int | None = None, version: int | None = None) -> record.Record:
         """The verified record at ``loc``; it must be the one its index entry (block, version) names."""
-        return fetch(self.segments, loc, Expect(record.KIND_ROWS, self.table["id"], version, block))
+        return fetch(self.segments, loc, Expect(record.KIND_ROWS, self.table.id, version, block))
 
     def resolve(self, block: int, want: np.ndarray | None, version: int) -> tuple[list[Piece], np.ndarray]:
         """Pieces holding the rows ``want`` (sorted unique block offsets; None = every row) at ``version``.
 
         Each wanted row appears in exactly one piece. Returns (pieces, offsets never written).
         """
-        block_len = blocks_math.length(block, self.block_rows, self.table["num_rows"])
+        block_len = blocks_math.length(block, self.block_rows, self.table.num_rows)
         if want is None:
             return self._resolve_all(block, block_len, version)
         remaining = want
         pieces: list[Piece] = []
-        for v, loc in self.view.row_chain(self.table["id"], block, version):
+        for v, loc in self.view.row_chain(self.table.id, block, version):
             rec, rows = self.load_rows(loc, block, v)
             if not rec.count:  # a record GC emptied (every row of it shadowed for every kept version)
                 if rec.flags & record.FLAG_BASELINE:
@@ -79,7 +80,7 @@ class BlockResolver:
         pieces: list[Piece] = []
         filled = None
         left = block_len
-        for v, loc in self.view.row_chain(self.table["id"], block, version):
+        for v, loc in self.view.row_chain(self.table.id, block, version):
             rec, rows = self.load_rows(loc, block, v)
             if filled is None and rec.flags & record.FLAG_FULL and rec.count == block_len:
                 return [Piece(rec.codec_id, rows, None)], np.zeros(0, dtype=np.int64)  # the common case
@@ -115,7 +116,7 @@ class BlockResolver:
         if rec.body.size != rec.count * row_bytes:
             raise CorruptionError(f"record at {path}:{loc.offset} holds {rec.body.size} body bytes, not "
                                   f"{rec.count} rows of {row_bytes}", path, loc.offset)
-        check_offsets(rec, blocks_math.length(block, self.block_rows, self.table["num_rows"]), path, loc.offset)
+        check_offsets(rec, blocks_math.length(block, self.block_rows, self.table.num_rows), path, loc.offset)
         return rec, rec.body.reshape(rec.count, row_bytes)
 
 
@@ -193,15 +194,15 @@ class _Missing:
         )
 
 
-def read_rows(view: IndexView, segments: SegmentReader, table: dict, rows: np.ndarray, version: int) -> np.ndarray:
+def read_rows(view: IndexView, segments: SegmentReader, table: TableRecord, rows: np.ndarray, version: int) -> np.ndarray:
     """float32 (len(rows), dim): ``rows`` (validated int64, may repeat) as of ``version``.
 
     Raises MissingRows (its exact count and the first ids) before allocating the output if any row
     was never written at or before ``version``.
     """
-    dim = table["dim"]
+    dim = table.dim
     unique_rows, inverse = np.unique(rows, return_inverse=True)
-    shift = blocks_math.shift(table["block_rows"])
+    shift = blocks_math.shift(table.block_rows)
     blocks = unique_rows >> shift
     starts, bounds = blocks_math.runs(blocks)
     resolver = BlockResolver(view, segments, table)
@@ -222,7 +223,7 @@ def read_rows(view: IndexView, segments: SegmentReader, table: dict, rows: np.nd
             # position in unique_rows of each decoded row
             dests.append(lo + np.searchsorted(unique_rows[lo:hi], p.dest + base))
     if missing.count:
-        raise missing.error(table["name"], version)
+        raise missing.error(table.name, version)
     out_unique = np.empty((unique_rows.size, dim), dtype=np.float32)
     for codec_id, (encs, dests) in by_codec.items():
         decoded = codecs.by_id(codec_id).decode(np.concatenate(encs), dim)
@@ -230,7 +231,7 @@ def read_rows(view: IndexView, segments: SegmentReader, table: dict, rows: np.nd
     return out_unique if unique_rows.size == rows.size and np.array_equal(unique_rows, rows) else out_unique[inverse]
 
 
-def read_table(view: IndexView, segments: SegmentReader, table: dict, version: int) -> np.ndarray:
+def read_table(view: IndexView, segments: SegmentReader, table: TableRecord, version: int) -> np.ndarray:
     """float32 (num_rows, dim): the whole table as of ``version``. Every row must have been written.
 
     Only blocks with index entries are visited (one seek to find each, ``IndexView.row_blocks``):
@@ -238,13 +239,13 @@ def read_table(view: IndexView, segments: SegmentReader, table: dict, version: i
     of rows raises MissingRows (exact count, first ids) in time and memory proportional to what was
     written, before the output is allocated.
     """
-    num_rows, dim, block_rows = table["num_rows"], table["dim"], table["block_rows"]
+    num_rows, dim, block_rows = table.num_rows, table.dim, table.block_rows
     num_blocks = blocks_math.count(num_rows, block_rows)
     resolver = BlockResolver(view, segments, table)
     plans = []
     missing = _Missing()
     next_block = 0  # blocks before it are accounted for
-    for block, oldest in view.row_blocks(table["id"]):
+    for block, oldest in view.row_blocks(table.id):
         if block >= num_blocks:
             break  # an index entry past the table's end: verify reports it; no row reads it
         if oldest > version:
@@ -260,7 +261,7 @@ def read_table(view: IndexView, segments: SegmentReader, table: dict, version: i
             plans.append((block, pieces))
     missing.add_range(blocks_math.base(next_block, block_rows), num_rows)
     if missing.count:
-        raise missing.error(table["name"], version, whole_table=True)
+        raise missing.error(table.name, version, whole_table=True)
 
     codec_ids = {p.codec_id for _block, pieces in plans for p in pieces}
     if len(codec_ids) == 1:

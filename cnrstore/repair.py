@@ -38,7 +38,7 @@ The new index is built in ``index.repair-tmp/`` beside ``index/``, synced, and s
 ``index/`` is renamed ``index.damaged-<time>/`` (never deleted). Segment files are not changed, except
 that one whose header is damaged (so that no record in it can be read) is renamed ``<name>.damaged``.
 Counters are set past every version, table id, dense id and segment id found, so none is reused. Every
-COMMIT, ANCHOR and newest DROP found is indexed in ``log`` and the liveness rule (``compaction.prune_log``)
+COMMIT, ANCHOR and newest DROP found is indexed in ``log`` and the liveness rule (``version_edit.prune_log``)
 decides which stay, so that a GC after repair keeps every record a later repair needs.
 """
 
@@ -53,21 +53,23 @@ from typing import Callable
 import msgpack
 import numpy as np
 
-from . import compaction, filenames, fs, record, segments
+from . import filenames, fs, record, schema, segments, version_edit
 from .verify import LOST_SEGMENT, damaged_blocks
 from .errors import CnrError, CorruptionError, StoreNotFound
-from .index import DenseLoc, Index, IndexWriter, RowLoc, finish_interrupted_install, install_built_index
+from .index import DenseLoc, Index, RowLoc, finish_interrupted_install, install_built_index
 from .msgpack_safe import unpack_bounded
 from .lock import ProcessLock
 from .storage import LocalSegmentStorage
 from .marker import FORMAT_VERSION, read_marker
+from .schema import TableRecord, table_from_log
+from .version_edit import AnchorLog, DropLog, VersionEdit
 
 Progress = Callable[[int, int], None]
 
 # LOST_SEGMENT (verify.py): the segment id of an index entry whose record repair knows is lost (no segment
 # has id 0): reads of it raise CorruptionError (the segment is missing), so a lost record is never skipped.
-#: Index meta key of the damaged (version, block) pairs repair recorded (docs/FORMAT.md).
-DAMAGED_META = "damaged"
+#: Index meta key of the damaged (version, block) pairs repair recorded (docs/FORMAT.md; schema.DAMAGED).
+DAMAGED_META = schema.DAMAGED.name
 
 
 @dataclass
@@ -114,9 +116,9 @@ class _Found:
     def __init__(self):
         self.rows: dict[tuple[int, int, int], list] = {}  # (tid, block, version) -> [(RowLoc, compacted)]
         self.dense: dict[tuple[int, int], DenseLoc] = {}
-        self.commits: dict[int, tuple[dict, DenseLoc]] = {}
-        self.anchors: dict[int, list[tuple[dict, DenseLoc]]] = {}
-        self.drop: tuple[dict, DenseLoc] | None = None  # the newest DROP record
+        self.commits: dict[int, tuple[VersionEdit, DenseLoc | None]] = {}  # the edit each COMMIT encodes
+        self.anchors: dict[int, list[tuple[AnchorLog, DenseLoc]]] = {}
+        self.drop: tuple[DropLog, DenseLoc] | None = None  # the newest DROP record
         self.valid: dict[tuple[int, int], tuple] = {}  # (segment, offset) -> (length, kind, object, block, version, count, flags, base)
         self.suspect_rows: dict[tuple[int, int, int], RowLoc] = {}
         self.suspect_dense: dict[tuple[int, int], DenseLoc] = {}
@@ -187,14 +189,19 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
 
 
 # the old index ----------------------------------------------------------------------------------------
+#: The meta of an old index that still opens which repair carries over (so that no counter goes back).
+_CARRIED_META = (schema.NEXT_VERSION, schema.DROPPED_BELOW, schema.DROP_SEQ, schema.LAST_BASELINE,
+                 schema.BYTES_WRITTEN, schema.INCREMENT_BYTES, schema.MAX_DELETED_SEGMENT)
+
+
 @dataclass
 class _OldIndex:
     versions: dict[int, dict]
-    tables: dict[int, dict]
+    tables: dict[int, TableRecord]
     dense_names: dict[str, int]
     rows: dict[tuple[int, int], list[tuple[int, RowLoc]]]  # (tid, block) -> [(version, loc)] ascending
     dense: dict[int, list[tuple[int, DenseLoc]]]
-    meta: dict
+    meta: dict[schema.MetaKey, object]  # _CARRIED_META
     damaged: dict[int, list[dict]]
 
 
@@ -216,10 +223,8 @@ def _read_old_index(root: str, report: RepairReport) -> _OldIndex | None:
             dense: dict = {}
             for did, v, loc in view.dense_entries():
                 dense.setdefault(did, []).append((v, loc))
-            meta = {k: view.meta(k) for k in ("next_version", "next_table_id", "next_dense_id", "dropped_below",
-                                               "drop_seq", "last_baseline", "bytes_written", "increment_bytes",
-                                               "max_deleted_segment")}
-            old = _OldIndex(dict(view.versions()), {info["id"]: info for info in view.tables().values()},
+            meta = {key: key.get(view) for key in _CARRIED_META}
+            old = _OldIndex(dict(view.versions()), {info.id: info for info in view.tables().values()},
                             view.dense_names(), rows, dense, meta, damaged_blocks(view))
     except (CnrError, KeyError, ValueError, TypeError) as exc:
         report.notes.append(f"the old index cannot be read ({type(exc).__name__}: {exc}); rebuilt from the log alone")
@@ -369,30 +374,29 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
         found.max_dense = max(found.max_dense, rec.object_id)
         found.dense[(rec.object_id, v)] = DenseLoc(seg, pos, length)
     else:
-        try:
-            body = record.log_body(rec)
+        try:  # the edit the record encodes, decoded where commits encode it (version_edit.py)
+            edit = version_edit.decode(rec.kind, v, record.log_body(rec))
         except (ValueError, TypeError, msgpack.ExtraData, CorruptionError) as exc:
             report.bad_records.append(f"segment {seg} offset {pos}: undecodable log record ({exc})")
             return
-        for info in body.get("catalog", ()):
-            found.max_table = max(found.max_table, info["id"])
-        if rec.kind == record.KIND_DROP:
+        for info in edit.catalog + (edit.anchor.catalog if edit.anchor is not None else []):
+            found.max_table = max(found.max_table, info.id)
+        if edit.drop is not None:
             # the newest DROP: by seq, then by the newest version it saw (a store repaired by a cnrstore
             # that did not restore meta drop_seq numbered its later drops from 1 again)
-            if found.drop is None or (body.get("seq", 0), body.get("latest", 0)) > \
-                    (found.drop[0].get("seq", 0), found.drop[0].get("latest", 0)):
-                found.drop = (body, DenseLoc(seg, pos, length))
-        elif rec.kind == record.KIND_COMMIT:
+            if found.drop is None or (edit.drop.seq, edit.drop.latest) > (found.drop[0].seq, found.drop[0].latest):
+                found.drop = (edit.drop, DenseLoc(seg, pos, length))
+        elif edit.anchor is None:
             found.seen_versions.add(v)
-            if body.get("parent") is not None:
-                found.max_version = max(found.max_version, body["parent"])
-            for did in body.get("dense_ids", {}).values():
+            if edit.info["parent"] is not None:
+                found.max_version = max(found.max_version, edit.info["parent"])
+            for did in edit.dense_names.values():
                 found.max_dense = max(found.max_dense, did)
-            found.commits[v] = (body, DenseLoc(seg, pos, length))  # a GC copy is the same record
+            found.commits[v] = (edit, DenseLoc(seg, pos, length))  # a GC copy is the same record
         else:
-            for did in body.get("dense_names", {}).values():
+            for did in edit.anchor.dense_names.values():
                 found.max_dense = max(found.max_dense, did)
-            found.anchors.setdefault(v, []).append((body, DenseLoc(seg, pos, length)))
+            found.anchors.setdefault(v, []).append((edit.anchor, DenseLoc(seg, pos, length)))
 
 
 # proof ------------------------------------------------------------------------------------------------
@@ -400,21 +404,6 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
 # says why the record is damaged or lost (then ``loc`` points at its damaged bytes, or at LOST_SEGMENT)
 # and the link is the chain's last. A block's state is a chain, or a str when not even the key of the
 # record that is missing is known (the version's ancestry is not proven).
-
-
-def _unpack_blocks(packed) -> list[tuple[int, int, int]]:
-    blocks = np.frombuffer(packed[0], dtype="<u8")
-    counts = np.frombuffer(packed[1], dtype="<u4")
-    flags = np.frombuffer(packed[2], dtype="<u1")
-    return list(zip(blocks.tolist(), counts.tolist(), flags.tolist()))
-
-
-def _unpack_heads(packed) -> list[tuple[int, int, int, int]]:
-    blocks = np.frombuffer(packed[0], dtype="<u8")
-    versions = np.frombuffer(packed[1], dtype="<u8")
-    counts = np.frombuffer(packed[2], dtype="<u4")
-    flags = np.frombuffer(packed[3], dtype="<u1")
-    return list(zip(blocks.tolist(), versions.tolist(), counts.tolist(), flags.tolist()))
 
 
 def _healthy(chain) -> bool:
@@ -444,7 +433,7 @@ class _Plan:
     dense_names: dict[str, int] = field(default_factory=dict)
     log: dict[tuple[int, int], DenseLoc] = field(default_factory=dict)
     floor: int = 0
-    drop: dict | None = None
+    drop: DropLog | None = None  # the newest DROP record
     last_baseline: dict | None = None
     partial: set = field(default_factory=set)  # versions whose chains use a record GC rewrote partly
 
@@ -452,10 +441,10 @@ class _Plan:
         """Whether version v was dropped (by retain or a retention policy) before the repair."""
         if v < self.floor:
             return True
-        return self.drop is not None and v <= self.drop["latest"] and v not in self.drop["kept_set"]
+        return self.drop is not None and self.drop.dropped(v)
 
     def known_kept(self, v: int) -> bool:
-        return self.drop is not None and (v > self.drop["latest"] or v in self.drop["kept_set"])
+        return self.drop is not None and not self.drop.dropped(v)
 
 
 class _LogProof:
@@ -468,8 +457,8 @@ class _LogProof:
         self.tname = tname
         self.entry: dict[tuple[int, int, int], tuple] = {}  # (tid, block, version) -> chain from that entry
         skipped = []  # versions a COMMIT's parent pointer jumps over: never part of the history
-        for v, (body, _loc) in found.commits.items():
-            p = body.get("parent")
+        for v, (edit, _loc) in found.commits.items():
+            p = edit.info["parent"]
             if p is not None and v - p > 1:
                 skipped.append((p, v))
         self.skipped = skipped
@@ -579,13 +568,14 @@ class _LogProof:
         return tuple(links)
 
     # states -------------------------------------------------------------------------------------------
-    def apply_commit(self, st: _State, v: int, body: dict) -> None:
-        for tid, packed in body.get("blocks", {}).items():
-            for block, count, flags in _unpack_blocks(packed):
-                key = (tid, block)
-                link = self.own(tid, block, v, count, flags, version_of=v)
-                st.blocks[key] = self.chain_from(tid, block, link, st.blocks.get(key, st.unknown))
-        for _name, did in body.get("dense_ids", {}).items():
+    def apply_commit(self, st: _State, v: int, edit: VersionEdit) -> None:
+        """Replay the COMMIT of version v (its decoded edit) over the parent's state ``st``: each block
+        it wrote reads the record it names (count and flags), then what that record is read with."""
+        for tid, block, _v, loc in edit.rows:
+            key = (tid, block)
+            link = self.own(tid, block, v, loc.count, loc.flags, version_of=v)
+            st.blocks[key] = self.chain_from(tid, block, link, st.blocks.get(key, st.unknown))
+        for _name, did in edit.dense_names.items():
             loc = self.found.dense.get((did, v))
             if loc is not None:
                 st.dense[did] = (v, loc, None)
@@ -609,12 +599,8 @@ class _LogProof:
     def apply_anchor(self, st: _State, v: int) -> _State:
         heads: dict[tuple[int, int], tuple | None] = {}
         dense_heads: dict[int, tuple | None] = {}
-        for body, _loc in self.found.anchors[v]:
-            listed: dict[tuple[int, int], list] = {}  # a block's read chain at v, newest first
-            for tid, packed in body.get("heads", {}).items():
-                for block, hv, count, flags in _unpack_heads(packed):
-                    listed.setdefault((tid, block), []).append((hv, count, flags))
-            for (tid, block), entries in listed.items():
+        for anchor, _loc in self.found.anchors[v]:
+            for (tid, block), entries in anchor.heads.items():  # a block's read chain at v, newest first
                 if heads.get((tid, block)) is not None and _healthy(heads[(tid, block)]):
                     continue
                 links = []
@@ -632,7 +618,7 @@ class _LogProof:
                     if _healthy(chain[i:]):
                         self.entry.setdefault((tid, block, chain[i][0]), chain[i:])
                 heads[(tid, block)] = chain
-            for did, hv in body.get("dense", {}).items():
+            for did, hv in anchor.dense.items():
                 loc = self.found.dense.get((did, hv))
                 if loc is not None:
                     dense_heads[did] = (hv, loc, None)
@@ -660,14 +646,14 @@ class _LogProof:
 
 def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     plan = _Plan()
-    bodies = list(found.commits.values()) + [a for lst in found.anchors.values() for a in lst]
-    for body, _loc in bodies:
-        for info in body.get("catalog", ()):
-            plan.tables[info["id"]] = dict(info)
-        names = body.get("dense_names") or body.get("dense_ids") or {}
+    facts = [(e.catalog, e.dense_names, 0) for e, _loc in found.commits.values()]
+    facts += [(a.catalog, a.dense_names, a.dropped_below) for lst in found.anchors.values() for a, _loc in lst]
+    for catalog, names, dropped_below in facts:
+        for info in catalog:
+            plan.tables[info.id] = info
         for name, did in names.items():
             plan.dense_names.setdefault(name, did)
-        plan.floor = max(plan.floor, body.get("dropped_below", 0) or 0)
+        plan.floor = max(plan.floor, dropped_below)
     for (kind, _v), (_loc, body) in (found.suspect_log.items() if old is None else ()):
         names = (body or {}).get("dense_ids") or (body or {}).get("dense_names")
         if isinstance(names, dict):
@@ -676,23 +662,24 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
                     plan.dense_names.setdefault(name, did)
     if old is not None:  # the intact index's catalog and drops are the truth
         for tid, info in old.tables.items():
-            plan.tables[tid] = dict(info)
+            plan.tables[tid] = info
         for name, did in old.dense_names.items():
             plan.dense_names[name] = did
-        plan.floor = max(plan.floor, old.meta.get("dropped_below") or 0)
+        plan.floor = max(plan.floor, old.meta[schema.DROPPED_BELOW])
     for (kind, _v), (_loc, body) in (found.suspect_log.items() if old is None else ()):  # last resort
         for info in (body or {}).get("catalog", ()) if isinstance((body or {}).get("catalog"), list) else ():
-            known_names = {t["name"] for t in plan.tables.values()}
+            known_names = {t.name for t in plan.tables.values()}
             if isinstance(info, dict) and isinstance(info.get("id"), int) and info["id"] not in plan.tables \
                     and info.get("name") not in known_names:
-                if _plausible_table(found, info):
-                    plan.tables[info["id"]] = dict(info)
+                table = _plausible_table(found, info)
+                if table is not None:
+                    plan.tables[table.id] = table
                     report.notes.append(f"table {info.get('name')!r}: its definition comes from a damaged "
                                         "record (checked against the table's row records)")
     if found.drop is not None:
-        plan.drop = dict(found.drop[0], kept_set=set(found.drop[0]["kept"]))
-        plan.log[(record.KIND_DROP, plan.drop["seq"])] = found.drop[1]
-    table_name = {tid: info["name"] for tid, info in plan.tables.items()}
+        plan.drop = found.drop[0]
+        plan.log[(record.KIND_DROP, plan.drop.seq)] = found.drop[1]
+    table_name = {tid: info.name for tid, info in plan.tables.items()}
 
     def tname(tid):
         return repr(table_name.get(tid, f"id {tid}"))
@@ -704,9 +691,9 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     nodes = sorted(set(commits) | set(found.anchors))
     states: dict[int, _State] = {}
     waiting: dict[int, int] = {}
-    for body, _loc in commits.values():
-        if body.get("parent") is not None:
-            waiting[body["parent"]] = waiting.get(body["parent"], 0) + 1
+    for edit, _loc in commits.values():
+        if edit.info["parent"] is not None:
+            waiting[edit.info["parent"]] = waiting.get(edit.info["parent"], 0) + 1
     empty = _State(None, {}, {})
     log_chains: dict[int, tuple[dict, dict, _State]] = {}
     for v in nodes:
@@ -714,7 +701,7 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
         if commit is None:
             base = _State(f"the commit record of version {v} is missing", {}, {})
         else:
-            parent = commit[0].get("parent")
+            parent = commit[0].info["parent"]
             if parent is None:
                 base = empty
             elif parent in states:
@@ -727,7 +714,7 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
         if base.unknown is not None and v not in found.anchors and commit is not None and not found.unattributed:
             # the ancestry is not proven (a COMMIT or the ANCHOR that covered it is damaged or gone) and
             # the scan accounted for every damaged byte: the chains the records' own headers give
-            parent = commit[0].get("parent")
+            parent = commit[0].info["parent"]
             base = proof.header_state(parent) if parent is not None else empty
             report.notes.append(f"version {v}: {_why_base(commits, found, v)}; its read chains below it were "
                                 "taken from the row records' own headers")
@@ -787,7 +774,7 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
                 report.versions_lost[v] = unproven[0] if unproven[0].startswith("version") else \
                     f"version {v}: {unproven[0]}"
                 continue
-            info = {k: body.get(k) for k in ("step", "meta", "created", "parent", "tables", "dense", "bytes")}
+            info = dict(body.info)
             chains, dense = st.blocks, st.dense
         missing_tables = sorted({tid for tid, _b in chains} - set(plan.tables))
         if missing_tables:
@@ -802,7 +789,7 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
         report.notes.extend(rebuilt)
 
     # versions seen in records without a commit record: uncommitted checkpoints, or lost commit records
-    parents = {b.get("parent") for b, _l in commits.values()}
+    parents = {e.info["parent"] for e, _l in commits.values()}
     for v in sorted(found.seen_versions - set(commits)):
         if plan.dropped(v) or v in plan.versions:
             continue
@@ -822,29 +809,27 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     for tid in sorted(written - set(plan.tables)):
         report.notes.append(f"table id {tid}: rows were found but its definition is in no commit or anchor "
                             "record: they cannot be read")
-    report.tables_recovered = sorted(info["name"] for info in plan.tables.values())
+    report.tables_recovered = sorted(info.name for info in plan.tables.values())
     if old is None:
         report.notes.append("tables created but never written by a committed version are not in the log and "
                             "cannot be recovered")
     return plan
 
 
-def _plausible_table(found: _Found, info: dict) -> bool:
-    """Whether a catalog entry decoded from a damaged record agrees with every row record of its table
-    (types, a power-of-two block size, blocks within the table, the row size of each record's codec)."""
+def _plausible_table(found: _Found, info: dict) -> TableRecord | None:
+    """The table of a catalog entry decoded from a damaged record, if the entry is well formed (checked as
+    a ``tables`` value is) and agrees with every row record of its table (blocks within the table, the
+    row size of each record's codec); else None."""
     from . import codecs
 
     try:
-        tid, dim, rows, block_rows = info["id"], info["dim"], info["num_rows"], info["block_rows"]
-        if not all(isinstance(x, int) and x > 0 for x in (dim, rows, block_rows)) or block_rows & (block_rows - 1) \
-                or not isinstance(info["name"], str) or not isinstance(info["codec"], str):
-            return False
-        n_blocks = -(-rows // block_rows)
+        table = table_from_log(info)
+        n_blocks = -(-table.num_rows // table.block_rows)
         for (t, block, _v), locs in found.rows.items():
-            if t != tid:
+            if t != table.id:
                 continue
             if block >= n_blocks:
-                return False
+                return None
             for loc, _comp in locs:
                 aux = (0 if loc.flags & record.FLAG_FULL else 2 * loc.count) + (
                     record.BASE.size if loc.flags & record.FLAG_DELTA else 0)
@@ -853,15 +838,15 @@ def _plausible_table(found: _Found, info: dict) -> bool:
                 if rec_codec is None or loc.count == 0:
                     continue
                 codec_id = found.codec_of.get((loc.segment, loc.offset))
-                if codec_id is None or body != loc.count * codecs.by_id(codec_id).row_bytes(dim):
-                    return False
-        return True
-    except (KeyError, TypeError, CnrError):
-        return False
+                if codec_id is None or body != loc.count * codecs.by_id(codec_id).row_bytes(table.dim):
+                    return None
+        return table
+    except CnrError:  # (a CorruptionError from the entry's check, or an unknown codec id)
+        return None
 
 
 def _why_base(commits, found, v) -> str:
-    parent = commits[v][0].get("parent")
+    parent = commits[v][0].info["parent"]
     return f"the commit record of version {parent} (an ancestor) and any anchor covering it are missing or damaged"
 
 
@@ -900,18 +885,16 @@ def _rebuild_damaged_commits(found: _Found, commits: dict, proof: _LogProof, rep
         for (did, u) in list(found.dense) + list(found.suspect_dense):
             if u == v:
                 dense_ids[next((n for n, i in proof.plan.dense_names.items() if i == did), f"dense{did}")] = did
-        packed = {tid: [np.array([b for b, _c, _f in items], "<u8").tobytes(),
-                        np.array([c for _b, c, _f in items], "<u4").tobytes(),
-                        np.array([f for _b, _c, f in items], "<u1").tobytes()]
-                  for tid, items in blocks.items()}
-        tables = sorted({proof.plan.tables[tid]["name"] for tid in blocks if tid in proof.plan.tables})
+        rows = [(tid, b, v, RowLoc(version_edit.UNPLACED, 0, 0, c, f)) for tid, items in blocks.items()
+                for b, c, f in items]
+        tables = sorted({proof.plan.tables[tid].name for tid in blocks if tid in proof.plan.tables})
         created = body.get("created") if isinstance(body.get("created"), (int, float)) else 0.0
         step = body.get("step") if isinstance(body.get("step"), int) or body.get("step") is None else None
         meta = body.get("meta") if isinstance(body.get("meta"), dict) or body.get("meta") is None else None
         nbytes = body.get("bytes") if isinstance(body.get("bytes"), int) else 0
-        commits[v] = ({"version": v, "parent": parent, "step": step, "meta": meta, "created": created,
-                       "tables": tables, "dense": sorted(dense_ids), "bytes": nbytes, "dense_ids": dense_ids,
-                       "blocks": packed}, None)
+        info = {"step": step, "meta": meta, "created": created, "parent": parent, "tables": tables,
+                "dense": sorted(dense_ids), "bytes": nbytes}
+        commits[v] = (VersionEdit(version=v, versions={v: info}, rows=rows, dense_names=dense_ids), None)
         notes.append(f"version {v}: its commit record is damaged; its blocks were rebuilt from its records' "
                      f"headers, its parent taken as version {parent}, and its step, meta and creation time "
                      + ("from what the damaged record still decodes to (unverified)" if body else "are lost"))
@@ -1050,7 +1033,7 @@ def _entries(plan: _Plan, report: RepairReport) -> tuple[dict, dict, dict]:
                 continue
             for v in _readers_of(recovered, versions, i):
                 damaged.setdefault(v, []).append({"dense": did, "why": why})
-    names = {tid: info["name"] for tid, info in plan.tables.items()}
+    names = {tid: info.name for tid, info in plan.tables.items()}
     dnames = {did: name for name, did in plan.dense_names.items()}
     for v, items in sorted(damaged.items()):
         report.damaged[v] = [(f"table {names.get(i['table'], i['table'])!r} block {i['block']}" if "table" in i
@@ -1075,48 +1058,37 @@ def _install(root: str, filesystem: fs.FileSystem, storage: LocalSegmentStorage,
     filesystem.remove_tree(tmp)  # a previous repair's unfinished build: ours, never installed
     filesystem.mkdir(tmp)
     index = Index(tmp, readonly=False, create=True)
-    meta = old.meta if old is not None else {}
+    meta = old.meta if old is not None else {key: key.default for key in _CARRIED_META}
     try:
         # set-aside damaged segments count too: never reuse an id
-        max_seg = max([*lengths, *storage.quarantined(), meta.get("max_deleted_segment") or 0], default=0)
-        drop_seq = max(plan.drop["seq"] if plan.drop is not None else 0, meta.get("drop_seq") or 0)
+        max_seg = max([*lengths, *storage.quarantined(), meta[schema.MAX_DELETED_SEGMENT]], default=0)
+        drop_seq = max(plan.drop.seq if plan.drop is not None else 0, meta[schema.DROP_SEQ])
 
-        def body(w: IndexWriter) -> None:
-            w.put_meta("format", format_version)
-            w.put_meta("next_version", max(found.max_version + 1, meta.get("next_version") or 0,
-                                           max(plan.versions, default=0) + 1))
-            w.put_meta("next_table_id", max([found.max_table, *plan.tables]) + 1)
-            w.put_meta("next_dense_id", max([found.max_dense, *plan.dense_names.values()]) + 1)
-            w.put_meta("bytes_written", max(report.bytes_scanned, meta.get("bytes_written") or 0))
-            if meta.get("increment_bytes"):
-                w.put_meta("increment_bytes", meta["increment_bytes"])
-            w.put_meta("max_deleted_segment", max_seg)
-            w.put_meta("segment_ids", {"high": max_seg, "pending": []})
-            w.put_meta("dropped_below", plan.floor)
-            if drop_seq:  # later drops are numbered after it (the newest DROP wins)
-                w.put_meta("drop_seq", drop_seq)
-            last = plan.last_baseline or meta.get("last_baseline")
-            if last is not None:
-                w.put_meta("last_baseline", last)
-            if damaged:
-                w.put_meta(DAMAGED_META, damaged)
-            for info in plan.tables.values():
-                w.put_table(info["name"], info)
-            for name, did in plan.dense_names.items():
-                w.put_dense_name(name, did)
-            for seg, length in lengths.items():
-                w.put_segment(seg, length)
-            for v, info in plan.versions.items():
-                w.put_version(v, info)
-            for (tid, block, v), (loc, _why) in rows.items():
-                w.put_row(tid, block, v, loc)
-            for (did, v), (loc, _why) in dense.items():
-                w.put_dense(did, v, loc)
-            for (kind, v), loc in plan.log.items():
-                w.put_log(kind, v, loc)
-            compaction.prune_log(w)
-
-        index.write(body)
+        meta_set = {
+            schema.FORMAT: format_version,
+            schema.NEXT_VERSION: max(found.max_version + 1, meta[schema.NEXT_VERSION], max(plan.versions, default=0) + 1),
+            schema.NEXT_TABLE_ID: max([found.max_table, *plan.tables]) + 1,
+            schema.NEXT_DENSE_ID: max([found.max_dense, *plan.dense_names.values()]) + 1,
+            schema.BYTES_WRITTEN: max(report.bytes_scanned, meta[schema.BYTES_WRITTEN]),
+            schema.MAX_DELETED_SEGMENT: max_seg,
+            schema.SEGMENT_IDS: {"high": max_seg, "pending": []},
+            schema.DROPPED_BELOW: plan.floor,
+        }
+        if meta[schema.INCREMENT_BYTES]:
+            meta_set[schema.INCREMENT_BYTES] = meta[schema.INCREMENT_BYTES]
+        if drop_seq:  # later drops are numbered after it
+            meta_set[schema.DROP_SEQ] = drop_seq
+        last = plan.last_baseline or meta[schema.LAST_BASELINE]
+        if last is not None:
+            meta_set[schema.LAST_BASELINE] = last
+        if damaged:
+            meta_set[schema.DAMAGED] = damaged
+        # the whole index as one edit; the liveness rule decides which log records stay (prune_log)
+        edit = VersionEdit(segments=dict(lengths), tables=list(plan.tables.values()), dense_names=dict(plan.dense_names),
+                           rows=[(tid, block, v, loc) for (tid, block, v), (loc, _why) in rows.items()],
+                           dense=[(did, v, loc) for (did, v), (loc, _why) in dense.items()],
+                           versions=dict(plan.versions), log=dict(plan.log), meta=meta_set, prune_log_records=True)
+        index.write(edit.apply)
     finally:
         index.close()
     filesystem.fsync_dir(tmp)

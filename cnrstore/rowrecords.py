@@ -10,9 +10,10 @@ import numpy as np
 from . import blocks as blocks_math
 from . import knobs, record
 from .errors import InvalidArgument
+from .schema import TableRecord
 
 
-def block_records(info: dict, codec, rows: np.ndarray, encoded: np.ndarray, version: int, *,
+def block_records(info: TableRecord, codec, rows: np.ndarray, encoded: np.ndarray, version: int, *,
                   compacted: bool = False, base: int = 0, copied: int = 0, baseline: bool = False) -> list:
     """One ROWS record per block of ``rows`` (sorted, unique; ``encoded`` aligned with them).
 
@@ -22,7 +23,7 @@ def block_records(info: dict, codec, rows: np.ndarray, encoded: np.ndarray, vers
     ``base`` (rows of one block, merge.py), a record that is not a baseline is a cumulative delta on the
     baseline at version ``base`` (record.FLAG_DELTA).
     """
-    block_rows, num_rows = info["block_rows"], info["num_rows"]
+    block_rows, num_rows = info.block_rows, info.num_rows
     shift = blocks_math.shift(block_rows)
     blocks = rows >> shift
     starts, bounds = blocks_math.runs(blocks)
@@ -34,7 +35,7 @@ def block_records(info: dict, codec, rows: np.ndarray, encoded: np.ndarray, vers
     full = baseline | (rows[stops - 1] - bases == counts - 1)  # rows 0..count-1: no offsets needed
     sizes = record.HEADER_BYTES + record.TRAILER_BYTES + np.where(full, 0, 2 * counts) + counts * encoded.shape[1]
     if sizes.max() > knobs.MAX_RECORD_BYTES:
-        raise InvalidArgument(f"a block of table {info['name']!r} encodes to {int(sizes.max())} bytes, more "
+        raise InvalidArgument(f"a block of table {info.name!r} encodes to {int(sizes.max())} bytes, more "
                               "than a record holds; create the table with a smaller block_rows")
     if compacted or complete:
         baseline = np.ones_like(baseline)
@@ -44,7 +45,7 @@ def block_records(info: dict, codec, rows: np.ndarray, encoded: np.ndarray, vers
     for start, stop, first, flag, is_full in zip(starts.tolist(), stops.tolist(), bases.tolist(),
                                                  flags.tolist(), full.tolist()):
         offsets = None if is_full else rows[start:stop] - first
-        buffers, length = record.rows_record(codec.codec_id, flag, info["id"], first >> shift, version,
+        buffers, length = record.rows_record(codec.codec_id, flag, info.id, first >> shift, version,
                                              offsets, encoded[start:stop], base if flag & record.FLAG_DELTA else 0,
                                              copied)
         records.append(((first >> shift, stop - start, flag), buffers, length))

@@ -12,26 +12,14 @@ import weakref
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, compaction, filenames, fs, knobs, reader, segments, validate
-from .errors import (
-    CheckpointInProgress,
-    CompactionFailed,
-    FormatVersionError,
-    IndexDamaged,
-    InvalidArgument,
-    MissingRows,
-    ReadOnlyError,
-    StoreNotFound,
-    TableNotFound,
-    VersionNotFound,
-)
-from .index import Index, IndexView, damage_hint, finish_interrupted_install
+from . import codecs, compaction, filenames, fs, knobs, reader, schema, validate
+from .errors import CompactionFailed, InvalidArgument, MissingRows, ReadOnlyError, TableNotFound, VersionNotFound
+from .index import Index, IndexView
 from .background import BackgroundCompactor
 from .engine import Engine, version_info as _version_info
-from .storage import LocalSegmentStorage, SegmentStorage
-from .lock import ProcessLock
-from .marker import FORMAT_VERSION, marker_bytes as _marker_bytes, read_marker as _read_marker
+from .storage import SegmentStorage
 from .policy import compaction as compaction_policy
+from .schema import TableRecord
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 from .writer import CheckpointWriter, pack_meta
 
@@ -87,42 +75,6 @@ atexit.register(_close_at_exit)
 CREATE_WAIT_S = 10.0
 
 
-def _opening(root: str, readonly: bool) -> str:
-    return f"cannot open store {root!r} " + ("readonly" if readonly else "for writing")
-
-
-def _denied_dir(path: str) -> str | None:
-    """The outermost directory on ``path`` this process may not search (None if it may search all)."""
-    parts = os.path.abspath(path).split(os.sep)
-    for i in range(2, len(parts) + 1):
-        d = os.sep.join(parts[:i]) or os.sep
-        if os.path.isdir(d) and not os.access(d, os.X_OK):
-            return d
-    return None
-
-
-def _marker_exists(root: str, readonly: bool) -> bool:
-    """Whether the store's marker exists; PermissionDenied if a directory on the way may not be searched."""
-    try:
-        os.stat(filenames.marker_path(root))
-        return True
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    except PermissionError as exc:
-        path = _denied_dir(root) or root
-        raise fs.permission_denied(exc, _opening(root, readonly), path, needs="search (x)",
-                                   writing=not readonly) from None
-
-
-def _not_found_message(root: str, readonly: bool) -> str:
-    if os.path.isdir(filenames.index_dir(root)) and os.path.isdir(filenames.segments_dir(root)):
-        return (f"no cnrstore store at {root!r}: it holds a store's index/ and segments/ but no marker "
-                f"{filenames.MARKER} (its creation did not finish, or the marker was deleted); open it with "
-                "create=True (and readonly=False) to finish it: the files there are kept")
-    hint = "" if readonly else "; pass create=True to make a new store there"
-    return f"no cnrstore store at {root!r}{hint}"
-
-
 class PendingWork:
     """What ``Store.add_pending_work`` takes (for sibling packages): background work writing into a store,
     which ``close()`` and the interpreter's exit wait for. Subclass it or provide the same three methods."""
@@ -145,150 +97,24 @@ class Store:
 
     def __init__(self, root: str, *, create: bool, readonly: bool, filesystem: fs.FileSystem,
                  storage: SegmentStorage | None = None):
-        """``storage``: where segments are read and removed (storage.py); default the local files."""
+        """Open (``create``: or make) the store at ``root`` (``Engine.open``). ``storage``: where segments are
+        read and removed (storage.py); default the local files."""
         self.path = os.path.abspath(root)
         self.readonly = readonly
-        self._engine = Engine(self.path, filesystem, readonly)
-        self._closed = False
+        self._closed = True  # until the engine opens: nothing for close() or __del__ to do
         self._compactor: BackgroundCompactor | None = None
         self._abandoned = False  # an exit gave up on work in flight: nothing may close the engine under it
         #: the PendingWork of background saves into this store (add_pending_work): close() and the exit
         #: hook first wait for what they have in flight
         self._savers: "weakref.WeakSet" = weakref.WeakSet()
-        self.recovery_notes: list[str] = []
-        if not _marker_exists(self.path, readonly):
-            if not create or readonly:
-                raise StoreNotFound(_not_found_message(self.path, readonly))
-            self._engine.lock = self._create()  # holds the store locked for writing once it returns
-        try:
-            try:
-                fmt = _read_marker(self.path)
-            except PermissionError as exc:
-                raise fs.permission_denied(exc, _opening(self.path, readonly), filenames.marker_path(self.path),
-                                           needs="read", writing=not readonly) from None
-            if fmt > FORMAT_VERSION:
-                raise FormatVersionError(f"store {self.path!r} has format version {fmt}, but this cnrstore reads "
-                                         f"up to {FORMAT_VERSION}: upgrade cnrstore to open it")
-            if not readonly:
-                if self._engine.lock is None:
-                    self._engine.lock = ProcessLock(self.path)
-                    self._engine.lock.acquire()
-        except BaseException:
-            self._closed = self._engine.closed = True
-            if self._engine.lock is not None:
-                self._engine.lock.release()
-            raise
-        try:
-            if not readonly and finish_interrupted_install(self.path, self._engine.fs):
-                self.recovery_notes.append("installed the index an interrupted `cnrstore repair` had built "
-                                           "(index.repair-tmp/)")
-            self._engine.index = Index(filenames.index_dir(self.path), readonly=readonly)
-            self._engine.segments = storage if storage is not None else LocalSegmentStorage(self.path, filesystem)
-            if not readonly:  # a store this process may only read fails here, not at its first checkpoint
-                if not self._engine.segments.supports_appends:
-                    raise ReadOnlyError(f"{type(self._engine.segments).__name__} takes no appends: open store "
-                                        f"{self.path!r} readonly=True")
-                self._engine.segments.check_writable(_opening(self.path, False))
-            self._engine.appender = self._engine.compaction_appender = None
-            with self._engine.index.read() as view:
-                if view.meta("format") is None:  # an empty environment LMDB made in place of a lost one
-                    raise IndexDamaged(f"the index of store {self.path!r} holds no catalog (was index/data.mdb "
-                                       f"replaced?); {damage_hint(self._engine.index.path)}", self._engine.index.path, None)
-            if not readonly:
-                with self._engine.index.read() as view:
-                    committed = view.segments()
-                    doomed = {int(k) for k in view.meta("doomed_segments", {})}
-                    deleted = view.meta("max_deleted_segment", 0)
-                    seg_ids = view.meta("segment_ids")
-                self.recovery_notes += self._engine.segments.recover(committed, doomed, max_deleted=deleted,
-                                                                     ids=seg_ids)
-                # never reuse the id of a deleted segment: a long-lived reader may still map the old file
-                high, _pending = segments.leftover_rule(committed, doomed, deleted, seg_ids)
-                ids = segments.SegmentIds(high + 1)
-                # the checkpoint writer and compaction append to active segments of their own
-                store_segments = self._engine.segments
-                self._engine.appender = store_segments.appender(committed, FORMAT_VERSION, ids, resume=True,
-                                                                on_sealed=store_segments.sealed)
-                self._engine.compaction_appender = store_segments.appender({}, FORMAT_VERSION, ids, active=None,
-                                                                           on_sealed=store_segments.sealed)
-                if doomed:  # segments GC freed before a restart: delete those no reader needs now
-                    compaction.delete_doomed(self._engine, compaction.GCReport())
-                if fmt < FORMAT_VERSION:  # from now on it holds format-2 records an older GC would drop
-                    self._engine.fs.write_file_atomic(filenames.marker_path(self.path),
-                                               filenames.marker_tmp_path(self.path), _marker_bytes())
-                    self.recovery_notes.append(f"upgraded the store's format from {fmt} to {FORMAT_VERSION}")
-        except BaseException:
-            self._closed = True  # nothing for close() or __del__ to do
-            self._engine.close()
-            raise
+        self._engine = Engine.open(self.path, filesystem, storage, readonly=readonly, create=create,
+                                   create_wait_s=CREATE_WAIT_S)
+        self._closed = False
+        #: what opening for writing recovered or repaired (API.md)
+        self.recovery_notes: list[str] = self._engine.recovery_notes
         if not readonly:
             self._pid = os.getpid()  # a forked child's exit must not close (and unlock) its parent's store
             _open_stores.add(self)
-
-    def _create(self) -> ProcessLock:
-        """Make the store (or finish a half-made one); returns its lock, held for writing.
-
-        Concurrent creators are safe: the directory is locked before its contents are checked, so one
-        process creates while the others wait (up to ``CREATE_WAIT_S``) for its marker; they then open
-        the store it made, or get StoreLocked while the creator holds it for writing. A directory with
-        no marker and only a store's own files (a creation that crashed) is created over, keeping them.
-        """
-        what = f"cannot create store {self.path!r}"
-        if os.path.exists(self.path) and not os.path.isdir(self.path):
-            raise InvalidArgument(f"{self.path!r} is a file, not a directory; choose another path for the store")
-        try:
-            os.makedirs(self.path, exist_ok=True)
-        except FileExistsError:
-            raise InvalidArgument(f"{self.path!r} is a file, not a directory; choose another path for the store") \
-                from None
-        except OSError as exc:
-            if exc.errno in fs.NO_PERMISSION:
-                parent = _denied_dir(os.path.dirname(self.path)) or os.path.dirname(self.path)
-                raise fs.permission_denied(exc, what, parent, needs="write and search (-wx)", writing=False) \
-                    from None
-            raise
-        marker = filenames.marker_path(self.path)
-        lock = ProcessLock(self.path)
-        lock.acquire(write_pid=False, wait=lambda: not os.path.exists(marker), timeout=CREATE_WAIT_S)
-        try:
-            if not os.path.exists(marker):  # (else another process created it while we waited)
-                leftovers = set(os.listdir(self.path)) - {
-                    filenames.INDEX_DIR, filenames.SEGMENTS_DIR, filenames.LOCK, filenames.MARKER + ".tmp"}
-                if leftovers:
-                    raise InvalidArgument(f"{self.path!r} is a non-empty directory that is not a store "
-                                          f"(it holds {sorted(leftovers)[:3]}); choose an empty or new directory")
-                try:
-                    self._create_files()
-                except OSError as exc:
-                    if exc.errno in fs.NO_PERMISSION:
-                        raise fs.permission_denied(exc, what, needs="write", writing=False) from None
-                    raise
-            lock.lock_pid_file()
-        except BaseException:
-            lock.release()
-            raise
-        return lock
-
-    def _create_files(self) -> None:
-        LocalSegmentStorage.create(self.path, self._engine.fs)
-        index = Index(filenames.index_dir(self.path), readonly=False, create=True)
-        try:
-            def init(w):
-                if w.meta("format") is None:
-                    w.put_meta("format", FORMAT_VERSION)
-                    w.put_meta("next_version", 1)
-                    w.put_meta("next_table_id", 1)
-                    w.put_meta("next_dense_id", 1)
-                    w.put_meta("bytes_written", 0)
-            index.write(init)
-        finally:
-            index.close()
-        self._engine.fs.fsync_dir(filenames.index_dir(self.path))  # data.mdb's entry, before the marker exists
-        self._engine.fs.fsync_dir(self.path)
-        fs.crash_point("create_before_marker")
-        # the marker is written last: a store exists exactly when its marker does
-        self._engine.fs.write_file_atomic(filenames.marker_path(self.path), filenames.marker_tmp_path(self.path),
-                                   _marker_bytes())
 
     # lifecycle --------------------------------------------------------------------------------------
     def close(self, *, finish_compaction: bool = True) -> None:
@@ -338,8 +164,6 @@ class Store:
         self._savers.add(work)
 
     def _close_engine(self) -> None:
-        if self._engine.writer is not None:
-            self._engine.writer.abort()
         self._closed = True
         _open_stores.discard(self)
         self._engine.close()
@@ -445,7 +269,7 @@ class Store:
     _maintenance_lock = property(lambda self: self._engine.maintenance_lock)
     _writer = property(lambda self: self._engine.writer)
 
-    def _table_record(self, name: str, view: IndexView | None = None) -> dict | None:
+    def _table_record(self, name: str, view: IndexView | None = None) -> TableRecord | None:
         return self._engine.table_record(name, view)
 
     def _history(self) -> "compaction_policy.History":
@@ -483,24 +307,23 @@ class Store:
         def body(w):
             if w.table(name) is not None:
                 raise InvalidArgument(f"a table named {name!r} already exists; choose another name")
-            tid = w.meta("next_table_id", 1)
+            tid = schema.NEXT_TABLE_ID.get(w)
             if tid > 0xFFFFFFFF:  # the index keys hold table ids as u32
                 raise InvalidArgument(f"store {self.path!r} has used up its 2**32 table ids; put new tables "
                                       "in a new store")
-            w.put_meta("next_table_id", tid + 1)
-            info = {"id": tid, "name": name, "num_rows": num_rows, "dim": dim, "codec": c.name,
-                    "block_rows": block_rows, "created": time.time()}
-            w.put_table(name, info)
-            return info
+            schema.NEXT_TABLE_ID.put(w, tid + 1)
+            table = TableRecord(tid, name, num_rows, dim, c.name, block_rows, time.time())
+            w.put_table(table)
+            return table
 
-        info = self._engine.index.write(body)
-        self._engine.remember_table(name, info)
-        return _table_info(info)
+        table = self._engine.index.write(body)
+        self._engine.remember_table(table)
+        return table.info()
 
     def tables(self) -> dict[str, TableInfo]:
         self._check_open()
         with self._engine.index.read() as view:
-            return {name: _table_info(info) for name, info in sorted(view.tables().items())}
+            return {name: table.info() for name, table in sorted(view.tables().items())}
 
     # checkpoints ------------------------------------------------------------------------------------
     def checkpoint(self, step: int | None = None, meta: dict | None = None) -> CheckpointWriter:
@@ -508,23 +331,9 @@ class Store:
         self._check_writable()
         pack_meta(meta)
         step = validate.step_arg(step)
-        with self._engine.writer_mutex:
-            if self._engine.writer is not None:
-                raise CheckpointInProgress(f"checkpoint {self._engine.writer.version} is still open; commit or abort "
-                                           "it before starting another")
-
-            def allocate(w):  # durably, so that a version number is never handed out twice
-                v = w.meta("next_version", 1)
-                if v >= (1 << 64) - 1:  # versions are u64 (the last one would leave no next_version to store)
-                    raise InvalidArgument(f"store {self.path!r} has used up its 2**64 version numbers; write new "
-                                          "checkpoints in a new store")
-                w.put_meta("next_version", v + 1)
-                latest = w.latest()
-                return v, (latest[0] if latest else None)
-
-            version, parent = self._engine.index.write(allocate)
-            self._engine.writer = CheckpointWriter(self._engine, version, parent, None if step is None else int(step), meta)
-            return self._engine.writer
+        step = None if step is None else int(step)
+        engine = self._engine
+        return engine.begin_writer(lambda version, parent: CheckpointWriter(engine, version, parent, step, meta))
 
     # reads ------------------------------------------------------------------------------------------
     def versions(self) -> list[VersionInfo]:
@@ -542,7 +351,7 @@ class Store:
         """float32 (len(rows), dim): the rows as of ``version`` (default: newest committed)."""
         with self._read(version, table) as (view, v):
             info = self._table_or_raise(table, view)
-            ids = validate.row_ids(rows, info["num_rows"], table)
+            ids = validate.row_ids(rows, info.num_rows, table)
             return reader.read_rows(view, self._engine.segments, info, ids, v)
 
     def read_table(self, table: str, version: int | None = None) -> np.ndarray:
@@ -618,6 +427,16 @@ class Store:
                 return []
             return compaction.drop_versions(self._engine, set(versions[:-keep_last]))
 
+    def drop_versions(self, versions, *, allow_newest: bool = False) -> list[int]:
+        """*For sibling packages* (``cnrstore.distributed``), not for applications: drop ``versions`` (those
+        present) and every index entry no kept version reads, as ``retain`` does; returns the dropped
+        versions, oldest first. The newest version is dropped only with ``allow_newest`` (a local version
+        no global version refers to); version numbers are never reused either way. Runs under the
+        maintenance lock, one at a time with compact, retain and gc; ``gc`` then reclaims the space."""
+        self._check_writable()
+        with self._engine.maintenance_lock:
+            return compaction.drop_versions(self._engine, set(versions), allow_newest=allow_newest)
+
     def gc(self, progress=None) -> "compaction.GCReport":
         """Reclaim the space of dropped and shadowed records (see compaction.collect)."""
         self._check_writable()
@@ -641,7 +460,7 @@ class Store:
             seg_bytes = sum(view.segments().values())
             entries = view.stat()["rows"]["entries"]
             stats = {
-                "bytes_written": view.meta("bytes_written", 0),
+                "bytes_written": schema.BYTES_WRITTEN.get(view),
                 "bytes_on_disk": self._disk_bytes(),
                 "live_bytes": live,
                 "segment_bytes": seg_bytes,
@@ -652,7 +471,7 @@ class Store:
                 "max_read_chain": max_chain,
                 "compaction_errors": self._compactor.failures if self._compactor is not None else 0,
             }
-            increments = view.meta("increment_bytes", stats["bytes_written"])
+            increments = schema.INCREMENT_BYTES.get(view, stats["bytes_written"])
         # all bytes appended over the bytes of the checkpoints' own rows; disk over what the index names
         stats["write_amplification"] = stats["bytes_written"] / increments if increments else None
         stats["space_amplification"] = stats["bytes_on_disk"] / live if live else None
@@ -696,10 +515,10 @@ class _ReadContext:
         return self._cm.__exit__(*exc)
 
 
-def _written_by(view: IndexView, tinfo: dict, version: int) -> bool:
+def _written_by(view: IndexView, tinfo: TableRecord, version: int) -> bool:
     """Whether any row of the table was written at or before ``version``: one index seek per block
     that has records (usually the first answers), however many versions or rows the table has."""
-    return any(oldest <= version for _block, oldest in view.row_blocks(tinfo["id"]))
+    return any(oldest <= version for _block, oldest in view.row_blocks(tinfo.id))
 
 
 def _scan_row_index(view: IndexView, versions: list[int]) -> tuple[int, int]:
@@ -716,6 +535,3 @@ def _scan_row_index(view: IndexView, versions: list[int]) -> tuple[int, int]:
     chains = compaction.read_chain_lengths(entries(), versions)
     return live, int(chains.max(initial=0))
 
-
-def _table_info(info: dict) -> TableInfo:
-    return TableInfo(info["name"], info["num_rows"], info["dim"], info["codec"], info["block_rows"])

@@ -59,3 +59,30 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+@dataclass
+class CompactReport:
+    """What ``Store.compact`` did: baselines written at ``version`` and the bytes they took."""
+
+    version: int
+    blocks_materialized: int = 0
+    bytes_written: int = 0
+
+
+@dataclass
+class GCReport:
+    """What ``Store.gc`` did. ``bytes_reclaimed`` were freed on disk now; ``bytes_pending`` belong to
+    segments that readers may still use, deleted by a later ``gc`` (or open) once they are done.
+
+    ``incomplete`` is None when the pass did everything; otherwise it says what was left undone and
+    why (the disk filled while copying live records out of under-full segments): what the report counts
+    was reclaimed all the same, and a later ``gc`` with free space finishes the job.
+    """
+
+    bytes_reclaimed: int = 0
+    bytes_copied: int = 0
+    segments_deleted: int = 0
+    segments_rewritten: int = 0
+    bytes_pending: int = 0
+    incomplete: str | None = None

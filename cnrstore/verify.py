@@ -9,6 +9,7 @@ import numpy as np
 from . import blocks as blocks_math
 from . import codecs, reader, record, segments
 from .errors import CnrError
+from .schema import DAMAGED, TableRecord
 from .types import VerifyReport
 from .storage import Expect, fetch, mismatch
 
@@ -31,7 +32,7 @@ def damaged_blocks(view) -> dict[int, list[dict]]:
     """The damaged (version, block) pairs repair recorded (index meta ``damaged``, docs/FORMAT.md), for
     the versions the index still holds: version -> [{"table": id, "block": b, "why": str} or
     {"dense": id, "why": str}]."""
-    raw = view.meta("damaged", None) or {}
+    raw = DAMAGED.get(view)
     versions = set(view.version_numbers()) if raw else set()
     return {int(v): list(items) for v, items in raw.items() if int(v) in versions}
 
@@ -69,7 +70,7 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
                 segments.check_segment_header(seg_reader.read(seg, 0, segments.SEGMENT_HEADER_BYTES), seg, path)
             except CnrError as exc:
                 add(str(exc), DO_SEGMENT)
-        tables = {info["id"]: info for info in view.tables().values()}
+        tables = {info.id: info for info in view.tables().values()}
         versions = dict(view.versions())
         damaged = damaged_blocks(view)
         unread = _unread_entries(view, sorted(versions)) - pinned
@@ -82,7 +83,7 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
             if info is None:
                 add(f"index entry table id {tid} block {block} version {version} names an unknown table", DO_INDEX)
                 continue
-            where = f"table {info['name']!r} (id {tid}) block {block} version {version}"
+            where = f"table {info.name!r} (id {tid}) block {block} version {version}"
             if (tid, block) != block_key:
                 block_key, block_versions = (tid, block), set()
             if loc.base and loc.base not in block_versions:
@@ -138,7 +139,7 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
                 add(f"version {version} has parent {info['parent']} that is not older", DO_INDEX)
         for version, items in sorted(damaged.items()):
             for item in items:
-                what = (f"table {tables[item['table']]['name']!r} block {item['block']}"
+                what = (f"table {tables[item['table']].name!r} block {item['block']}"
                         if "table" in item and item["table"] in tables else
                         f"dense array {dense_names.get(item.get('dense'), item.get('dense'))!r}")
                 add(f"version {version}: {what} is damaged ({item.get('why')}); repair recorded it, and reads "
@@ -208,17 +209,17 @@ def _check_location(committed: dict[int, int], seg: int, offset: int, length: in
     return None
 
 
-def _check_rows_record(rec: record.Record, info: dict, block: int, version: int, loc) -> str | None:
-    problem = mismatch(rec, loc, Expect(record.KIND_ROWS, info["id"], version, block))
+def _check_rows_record(rec: record.Record, info: TableRecord, block: int, version: int, loc) -> str | None:
+    problem = mismatch(rec, loc, Expect(record.KIND_ROWS, info.id, version, block))
     if problem:
         return problem
     try:
         codec = codecs.by_id(rec.codec_id)
     except CnrError:
         return f"record has unknown codec id {rec.codec_id}"
-    if rec.body.size != rec.count * codec.row_bytes(info["dim"]):
+    if rec.body.size != rec.count * codec.row_bytes(info.dim):
         return "record body length disagrees with its row count and codec"
-    block_len = blocks_math.length(block, info["block_rows"], info["num_rows"])
+    block_len = blocks_math.length(block, info.block_rows, info.num_rows)
     offsets = rec.offsets()
     if offsets.size and (offsets[-1] >= block_len or (np.diff(offsets) <= 0).any()):
         return "record row offsets are out of range or not strictly increasing"

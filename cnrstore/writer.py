@@ -1,9 +1,10 @@
 """CheckpointWriter: stream one version's records into the log, then commit it atomically.
 
-Durability protocol (DESIGN.md): (1) append the version's records and its COMMIT record (what repair
-rebuilds the index from), (2) fsync them, (3) one synced LMDB transaction (the one commit path,
-Engine.commit in cnrstore/engine.py) inserts the index entries, the version record and the segments' committed lengths. The
-version exists exactly when (3) has committed. Abort (or any failure) truncates what was appended.
+Durability protocol (DESIGN.md): (1) append the version's records, then commit its ``VersionEdit``
+(version_edit.py) through the one commit path, Engine.commit: (2) its COMMIT record (what repair rebuilds
+the index from) is appended and everything fsynced, (3) one synced LMDB transaction applies the edit: the
+index entries, the version record and the segments' committed lengths. The version exists exactly when
+(3) has committed. Abort (or any failure) truncates what was appended.
 
 A version holds at most one record per (table, block). A second ``put_rows`` that touches a block this
 version already wrote merges into a new record for that block: encoded bytes are copied when the codecs
@@ -22,8 +23,10 @@ import numpy as np
 from . import blocks as blocks_math
 from . import codecs, fs, knobs, merge, reader, record, validate
 from .errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
-from .index import DenseLoc, IndexWriter, RowLoc
+from .index import DenseLoc, RowLoc
 from .rowrecords import block_records
+from .schema import TableRecord
+from .version_edit import VersionEdit
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -76,15 +79,15 @@ class CheckpointWriter:
         info = self._engine.table_record(table)
         if info is None:
             raise TableNotFound(f"no table {table!r} in this store; create it with store.create_table()")
-        rows = validate.row_ids(rows, info["num_rows"], table)
-        values, value_range = validate.row_values(values, rows, info["dim"], table)
+        rows = validate.row_ids(rows, info.num_rows, table)
+        values, value_range = validate.row_values(values, rows, info.dim, table)
         order = validate.sorted_unique_rows(rows, table)
         if order is not None:
             rows, values = rows[order], values[order]
-        chosen = codecs.get(codec if codec is not None else info["codec"])
+        chosen = codecs.get(codec if codec is not None else info.codec)
         if not rows.size:
             return  # nothing to write: the table is not listed in this version
-        shift = blocks_math.shift(info["block_rows"])
+        shift = blocks_math.shift(info.block_rows)
         blocks = rows >> shift
         pending = self._rows.get(table, {})
         merging = np.isin(blocks, np.fromiter(pending, dtype=np.int64, count=len(pending))) if pending else None
@@ -151,45 +154,14 @@ class CheckpointWriter:
         self._check_open()
         engine = self._engine
         try:
-            info = {
-                "step": self._step,
-                "meta": self._meta,
-                "created": time.time(),
-                "parent": self._parent,
-                "tables": sorted(self._rows),
-                "dense": sorted(self._dense),
-                "bytes": self._bytes,
-            }
-            table_ids = {name: engine.table_record(name)["id"] for name in self._rows}
-            increment = self._increment_bytes()
-            # the version's catalog facts travel in the log too, so that repair can rebuild the index
-            buffers, length = record.log_record(record.KIND_COMMIT, self.version,
-                                                commit_body(engine, self.version, info, self._rows, self._dense))
-            commit_loc = DenseLoc(*engine.appender.append(buffers, length), length)
+            edit = self._edit()
         except BaseException as exc:
             self._fail(exc)
             raise
-
-        def update(w: IndexWriter) -> None:
-            for name, blocks in self._rows.items():
-                tid = table_ids[name]
-                for block in sorted(blocks):
-                    w.put_row(tid, block, self.version, blocks[block])
-            for name, (dense_id, loc) in self._dense.items():
-                if w.dense_id(name) is None:
-                    w.put_dense_name(name, dense_id)
-                    w.put_meta("next_dense_id", max(w.meta("next_dense_id", 1), dense_id + 1))
-                w.put_dense(dense_id, self.version, loc)
-            w.put_log(record.KIND_COMMIT, self.version, commit_loc)
-            w.put_version(self.version, info)
-            w.put_meta("bytes_written", w.meta("bytes_written", 0) + self._bytes)
-            # (a store written before this counter existed counts its earlier bytes as increments)
-            w.put_meta("increment_bytes", w.meta("increment_bytes", w.meta("bytes_written", 0) - self._bytes)
-                       + increment)
-
-        # fsync, StoreMoved check, one index transaction; on failure self._fail rolls the version back
-        engine.commit(engine.appender, True, update, after_append="after_append", after_fsync="after_fsync",
-                   inside_index_commit="inside_index_commit", on_failure=self._fail)
+        # append the COMMIT, fsync, StoreMoved check, one index transaction; on failure self._fail rolls
+        # the version back
+        engine.commit(engine.appender, edit, appended=True, after_append="after_append", after_fsync="after_fsync",
+                      inside_index_commit="inside_index_commit", on_failure=self._fail)
         self._state = "committed"
         engine.writer_done(self)
         return self.version
@@ -205,6 +177,30 @@ class CheckpointWriter:
         self._engine.writer_done(self)
 
     # internals --------------------------------------------------------------------------------------
+    def _edit(self) -> VersionEdit:
+        """What committing this version does (version_edit.py): its row and dense entries, its dense
+        names, its ``versions`` entry and counters; encoded as its COMMIT record, with the catalog entries
+        of the tables it wrote, so that repair can rebuild the index from the log."""
+        engine = self._engine
+        info = {
+            "step": self._step,
+            "meta": self._meta,
+            "created": time.time(),
+            "parent": self._parent,
+            "tables": sorted(self._rows),
+            "dense": sorted(self._dense),
+            "bytes": self._bytes,
+        }
+        catalog, rows = [], []
+        for name, blocks in self._rows.items():
+            tinfo = engine.table_record(name)
+            catalog.append(tinfo)
+            rows += [(tinfo.id, block, self.version, blocks[block]) for block in sorted(blocks)]
+        return VersionEdit(version=self.version, versions={self.version: info}, catalog=catalog, rows=rows,
+                           dense=[(dense_id, self.version, loc) for dense_id, loc in self._dense.values()],
+                           dense_names={name: dense_id for name, (dense_id, _loc) in self._dense.items()},
+                           bytes_written=self._bytes, increment_bytes=self._increment_bytes())
+
     def _check_open(self) -> None:
         if self._state == "failed":
             raise CnrError(f"checkpoint {self.version} failed earlier ({self._failure!r}); abort it") from self._failure
@@ -246,7 +242,7 @@ class CheckpointWriter:
             total -= loc.length - (record.HEADER_BYTES + record.TRAILER_BYTES + own * (row_bytes + 2))
         return total
 
-    def _chain_merges(self, stack: contextlib.ExitStack, info: dict, blocks: np.ndarray):
+    def _chain_merges(self, stack: contextlib.ExitStack, info: TableRecord, blocks: np.ndarray):
         """({block: merge.ChainMerge} of the fresh ``blocks`` whose chain needs a merge, and a resolver
         reading within an index read transaction held by ``stack`` while the merges load records).
 
@@ -259,21 +255,21 @@ class CheckpointWriter:
         with engine.pin_lock:
             view = stack.enter_context(engine.index.read())
             for block in np.unique(blocks).tolist():
-                plan = merge.chain_merge(view, info["id"], block, self._parent)
+                plan = merge.chain_merge(view, info.id, block, self._parent)
                 if plan is not None:  # (every entry the merged record might read; narrowed after the merge)
                     found[block] = plan
                     for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
-                        self.pins.add((info["id"], block, v))
+                        self.pins.add((info.id, block, v))
         return found, reader.BlockResolver(view, engine.segments, info)
 
-    def _append_fresh(self, table: str, info: dict, codec, rows: np.ndarray, encoded: np.ndarray,
+    def _append_fresh(self, table: str, info: TableRecord, codec, rows: np.ndarray, encoded: np.ndarray,
                       chain_merges: dict, resolver) -> None:
         """Append records of rows of blocks this version had not written: plain increments, and for the
         blocks in ``chain_merges`` a delta (or new baseline) merged with the older chain (merge.py)."""
         if not chain_merges:
             self._append(table, block_records(info, codec, rows, encoded, self.version))
             return
-        shift = blocks_math.shift(info["block_rows"])
+        shift = blocks_math.shift(info.block_rows)
         blocks = rows >> shift
         keys = np.fromiter(chain_merges, dtype=np.int64, count=len(chain_merges))
         merged = np.isin(blocks, keys)
@@ -284,8 +280,8 @@ class CheckpointWriter:
         for i, start in enumerate(starts.tolist()):
             stop = int(bounds[i + 1])
             block = int(m_blocks[start])
-            first = blocks_math.base(block, info["block_rows"])
-            block_len = blocks_math.length(block, info["block_rows"], info["num_rows"])
+            first = blocks_math.base(block, info.block_rows)
+            block_len = blocks_math.length(block, info.block_rows, info.num_rows)
             m = merge.merge_block(resolver, block, block_len, chain_merges[block], codec, m_rows[start:stop] - first,
                                   m_encoded[start:stop])
             self._append(table, block_records(info, m.codec, m.offsets + first, m.encoded, self.version,
@@ -297,7 +293,7 @@ class CheckpointWriter:
             reads = {m.base} | ({plan.baseline[0]} if m.base and plan.baseline is not None else set())
             for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
                 if v not in reads:
-                    self.pins.discard((info["id"], block, v))
+                    self.pins.discard((info.id, block, v))
 
     def _plan_merges(self, table, info, rows, values, blocks, merging, codec) -> list:
         """For blocks this version already wrote: (codec, merged rows, merged encoded rows, delta base,
@@ -306,14 +302,14 @@ class CheckpointWriter:
         Raises InvalidArgument (before anything is written) if a row was already put in this version.
         """
         engine = self._engine
-        dim = info["dim"]
+        dim = info.dim
         plans = []
         m_rows, m_values, m_blocks = rows[merging], values[merging], blocks[merging]
         starts, bounds = blocks_math.runs(m_blocks)
         for i, start in enumerate(starts):
             stop = bounds[i + 1]
             block = int(m_blocks[start])
-            base = blocks_math.base(block, info["block_rows"])
+            base = blocks_math.base(block, info.block_rows)
             old = engine.load_pending(self._rows[table][block], info)
             old_rows = old.offsets() + base
             new_rows, new_values = m_rows[start:stop], m_values[start:stop]
@@ -346,21 +342,6 @@ class CheckpointWriter:
             if carried is not None:
                 self._carried[(table, block)] = np.setdiff1d(carried, new_rows, assume_unique=True)
         return plans
-
-
-def commit_body(engine: "Engine", version: int, info: dict, rows: dict, dense: dict) -> dict:
-    """The body of version ``version``'s COMMIT record (docs/FORMAT.md): its version info, the catalog
-    entries of the tables it wrote, the dense ids it wrote, and (count, flags) of every block it wrote."""
-    catalog, blocks = [], {}
-    for name, by_block in rows.items():
-        tinfo = engine.table_record(name)
-        catalog.append({k: tinfo[k] for k in ("id", "name", "num_rows", "dim", "codec", "block_rows", "created")})
-        ids = sorted(by_block)
-        blocks[tinfo["id"]] = [np.array(ids, dtype="<u8").tobytes(),
-                               np.array([by_block[b].count for b in ids], dtype="<u4").tobytes(),
-                               np.array([by_block[b].flags for b in ids], dtype="<u1").tobytes()]
-    return {**info, "version": version, "catalog": catalog,
-            "dense_ids": {name: dense_id for name, (dense_id, _loc) in dense.items()}, "blocks": blocks}
 
 
 def _codec_for(codec, values: np.ndarray):

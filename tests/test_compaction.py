@@ -412,7 +412,7 @@ def test_empty_store_maintenance(store):
 
 def _entry(store, table: str, block: int, version: int):
     """(version, RowLoc, parsed record) of the newest index entry of the block at or before ``version``."""
-    tid = store.engine.table_record(table)["id"]
+    tid = store.engine.table_record(table).id
     with store.engine.index.read() as view:
         v, loc = next(view.row_chain(tid, block, version))
     rec = record.parse(store.engine.segments.read(loc.segment, loc.offset, loc.length), "", loc.offset)
@@ -652,7 +652,7 @@ def test_gc_of_a_corrupted_live_record_changes_nothing(store):
     seg = candidates[-1]  # GC copies the other candidates first: those copies must be undone
     kind, obj, block, v, loc = live[seg][-1]
     if kind == "rows":
-        damaged = next(n for n in TABLES if store.engine.table_record(n)["id"] == obj)
+        damaged = next(n for n in TABLES if store.engine.table_record(n).id == obj)
     else:
         damaged = dense_names[obj]
     path = filenames.segment_path(store.path, seg)
@@ -1099,3 +1099,26 @@ def test_a_long_lived_reader_across_a_writer_restart(store_path):
         assert ro.read_table("t", version=3)[5, 0] == 3
     assert_consistent(store)
     store.close()
+
+
+def test_store_drop_versions_is_the_seam_for_sibling_packages(store):
+    """Store.drop_versions (what cnrstore.distributed calls): drops the versions present, keeps what kept
+    versions read, and drops the newest one only when allowed; gc then reclaims the space."""
+    store.create_table("t", 64, 4, codec="fp32", block_rows=16)
+    for v in range(1, 5):
+        with store.checkpoint() as ck:
+            ck.put_rows("t", np.arange(v, 64, 4), np.full((len(range(v, 64, 4)), 4), v, np.float32))
+    rows = np.arange(1, 64)  # (row 0 is written first by the last checkpoint below)
+    newest = store.read_rows("t", rows, 4)
+    with pytest.raises(cnrstore.CnrError, match="newest"):
+        store.drop_versions([4])
+    assert store.drop_versions([2, 3, 99]) == [2, 3]
+    assert [v.version for v in store.versions()] == [1, 4]
+    assert np.array_equal(store.read_rows("t", rows, 4), newest)
+    assert store.drop_versions([4], allow_newest=True) == [4]
+    assert [v.version for v in store.versions()] == [1]
+    store.gc()
+    assert store.verify().ok
+    with store.checkpoint() as ck:  # version numbers are never reused
+        ck.put_rows("t", [0], np.zeros((1, 4), np.float32))
+    assert store.latest().version == 5

@@ -18,7 +18,7 @@ from cnrstore.errors import CorruptionError
 def _entries(store, table: str):
     """{(block, version): RowLoc} of a table's index entries."""
     with store.engine.index.read() as view:
-        tid = view.table(table)["id"]
+        tid = view.table(table).id
         return {(b, v): loc for t, b, v, loc in view.row_entries(tid)}
 
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from cnrstore import knobs
 from cnrstore.errors import CorruptionError
 from cnrstore.index import DenseLoc, Index, RowLoc
+from cnrstore.schema import TableRecord
 
 U32 = 2**32 - 1
 U64 = 2**64 - 1
@@ -162,8 +163,8 @@ def _version(v):
 def test_catalogs_round_trip(index):
     def body(w):
         w.put_meta("next_version", 7)
-        w.put_table("emb", _table(1, "emb"))
-        w.put_table("ém", _table(2, "ém"))
+        w.put_table(TableRecord(**_table(1, "emb")))
+        w.put_table(TableRecord(**_table(2, "ém")))
         for v in (3, 1, 2**40):
             w.put_version(v, _version(v))
         w.put_segment(1, 4096)
@@ -172,7 +173,7 @@ def test_catalogs_round_trip(index):
     assert index.write(body) == "done"
     with index.read() as view:
         assert view.meta("next_version") == 7 and view.meta("absent", 5) == 5
-        assert view.table("emb")["num_rows"] == 10 and view.table("nope") is None
+        assert view.table("emb") == TableRecord(**_table(1, "emb")) and view.table("nope") is None
         assert sorted(view.tables()) == ["emb", "ém"]
         assert [v for v, _ in view.versions()] == [1, 3, 2**40]  # numeric order
         assert view.latest() == (2**40, _version(2**40))

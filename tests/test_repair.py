@@ -440,7 +440,7 @@ GOLDEN1 = os.path.join(os.path.dirname(__file__), "data", "format1", "store")
 
 
 def test_format1_store_reads_and_a_writable_open_upgrades_its_marker(tmp_path):
-    from cnrstore.store import _read_marker
+    from cnrstore.marker import read_marker as _read_marker
 
     path = tmp_path / "s"
     shutil.copytree(GOLDEN1, path)

@@ -81,7 +81,7 @@ def _log_loc(path, kind: int, version: int | None = None):
 def _row_loc(path, table: str, block: int, version: int):
     with cnrstore.open(path, readonly=True) as s:
         with s.engine.index.read() as view:
-            tid = view.table(table)["id"]
+            tid = view.table(table).id
             return dict(((b, v), loc) for t, b, v, loc in view.row_entries(tid))[(block, version)]
 
 

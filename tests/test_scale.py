@@ -219,7 +219,7 @@ def test_row_blocks_seeks_only_blocks_with_entries(tmp_path):
             with store.checkpoint() as w:
                 w.put_rows("t", np.array(rows), np.ones((2, 2), np.float32))
                 w.put_rows("next", np.array([0]), np.ones((1, 2), np.float32))
-        tid = store.engine.table_record("t")["id"]
+        tid = store.engine.table_record("t").id
         with store.engine.index.read() as view:
             assert list(view.row_blocks(tid)) == [(0, 1), (700, 1), (999, 2)]
             assert list(view.row_blocks(tid + 5)) == []

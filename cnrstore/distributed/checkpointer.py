@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import compaction as _compaction
 from .. import store as _store
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
@@ -259,8 +258,7 @@ class DistributedCheckpointer:
                 if vi.version not in referenced and (startup or vi.version < newest)}
         if not drop:
             return []
-        with self.store.engine.maintenance_lock:
-            dropped = _compaction.drop_versions(self.store.engine, drop, allow_newest=startup)
+        dropped = self.store.drop_versions(drop, allow_newest=startup)
         self.store.gc()
         return dropped
 
