@@ -167,6 +167,20 @@ def publish(md: str, out: str | None, plot_path: str | None, plot) -> None:
         print(why or f"plot: {plot_path}", file=sys.stderr)
 
 
+def load_peer_checkpoint(kind: str, path: str, model, optimizer, map_location=None) -> None:
+    """Restore a peer's checkpoint of ``{"model": ..., "optimizer": ...}`` into ``model`` and ``optimizer`` in
+    place: a ``torch.save`` file (``kind`` "torch.save"), else a torch.distributed.checkpoint directory."""
+    if kind == "torch.save":
+        state = torch.load(path, map_location=map_location, weights_only=False)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
 def fmt_s(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
 

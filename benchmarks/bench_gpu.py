@@ -48,7 +48,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import cnrstore  # noqa: E402
-from bench_engine import fmt_bytes, load_average, machine_description, publish, zipf_rows  # noqa: E402
+from bench_engine import fmt_bytes, load_average, load_peer_checkpoint, machine_description, publish, zipf_rows  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
 
 CNR = ("cnrstore fp32", "cnrstore int4")
@@ -188,17 +188,9 @@ def run(args) -> str:
                 t0 = time.perf_counter()
                 if m in CNR:
                     ckpts[m].restore()
-                elif m == "torch.save":
-                    st = torch.load(os.path.join(dirs[m], "ckpt.pt"), map_location=dev, weights_only=False)
-                    model.load_state_dict(st["model"])
-                    opt.load_state_dict(st["optimizer"])
-                    del st
                 else:
-                    st = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-                    dcp.load(st, checkpoint_id=os.path.join(dirs[m], f"step_{last:03d}"))
-                    model.load_state_dict(st["model"])
-                    opt.load_state_dict(st["optimizer"])
-                    del st
+                    path = os.path.join(dirs[m], "ckpt.pt" if m == "torch.save" else f"step_{last:03d}")
+                    load_peer_checkpoint(m, path, model, opt, map_location=dev)
                 sync()
                 restore[m].append(time.perf_counter() - t0)
                 sd = model.state_dict()

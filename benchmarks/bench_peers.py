@@ -62,7 +62,7 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from bench_engine import fmt_bytes, load_average, machine_description, median, publish  # noqa: E402
+from bench_engine import fmt_bytes, load_average, load_peer_checkpoint, machine_description, median, publish  # noqa: E402
 import dlrm_model  # noqa: E402
 
 import cnrstore  # noqa: E402
@@ -344,19 +344,10 @@ def run(args) -> tuple[str, dict]:
                     restore[m].append(time.perf_counter() - t0)
                     c2.close()
                     s2.close()
-                elif m == "torch.save":
-                    st = torch.load(os.path.join(dirs[m], f"ckpt_{last:03d}.pt"), weights_only=False)
-                    m2.load_state_dict(st["model"])
-                    o2.load_state_dict(st["optimizer"])
-                    restore[m].append(time.perf_counter() - t0)
-                    del st
                 else:
-                    st = {"model": m2.state_dict(), "optimizer": o2.state_dict()}
-                    dcp.load(st, checkpoint_id=os.path.join(dirs[m], f"step_{last:03d}"))
-                    m2.load_state_dict(st["model"])
-                    o2.load_state_dict(st["optimizer"])
+                    path = os.path.join(dirs[m], f"ckpt_{last:03d}.pt" if m == "torch.save" else f"step_{last:03d}")
+                    load_peer_checkpoint(m, path, m2, o2)
                     restore[m].append(time.perf_counter() - t0)
-                    del st
                 if r == 0:  # how far the restored embeddings / optimizer state are from the trained ones
                     sd = m2.state_dict()
                     check[m] = (max(float((sd[k] - final[k]).abs().max()) for k in final),

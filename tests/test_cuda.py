@@ -18,32 +18,11 @@ from torch import nn
 
 import cnrstore
 from cnrstore.torch import Checkpointer
-from test_torch_checkpointer import Loader, TinyDLRM, assert_state_equal, batch
+from test_torch_checkpointer import Loader, assert_state_equal, batch, check_int4_restore, make, train_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 CUDA = torch.device("cuda")
-
-
-def make(seed, optim, device):
-    torch.manual_seed(seed)
-    model = TinyDLRM().to(device)
-    if optim == "adagrad":
-        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
-    elif optim == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return model, opt
-
-
-def train_step(model, opt, b):
-    device = next(model.parameters()).device
-    dense, ids, bag_ids, offsets, y = (x.to(device) for x in b)
-    opt.zero_grad()
-    loss = nn.functional.binary_cross_entropy_with_logits(model(dense, ids, bag_ids, offsets), y)
-    loss.backward()
-    opt.step()
 
 
 def on_cpu(state):
@@ -155,20 +134,7 @@ def test_cuda_sparse_embedding_with_sparse_adam(store):
 
 
 def test_cuda_int4_restore_gives_the_decoded_saved_rows(store):
-    torch.manual_seed(0)
-    model = TinyDLRM().to(CUDA)
-    ck = Checkpointer(store, model, codec="int4")
-    saved = model.emb.weight.detach().cpu().numpy().copy()
-    saved_dense = model.bottom.weight.detach().clone()
-    ck.save(0).wait()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    ck.restore()
-    codec = cnrstore.codecs.get("int4")
-    np.testing.assert_array_equal(model.emb.weight.detach().cpu().numpy(), codec.decode(codec.encode(saved), 4))
-    assert torch.equal(model.bottom.weight, saved_dense)
-    ck.close()
+    check_int4_restore(store, CUDA)
 
 
 @pytest.mark.parametrize("priority", ["mfu", "ssu"])

@@ -56,16 +56,17 @@ class Loader:
 
 
 def train_step(model, opt, b):
-    dense, ids, bag_ids, offsets, y = b
+    device = next(model.parameters()).device  # (tests/test_cuda.py trains on a GPU)
+    dense, ids, bag_ids, offsets, y = (x.to(device) for x in b)
     opt.zero_grad()
     loss = nn.functional.binary_cross_entropy_with_logits(model(dense, ids, bag_ids, offsets), y)
     loss.backward()
     opt.step()
 
 
-def make(seed, optim="adagrad"):
+def make(seed, optim="adagrad", device="cpu"):
     torch.manual_seed(seed)
-    model = TinyDLRM()
+    model = TinyDLRM().to(device)
     if optim == "adagrad":
         opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
     elif optim == "adam":
@@ -434,11 +435,17 @@ def test_bad_arguments(store):
 # -- lossy codecs ----------------------------------------------------------------------------------------
 
 def test_int4_restore_gives_decoded_saved_rows(store):
+    check_int4_restore(store)
+
+
+def check_int4_restore(store, device="cpu") -> None:
+    """An int4 save restores as the codec decodes the saved rows; dense parameters stay exact (tests/test_cuda.py
+    runs it on a GPU)."""
     torch.manual_seed(0)
-    model = TinyDLRM()
+    model = TinyDLRM().to(device)
     ck = Checkpointer(store, model, codec="int4")
-    saved = model.emb.weight.detach().numpy().copy()
-    saved_bag = model.bag.weight.detach().numpy().copy()
+    saved = model.emb.weight.detach().cpu().numpy().copy()
+    saved_bag = model.bag.weight.detach().cpu().numpy().copy()
     saved_dense = model.bottom.weight.detach().clone()
     ck.save(0).wait()
     with torch.no_grad():
@@ -446,8 +453,8 @@ def test_int4_restore_gives_decoded_saved_rows(store):
             p.add_(1.0)
     ck.restore()
     codec = cnrstore.codecs.get("int4")
-    np.testing.assert_array_equal(model.emb.weight.detach().numpy(), codec.decode(codec.encode(saved), 4))
-    np.testing.assert_array_equal(model.bag.weight.detach().numpy(), codec.decode(codec.encode(saved_bag), 4))
+    np.testing.assert_array_equal(model.emb.weight.detach().cpu().numpy(), codec.decode(codec.encode(saved), 4))
+    np.testing.assert_array_equal(model.bag.weight.detach().cpu().numpy(), codec.decode(codec.encode(saved_bag), 4))
     assert torch.equal(model.bottom.weight, saved_dense)  # dense parameters stay exact
     ck.close()
 
