@@ -437,6 +437,14 @@ class Store:
         with self._engine.maintenance_lock:
             return compaction.drop_versions(self._engine, set(versions), allow_newest=allow_newest)
 
+    def replace_dense(self, name: str, version: int, array) -> None:
+        """*For sibling packages* (``cnrstore.torch.migrate``), not for applications: rewrite dense array
+        ``name`` of committed ``version`` as ``array`` (a new record; the old one is dead bytes for ``gc``),
+        under the maintenance lock. InvalidArgument if the version holds no such array."""
+        self._check_writable()
+        with self._engine.maintenance_lock:
+            compaction.replace_dense(self._engine, name, version, array)
+
     def gc(self, progress=None) -> "compaction.GCReport":
         """Reclaim the space of dropped and shadowed records (see compaction.collect)."""
         self._check_writable()

@@ -5,7 +5,7 @@ A version's payload (dense array ``"torch.state"``) that ``torch.load(weights_on
 unpickled in full -- which runs whatever code its pickle names, so only with ``trust_pickle=True``: the
 caller vouches that it wrote every byte of the store --, its numpy scalars become the Python numbers they
 subclass or hold (``np.float64`` -> ``float``), then it is checked to be data (``payload.encode``) and
-written back as a new DENSE record of the same version (``compaction.replace_dense``). Nothing else
+written back as a new DENSE record of the same version (``Store.replace_dense``). Nothing else
 changes: tables, dense arrays, steps and metadata read exactly as before. Without ``trust_pickle`` the
 command only lists the versions it would rewrite (a static scan: nothing is unpickled).
 """
@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import compaction
 from ..errors import InvalidArgument, MissingRows, UnsafePayload
 from . import payload as _payload
 
@@ -89,8 +88,7 @@ def migrate_payloads(path, *, trust_pickle: bool = False, progress=None) -> Migr
                         new = _payload.encode(_plain(data), what=f"version {v}'s trainer payload")
                     except InvalidArgument as exc:
                         raise InvalidArgument(f"{exc}; versions rewritten so far: {report.rewritten}") from None
-                    with st.engine.maintenance_lock:
-                        compaction.replace_dense(st.engine, _payload.STATE_BLOB, v, new)
+                    st.replace_dense(_payload.STATE_BLOB, v, new)
                     report.rewritten.append(v)
             if progress is not None:
                 progress(i + 1, len(versions))
