@@ -32,6 +32,7 @@ import os
 import platform
 import pstats
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -165,6 +166,18 @@ def publish(md: str, out: str | None, plot_path: str | None, plot) -> None:
     if plot_path and plot_path != "none":
         why = plot(plot_path)
         print(why or f"plot: {plot_path}", file=sys.stderr)
+
+
+def dir_bytes(path: str) -> int:
+    """Apparent bytes of the files under ``path`` (sizes, not blocks)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (for a one-process gloo group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def load_peer_checkpoint(kind: str, path: str, model, optimizer, map_location=None) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -48,7 +47,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import cnrstore  # noqa: E402
-from bench_engine import fmt_bytes, load_average, load_peer_checkpoint, machine_description, publish, zipf_rows  # noqa: E402
+from bench_engine import (dir_bytes, fmt_bytes, free_port, load_average, load_peer_checkpoint,  # noqa: E402
+                          machine_description, publish, zipf_rows)
 from cnrstore.torch import Checkpointer  # noqa: E402
 
 CNR = ("cnrstore fp32", "cnrstore int4")
@@ -71,16 +71,6 @@ def parse_args(argv=None):
     if args.quick:
         args.rows, args.increments, args.restores = 100_000, 3, 2
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 class Model(nn.Module):

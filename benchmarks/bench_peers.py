@@ -48,7 +48,6 @@ import argparse
 import gc
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -62,7 +61,8 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from bench_engine import fmt_bytes, load_average, load_peer_checkpoint, machine_description, median, publish  # noqa: E402
+from bench_engine import (dir_bytes, fmt_bytes, free_port, load_average, load_peer_checkpoint,  # noqa: E402
+                          machine_description, median, publish)
 import dlrm_model  # noqa: E402
 
 import cnrstore  # noqa: E402
@@ -124,22 +124,12 @@ def du(path: str) -> int:
     return total
 
 
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
-
-
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fmt_s(s: float) -> str:

@@ -278,11 +278,9 @@ def _drop_versions(w: IndexWriter, drop: frozenset, allow_newest: bool, pinned: 
     kept = sorted(set(versions) - set(dropped))
     by_block: dict[tuple[int, int], list] = {}
     for t, b, v, loc in w.row_entries():
-        by_block.setdefault((t, b), []).append((v, bool(loc.flags & record.FLAG_BASELINE), loc.base))
+        by_block.setdefault((t, b), []).append((v, loc))
     for (t, b), entries in by_block.items():
-        for v in unread_versions(entries, kept):
-            if (t, b, v) not in pinned:  # the base of a delta the open checkpoint writes
-                w.delete_row(t, b, v)
+        _delete_unread_rows(w, t, b, entries, kept, pinned)
     by_dense: dict[int, list] = {}
     for d, v, _loc in w.dense_entries():
         by_dense.setdefault(d, []).append((v, True))
@@ -299,10 +297,16 @@ def _prune_shadowed(w: IndexWriter, blocks: list[tuple[int, int]], pinned: froze
     shadows), except pinned ones."""
     kept = w.version_numbers()
     for tid, blk in blocks:
-        entries = [(v, bool(loc.flags & record.FLAG_BASELINE), loc.base) for v, loc in w.block_entries(tid, blk)]
-        for v in unread_versions(entries, kept):
-            if (tid, blk, v) not in pinned:
-                w.delete_row(tid, blk, v)
+        _delete_unread_rows(w, tid, blk, w.block_entries(tid, blk), kept, pinned)
+
+
+def _delete_unread_rows(w: IndexWriter, tid: int, blk: int, entries: list, kept: list[int], pinned: frozenset) -> None:
+    """Delete the entries of block ``blk`` of table ``tid`` (``entries``: (version, RowLoc), oldest first) that
+    no version of ``kept`` reads, except pinned ones (the bases of deltas the open checkpoint writes)."""
+    chain = [(v, bool(loc.flags & record.FLAG_BASELINE), loc.base) for v, loc in entries]
+    for v in unread_versions(chain, kept):
+        if (tid, blk, v) not in pinned:
+            w.delete_row(tid, blk, v)
 
 
 def _move(w: IndexWriter, move: Move) -> None:
