@@ -20,7 +20,7 @@ in turn:
 Then every method restores its newest checkpoint (the baseline plus all increments for cnrstore) into the
 same model and optimizer, their tensors zeroed first: cnrstore ``restore()``; ``torch.load(...,
 map_location="cuda")`` then ``load_state_dict``; ``dcp.load`` into the model's and optimizer's own state
-dicts. Each restore ends with ``sync()`` and is checked against the trained state
+dicts. Each restore ends with ``torch.cuda.synchronize()`` and is checked against the trained state
 (fp32 exact; int4 within its quantization error). Figures are medians; ratios are against the references
 measured in this run.
 
