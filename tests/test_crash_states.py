@@ -16,7 +16,7 @@ import shutil
 import numpy as np
 import pytest
 
-from cnrstore import compaction, knobs
+from cnrstore import knobs
 from cnrstore.repair import repair
 from cnrstore.background import BackgroundCompactor
 from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention
@@ -95,11 +95,10 @@ class Workload:
         return self._op("repair", run_repair)
 
     def rewrite_dense(self, version: int):
-        """``compaction.replace_dense`` (what ``cnrstore migrate-payload`` does to a trainer payload): the
-        array of ``version`` rewritten, here with the same values, so every version reads the same."""
+        """``Store.replace_dense`` (what ``cnrstore migrate-payload`` does to a trainer payload): the array of
+        ``version`` rewritten, here with the same values, so every version reads the same."""
         def rewrite():
-            with self.store.engine.maintenance_lock:
-                compaction.replace_dense(self.store.engine, "d", version, self.content[version][cs.DENSE + "d"])
+            self.store.replace_dense("d", version, self.content[version][cs.DENSE + "d"])
         return self._op("rewrite_dense", rewrite)
 
 
