@@ -27,7 +27,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cnrstore import fs  # noqa: E402
+from cnrstore.engine import fs  # noqa: E402
 from cnrstore.distributed import ECRM, DistributedCheckpointer, ShardingPlan  # noqa: E402
 from cnrstore.errors import InvalidArgument  # noqa: E402
 

@@ -24,7 +24,8 @@ import pytest
 import xxhash
 
 import cnrstore
-from cnrstore import codecs, filenames, knobs, record, segments
+from cnrstore import codecs, knobs
+from cnrstore.engine import filenames, record, segments
 from cnrstore.errors import CorruptionError
 
 #: table -> (num_rows, dim, codec, block_rows)

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import fs
+from ..engine import fs
 from ..errors import InvalidArgument, RecoveryFailed
 from ..torch.optim_state import nonzero_rows, table_drift
 from . import gf256

@@ -81,13 +81,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import codecs, fs, validate
+from .. import codecs
+from ..engine import fs, arguments
 from . import payload as _payload
 from . import restore as _restore
 from . import sharded
 from ..errors import InvalidArgument
 from ..types import VersionInfo
-from ..writer import pack_meta
+from ..engine.writer import pack_meta
 from .async_save import PendingSave, SaveReport, WeakPendingWork, gather, write
 from .optim_state import as_optimizer_list, create_lazy_state, table_drift, with_live_state
 from .payload import DENSE_PREFIX, STATE_BLOB, dense_copy
@@ -305,13 +306,13 @@ class Checkpointer:
         self._finish_inflight()
         self._raise_pending_error()
         pack_meta(meta)  # bad arguments fail here, not in the background
-        step = validate.step_arg(step)
+        step = arguments.step_arg(step)
         for key, v in self._dense.items():  # a dense array the format cannot hold: fail now, not in the background
-            if v.nbytes > validate.max_dense_bytes():
+            if v.nbytes > arguments.max_dense_bytes():
                 raise InvalidArgument(
                     f"model state {key!r} is {v.nbytes:,} bytes; the Checkpointer stores each parameter or "
                     f"buffer that is not an embedding as one dense array of at most "
-                    f"{validate.max_dense_bytes():,} bytes: make it an nn.Embedding (a table, saved by rows) "
+                    f"{arguments.max_dense_bytes():,} bytes: make it an nn.Embedding (a table, saved by rows) "
                     "or split it into several parameters")
         try:
             return self._snapshot(step, meta, top)
@@ -352,10 +353,10 @@ class Checkpointer:
                     report.rows[name] = m
             dense = {k: dense_copy(v) for k, v in self._dense.items()}
             blob = self._state_blob()
-            if blob.nbytes > validate.max_dense_bytes():  # the optimizers' dense state can outgrow a record
+            if blob.nbytes > arguments.max_dense_bytes():  # the optimizers' dense state can outgrow a record
                 raise InvalidArgument(
                     f"the optimizer state outside the embedding tables (and extra) pickles to {blob.nbytes:,} "
-                    f"bytes, more than one dense array holds ({validate.max_dense_bytes():,}); keep large "
+                    f"bytes, more than one dense array holds ({arguments.max_dense_bytes():,}); keep large "
                     "row-wise state on nn.Embedding weights (saved as tables) or split the dense layers")
         self._plan.settle(picks, priority)
         for t in self._tables:

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, record
-from .errors import CorruptionError, InvalidArgument, MissingRows
+from .. import codecs
+from . import record
+from ..errors import CorruptionError, InvalidArgument, MissingRows
 from .index import IndexView
 from .schema import TableRecord
 from .segments import SegmentReader
