@@ -25,8 +25,20 @@ class Piece:
     """Encoded rows of one record to decode, and where they go inside their block."""
 
     codec_id: int
-    encoded: np.ndarray  # uint8 (n, row_bytes)
+    source: np.ndarray  # uint8 (m, row_bytes): the record's rows (a view of the segment's map, or a copy)
     dest: np.ndarray | None  # int64 block offsets, or None for rows 0..n-1
+    take: np.ndarray | None = None  # bool (m,): the rows of ``source`` this piece holds; None: all of them
+
+    @property
+    def encoded(self) -> np.ndarray:
+        """uint8 (n, row_bytes): the piece's rows, in ``dest`` order (a copy when ``take`` selects some:
+        a plan keeps views, and its rows are gathered one block at a time as they are decoded)."""
+        return self.source if self.take is None else self.source[self.take]
+
+    @property
+    def count(self) -> int:
+        """Rows in the piece."""
+        return self.source.shape[0] if self.dest is None else self.dest.shape[0]
 
 
 class BlockResolver:
@@ -93,9 +105,9 @@ class BlockResolver:
                 if take.all():
                     take = None
                 else:
-                    offsets, rows = offsets[take], rows[take]
+                    offsets = offsets[take]  # (the rows stay a view: Piece.encoded selects them when used)
             if offsets.size:
-                pieces.append(Piece(rec.codec_id, rows, offsets))
+                pieces.append(Piece(rec.codec_id, rows, offsets, take))
                 filled[offsets] = True
                 left -= offsets.size
             if not left or rec.flags & record.FLAG_BASELINE:
@@ -291,8 +303,8 @@ def decode_block(out: np.ndarray, base: int, pieces: list[Piece], dim: int) -> N
         return
     codec_id = pieces[0].codec_id
     if all(p.codec_id == codec_id for p in pieces):
-        count = sum(p.encoded.shape[0] for p in pieces)
-        encoded = np.empty((count, pieces[0].encoded.shape[1]), dtype=np.uint8)
+        count = sum(p.count for p in pieces)
+        encoded = np.empty((count, pieces[0].source.shape[1]), dtype=np.uint8)
         for p in pieces:  # every row of the block is in exactly one piece
             encoded[p.dest] = p.encoded
         codecs.by_id(codec_id).decode_into(encoded, dim, out[base : base + count])

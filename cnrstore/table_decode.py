@@ -84,7 +84,7 @@ def read_tables(view: IndexView, segments: SegmentReader, jobs: Sequence[tuple[T
             decode_block(*task)
         return outs
     # the biggest blocks first, so that the pool does not end waiting on one large block
-    tasks.sort(key=lambda task: -sum(p.encoded.shape[0] for p in task[2]))
+    tasks.sort(key=lambda task: -sum(p.count for p in task[2]))
     futures = [_executor(decode_threads()).submit(decode_block, *task) for task in tasks]
     errors = [f.exception() for f in futures]  # waits for every block: none may still write afterwards
     first = next((e for e in errors if e is not None), None)
