@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 
 from . import codecs, knobs
-from .engine import arguments, filenames, fs, reader, schema
+from .engine import arguments, filenames, fs, reader, schema, table_decode
 from .engine import blocks as blocks_math
 from .engine.core import Engine, version_info as _version_info
 from .engine.index import Index, IndexView
@@ -349,10 +349,26 @@ class Store:
             ids = arguments.row_ids(rows, info.num_rows, table)
             return reader.read_rows(view, self._engine.segments, info, ids, v)
 
-    def read_table(self, table: str, version: int | None = None) -> np.ndarray:
-        """float32 (num_rows, dim): the whole table as of ``version``."""
-        with self._read(version, table) as (view, v):
-            return reader.read_table(view, self._engine.segments, self._table_or_raise(table, view), v)
+    def read_table(self, table: str, version: int | None = None, *, out=None) -> np.ndarray:
+        """float32 (num_rows, dim): the whole table as of ``version``, decoded in parallel over its blocks.
+
+        ``out`` (a writable C-contiguous float32 (num_rows, dim) numpy array or CPU torch tensor) receives
+        the rows instead of a new array, and is returned (as numpy). Every record is verified before
+        ``out`` is written: an error leaves it untouched (API.md, "Reading into your own arrays").
+        """
+        return self.read_tables({table: out}, version)[table]
+
+    def read_tables(self, tables, version: int | None = None) -> dict[str, np.ndarray]:
+        """{name: float32 (num_rows, dim)}: each table of ``tables`` ({name: out array, or None for a new
+        one}) as of ``version``, in one read transaction. Every record of every table is verified before
+        any ``out`` is written; then the blocks of all tables are decoded in parallel, into the ``out``
+        arrays (distinct, each as ``read_table`` takes it)."""
+        with self._read(version, list(tables)) as (view, v):
+            jobs = []
+            for name, out in tables.items():
+                info = self._table_or_raise(name, view)
+                jobs.append((info, None if out is None else table_decode.check_out(out, info, "out")))
+            return dict(zip(tables, table_decode.read_tables(view, self._engine.segments, jobs, v)))
 
     def read_dense(self, name: str, version: int | None = None) -> np.ndarray:
         """The dense array as put (dtype, shape, bytes), as of ``version``."""
@@ -372,10 +388,9 @@ class Store:
         with self._read(version) as (view, v):
             info = view.version(v)
             snap = Snapshot(version=v, step=info["step"], meta=info["meta"])
-            for name, tinfo in sorted(view.tables().items()):
-                if not _written_by(view, tinfo, v):
-                    continue
-                snap.tables[name] = reader.read_table(view, self._engine.segments, tinfo, v)
+            jobs = [(tinfo, None) for _name, tinfo in sorted(view.tables().items()) if _written_by(view, tinfo, v)]
+            arrays = table_decode.read_tables(view, self._engine.segments, jobs, v)
+            snap.tables.update((tinfo.name, arr) for (tinfo, _), arr in zip(jobs, arrays))
             for name, dense_id in sorted(view.dense_names().items()):
                 arr = reader.read_dense(view, self._engine.segments, dense_id, name, v)
                 if arr is not None:
@@ -388,11 +403,13 @@ class Store:
             raise TableNotFound(f"no table {table!r} in this store (tables: {sorted(view.tables())[:10]})")
         return info
 
-    def _read(self, version, table: str | None = None):
-        """A read transaction and the version it reads; an unknown ``table`` is named before any version."""
+    def _read(self, version, table: str | list[str] | None = None):
+        """A read transaction and the version it reads; an unknown ``table`` (or one of a list) is named
+        before any version."""
         self._check_open()
         version = arguments.version_arg(version)
-        check = None if table is None else (lambda view: self._table_or_raise(table, view))
+        names = [table] if isinstance(table, str) else table
+        check = None if not names else (lambda view: [self._table_or_raise(name, view) for name in names])
         return _ReadContext(self._engine.index, version, check)
 
     # maintenance ------------------------------------------------------------------------------------

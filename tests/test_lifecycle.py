@@ -144,7 +144,7 @@ SAVER = """
     import numpy as np, torch
     from torch import nn
     import cnrstore
-    from cnrstore import writer
+    from cnrstore.engine import writer
     from cnrstore.torch import Checkpointer
 
     path, how, slow = sys.argv[1], sys.argv[2], float(sys.argv[3])
@@ -301,7 +301,7 @@ DIST_SAVER = """
     from datetime import timedelta
     import torch, torch.distributed as dist
     from torch import nn
-    from cnrstore import writer
+    from cnrstore.engine import writer
     from cnrstore.distributed import DistributedCheckpointer, ShardingPlan
 
     root, rdzv = sys.argv[1], sys.argv[2]
@@ -347,7 +347,7 @@ def test_distributed_save_then_ctrl_c_becomes_a_global_version(tmp_path):
 def test_a_compaction_failure_of_a_store_left_open_is_logged_at_exit(tmp_path, store_path):
     body = """
         import sys, numpy as np, cnrstore
-        from cnrstore import compaction
+        from cnrstore.maintenance import compaction
         from cnrstore.policy import CompactionPolicy, MaxChain
         def materialize(*a, **kw):
             raise cnrstore.StorageFull("injected: no space left on device")

@@ -1283,3 +1283,48 @@ def test_dense_names_lists_every_dense_array_a_version_holds(tmp_path):
     closed.close()
     with pytest.raises(cnrstore.StoreClosed):
         closed.dense_names()
+
+
+# -- read_table(out=), read_tables ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_read_table_into_out_equals_read_table(tmp_path, monkeypatch, threads):
+    """Several blocks, a chain of increments in two codecs (int4 with int8 fallback rows): out= gives
+    read_table's bits, on one thread or several, and read_tables reads several tables at once."""
+    from cnrstore import knobs
+
+    monkeypatch.setattr(knobs, "DECODE_THREADS", threads)
+    rng = np.random.default_rng(5)
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        store.create_table("w", 1000, 6, codec="int4", block_rows=64)
+        store.create_table("f", 300, 3, codec="fp32", block_rows=128)
+        for v in range(4):
+            with store.checkpoint() as ck:
+                rows = np.arange(1000) if v == 0 else np.sort(rng.choice(1000, 150, replace=False))
+                vals = rng.standard_normal((rows.size, 6)).astype(np.float32)
+                vals[:3, 0] = 1e6  # past int4's range: written with its fallback codec
+                ck.put_rows("w", rows, vals)
+                if v < 2:
+                    ck.put_rows("f", np.arange(300), rng.standard_normal((300, 3)).astype(np.float32))
+        for version in (1, 4):
+            want = store.read_table("w", version)
+            out = np.full((1000, 6), np.nan, dtype=np.float32)
+            got = store.read_table("w", version, out=out)
+            assert np.shares_memory(got, out) and np.array_equal(out.view(np.uint32), want.view(np.uint32))
+        both = store.read_tables({"w": None, "f": np.zeros((300, 3), np.float32)})
+        assert np.array_equal(both["w"], store.read_table("w")) and np.array_equal(both["f"], store.read_table("f"))
+        snap = store.restore()
+        assert np.array_equal(snap.tables["w"], both["w"]) and np.array_equal(snap.tables["f"], both["f"])
+
+
+def test_read_table_out_of_the_wrong_shape_or_dtype_raises(tmp_path):
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        store.create_table("w", 10, 4, codec="fp32")
+        with store.checkpoint() as ck:
+            ck.put_rows("w", np.arange(10), np.ones((10, 4), np.float32))
+        for bad in (np.zeros((10, 5), np.float32), np.zeros((10, 4), np.float64), np.zeros((4, 10), np.float32).T,
+                    [[0.0] * 4] * 10):
+            with pytest.raises(cnrstore.InvalidArgument, match="out"):
+                store.read_table("w", out=bad)
+        with pytest.raises(cnrstore.TableNotFound):
+            store.read_tables({"w": None, "nope": None})

@@ -401,9 +401,10 @@ class Checkpointer:
         if self._closed:
             raise InvalidArgument("this Checkpointer is closed")
         self._finish_inflight()
-        info, stored = _restore.read_version(self.store, self._tables, self._dense, len(self._optimizers),
+        info, stored = _restore.read_version(self.store, self._tables, self._dense, self._optimizers,
                                              self._extra, version, trust_pickle=trust_pickle)
-        # everything read and checked: now change the live objects
+        # everything read and checked (the fp32 host weights and row-wise optimizer state already decoded
+        # into place, after every record was verified): now change the rest of the live objects
         self.load_state(*stored)
         latest = self.store.latest()
         self.note_restore(matches_newest=latest is not None and latest.version == info.version)
@@ -421,7 +422,8 @@ class Checkpointer:
         """*For sibling packages* (``cnrstore.distributed``'s resharding restore) and ``restore``: put state
         read from a stored version, all of it read and checked already, into the live objects, in place.
 
-        ``weights``: a tensor per table (``trainer_state().tables`` order); ``shard_states``: (row-wise state
+        ``weights``: a tensor per table (``trainer_state().tables`` order; the table's own weight tensor
+        when it already holds the state, a pinned host tensor is copied without blocking); ``shard_states``: (row-wise state
         tensor of a ``ShardTable``, its stored values); ``dense``: {state-dict key: tensor} (bfloat16 viewed
         as such); ``optimizer_states``: a state dict per optimizer with its row-wise state filled in (an
         empty list leaves the optimizers as they are); ``extra``: {name: state dict}, loaded in that order.
@@ -429,11 +431,14 @@ class Checkpointer:
         create_lazy_state(self._optimizers, optimizer_states)
         with torch.no_grad():
             for t, w in zip(self._tables, weights):
-                t.weight.copy_(w)
+                if w is not t.weight:  # (the weight itself: restore decoded the table into it)
+                    t.weight.copy_(w, non_blocking=w.is_pinned())
             for state, w in shard_states:
                 state.copy_(w.reshape(state.shape))
             for key, src in dense.items():
                 self._dense[key].copy_(src)
+            if any(w is not t.weight and t.weight.is_cuda for t, w in zip(self._tables, weights)):
+                torch.cuda.synchronize()  # the pinned buffers' copies have landed before anyone reads
         for opt, sd in zip(self._optimizers, optimizer_states):
             opt.load_state_dict(with_live_state(sd, opt))
         for k, state in extra.items():
