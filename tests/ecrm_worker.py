@@ -8,7 +8,7 @@ A small sharded model (row-wise shards of three embedding tables, a replicated d
 ("kill"). Survivors notice at their next collective, re-form the group (rendezvous file ``rdzv-<epoch>``)
 with the replacements the test spawned, call ``recover`` and redo the steps after its boundary. Every rank
 dumps its final state (weights, optimizer state, dense parameters, parity) to ``<out>/final-rank<r>.npz``
-and what it saw to ``<out>/report-rank<r>.json``. ``device`` puts the model on "cuda" (tests/test_cuda.py);
+and what it saw to ``<out>/report-rank<r>.json``. ``overlap`` is ECRM's (default True). ``device`` puts the model on "cuda" (tests/test_cuda.py);
 the data is drawn on the CPU, the same on every device.
 """
 
@@ -135,7 +135,7 @@ def main(cfg: dict) -> int:
     if cfg.get("ckpt_every"):
         ckpt = DistributedCheckpointer(cfg["root"], model, optimizer, plan=plan, codec="fp32", timeout_s=60)
     ecrm = ECRM(model, optimizer, k=cfg["k"], r=cfg["r"], checkpointer=ckpt, fallback=cfg.get("fallback", "partial"),
-                replacement=replacement, timeout_s=60)
+                replacement=replacement, timeout_s=60, overlap=cfg.get("overlap", True))
     report = {"recoveries": [], "traffic": []}
     step = 0
     pending = None
@@ -199,6 +199,7 @@ def main(cfg: dict) -> int:
                     dist.destroy_process_group()
                     epoch += 1
                     rendezvous(epoch)
+    ecrm.flush()                                  # the last step's round: its parity is part of the state
     np.savez(os.path.join(cfg["out"], f"final-rank{rank}.npz"), **state_of(model, optimizer, ecrm))
     report["stats"] = dict(ecrm.stats)
     with open(os.path.join(cfg["out"], f"report-rank{rank}.json"), "w") as f:
