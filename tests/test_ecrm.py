@@ -191,6 +191,15 @@ def test_one_failure_r1_is_recovered_bit_exactly(tmp_path, tmp_path_factory, cra
     assert reports[1]["recoveries"][-1]["replacement"] and reports[1]["recoveries"][-1]["bytes_received"] > 0
 
 
+def test_messages_longer_than_their_capacity_take_a_second_send(tmp_path, tmp_path_factory):
+    """Every pair starts at a capacity of 16 words: the first rounds send each message's tail as a second
+    message, later ones fit (the capacity follows the lengths); recovery is still bit-exact."""
+    ref, _ = reference(tmp_path_factory, 3, 2, 1)
+    states, reports = run_job(tmp_path, "cap", 3, 2, 1, victims=[2], crash="kill", capacity=16)
+    assert_bit_equal(states, ref)
+    assert {rep["recoveries"][-1]["mode"] for rep in reports.values()} == {"ecrm"}
+
+
 def test_two_simultaneous_failures_r2_are_recovered_bit_exactly(tmp_path, tmp_path_factory):
     ref, _ = reference(tmp_path_factory, 4, 2, 2)
     states, reports = run_job(tmp_path, "two", 4, 2, 2, victims=[1, 2], crash="kill")

@@ -79,6 +79,9 @@ __all__ = ["ECRM", "ECRMReport", "CRASH_POINTS"]
 
 CRASH_POINTS = ("ecrm_before_send", "ecrm_partial_send", "ecrm_after_apply", "ecrm_decode")
 FALLBACKS = ("partial", "full", None)
+#: Seconds ``recover`` waits for the round in flight: its live senders posted it long before, so only a
+#: dead rank's message can be missing (the round then counts as not applied on this rank).
+SETTLE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -248,6 +251,7 @@ class ECRM:
         self._items: list[_Item] = []
         self.space: DataSpace | None = None
         self._guard: tuple = ([], [])
+        self._counts: tuple = ()
         self._dense: list = []
         self._drift_key = None
         self._drift: list = []
@@ -327,12 +331,19 @@ class ECRM:
         return items
 
     def _current(self) -> tuple[list, list]:
-        """Identity and storage of the protected tensors, and of the dense ones, as they are now: compared
-        with the lists taken before, they tell whether a tensor was replaced or state appeared."""
-        def ids(params):
-            vs = params + [v for opt in self._optimizers for p in params for v in opt.state.get(p, {}).values()]
-            return [(id(v), v.data_ptr() if torch.is_tensor(v) else None) for v in vs]
-        return ids([t.weight for t in self._tables]), ids(self._dense_params)
+        """What ECRM's views depend on, as it is now: the storage of the parameters (``.data`` may be
+        rebound) and the identity of every optimizer state value (``load_state_dict`` replaces them), for
+        the protected tensors and for the dense ones. Compared with the lists taken before, they tell
+        whether a tensor was replaced or state appeared. One pass over the tensors: pointer reads only."""
+        weights = [t.weight for t in self._tables]
+        return ([w.data_ptr() for w in weights]
+                + [id(v) for opt in self._optimizers for p in weights for v in opt.state.get(p, {}).values()],
+                [p.data_ptr() for p in self._dense_params]
+                + [id(v) for opt in self._optimizers for p in self._dense_params for v in opt.state.get(p, {}).values()])
+
+    def _state_count(self) -> tuple:
+        """How many parameters each optimizer keeps state for (lazy state, Adam's, appears in a step)."""
+        return tuple(len(opt.state) for opt in self._optimizers)
 
     def _make_space(self, words: int) -> None:
         """Move the protected tensors into an arena of ``words`` words (keeping the tracking marks)."""
@@ -345,6 +356,7 @@ class ECRM:
         self._state_items = [it for it in self._items if it.table is not None and not it.name.endswith("/weight")]
         self._dense = self._dense_tensors()
         self._guard = self._current()
+        self._counts = self._state_count()
         self._drift_key = None
 
     def _signature(self, items) -> tuple:
@@ -378,9 +390,10 @@ class ECRM:
                            if id(p) not in self._emb_ids and id(p) in names})
         return {"params": params, "optim": optims}
 
-    def _dense_tensors(self) -> list | None:
-        """The dense parameters and their optimizer state, in a fixed order, or None if some state is
-        not a tensor (then a step's undo log keeps ``_dense_state()``)."""
+    def _dense_tensors(self) -> tuple | None:
+        """The dense parameters and their optimizer state, in a fixed order, with a flat byte view of
+        each (valid while ``_current()`` does not change), or None if some state is not a tensor (then a
+        step's undo log keeps ``_dense_state()``)."""
         out = list(self._dense_params)
         for opt in self._optimizers:
             for p in self._dense_params:
@@ -388,7 +401,7 @@ class ECRM:
                     if not torch.is_tensor(v):
                         return None
                     out.append(v)
-        return out
+        return out, [t.detach().reshape(-1).view(torch.uint8) if t.is_contiguous() else None for t in out]
 
     def _dense_snapshot(self, current: list):
         """The dense state before a step: ``self._dense`` (taken again if ``current``, the dense half of
@@ -398,8 +411,10 @@ class ECRM:
             self._guard = (self._guard[0], current)
         if self._dense is None:
             return self._dense_state()
+        tensors, views = self._dense
         with torch.no_grad():
-            return self._dense, torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in self._dense])
+            return tensors, torch.cat([v if v is not None else t.detach().reshape(-1).view(torch.uint8)
+                                       for t, v in zip(tensors, views)])
 
     def _restore_dense(self, snapshot) -> None:
         if isinstance(snapshot, dict):
@@ -567,7 +582,7 @@ class ECRM:
         if undo is None:
             raise InvalidArgument("ECRM.commit() without begin(); use `with ecrm.step(step):`")
         t0 = time.perf_counter()
-        rebuild = undo.rebuild or self._current()[0] != self._guard[0]
+        rebuild = undo.rebuild or self._state_count() != self._counts
         self._undo.append(undo)                     # kept until every rank is known to have finished
         self.data_step = undo.step
         messages, payload_bytes = {}, 0
@@ -610,15 +625,15 @@ class ECRM:
         self._check_open()
         self._finish_round()
 
-    def _finish_round(self) -> None:
+    def _finish_round(self, timeout: timedelta | None = None) -> None:
         """Receive and apply the pending round (nothing if none). Raises what the process group raises
-        when a rank died; the round is then not applied on this rank."""
+        when a rank died (or ``timeout`` passed); the round is then not applied on this rank."""
         rnd, self._round = self._round, None
         if rnd is None:
             return
         t0 = time.perf_counter()
         self.stats["seconds_overlapped"] += t0 - rnd.posted
-        got = self._exchange.wait()
+        got = self._exchange.wait(timeout)
         t1 = time.perf_counter()
         self.stats["seconds_exchange"] += t1 - t0
         step = rnd.undo.step
@@ -745,7 +760,7 @@ class ECRM:
             raise InvalidArgument(f"failed_ranks must name ranks in [0, {self.world_size}), got {failed_ranks!r}")
         self._open = None
         with contextlib.suppress(Exception):   # as far as the dead ranks let it: applied whole or not at all
-            self._finish_round()
+            self._finish_round(timeout=timedelta(seconds=min(self.timeout_s, SETTLE_TIMEOUT_S)))
         if self._exchange is not None:
             self._exchange.drop()
         if self.checkpointer is not None and self.checkpointer.needs_rejoin():

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..errors import InvalidArgument
 
@@ -71,9 +71,9 @@ def _header(need: int, step: int, fingerprint: int, flags: int) -> np.ndarray:
 
 
 class PairExchange:
-    """Rounds of one message from this rank to every other rank of ``group`` (module doc). Collective in
-    the sense that every rank posts the same rounds in the same order; ``post`` then ``wait``, one round
-    at a time."""
+    """Rounds of one message from this rank to every other rank of ``group`` (module doc), a gloo group
+    over every rank of the job (its group ranks are the global ranks). Every rank posts the same rounds in
+    the same order; ``post`` then ``wait``, one round at a time."""
 
     def __init__(self, group, rank: int, world_size: int):
         self.group, self.rank, self.world_size = group, int(rank), int(world_size)
@@ -105,19 +105,23 @@ class PairExchange:
                 buf = np.zeros(max(cap, need), dtype=np.uint32)
                 buf[:HEADER_WORDS] = _header(need, step, fingerprint, flags)
                 buf[HEADER_WORDS:need] = body
-                head = torch.from_numpy(buf[:cap].view(np.int32))
                 keep.append(buf)
-                works.append(dist.isend(head, q, group=self.group))
+                works.append(self._isend(buf[:cap], q))
                 if need > cap:
-                    works.append(dist.isend(torch.from_numpy(buf[cap:need].view(np.int32)), q, group=self.group))
+                    works.append(self._isend(buf[cap:need], q))
                 sent += max(cap, need)
             pair.saw(need)
         recvs = {}
         for q in self.peers:
             buf = torch.empty(self._recv[q].capacity, dtype=torch.int32)
-            recvs[q] = (buf, dist.irecv(buf, q, group=self.group))
+            recvs[q] = (buf, self.group.recv([buf], q, 0))
         self._round = (int(step), works, keep, recvs)
         return sent
+
+    def _isend(self, words: np.ndarray, peer: int):
+        # the group's own send: the group spans the whole job (its ranks are the global ones), and this
+        # skips torch.distributed's per-call rank translation -- a round makes 2 (W - 1) of these calls
+        return self.group.send([torch.from_numpy(words.view(np.int32))], peer, 0)
 
     def wait_sends(self) -> None:
         """Wait until this round's sends are out (a crash test's partial send dies right after)."""
@@ -125,15 +129,17 @@ class PairExchange:
             for w in self._round[1]:
                 w.wait()
 
-    def wait(self) -> list[Message]:
+    def wait(self, timeout: timedelta | None = None) -> list[Message]:
         """Finish the pending round: every peer's message, by rank. Raises what the process group raises
-        when a peer is gone (the round is dropped: nothing of it was handed out)."""
+        when a peer is gone, or when ``timeout`` (per wait) passes (the round is dropped: nothing of it
+        was handed out)."""
         if self._round is None:
             raise InvalidArgument("PairExchange.wait() without a posted round")
         step, works, _keep, recvs = self._round
         self._round = None
+        wait = (lambda w: w.wait()) if timeout is None else (lambda w: w.wait(timeout))
         for _buf, w in recvs.values():
-            w.wait()
+            wait(w)
         heads, rest = {}, []
         for q, (buf, _w) in recvs.items():
             words = buf.numpy().view(np.uint32)
@@ -146,11 +152,11 @@ class PairExchange:
             cap = self._recv[q].capacity
             if need > cap:
                 more = torch.empty(need - cap, dtype=torch.int32)
-                rest.append((q, more, dist.irecv(more, q, group=self.group)))
+                rest.append((q, more, self.group.recv([more], q, 0)))
         for w in works:
-            w.wait()
+            wait(w)
         for _q, _more, w in rest:
-            w.wait()
+            wait(w)
         tails = {q: more.numpy().view(np.uint32) for q, more, _w in rest}
         out = []
         for q, (need, words) in heads.items():
