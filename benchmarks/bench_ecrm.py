@@ -46,6 +46,8 @@ import dlrm_dist  # noqa: E402
 import train_dlrm  # noqa: E402
 
 MODES = ("full", "partial", "ecrm")
+#: ECRM.stats' parts of a step's parity update (seconds_<part>).
+PARTS = ("capture", "encode", "exchange", "apply")
 #: ECRM (Kosaian et al.), abstract: up to 88% less training-time overhead than checkpointing, up to 10.3x
 #: faster recovery.
 PAPER = "up to 88% lower overhead, up to 10.3x faster recovery"
@@ -97,7 +99,7 @@ def row_of(args, mode: str, s: dict, base_wall: float) -> dict:
                  / max(e["stats"]["steps"], 1))
         steps = max(e0["stats"]["steps"], 1)
         parity = (e0["stats"]["seconds"] + e0["stats"]["seconds_capture"]) / steps * args.steps
-        cost = {k: e0["stats"][f"seconds_{k}"] / steps for k in ("capture", "encode", "sizes", "send", "apply")}
+        cost = {k: e0["stats"][f"seconds_{k}"] / steps for k in PARTS}
         cost["bytes"] = e0["stats"]["bytes_sent"] / steps
         mem = max(e["parity_bytes"] / max(e["data_bytes"], 1) for e in s["ecrm"])
     rec = sum(f["recovery_s"] for f in s["failures"])
@@ -171,7 +173,7 @@ def report(args, rows: dict, base: dict, load_start: str, elapsed: float) -> str
         lines.append(f"| {m} | " + " | ".join(spread(ph[k]) for k in PHASES) + f" | {spread(less)} | "
                      f"{', '.join(rows[m]['how'])} |")
     c = e["cost"]
-    dominant = max(("capture", "encode", "sizes", "send", "apply"), key=lambda k: c.get(k, 0))
+    dominant = max(PARTS, key=lambda k: c.get(k, 0))
     speed = f["call"] / e["call"] if e["call"] > 0 else float("nan")
     lines += [
         "",
@@ -183,8 +185,8 @@ def report(args, rows: dict, base: dict, load_start: str, elapsed: float) -> str
         f"(goal: ECRM below both: {'met' if e['total'] < min(f['total'], rows['partial']['total']) else 'MISSED'})",
         f"- parity update per step: {ms(per_step)} = **{per_step / step_s:.0%}** of a no-failure step "
         f"(goal < 10%: {'met' if per_step / step_s < 0.1 else 'MISSED'}); the slowest rank per step: capture "
-        f"{ms(c.get('capture', 0))}, encode {ms(c.get('encode', 0))}, size exchange {ms(c.get('sizes', 0))}, sends "
-        f"{ms(c.get('send', 0))}, apply {ms(c.get('apply', 0))}; dominated by {dominant}; "
+        f"{ms(c.get('capture', 0))}, encode {ms(c.get('encode', 0))}, message round {ms(c.get('exchange', 0))}, "
+        f"apply {ms(c.get('apply', 0))}; dominated by {dominant}; "
         f"{c.get('bytes', 0) / 1e3:.0f} KB sent per step",
         f"- ECRM's final weights vs the run without failures: max |diff| = {base['max_weight_diff']:g} "
         "(bit-exact recovery: 0)",

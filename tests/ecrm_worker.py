@@ -8,7 +8,7 @@ A small sharded model (row-wise shards of three embedding tables, a replicated d
 ("kill"). Survivors notice at their next collective, re-form the group (rendezvous file ``rdzv-<epoch>``)
 with the replacements the test spawned, call ``recover`` and redo the steps after its boundary. Every rank
 dumps its final state (weights, optimizer state, dense parameters, parity) to ``<out>/final-rank<r>.npz``
-and what it saw to ``<out>/report-rank<r>.json``. ``device`` puts the model on "cuda" (tests/test_cuda.py);
+and what it saw to ``<out>/report-rank<r>.json``. ``overlap`` is ECRM's (default True); ``capacity`` sets ``exchange.INITIAL_CAPACITY_WORDS``. ``device`` puts the model on "cuda" (tests/test_cuda.py);
 the data is drawn on the CPU, the same on every device.
 """
 
@@ -28,7 +28,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cnrstore.engine import fs  # noqa: E402
-from cnrstore.distributed import ECRM, DistributedCheckpointer, ShardingPlan, failures  # noqa: E402
+from cnrstore.distributed import ECRM, DistributedCheckpointer, ShardingPlan, exchange, failures  # noqa: E402
 from cnrstore.errors import InvalidArgument  # noqa: E402
 
 TABLES = {"emb.t0": (97, 8), "emb.t1": (40, 4), "emb.t2": (64, 6)}
@@ -143,6 +143,8 @@ def main(cfg: dict) -> int:
 
     report = {"recoveries": [], "traffic": [], "learned": []}
     rendezvous(epoch)
+    if cfg.get("capacity"):                       # a small first capacity: messages take two sends
+        exchange.INITIAL_CAPACITY_WORDS = cfg["capacity"]
     plan = ShardingPlan.row_wise(TABLES, world)
     model = Model(plan, rank, 7 if not replacement else 1234 + epoch).to(cfg.get("device", "cpu"))
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
@@ -150,7 +152,7 @@ def main(cfg: dict) -> int:
     if cfg.get("ckpt_every"):
         ckpt = DistributedCheckpointer(cfg["root"], model, optimizer, plan=plan, codec="fp32", timeout_s=timeout)
     ecrm = ECRM(model, optimizer, k=cfg["k"], r=cfg["r"], checkpointer=ckpt, fallback=cfg.get("fallback", "partial"),
-                replacement=replacement, timeout_s=timeout)
+                replacement=replacement, timeout_s=timeout, overlap=cfg.get("overlap", True))
     step = 0
     pending = None
 
@@ -213,6 +215,7 @@ def main(cfg: dict) -> int:
                     left(exc)
                     epoch += 1
                     rendezvous(epoch)
+    ecrm.flush()                                  # the last step's round: its parity is part of the state
     np.savez(os.path.join(cfg["out"], f"final-rank{rank}.npz"), **state_of(model, optimizer, ecrm))
     report["stats"] = dict(ecrm.stats)
     with open(os.path.join(cfg["out"], f"report-rank{rank}.json"), "w") as f:

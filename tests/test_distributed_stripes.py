@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cnrstore.distributed import gf256
-from cnrstore.distributed.stripes import MAX_UNIT_WORDS, StripeLayout, fingerprint, fingerprint_range
+from cnrstore.distributed.stripes import MAX_UNIT_WORDS, StripeLayout, fingerprint, fingerprint_range, fingerprint_runs
 from cnrstore.errors import InvalidArgument
 
 
@@ -135,3 +135,14 @@ def test_fingerprint_is_linear_and_sees_one_flipped_bit():
 def test_fingerprint_of_a_range_equals_the_general_one(start, n):
     words = np.random.default_rng(n + start).integers(0, 2**32, n, dtype=np.uint32)
     assert fingerprint_range(words, start) == fingerprint(words, start + np.arange(n))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fingerprint_of_runs_equals_the_general_one(seed):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(0, 70, 50)
+    starts = np.cumsum(lens + rng.integers(0, 40, 50)) + int(rng.integers(0, 10**9))
+    words = rng.integers(0, 2**32, int(lens.sum()), dtype=np.uint32)
+    pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
+    assert fingerprint_runs(words, starts, lens) == fingerprint(words, pos)
+    assert fingerprint_runs(words[:0], starts[:0], lens[:0]) == 0

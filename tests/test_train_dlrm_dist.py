@@ -83,7 +83,11 @@ def test_ecrm_recovery_of_a_killed_rank_loses_nothing():
     # 2 ranks: k=1, r=1 (each rank holds the other's shard as parity); a real SIGKILL at step 50
     out = run("--recovery", "ecrm", "--parity", "1,1")
     line = recovery_line(out)
-    assert "at step 50" in line and "rank 1 decoded at step 50 (ecrm); 0 step(s) redone" in line, line
+    # with ECRM's overlap (docs/DESIGN.md) the killed rank's last step may die with its messages unsent:
+    # the survivors then decode the step before and redo it, losing nothing either way
+    decoded = re.search(r"rank 1 decoded at step (\d+) \(ecrm\); (\d+) step\(s\) redone", line)
+    assert "at step 50" in line and decoded, line
+    assert int(decoded.group(1)) in (49, 50) and int(decoded.group(1)) + int(decoded.group(2)) == 50, line
     assert field(out, "lost updates")[0] == "0"
     assert field(out, "max |weight diff| vs no failures")[0] == "0"
     logloss = field(out, "final holdout logloss")

@@ -884,9 +884,8 @@ def format_summary(args, s: dict, wall_s: float) -> str:
             per = st["seconds"] / max(st["steps"], 1) + st["seconds_capture"] / max(st["steps"], 1)
             rows.append(("parity update per step (rank 0)", dlrm_model.fmt_ms(per),
                          f"capture {dlrm_model.fmt_ms(st['seconds_capture'] / max(st['steps'], 1))}, encode "
-                         f"{dlrm_model.fmt_ms(st['seconds_encode'] / max(st['steps'], 1))}, size exchange "
-                         f"{dlrm_model.fmt_ms(st['seconds_sizes'] / max(st['steps'], 1))}, send "
-                         f"{dlrm_model.fmt_ms(st['seconds_send'] / max(st['steps'], 1))}, apply "
+                         f"{dlrm_model.fmt_ms(st['seconds_encode'] / max(st['steps'], 1))}, exchange "
+                         f"{dlrm_model.fmt_ms(st['seconds_exchange'] / max(st['steps'], 1))}, apply "
                          f"{dlrm_model.fmt_ms(st['seconds_apply'] / max(st['steps'], 1))}; "
                          f"{dlrm_model.fmt_bytes(st['bytes_sent'] / max(st['steps'], 1))} sent per step"))
             rows.append(("parity memory per rank (rank 0)", dlrm_model.fmt_bytes(e["parity_bytes"]),

@@ -17,25 +17,38 @@ Reed-Solomon code for r >= 2), so a decoded row equals the lost one exactly.
     # (a replacement constructs its ECRM with replacement=True first):
     report = ecrm.recover(failed_ranks=[3])   # every rank is now at step report.step: redo the steps after it
 
-The update of one step (``ECRM.step``), on every rank:
+The update of one step (``ECRM.step``), on every rank. The protected tensors live in one arena
+(``ecrm_space.DataSpace``), so no step loops over tables:
 
 1. before the optimizer step, the rows it may change (the looked-up rows, widened as
-   ``cnrstore.torch.Checkpointer`` does for optimizers that move rows without a lookup) are copied: the
-   *undo log*, with a copy of the dense parameters and their optimizer state;
-2. after it, the code delta ``old ^ new`` of every changed row is multiplied by its parity coefficients;
-3. one ``all_gather`` of the message sizes (and of every rank's data fingerprint), then one batch of
-   point-to-point sends carries each holder the deltas of its stripes (gloo group of the ECRM's own);
+   ``cnrstore.torch.Checkpointer`` does for optimizers that move rows without a lookup) become word
+   ranges of the data space and are copied in one gather: the *undo log*, with one flat copy of the dense
+   parameters and their optimizer state;
+2. after it, one gather gives the code delta ``old ^ new`` of every changed row, multiplied by its parity
+   coefficients (``gf256.mul_words``; none for parity slot 0, whose coefficients are all 1);
+3. one round of point-to-point messages (``exchange.PairExchange``: sizes agreed in advance, every rank
+   to every other, on a gloo group of the ECRM's own) carries each holder the deltas of its stripes and
+   every rank's data fingerprint;
 4. each holder applies ``parity ^= coef · delta`` and keeps what it applied (XOR undoes itself).
 
-Consistency: a rank can die anywhere in this. A step's undo log is dropped only once the next step's
-``all_gather`` has completed, which proves every rank finished the step. ``recover`` brings every rank to
-the last step whose parity every survivor applied: survivors ahead of it undo their newer steps (data,
-dense state and parity), the failed ranks' state is decoded at that step and checked against the
-fingerprint they published for it, and the trainer redoes the steps after it. More than ``r`` failures, a
-fingerprint mismatch, or survivors that cannot reach a common step fall back to the checkpoint.
+Overlap (``overlap=True``, the default): step 3 is posted when the step's ``with`` block ends and is
+finished -- received and applied (step 4) -- when the next step's block begins, so the messages travel
+during the next forward and backward pass, which change no protected word. Nothing else waits for them:
+the parity of step ``s`` is applied before step ``s + 1`` changes any protected row.
+
+Consistency: a rank can die anywhere in this. A rank posts round ``s`` only after it finished round
+``s - 1``, so a completed round ``s`` proves every rank applied step ``s - 1``: its undo log is dropped
+then. ``recover`` first finishes the round in flight as far as the dead rank allows (a round is applied
+whole or not at all), then brings every rank to the last step whose parity every survivor applied:
+survivors ahead of it undo their newer steps (data, dense state and parity), the failed ranks' state is
+decoded at that step and checked against the fingerprint they published for it, and the trainer redoes
+the steps after it. With overlap, a rank killed right after its step may die before its messages leave:
+the survivors then stop one step earlier and redo it -- nothing is lost either way. More than ``r``
+failures, a fingerprint mismatch, or survivors that cannot reach a common step fall back to the
+checkpoint.
 
 Crash points (``$CNRSTORE_CRASH_AT``, tests): ``ecrm_before_send`` (after the optimizer step, before the
-size exchange), ``ecrm_partial_send`` (after sending to the first half of the holders only),
+round is posted), ``ecrm_partial_send`` (after sending to the first half of the holders only),
 ``ecrm_after_apply`` (after applying the step's parity), ``ecrm_decode`` (a replacement, after receiving
 the survivors' contributions and before writing them).
 """
@@ -55,14 +68,20 @@ from torch import nn
 
 from ..engine import fs
 from ..errors import InvalidArgument, RecoveryFailed
-from ..torch.optim_state import nonzero_rows, table_drift
+from ..torch.optim_state import table_drift
 from . import failures, gf256
-from .stripes import StripeLayout, fingerprint, fingerprint_range
+from .ecrm_space import DataSpace
+from .ecrm_space import positions as _positions
+from .exchange import PairExchange
+from .stripes import StripeLayout, fingerprint_runs
 
 __all__ = ["ECRM", "ECRMReport", "CRASH_POINTS"]
 
 CRASH_POINTS = ("ecrm_before_send", "ecrm_partial_send", "ecrm_after_apply", "ecrm_decode")
 FALLBACKS = ("partial", "full", None)
+#: Seconds ``recover`` waits for the round in flight: its live senders posted it long before, so only a
+#: dead rank's message can be missing (the round then counts as not applied on this rank).
+SETTLE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -94,6 +113,7 @@ class _Item:
     words: torch.Tensor
     base: int
     table: int | None     # index of its table (row-tracked), None: small state rewritten every step
+    tensor: torch.Tensor | None = None   # the tensor itself (the arena rebinds its .data)
 
     @property
     def rows(self) -> int:
@@ -116,11 +136,22 @@ class _Table:
 class _Undo:
     """What one step changed on this rank: enough to take it back."""
     step: int
-    rows: dict[int, np.ndarray]              # item -> row ids (candidates)
-    old: dict[int, np.ndarray]               # item -> their words before the step
-    dense: dict                              # dense parameters and optimizer state before the step
-    rebuild: bool = False                    # the protected tensors changed shape: encode afresh
+    starts: np.ndarray                       # word ranges of the data space the step may change
+    lens: np.ndarray
+    pos: np.ndarray                          # their words, one by one
+    old: np.ndarray                          # the words at ``pos`` before the step
+    dense: object                            # dense parameters and optimizer state before the step
+    rebuild: bool = False                    # the protected tensors changed: encode afresh
     applied: list = field(default_factory=list)   # (starts, lens, payload) applied to the parity
+
+
+@dataclass
+class _Round:
+    """A step whose message round is posted and not finished yet."""
+    undo: _Undo
+    fingerprint: int                         # this rank's, after the step
+    rebuild: bool
+    posted: float                            # perf_counter() when posted
 
 
 def _word_view(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
@@ -133,25 +164,6 @@ def _word_view(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
     if flat.shape[1] == 0:
         return flat.new_zeros((rows, 0), dtype=torch.int32)   # nothing to protect
     return flat.view(torch.int32)
-
-
-def _positions(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """The concatenated ranges ``[s, s + n)`` (vectorized)."""
-    total = int(lens.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offs = np.cumsum(lens) - lens
-    return np.repeat(starts - offs, lens) + np.arange(total, dtype=np.int64)
-
-
-def _rows_of(words: torch.Tensor, ids: np.ndarray, index: torch.Tensor | None = None) -> np.ndarray:
-    """A copy of rows ``ids`` of ``words`` as uint32 (numpy indexing on the CPU: cheaper per call than a
-    tensor round trip, and a step calls this for every table)."""
-    if words.device.type == "cpu":
-        return _host(words)[ids]
-    if index is None:
-        index = torch.from_numpy(ids).to(words.device)
-    return _host(words.index_select(0, index))
 
 
 def _to_numpy(t: torch.Tensor):
@@ -175,10 +187,6 @@ def _tensors_as(tree, convert):
     return convert(tree) if torch.is_tensor(tree) or isinstance(tree, np.ndarray) else tree
 
 
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy().view(np.uint32)
-
-
 class ECRM:
     """Erasure-coded parity of this rank's embedding shards and row-wise optimizer state (module doc).
 
@@ -192,11 +200,18 @@ class ECRM:
     ("partial": CPR partial recovery of the failed ranks, "full": every rank restores the newest global
     version) say what ``recover`` does when the parity cannot; without one it raises RecoveryFailed.
     ``step`` is the training step the model is at now. ``timeout_s`` bounds every collective.
+    ``overlap``: finish a step's message round when the next step begins (module doc), not before its
+    ``with`` block returns.
+
+    The embedding weights and their optimizer state are moved into one buffer per rank (their ``.data``
+    is rebound; the tensor objects, their values and the optimizer stay as they were): replacing one of
+    them later (``optimizer.load_state_dict``, a restore that assigns new tensors) is noticed at the next
+    step, which then encodes the parity afresh.
     """
 
     def __init__(self, model: nn.Module, optimizer=None, *, k: int, r: int = 1, checkpointer=None,
                  fallback: str | None = "partial", step: int = 0, replacement: bool = False,
-                 unit_words: int | None = None, timeout_s: float = 600.0):
+                 unit_words: int | None = None, timeout_s: float = 600.0, overlap: bool = True):
         if not (dist.is_available() and dist.is_initialized()):
             raise InvalidArgument("torch.distributed is not initialized; call init_process_group on every rank "
                                   "before creating an ECRM")
@@ -222,23 +237,37 @@ class ECRM:
         self.fallback = fallback
         self.unit_words = unit_words
         self.timeout_s = float(timeout_s)
+        self.overlap = bool(overlap)
         self._tables = self._find_tables(model)
         self._emb_ids = {id(t.weight) for t in self._tables}
+        self._dense_params = [p for p in model.parameters() if id(p) not in self._emb_ids]
         self._group = None
         self._world = None
+        self._exchange: PairExchange | None = None
+        self._round: _Round | None = None
         self._join()
         self.layout: StripeLayout | None = None
         self.parity = np.zeros(0, dtype=np.uint32)
         self._items: list[_Item] = []
+        self.space: DataSpace | None = None
+        self._guard: tuple = ([], [])
+        self._counts: tuple = ()
+        self._dense: list = []
+        self._drift_key = None
+        self._drift: list = []
+        self._drift_rows = np.zeros(0, dtype=np.int64)
+        self._state_items: list[_Item] = []
         self._undo: list[_Undo] = []
         self._open: _Undo | None = None
         self.data_step: int | None = None      # the step the protected state is at
         self.applied_step: int | None = None   # the newest step whose parity this rank applied
         self.fingerprint = 0
         self._fps: dict[int, list[int]] = {}   # step -> every rank's fingerprint after it
+        # seconds_*: time the training thread spent in each part of the update (``seconds``: all but the
+        # capture); seconds_overlapped: time a round travelled while the trainer went on
         self.stats = {"steps": 0, "bytes_sent": 0, "bytes_received": 0, "last_step_bytes_sent": 0,
                       "last_step_payload_bytes": 0, "seconds_capture": 0.0, "seconds_encode": 0.0,
-                      "seconds_sizes": 0.0, "seconds_send": 0.0, "seconds_apply": 0.0,
+                      "seconds_exchange": 0.0, "seconds_apply": 0.0, "seconds_overlapped": 0.0,
                       "last_step_seconds": 0.0, "seconds": 0.0}
         self._closed = False
         if not replacement:
@@ -275,6 +304,8 @@ class ECRM:
                 dist.destroy_process_group(self._group)
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         self._world = dist.group.WORLD
+        self._exchange = PairExchange(self._group, self.rank, self.world_size)
+        self._round = None
 
     def _build_items(self) -> list[_Item]:
         items, base = [], 0
@@ -293,39 +324,59 @@ class ECRM:
                     entries.append((f"{t.name}/optim{oi}.{key}", v, ti if row_wise else None))
             for name, tensor, table in entries:
                 words = _word_view(tensor, rows if table is not None else 1, name)
-                items.append(_Item(name, words, base, table))
+                align = max(1, tensor.element_size() // 4)     # the arena views it in its own dtype
+                base = -(-base // align) * align
+                items.append(_Item(name, words, base, table, tensor))
                 base += words.shape[0] * words.shape[1]
         return items
+
+    def _current(self) -> tuple[list, list]:
+        """What ECRM's views depend on, as it is now: the storage of the parameters (``.data`` may be
+        rebound) and the identity of every optimizer state value (``load_state_dict`` replaces them), for
+        the protected tensors and for the dense ones. Compared with the lists taken before, they tell
+        whether a tensor was replaced or state appeared. One pass over the tensors: pointer reads only."""
+        weights = [t.weight for t in self._tables]
+        return ([w.data_ptr() for w in weights]
+                + [id(v) for opt in self._optimizers for p in weights for v in opt.state.get(p, {}).values()],
+                [p.data_ptr() for p in self._dense_params]
+                + [id(v) for opt in self._optimizers for p in self._dense_params for v in opt.state.get(p, {}).values()])
+
+    def _state_count(self) -> tuple:
+        """How many parameters each optimizer keeps state for (lazy state, Adam's, appears in a step)."""
+        return tuple(len(opt.state) for opt in self._optimizers)
+
+    def _make_space(self, words: int) -> None:
+        """Move the protected tensors into an arena of ``words`` words (keeping the tracking marks)."""
+        marks = self.space.touched.clone() if self.space is not None else None
+        self.space = DataSpace(self._items, [t.weight.shape[0] for t in self._tables], words)
+        if marks is not None and marks.shape == self.space.touched.shape:
+            self.space.touched.copy_(marks)
+        for ti, t in enumerate(self._tables):
+            t.touched = self.space.table_mask(ti)
+        self._state_items = [it for it in self._items if it.table is not None and not it.name.endswith("/weight")]
+        self._dense = self._dense_tensors()
+        self._guard = self._current()
+        self._counts = self._state_count()
+        self._drift_key = None
 
     def _signature(self, items) -> tuple:
         return tuple((it.name, it.rows, it.width, it.table is None) for it in items)
 
     @property
     def data_words(self) -> int:
-        return sum(it.rows * it.width for it in self._items)
+        """Words of this rank's data space (its items, with the alignment gaps between them)."""
+        return max((it.base + it.rows * it.width for it in self._items), default=0)
 
     # -- the data space ----------------------------------------------------------------------------------
     def _flat(self) -> np.ndarray:
-        """This rank's padded data space as one ``[m, k, U]`` word array (a copy)."""
-        flat = np.zeros(self.layout.data_words, dtype=np.uint32)
-        for it in self._items:
-            n = it.rows * it.width
-            flat[it.base:it.base + n] = _host(it.words).reshape(-1)
-        return flat.reshape(self.layout.periods, self.k, self.layout.unit)
+        """This rank's padded data space as one ``[m, k, U]`` word array (read only: on the CPU, the arena)."""
+        return self.space.host_words().reshape(self.layout.periods, self.k, self.layout.unit)
 
     def _load_flat(self, flat: np.ndarray) -> None:
-        flat = flat.reshape(-1)
-        with torch.no_grad():
-            for it in self._items:
-                n = it.rows * it.width
-                src = torch.from_numpy(flat[it.base:it.base + n].view(np.int32).reshape(it.rows, it.width).copy())
-                it.words.copy_(src.to(it.words.device))
+        self.space.load(flat)
 
     def _full_fingerprint(self) -> int:
-        fp = 0
-        for it in self._items:
-            fp ^= fingerprint_range(_host(it.words).reshape(-1), it.base)
-        return fp
+        return self.space.fingerprint()
 
     # -- dense (replicated) state ------------------------------------------------------------------------
     def _dense_state(self) -> dict:
@@ -338,6 +389,44 @@ class ECRM:
                            for g in opt.param_groups for p in g["params"]
                            if id(p) not in self._emb_ids and id(p) in names})
         return {"params": params, "optim": optims}
+
+    def _dense_tensors(self) -> tuple | None:
+        """The dense parameters and their optimizer state, in a fixed order, with a flat byte view of
+        each (valid while ``_current()`` does not change), or None if some state is not a tensor (then a
+        step's undo log keeps ``_dense_state()``)."""
+        out = list(self._dense_params)
+        for opt in self._optimizers:
+            for p in self._dense_params:
+                for v in opt.state.get(p, {}).values():
+                    if not torch.is_tensor(v):
+                        return None
+                    out.append(v)
+        return out, [t.detach().reshape(-1).view(torch.uint8) if t.is_contiguous() else None for t in out]
+
+    def _dense_snapshot(self, current: list):
+        """The dense state before a step: ``self._dense`` (taken again if ``current``, the dense half of
+        ``_current()``, shows a change) and one flat byte copy of it."""
+        if current != self._guard[1]:
+            self._dense = self._dense_tensors()
+            self._guard = (self._guard[0], current)
+        if self._dense is None:
+            return self._dense_state()
+        tensors, views = self._dense
+        with torch.no_grad():
+            return tensors, torch.cat([v if v is not None else t.detach().reshape(-1).view(torch.uint8)
+                                       for t, v in zip(tensors, views)])
+
+    def _restore_dense(self, snapshot) -> None:
+        if isinstance(snapshot, dict):
+            self._load_dense_state(snapshot)
+            return
+        tensors, snapshot = snapshot
+        off = 0
+        with torch.no_grad():
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                t.copy_(snapshot[off:off + n].clone().view(t.dtype).view(t.shape))
+                off += n
 
     def _load_dense_state(self, state: dict) -> None:
         named = dict(self.model.named_parameters())
@@ -358,10 +447,17 @@ class ECRM:
         """Encode the parity from scratch (collective): at construction, and after the model was loaded
         from elsewhere (a checkpoint restore). Drops the undo log. ``step``: the step the model is at."""
         self._check_open()
+        self._finish_round()
+        self._encode_afresh(step)
+        self.space.clear()
+
+    def _encode_afresh(self, step: int | None) -> None:
+        """``rebuild`` without touching the tracking marks (which may already hold the next step's rows)."""
         self._items = self._build_items()
         lengths: list = [None] * self.world_size
         failures.all_gather_object(lengths, self.data_words, group=self._group)
         self.layout = StripeLayout(self.world_size, self.k, self.r, lengths, self.unit_words)
+        self._make_space(self.layout.data_words)
         self.parity = np.zeros(self.layout.parity_words, dtype=np.uint32)
         self._send_blocks(self._encode_plan(range(self.world_size)), self._flat(),
                           self.parity.reshape(self.layout.periods, self.r, self.layout.unit))
@@ -372,8 +468,6 @@ class ECRM:
         self._open = None
         self.data_step = self.applied_step = step
         self._fps = {step: list(fps)}
-        for t in self._tables:
-            t.touched.zero_()
 
     def _encode_plan(self, holders) -> list[tuple[int, int, str, int, int, int]]:
         """Contributions that rebuild the parity held by ``holders`` (entries as in ``_send_blocks``):
@@ -426,8 +520,9 @@ class ECRM:
     @contextlib.contextmanager
     def step(self, step: int):
         """Wrap the optimizer step of training step ``step`` (collective on leaving): records the rows it
-        may change before, and updates the parity after. If the body raises, this rank's protected state
-        is put back as it was and the error propagates (the parity never saw the step)."""
+        may change before, and updates the parity after (with ``overlap``, the parity of step ``step`` is
+        applied when step ``step + 1`` begins, or at ``flush()``). If the body raises, this rank's protected
+        state is put back as it was and the error propagates (the parity never saw the step)."""
         self.begin(step)
         try:
             yield self
@@ -437,179 +532,172 @@ class ECRM:
             raise
         self.commit()
 
-    def _candidate_rows(self, ti: int) -> np.ndarray:
-        t = self._tables[ti]
-        worst = table_drift(self._optimizers, t.weight)
-        rows = t.weight.shape[0]
-        if worst == "all":
-            return np.arange(rows, dtype=np.int64)
-        mask = t.touched.clone()
-        if worst == "state":
-            states = [it.words for it in self._items if it.table == ti and not it.name.endswith("/weight")]
-            if states:
-                mask |= nonzero_rows(states, rows, mask.device)
-        return np.flatnonzero(mask.cpu().numpy()).astype(np.int64)
+    def _candidate_rows(self) -> np.ndarray:
+        """Global rows (``DataSpace`` numbering) the optimizer step may change: the looked-up ones, and those
+        the optimizers move without a lookup (judged per table as the Checkpointer does)."""
+        key = tuple((id(g), g.get("weight_decay"), g.get("momentum"), len(g["params"]))
+                    for opt in self._optimizers for g in opt.param_groups)
+        if key != self._drift_key:          # hyper-parameters changed (or first step): judge every table again
+            self._drift_key = key
+            self._drift = [table_drift(self._optimizers, t.weight) for t in self._tables]
+            starts = self.space.row_start
+            self._drift_rows = np.concatenate(
+                [np.zeros(0, dtype=np.int64)] + [np.arange(starts[ti], starts[ti + 1], dtype=np.int64)
+                                                 for ti, d in enumerate(self._drift) if d == "all"])
+        rows = self.space.touched_rows()
+        if not self._drift_rows.size and "state" not in self._drift:
+            return rows
+        extra = [self._drift_rows]
+        for it in self._state_items:        # optimizers that move rows whose state is non-zero (Adam, ...)
+            if self._drift[it.table] == "state":
+                extra.append(self.space.rows_where_nonzero(it) + self.space.row_start[it.table])
+        return np.union1d(rows, np.concatenate(extra))
 
     def begin(self, step: int) -> None:
-        """Before the optimizer step of ``step``: copy what it may change (the undo log)."""
+        """Before the optimizer step of ``step``: finish the previous step's round, then copy what this one
+        may change (the undo log)."""
         self._check_open()
         if self._open is not None:
             raise InvalidArgument("ECRM.begin() twice without commit(); use `with ecrm.step(step):`")
+        self._finish_round()
         t0 = time.perf_counter()
-        items = self._build_items()                  # fresh views: load_state_dict may replace tensors
-        if self._signature(items) != self._signature(self._items):
-            # optimizer state created lazily (Adam's first step): the parity is encoded afresh at commit
-            self._open = _Undo(step=int(step), rows={}, old={}, dense=self._dense_state(), rebuild=True)
+        protected, dense = self._current()
+        dense = self._dense_snapshot(dense)
+        if protected != self._guard[0]:
+            # a protected tensor was replaced, or optimizer state appeared (Adam's first step): the parity is
+            # encoded afresh once this step's round tells every rank
+            self._open = _Undo(int(step), *(np.zeros(0, dtype=np.int64),) * 3, np.zeros(0, dtype=np.uint32),
+                               dense, rebuild=True)
             return
-        self._items = items
-        rows, old, candidates = {}, {}, {}
-        for n, it in enumerate(self._items):
-            if it.table is None:
-                rows[n] = np.zeros(1, dtype=np.int64)
-                old[n] = _host(it.words).copy()
-            else:
-                if it.table not in candidates:      # a table's weight and its row-wise state share them
-                    ids = self._candidate_rows(it.table)
-                    candidates[it.table] = (ids, torch.from_numpy(ids).to(it.words.device))
-                ids, index = candidates[it.table]
-                rows[n] = ids
-                old[n] = _rows_of(it.words, ids, index)
-        self._open = _Undo(step=int(step), rows=rows, old=old, dense=self._dense_state())
+        starts, lens = self.space.pieces(self._candidate_rows())
+        pos = _positions(starts, lens)
+        self._open = _Undo(int(step), starts, lens, pos, self.space.gather(pos), dense)
         self.stats["seconds_capture"] += time.perf_counter() - t0
 
     def commit(self) -> None:
-        """After the optimizer step: send the code deltas, apply the ones received (collective)."""
+        """After the optimizer step: post the code deltas to their holders (collective). Without
+        ``overlap``, also receive and apply the ones this rank holds before returning."""
         undo, self._open = self._open, None
         if undo is None:
             raise InvalidArgument("ECRM.commit() without begin(); use `with ecrm.step(step):`")
         t0 = time.perf_counter()
-        changed_shape = undo.rebuild or self._signature(self._build_items()) != self._signature(self._items)
+        rebuild = undo.rebuild or self._state_count() != self._counts
         self._undo.append(undo)                     # kept until every rank is known to have finished
         self.data_step = undo.step
-        starts, lens, payload = [], [], []
-        for n, it in enumerate(self._items if not changed_shape else []):
-            ids = undo.rows[n]
-            if not ids.size:
-                continue
-            new = _host(it.words) if it.table is None else _rows_of(it.words, ids)
-            delta = undo.old[n] ^ new.reshape(undo.old[n].shape)
-            moved = delta.any(axis=1) if delta.shape[1] else np.zeros(delta.shape[0], dtype=bool)
-            if not moved.any():
-                continue
-            starts.append(it.base + ids[moved] * it.width)
-            lens.append(np.full(int(moved.sum()), it.width, dtype=np.int64))
-            payload.append(delta[moved].reshape(-1))
-        starts = np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
-        lens = np.concatenate(lens) if lens else np.zeros(0, dtype=np.int64)
-        payload = np.concatenate(payload) if payload else np.zeros(0, dtype=np.uint32)
-        if payload.size:
-            self.fingerprint ^= fingerprint(payload, _positions(starts, lens))
-        messages = {} if changed_shape else self._messages(starts, lens, payload)
+        messages, payload_bytes = {}, 0
+        if not rebuild and undo.pos.size:
+            delta = undo.old ^ self.space.gather(undo.pos)
+            moved = np.logical_or.reduceat(delta != 0, np.cumsum(undo.lens) - undo.lens)
+            keep = np.repeat(moved, undo.lens)
+            payload = delta[keep]
+            if payload.size:
+                self.fingerprint ^= fingerprint_runs(payload, undo.starts[moved], undo.lens[moved])
+                messages = self._messages(undo.starts[moved], undo.lens[moved], payload)
+                payload_bytes = payload.nbytes * self.r
         t1 = time.perf_counter()
         self.stats["seconds_encode"] += t1 - t0
         fs.crash_point("ecrm_before_send")
-        sizes = torch.zeros(self.world_size + 2, dtype=torch.int64)
-        for dst, msg in messages.items():
-            sizes[dst] = msg.size
-        sizes[self.world_size] = int(np.uint64(self.fingerprint).view(np.int64))
-        sizes[self.world_size + 1] = int(changed_shape)
-        gathered = [torch.zeros_like(sizes) for _ in range(self.world_size)]
-        failures.all_gather(gathered, sizes, group=self._group)
-        t2 = time.perf_counter()
-        self.stats["seconds_sizes"] += t2 - t1
-        # every rank finished the previous step (it entered this all_gather after it): no going back
-        self._undo = [u for u in self._undo if u.step >= undo.step]
-        if any(int(g[self.world_size + 1]) for g in gathered):
-            self.rebuild(undo.step)        # optimizer state appeared (its first step): encode afresh
-            return
-        self._fps[undo.step] = [int(np.int64(g[self.world_size]).view(np.uint64)) for g in gathered]
-        for old in [s for s in self._fps if s is not None and s < undo.step - 2]:
-            del self._fps[old]
-        incoming = {src: int(g[self.rank]) for src, g in enumerate(gathered) if src != self.rank and int(g[self.rank])}
-        self._send_and_apply(messages, incoming, undo)
-        self.applied_step = undo.step
-        fs.crash_point("ecrm_after_apply")
-        for t in self._tables:
-            t.touched.zero_()
-        sent = sum(m.size * 4 for m in messages.values())
-        self.stats["last_step_payload_bytes"] = sum((m.size - 2 - 4 * int(m[:2].view(np.int64)[0])) * 4
-                                                    for m in messages.values())
+        partial = os.environ.get(fs.CRASH_ENV) == "ecrm_partial_send"
+        holders = sorted(messages)
+        only = holders[:max(1, len(holders) // 2)] if partial and len(holders) > 1 else ([] if partial else None)
+        sent = self._exchange.post(undo.step, messages, self.fingerprint, int(rebuild), only=only)
+        if partial:
+            self._exchange.wait_sends()
+            fs.crash_point("ecrm_partial_send")
+        self._round = _Round(undo, self.fingerprint, rebuild, time.perf_counter())
+        self.space.clear()
         self.stats["steps"] += 1
-        self.stats["bytes_sent"] += sent
-        self.stats["last_step_bytes_sent"] = sent
-        self.stats["bytes_received"] += sum(incoming.values()) * 4
-        self.stats["last_step_seconds"] = time.perf_counter() - t0
-        self.stats["seconds"] += self.stats["last_step_seconds"]       # commit only; capture is apart
+        self.stats["bytes_sent"] += sent * 4
+        self.stats["last_step_bytes_sent"] = sent * 4
+        self.stats["last_step_payload_bytes"] = payload_bytes
+        t2 = time.perf_counter()
+        self.stats["seconds_exchange"] += t2 - t1
+        self.stats["last_step_seconds"] = t2 - t0
+        self.stats["seconds"] += t2 - t0
+        if not self.overlap:
+            self._finish_round()
+
+    def flush(self) -> None:
+        """Finish the step whose round is in flight (collective: every rank calls it at the same step):
+        afterwards the parity holds every step taken. ``recover``, ``rebuild`` and ``close`` do this
+        themselves; a trainer calls it before it stops training for a while."""
+        self._check_open()
+        self._finish_round()
+
+    def _finish_round(self, timeout: timedelta | None = None) -> None:
+        """Receive and apply the pending round (nothing if none). Raises what the process group raises
+        when a rank died (or ``timeout`` passed); the round is then not applied on this rank."""
+        rnd, self._round = self._round, None
+        if rnd is None:
+            return
+        t0 = time.perf_counter()
+        self.stats["seconds_overlapped"] += t0 - rnd.posted
+        got = self._exchange.wait(timeout)
+        t1 = time.perf_counter()
+        self.stats["seconds_exchange"] += t1 - t0
+        step = rnd.undo.step
+        # every rank posted this round after finishing the previous one: no going back before this step
+        self._undo = [u for u in self._undo if u.step >= step]
+        if rnd.rebuild or any(m.flags & 1 for m in got):
+            self._encode_afresh(step)      # a rank's protected tensors changed: encode afresh (collective)
+            self.stats["seconds_apply"] += time.perf_counter() - t1
+            return
+        fps = [0] * self.world_size
+        fps[self.rank] = rnd.fingerprint
+        received = 0
+        for m in got:
+            fps[m.src] = m.fingerprint
+            if m.body.size:
+                n = int(m.body[:2].view(np.int64)[0])
+                pos = m.body[2:2 + 2 * n].view(np.int64)
+                ln = m.body[2 + 2 * n:2 + 4 * n].view(np.int64)
+                words = m.body[2 + 4 * n:]
+                self.parity[_positions(pos, ln)] ^= words
+                rnd.undo.applied.append((pos, ln, words))
+                received += m.body.size * 4
+        self._fps[step] = fps
+        for old in [s for s in self._fps if s is not None and s < step - 2]:
+            del self._fps[old]
+        self.applied_step = step
+        fs.crash_point("ecrm_after_apply")
+        self.stats["bytes_received"] += received
+        t2 = time.perf_counter()
+        self.stats["seconds_apply"] += t2 - t1
+        self.stats["seconds"] += t2 - t0
 
     def _messages(self, starts, lens, payload) -> dict[int, np.ndarray]:
-        """The int32 word message to every holder: ``[n, positions (int64), lengths (int64), payload]``."""
+        """The uint32 message body to every holder: ``[n, positions (int64), lengths (int64), payload]``."""
         lay = self.layout
         pstarts, plens = lay.split(starts, lens)
         offsets = np.cumsum(plens) - plens          # each piece's place in ``payload`` (order is kept)
         parts: dict[int, list] = {}
         for j in range(self.r):
             dest, ppos, index = lay.route(self.rank, pstarts, j)
-            for dst in np.unique(dest):
-                sel = dest == dst
+            order = np.argsort(dest, kind="stable")
+            bounds = np.searchsorted(dest[order], np.arange(self.world_size + 1))
+            for dst in range(self.world_size):
+                sel = order[bounds[dst]:bounds[dst + 1]]
+                if not sel.size:
+                    continue
                 words = payload[_positions(offsets[sel], plens[sel])]
-                if j:
-                    coef = lay.matrix[j, index[sel]]
-                    per_word = np.repeat(coef, plens[sel])
-                    b = words.view(np.uint8).reshape(-1, 4)
-                    words = gf256.MUL[per_word[:, None], b].reshape(-1).view(np.uint32)
-                parts.setdefault(int(dst), []).append((ppos[sel], plens[sel], words))
+                if j:                               # row 0 of the code is all ones: XOR, no product
+                    words = gf256.mul_words(words, lay.matrix[j, index[sel]], plens[sel])
+                parts.setdefault(dst, []).append((ppos[sel], plens[sel], words))
         out = {}
         for dst, chunks in parts.items():
             pos = np.concatenate([c[0] for c in chunks])
             ln = np.concatenate([c[1] for c in chunks])
-            words = np.concatenate([c[2] for c in chunks])
             head = np.concatenate([np.array([pos.size], dtype=np.int64), pos, ln]).view(np.uint32)
-            out[dst] = np.concatenate([head, words])
+            out[dst] = np.concatenate([head] + [c[2] for c in chunks])
         return out
-
-    def _send_and_apply(self, messages: dict, incoming: dict, undo: _Undo) -> None:
-        ops = []
-        dests = sorted(messages)
-        partial = os.environ.get(fs.CRASH_ENV) == "ecrm_partial_send"
-        if partial:
-            dests = dests[:max(1, len(dests) // 2)] if len(dests) > 1 else []
-        for dst in dests:
-            ops.append(dist.P2POp(dist.isend, torch.from_numpy(messages[dst].view(np.int32)), dst, self._group))
-        bufs = {}
-        for src, n in sorted(incoming.items()):
-            bufs[src] = torch.empty(n, dtype=torch.int32)
-            ops.append(dist.P2POp(dist.irecv, bufs[src], src, self._group))
-        t0 = time.perf_counter()
-        if ops:
-            failures.batch_isend_irecv(ops)
-        if partial:
-            fs.crash_point("ecrm_partial_send")
-        t1 = time.perf_counter()
-        self.stats["seconds_send"] += t1 - t0
-        for src, buf in bufs.items():
-            msg = buf.numpy().view(np.uint32)
-            n = int(msg[:2].view(np.int64)[0])
-            pos = msg[2:2 + 2 * n].view(np.int64)
-            ln = msg[2 + 2 * n:2 + 4 * n].view(np.int64)
-            words = msg[2 + 4 * n:]
-            self.parity[_positions(pos, ln)] ^= words
-            undo.applied.append((pos, ln, words))
-        self.stats["seconds_apply"] += time.perf_counter() - t1
 
     # -- taking steps back ----------------------------------------------------------------------------------
     def _undo_data(self, undo: _Undo | None) -> None:
         if undo is None:
             return
-        with torch.no_grad():
-            for n, it in enumerate(self._items):
-                if n not in undo.rows or not undo.rows[n].size:
-                    continue
-                old = torch.from_numpy(undo.old[n].view(np.int32).reshape(-1, it.width)).to(it.words.device)
-                if it.table is None:
-                    it.words.copy_(old)
-                else:
-                    it.words.index_copy_(0, torch.from_numpy(undo.rows[n]).to(it.words.device), old)
-        self._load_dense_state(undo.dense)
+        if undo.pos.size:
+            self.space.scatter(undo.pos, undo.old)
+        self._restore_dense(undo.dense)
 
     def _roll_back_to(self, target: int) -> int:
         """Undo this rank's steps after ``target`` (data, dense state, parity); returns how many."""
@@ -670,6 +758,10 @@ class ECRM:
         if not failed or any(not 0 <= r < self.world_size for r in failed):
             raise InvalidArgument(f"failed_ranks must name ranks in [0, {self.world_size}), got {failed_ranks!r}")
         self._open = None
+        with contextlib.suppress(Exception):   # as far as the dead ranks let it: applied whole or not at all
+            self._finish_round(timeout=timedelta(seconds=min(self.timeout_s, SETTLE_TIMEOUT_S)))
+        if self._exchange is not None:
+            self._exchange.drop()
         if self.checkpointer is not None and self.checkpointer.needs_rejoin():
             self.checkpointer.rejoin()
         if dist.group.WORLD is not self._world:
@@ -705,6 +797,7 @@ class ECRM:
         else:
             self.layout = StripeLayout(self.world_size, self.k, self.r, statuses[survivors[0]]["lengths"],
                                        self.unit_words)
+            self._make_space(self.layout.data_words)
             self.parity = np.zeros(self.layout.parity_words, dtype=np.uint32)
             self._fps = {target: statuses[survivors[0]]["fps"][target]}
             self.data_step = self.applied_step = target
@@ -729,8 +822,7 @@ class ECRM:
         if replacement:
             self._load_dense_state(_tensors_as(payload[0], _from_numpy))
         self._undo = []
-        for t in self._tables:
-            t.touched.zero_()
+        self.space.clear()
         lap("dense")
         return ECRMReport(mode="ecrm", step=target, failed_ranks=failed, replacement=replacement,
                           redo_steps=0 if newest is None else max(newest - target, 0), lost_updates=0,
@@ -803,6 +895,7 @@ class ECRM:
         and benchmarks that simulate a failure without killing a process (the model's state should be
         overwritten too, to prove the decode). Call ``recover`` next on every rank."""
         self._check_open()
+        self._finish_round()
         self.layout = None
         self.parity = np.zeros(0, dtype=np.uint32)
         self._undo, self._open, self._fps = [], None, {}
@@ -811,8 +904,7 @@ class ECRM:
     # -- accounting ---------------------------------------------------------------------------------------
     def memory_bytes(self) -> dict:
         """Bytes this rank holds for ECRM: the parity, the undo logs kept, the protected data."""
-        undo = sum(sum(a.nbytes for a in u.old.values()) + sum(w.nbytes for _p, _l, w in u.applied)
-                   for u in self._undo)
+        undo = sum(u.old.nbytes + u.pos.nbytes + sum(w.nbytes for _p, _l, w in u.applied) for u in self._undo)
         return {"parity": int(self.parity.nbytes), "undo": int(undo), "data": self.data_words * 4}
 
     # -- lifecycle ----------------------------------------------------------------------------------------
@@ -824,6 +916,8 @@ class ECRM:
         """Remove the tracking hooks and release the group. Idempotent."""
         if self._closed:
             return
+        with contextlib.suppress(Exception):   # let the peers finish the round in flight
+            self._finish_round()
         self._closed = True
         for t in self._tables:
             if t.hook is not None:

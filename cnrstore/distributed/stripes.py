@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from . import gf256
 
-__all__ = ["StripeLayout", "fingerprint", "fingerprint_range"]
+__all__ = ["StripeLayout", "fingerprint", "fingerprint_range", "fingerprint_runs"]
 
 #: The largest unit (words): large enough that a unit's bookkeeping is nothing, small enough that the
 #: data of one rank is spread over many stripes (and so over every parity holder).
@@ -133,6 +133,52 @@ def fingerprint(words: np.ndarray, positions: np.ndarray) -> int:
     positions = np.asarray(positions, dtype=np.int64).reshape(-1)
     lo = np.bitwise_xor.reduce(_rotl(words, positions), initial=np.uint32(0))
     hi = np.bitwise_xor.reduce(_rotl(words, positions % 31 + 1), initial=np.uint32(0))
+    return (int(hi) << 32) | int(lo)
+
+
+_RAMPS: dict[int, np.ndarray] = {}
+
+
+def _ramp(period: int, n: int) -> np.ndarray:
+    """``arange(n) % period`` as uint8 (a cached, growing array)."""
+    ramp = _RAMPS.get(period)
+    if ramp is None or ramp.size < n:
+        ramp = (np.arange(max(n, 1 << 16) * 2, dtype=np.int64) % period).astype(np.uint8)
+        _RAMPS[period] = ramp
+    return ramp[:n]
+
+
+def _run_phase(starts: np.ndarray, lens: np.ndarray, period: int) -> np.ndarray:
+    """``(starts[n] + i) % period`` for every word ``i`` of every run, as uint32, without a division per
+    word: the runs' phases are repeated and a repeating ``0 .. period-1`` ramp is added (one wrap)."""
+    total = int(lens.sum())
+    offs = np.cumsum(lens) - lens
+    head = ((starts - offs) % period).astype(np.uint8)       # per run: its phase minus its place
+    phase = np.repeat(head, lens)
+    phase += _ramp(period, total)
+    phase -= (phase >= period).view(np.uint8) * np.uint8(period)
+    return phase.astype(np.uint32)
+
+
+def _rotl32(words: np.ndarray, by: np.ndarray) -> np.ndarray:
+    """``rotl(words, by)`` for uint32 ``by`` in ``0 .. 32`` (a shift by 32 gives 0 in numpy)."""
+    return (words << by) | (words >> (np.uint32(32) - by))
+
+
+def fingerprint_runs(words: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> int:
+    """``fingerprint(words, positions)`` for words at the runs ``[starts[n], starts[n] + lens[n])`` (in order),
+    computed per run: no division and no 64-bit temporary per word (a step's code deltas come as runs)."""
+    words = np.ascontiguousarray(words, dtype=np.uint32).reshape(-1)
+    starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+    lens = np.asarray(lens, dtype=np.int64).reshape(-1)
+    if int(lens.sum()) != words.size:
+        raise InvalidArgument(f"fingerprint_runs: the runs cover {int(lens.sum())} words, the array has {words.size}")
+    if words.size == 0:
+        return 0
+    lo = np.bitwise_xor.reduce(_rotl32(words, _run_phase(starts, lens, 32)))
+    by = _run_phase(starts, lens, 31)
+    by += np.uint32(1)
+    hi = np.bitwise_xor.reduce(_rotl32(words, by))
     return (int(hi) << 32) | int(lo)
 
 
