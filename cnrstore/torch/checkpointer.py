@@ -14,8 +14,8 @@ What goes where in the store:
   ``state_dict()``, dtypes) is one ``torch.save`` blob, the uint8 dense array ``"torch.state"``: data only
   (payload format 2, ``cnrstore/torch/payload.py``), checked at save and read with ``weights_only=True``.
 
-Row tracking: a forward pre-hook on each embedding sets a bool mask (on the weight's device) at every
-looked-up index, while autograd is enabled (lookups under ``torch.no_grad()``, e.g. evaluation, are not
+Row tracking: a forward pre-hook on each embedding sets a bit (one per row, ``rowbits.RowBits``, on the
+weight's device) at every looked-up index, while autograd is enabled (lookups under ``torch.no_grad()``, e.g. evaluation, are not
 tracked: they cannot change the weights). Weights changed outside a forward pass and an optimizer step
 are not tracked. (The masks and counts: ``tracking.py``; drift, non-zero rows and restored optimizer state:
 ``optim_state.py``; which rows each save writes: ``save_plan.py``; the host snapshot's write in the
