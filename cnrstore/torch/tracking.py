@@ -58,6 +58,7 @@ class Table:
             self.generator = torch.Generator().manual_seed(seed)
             self._rounding = random.Random(seed)
         self.buffers: dict[str, torch.Tensor] = {}  # host buffers by table name, reused across saves
+        self.busy: set[str] = set()  # the names whose buffer a queued snapshot holds
         # rows whose row-wise optimizer state was non-zero at the last regular save ("state" drift only)
         self.nonzero_saved: RowBits | None = None
         self.full_written: set[str] = set()  # row-state tables written in full in this session
@@ -140,12 +141,22 @@ class Table:
         else:
             counts.zero_()
 
-    def host_buffer(self, table: str, n: int, width: int) -> torch.Tensor:
+    def take_buffer(self, table: str, n: int, width: int) -> tuple[torch.Tensor, bool]:
+        """A host buffer of ``n`` x ``width`` float32 for a snapshot of ``table`` (this table or one of its
+        row-wise state tables), and whether it is the reusable one: that one is lent to one snapshot at a
+        time (until :meth:`release_buffer`); a snapshot taken while it is lent gets a buffer of its own."""
+        if table in self.busy:
+            return torch.empty((n, width), dtype=torch.float32), False
         buf = self.buffers.get(table)
         if buf is None or buf.shape[0] < n or buf.shape[1] != width:
             buf = torch.empty((max(n, 1), width), dtype=torch.float32)
             self.buffers[table] = buf
-        return buf[:n]
+        self.busy.add(table)
+        return buf[:n], True
+
+    def release_buffer(self, table: str) -> None:
+        """The snapshot that took the reusable buffer of ``table`` is written: it may be lent again."""
+        self.busy.discard(table)
 
 
 class ShardTable(Table):
