@@ -10,6 +10,7 @@ passed. :class:`WeakPendingWork` is how ``Store.close()`` and the interpreter's 
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -185,12 +186,19 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
 
 class SaveQueue:
     """The saves of one Checkpointer whose snapshots are taken and not yet written, oldest first, with the
-    host bytes each snapshot holds. :meth:`start` begins a save's write once the one before it has ended
-    (so versions commit in save order); the owner (the trainer's thread) takes the ended ones out with
-    :meth:`reap`, which is when their bytes stop counting."""
+    host bytes each snapshot holds. :meth:`start` queues a save's write; one worker thread writes them in
+    order (so versions commit in save order, and a save does not pay for starting a thread: under load
+    that took tens of ms); it ends after ``IDLE_S`` without work and the next save starts another. The
+    owner (the trainer's thread) takes the ended saves out with :meth:`reap`, which is when their bytes
+    stop counting."""
+
+    IDLE_S = 2.0
 
     def __init__(self):
         self._saves: list[tuple[PendingSave, int, object]] = []  # (pending, bytes, what it holds)
+        self._jobs: collections.deque = collections.deque()  # write arguments not yet taken by the worker
+        self._lock = threading.Condition()
+        self._worker: threading.Thread | None = None
 
     def __len__(self) -> int:
         return len(self._saves)
@@ -211,11 +219,28 @@ class SaveQueue:
     def start(self, store, pending: PendingSave, nbytes: int, holds, step, meta, row_jobs, dense: dict,
               blob: np.ndarray) -> None:
         """Queue ``pending`` (its snapshot holds ``nbytes`` host bytes; ``holds`` is returned by
-        :meth:`reap` once it has ended) and start its write after the last queued one."""
+        :meth:`reap` once it has ended); its write starts after the last queued one has ended."""
         after = self.last
         self._saves.append((pending, nbytes, holds))
-        threading.Thread(target=write, args=(store, pending, step, meta, row_jobs, dense, blob, after),
-                         name=f"cnrstore-save-{step}", daemon=True).start()
+        with self._lock:
+            self._jobs.append((store, pending, step, meta, row_jobs, dense, blob, after))
+            self._lock.notify()
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="cnrstore-save", daemon=True)
+                self._worker.start()
+
+    def _work(self) -> None:
+        """The worker: write the queued snapshots in order; end after IDLE_S without one."""
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self._lock.wait(self.IDLE_S)
+                if not self._jobs:
+                    self._worker = None
+                    return
+                job = self._jobs.popleft()
+            write(*job)
+            del job  # (the snapshot's host copies go with the reaped save, not with this frame)
 
     def reap(self) -> list[tuple[PendingSave, object]]:
         """Take out the saves that have ended at the head of the queue (in save order): (pending, holds)."""

@@ -208,7 +208,7 @@ class Checkpointer:
         self._work = WeakPendingWork(self, Checkpointer._finish_saves, Checkpointer._cancel_saves,
                                      Checkpointer._unreported_failure)
         add_work = getattr(store, "add_pending_work", None)
-        if add_work is not None:  # store.close() and the interpreter's exit wait for our save in flight
+        if add_work is not None:  # store.close() and the interpreter's exit wait for our queued saves
             add_work(self._work)
 
     def _add_shards(self, model: nn.Module, existing: dict) -> set:
@@ -361,9 +361,9 @@ class Checkpointer:
         queued saves after the failed one that are no baseline are not written (their ``wait()`` raises
         :class:`SaveSkipped`), and the next save is a baseline.
 
-        Once ``save()`` has returned, the save commits even if the process then ends: ``store.close()``,
-        ``Checkpointer.close()`` and the interpreter's exit (Ctrl-C, an uncaught exception, ``sys.exit``)
-        wait for it; the exit waits at most ``cnrstore.store.EXIT_WAIT_S`` seconds (300, env
+        Once ``save()`` has returned, the save commits (unless a save queued before it fails: see above) even
+        if the process then ends: ``store.close()``, ``Checkpointer.close()`` and the interpreter's exit
+        (Ctrl-C, an uncaught exception, ``sys.exit``) wait for every queued save; the exit waits at most ``cnrstore.store.EXIT_WAIT_S`` seconds (300, env
         ``CNRSTORE_EXIT_WAIT_S``) for all of a store's work in flight. What loses it: SIGKILL, ``os._exit``,
         a signal whose default action kills the process without Python's exit (SIGTERM: install a handler
         that raises ``SystemExit`` to finish the save), a write still running after ``EXIT_WAIT_S``, or a
