@@ -87,7 +87,7 @@ from ..errors import InvalidArgument, SaveSkipped
 from ..types import VersionInfo
 from ..writer import pack_meta
 from .async_save import PendingSave, SaveQueue, SaveReport, WeakPendingWork, gather
-from .optim_state import as_optimizer_list, create_lazy_state, table_drift, with_live_state
+from .optim_state import as_optimizer_list, create_lazy_state, row_state_width, table_drift, with_live_state
 from .payload import DENSE_PREFIX, STATE_BLOB, dense_copy
 from .save_plan import MODES, SavePlanner
 from .tracking import SSU_SEED, ShardTable, Table, tbe_tracker
@@ -199,6 +199,14 @@ class Checkpointer:
         self._dense = {k: v for k, v in model.state_dict(keep_vars=True).items()
                        if id(v) not in self._by_weight and k not in sharded_keys}
         self._plan = SavePlanner(mode, self._tables, self._optimizers)  # which rows each save writes
+        try:  # row-wise state that exists already (Adagrad's) gets its tables now, not in the first save's stall
+            for t in self._tables:
+                for key, state in self._plan.row_states(t):
+                    self._ensure_table(existing, f"{t.name}.optim.{key}", t.store_rows, row_state_width(state),
+                                       self.optimizer_codec)
+        except BaseException:
+            self._remove_hooks()
+            raise
         self._queue = SaveQueue()  # the saves whose snapshots are taken and not yet written, in order
         self._seq = 0  # saves taken so far (messages name a save by its number)
         self._blob_bytes = 0  # the last payload's size: the estimate of the next one's
@@ -325,7 +333,7 @@ class Checkpointer:
             n = t.num_rows if rows is None else int(rows.numel())
             total += 4 * n * t.dim
             for key, state in self._plan.row_states(t):
-                width = int(np.prod(state.shape[1:], dtype=np.int64)) if state.dim() > 1 else 1
+                width = row_state_width(state)
                 full = f"{t.name}.optim.{key}" not in t.full_written
                 total += 4 * (t.num_rows if full else n) * width
         return total
@@ -450,7 +458,7 @@ class Checkpointer:
                 report.rows[t.name] = n
                 for key, state in self._plan.row_states(t):
                     name = f"{t.name}.optim.{key}"
-                    width = int(np.prod(state.shape[1:], dtype=np.int64)) if state.dim() > 1 else 1
+                    width = row_state_width(state)
                     self._ensure_table(existing, name, t.store_rows, width, self.optimizer_codec)
                     s_rows, s_np = rows, rows_np
                     if name not in t.full_written:
