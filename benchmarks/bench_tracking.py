@@ -49,14 +49,19 @@ from cnrstore.torch import Checkpointer  # noqa: E402
 
 
 def tracking_bytes(ckpt: Checkpointer) -> tuple[int, int]:
-    """(bytes of the tracking state, bytes of the save's host staging buffers) of a Checkpointer."""
+    """(bytes of the tracking state, bytes of the save's host staging buffers) of a Checkpointer. A bit set
+    counts at its full size once the mode uses it (``since_baseline`` outside incremental mode), even if
+    no bit of it is set yet (its words are allocated at the first)."""
+    def full(bits) -> int:
+        return 4 * ((bits.num_rows + 31) // 32)
+
     track = staging = 0
     for t in ckpt._tables:  # noqa: SLF001  (the benchmark reads what it measures)
-        track += t.touched.nbytes + t.since_baseline.nbytes
+        track += full(t.touched) + (full(t.since_baseline) if ckpt.mode != "incremental" else 0)
         if t.counts is not None:
             track += t.counts.nbytes
         if t.nonzero_saved is not None:
-            track += t.nonzero_saved.nbytes
+            track += full(t.nonzero_saved)
         staging += sum(b.nbytes for b in t.buffers.values())
     return track, staging
 

@@ -137,8 +137,9 @@ class Checkpointer:
     """Checkpoints ``model`` (and ``optimizer``, ``extra``) into ``store``; see API.md and the module doc.
 
     ``codec`` is a codec name or a ``cnrstore.policy.BitWidthPolicy`` (its ``codec()`` is asked at each
-    save, and ``restore`` records a restore with it). Tables are created if missing; an existing table of
-    another shape raises :class:`InvalidArgument`. Not thread-safe: call it from the training thread.
+    save, and ``restore`` records a restore with it). Tables are created if missing (at construction, and
+    those of row-wise optimizer state created later, e.g. Adam's, at the first save that finds it); an
+    existing table of another shape raises :class:`InvalidArgument`. Not thread-safe: call it from the training thread.
 
     ``max_queue_bytes`` bounds the host memory held by the snapshots of saves not yet written (see
     :meth:`save`); None: ``knobs.SAVE_QUEUE_SNAPSHOTS`` times a full snapshot of the model (every row of
