@@ -664,6 +664,7 @@ def main(argv=None) -> int:
     if args.train_threads is None:
         args.train_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     args.default_emb_mib = defaults["emb_mib"][0 if args.quick else 1]
+    args.default_stall_saves = defaults["stall_saves"][0 if args.quick else 1]
     if min(args.keep, args.intervals, args.restores, args.stall_saves, args.stall_every) < 1:
         p.error("--keep, --intervals, --restores, --stall-saves and --stall-every must be positive")
     args.schemes = csv_list(args.schemes, SCHEMES, "--schemes", p)
@@ -677,7 +678,9 @@ def main(argv=None) -> int:
                         f"- load average at start: {args.load_start}; at end: {load_average()}", ""])
         publish(md + "\n" + body + f"\nreproduce: `python benchmarks/bench_peers.py"
                 f"{' --quick' if args.quick else ''}{f' --emb-mib {args.emb_mib}' if args.emb_mib != args.default_emb_mib else ''}"
-                " --stall-only`\n", args.out, None, None)
+                f"{f' --stall-saves {args.stall_saves}' if args.stall_saves != args.default_stall_saves else ''}"
+                f"{f' --stall-every {args.stall_every}' if args.stall_every != 1 else ''} --stall-only`\n",
+                args.out, None, None)
         return 0
     md, res = run(args)
     md += "\n" + stall_run(args)
