@@ -56,7 +56,8 @@ def job(args, mode: str) -> dict:
     argv = ["--world-size", str(args.world_size), "--steps", str(args.steps), "--max-rows", str(args.max_rows),
             "--batch-size", str(args.batch_size), "--ckpt-every", str(args.ckpt_every), "--fail-every",
             str(args.mtbf_steps), "--recovery", mode, "--holdout-batches", str(args.holdout_batches),
-            "--no-progress", "--dim", str(args.dim), "--seed", str(args.seed), "--job-timeout", str(args.job_timeout)]
+            "--no-progress", "--dim", str(args.dim), "--seed", str(args.seed), "--job-timeout", str(args.job_timeout),
+            "--pg-timeout", str(args.pg_timeout)]
     if mode == "ecrm":
         argv += ["--parity", args.parity, "--compare"]
     else:
@@ -113,7 +114,23 @@ def row_of(args, mode: str, s: dict, base_wall: float) -> dict:
             "failures": len(s["failures"]), "lost": lost, "final": s["final"]["result"] if s["final"] else None,
             "mem": mem, "cost": cost, "redo_steps": sum(f["replayed_steps"] for f in s["failures"]),
             "phases": {k: float(np.median([p[k] for p in s.get("replacement_phases", []) if k in p]))
-                       for k in (s.get("replacement_phases") or [{}])[0]}}
+                       for k in (s.get("replacement_phases") or [{}])[0]},
+            "recovery_phases": {k: [f[k] for f in s["failures"]] for k in PHASES},
+            "how": sorted({h for f in s["failures"] for h in f["how"]})}
+
+
+#: A recovery's phases (tools/dlrm_dist.recovery_phases), reported with their spread over the failures.
+PHASES = {"kill_to_training_s": "kill to training", "detect_s": "detect", "startup_s": "replacement start-up",
+          "imports_s": "of which imports", "rendezvous_s": "rendezvous", "restore_s": "restore / decode",
+          "resume_s": "first step"}
+
+
+def spread(values) -> str:
+    """min / median / max of ``values`` in seconds."""
+    v = [x for x in values if x == x]
+    if not v:
+        return "n/a"
+    return f"{min(v):.2f} / {float(np.median(v)):.2f} / {max(v):.2f}"
 
 
 def report(args, rows: dict, base: dict, load_start: str, elapsed: float) -> str:
@@ -144,6 +161,15 @@ def report(args, rows: dict, base: dict, load_start: str, elapsed: float) -> str
         lines.append(f"| {m} | {pct(r['normal'])} | {pct(r['recovery_frac'])} | {pct(r['total'])} | "
                      f"{r['per_failure']:.2f} s | {ms(r['call'])} | {r['other']:.2f} s | {r['redo_steps']} | "
                      f"{lost} | {ll} | {mem} |")
+    lines += ["", f"Recovery by phase, seconds, min / median / max over each mode's {f['failures']} failures (the PG "
+              f"timeout is {args.pg_timeout:g} s: a recovery that waited on it would show):", "",
+              "| mode | " + " | ".join(PHASES.values()) + " | kill to training less start-up | survivors learned by |",
+              "|---|" + "---|" * (len(PHASES) + 2)]
+    for m in MODES:
+        ph = rows[m]["recovery_phases"]
+        less = [k - u for k, u in zip(ph["kill_to_training_s"], ph["startup_s"])]
+        lines.append(f"| {m} | " + " | ".join(spread(ph[k]) for k in PHASES) + f" | {spread(less)} | "
+                     f"{', '.join(rows[m]['how'])} |")
     c = e["cost"]
     dominant = max(("capture", "encode", "sizes", "send", "apply"), key=lambda k: c.get(k, 0))
     speed = f["call"] / e["call"] if e["call"] > 0 else float("nan")
@@ -205,6 +231,8 @@ def main(argv=None) -> int:
     p.add_argument("--holdout-batches", type=int, default=2)
     p.add_argument("--tmp", default=None)
     p.add_argument("--job-timeout", type=float, default=900.0)
+    p.add_argument("--pg-timeout", type=float, default=3600.0,
+                   help="the process groups' timeout; far beyond a recovery, so that waiting on it would show")
     p.add_argument("--out", default=None, help="also write the markdown to FILE")
     p.add_argument("--plot", default=None, help="write a PNG (e.g. benchmarks/ecrm.png; 'none': no plot)")
     args = p.parse_args(argv)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 import cnrstore
-from cnrstore.compaction import block_chains as compaction_block_chains
+from cnrstore.maintenance.compaction import block_chains as compaction_block_chains
 
 TABLE = "emb"
 DIM = 64

@@ -59,18 +59,23 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--increments", type=int, default=5)
-    p.add_argument("--touch", type=float, default=0.02, help="fraction of each table's rows looked up per interval")
-    p.add_argument("--restores", type=int, default=3, help="timed restores per method (median)")
-    p.add_argument("--tmp", default=None, help="where the checkpoints go (default: the system's temp dir)")
-    p.add_argument("--out", default=None, help="also write the markdown report here")
+    workload_args(p, restores=3)
     p.add_argument("--quick", action="store_true", help="8 x 100k rows, 3 increments, 2 restores")
     p.add_argument("--device", default="cuda", help="where the model lives (cpu: a dry run of the benchmark)")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.increments, args.restores = 100_000, 3, 2
     return args
+
+
+def workload_args(p: argparse.ArgumentParser, restores: int) -> None:
+    """The options bench_gpu and bench_restore share: dim, increments, touched fraction, restores, paths."""
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--increments", type=int, default=5)
+    p.add_argument("--touch", type=float, default=0.02, help="fraction of each table's rows looked up per interval")
+    p.add_argument("--restores", type=int, default=restores, help="timed restores per method (median)")
+    p.add_argument("--tmp", default=None, help="where the checkpoints go (default: the system's temp dir)")
+    p.add_argument("--out", default=None, help="also write the markdown report here")
 
 
 class Model(nn.Module):

@@ -15,7 +15,7 @@ while the others save, as it would beside a trainer):
   - cnrstore, the design's scheme: ``Checkpointer(codec="adaptive4", mode="incremental")`` on a store
     opened with ``compaction=CompactionPolicy(retention=Retention(KeepLast(--keep)))``: the
     trainer writes only the rows touched since its previous save (the writer bounds read chains with
-    deltas and per-block baselines, cnrstore/merge.py), the background compactor drops all but the last
+    deltas and per-block baselines, cnrstore/engine/merge.py), the background compactor drops all but the last
     ``--keep`` versions and collects (GC on);
   - each of them with Adagrad's state lossless (``optimizer_codec="fp32"``, the API default) and in int8;
   - torch.save: a blocking ``torch.save`` of model + optimizer state to a new file, then fsync;

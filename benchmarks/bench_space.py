@@ -12,7 +12,7 @@ touched in it. Each policy replays the same seeds in a fresh store:
   old   compaction="auto" with ``knobs.READ_CHAIN_BOUND = None``: the first engine's design, background
         intermittent baselines (Check-N-Run's rule fed the sum of increment sizes), whole blocks
   new   compaction="auto" with the default ``knobs.READ_CHAIN_BOUND = 3``: the writer's cumulative deltas
-        and per-block reset (cnrstore/merge.py); the background compactor materializes nothing
+        and per-block reset (cnrstore/engine/merge.py); the background compactor materializes nothing
 
 Per interval, once the background compactor is idle: all bytes appended (``stats()["bytes_written"]``),
 disk (``bytes_on_disk``), live bytes, the longest read chain of any version. At the end: write

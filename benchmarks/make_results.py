@@ -61,6 +61,13 @@ SECTIONS = [
      "int4 checkpoint write against FBGEMM's prepack kernel, full-table read against torch.load, 10k "
      "random point reads at an old version, index bytes per stored row; `cnrstore ls`, open and stats() of a "
      "10,000-version history against iterating its versions catalog.", [], ["--quick"], None),
+    ("bench_restore.py", "Restore into a live model against dcp.load and torch.load",
+     "8 nn.EmbeddingBag(sparse=True) x dim 64 with Adagrad at 1 GiB of state (8 GiB where RAM allows), the newest "
+     "of a baseline and 5 increments restored by Checkpointer.restore (int4 weights + fp32 state, and all fp32) "
+     "into the live model and optimizer, against dcp.load and torch.load of the same state in the same run, page "
+     "cache warm: time ratios, peak extra memory over the state, and the fraction reached of the physical "
+     "limit (bytes read at the measured page-cache bandwidth plus int4 decode at kernel speed).",
+     [], ["--quick"], None),
     ("bench_scale.py", "Scale curves: how costs grow with the work",
      "One int4 table of dim 16 under the store's defaults, three sweeps: table size (1M to 16M rows: write "
      "throughput, bytes per save, restore against torch.load, 10k point reads, open, ls, stats(), index bytes, "

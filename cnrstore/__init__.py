@@ -12,6 +12,9 @@ Importing cnrstore does not import torch (only ``cnrstore.torch``, ``cnrstore.di
 the FBGEMM-backed codecs do; see ``cnrstore/codecs/rowwise.py``).
 """
 
+import importlib
+import sys
+
 from . import codecs, errors
 from .errors import (
     CheckpointInProgress,
@@ -38,13 +41,35 @@ from .errors import (
     UnsafePayload,
     VersionNotFound,
 )
-from .marker import FORMAT_VERSION
+from .engine.marker import FORMAT_VERSION
 from .store import Store, open
-from .repair import RepairReport, repair
+from .maintenance.repair import RepairReport, repair
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
-from .writer import CheckpointWriter
+from .engine.writer import CheckpointWriter
 
 __version__ = "0.1.0"
+
+#: Module paths from before the layout by layer (issue 22) -> where each module lives now. The old path
+#: names the same module object (``import cnrstore.compaction``, ``from cnrstore import verify`` and
+#: ``monkeypatch.setattr("cnrstore.reader....")`` keep working); new code uses the new path.
+MOVED_MODULES = {
+    **{m: f"engine.{m}" for m in ("record", "blocks", "segments", "storage", "fs", "lock", "marker",
+                                   "filenames", "msgpack_safe", "index", "schema", "version_edit", "reader",
+                                   "merge", "writer", "opening")},
+    "rowrecords": "engine.block_records",
+    "validate": "engine.arguments",
+    **{m: f"maintenance.{m}" for m in ("liveness", "compaction", "background", "repair", "verify")},
+}
+
+
+def _alias_moved_modules() -> None:
+    for old, new in MOVED_MODULES.items():
+        module = importlib.import_module(f"{__name__}.{new}")
+        sys.modules[f"{__name__}.{old}"] = module
+        globals().setdefault(old, module)  # ``cnrstore.repair`` stays the function
+
+
+_alias_moved_modules()
 
 __all__ = [
     "open", "repair", "RepairReport", "Store", "CheckpointWriter", "TableInfo", "VersionInfo", "Snapshot", "VerifyReport",

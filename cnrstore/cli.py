@@ -67,11 +67,11 @@ import time
 
 import numpy as np
 
-from . import compaction
-from . import filenames
+from .maintenance import compaction
+from .engine import filenames
 from .errors import CnrError, CorruptionError, InvalidArgument, StoreNotFound
 from .export import DEFAULT_MIN_ROWS, FORMATS, LAYOUTS, SOURCE_FORMATS, check_path, export
-from .repair import damaged_blocks, repair as repair_store
+from .maintenance.repair import damaged_blocks, repair as repair_store
 from .store import Store, open as open_store
 from .types import Snapshot
 

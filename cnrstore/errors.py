@@ -33,6 +33,7 @@ __all__ = [
     "PermissionDenied",
     "StoreMoved",
     "UnsafePayload",
+    "PeerFailure",
 ]
 
 
@@ -178,6 +179,21 @@ class RecoveryFailed(CnrError):
     def __init__(self, message: str, reason: str = ""):
         super().__init__(message)
         self.reason = reason
+
+
+class PeerFailure(CnrError, RuntimeError):
+    """A peer of a multi-rank job failed, and this rank left the collective it was in without waiting out
+    the process group's timeout (``cnrstore.distributed.failures``). ``.learned`` says how this rank
+    learned it: "board" (the failure board's key, posted by the launcher or by another rank) or
+    "collective" (a collective of this rank raised). ``.cause`` is what the reporter wrote, ``.epoch`` the
+    failure epoch. The process group is broken: leave it (``failures.leave_group``), re-form it with the
+    replacement and recover. A RuntimeError, as gloo's own errors are."""
+
+    def __init__(self, message: str, *, learned: str = "", cause: str = "", epoch: int | None = None):
+        super().__init__(message)
+        self.learned = learned
+        self.cause = cause
+        self.epoch = epoch
 
 
 class UnsafePayload(CnrError):

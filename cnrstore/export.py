@@ -59,7 +59,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import filenames
+from .engine import filenames
 from .errors import ExportFailed, InvalidArgument, StorageFull
 from .types import Snapshot
 

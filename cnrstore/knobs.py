@@ -69,3 +69,8 @@ DELTA_FULL_FRACTION = 0.7
 #: it while they hold fewer rows than this many times it; else everything is merged into one cumulative
 #: delta on the baseline.
 DELTA_TIER_RATIO = 1.0
+
+# Reads ---------------------------------------------------------------------------------------------
+#: Threads that decode a whole-table read's blocks in parallel (read_table, read_tables, restore and the
+#: torch Checkpointer's restore); None: every core this process may run on.
+DECODE_THREADS = None

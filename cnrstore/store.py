@@ -11,17 +11,19 @@ import weakref
 
 import numpy as np
 
-from . import blocks as blocks_math
-from . import codecs, compaction, filenames, fs, knobs, reader, schema, validate
+from . import codecs, knobs
+from .engine import arguments, filenames, fs, reader, schema, table_decode
+from .engine import blocks as blocks_math
+from .engine.core import Engine, version_info as _version_info
+from .engine.index import Index, IndexView
+from .engine.schema import TableRecord
+from .engine.storage import SegmentStorage
+from .engine.writer import CheckpointWriter, pack_meta
 from .errors import CompactionFailed, InvalidArgument, MissingRows, ReadOnlyError, TableNotFound, VersionNotFound
-from .index import Index, IndexView
-from .background import BackgroundCompactor
-from .engine import Engine, version_info as _version_info
-from .storage import SegmentStorage
+from .maintenance import compaction
+from .maintenance.background import BackgroundCompactor
 from .policy import compaction as compaction_policy
-from .schema import TableRecord
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
-from .writer import CheckpointWriter, pack_meta
 
 
 def open(path, *, create: bool = False, readonly: bool = False, compaction=None) -> "Store":  # noqa: A001
@@ -286,16 +288,16 @@ class Store:
                      block_rows: int | None = None) -> TableInfo:
         """Create a table (durably, at once). Duplicate names or bad sizes raise InvalidArgument."""
         self._check_writable()
-        validate.name(name, "table name")
-        num_rows = validate.positive_int(num_rows, "num_rows")
-        dim = validate.positive_int(dim, "dim")
-        validate.table_shape(name, num_rows, dim)  # int64 row ids; a row must fit a record
+        arguments.name(name, "table name")
+        num_rows = arguments.positive_int(num_rows, "num_rows")
+        dim = arguments.positive_int(dim, "dim")
+        arguments.table_shape(name, num_rows, dim)  # int64 row ids; a row must fit a record
         c = codecs.get(codec)
-        most = validate.max_block_rows(dim)  # a block's record must fit its u32 length in every codec
+        most = arguments.max_block_rows(dim)  # a block's record must fit its u32 length in every codec
         if block_rows is None:
             block_rows = blocks_math.default_block_rows(c.row_bytes(dim), most)
         else:
-            block_rows = validate.positive_int(block_rows, "block_rows")
+            block_rows = arguments.positive_int(block_rows, "block_rows")
             if block_rows & (block_rows - 1) or block_rows > knobs.MAX_BLOCK_ROWS:
                 raise InvalidArgument(f"block_rows must be a power of two at most {knobs.MAX_BLOCK_ROWS}, "
                                       f"got {block_rows}")
@@ -304,33 +306,26 @@ class Store:
                                       f"one record (at most {knobs.MAX_RECORD_BYTES} bytes); choose block_rows "
                                       f"at most {most}, or leave it to the default")
 
-        def body(w):
-            if w.table(name) is not None:
-                raise InvalidArgument(f"a table named {name!r} already exists; choose another name")
-            tid = schema.NEXT_TABLE_ID.get(w)
-            if tid > 0xFFFFFFFF:  # the index keys hold table ids as u32
-                raise InvalidArgument(f"store {self.path!r} has used up its 2**32 table ids; put new tables "
-                                      "in a new store")
-            schema.NEXT_TABLE_ID.put(w, tid + 1)
-            table = TableRecord(tid, name, num_rows, dim, c.name, block_rows, time.time())
-            w.put_table(table)
-            return table
-
-        table = self._engine.index.write(body)
-        self._engine.remember_table(table)
-        return table.info()
+        return self._engine.create_table(name, num_rows, dim, c.name, block_rows).info()
 
     def tables(self) -> dict[str, TableInfo]:
         self._check_open()
         with self._engine.index.read() as view:
             return {name: table.info() for name, table in sorted(view.tables().items())}
 
+    def dense_names(self) -> list[str]:
+        """The names of every dense array any retained version holds or held, sorted (``read_dense`` says
+        whether a given version holds one: MissingRows otherwise)."""
+        self._check_open()
+        with self._engine.index.read() as view:
+            return sorted(view.dense_names())
+
     # checkpoints ------------------------------------------------------------------------------------
     def checkpoint(self, step: int | None = None, meta: dict | None = None) -> CheckpointWriter:
         """Begin a new version; see API.md. Only one writer may be open at a time."""
         self._check_writable()
         pack_meta(meta)
-        step = validate.step_arg(step)
+        step = arguments.step_arg(step)
         step = None if step is None else int(step)
         engine = self._engine
         return engine.begin_writer(lambda version, parent: CheckpointWriter(engine, version, parent, step, meta))
@@ -351,13 +346,29 @@ class Store:
         """float32 (len(rows), dim): the rows as of ``version`` (default: newest committed)."""
         with self._read(version, table) as (view, v):
             info = self._table_or_raise(table, view)
-            ids = validate.row_ids(rows, info.num_rows, table)
+            ids = arguments.row_ids(rows, info.num_rows, table)
             return reader.read_rows(view, self._engine.segments, info, ids, v)
 
-    def read_table(self, table: str, version: int | None = None) -> np.ndarray:
-        """float32 (num_rows, dim): the whole table as of ``version``."""
-        with self._read(version, table) as (view, v):
-            return reader.read_table(view, self._engine.segments, self._table_or_raise(table, view), v)
+    def read_table(self, table: str, version: int | None = None, *, out=None) -> np.ndarray:
+        """float32 (num_rows, dim): the whole table as of ``version``, decoded in parallel over its blocks.
+
+        ``out`` (a writable C-contiguous float32 (num_rows, dim) numpy array or CPU torch tensor) receives
+        the rows instead of a new array, and is returned (as numpy). Every record is verified before
+        ``out`` is written: an error leaves it untouched (API.md, "Reading into your own arrays").
+        """
+        return self.read_tables({table: out}, version)[table]
+
+    def read_tables(self, tables, version: int | None = None) -> dict[str, np.ndarray]:
+        """{name: float32 (num_rows, dim)}: each table of ``tables`` ({name: out array, or None for a new
+        one}) as of ``version``, in one read transaction. Every record of every table is verified before
+        any ``out`` is written; then the blocks of all tables are decoded in parallel, into the ``out``
+        arrays (distinct, each as ``read_table`` takes it)."""
+        with self._read(version, list(tables)) as (view, v):
+            jobs = []
+            for name, out in tables.items():
+                info = self._table_or_raise(name, view)
+                jobs.append((info, None if out is None else table_decode.check_out(out, info, "out")))
+            return dict(zip(tables, table_decode.read_tables(view, self._engine.segments, jobs, v)))
 
     def read_dense(self, name: str, version: int | None = None) -> np.ndarray:
         """The dense array as put (dtype, shape, bytes), as of ``version``."""
@@ -377,10 +388,9 @@ class Store:
         with self._read(version) as (view, v):
             info = view.version(v)
             snap = Snapshot(version=v, step=info["step"], meta=info["meta"])
-            for name, tinfo in sorted(view.tables().items()):
-                if not _written_by(view, tinfo, v):
-                    continue
-                snap.tables[name] = reader.read_table(view, self._engine.segments, tinfo, v)
+            jobs = [(tinfo, None) for _name, tinfo in sorted(view.tables().items()) if _written_by(view, tinfo, v)]
+            arrays = table_decode.read_tables(view, self._engine.segments, jobs, v)
+            snap.tables.update((tinfo.name, arr) for (tinfo, _), arr in zip(jobs, arrays))
             for name, dense_id in sorted(view.dense_names().items()):
                 arr = reader.read_dense(view, self._engine.segments, dense_id, name, v)
                 if arr is not None:
@@ -393,11 +403,13 @@ class Store:
             raise TableNotFound(f"no table {table!r} in this store (tables: {sorted(view.tables())[:10]})")
         return info
 
-    def _read(self, version, table: str | None = None):
-        """A read transaction and the version it reads; an unknown ``table`` is named before any version."""
+    def _read(self, version, table: str | list[str] | None = None):
+        """A read transaction and the version it reads; an unknown ``table`` (or one of a list) is named
+        before any version."""
         self._check_open()
-        version = validate.version_arg(version)
-        check = None if table is None else (lambda view: self._table_or_raise(table, view))
+        version = arguments.version_arg(version)
+        names = [table] if isinstance(table, str) else table
+        check = None if not names else (lambda view: [self._table_or_raise(name, view) for name in names])
         return _ReadContext(self._engine.index, version, check)
 
     # maintenance ------------------------------------------------------------------------------------
@@ -418,7 +430,7 @@ class Store:
         then reclaims the rest, down to the rows (a record kept versions read only partly is rewritten
         with those rows). What every kept version reads is unchanged, bit for bit.
         """
-        keep_last = validate.positive_int(keep_last, "keep_last")
+        keep_last = arguments.positive_int(keep_last, "keep_last")
         self._check_writable()
         with self._engine.maintenance_lock:
             with self._engine.index.read() as view:
@@ -453,7 +465,7 @@ class Store:
 
     def verify(self, progress=None) -> VerifyReport:
         """Check every checksum of live data and the index against the log; never raises for damage."""
-        from .verify import verify_store
+        from .maintenance.verify import verify_store
 
         self._check_open()
         return verify_store(self._engine, progress)

@@ -2,7 +2,7 @@
 OSDI'14; CrashMonkey, OSDI'18).
 
 1. **Record.** A workload runs against a real store through ``RecordingFileSystem``, the engine's
-   file-system seam (cnrstore/fs.py): every create, append, fsync, directory fsync, truncate, remove,
+   file-system seam (cnrstore/engine/fs.py): every create, append, fsync, directory fsync, truncate, remove,
    rename, mkdir, directory removal and atomic replace is logged in order with its bytes, and each LMDB
    commit (the ``index_committed`` pause point, with the environment's path: the store's index/, or the
    one repair builds in index.repair-tmp/) as one atomic step with a copy of its ``data.mdb`` as committed
@@ -33,8 +33,8 @@ from typing import Callable
 
 import numpy as np
 
-from cnrstore import filenames, fs
-from cnrstore.repair import repair
+from cnrstore.engine import filenames, fs
+from cnrstore.maintenance.repair import repair
 from cnrstore.store import Store
 
 

@@ -153,7 +153,8 @@ def _say(*words) -> None:
 
 def run_writer(store_path: str, count: int | None, segment_bytes: int | None, arm_after: int | None) -> None:
     import cnrstore
-    from cnrstore import fs, knobs
+    from cnrstore.engine import fs
+    from cnrstore import knobs
 
     crash_at = os.environ.pop(fs.CRASH_ENV, None)
     if arm_after is None and crash_at is not None:
@@ -191,7 +192,8 @@ def run_maintainer(store_path: str, ops: list | None, segment_bytes: int | None,
     import random
 
     import cnrstore
-    from cnrstore import fs, knobs
+    from cnrstore.engine import fs
+    from cnrstore import knobs
 
     if segment_bytes is not None:
         knobs.SEGMENT_BYTES = segment_bytes
@@ -236,7 +238,7 @@ def _serve() -> None:
     import cnrstore  # noqa: F401  (imported once, before any fork)
     import torch  # noqa: F401  (the codecs import it lazily, at the first encode: once here, not in every child,
     #             whose random kill instants assume a writer already at work)
-    from cnrstore import fs
+    from cnrstore.engine import fs
 
     for line in sys.stdin:
         cmd = json.loads(line)

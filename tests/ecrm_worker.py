@@ -27,8 +27,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cnrstore import fs  # noqa: E402
-from cnrstore.distributed import ECRM, DistributedCheckpointer, ShardingPlan  # noqa: E402
+from cnrstore.engine import fs  # noqa: E402
+from cnrstore.distributed import ECRM, DistributedCheckpointer, ShardingPlan, failures  # noqa: E402
 from cnrstore.errors import InvalidArgument  # noqa: E402
 
 TABLES = {"emb.t0": (97, 8), "emb.t1": (40, 4), "emb.t2": (64, 6)}
@@ -66,7 +66,7 @@ class Model(nn.Module):
             parts.append(out)
         local = torch.cat(parts, dim=1)
         pooled = local.detach().clone()
-        dist.all_reduce(pooled)
+        failures.all_reduce(pooled)
         pooled.requires_grad_(True)
         return self.head(pooled).squeeze(1), local, pooled
 
@@ -86,7 +86,7 @@ def train_step(model, optimizer, ecrm, step: int) -> None:
     local.backward(pooled.grad)
     dense = [p.grad for p in model.head.parameters()]
     flat = torch.cat([g.reshape(-1) for g in dense])
-    dist.all_reduce(flat)
+    failures.all_reduce(flat)
     flat /= dist.get_world_size()
     off = 0
     for g in dense:
@@ -123,20 +123,34 @@ def main(cfg: dict) -> int:
     epoch = cfg.get("epoch", 0)
     replacement = cfg.get("replacement", False)
 
+    timeout = cfg.get("pg_timeout", 60)
+    watch = None
+    if cfg.get("board"):     # the test (the launcher) posts each death on the failure board
+        watch = failures.FailureWatch(*cfg["board"], rank=rank, epoch=epoch)
+        failures.install(watch)
+
     def rendezvous(e):
         dist.init_process_group("gloo", init_method=f"file://{cfg['rdzv']}-{e}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+                                timeout=timedelta(seconds=timeout))
+        if watch is not None:
+            watch.rearm(e)
 
+    def left(exc: BaseException) -> None:
+        """Leave the broken group; record how this rank learned of the failure."""
+        report["learned"].append({"epoch": epoch, "how": getattr(exc, "learned", "gloo"),
+                                  "cause": getattr(exc, "cause", str(exc))[:300]})
+        failures.leave_group()
+
+    report = {"recoveries": [], "traffic": [], "learned": []}
     rendezvous(epoch)
     plan = ShardingPlan.row_wise(TABLES, world)
     model = Model(plan, rank, 7 if not replacement else 1234 + epoch).to(cfg.get("device", "cpu"))
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
     ckpt = None
     if cfg.get("ckpt_every"):
-        ckpt = DistributedCheckpointer(cfg["root"], model, optimizer, plan=plan, codec="fp32", timeout_s=60)
+        ckpt = DistributedCheckpointer(cfg["root"], model, optimizer, plan=plan, codec="fp32", timeout_s=timeout)
     ecrm = ECRM(model, optimizer, k=cfg["k"], r=cfg["r"], checkpointer=ckpt, fallback=cfg.get("fallback", "partial"),
-                replacement=replacement, timeout_s=60)
-    report = {"recoveries": [], "traffic": []}
+                replacement=replacement, timeout_s=timeout)
     step = 0
     pending = None
 
@@ -181,22 +195,22 @@ def main(cfg: dict) -> int:
             if ckpt is not None and step % cfg["ckpt_every"] == 0:
                 pending = ckpt.save(step, meta={"step": step})
                 pending.wait()
-        except RuntimeError:
+        except RuntimeError as exc:
             if pending is not None:
                 try:
                     pending.wait()
                 except Exception:
                     pass
                 pending = None
-            dist.destroy_process_group()
+            left(exc)
             epoch += 1
             rendezvous(epoch)
             while True:
                 try:
                     recover()
                     break
-                except RuntimeError:          # a replacement died during the recovery: the next one comes
-                    dist.destroy_process_group()
+                except RuntimeError as exc:   # a replacement died during the recovery: the next one comes
+                    left(exc)
                     epoch += 1
                     rendezvous(epoch)
     np.savez(os.path.join(cfg["out"], f"final-rank{rank}.npz"), **state_of(model, optimizer, ecrm))

@@ -1,4 +1,4 @@
-"""Races by schedule: stop a thread at a named pause point (``cnrstore.fs.pause_point``; every crash
+"""Races by schedule: stop a thread at a named pause point (``cnrstore.engine.fs.pause_point``; every crash
 point is one) while the test runs other work, then let it go on. The same interleaving every run.
 
     with Pause("gc_planned") as gc_paused:
@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from cnrstore import fs
+from cnrstore.engine import fs
 
 TIMEOUT_S = 60.0
 

@@ -103,7 +103,7 @@ def test_compaction_argument_is_checked(store_path):
 
 def _failing_materialize(monkeypatch, failures):
     """compaction.materialize raises StorageFull for its first ``failures`` calls, then works."""
-    from cnrstore import compaction
+    from cnrstore.maintenance import compaction
 
     real = compaction.materialize
     calls = {"n": 0}
@@ -160,7 +160,7 @@ def test_compaction_failure_does_not_mask_the_with_blocks_own_error(store_path, 
 def test_a_compaction_failing_at_every_commit_keeps_few_exceptions_and_counts_all(store_path, monkeypatch):
     """Each kept exception holds its traceback's frames (and their arrays): a long run of failures must not
     grow memory; the count stays exact."""
-    from cnrstore import background
+    from cnrstore.maintenance import background
     from cnrstore.errors import CompactionFailed
 
     monkeypatch.setattr(background, "KEEP_ERRORS", 2)

@@ -1,4 +1,4 @@
-"""Block math (cnrstore/blocks.py): each function against its definition, row by row, on small tables."""
+"""Block math (cnrstore/engine/blocks.py): each function against its definition, row by row, on small tables."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import blocks, knobs, validate
+from cnrstore.engine import blocks, arguments
+from cnrstore import knobs
 
 
 @pytest.mark.parametrize("block_rows,num_rows", [(1, 5), (64, 64), (64, 65), (64, 1000), (1 << 16, 70_000)])
@@ -50,8 +51,8 @@ def test_created_table_gets_the_default_block_rows(tmp_path, codec, dim):
     expected = knobs.MAX_BLOCK_ROWS
     while expected > fit and expected > knobs.MIN_BLOCK_ROWS:
         expected //= 2
-    expected = min(expected, validate.max_block_rows(dim))
-    assert blocks.default_block_rows(row_bytes, validate.max_block_rows(dim)) == expected
+    expected = min(expected, arguments.max_block_rows(dim))
+    assert blocks.default_block_rows(row_bytes, arguments.max_block_rows(dim)) == expected
     with cnrstore.open(str(tmp_path / "s"), create=True) as store:
         assert store.create_table("t", 10, dim, codec=codec).block_rows == expected
 

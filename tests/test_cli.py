@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import filenames
+from cnrstore.engine import filenames
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 

@@ -452,3 +452,61 @@ def test_results_are_fresh_memory(name):
     assert not np.shares_memory(out, enc)
     strided = np.repeat(enc, 2, axis=0)[::2]  # non-contiguous input decodes the same
     assert np.array_equal(c.decode(strided, 8), out)
+
+
+# -- decode_into: the same bits in the caller's array ------------------------------------------------------
+
+def _encodable(codec, x: np.ndarray) -> np.ndarray:
+    """``x`` with the rows ``codec`` cannot represent replaced by zeros (decode_into is about decoding)."""
+    bad = codec.unrepresentable(x)
+    return np.where(bad[:, None], np.float32(0), x).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", codecs.names())
+@prop
+@given(x=row_batches(max_rows=40), chunk=st.sampled_from([None, 1, 7]))
+def test_decode_into_gives_decode_bits(name, x, chunk):
+    """Every codec, with and without torch's kernels, in one chunk or many: decode_into's ``out`` holds
+    decode's float32 bits, and only ``out`` is written."""
+    from cnrstore.codecs import base
+
+    codec = codecs.get(name)
+    enc = codec.encode(_encodable(codec, x))
+    with pytest.MonkeyPatch.context() as mp:
+        if chunk is not None:
+            mp.setattr(base, "DECODE_CHUNK_VALUES", chunk * x.shape[1])
+            mp.setattr(codecs.rowwise, "DECODE_CHUNK_VALUES", chunk * x.shape[1])
+        want = codec.decode(enc, x.shape[1])
+        table = np.full((x.shape[0] + 2, x.shape[1]), np.float32(7.5))
+        got = codec.decode_into(enc, x.shape[1], table[1:-1])
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        assert np.shares_memory(got, table)
+        assert (table[[0, -1]] == np.float32(7.5)).all()  # neighbours untouched
+        mp.setattr(codecs.rowwise, "_loaded_torch", lambda: None)  # the numpy decode of int8/4/2
+        again = np.zeros_like(want)
+        codec.decode_into(enc, x.shape[1], again)
+        assert np.array_equal(again.view(np.uint32), want.view(np.uint32))
+
+
+def test_decode_into_writes_a_torch_tensor_in_place():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(0).standard_normal((9, 6)).astype(np.float32)
+    codec = codecs.get("int4")
+    w = torch.zeros(9, 6, requires_grad=True)
+    codec.decode_into(codec.encode(x), 6, w)
+    assert np.array_equal(w.detach().numpy(), codec.decode(codec.encode(x), 6))
+
+
+@pytest.mark.parametrize("out", [np.zeros((3, 4), np.float64), np.zeros((4, 4), np.float32),
+                                 np.zeros((3, 8), np.float32)[:, ::2], "not an array"])
+def test_decode_into_rejects_a_bad_out_and_writes_nothing(out):
+    codec = codecs.get("fp32")
+    enc = codec.encode(np.ones((3, 4), np.float32))
+    with pytest.raises(InvalidArgument, match="out must"):
+        codec.decode_into(enc, 4, out)
+    if isinstance(out, np.ndarray):
+        assert not out.any()
+    ro = np.zeros((3, 4), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(InvalidArgument, match="writable"):
+        codec.decode_into(enc, 4, ro)

@@ -32,7 +32,9 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import codecs, compaction, filenames, knobs, reader, record
+from cnrstore import codecs, knobs
+from cnrstore.maintenance import compaction
+from cnrstore.engine import filenames, reader, record
 from cnrstore.errors import (
     CheckpointInProgress,
     CorruptionError,
@@ -857,7 +859,7 @@ READER = READER_WORKLOAD + textwrap.dedent('''
     import cnrstore
     from cnrstore.errors import VersionNotFound
 
-    path, stop = sys.argv[1], sys.argv[2]
+    path, stop, progress = sys.argv[1], sys.argv[2], sys.argv[3]
     states = States()
     reads = notfound = 0
     with cnrstore.open(path, readonly=True) as store:
@@ -885,6 +887,9 @@ READER = READER_WORKLOAD + textwrap.dedent('''
                     print("error: dense of version", v, flush=True)
                     sys.exit(1)
                 reads += 1
+                with open(progress + ".tmp", "w") as f:  # how far it got, for the writer's loop
+                    f.write(str(reads))
+                os.replace(progress + ".tmp", progress)
     print("done", reads, notfound, flush=True)
 ''')
 
@@ -899,25 +904,37 @@ def _reader_checkpoint(store, states) -> int:
 
 def test_reader_in_another_process_during_retain_and_gc(tmp_path, monkeypatch):
     """A readonly reader in another process reads every retained version in a loop (and reads each
-    exactly) while this process checkpoints, compacts, retains and collects, deleting segments."""
+    exactly) while this process checkpoints, compacts, retains and collects, deleting segments. The writer
+    goes on for at least 4 s and 12 rounds, and until the reader has read 21 versions (a loaded machine
+    slows the reader, not the test's verdict), at most 300 s."""
     monkeypatch.setattr(knobs, "SEGMENT_BYTES", 2048)
     path, stop = str(tmp_path / "store"), str(tmp_path / "stop")
+    progress = str(tmp_path / "reads")
+
+    def reader_reads() -> int:
+        try:
+            return int(open(progress).read())
+        except FileNotFoundError:
+            return 0
+
     states = _ns["States"]()
     store = cnrstore.open(path, create=True)
     for name, (n, dim, codec, block) in _ns["TABLES"].items():
         store.create_table(name, n, dim, codec=codec, block_rows=block)
     for _ in range(3):
         _reader_checkpoint(store, states)
-    proc = subprocess.Popen([sys.executable, "-c", READER, path, stop], env=CHILD_ENV, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", READER, path, stop, progress], env=CHILD_ENV,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         rng = np.random.default_rng(0)
         reclaimed = pending = deleted = 0
         dropped: list[int] = []
-        deadline = time.monotonic() + 4.0
+        start = time.monotonic()
         rounds = 0
-        while time.monotonic() < deadline or rounds < 12:
+        while (time.monotonic() < start + 4.0 or rounds < 12 or reader_reads() <= 20) \
+                and time.monotonic() < start + 300:
             v = _reader_checkpoint(store, states)
             if rng.random() < 0.5:
                 retained = [i.version for i in store.versions()]

@@ -24,7 +24,8 @@ import pytest
 import xxhash
 
 import cnrstore
-from cnrstore import codecs, filenames, knobs, record, segments
+from cnrstore import codecs, knobs
+from cnrstore.engine import filenames, record, segments
 from cnrstore.errors import CorruptionError
 
 #: table -> (num_rows, dim, codec, block_rows)
@@ -558,3 +559,24 @@ def test_uncommitted_segment_file_is_ignored_and_removed(built):
         assert store.recovery_notes
         assert not os.path.exists(path)
     check_damage(built, {}, {}, readonly=False)
+
+
+# -- reads into the caller's arrays ---------------------------------------------------------------------------
+
+def test_body_byte_flipped_leaves_read_table_out_untouched(built):
+    """The damaged record is in the table's last block: every record is verified before the first block
+    is decoded, so ``out`` keeps its bytes (and so does the other table's ``out`` of a read_tables call)."""
+    key, loc = partial_record(built, "a", 3, 2)
+    xor_byte(seg_path(built, loc.segment), loc.offset + record.HEADER_BYTES + 2 * loc.count + 5, 0x80)
+    with cnrstore.open(built.path, readonly=True) as store:
+        out = np.full((256, 4), np.float32(-3.25))
+        with pytest.raises(CorruptionError):
+            store.read_table("a", 4, out=out)
+        assert (out == np.float32(-3.25)).all()
+        outs = {"b": np.full((128, 8), np.float32(2.5)), "a": np.full((256, 4), np.float32(2.5))}
+        with pytest.raises(CorruptionError):
+            store.read_tables(outs, 4)
+        assert all((o == np.float32(2.5)).all() for o in outs.values())
+        # a version whose read chains miss the damaged record reads into out as before
+        assert np.array_equal(store.read_table("a", 1, out=out), built.expect[1]["a"])
+        assert np.array_equal(out, built.expect[1]["a"])

@@ -32,7 +32,8 @@ import time
 import pytest
 
 import cnrstore
-from cnrstore import filenames, fs, knobs
+from cnrstore.engine import filenames, fs
+from cnrstore import knobs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WRITER = os.path.join(HERE, "crash_writer.py")

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from cnrstore import knobs
-from cnrstore.repair import repair
-from cnrstore.background import BackgroundCompactor
+from cnrstore.maintenance.repair import repair
+from cnrstore.maintenance.background import BackgroundCompactor
 from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention
 from cnrstore.store import Store
 

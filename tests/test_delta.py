@@ -1,4 +1,4 @@
-"""Cumulative delta records (format 3, cnrstore/merge.py): every block's read chain stays within
+"""Cumulative delta records (format 3, cnrstore/engine/merge.py): every block's read chain stays within
 knobs.READ_CHAIN_BOUND, every version reads bit-exactly as its puts say, merged bytes are copies of the
 stored ones, a block whose deltas copied knobs.DELTA_RESET_FRACTION of it gets a new baseline, and retention never drops
 the baseline an open checkpoint's deltas read."""
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import codecs, knobs, record
+from cnrstore import codecs, knobs
+from cnrstore.engine import record
 from cnrstore.errors import CorruptionError
 
 

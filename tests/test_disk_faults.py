@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import errors, filenames, index as index_mod, knobs, reader
-from cnrstore.fs import FileSystem
+from cnrstore import errors, knobs
+from cnrstore.engine import filenames, index as index_mod, reader
+from cnrstore.engine.fs import FileSystem
 from cnrstore.store import Store
 
 DIM = 8
@@ -479,7 +480,8 @@ def test_full_disk_when_gc_records_deleted_segments_loses_nothing(store_path, mo
 
 def test_cli_gc_stopped_by_a_full_disk_says_so_and_exits_2(store_path, monkeypatch, capsys):
     """`cnrstore gc` prints what it reclaimed, then the unfinished part on stderr, and exits 2."""
-    from cnrstore import cli, compaction
+    from cnrstore import cli
+    from cnrstore.maintenance import compaction
 
     with cnrstore.open(store_path, create=True) as s:
         s.create_table("t", 64, DIM, codec="fp32")
@@ -501,7 +503,7 @@ def test_cli_gc_stopped_by_a_full_disk_says_so_and_exits_2(store_path, monkeypat
 def test_background_gc_stopped_by_a_full_disk_is_a_surfaced_compaction_failure(store_path, monkeypatch):
     """A background gc that a full disk stopped part way counts as a failed step (StorageFull), so the
     trainer sees it through compaction_error / stats() and close(), and checkpoints keep working."""
-    from cnrstore import compaction
+    from cnrstore.maintenance import compaction
     from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention
 
     monkeypatch.setattr(compaction, "collect",

@@ -18,13 +18,16 @@ import sys
 import numpy as np
 import pytest
 
-from cnrstore.distributed import gf256
+from cnrstore.distributed import failures, gf256
 from cnrstore.distributed.stripes import StripeLayout
 from cnrstore.errors import InvalidArgument
 
 WORKER = os.path.join(os.path.dirname(__file__), "ecrm_worker.py")
 TIMEOUT = 120
 STEPS = 6
+#: The process groups' timeout in the spawned jobs: far beyond TIMEOUT, so that a recovery that waited
+#: on a timeout instead of learning of the failure at once would fail the test (its workers killed).
+PG_TIMEOUT_S = 3600
 
 
 # -- the code ------------------------------------------------------------------------------------------------
@@ -95,19 +98,23 @@ def run_job(tmp_path, tag: str, world: int, k: int, r: int, *, victims=(), crash
     ({rank: final state}, {rank: report})."""
     out = tmp_path / tag
     out.mkdir()
+    board = failures.FailureBoard()          # this test is the launcher: it posts every death it sees
     cfg = {"world": world, "k": k, "r": r, "steps": STEPS, "fail_step": fail_step, "victims": list(victims),
-           "crash": crash, "rdzv": str(out / "rdzv"), "out": str(out), "root": str(out / "root"), **extra}
+           "crash": crash, "rdzv": str(out / "rdzv"), "out": str(out), "root": str(out / "root"),
+           "board": [board.host, board.port], "pg_timeout": PG_TIMEOUT_S, **extra}
     procs = {q: _spawn(cfg, q) for q in range(world)}
     if victims:
         for v in victims:
             procs[v].wait(timeout=TIMEOUT)
             assert procs[v].returncode == -9, procs[v].communicate()[0][-3000:]
+            board.post(0, f"rank {v} died")
         epoch = 1
         if replacement_crash:
             first = {v: _spawn(cfg, v, crash=replacement_crash, replacement=True, epoch=epoch) for v in victims}
             for v, p in first.items():
                 p.wait(timeout=TIMEOUT)
                 assert p.returncode == -9, p.communicate()[0][-3000:]
+                board.post(epoch, f"rank {v}'s replacement died")
             epoch += 1
         for v in victims:
             procs[v] = _spawn(cfg, v, replacement=True, epoch=epoch)
@@ -163,6 +170,7 @@ def test_one_failure_r1_is_recovered_bit_exactly(tmp_path, tmp_path_factory, cra
     expect = 2 if crash in ("ecrm_before_send", "ecrm_partial_send") else 3
     assert {r["step"] for r in recs} == {expect}
     assert reports[1]["recoveries"][-1]["replacement"] and reports[1]["recoveries"][-1]["bytes_received"] > 0
+    assert_learned_promptly(reports, [1])
 
 
 def test_two_simultaneous_failures_r2_are_recovered_bit_exactly(tmp_path, tmp_path_factory):
@@ -172,10 +180,27 @@ def test_two_simultaneous_failures_r2_are_recovered_bit_exactly(tmp_path, tmp_pa
     assert {rep["recoveries"][-1]["mode"] for rep in reports.values()} == {"ecrm"}
 
 
+def assert_learned_promptly(reports: dict, victims) -> None:
+    """Every survivor left the broken group through the failure board or a failed collective (a
+    PeerFailure), never by a timeout: the jobs run with PG_TIMEOUT_S far beyond the test's TIMEOUT."""
+    for q, rep in reports.items():
+        if q in victims:
+            continue
+        assert rep["learned"], (q, rep)
+        for seen in rep["learned"]:
+            assert seen["how"] in ("board", "collective"), (q, seen)
+            assert "Timed out" not in seen["cause"], (q, seen)
+
+
 def test_r2_partial_send_is_recovered_bit_exactly(tmp_path, tmp_path_factory):
+    """Rank 3 dies having sent its step-3 deltas to rank 0 only: rank 0 finishes step 3 and blocks in step
+    4's all_reduce, which gloo does not fail (its peers 1 and 2 left the group alive). The failure board
+    wakes it: without it, rank 0 waits out the process group's timeout (PG_TIMEOUT_S: the test fails)."""
     ref, _ = reference(tmp_path_factory, 4, 2, 2)
-    states, _reports = run_job(tmp_path, "p2", 4, 2, 2, victims=[3], crash="ecrm_partial_send")
+    states, reports = run_job(tmp_path, "p2", 4, 2, 2, victims=[3], crash="ecrm_partial_send")
     assert_bit_equal(states, ref)
+    assert_learned_promptly(reports, [3])
+    assert reports[0]["learned"][0]["how"] == "board"
 
 
 def test_a_replacement_killed_in_the_decode_is_replaced_again(tmp_path, tmp_path_factory):
@@ -183,6 +208,7 @@ def test_a_replacement_killed_in_the_decode_is_replaced_again(tmp_path, tmp_path
     states, reports = run_job(tmp_path, "dec", 3, 2, 1, victims=[2], crash="kill", replacement_crash="ecrm_decode")
     assert_bit_equal(states, ref)
     assert len(reports[0]["recoveries"]) == 1 and reports[0]["recoveries"][0]["mode"] == "ecrm"
+    assert_learned_promptly(reports, [2])
 
 
 def test_more_than_r_failures_fall_back_to_the_checkpoint(tmp_path):

@@ -12,7 +12,7 @@ import traceback
 import numpy as np
 
 import cnrstore
-from cnrstore import fs, storage
+from cnrstore.engine import fs, storage
 from cnrstore.store import Store
 
 PACKAGE = os.path.dirname(cnrstore.__file__)
@@ -87,11 +87,12 @@ def test_no_import_circle_in_the_package():
     """No module of cnrstore/ imports (even for type checking only, or inside a function) a module that
     imports it back, directly or not; nothing beneath store.py imports it."""
     graph = _import_graph()
-    assert "cnrstore.engine" in graph and graph["cnrstore.writer"], "the graph was built"
+    assert "cnrstore.engine" in graph and graph["cnrstore.engine.writer"], "the graph was built"
     cycle = _cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
-    for low in ("cnrstore.writer", "cnrstore.compaction", "cnrstore.background", "cnrstore.verify",
-                "cnrstore.engine", "cnrstore.merge", "cnrstore.liveness"):
+    for low in ("cnrstore.engine.writer", "cnrstore.maintenance.compaction", "cnrstore.maintenance.background",
+                "cnrstore.maintenance.verify", "cnrstore.engine", "cnrstore.engine.merge",
+                "cnrstore.maintenance.liveness"):
         assert "cnrstore.store" not in graph[low], f"{low} imports store.py"
     # only what sits above the Store (the package's API, the CLI, the distributed checkpointer that
     # opens one store per rank, export, import and migrate-payload, which open a store by path or a
@@ -102,6 +103,35 @@ def test_no_import_circle_in_the_package():
              "cnrstore.torch.migrate"}
     importers = {m for m, deps in graph.items() if "cnrstore.store" in deps}
     assert importers <= above, f"modules beneath the Store import store.py: {sorted(importers - above)}"
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+#: The layers, lowest first: a module of a layer imports only from its own layer and those before it.
+#: The shared leaves (errors, types, knobs, codecs, policy) sit beneath every layer.
+LAYERS = ("cnrstore.engine", "cnrstore.maintenance", "cnrstore.store")
+LEAVES = ("cnrstore.errors", "cnrstore.types", "cnrstore.knobs", "cnrstore.codecs", "cnrstore.policy")
+
+
+def test_the_layers_import_only_downward():
+    """cnrstore/engine/ imports nothing of maintenance/, the Store or above; maintenance/ nothing of the
+    Store or above; the leaves nothing of any layer (docs/ARCHITECTURE.md draws this)."""
+    graph = _import_graph()
+    assert graph["cnrstore.maintenance.compaction"] & {"cnrstore.engine.core"}, "the graph was built"
+    upward = []
+    for module, deps in graph.items():
+        if any(_in(module, leaf) for leaf in LEAVES):
+            upward += [f"{module} -> {d}" for d in deps if any(_in(d, layer) for layer in LAYERS)]
+            continue
+        level = next((i for i, layer in enumerate(LAYERS) if _in(module, layer)), None)
+        if level is None:
+            continue
+        above = LAYERS[level + 1:]
+        upward += [f"{module} -> {d}" for d in deps if any(_in(d, layer) for layer in above)
+                   or d == "cnrstore" or any(_in(d, w) for w in WINGS)]
+    assert not upward, "imports against the layering: " + ", ".join(sorted(upward))
 
 
 WINGS = ("cnrstore.torch", "cnrstore.distributed")
@@ -190,7 +220,7 @@ def test_the_engine_reads_removes_and_seals_segments_through_the_storage_seam(tm
     report = store.gc()
     removed = [c[1] for c in recorder.calls if c[0] == "remove"]
     assert report.segments_deleted == len(removed) > 0
-    assert not any(os.path.exists(cnrstore.filenames.segment_path(path, s)) for s in removed)
+    assert not any(os.path.exists(cnrstore.engine.filenames.segment_path(path, s)) for s in removed)
     assert store.verify().ok
     store.close()
 
@@ -267,7 +297,7 @@ def test_sealed_segments_moved_to_another_storage_are_read_verified_and_freed_th
             ck.put_rows("t", rows, np.full((len(rows), 4), v + 1, np.float32))
         snapshots[store.latest().version] = expected.copy()
     assert tiered.remote, "segments were sealed and moved"
-    assert not any(os.path.exists(cnrstore.filenames.segment_path(path, s)) for s in tiered.remote)
+    assert not any(os.path.exists(cnrstore.engine.filenames.segment_path(path, s)) for s in tiered.remote)
     for version, table in snapshots.items():
         np.testing.assert_array_equal(store.read_table("t", version), table)
     report = store.verify()
@@ -284,7 +314,7 @@ def test_sealed_segments_moved_to_another_storage_are_read_verified_and_freed_th
 
 # -- every segment file access goes through the storage seam ----------------------------------------------
 _AUDIT: dict = {"root": None, "events": [], "outside": []}
-_SEAM_FILES = ("cnrstore/storage.py", "cnrstore/segments.py")  # the local storage and its files
+_SEAM_FILES = ("cnrstore/engine/storage.py", "cnrstore/engine/segments.py")  # the local storage and its files
 _PATH_EVENTS = {"open": 0, "os.listdir": 0, "os.scandir": 0, "os.rename": 0, "os.remove": 0, "os.truncate": 0,
                 "os.rmdir": 0, "os.mkdir": 0, "os.chmod": 0, "os.utime": 0, "shutil.rmtree": 0}
 
@@ -315,7 +345,7 @@ def _audited(path):
     if not _AUDIT.get("installed"):  # (an audit hook cannot be removed: installed once, by the test that needs it)
         sys.addaudithook(_audit)
         _AUDIT["installed"] = True
-    _AUDIT["root"] = os.path.abspath(cnrstore.filenames.segments_dir(path))
+    _AUDIT["root"] = os.path.abspath(cnrstore.engine.filenames.segments_dir(path))
     try:
         yield
     finally:
@@ -323,8 +353,8 @@ def _audited(path):
 
 
 def _segment_ids(path):
-    return sorted(s for s in map(cnrstore.filenames.parse_segment_name, os.listdir(
-        cnrstore.filenames.segments_dir(path))) if s is not None)
+    return sorted(s for s in map(cnrstore.engine.filenames.parse_segment_name, os.listdir(
+        cnrstore.engine.filenames.segments_dir(path))) if s is not None)
 
 
 def test_every_segment_file_access_goes_through_the_storage_seam(tmp_path, monkeypatch):
@@ -351,15 +381,32 @@ def test_every_segment_file_access_goes_through_the_storage_seam(tmp_path, monke
             store.gc()
             assert store.verify().ok
             store.stats()
-    with open(cnrstore.filenames.segment_path(path, _segment_ids(path)[-1]), "ab") as f:
+    with open(cnrstore.engine.filenames.segment_path(path, _segment_ids(path)[-1]), "ab") as f:
         f.write(b"torn tail")
     with _audited(path):
         with cnrstore.open(path) as store:  # recovery truncates the torn tail
             assert store.recovery_notes
-    with open(cnrstore.filenames.segment_path(path, _segment_ids(path)[0]), "r+b") as f:
+    with open(cnrstore.engine.filenames.segment_path(path, _segment_ids(path)[0]), "r+b") as f:
         f.write(b"X")  # a damaged header: repair sets the segment aside
     with _audited(path):
         report = cnrstore.repair(path)
     assert any("damaged header" in n for n in report.notes), report.notes
     assert {"os.rename", "os.listdir", "open", "os.remove", "os.truncate"} <= set(_AUDIT["events"]), _AUDIT["events"]
     assert not _AUDIT["outside"], _AUDIT["outside"][:5]
+
+
+def test_old_module_paths_name_the_moved_modules():
+    """Code written against the flat layout keeps working: each old path is the moved module itself (so a
+    monkeypatch through either path patches the one the engine uses); ``cnrstore.repair`` stays the
+    function."""
+    import importlib
+
+    assert len(cnrstore.MOVED_MODULES) == 23
+    for old, new in cnrstore.MOVED_MODULES.items():
+        moved = importlib.import_module(f"cnrstore.{new}")
+        assert importlib.import_module(f"cnrstore.{old}") is moved, old
+        assert not os.path.exists(os.path.join(PACKAGE, old + ".py")), f"{old}.py is still in cnrstore/"
+    from cnrstore.maintenance.repair import repair
+    assert cnrstore.repair is repair
+    from cnrstore import verify
+    assert verify.verify_store.__module__ == "cnrstore.maintenance.verify"

@@ -19,10 +19,10 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cnrstore import index as index_mod
-from cnrstore import marker, record
+from cnrstore.engine import index as index_mod
+from cnrstore.engine import marker, record
 from cnrstore.errors import CnrError, CorruptionError, InvalidArgument, UnsafePayload
-from cnrstore.msgpack_safe import unpack_bounded
+from cnrstore.engine.msgpack_safe import unpack_bounded
 
 _PER_BYTE = 128
 _CONST = 1 << 20
@@ -461,7 +461,7 @@ def test_repair_of_mutated_segment_bytes_is_typed(tmp_path_factory, edits, resea
 def _reseal_at(data: bytes, at: int) -> bytes:
     """``data`` (a segment) with the checksum of the record around byte ``at`` recomputed, walking records by
     the lengths in their headers from the segment header; unchanged if the walk does not reach it."""
-    from cnrstore import segments
+    from cnrstore.engine import segments
 
     pos = segments.SEGMENT_HEADER_BYTES
     while pos + record.HEADER_BYTES <= len(data):

@@ -487,7 +487,7 @@ def test_a_malformed_source_is_an_invalid_argument_in_one_line_and_changes_nothi
 def test_a_failed_write_removes_what_the_import_created_in_an_existing_directory(trained, tmp_path, monkeypatch):
     """A failure after the checks (here the dense write) aborts the version; the store files the import made
     inside an existing empty directory are removed again."""
-    from cnrstore import writer
+    from cnrstore.engine import writer
 
     _, _, sd_a = trained
 

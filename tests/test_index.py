@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from cnrstore import knobs
 from cnrstore.errors import CorruptionError
-from cnrstore.index import DenseLoc, Index, RowLoc
-from cnrstore.schema import TableRecord
+from cnrstore.engine.index import DenseLoc, Index, RowLoc
+from cnrstore.engine.schema import TableRecord
 
 U32 = 2**32 - 1
 U64 = 2**64 - 1
@@ -310,7 +310,7 @@ def test_open_missing_index_readonly_raises(tmp_path):
 def test_readonly_index_opened_first(tmp_path, monkeypatch, files_writable):
     """A readonly Index that is the first in this process to open the environment (read-only media
     included: then the environment itself is opened readonly)."""
-    import cnrstore.index as index_module
+    import cnrstore.engine.index as index_module
 
     path = str(tmp_path / "index")
     w = Index(path, readonly=False, create=True)

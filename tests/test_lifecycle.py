@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import fs
+from cnrstore.engine import fs
 from cnrstore.policy import CompactionPolicy, KeepLast, Retention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(cnrstore.__file__)))
@@ -144,7 +144,7 @@ SAVER = """
     import numpy as np, torch
     from torch import nn
     import cnrstore
-    from cnrstore import writer
+    from cnrstore.engine import writer
     from cnrstore.torch import Checkpointer
 
     path, how, slow = sys.argv[1], sys.argv[2], float(sys.argv[3])
@@ -173,7 +173,7 @@ SAVER = """
         pickle.dump({k: v.numpy() for k, v in expected.items()}, f)
     print("saved", flush=True)
     # say when the exit (or close) starts waiting for the save: the parent's Ctrl-C then lands in the wait
-    cnrstore.fs.pause_at("checkpointer_waits_for_save", lambda _name: print("waiting", flush=True))
+    cnrstore.engine.fs.pause_at("checkpointer_waits_for_save", lambda _name: print("waiting", flush=True))
     if how == "interrupt":
         raise KeyboardInterrupt
     if how == "error":
@@ -257,7 +257,7 @@ def test_interrupt_while_close_waits_for_a_save_leaves_the_store_open_and_consis
     stays open (never closed under the writing thread); the next close() finishes."""
     import torch
     from torch import nn
-    from cnrstore import writer
+    from cnrstore.engine import writer
     from cnrstore.torch import Checkpointer
 
     model = nn.Sequential(nn.Embedding(50, 4), nn.Embedding(50, 4))
@@ -301,7 +301,7 @@ DIST_SAVER = """
     from datetime import timedelta
     import torch, torch.distributed as dist
     from torch import nn
-    from cnrstore import writer
+    from cnrstore.engine import writer
     from cnrstore.distributed import DistributedCheckpointer, ShardingPlan
 
     root, rdzv = sys.argv[1], sys.argv[2]
@@ -347,7 +347,7 @@ def test_distributed_save_then_ctrl_c_becomes_a_global_version(tmp_path):
 def test_a_compaction_failure_of_a_store_left_open_is_logged_at_exit(tmp_path, store_path):
     body = """
         import sys, numpy as np, cnrstore
-        from cnrstore import compaction
+        from cnrstore.maintenance import compaction
         from cnrstore.policy import CompactionPolicy, MaxChain
         def materialize(*a, **kw):
             raise cnrstore.StorageFull("injected: no space left on device")

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import knobs, record, validate
+from cnrstore import knobs
+from cnrstore.engine import record, arguments
 
 
 @pytest.mark.parametrize("num_rows", [2**63, 2**64, 2**70])
@@ -30,7 +31,7 @@ def test_block_rows_whose_block_cannot_fit_a_record(store):
         store.create_table("t", 1000, dim, block_rows=1024)
     info = store.create_table("t", 1000, dim)  # the default shrinks below MIN_BLOCK_ROWS to fit
     assert info.block_rows == 32 < knobs.MIN_BLOCK_ROWS
-    assert info.block_rows * (2 + validate.widest_row_bytes(dim)) + 48 <= knobs.MAX_RECORD_BYTES
+    assert info.block_rows * (2 + arguments.widest_row_bytes(dim)) + 48 <= knobs.MAX_RECORD_BYTES
 
 
 def test_a_table_of_2_63_minus_1_rows_writes_and_reads_its_last_row(store):

@@ -1,4 +1,4 @@
-"""cnrstore/liveness.py: which rows of each row record some retained version still reads, on a store
+"""cnrstore/maintenance/liveness.py: which rows of each row record some retained version still reads, on a store
 whose read chains are written by hand (plain increments: no merging). GC acting on it is
 test_compaction.py's and test_delta.py's."""
 
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import knobs, record
-from cnrstore.liveness import row_liveness
-from cnrstore.storage import fetch
+from cnrstore import knobs
+from cnrstore.engine import record
+from cnrstore.maintenance.liveness import row_liveness
+from cnrstore.engine.storage import fetch
 
 DIM = 16
 EMPTY = record.HEADER_BYTES + record.TRAILER_BYTES

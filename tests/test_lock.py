@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import filenames
+from cnrstore.engine import filenames
 
 _TRY_WRITE = """
     import json, sys, cnrstore
@@ -42,7 +42,7 @@ _TRY_WRITE = """
 
 def _python(code: str, *args, env=None, timeout=120) -> subprocess.CompletedProcess:
     full = dict(os.environ)
-    full.pop(cnrstore.fs.CRASH_ENV, None)
+    full.pop(cnrstore.engine.fs.CRASH_ENV, None)
     full.update(env or {})
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=full)
@@ -216,7 +216,7 @@ def test_concurrent_creates_one_creates_the_others_open_or_get_store_locked(tmp_
     for p in paths:
         os.mkdir(p + ".gate")
     env = dict(os.environ)
-    env.pop(cnrstore.fs.CRASH_ENV, None)
+    env.pop(cnrstore.engine.fs.CRASH_ENV, None)
     procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(_CREATE), ",".join(paths), str(i), str(n)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(n)]
@@ -242,7 +242,7 @@ def test_concurrent_creates_one_creates_the_others_open_or_get_store_locked(tmp_
 
 def test_creation_killed_before_its_marker_is_finished_by_the_next_create(store_path):
     proc = _python("import sys, cnrstore; cnrstore.open(sys.argv[1], create=True)", store_path,
-                   env={cnrstore.fs.CRASH_ENV: "create_before_marker"})
+                   env={cnrstore.engine.fs.CRASH_ENV: "create_before_marker"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert not os.path.exists(filenames.marker_path(store_path))
     assert os.path.isdir(filenames.index_dir(store_path))
@@ -263,7 +263,7 @@ def test_create_waits_while_another_creator_holds_the_directory(store_path, monk
     of failing with StoreLocked or on the other's half-made files; here the other gives up after a few
     polls, and this creator makes the store."""
     os.makedirs(store_path)
-    other = cnrstore.lock.ProcessLock(store_path)
+    other = cnrstore.engine.lock.ProcessLock(store_path)
     other.acquire(write_pid=False)  # "another creator" holds the directory
     os.makedirs(filenames.index_dir(store_path))
     open(filenames.marker_tmp_path(store_path), "wb").close()
@@ -296,7 +296,7 @@ def test_file_system_that_cannot_lock_a_directory_falls_back_to_lock_file_and_re
             raise OSError(9, "Bad file descriptor")
         return real_flock(fd, op)
 
-    monkeypatch.setattr(cnrstore.lock.fcntl, "flock", flock)
+    monkeypatch.setattr(cnrstore.engine.lock.fcntl, "flock", flock)
     s, v1 = _writer_with_one_version(store_path)
     try:
         with pytest.raises(cnrstore.StoreLocked) as ei:

@@ -1,4 +1,4 @@
-"""cnrstore/merge.py: what one block's merged record holds, decided from the block's read chain alone
+"""cnrstore/engine/merge.py: what one block's merged record holds, decided from the block's read chain alone
 (records built in memory and read through a stand-in for the reader's BlockResolver). Merging inside real
 checkpoints, and the read-chain bound it keeps, are test_delta.py's."""
 
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import codecs, knobs, merge, record
-from cnrstore.index import RowLoc
+from cnrstore import codecs, knobs
+from cnrstore.engine import merge, record
+from cnrstore.engine.index import RowLoc
 
 DIM = 2
 BLOCK_LEN = 16

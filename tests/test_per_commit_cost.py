@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, strategies as st
 
 import cnrstore
-from cnrstore import engine as engine_module
+from cnrstore.engine import core as engine_module
 import cnrstore.store as store_module
-from cnrstore import compaction
+from cnrstore.maintenance import compaction
 from cnrstore.distributed import manifest as manifest_module
 from cnrstore.distributed.manifest import GlobalVersion, Root
 from cnrstore.distributed.plan import ShardingPlan
@@ -219,7 +219,7 @@ def test_a_distributed_save_parses_only_its_own_manifest(tmp_path, group, count_
 
 def _msgpack_records_read(store_path, versions, monkeypatch):
     """msgpack records unpacked by one background-style materialize + drop at ``versions`` versions."""
-    import cnrstore.index as index_module
+    import cnrstore.engine.index as index_module
 
     with cnrstore.open(store_path, create=True) as store:
         store.create_table("e", 64, 2, codec="fp32", block_rows=16)
@@ -252,7 +252,7 @@ def test_materialize_and_drop_unpack_no_version_record_per_version(tmp_path, mon
 
 def _chain_entries_read(store_path, versions, monkeypatch):
     """Row-index entries block_chains reads at the newest of ``versions`` (a baseline every 5)."""
-    from cnrstore.index import IndexView
+    from cnrstore.engine.index import IndexView
 
     monkeypatch.setattr(cnrstore.knobs, "READ_CHAIN_BOUND", None)  # plain increments: chains of 4
     with cnrstore.open(store_path, create=True) as store:

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import filenames
-from cnrstore.fs import FileSystem
+from cnrstore.engine import filenames
+from cnrstore.engine.fs import FileSystem
 from cnrstore.store import Store
 
 NOBODY = 65534
@@ -241,7 +241,7 @@ def test_index_on_read_only_file_system_is_permission_denied(store_path, monkeyp
     def refused(path, **kwargs):
         raise lmdb.Error(f"{path}: Read-only file system")
 
-    monkeypatch.setattr(cnrstore.index.lmdb, "open", refused)
+    monkeypatch.setattr(cnrstore.engine.index.lmdb, "open", refused)
     with pytest.raises(cnrstore.PermissionDenied) as ei:
         cnrstore.open(store_path)
     assert ei.value.errno == errno.EROFS and "remount" in str(ei.value)

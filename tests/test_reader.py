@@ -1,4 +1,4 @@
-"""cnrstore/reader.py: point-in-time reads along each block's read chain (the newest record holding a row
+"""cnrstore/engine/reader.py: point-in-time reads along each block's read chain (the newest record holding a row
 wins; a baseline ends the chain), MissingRows counted exactly, and the chain rule ``unread_versions``
 applies for retention. Reads are driven through ``Store`` (the reader's one caller) against a model of
 what every version holds."""
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import codecs, knobs, record, reader
+from cnrstore import codecs, knobs
+from cnrstore.engine import record, reader
 from cnrstore.errors import CorruptionError, MissingRows
 
 DIM = 3

@@ -250,7 +250,7 @@ def test_readme_links_the_projects_own_api_reference():
 def test_api_reference_names_every_public_name_and_no_stale_one(tmp_path):
     import cnrstore
     from cnrstore import errors, knobs
-    from cnrstore.compaction import GCReport, CompactReport
+    from cnrstore.maintenance.compaction import GCReport, CompactReport
 
     api = API.read_text()
     for name in cnrstore.__all__ + errors.__all__:

@@ -1,4 +1,4 @@
-"""cnrstore/record.py: the bytes of one record (docs/FORMAT.md, "Records"), built and parsed without a
+"""cnrstore/engine/record.py: the bytes of one record (docs/FORMAT.md, "Records"), built and parsed without a
 store. Damage found through a store is test_corruption.py's; mutated bytes are test_fuzz_parsers.py's."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from cnrstore import codecs, record
+from cnrstore import codecs
+from cnrstore.engine import record
 from cnrstore.errors import CorruptionError
 
 FP32 = codecs.get("fp32")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import filenames, record  # noqa: F401
+from cnrstore.engine import filenames, record  # noqa: F401
 from cnrstore.errors import CorruptionError, IndexDamaged
 
 PY = sys.executable
@@ -326,7 +326,7 @@ def _record_location(path, kind, version, block=0):
         with s.engine.index.read() as view:
             if kind == "rows":
                 return next(loc for t, b, v, loc in view.row_entries() if b == block and v == version)
-            return next(loc for k, v, loc in view.log_entries() if k == cnrstore.record.KIND_COMMIT and v == version)
+            return next(loc for k, v, loc in view.log_entries() if k == cnrstore.engine.record.KIND_COMMIT and v == version)
 
 
 def test_repair_with_a_corrupted_record_keeps_the_versions_and_names_the_damaged_block(tmp_path, monkeypatch):
@@ -440,7 +440,7 @@ GOLDEN1 = os.path.join(os.path.dirname(__file__), "data", "format1", "store")
 
 
 def test_format1_store_reads_and_a_writable_open_upgrades_its_marker(tmp_path):
-    from cnrstore.marker import read_marker as _read_marker
+    from cnrstore.engine.marker import read_marker as _read_marker
 
     path = tmp_path / "s"
     shutil.copytree(GOLDEN1, path)
@@ -486,7 +486,7 @@ def test_format1_store_opened_readonly_then_writable_in_one_process(tmp_path):
 
 
 def test_create_fsyncs_the_index_directory_before_writing_the_marker(tmp_path, monkeypatch):
-    from cnrstore import fs
+    from cnrstore.engine import fs
 
     calls = []
     fsync_dir, write_atomic = fs.FileSystem.fsync_dir, fs.FileSystem.write_file_atomic

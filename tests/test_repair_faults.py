@@ -19,7 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cnrstore
-from cnrstore import compaction, filenames, knobs, record
+from cnrstore.maintenance import compaction
+from cnrstore.engine import filenames, record
+from cnrstore import knobs
 from cnrstore.errors import CorruptionError
 
 PY = sys.executable

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 import cnrstore
-from cnrstore import compaction, filenames
+from cnrstore.maintenance import compaction
+from cnrstore.engine import filenames
 from cnrstore.distributed import versions
 from cnrstore.export import export_path
 from test_distributed import assemble, assert_ok, run_job

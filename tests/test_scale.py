@@ -14,9 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cnrstore
-from cnrstore import cli, compaction, record
+from cnrstore import cli
+from cnrstore.maintenance import compaction
+from cnrstore.engine import record
 from cnrstore.errors import MissingRows
-from cnrstore.index import IndexView, RowLoc
+from cnrstore.engine.index import IndexView, RowLoc
 
 
 # -- helpers ----------------------------------------------------------------------------------------

@@ -9,16 +9,12 @@ import threading
 import numpy as np
 import pytest
 
-from cnrstore import filenames, knobs
+from cnrstore.engine import filenames
+from cnrstore import knobs
 from cnrstore.errors import CorruptionError, StorageFull
-from cnrstore.fs import FileSystem
-from cnrstore.segments import (
-    SEGMENT_HEADER_BYTES,
-    SegmentAppender,
-    SegmentReader,
-    check_segment_header,
-    recover,
-    segment_header,
+from cnrstore.engine.fs import FileSystem
+from cnrstore.engine.segments import (
+    SEGMENT_HEADER_BYTES, SegmentAppender, SegmentReader, check_segment_header, recover, segment_header,
 )
 
 FMT = 1
@@ -375,7 +371,7 @@ def test_a_reader_maps_a_segment_whose_uncommitted_tail_is_truncated_under_it(tm
     reads the size again and maps what is there, which still holds every committed byte."""
     import mmap as mmap_module
 
-    from cnrstore import segments
+    from cnrstore.engine import segments
 
     path = tmp_path / "seg"
     path.write_bytes(b"c" * 4096 + b"u" * 4096)          # 4 KiB committed, 4 KiB uncommitted tail

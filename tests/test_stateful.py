@@ -38,7 +38,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import cnrstore
-from cnrstore import codecs, compaction, fs, knobs
+from cnrstore import codecs, knobs
+from cnrstore.maintenance import compaction
+from cnrstore.engine import fs
 from cnrstore.store import Store
 
 import crash_states as cs

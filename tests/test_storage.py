@@ -1,4 +1,4 @@
-"""The segment storage seam (cnrstore/storage.py): the ABC and its capability flags, the local storage,
+"""The segment storage seam (cnrstore/engine/storage.py): the ABC and its capability flags, the local storage,
 and ``fetch``, the one place a record is read and checked against the index entry that names it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import fs, record, storage
+from cnrstore.engine import fs, record, storage
 from cnrstore.errors import CorruptionError, ReadOnlyError
 from cnrstore.store import Store
 
@@ -67,7 +67,7 @@ def test_gc_never_copies_a_record_other_than_the_one_its_entry_names(two_version
         s.engine.index.write(swap)
         with pytest.raises(CorruptionError, match="not the one the index names"):
             s.read_table("t", version=v1)
-        from cnrstore import compaction
+        from cnrstore.maintenance import compaction
         with pytest.raises(CorruptionError, match="not the one the index names"):
             compaction._verified_bytes(s.engine, loc2, storage.Expect(record.KIND_ROWS, t1, v1, b1))
 

@@ -22,8 +22,9 @@ import torch
 import xxhash
 
 import cnrstore
-from cnrstore import codecs, filenames, knobs
-from cnrstore.fs import FileSystem
+from cnrstore import codecs, knobs
+from cnrstore.engine import filenames
+from cnrstore.engine.fs import FileSystem
 from cnrstore.store import Store
 
 DIM = 8
@@ -64,7 +65,7 @@ def snapshot_state(store):
 
 def run_python(code: str, *args, timeout=120) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env.pop(cnrstore.fs.CRASH_ENV, None)
+    env.pop(cnrstore.engine.fs.CRASH_ENV, None)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -330,7 +331,7 @@ def test_readonly_in_other_process_sees_later_versions_across_map_growth(store_p
         with s.checkpoint() as ck:
             ck.put_rows("emb", np.arange(N), np.zeros((N, 1)))
         env = dict(os.environ)
-        env.pop(cnrstore.fs.CRASH_ENV, None)
+        env.pop(cnrstore.engine.fs.CRASH_ENV, None)
         proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_READER), store_path], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:
@@ -1236,10 +1237,10 @@ def test_a_failed_open_releases_the_lock_and_the_index(store_path, monkeypatch):
     def broken_recover(*args, **kwargs):
         raise OSError("injected failure during recovery")
 
-    monkeypatch.setattr(cnrstore.storage.LocalSegmentStorage, "recover", broken_recover)
+    monkeypatch.setattr(cnrstore.engine.storage.LocalSegmentStorage, "recover", broken_recover)
     with pytest.raises(OSError, match="injected"):
         cnrstore.open(store_path)
-    assert not cnrstore.index._SharedEnv._registry, "the failed open left its LMDB environment open"
+    assert not cnrstore.engine.index._SharedEnv._registry, "the failed open left its LMDB environment open"
     monkeypatch.undo()
     with cnrstore.open(store_path) as store:  # neither the lock nor the LMDB environment leaked
         store.create_table("t", 4, 2, codec="fp32")
@@ -1264,3 +1265,66 @@ def test_missing_segments_directory_is_corruption_not_a_raw_or_permission_error(
         with pytest.raises(cnrstore.CorruptionError, match="missing"):
             r.read_table("t")
         assert not r.verify().ok
+
+
+def test_dense_names_lists_every_dense_array_a_version_holds(tmp_path):
+    """``dense_names`` lists the dense arrays by name (sorted), whichever version put them; ``read_dense``
+    then says which version holds which."""
+    with cnrstore.open(tmp_path / "s", create=True) as store:
+        assert store.dense_names() == []
+        with store.checkpoint(step=1) as ck:
+            ck.put_dense("zeta", np.arange(3, dtype=np.int64))
+        with store.checkpoint(step=2) as ck:
+            ck.put_dense("alpha", np.ones(2, dtype=np.float32))
+        assert store.dense_names() == ["alpha", "zeta"]
+        with pytest.raises(cnrstore.MissingRows):
+            store.read_dense("alpha", ck.version - 1)
+    closed = cnrstore.open(tmp_path / "s")
+    closed.close()
+    with pytest.raises(cnrstore.StoreClosed):
+        closed.dense_names()
+
+
+# -- read_table(out=), read_tables ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_read_table_into_out_equals_read_table(tmp_path, monkeypatch, threads):
+    """Several blocks, a chain of increments in two codecs (int4 with int8 fallback rows): out= gives
+    read_table's bits, on one thread or several, and read_tables reads several tables at once."""
+    from cnrstore import knobs
+
+    monkeypatch.setattr(knobs, "DECODE_THREADS", threads)
+    rng = np.random.default_rng(5)
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        store.create_table("w", 1000, 6, codec="int4", block_rows=64)
+        store.create_table("f", 300, 3, codec="fp32", block_rows=128)
+        for v in range(4):
+            with store.checkpoint() as ck:
+                rows = np.arange(1000) if v == 0 else np.sort(rng.choice(1000, 150, replace=False))
+                vals = rng.standard_normal((rows.size, 6)).astype(np.float32)
+                vals[:3, 0] = 1e6  # past int4's range: written with its fallback codec
+                ck.put_rows("w", rows, vals)
+                if v < 2:
+                    ck.put_rows("f", np.arange(300), rng.standard_normal((300, 3)).astype(np.float32))
+        for version in (1, 4):
+            want = store.read_table("w", version)
+            out = np.full((1000, 6), np.nan, dtype=np.float32)
+            got = store.read_table("w", version, out=out)
+            assert np.shares_memory(got, out) and np.array_equal(out.view(np.uint32), want.view(np.uint32))
+        both = store.read_tables({"w": None, "f": np.zeros((300, 3), np.float32)})
+        assert np.array_equal(both["w"], store.read_table("w")) and np.array_equal(both["f"], store.read_table("f"))
+        snap = store.restore()
+        assert np.array_equal(snap.tables["w"], both["w"]) and np.array_equal(snap.tables["f"], both["f"])
+
+
+def test_read_table_out_of_the_wrong_shape_or_dtype_raises(tmp_path):
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        store.create_table("w", 10, 4, codec="fp32")
+        with store.checkpoint() as ck:
+            ck.put_rows("w", np.arange(10), np.ones((10, 4), np.float32))
+        for bad in (np.zeros((10, 5), np.float32), np.zeros((10, 4), np.float64), np.zeros((4, 10), np.float32).T,
+                    [[0.0] * 4] * 10):
+            with pytest.raises(cnrstore.InvalidArgument, match="out"):
+                store.read_table("w", out=bad)
+        with pytest.raises(cnrstore.TableNotFound):
+            store.read_tables({"w": None, "nope": None})

@@ -636,3 +636,60 @@ def test_bit_width_policy_picks_codec_and_counts_restores(store):
     c8 = cnrstore.codecs.get("int8")
     np.testing.assert_array_equal(store.read_table("emb"), c8.decode(c8.encode(saved), 3))
     ck.close()
+
+
+# -- restore straight into the live tensors --------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_restore_decodes_into_the_live_weights_and_optimizer_state(store, monkeypatch, threads, codec):
+    """The weights and Adagrad's ``sum`` tensors are written in place (same tensors, same memory) and hold
+    what the plain reads give (store.read_table on one thread): the parallel path equals the old one."""
+    from cnrstore import knobs
+
+    model, opt = make(0)
+    ck = Checkpointer(store, model, opt, codec=codec, mode="incremental")
+    for i in range(2):
+        train_step(model, opt, batch(i))
+        ck.save(i).wait()
+    for i in range(2, 5):
+        train_step(model, opt, batch(i))
+    weights = [model.emb.weight, model.bag.weight]
+    ptrs = [w.data_ptr() for w in weights]
+    sums = [opt.state[w]["sum"] for w in weights]
+    monkeypatch.setattr(knobs, "DECODE_THREADS", threads)
+    ck.restore()
+    monkeypatch.setattr(knobs, "DECODE_THREADS", 1)
+    for name, w, ptr, s in zip(["emb", "bag"], weights, ptrs, sums):
+        assert w.data_ptr() == ptr and opt.state[w]["sum"] is s
+        assert np.array_equal(w.detach().numpy(), store.read_table(name))
+        assert np.array_equal(s.numpy(), store.read_table(f"{name}.optim.sum"))
+    ck.close()
+
+
+def test_restore_of_a_corrupt_store_leaves_model_and_optimizer_unchanged(store):
+    """A damaged record of the last table restore reads (a row-wise optimizer state) is found before the
+    first byte of any weight or state changes: CorruptionError, and every tensor as it was."""
+    from cnrstore.engine import filenames
+    from cnrstore.errors import CorruptionError
+
+    model, opt = make(0)
+    ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental")
+    train_step(model, opt, batch(0))
+    ck.save(0).wait()
+    with store.engine.index.read() as view:
+        ids = {info.id: name for name, info in view.tables().items()}
+        loc = next(loc for t, _b, _v, loc in view.row_entries() if ids[t] == "bag.optim.sum")
+    with open(filenames.segment_path(store.path, loc.segment), "r+b") as f:
+        f.seek(loc.offset + loc.length - 20)
+        byte = f.read(1)
+        f.seek(loc.offset + loc.length - 20)
+        f.write(bytes([byte[0] ^ 0x10]))
+    train_step(model, opt, batch(1))
+    expect_model = copy.deepcopy(model.state_dict())
+    expect_opt = copy.deepcopy(opt.state_dict())
+    with pytest.raises(CorruptionError):
+        ck.restore()
+    assert_state_equal(expect_model, model.state_dict())
+    assert_state_equal(expect_opt, opt.state_dict())
+    ck.close()

@@ -161,7 +161,7 @@ def test_save_with_a_step_the_store_cannot_hold_fails_at_once_and_the_next_save_
 
 
 def test_save_refuses_dense_state_beyond_one_record_before_the_background_write(tmp_path, monkeypatch):
-    from cnrstore import validate
+    from cnrstore.engine import arguments
 
     class Wide(Model):
         def __init__(self):
@@ -176,11 +176,11 @@ def test_save_refuses_dense_state_beyond_one_record_before_the_background_write(
     with cnrstore.open(str(tmp_path / "s"), create=True) as store:
         with Checkpointer(store, model, opt, codec="fp32", mode="incremental") as ck:
             _step(model, opt, 0)
-            monkeypatch.setattr(validate, "max_dense_bytes", lambda: 3000)
+            monkeypatch.setattr(arguments, "max_dense_bytes", lambda: 3000)
             with pytest.raises(cnrstore.InvalidArgument, match="'wide.weight' is 4,000 bytes.*nn.Embedding"):
                 ck.save(step=0)
             blob_limit = 12_000  # the parameters fit; Adam's moments of `wide` (8 KB) in the blob do not
-            monkeypatch.setattr(validate, "max_dense_bytes", lambda: blob_limit)
+            monkeypatch.setattr(arguments, "max_dense_bytes", lambda: blob_limit)
             with pytest.raises(cnrstore.InvalidArgument, match="optimizer state outside the embedding tables"):
                 ck.save(step=0)
             monkeypatch.undo()

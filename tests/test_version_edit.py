@@ -1,4 +1,4 @@
-"""VersionEdit (cnrstore/version_edit.py): one object per change, one encode() to the log and one apply() to
+"""VersionEdit (cnrstore/engine/version_edit.py): one object per change, one encode() to the log and one apply() to
 the index; the log records decode back into the edits that wrote them, byte for byte."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from cnrstore import record, version_edit
+from cnrstore.engine import record, version_edit
 from cnrstore.errors import CnrError, InvalidArgument
-from cnrstore.index import DenseLoc
-from cnrstore.version_edit import Move, VersionEdit
+from cnrstore.engine.index import DenseLoc
+from cnrstore.engine.version_edit import Move, VersionEdit
 
 
 def _log_records(store, kind):

@@ -1,4 +1,4 @@
-"""cnrstore/writer.py: one version's writer (docs/API.md, "Writing a checkpoint"): commit on a normal
+"""cnrstore/engine/writer.py: one version's writer (docs/API.md, "Writing a checkpoint"): commit on a normal
 exit, abort (nothing visible, the appended bytes truncated) on an exception, bad input refused with the
 version left as it was, one record per block however many puts touch it. Crashes mid-write are
 test_crash*.py's, I/O faults test_disk_faults.py's."""
@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import codecs, knobs, record
+from cnrstore import codecs, knobs
+from cnrstore.engine import record
 from cnrstore.errors import CheckpointInProgress, InvalidArgument, MissingRows, StoreClosed, TableNotFound
-from cnrstore.writer import pack_meta
+from cnrstore.engine.writer import pack_meta
 
 DIM = 3
 FP32_ROW = 4 * DIM

@@ -85,10 +85,14 @@ sys.path.insert(0, HERE)
 
 import dlrm_model  # noqa: E402
 
-from cnrstore.distributed import ECRM, DistributedCheckpointer, ShardingPlan  # noqa: E402
+from cnrstore.distributed import ECRM, DistributedCheckpointer, ShardingPlan, failures  # noqa: E402
 
-#: Seconds a collective may wait for a peer before gloo gives up (a dead peer is noticed at once: its
-#: sockets close). Also the DistributedCheckpointer's commit timeout.
+#: When this process had imported everything (a replacement's start-up, apart from the model's build).
+IMPORTED = time.time()
+
+#: Seconds a collective may wait for a peer before gloo gives up (``--pg-timeout``). Also the
+#: DistributedCheckpointer's commit timeout. No recovery waits it out: the launcher posts every death on the
+#: failure board (``cnrstore.distributed.failures``) and every rank leaves its blocked collective at once.
 PG_TIMEOUT_S = 60.0
 SHARDINGS = ("row", "table")
 RECOVERIES = ("full", "partial", "ecrm")
@@ -163,7 +167,7 @@ class ShardedDLRM(nn.Module):
         x = self.bottom(dense)
         part = self.local_pooled(ids)
         pooled = part.detach().clone()
-        dist.all_reduce(pooled)
+        failures.all_reduce(pooled)
         if torch.is_grad_enabled():
             pooled.requires_grad_(True)
         return self.head(x, pooled), part, pooled
@@ -191,7 +195,7 @@ def train_step(model: ShardedDLRM, optimizer, loss_fn, batch, ecrm: ECRM | None 
 def all_reduce_(tensors: list[torch.Tensor], divisor: int = 1) -> None:
     """Sum each tensor over the ranks, in place and in one collective, then divide by ``divisor``."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat)
+    failures.all_reduce(flat)
     if divisor != 1:
         flat /= divisor
     offset = 0
@@ -226,7 +230,7 @@ def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
     pairs = zip(local_state(a).values(), local_state(b).values())
     d = max((float((p - q).abs().max()) for p, q in pairs if p.is_floating_point() and p.numel()), default=0.0)
     t = torch.tensor([d])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    failures.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
@@ -313,7 +317,7 @@ def dmp_evaluate(model, holdout: dlrm_model.Holdout) -> tuple[float, float]:
     with torch.no_grad():
         logits = model(holdout.dense[mine], holdout.ids[mine])
     every = [torch.empty_like(logits) for _ in range(world)]
-    dist.all_gather(every, logits)
+    failures.all_gather(every, logits)
     probs = torch.sigmoid(torch.cat(every)[:n]).numpy()
     return dlrm_model.logloss(holdout.labels, probs), dlrm_model.auc(holdout.labels, probs)
 
@@ -391,6 +395,8 @@ class Worker:
         self.epoch = epoch                   # failures so far: names the rendezvous file
         self.run_dir = run_dir
         self.events = Events(run_dir, rank)
+        self.board: tuple[str, int] | None = None     # the launcher's failure board (host, port)
+        self.resumed: int | None = None               # a failure whose first step after recovery is pending
         self.arch = arch_of(args)
         # torchrec's planner shards a DMP model; the checkpointer reads its plan off the model (plan=None)
         self.plan = None if self.arch is TORCHREC else make_plan(args, self.world)
@@ -402,18 +408,25 @@ class Worker:
 
     # -- process group ------------------------------------------------------------------------------------
     def rendezvous(self) -> None:
+        """Join the process group of failure epoch ``self.epoch`` (waits for every rank: after a failure,
+        for the replacement's start-up), then watch that epoch on the failure board."""
+        self.events.log("rdzv_start", epoch=self.epoch)
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(self.run_dir, f'rdzv-{self.epoch}')}",
-                                rank=self.rank, world_size=self.world, timeout=timedelta(seconds=PG_TIMEOUT_S))
+                                rank=self.rank, world_size=self.world, timeout=timedelta(seconds=pg_timeout(self.args)))
+        if failures.current() is not None:
+            failures.current().rearm(self.epoch)
+        self.events.log("rdzv_end", epoch=self.epoch)
 
     def leave_broken_group(self) -> None:
-        """After a peer died: let the save in flight fail, then drop the process group."""
+        """After a peer died: let the save in flight fail (at once: its commit's collectives leave on the
+        failure too), then drop the process group without waiting for the work left in it."""
         if self.pending is not None:
             try:
                 self.pending.wait()
             except Exception:  # its global commit could not complete: the peer is gone
                 pass
             self.pending = None
-        dist.destroy_process_group()
+        failures.leave_group()
 
     # -- state --------------------------------------------------------------------------------------------
     def fresh(self, restarts: int):
@@ -426,27 +439,36 @@ class Worker:
         a = self.args
         return DistributedCheckpointer(a.store_root, self.model, self.optimizer, plan=self.plan, codec=a.codec,
                                        mode=a.mode, extra={"loader": self.loader}, priority=a.priority,
-                                       timeout_s=PG_TIMEOUT_S)
+                                       timeout_s=pg_timeout(a))
 
     def open_ecrm(self, replacement: bool) -> ECRM | None:
         if self.args.recovery != "ecrm":
             return None
         k, r = parity_of(self.args)
         return ECRM(self.model, self.optimizer, k=k, r=r, checkpointer=self.ckpt, fallback="partial",
-                    replacement=replacement, timeout_s=PG_TIMEOUT_S)
+                    replacement=replacement, timeout_s=pg_timeout(self.args))
 
     # -- the run ------------------------------------------------------------------------------------------
     def main(self, replacement: bool) -> int:
         a = self.args
         torch.set_num_threads(max(a.threads, 1))
         self.holdout = dlrm_model.Holdout(a, a.holdout_batches)
+        if self.board is not None:
+            failures.install(failures.FailureWatch(*self.board, rank=self.rank, epoch=self.epoch))
+        early = self.arch.carry_over is None      # a plain model needs no group to be built: before the
+        if early:                                 # rendezvous, so that the survivors do not wait for it
+            self.model, self.optimizer, self.loader = self.fresh(self.epoch if replacement else 0)
         self.rendezvous()
-        self.model, self.optimizer, self.loader = self.fresh(self.epoch if replacement else 0)
+        if not early:
+            self.model, self.optimizer, self.loader = self.fresh(self.epoch if replacement else 0)
         self.ckpt = self.open_checkpointer()
+        if replacement:
+            self.events.log("opened", failure=self.epoch - 1)
         self.ecrm = self.open_ecrm(replacement)
         self.step = 0
         if replacement:
             self.recover_as_replacement()
+            self.resumed = self.epoch - 1
         elif self.rank == 0:
             self.events.log("plan", plan=self.ckpt.plan.to_dict())
             self.events.log("eval", step=0, result=self.arch.evaluate(self.model, self.holdout))
@@ -475,6 +497,9 @@ class Worker:
                 lv = self.arch.train_step(self.model, self.optimizer, self.loss_fn, self.loader.next(), self.ecrm,
                                           self.step + 1)
                 self.step += 1
+                if self.resumed is not None:          # the first step after a recovery: training again
+                    self.events.log("resumed", failure=self.resumed, step=self.step)
+                    self.resumed = None
                 ema = lv if ema is None else 0.98 * ema + 0.02 * lv
                 self.prog.update(self.step, ema)
                 if replay_until is not None and self.step >= replay_until[1]:
@@ -492,10 +517,11 @@ class Worker:
                     if self.rank == 0:
                         self.events.log("eval", step=self.step, result=result)
                         self.prog.message(f"  step {self.step}: holdout logloss {result[0]:.4f} AUC {result[1]:.4f}")
-            except RuntimeError as exc:   # gloo: a peer died (torch.distributed.DistBackendError and kin)
+            except RuntimeError as exc:   # a PeerFailure (or gloo's own error): a peer died
                 if not a.fail_every or self.epoch >= self.scheduled_failures():
                     raise
                 replay_until = self.recover_as_survivor(exc)
+                self.resumed = self.epoch - 1
         self.prog.close()
         if self.pending is not None:
             self.pending.wait()
@@ -527,9 +553,12 @@ class Worker:
         a = self.args
         failure = self.epoch
         detected = time.time()
+        self.events.log("detected", failure=failure, how=getattr(exc, "learned", "gloo"),
+                        cause=getattr(exc, "cause", str(exc))[:300])
         self.prog.message(f"  rank {self.rank}: peer failure #{failure + 1} seen at step {self.step} "
                           f"({type(exc).__name__})")
         self.leave_broken_group()
+        self.events.log("left", failure=failure)
         self.epoch += 1
         self.loader.position = self.step        # a batch drawn for the step that failed is drawn again
         self.rendezvous()
@@ -650,7 +679,12 @@ def worker_entry(cfg: dict) -> int:
     args = argparse.Namespace(**cfg["args"])
     if getattr(args, "torchrec", False):
         dlrm_model.quiet_torchrec()
-    return Worker(args, cfg["rank"], cfg["epoch"], cfg["run_dir"]).main(cfg["replacement"])
+    worker = Worker(args, cfg["rank"], cfg["epoch"], cfg["run_dir"])
+    if cfg.get("board"):
+        worker.board = (cfg["board"][0], int(cfg["board"][1]))
+    if cfg["replacement"]:
+        worker.events.log("started", failure=cfg["epoch"] - 1, imported=IMPORTED)
+    return worker.main(cfg["replacement"])
 
 
 def exit_now(rc: int) -> None:
@@ -665,8 +699,14 @@ def exit_now(rc: int) -> None:
 # ------------------------------------------------------------------------------------------- launcher
 
 
-def _spawn(args, rank: int, epoch: int, run_dir: str, replacement: bool) -> subprocess.Popen:
-    cfg = {"args": vars(args), "rank": rank, "epoch": epoch, "run_dir": run_dir, "replacement": replacement}
+def pg_timeout(args) -> float:
+    """The process groups' timeout (``--pg-timeout``, default PG_TIMEOUT_S)."""
+    return float(getattr(args, "pg_timeout", None) or PG_TIMEOUT_S)
+
+
+def _spawn(args, rank: int, epoch: int, run_dir: str, replacement: bool, board=None) -> subprocess.Popen:
+    cfg = {"args": vars(args), "rank": rank, "epoch": epoch, "run_dir": run_dir, "replacement": replacement,
+           "board": None if board is None else [board.host, board.port]}
     env = dict(os.environ, OMP_NUM_THREADS=str(max(args.threads, 1)))
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", json.dumps(cfg)], env=env)
 
@@ -674,7 +714,8 @@ def _spawn(args, rank: int, epoch: int, run_dir: str, replacement: bool) -> subp
 def supervise(args, run_dir: str) -> tuple[int, list[str]]:
     """Run the job: spawn the ranks, replace a rank SIGKILL took (up to the scheduled failures), wait.
     Returns (exit status, problems)."""
-    procs = {r: _spawn(args, r, 0, run_dir, False) for r in range(args.world_size)}
+    board = failures.FailureBoard()      # every death is posted here the moment this loop sees it
+    procs = {r: _spawn(args, r, 0, run_dir, False, board) for r in range(args.world_size)}
     deaths = 0
     allowed = (args.steps - 1) // args.fail_every if args.fail_every else 0
     done: set[int] = set()
@@ -692,8 +733,11 @@ def supervise(args, run_dir: str) -> tuple[int, list[str]]:
             if rc is None:
                 continue
             if rc == -signal.SIGKILL and deaths < allowed:
+                board.post(deaths, f"rank {r} died (SIGKILL)")
+                seen = time.time()
                 deaths += 1
-                procs[r] = _spawn(args, r, deaths, run_dir, True)
+                procs[r] = _spawn(args, r, deaths, run_dir, True, board)
+                Events(run_dir, r).log("spawned", failure=deaths - 1, seen=seen)
             elif rc == 0:
                 done.add(r)
             else:
@@ -734,7 +778,6 @@ def summarize(args, events: dict[int, list[dict]], plan: ShardingPlan) -> dict:
         failures.append({
             "failure": i, "step": kill["step"], "victim": kill_victim(kill, events),
             "recovery_s": resumed - kill["time"],
-            "detect_s": (min(e["detected"] for e in surv) - kill["time"]) if surv else float("nan"),
             "recover_call_s": max((e["recover_s"] for e in recs), default=float("nan")),
             "checkpoint_step": s0.get("checkpoint_step"), "lost_steps": s0.get("lost_steps"),
             "global_version": s0.get("global_version"),
@@ -742,6 +785,7 @@ def summarize(args, events: dict[int, list[dict]], plan: ShardingPlan) -> dict:
             "replayed_steps": max((e["steps"] for e in replayed), default=0),
             "mode": s0.get("mode"), "reason": s0.get("reason"),
             "replayed_s": max((e["seconds"] for e in replayed), default=0.0),
+            **recovery_phases(i, kill["time"], every),
         })
     final = next((e for e in by_kind("final")), None)
     compare = next((e for e in by_kind("compare")), None)
@@ -753,6 +797,43 @@ def summarize(args, events: dict[int, list[dict]], plan: ShardingPlan) -> dict:
     curve = [(st, e["result"]) for st, e in sorted(evals.items())]
     return {"saves": saves, "stall_per_rank": stall_per_rank, "failures": failures, "ecrm": by_kind("ecrm"),
             "final": final, "compare": compare, "curve": curve, "train_s": train_s, "plan": plan}
+
+
+def recovery_phases(i: int, killed: float, every: list[dict]) -> dict:
+    """Where failure ``i``'s time went, from the events (seconds; NaN where an event is missing):
+
+    - ``detect_s``: kill -> the first survivor left its collective (``how``: board / collective / gloo);
+    - ``launcher_s``: kill -> the launcher saw the death, posted it and spawned the replacement;
+    - ``startup_s``: spawn -> the replacement entered the rendezvous (interpreter, imports, model build);
+      ``imports_s`` of it: spawn -> its imports were done;
+    - ``rendezvous_s``: the replacement entered the rendezvous -> the last rank left it;
+    - ``restore_s``: the slowest rank's recover call (restore, CPR recover, or ECRM decode);
+    - ``resume_s``: the last recover call ended -> every rank finished its first step again;
+    - ``kill_to_training_s``: kill -> every rank finished its first step after the recovery."""
+    of = lambda kind: [e for e in every if e["kind"] == kind and e.get("failure") == i]  # noqa: E731
+    nan = float("nan")
+    detected = of("detected")
+    spawned = next(iter(of("spawned")), None)
+    started = next(iter(of("started")), None)
+    rdzv = [e for e in every if e["kind"] in ("rdzv_start", "rdzv_end") and e.get("epoch") == i + 1]
+    replacement_in = min((e["time"] for e in rdzv if e["kind"] == "rdzv_start"), default=nan)
+    if started is not None:       # the replacement's own rdzv_start: the latest start of that epoch
+        replacement_in = max((e["time"] for e in rdzv if e["kind"] == "rdzv_start"), default=nan)
+    recs = of("recovered")
+    resumed = of("resumed")
+    rec_end = max((e["time"] for e in recs), default=nan)
+    back = max((e["time"] for e in resumed), default=nan)
+    return {
+        "detect_s": min((e["time"] for e in detected), default=nan) - killed,
+        "how": sorted({e["how"] for e in detected}),
+        "launcher_s": (spawned["time"] - killed) if spawned else nan,
+        "imports_s": (started["imported"] - spawned["time"]) if started and spawned else nan,
+        "startup_s": (replacement_in - spawned["time"]) if spawned else nan,
+        "rendezvous_s": max((e["time"] for e in rdzv if e["kind"] == "rdzv_end"), default=nan) - replacement_in,
+        "restore_s": max((e["recover_s"] for e in recs), default=nan),
+        "resume_s": back - rec_end,
+        "kill_to_training_s": back - killed,
+    }
 
 
 def kill_victim(kill: dict, events: dict[int, list[dict]]) -> int:
@@ -790,6 +871,10 @@ def format_summary(args, s: dict, wall_s: float) -> str:
         rows.append((f"  recovery #{f['failure'] + 1} at step {f['step']}",
                      f"{f['recovery_s']:.2f} s", f"{what}; detected after {f['detect_s']:.2f} s, "
                      f"recover call {f['recover_call_s']:.2f} s"))
+        rows.append(("    kill to training, by phase", f"{f['kill_to_training_s']:.2f} s",
+                     f"detect {f['detect_s']:.2f} s ({'/'.join(f['how']) or '?'}), replacement start-up "
+                     f"{f['startup_s']:.2f} s (imports {f['imports_s']:.2f} s), rendezvous {f['rendezvous_s']:.2f} s, "
+                     f"restore {f['restore_s']:.2f} s, first step {f['resume_s']:.2f} s"))
     if args.recovery == "ecrm":
         modes = {f["mode"] for f in s["failures"]}
         rows.append(("lost updates", "0" if modes <= {"ecrm"} else "see the fallback",

@@ -421,6 +421,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--priority-top", type=float, default=0.05,
                    help="fraction of each table's rows a priority save writes (the most updated touched ones)")
     d.add_argument("--job-timeout", type=float, default=600.0, help="seconds before the launcher gives up on a job")
+    d.add_argument("--pg-timeout", type=float, default=60.0,
+                   help="seconds a collective may wait for a peer (gloo's timeout); recovery never waits it out: "
+                        "the launcher posts each failure on a failure board and the survivors leave at once")
     args = p.parse_args(argv)
     defaults = dict(steps=(200, 800), max_rows=(10_000, 50_000), ckpt_every=(25, 50), fail_every=(70, 170))
     if args.world_size is not None:

@@ -11,6 +11,8 @@ Shared contract of every codec:
   always yields the same bytes, whatever other rows are in the call.
 - ``decode(enc, dim)`` takes ``(n, row_bytes(dim))`` uint8 rows (any buffer-backed array, read-only
   mmap views included) and returns a new, writable, C-contiguous float32 ``(n, dim)`` array.
+- ``decode_into(enc, dim, out)`` writes the same float32 bits into the caller's ``out`` instead, with
+  temporaries bounded by ``DECODE_CHUNK_VALUES`` values whatever ``n`` is (fp32 rows are one copy).
 - ``unrepresentable(values)`` flags the rows that ``encode`` cannot store faithfully (decoded within
   the codec's error bound, and finite); the store writes those with ``fallback`` instead.
 """
@@ -26,7 +28,11 @@ import numpy as np
 
 from cnrstore.errors import InvalidArgument
 
-__all__ = ["Codec"]
+__all__ = ["Codec", "DECODE_CHUNK_VALUES", "as_out"]
+
+#: Values a chunked ``decode_into`` decodes per step (1 MiB of float32): its temporaries stay in L2 cache
+#: and never grow with the rows decoded.
+DECODE_CHUNK_VALUES = 1 << 18
 
 _FLOAT_KINDS = frozenset("fiu")  # float, signed and unsigned int: all convert to float32 meaningfully
 
@@ -68,6 +74,26 @@ class Codec(abc.ABC):
     def decode(self, enc, dim: int) -> np.ndarray:
         """Decode uint8 ``(n, row_bytes(dim))`` rows into a new float32 ``(n, dim)`` array."""
         dim = check_dim(dim)
+        return self._decode(self._encoded_rows(enc, dim), dim)
+
+    def decode_into(self, enc, dim: int, out) -> np.ndarray:
+        """Decode uint8 ``(n, row_bytes(dim))`` rows into ``out`` and return it (as a numpy array).
+
+        ``out``: a writable, C-contiguous float32 ``(n, dim)`` numpy array or CPU torch tensor (written
+        through its memory). Afterwards ``out`` holds exactly ``decode(enc, dim)``, bit for bit. Raises
+        :class:`InvalidArgument` for a bad ``enc`` or ``out`` before writing anything; the temporaries
+        are bounded (``DECODE_CHUNK_VALUES``), not proportional to ``n``. Safe to call from several
+        threads at once on disjoint ``out`` (the kernels release the GIL).
+        """
+        dim = check_dim(dim)
+        e = self._encoded_rows(enc, dim)
+        o = as_out(out, (e.shape[0], dim), f"{self.name}: decode_into")
+        if e.shape[0]:
+            self._decode_into(e, dim, o)
+        return o
+
+    def _encoded_rows(self, enc, dim: int) -> np.ndarray:
+        """``enc`` as uint8 C-contiguous ``(n, row_bytes(dim))``, else InvalidArgument."""
         width = self.row_bytes(dim)
         try:
             e = np.asarray(enc)
@@ -83,7 +109,7 @@ class Codec(abc.ABC):
             )
         if not e.flags.c_contiguous:
             e = np.ascontiguousarray(e)
-        return self._decode(e, dim)
+        return e
 
     def unrepresentable(self, values, *, value_range: tuple[float, float] | None = None) -> np.ndarray:
         """Bool ``(n,)``: rows (finite float32, as ``encode`` takes them) this codec cannot store
@@ -109,6 +135,14 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def _decode(self, e: np.ndarray, dim: int) -> np.ndarray:
         """``e`` is uint8 C-contiguous ``(n, row_bytes(dim))``, possibly read-only."""
+
+    def _decode_into(self, e: np.ndarray, dim: int, out: np.ndarray) -> None:
+        """``out[:] = _decode(e, dim)`` (``e`` as for ``_decode``, ``out`` float32 C-contiguous ``(n, dim)``,
+        n >= 1), in chunks of ``DECODE_CHUNK_VALUES`` values; codecs with a kernel that writes in place
+        override it."""
+        step = max(1, DECODE_CHUNK_VALUES // dim)
+        for i in range(0, e.shape[0], step):
+            out[i : i + step] = self._decode(e[i : i + step], dim)
 
     def _unrepresentable_range(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Bool per row from the rows' float32 minima ``lo`` and maxima ``hi``.
@@ -162,6 +196,27 @@ def check_dim(dim) -> int:
     if d < 1:
         raise InvalidArgument(f"dim must be a positive integer, got {d}")
     return d
+
+
+def as_out(out, shape: tuple[int, int], what: str) -> np.ndarray:
+    """``out`` as a numpy array sharing its memory, if it is a writable C-contiguous float32 array of
+    ``shape`` (a numpy array, or a CPU torch tensor, duck-typed: this module needs no torch); else
+    :class:`InvalidArgument` naming what was expected."""
+    arr = out
+    if not isinstance(out, np.ndarray):
+        if not (hasattr(out, "detach") and hasattr(out, "numpy") and hasattr(out, "device")):
+            raise InvalidArgument(f"{what}: out must be a numpy array or a CPU torch tensor, got {type(out).__name__}")
+        if getattr(out.device, "type", None) != "cpu":
+            raise InvalidArgument(f"{what}: out must be in host memory, got a tensor on {out.device}")
+        try:
+            arr = out.detach().numpy()
+        except (TypeError, RuntimeError) as exc:  # e.g. a dtype numpy lacks (bfloat16)
+            raise InvalidArgument(f"{what}: out must be float32, got a tensor of {out.dtype}") from exc
+    if arr.dtype != np.float32 or tuple(arr.shape) != tuple(shape):
+        raise InvalidArgument(f"{what}: out must be float32 of shape {tuple(shape)}, got {arr.dtype} {tuple(arr.shape)}")
+    if not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise InvalidArgument(f"{what}: out must be writable and C-contiguous")
+    return arr
 
 
 def as_rows(values) -> np.ndarray:

@@ -34,6 +34,9 @@ class FP32(Codec):
     def _decode(self, e: np.ndarray, dim: int) -> np.ndarray:
         return e.view("<f4").astype(np.float32)
 
+    def _decode_into(self, e: np.ndarray, dim: int, out: np.ndarray) -> None:
+        np.copyto(out, e.view("<f4"))  # one copy from the record's bytes (a memcpy on little-endian hosts)
+
 
 class FP16(Codec):
     """IEEE half precision, rounded to nearest (ties to even).
@@ -62,6 +65,9 @@ class FP16(Codec):
 
     def _decode(self, e: np.ndarray, dim: int) -> np.ndarray:
         return e.view("<f2").astype(np.float32)
+
+    def _decode_into(self, e: np.ndarray, dim: int, out: np.ndarray) -> None:
+        np.copyto(out, e.view("<f2"))  # float16 -> float32 is exact: the same bits as astype
 
     def _unrepresentable_range(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         return (lo < -FP16_MAX) | (hi > FP16_MAX)

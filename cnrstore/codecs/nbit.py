@@ -244,12 +244,14 @@ def encode_uniform(x: np.ndarray, bits: int) -> np.ndarray:
     return out
 
 
-def decode_uniform(enc: np.ndarray, dim: int, bits: int) -> np.ndarray:
-    """Decode ``(n, uniform_row_bytes(dim, bits))`` uint8 rows into float32 ``(n, dim)``."""
+def decode_uniform(enc: np.ndarray, dim: int, bits: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Decode ``(n, uniform_row_bytes(dim, bits))`` uint8 rows into float32 ``(n, dim)``: into ``out``
+    (float32 ``(n, dim)``, C-contiguous; returned) if given, else a new array. Temporaries: one chunk."""
     bits = _check_bits(bits)
     n = enc.shape[0]
     nbytes = -(-dim * bits // 8)
-    out = np.empty((n, dim), dtype=np.float32)
+    if out is None:
+        out = np.empty((n, dim), dtype=np.float32)
     step = max(1, _CHUNK_VALUES // dim)
     enc = np.ascontiguousarray(enc, dtype=np.uint8)
     meta = enc[:, nbytes:].view("<f2")  # (n, 2): scale, bias
@@ -283,6 +285,9 @@ class _Uniform(Codec):
 
     def _decode(self, e: np.ndarray, dim: int) -> np.ndarray:
         return decode_uniform(e, dim, self.bits)
+
+    def _decode_into(self, e: np.ndarray, dim: int, out: np.ndarray) -> None:
+        decode_uniform(e, dim, self.bits, out)
 
     def _unrepresentable_range(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         # fp16 bias and scale: every value within fp16's range, and a finite fp16 scale. The second

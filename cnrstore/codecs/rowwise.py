@@ -53,7 +53,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from cnrstore.codecs.base import Codec
+from cnrstore.codecs.base import DECODE_CHUNK_VALUES, Codec
 from cnrstore.codecs.lossless import FP16_MAX
 from cnrstore.codecs.nbit import decode_uniform
 
@@ -99,11 +99,13 @@ def value_range(x: np.ndarray) -> tuple[float, float]:
     return lo.item(), hi.item()
 
 
-def decode_int8(e: np.ndarray, dim: int) -> np.ndarray:
+def decode_int8(e: np.ndarray, dim: int, out: np.ndarray | None = None) -> np.ndarray:
     """Numpy decode of FBGEMM's fused 8-bit row-wise rows ``(n, dim + 8)`` into float32 ``(n, dim)``:
-    ``fma(scale, q, bias)``, rounded once, as FBGEMM's kernel computes it (see the module docstring)."""
+    ``fma(scale, q, bias)``, rounded once, as FBGEMM's kernel computes it (see the module docstring).
+    Into ``out`` (float32 ``(n, dim)``; returned) if given, else a new array."""
     n = e.shape[0]
-    out = np.empty((n, dim), dtype=np.float32)
+    if out is None:
+        out = np.empty((n, dim), dtype=np.float32)
     meta = np.ascontiguousarray(e[:, dim : dim + 8]).view("<f4")  # (n, 2): scale, bias
     step = max(1, _CHUNK_VALUES // dim)
     rows = min(step, n)
@@ -173,9 +175,20 @@ class _Rowwise(Codec):
             out = np.ascontiguousarray(out[:, :dim])
         return out
 
-    def _decode_numpy(self, e: np.ndarray, dim: int) -> np.ndarray:
-        """The same floats as :meth:`_decode_kernel`, without torch."""
+    def _decode_numpy(self, e: np.ndarray, dim: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The same floats as :meth:`_decode_kernel`, without torch (into ``out`` if given)."""
         raise NotImplementedError
+
+    def _decode_into(self, e: np.ndarray, dim: int, out: np.ndarray) -> None:
+        torch = _loaded_torch()
+        if torch is None:
+            self._decode_numpy(e, dim, out)
+            return
+        # the kernel has no out= form: chunks keep its result in cache on the way into ``out``
+        unpack = getattr(torch.ops.quantized, self._unpack_op)
+        step = max(1, DECODE_CHUNK_VALUES // dim)
+        for i in range(0, e.shape[0], step):
+            out[i : i + step] = unpack(_tensor(torch, e[i : i + step])).numpy()[:, :dim]
 
     def _minmax(self, x: np.ndarray) -> tuple[float, float]:
         return value_range(x)
@@ -213,8 +226,8 @@ class Int8(_Rowwise):
     _prepack_op = "embedding_bag_byte_prepack"
     _unpack_op = "embedding_bag_byte_unpack"
 
-    def _decode_numpy(self, e: np.ndarray, dim: int) -> np.ndarray:
-        return decode_int8(e, dim)
+    def _decode_numpy(self, e: np.ndarray, dim: int, out: np.ndarray | None = None) -> np.ndarray:
+        return decode_int8(e, dim, out)
 
     def _unrepresentable_range(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         return np.maximum(-lo, hi) > INT8_MAX_ABS
@@ -227,8 +240,8 @@ class _NBit(_Rowwise):
     fallback = "int8"
     meta_bytes = 4
 
-    def _decode_numpy(self, e: np.ndarray, dim: int) -> np.ndarray:
-        return decode_uniform(e, dim, self.bits)
+    def _decode_numpy(self, e: np.ndarray, dim: int, out: np.ndarray | None = None) -> np.ndarray:
+        return decode_uniform(e, dim, self.bits, out)
 
     def _unrepresentable_range(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         # fp16 bias and scale: every value within fp16's range, and the scale FBGEMM computes finite.

@@ -40,6 +40,7 @@ from ..torch.checkpointer import Checkpointer
 from ..torch.optim_state import is_keyed, row_state_width
 from ..torch.payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
 from ..torch.tracking import ShardTable
+from . import failures
 from .manifest import GlobalVersion, Root
 from .plan import ShardingPlan
 
@@ -205,7 +206,7 @@ class DistributedCheckpointer:
                 answer = [("ok", self.root.generation_for(self.plan))]
             except BaseException as exc:  # every rank must hear of it, or the others wait forever
                 answer = [("error", f"{type(exc).__name__}: {exc}")]
-        dist.broadcast_object_list(answer, src=0, group=self._group)
+        failures.broadcast_object_list(answer, src=0, group=self._group)
         status, value = answer[0]
         if status != "ok":
             raise CnrError(f"rank 0 could not prepare the distributed root {self.root.path}: {value}")
@@ -342,11 +343,11 @@ class DistributedCheckpointer:
         outcomes: list = [None] * self.world_size
         decision: list = [None]
         try:
-            dist.all_gather_object(outcomes, (ok, version, reason, bool(local.report.priority)),
+            failures.all_gather_object(outcomes, (ok, version, reason, bool(local.report.priority)),
                                    group=self._group)
             if self.rank == 0:
                 decision = [self._decide(outcomes, step, meta)]
-            dist.broadcast_object_list(decision, src=0, group=self._group)
+            failures.broadcast_object_list(decision, src=0, group=self._group)
         except Exception as exc:
             raise GlobalCommitError(
                 f"rank {self.rank}: the global commit of step {step} did not complete ({exc}); a rank may have "
@@ -433,7 +434,7 @@ class DistributedCheckpointer:
         if self.rank == 0:
             gv0 = self.root.latest()
             answer = [None if gv0 is None else gv0.version]
-        dist.broadcast_object_list(answer, src=0, group=self._group)
+        failures.broadcast_object_list(answer, src=0, group=self._group)
         if answer[0] is None:
             raise InvalidArgument("no global version to recover from; restart the job from scratch")
         gv = self.root.read(answer[0])
@@ -447,10 +448,10 @@ class DistributedCheckpointer:
             else:
                 _Resharder(self, gv).load()
         steps: list = [None] * self.world_size
-        dist.all_gather_object(steps, step, group=self._group)
+        failures.all_gather_object(steps, step, group=self._group)
         if survivors:
             payload = [self._replicated_state() if self.rank == survivors[0] else None]
-            dist.broadcast_object_list(payload, src=survivors[0], group=self._group)
+            failures.broadcast_object_list(payload, src=survivors[0], group=self._group)
             if restored:
                 self._load_replicated_state(payload[0])
         current = max((s for s in steps if s is not None), default=None)

@@ -53,10 +53,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import fs
+from ..engine import fs
 from ..errors import InvalidArgument, RecoveryFailed
 from ..torch.optim_state import nonzero_rows, table_drift
-from . import gf256
+from . import failures, gf256
 from .stripes import StripeLayout, fingerprint, fingerprint_range
 
 __all__ = ["ECRM", "ECRMReport", "CRASH_POINTS"]
@@ -360,14 +360,14 @@ class ECRM:
         self._check_open()
         self._items = self._build_items()
         lengths: list = [None] * self.world_size
-        dist.all_gather_object(lengths, self.data_words, group=self._group)
+        failures.all_gather_object(lengths, self.data_words, group=self._group)
         self.layout = StripeLayout(self.world_size, self.k, self.r, lengths, self.unit_words)
         self.parity = np.zeros(self.layout.parity_words, dtype=np.uint32)
         self._send_blocks(self._encode_plan(range(self.world_size)), self._flat(),
                           self.parity.reshape(self.layout.periods, self.r, self.layout.unit))
         self.fingerprint = self._full_fingerprint()
         fps: list = [None] * self.world_size
-        dist.all_gather_object(fps, self.fingerprint, group=self._group)
+        failures.all_gather_object(fps, self.fingerprint, group=self._group)
         self._undo = []
         self._open = None
         self.data_step = self.applied_step = step
@@ -414,8 +414,7 @@ class ECRM:
         bufs = {src: torch.empty(len(cols) * shape[0] * shape[1], dtype=torch.int32) for src, cols in expect.items()}
         ops += [dist.P2POp(dist.irecv, bufs[src], src, self._group) for src in sorted(bufs)]
         if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+            failures.batch_isend_irecv(ops)
         if crash and bufs:
             fs.crash_point(crash)
         for src, buf in bufs.items():
@@ -515,7 +514,7 @@ class ECRM:
         sizes[self.world_size] = int(np.uint64(self.fingerprint).view(np.int64))
         sizes[self.world_size + 1] = int(changed_shape)
         gathered = [torch.zeros_like(sizes) for _ in range(self.world_size)]
-        dist.all_gather(gathered, sizes, group=self._group)
+        failures.all_gather(gathered, sizes, group=self._group)
         t2 = time.perf_counter()
         self.stats["seconds_sizes"] += t2 - t1
         # every rank finished the previous step (it entered this all_gather after it): no going back
@@ -582,8 +581,7 @@ class ECRM:
             ops.append(dist.P2POp(dist.irecv, bufs[src], src, self._group))
         t0 = time.perf_counter()
         if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+            failures.batch_isend_irecv(ops)
         if partial:
             fs.crash_point("ecrm_partial_send")
         t1 = time.perf_counter()
@@ -688,7 +686,7 @@ class ECRM:
 
         lap("join")
         statuses: list = [None] * self.world_size
-        dist.all_gather_object(statuses, self._status(), group=self._group)
+        failures.all_gather_object(statuses, self._status(), group=self._group)
         lap("status")
         kept = [r for r in failed if statuses[r]["role"] != "replacement"]
         if kept:   # the same on every rank (statuses are gathered): every rank raises, none waits
@@ -717,7 +715,7 @@ class ECRM:
         expected = self._fps[target][self.rank]
         ok = (self._full_fingerprint() == expected) if replacement else True
         verdicts: list = [None] * self.world_size
-        dist.all_gather_object(verdicts, ok, group=self._group)
+        failures.all_gather_object(verdicts, ok, group=self._group)
         lap("verify")
         if not all(verdicts):
             bad = [r for r, v in enumerate(verdicts) if not v]
@@ -727,7 +725,7 @@ class ECRM:
         lap("reencode")
         self.fingerprint = expected
         payload = [_tensors_as(self._dense_state(), _to_numpy) if self.rank == survivors[0] else None]
-        dist.broadcast_object_list(payload, src=survivors[0], group=self._group)
+        failures.broadcast_object_list(payload, src=survivors[0], group=self._group)
         if replacement:
             self._load_dense_state(_tensors_as(payload[0], _from_numpy))
         self._undo = []

@@ -186,9 +186,7 @@ def _shards_by_global_id(st, plan, rank: int, version: int) -> Snapshot:
             except MissingRows:
                 if stored == name:
                     raise
-    with st.engine.index.read() as view:
-        dense_names = sorted(view.dense_names())
-    for name in dense_names:
+    for name in st.dense_names():
         try:
             snap.dense[name] = st.read_dense(name, version)
         except MissingRows:

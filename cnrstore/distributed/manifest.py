@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import msgpack
 import xxhash
 
-from .. import fs
-from ..msgpack_safe import unpack_bounded
+from ..engine import fs
+from ..engine.msgpack_safe import unpack_bounded
 from ..errors import CorruptionError, FormatVersionError, InvalidArgument, StoreNotFound, VersionNotFound
 from .plan import ShardingPlan
 

@@ -167,7 +167,7 @@ class Plan:
 def default_materialize() -> MaterializeRule | None:
     """The materialize rule of ``CompactionPolicy()``: none while the writer bounds read chains
     (``knobs.READ_CHAIN_BOUND``, the default: it applies Check-N-Run's reset rule itself, per block, on the
-    real union of changed rows — cnrstore/merge.py — so background baselines would only add writes);
+    real union of changed rows — cnrstore/engine/merge.py — so background baselines would only add writes);
     ``IntermittentRule()`` on the log's growth when the bound is off (None)."""
     from .. import knobs
 

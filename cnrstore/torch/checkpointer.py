@@ -79,13 +79,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import codecs, fs, knobs, validate
+from .. import codecs, knobs
+from ..engine import fs, arguments
 from . import payload as _payload
 from . import restore as _restore
 from . import sharded
 from ..errors import InvalidArgument, SaveSkipped
 from ..types import VersionInfo
-from ..writer import pack_meta
+from ..engine.writer import pack_meta
 from .async_save import PendingSave, SaveQueue, SaveReport, WeakPendingWork, gather
 from .optim_state import as_optimizer_list, create_lazy_state, row_state_width, table_drift, with_live_state
 from .payload import DENSE_PREFIX, STATE_BLOB, dense_copy
@@ -392,13 +393,13 @@ class Checkpointer:
         self._reap()
         self._raise_pending_error()
         pack_meta(meta)  # bad arguments fail here, not in the background
-        step = validate.step_arg(step)
+        step = arguments.step_arg(step)
         for key, v in self._dense.items():  # a dense array the format cannot hold: fail now, not in the background
-            if v.nbytes > validate.max_dense_bytes():
+            if v.nbytes > arguments.max_dense_bytes():
                 raise InvalidArgument(
                     f"model state {key!r} is {v.nbytes:,} bytes; the Checkpointer stores each parameter or "
                     f"buffer that is not an embedding as one dense array of at most "
-                    f"{validate.max_dense_bytes():,} bytes: make it an nn.Embedding (a table, saved by rows) "
+                    f"{arguments.max_dense_bytes():,} bytes: make it an nn.Embedding (a table, saved by rows) "
                     "or split it into several parameters")
         try:
             return self._snapshot(step, meta, top)
@@ -471,10 +472,10 @@ class Checkpointer:
                     report.rows[name] = m
             dense = {k: dense_copy(v) for k, v in self._dense.items()}
             blob = self._state_blob()
-            if blob.nbytes > validate.max_dense_bytes():  # the optimizers' dense state can outgrow a record
+            if blob.nbytes > arguments.max_dense_bytes():  # the optimizers' dense state can outgrow a record
                 raise InvalidArgument(
                     f"the optimizer state outside the embedding tables (and extra) pickles to {blob.nbytes:,} "
-                    f"bytes, more than one dense array holds ({validate.max_dense_bytes():,}); keep large "
+                    f"bytes, more than one dense array holds ({arguments.max_dense_bytes():,}); keep large "
                     "row-wise state on nn.Embedding weights (saved as tables) or split the dense layers")
         return row_jobs, dense, blob
 
@@ -502,9 +503,10 @@ class Checkpointer:
         if self._closed:
             raise InvalidArgument("this Checkpointer is closed")
         self._finish_inflight()
-        info, stored = _restore.read_version(self.store, self._tables, self._dense, len(self._optimizers),
+        info, stored = _restore.read_version(self.store, self._tables, self._dense, self._optimizers,
                                              self._extra, version, trust_pickle=trust_pickle)
-        # everything read and checked: now change the live objects
+        # everything read and checked (the fp32 host weights and row-wise optimizer state already decoded
+        # into place, after every record was verified): now change the rest of the live objects
         self.load_state(*stored)
         latest = self.store.latest()
         self.note_restore(matches_newest=latest is not None and latest.version == info.version)
@@ -522,7 +524,8 @@ class Checkpointer:
         """*For sibling packages* (``cnrstore.distributed``'s resharding restore) and ``restore``: put state
         read from a stored version, all of it read and checked already, into the live objects, in place.
 
-        ``weights``: a tensor per table (``trainer_state().tables`` order); ``shard_states``: (row-wise state
+        ``weights``: a tensor per table (``trainer_state().tables`` order; the table's own weight tensor
+        when it already holds the state, a pinned host tensor is copied without blocking); ``shard_states``: (row-wise state
         tensor of a ``ShardTable``, its stored values); ``dense``: {state-dict key: tensor} (bfloat16 viewed
         as such); ``optimizer_states``: a state dict per optimizer with its row-wise state filled in (an
         empty list leaves the optimizers as they are); ``extra``: {name: state dict}, loaded in that order.
@@ -530,11 +533,14 @@ class Checkpointer:
         create_lazy_state(self._optimizers, optimizer_states)
         with torch.no_grad():
             for t, w in zip(self._tables, weights):
-                t.weight.copy_(w)
+                if w is not t.weight:  # (the weight itself: restore decoded the table into it)
+                    t.weight.copy_(w, non_blocking=w.is_pinned())
             for state, w in shard_states:
                 state.copy_(w.reshape(state.shape))
             for key, src in dense.items():
                 self._dense[key].copy_(src)
+            if any(w is not t.weight and t.weight.is_cuda for t, w in zip(self._tables, weights)):
+                torch.cuda.synchronize()  # the pinned buffers' copies have landed before anyone reads
         for opt, sd in zip(self._optimizers, optimizer_states):
             opt.load_state_dict(with_live_state(sd, opt))
         for k, state in extra.items():

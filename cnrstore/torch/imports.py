@@ -89,11 +89,11 @@ import torch
 from torch import nn
 
 from .. import codecs as _codecs
-from .. import filenames
+from ..engine import filenames
 from .. import store as _store
-from .. import validate
+from ..engine import arguments
 from ..errors import InvalidArgument
-from ..writer import pack_meta
+from ..engine.writer import pack_meta
 from . import payload as _payload
 from .optim_state import as_optimizer_list
 from .payload import DENSE_PREFIX, PAYLOAD_FORMAT, ROW_MARK, STATE_BLOB, dense_copy
@@ -708,7 +708,7 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
         if t.dtype != torch.bfloat16 and not _numpy_dtype(t.dtype):
             raise InvalidArgument(f"{key!r} has dtype {t.dtype}, which a dense array cannot hold exactly; convert "
                                   "it before the import")
-        validate.dense_size(DENSE_PREFIX + key, t)
+        arguments.dense_size(DENSE_PREFIX + key, t)
     weights = {name: state_dict[keys[0]] for name, keys in chosen.items()}
     if model is not None:  # a shared weight's keys hold one tensor: check the copies agree
         for name, keys in chosen.items():
@@ -724,13 +724,13 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
         opt_sds, param_names = src.optimizers, src.param_names or []
     optims, row_tables = _optimizer_payload(opt_sds, param_names, table_of_key, rows_of)
     for name, w in weights.items():
-        validate.table_shape(name, int(w.shape[0]), int(w.shape[1]))
+        arguments.table_shape(name, int(w.shape[0]), int(w.shape[1]))
         _check_finite(f"table {name!r} ({chosen[name][0]!r})", w)
     for name, v in row_tables.items():
         _check_finite(f"optimizer state table {name!r}", v)
     step = src.step if step is None else step
     meta = src.meta if meta is None else meta
-    validate.step_arg(step)
+    arguments.step_arg(step)
     pack_meta(meta)
     payload = {"format": PAYLOAD_FORMAT, "mode": "imported", "tables": list(chosen),
                "dense_dtypes": {k: str(v.dtype).split(".")[-1] for k, v in dense.items()},
@@ -738,10 +738,10 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
                "imported": {"format": fmt, "source": None if isinstance(source, Mapping) else os.fspath(source),
                             "version": src.version}}
     blob = _payload.encode(payload, what="the imported checkpoint's state")
-    if blob.nbytes > validate.max_dense_bytes():
+    if blob.nbytes > arguments.max_dense_bytes():
         raise InvalidArgument(f"the optimizer state outside the embedding tables (and extra) pickles to "
                               f"{blob.nbytes:,} bytes, more than one dense record holds "
-                              f"({validate.max_dense_bytes():,}); import with --model-only")
+                              f"({arguments.max_dense_bytes():,}); import with --model-only")
 
     st, created, before = _open_store(store)
     ok = False

@@ -1,10 +1,12 @@
 """Reading a stored version back for ``Checkpointer.restore``: every table, dense array, optimizer state and
 ``extra`` state the live objects will take, read from the store and checked against them *before* any of
-them changes (``Checkpointer.load_state`` then puts it in place).
+them changes. The one step that writes live objects comes last, after every record it reads is verified:
+the whole tables are decoded in parallel straight into the fp32 host weights and the optimizers' existing
+row-wise state tensors (``Store.read_tables``); ``Checkpointer.load_state`` then puts the rest in place.
 
 A TorchRec shard (``tracking.ShardTable``) is assembled from whichever column slices the saving plan
 stored (:func:`read_shard`); row-wise optimizer state comes back from the tables its payload's
-``ROW_MARK`` markers name (:func:`optimizer_state`).
+``ROW_MARK`` markers name.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from . import payload as _payload
 from . import sharded
 from ..errors import InvalidArgument, MissingRows, VersionNotFound
 from ..types import VersionInfo
-from .optim_state import row_state_width
+from .optim_state import is_keyed, row_state_width
 from .payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
 from .tracking import ShardTable
 
-__all__ = ["StoredState", "optimizer_state", "read_shard", "read_version", "version_info"]
+__all__ = ["StoredState", "read_shard", "read_version", "version_info"]
 
 
 class StoredState(NamedTuple):
@@ -53,17 +55,27 @@ def version_info(store, version: int | None) -> VersionInfo:
     raise VersionNotFound(f"version {version} is not in the store (see store.versions())")
 
 
-def read_version(store, tables: list, dense: Mapping, optimizers: int, extra: Mapping, version: int | None, *,
+def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping, version: int | None, *,
                  trust_pickle: bool = False) -> tuple[VersionInfo, StoredState]:
     """Version ``version`` (default newest) of ``store`` for a Checkpointer whose live objects are
-    ``tables`` (``tracking.Table``s), ``dense`` ({state-dict key: tensor}), ``optimizers`` (how many) and
-    ``extra`` ({name: object}); ``Checkpointer.restore`` gives the contract. Raises InvalidArgument when the
-    version does not fit them (a table's or a dense tensor's shape, a table or state it lacks, another
-    number of optimizers unless it holds none, ``extra`` state this Checkpointer lacks), UnsafePayload
-    for a pickled payload without ``trust_pickle``; changes nothing."""
+    ``tables`` (``tracking.Table``s), ``dense`` ({state-dict key: tensor}), ``optimizers`` (the optimizers,
+    or how many) and ``extra`` ({name: object}); ``Checkpointer.restore`` gives the contract. Raises
+    InvalidArgument when the version does not fit them (a table's or a dense tensor's shape, a table or
+    state it lacks, another number of optimizers unless it holds none, ``extra`` state this Checkpointer
+    lacks), UnsafePayload for a pickled payload without ``trust_pickle``, CorruptionError for a damaged
+    record: each of them before any live object changes.
+
+    Only its last step changes live objects: once every record of every table it reads has been verified
+    (``Store.read_tables``), the tables are decoded, in parallel, straight into the live fp32 CPU
+    weights and into the optimizers' existing row-wise state tensors of the stored shape and dtype (these
+    come back in the ``StoredState`` as the live tensors themselves, which ``Checkpointer.load_state``
+    then leaves as they are); other tables are decoded into new tensors (pinned host memory for a CUDA
+    weight) for ``load_state`` to copy."""
     info = version_info(store, version)
     v = info.version
     catalog = store.tables()
+    live_opts = optimizers if not isinstance(optimizers, int) else None
+    n_opts = optimizers if live_opts is None else len(live_opts)
     for t in tables:
         if isinstance(t, ShardTable):
             continue  # read by rows and column slices, checked there (read_shard)
@@ -76,19 +88,111 @@ def read_version(store, tables: list, dense: Mapping, optimizers: int, extra: Ma
                 f"{t.num_rows} x {t.dim}; restore into a model of the stored shape")
     payload = _payload.decode(store.read_dense(STATE_BLOB, v), v, trust_pickle=trust_pickle)
     stored_dense = {key: _dense(store, key, target, v) for key, target in dense.items()}
-    if payload["optimizers"] and len(payload["optimizers"]) != optimizers:
+    if payload["optimizers"] and len(payload["optimizers"]) != n_opts:
         raise InvalidArgument(f"version {v} holds {len(payload['optimizers'])} optimizer(s), this "
-                              f"Checkpointer has {optimizers}")
+                              f"Checkpointer has {n_opts}")
     missing = [k for k in payload["extra"] if k not in extra]
     if missing:
         raise InvalidArgument(f"version {v} holds extra state {missing}, which this Checkpointer lacks")
-    weights = [torch.from_numpy(read_shard(store, catalog, t, "", t.dim, v)) if isinstance(t, ShardTable)
-               else torch.from_numpy(store.read_table(t.name, v)) for t in tables]
+    shards = {id(t): torch.from_numpy(read_shard(store, catalog, t, "", t.dim, v))
+              for t in tables if isinstance(t, ShardTable)}
     shard_states = [(state, torch.from_numpy(read_shard(store, catalog, t, f".optim.{key}", row_state_width(state), v)))
                     for t in tables if isinstance(t, ShardTable) for key, state in t.states]
+    # every table read whole, in one read_tables call: {name: live tensor or a new host tensor}
+    targets = {t.name: _weight_target(t.weight) for t in tables if not isinstance(t, ShardTable)}
+    row_marks = [_row_marks(store, catalog, sd, None if live_opts is None else live_opts[i], v, targets)
+                 for i, sd in enumerate(payload["optimizers"])]
+    outs = {name: None if target is None else target.numpy() for name, target in targets.items()}
+    arrays = store.read_tables(outs, v)  # verifies every record, then decodes (in parallel) into the targets
+    read = {name: torch.from_numpy(arrays[name]) if target is None else target for name, target in targets.items()}
+    weights = [shards[id(t)] if isinstance(t, ShardTable) else _live_or(read[t.name], t.weight) for t in tables]
     # a version without optimizer state (an import of model weights) leaves the optimizers as they are
-    optim_sds = [optimizer_state(store, sd, v) for sd in payload["optimizers"]]
+    optim_sds = [_with_row_state(sd, marks, read, v) for sd, marks in zip(payload["optimizers"], row_marks)]
     return info, StoredState(weights, shard_states, stored_dense, optim_sds, payload["extra"])
+
+
+def _weight_target(weight: torch.Tensor) -> torch.Tensor | None:
+    """Where a table read for ``weight`` is decoded: the weight itself (fp32, contiguous, in host memory),
+    a pinned host buffer for a CUDA weight (``load_state`` copies it without blocking), else None (a new
+    array, copied and cast by ``load_state``)."""
+    if weight.dtype != torch.float32 or not weight.is_contiguous():
+        return None
+    if weight.device.type == "cpu":
+        return weight.detach()
+    if weight.device.type == "cuda":
+        return torch.empty(weight.shape, dtype=torch.float32, pin_memory=True)
+    return None
+
+
+def _live_or(read: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``live`` when ``read`` is its own memory (decoded in place), else ``read``."""
+    return live if read.data_ptr() == live.data_ptr() and read.shape == live.shape and read.device == live.device \
+        else read
+
+
+def _row_marks(store, catalog: dict, sd: dict, opt, v: int, targets: dict) -> dict:
+    """{(state index, key): (table name, live state tensor or None)} for each ``ROW_MARK`` of the stored
+    optimizer state dict ``sd``, checked against the stored table; adds each table to ``targets`` (the
+    live tensor when ``opt`` holds one of the marker's shape and dtype, fp32 in host memory, for the same
+    parameter as the stored state: it is decoded into in place)."""
+    live = _live_states(sd, opt)
+    marks = {}
+    for idx, st in sd["state"].items():
+        for k, val in st.items():
+            if not (isinstance(val, dict) and ROW_MARK in val):
+                continue
+            name = val[ROW_MARK]
+            ti = catalog.get(name)
+            if ti is not None and math.prod(val["shape"]) != ti.num_rows * ti.dim:
+                raise InvalidArgument(f"version {v}: optimizer state {name!r} has {ti.num_rows * ti.dim} "
+                                      f"values, its payload names shape {tuple(val['shape'])}")
+            target = live.get((idx, k))
+            ok = (ti is not None and torch.is_tensor(target) and target.device.type == "cpu" and target.is_contiguous()
+                  and target.dtype == torch.float32 == _payload.torch_dtype(val["dtype"], v)
+                  and tuple(target.shape) == tuple(val["shape"]) and name not in targets)
+            targets.setdefault(name, target.detach().view(ti.num_rows, ti.dim) if ok else None)
+            marks[(idx, k)] = (name, target if ok else None)
+    return marks
+
+
+def _live_states(sd: dict, opt) -> dict:
+    """{(stored state index, key): the live optimizer's state value} for a plain torch optimizer whose
+    param groups match ``sd``'s in size (how ``Optimizer.load_state_dict`` pairs them); {} otherwise
+    (torchrec's keyed optimizers, no live optimizer, another layout)."""
+    if not isinstance(opt, torch.optim.Optimizer) or is_keyed(opt):
+        return {}
+    saved = [g.get("params", ()) for g in sd.get("param_groups", ())]
+    groups = [g["params"] for g in opt.param_groups]
+    if len(saved) != len(groups) or any(len(a) != len(b) for a, b in zip(saved, groups)):
+        return {}
+    live = {}
+    for ids, params in zip(saved, groups):
+        for idx, p in zip(ids, params):
+            for k, value in opt.state.get(p, {}).items():
+                live[(idx, k)] = value
+    return live
+
+
+def _with_row_state(sd: dict, marks: dict, read: dict, v: int) -> dict:
+    """The stored optimizer state dict ``sd`` with each ``ROW_MARK`` marker replaced by its row-wise
+    tensor: the live one it was decoded into, else the table read, reshaped and cast as the marker says."""
+    state = {}
+    for idx, st in sd["state"].items():
+        out = {}
+        for k, val in st.items():
+            if (idx, k) in marks:
+                name, live = marks[(idx, k)]
+                if live is not None:
+                    val = live  # the optimizer's own tensor, decoded into: load_state_dict keeps it
+                else:
+                    arr = read[name]
+                    if math.prod(val["shape"]) != arr.numel():
+                        raise InvalidArgument(f"version {v}: optimizer state {name!r} has {arr.numel()} "
+                                              f"values, its payload names shape {tuple(val['shape'])}")
+                    val = arr.reshape(val["shape"]).to(_payload.torch_dtype(val["dtype"], v))
+            out[k] = val
+        state[idx] = out
+    return {**sd, "state": state}
 
 
 def _dense(store, key: str, target: torch.Tensor, v: int) -> torch.Tensor:
@@ -151,21 +255,3 @@ def read_shard(store, catalog: dict, t: ShardTable, suffix: str, width: int, v: 
                               "tables" + ("" if per_column else ", sharded with the same column slices "
                                           "(row-wise optimizer state of a column slice cannot be re-sliced)"))
     return out
-
-
-def optimizer_state(store, sd: dict, v: int) -> dict:
-    """The stored optimizer state dict ``sd`` of version ``v`` with each ``ROW_MARK`` marker replaced by the
-    row-wise tensor read from the table it names (its shape and dtype as the marker says)."""
-    state = {}
-    for idx, st in sd["state"].items():
-        out = {}
-        for k, val in st.items():
-            if isinstance(val, dict) and ROW_MARK in val:
-                arr = torch.from_numpy(store.read_table(val[ROW_MARK], v))
-                if math.prod(val["shape"]) != arr.numel():
-                    raise InvalidArgument(f"version {v}: optimizer state {val[ROW_MARK]!r} has {arr.numel()} "
-                                          f"values, its payload names shape {tuple(val['shape'])}")
-                val = arr.reshape(val["shape"]).to(_payload.torch_dtype(val["dtype"], v))
-            out[k] = val
-        state[idx] = out
-    return {**sd, "state": state}

@@ -1,4 +1,4 @@
-"""cnrstore/rowrecords.py: one ROWS record per block of the rows a checkpoint, a merge or a compaction
+"""cnrstore/engine/block_records.py: one ROWS record per block of the rows a checkpoint, a merge or a compaction
 writes, with the flags a read relies on (baseline, full, compacted, delta)."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 import cnrstore
-from cnrstore import codecs, knobs, record
+from cnrstore import codecs, knobs
+from cnrstore.engine import record
 from cnrstore.errors import InvalidArgument
-from cnrstore.rowrecords import block_records
+from cnrstore.engine.block_records import block_records
 
 FP32 = codecs.get("fp32")
 DIM = 2

@@ -31,9 +31,10 @@ from typing import Callable, Iterator, NamedTuple, TypeVar
 import lmdb
 import msgpack
 
-from . import filenames, fs, knobs, record
+from . import filenames, fs, record
+from .. import knobs
 from .msgpack_safe import unpack_bounded
-from .errors import CorruptionError, IndexBusy, IndexDamaged, PermissionDenied, StorageFull, StorageIOError
+from ..errors import CorruptionError, IndexBusy, IndexDamaged, PermissionDenied, StorageFull, StorageIOError
 from .schema import MAX_ROW_COUNT, TableRecord, check_meta, check_segment, check_table, check_version, damaged
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ An edit has two outputs, and the code that writes a store has no other:
 ``decode(kind, version, body)`` turns a log record back into the edit that wrote it, so that repair
 reads the very fields a commit encoded. The log does not say where the records an edit names lie: a
 decoded edit's row entries carry only their count and flags (segment 0, which no segment has), and
-repair finds the records by scanning (cnrstore/repair.py).
+repair finds the records by scanning (cnrstore/maintenance/repair.py).
 
 Maintenance plans on an older snapshot while a checkpoint may commit, so some parts of an edit are
 *decided in the transaction*, against the state it sees: a move replaces an index entry only while it
@@ -32,11 +32,13 @@ from typing import NamedTuple
 import numpy as np
 
 from . import record
-from .errors import CnrError, InvalidArgument
+from ..errors import CnrError, InvalidArgument
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
 from .reader import unread_versions
-from .schema import (BYTES_WRITTEN, DOOMED_SEGMENTS, INCREMENT_BYTES, LAST_BASELINE, NEXT_DENSE_ID, MetaKey,
-                     TableRecord, table_from_log)
+from .schema import (
+    BYTES_WRITTEN, DOOMED_SEGMENTS, INCREMENT_BYTES, LAST_BASELINE, NEXT_DENSE_ID, MetaKey, TableRecord,
+    table_from_log,
+)
 
 #: The fields of a ``versions`` entry, as a COMMIT record carries them (on disk: never rename).
 VERSION_FIELDS = ("step", "meta", "created", "parent", "tables", "dense", "bytes")

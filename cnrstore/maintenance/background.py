@@ -19,14 +19,15 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from . import compaction, fs
-from .errors import StorageFull
-from .policy.compaction import CompactionPolicy
+from . import compaction
+from ..engine import fs
+from ..errors import StorageFull
+from ..policy.compaction import CompactionPolicy
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine.core import Engine
 
-log = logging.getLogger("cnrstore.background")
+log = logging.getLogger("cnrstore.maintenance.background")
 #: Failures kept in ``BackgroundCompactor.errors``; older ones are only counted (and logged).
 KEEP_ERRORS = 8
 

@@ -14,7 +14,7 @@ import msgpack
 import xxhash
 
 from . import filenames
-from .errors import CorruptionError
+from ..errors import CorruptionError
 
 #: On disk: the format this code writes and the newest it reads. Bump on any incompatible change.
 #: 2: COMMIT / ANCHOR / DROP records and the index's ``log`` database (repair). Format 1 is still read;

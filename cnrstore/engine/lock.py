@@ -16,7 +16,8 @@ import os
 import time
 from typing import Callable
 
-from . import errors, filenames, fs
+from .. import errors
+from . import filenames, fs
 
 
 class ProcessLock:

@@ -14,7 +14,7 @@ import shutil
 import signal
 from typing import Callable
 
-from . import errors
+from .. import errors
 
 #: Environment variable naming a crash point; the process SIGKILLs itself on reaching it (tests only).
 CRASH_ENV = "CNRSTORE_CRASH_AT"

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, record
-from .errors import CorruptionError, InvalidArgument, MissingRows
+from .. import codecs
+from . import record
+from ..errors import CorruptionError, InvalidArgument, MissingRows
 from .index import IndexView
 from .schema import TableRecord
 from .segments import SegmentReader
@@ -25,8 +26,20 @@ class Piece:
     """Encoded rows of one record to decode, and where they go inside their block."""
 
     codec_id: int
-    encoded: np.ndarray  # uint8 (n, row_bytes)
+    source: np.ndarray  # uint8 (m, row_bytes): the record's rows (a view of the segment's map, or a copy)
     dest: np.ndarray | None  # int64 block offsets, or None for rows 0..n-1
+    take: np.ndarray | None = None  # bool (m,): the rows of ``source`` this piece holds; None: all of them
+
+    @property
+    def encoded(self) -> np.ndarray:
+        """uint8 (n, row_bytes): the piece's rows, in ``dest`` order (a copy when ``take`` selects some:
+        a plan keeps views, and its rows are gathered one block at a time as they are decoded)."""
+        return self.source if self.take is None else self.source[self.take]
+
+    @property
+    def count(self) -> int:
+        """Rows in the piece."""
+        return self.source.shape[0] if self.dest is None else self.dest.shape[0]
 
 
 class BlockResolver:
@@ -93,9 +106,9 @@ class BlockResolver:
                 if take.all():
                     take = None
                 else:
-                    offsets, rows = offsets[take], rows[take]
+                    offsets = offsets[take]  # (the rows stay a view: Piece.encoded selects them when used)
             if offsets.size:
-                pieces.append(Piece(rec.codec_id, rows, offsets))
+                pieces.append(Piece(rec.codec_id, rows, offsets, take))
                 filled[offsets] = True
                 left -= offsets.size
             if not left or rec.flags & record.FLAG_BASELINE:
@@ -231,15 +244,17 @@ def read_rows(view: IndexView, segments: SegmentReader, table: TableRecord, rows
     return out_unique if unique_rows.size == rows.size and np.array_equal(unique_rows, rows) else out_unique[inverse]
 
 
-def read_table(view: IndexView, segments: SegmentReader, table: TableRecord, version: int) -> np.ndarray:
-    """float32 (num_rows, dim): the whole table as of ``version``. Every row must have been written.
+def plan_table(view: IndexView, segments: SegmentReader, table: TableRecord, version: int) -> list[tuple[int, list[Piece]]]:
+    """(block, pieces) of every block of the whole table as of ``version``: each row of the table lies in
+    exactly one piece. Every record these pieces come from is verified (checksum, the index entry's
+    table, block and version, its codec and row offsets) before this returns; nothing is decoded.
 
     Only blocks with index entries are visited (one seek to find each, ``IndexView.row_blocks``):
     rows of the others are counted as missing arithmetically, so a sparsely written table of billions
     of rows raises MissingRows (exact count, first ids) in time and memory proportional to what was
-    written, before the output is allocated.
+    written. The pieces are views of the segments' maps: decode them within the same read transaction.
     """
-    num_rows, dim, block_rows = table.num_rows, table.dim, table.block_rows
+    num_rows, block_rows = table.num_rows, table.block_rows
     num_blocks = blocks_math.count(num_rows, block_rows)
     resolver = BlockResolver(view, segments, table)
     plans = []
@@ -262,42 +277,38 @@ def read_table(view: IndexView, segments: SegmentReader, table: TableRecord, ver
     missing.add_range(blocks_math.base(next_block, block_rows), num_rows)
     if missing.count:
         raise missing.error(table.name, version, whole_table=True)
+    return plans
 
-    codec_ids = {p.codec_id for _block, pieces in plans for p in pieces}
-    if len(codec_ids) == 1:
-        # the usual case: gather every row's encoded bytes (a few bytes a row) and decode the table
-        # with one kernel call, whose output is the result
-        codec = codecs.by_id(codec_ids.pop())
-        encoded = np.empty((num_rows, codec.row_bytes(dim)), dtype=np.uint8)
-        for block, pieces in plans:
-            base = blocks_math.base(block, block_rows)
-            for p in pieces:
-                if p.dest is None:
-                    encoded[base : base + p.encoded.shape[0]] = p.encoded
-                else:
-                    encoded[base + p.dest] = p.encoded
-        return codec.decode(encoded, dim)
-    # blocks of several codecs: decode block by block, on one thread (the kernels are multi-threaded)
-    out = np.empty((num_rows, dim), dtype=np.float32)
+
+def read_table(view: IndexView, segments: SegmentReader, table: TableRecord, version: int,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """float32 (num_rows, dim): the whole table as of ``version``, decoded on this thread into ``out``
+    (float32 C-contiguous (num_rows, dim)) if given, else a new array. Every row must have been written.
+    Every record is verified (``plan_table``) before ``out`` is written."""
+    plans = plan_table(view, segments, table, version)
+    if out is None:
+        out = np.empty((table.num_rows, table.dim), dtype=np.float32)
     for block, pieces in plans:
-        _decode_block(out, blocks_math.base(block, block_rows), pieces, dim)
+        decode_block(out, blocks_math.base(block, table.block_rows), pieces, table.dim)
     return out
 
 
-def _decode_block(out: np.ndarray, base: int, pieces: list[Piece], dim: int) -> None:
-    """Decode a block's pieces into ``out[base:...]``. Pieces of one codec are gathered as encoded rows
-    (cheap: a few bytes a row) and decoded with one kernel call straight into place."""
+def decode_block(out: np.ndarray, base: int, pieces: list[Piece], dim: int) -> None:
+    """Decode a block's pieces (``plan_table``'s: every row of the block in exactly one) into
+    ``out[base:...]``. A whole-block piece decodes straight from the segment into place; pieces of one
+    codec are gathered as encoded rows (a few bytes a row, one block at most) and decoded with one call
+    straight into place; pieces of several codecs go through a block-sized temporary each."""
     if len(pieces) == 1 and pieces[0].dest is None:
         p = pieces[0]
-        out[base : base + p.encoded.shape[0]] = codecs.by_id(p.codec_id).decode(p.encoded, dim)
+        codecs.by_id(p.codec_id).decode_into(p.encoded, dim, out[base : base + p.encoded.shape[0]])
         return
     codec_id = pieces[0].codec_id
     if all(p.codec_id == codec_id for p in pieces):
-        count = sum(p.encoded.shape[0] for p in pieces)
-        encoded = np.empty((count, pieces[0].encoded.shape[1]), dtype=np.uint8)
+        count = sum(p.count for p in pieces)
+        encoded = np.empty((count, pieces[0].source.shape[1]), dtype=np.uint8)
         for p in pieces:  # every row of the block is in exactly one piece
             encoded[p.dest] = p.encoded
-        out[base : base + count] = codecs.by_id(codec_id).decode(encoded, dim)
+        codecs.by_id(codec_id).decode_into(encoded, dim, out[base : base + count])
         return
     for p in pieces:
         out[base + p.dest] = codecs.by_id(p.codec_id).decode(p.encoded, dim)

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import codecs, knobs, record
+from .. import codecs, knobs
+from . import record
 from .index import IndexView, RowLoc
 from .reader import BlockResolver
 

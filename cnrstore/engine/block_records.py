@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import blocks as blocks_math
-from . import knobs, record
-from .errors import InvalidArgument
+from .. import knobs
+from . import record
+from ..errors import InvalidArgument
 from .schema import TableRecord
 
 

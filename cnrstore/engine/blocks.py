@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import knobs
+from .. import knobs
 
 
 def floor_pow2(n: int) -> int:

@@ -19,11 +19,11 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from . import blocks as blocks_math
-from . import record
-from .index import IndexView, RowLoc
-from .reader import check_offsets
-from .schema import TableRecord
+from ..engine import blocks as blocks_math
+from ..engine import record
+from ..engine.index import IndexView, RowLoc
+from ..engine.reader import check_offsets
+from ..engine.schema import TableRecord
 
 
 @dataclass

@@ -16,10 +16,11 @@ import threading
 import numpy as np
 import xxhash
 
-from . import filenames, fs, knobs
-from .errors import CorruptionError, IndexDamaged, InvalidArgument
+from . import filenames, fs
+from .. import knobs
+from ..errors import CorruptionError, IndexDamaged, InvalidArgument
 
-log = logging.getLogger("cnrstore.segments")
+log = logging.getLogger("cnrstore.engine.segments")
 # On disk: never change. magic, segment id u64, format version u32, reserved u32 (0), xxh3-64 of the
 # preceding 24 bytes.
 SEGMENT_MAGIC = b"CNRSEG\x00\x01"

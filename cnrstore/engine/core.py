@@ -18,18 +18,19 @@ this module (for types only), so the package has no import circle.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Optional, TypeVar
 
 from . import filenames, fs, opening, record, schema, segments
-from .errors import CheckpointInProgress, IndexDamaged, InvalidArgument, ReadOnlyError, StorageFull, StoreClosed
+from ..errors import CheckpointInProgress, IndexDamaged, InvalidArgument, ReadOnlyError, StorageFull, StoreClosed
 from .index import DenseLoc, Index, IndexView, IndexWriter, RowLoc, damage_hint, finish_interrupted_install
 from .lock import ProcessLock
 from .marker import FORMAT_VERSION, marker_bytes
 from .reader import BlockResolver
-from .policy import compaction as compaction_policy
+from ..policy import compaction as compaction_policy
 from .schema import TableRecord
 from .storage import LocalSegmentStorage, SegmentStorage
-from .types import GCReport, VersionInfo
+from ..types import GCReport, VersionInfo
 from .version_edit import VersionEdit
 
 W = TypeVar("W")
@@ -156,6 +157,27 @@ class Engine:
     def remember_table(self, table: TableRecord) -> None:
         self._tables[table.name] = table
 
+    def create_table(self, name: str, num_rows: int, dim: int, codec: str, block_rows: int) -> TableRecord:
+        """Record a new table in the catalog, durably, in one synced index transaction (the Store has checked
+        the arguments): InvalidArgument for a name in use, or when the store has used up its u32 table ids.
+        A table is in no log record until a checkpoint writes it (the COMMIT names its tables)."""
+
+        def body(w: IndexWriter) -> TableRecord:
+            if w.table(name) is not None:
+                raise InvalidArgument(f"a table named {name!r} already exists; choose another name")
+            tid = schema.NEXT_TABLE_ID.get(w)
+            if tid > 0xFFFFFFFF:  # the index keys hold table ids as u32
+                raise InvalidArgument(f"store {self.path!r} has used up its 2**32 table ids; put new tables "
+                                      "in a new store")
+            schema.NEXT_TABLE_ID.put(w, tid + 1)
+            table = TableRecord(tid, name, num_rows, dim, codec, block_rows, time.time())
+            w.put_table(table)
+            return table
+
+        table = self.index.write(body)
+        self.remember_table(table)
+        return table
+
     def dense_id_for(self, name: str) -> int:
         """The id of dense array ``name``: its existing one, or a new one (recorded at commit)."""
         with self.index.read() as view:
@@ -198,6 +220,14 @@ class Engine:
         if versions:
             return compaction_policy.History(versions, versions[0].version, versions[0].bytes)
         return compaction_policy.History(versions, None, 0)
+
+    def seal_idle_writer_segment(self) -> None:
+        """Seal the checkpoint writer's active segment when no checkpoint is open, so that GC may clean it
+        like a sealed one (the next checkpoint starts a new segment). A small store lives in that one
+        segment: without this, GC could never reclaim any of its space."""
+        with self.writer_mutex:  # no checkpoint can open meanwhile
+            if self.writer is None and self.appender is not None and not self.appender.dirty():
+                self.appender.seal()
 
     def pinned(self) -> set:
         """(table id, block, version) of the baselines the open checkpoint's cumulative deltas read.

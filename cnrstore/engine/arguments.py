@@ -7,8 +7,9 @@ import math
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, knobs, record
-from .errors import InvalidArgument
+from .. import codecs, knobs
+from . import record
+from ..errors import InvalidArgument
 
 #: Row ids are int64 (in memory and as the index's block keys), so a table has fewer than 2**63 rows.
 MAX_NUM_ROWS = (1 << 63) - 1

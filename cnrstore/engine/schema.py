@@ -22,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import codecs, record
-from .errors import CorruptionError, IndexDamaged
-from .types import TableInfo
+from .. import codecs
+from . import record
+from ..errors import CorruptionError, IndexDamaged
+from ..types import TableInfo
 
 _U32, _U64 = (1 << 32) - 1, (1 << 64) - 1
 #: Rows a ROWS record (and so a block) holds at most: its row offsets are u16.

@@ -6,12 +6,13 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from . import blocks as blocks_math
-from . import codecs, reader, record, segments
-from .errors import CnrError
-from .schema import DAMAGED, TableRecord
-from .types import VerifyReport
-from .storage import Expect, fetch, mismatch
+from ..engine import blocks as blocks_math
+from .. import codecs
+from ..engine import reader, record, segments
+from ..errors import CnrError
+from ..engine.schema import DAMAGED, TableRecord
+from ..types import VerifyReport
+from ..engine.storage import Expect, fetch, mismatch
 
 #: What to do next, per kind of problem (appended to each problem verify reports).
 DO_RECORD = ("reads that need it raise CorruptionError, never other data: restore a version that does not need "
@@ -39,7 +40,7 @@ def damaged_blocks(view) -> dict[int, list[dict]]:
 
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine.core import Engine
 
 
 def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None = None) -> VerifyReport:

@@ -1,4 +1,4 @@
-"""cnrstore/validate.py: the argument checks every write and read path shares. Each refuses with
+"""cnrstore/arguments.py: the argument checks every write and read path shares. Each refuses with
 InvalidArgument naming the table, the first offending row and the fix; each accepts what API.md allows.
 (The same checks as a caller meets them: test_writer.py, test_store.py, test_limits.py.)"""
 
@@ -7,15 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cnrstore import knobs, record, validate
+from cnrstore import knobs
+from cnrstore.engine import record, arguments
 from cnrstore.errors import InvalidArgument
 
 
 def test_row_ids_become_int64_and_may_repeat():
     for rows in ([3, 1, 3], np.array([3, 1, 3], dtype=np.uint8), (3, 1, 3), np.array([3, 1, 3], dtype=np.uint64)):
-        out = validate.row_ids(rows, 4, "t")
+        out = arguments.row_ids(rows, 4, "t")
         assert out.dtype == np.int64 and out.tolist() == [3, 1, 3]
-    assert validate.row_ids([], 4, "t").dtype == np.int64
+    assert arguments.row_ids([], 4, "t").dtype == np.int64
 
 
 @pytest.mark.parametrize("rows,why", [
@@ -29,20 +30,20 @@ def test_row_ids_become_int64_and_may_repeat():
 ])
 def test_row_ids_outside_the_table_or_not_integers_are_refused(rows, why):
     with pytest.raises(InvalidArgument, match=why):
-        validate.row_ids(rows, 4, "t")
+        arguments.row_ids(rows, 4, "t")
 
 
 def test_sorted_unique_rows_gives_the_sorting_permutation_or_names_a_duplicate():
-    assert validate.sorted_unique_rows(np.array([1, 2, 5]), "t") is None
-    order = validate.sorted_unique_rows(np.array([5, 1, 2]), "t")
+    assert arguments.sorted_unique_rows(np.array([1, 2, 5]), "t") is None
+    order = arguments.sorted_unique_rows(np.array([5, 1, 2]), "t")
     assert order.tolist() == [1, 2, 0]
     with pytest.raises(InvalidArgument, match="row 2 of table 't' is put twice"):
-        validate.sorted_unique_rows(np.array([5, 2, 1, 2]), "t")
+        arguments.sorted_unique_rows(np.array([5, 2, 1, 2]), "t")
 
 
 def test_row_values_become_contiguous_float32_with_their_range():
     values = np.arange(6, dtype=np.float64).reshape(2, 3)[:, ::-1]      # not contiguous, float64
-    out, (lo, hi) = validate.row_values(values, np.array([0, 1]), 3, "t")
+    out, (lo, hi) = arguments.row_values(values, np.array([0, 1]), 3, "t")
     assert out.dtype == np.float32 and out.flags.c_contiguous and (lo, hi) == (0.0, 5.0)
     assert np.array_equal(out, values)
 
@@ -55,23 +56,23 @@ def test_row_values_become_contiguous_float32_with_their_range():
 ])
 def test_row_values_of_the_wrong_shape_type_or_not_finite_are_refused(values, why):
     with pytest.raises(InvalidArgument, match=why):
-        validate.row_values(values, np.array([10, 11]), 3, "t")
+        arguments.row_values(values, np.array([10, 11]), 3, "t")
 
 
 @pytest.mark.parametrize("value,ok", [("emb", True), ("", False), ("a\x00b", False), ("x" * 401, False),
                                       (3, False), ("é" * 200, True), ("é" * 201, False)])
 def test_names_are_short_strings_without_nul(value, ok):
     if ok:
-        assert validate.name(value, "table name") == value
+        assert arguments.name(value, "table name") == value
     else:
         with pytest.raises(InvalidArgument, match="table name must be"):
-            validate.name(value, "table name")
+            arguments.name(value, "table name")
 
 
 @pytest.mark.parametrize("fn,good,bad", [
-    (lambda v: validate.positive_int(v, "n"), [1, np.int64(7)], [0, -1, True, 1.0]),
-    (validate.version_arg, [None, 0, 2**70, np.uint64(5)], [-1, True, 1.5, "1"]),
-    (validate.step_arg, [None, -2**63, 2**64 - 1], [2**64, -2**63 - 1, False, 1.0]),
+    (lambda v: arguments.positive_int(v, "n"), [1, np.int64(7)], [0, -1, True, 1.0]),
+    (arguments.version_arg, [None, 0, 2**70, np.uint64(5)], [-1, True, 1.5, "1"]),
+    (arguments.step_arg, [None, -2**63, 2**64 - 1], [2**64, -2**63 - 1, False, 1.0]),
 ], ids=["positive_int", "version_arg", "step_arg"])
 def test_integer_arguments(fn, good, bad):
     for v in good:
@@ -82,19 +83,19 @@ def test_integer_arguments(fn, good, bad):
 
 
 def test_what_fits_a_record_follows_the_record_size_knob(monkeypatch):
-    assert validate.max_dense_bytes() == knobs.MAX_RECORD_BYTES - record.HEADER_BYTES - record.TRAILER_BYTES - 656
-    rows = validate.max_block_rows(4)
+    assert arguments.max_dense_bytes() == knobs.MAX_RECORD_BYTES - record.HEADER_BYTES - record.TRAILER_BYTES - 656
+    rows = arguments.max_block_rows(4)
     assert rows & (rows - 1) == 0 and rows >= 65536
     monkeypatch.setattr(knobs, "MAX_RECORD_BYTES", 10_000)
-    rows = validate.max_block_rows(4)
-    widest = validate.widest_row_bytes(4)
+    rows = arguments.max_block_rows(4)
+    widest = arguments.widest_row_bytes(4)
     assert record.HEADER_BYTES + record.TRAILER_BYTES + rows * (2 + widest) <= 10_000
     assert record.HEADER_BYTES + record.TRAILER_BYTES + 2 * rows * (2 + widest) > 10_000   # the largest power of 2
-    validate.dense_size("d", np.zeros(validate.max_dense_bytes(), np.uint8))
+    arguments.dense_size("d", np.zeros(arguments.max_dense_bytes(), np.uint8))
     with pytest.raises(InvalidArgument, match="split the dense array"):
-        validate.dense_size("d", np.zeros(validate.max_dense_bytes() + 1, np.uint8))
-    validate.table_shape("t", 10, 100)
+        arguments.dense_size("d", np.zeros(arguments.max_dense_bytes() + 1, np.uint8))
+    arguments.table_shape("t", 10, 100)
     with pytest.raises(InvalidArgument, match="does not fit one record"):
-        validate.table_shape("t", 10, 10_000)
+        arguments.table_shape("t", 10, 10_000)
     with pytest.raises(InvalidArgument, match="2\\*\\*63-1"):
-        validate.table_shape("t", 2**63, 1)
+        arguments.table_shape("t", 2**63, 1)

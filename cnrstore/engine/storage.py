@@ -5,7 +5,7 @@ torchsnapshot's ``StoragePlugin``, zarr v3's ``abc/store.py``), so that another 
 added without touching them; tests/test_engine.py proves it with an audit hook that sees every file
 access. ``LocalSegmentStorage`` is today's: files under ``<store>/segments/``, read through mmap
 (segments.SegmentReader), appended, truncated, renamed and removed through the file-system seam
-(cnrstore/fs.py), so that the crash-state explorer sees every effect.
+(cnrstore/engine/fs.py), so that the crash-state explorer sees every effect.
 
 What a storage can do is stated by a capability flag (``supports_appends``): a writable open refuses a
 storage without it, which never hands out an appender. An appender (``appender``) calls
@@ -25,7 +25,8 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from . import errors, filenames, fs, record
+from .. import errors
+from . import filenames, fs, record
 from .index import RowLoc
 from .segments import SegmentAppender, SegmentIds, SegmentReader, recover
 

@@ -17,18 +17,20 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
-from . import blocks as blocks_math
-from . import codecs, fs, knobs, liveness, reader, record, schema
-from .errors import InvalidArgument, StorageFull
-from .index import DenseLoc, IndexView, RowLoc
-from .segments import SEGMENT_HEADER_BYTES
-from .storage import Expect, fetch
-from .types import CompactReport, GCReport
-from .rowrecords import block_records
-from .version_edit import DropLog, Move, VersionEdit, anchor_at
+from ..engine import blocks as blocks_math
+from .. import codecs, knobs
+from ..engine import fs, reader, record, schema
+from . import liveness
+from ..errors import InvalidArgument, StorageFull
+from ..engine.index import DenseLoc, IndexView, RowLoc
+from ..engine.segments import SEGMENT_HEADER_BYTES
+from ..engine.storage import Expect, fetch
+from ..types import CompactReport, GCReport
+from ..engine.block_records import block_records
+from ..engine.version_edit import DropLog, Move, VersionEdit, anchor_at
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine.core import Engine
 
 Progress = Callable[[int, int], None]
 
@@ -238,7 +240,7 @@ def drop_versions(engine: "Engine", drop: set[int], *, allow_newest: bool = Fals
 def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
     """Reclaim the space of dead records and dead rows. The caller holds the maintenance lock.
 
-    Liveness is per row (cnrstore/liveness.py): a row record some retained version reads only partly is
+    Liveness is per row (cnrstore/maintenance/liveness.py): a row record some retained version reads only partly is
     live for those rows only. A segment with nothing live is freed; the others are *cleaned* (their live
     records copied to the compaction appender's segment, byte for byte and checksum-verified, a partly
     live record rewritten with its live rows only under the same index key) when their live fraction is
@@ -257,7 +259,7 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
     """
     report = GCReport()
     appender = engine.compaction_appender
-    _seal_idle_writer_segment(engine)
+    engine.seal_idle_writer_segment()  # a small store's one segment can then be cleaned too
     with engine.pin_lock:
         pinned = engine.pinned()
     with engine.index.read() as view:
@@ -374,15 +376,6 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
             progress(done, len(candidates))
         engine.delete_doomed(report)  # each batch's sources, as soon as no reader needs them
     return engine.delete_doomed(report)
-
-
-def _seal_idle_writer_segment(engine: "Engine") -> None:
-    """Seal the checkpoint writer's active segment when no checkpoint is open, so that GC may clean it
-    like a sealed one (the next checkpoint starts a new segment). A small store lives in that one
-    segment: without this, GC could never reclaim any of its space."""
-    with engine.writer_mutex:  # no checkpoint can open meanwhile
-        if engine.writer is None and engine.appender is not None and not engine.appender.dirty():
-            engine.appender.seal()
 
 
 def _live_rows_record(engine: "Engine", loc: RowLoc, rows: np.ndarray, tid: int, block: int):

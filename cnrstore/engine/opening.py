@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from . import filenames, fs
-from .errors import FormatVersionError, InvalidArgument, StoreNotFound
+from ..errors import FormatVersionError, InvalidArgument, StoreNotFound
 from .index import Index
 from .lock import ProcessLock
 from .marker import FORMAT_VERSION, marker_bytes, read_marker

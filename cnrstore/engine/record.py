@@ -24,7 +24,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from .errors import CorruptionError
+from ..errors import CorruptionError
 from .msgpack_safe import unpack_bounded
 
 # On disk: never change these values. -------------------------------------------------------------

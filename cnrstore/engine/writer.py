@@ -21,15 +21,16 @@ import msgpack
 import numpy as np
 
 from . import blocks as blocks_math
-from . import codecs, fs, knobs, merge, reader, record, validate
-from .errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
+from .. import codecs, knobs
+from . import fs, merge, reader, record, arguments
+from ..errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
 from .index import DenseLoc, RowLoc
-from .rowrecords import block_records
+from .block_records import block_records
 from .schema import TableRecord
 from .version_edit import VersionEdit
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .core import Engine
 
 
 class CheckpointWriter:
@@ -79,9 +80,9 @@ class CheckpointWriter:
         info = self._engine.table_record(table)
         if info is None:
             raise TableNotFound(f"no table {table!r} in this store; create it with store.create_table()")
-        rows = validate.row_ids(rows, info.num_rows, table)
-        values, value_range = validate.row_values(values, rows, info.dim, table)
-        order = validate.sorted_unique_rows(rows, table)
+        rows = arguments.row_ids(rows, info.num_rows, table)
+        values, value_range = arguments.row_values(values, rows, info.dim, table)
+        order = arguments.sorted_unique_rows(rows, table)
         if order is not None:
             rows, values = rows[order], values[order]
         chosen = codecs.get(codec if codec is not None else info.codec)
@@ -124,12 +125,12 @@ class CheckpointWriter:
     def put_dense(self, name: str, array) -> None:
         """Store ``array`` (numpy array or torch tensor) exactly, as dense array ``name`` of this version."""
         self._check_open()
-        validate.name(name, "dense array name")
+        arguments.name(name, "dense array name")
         if name in self._dense:
             raise InvalidArgument(f"dense array {name!r} is put twice in version {self.version}")
-        validate.dense_size(name, array)  # from shape and dtype, before any copy (a tensor on a GPU, a view)
-        arr = validate.to_numpy(array, f"dense array {name!r}")
-        validate.dense_size(name, arr)
+        arguments.dense_size(name, array)  # from shape and dtype, before any copy (a tensor on a GPU, a view)
+        arr = arguments.to_numpy(array, f"dense array {name!r}")
+        arguments.dense_size(name, arr)
         if arr.dtype.hasobject or arr.dtype.fields is not None or arr.dtype.kind in "OVSUMm":
             raise InvalidArgument(f"dense array {name!r} has dtype {arr.dtype}; only numeric and bool arrays "
                                   "are stored (convert others, or pass them in meta=)")

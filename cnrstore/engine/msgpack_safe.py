@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgpack
 
-from .errors import CorruptionError
+from ..errors import CorruptionError
 
 __all__ = ["unpack_bounded"]
 

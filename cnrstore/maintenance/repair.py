@@ -53,16 +53,16 @@ from typing import Callable
 import msgpack
 import numpy as np
 
-from . import filenames, fs, record, schema, segments, version_edit
+from ..engine import filenames, fs, record, schema, segments, version_edit
 from .verify import LOST_SEGMENT, damaged_blocks
-from .errors import CnrError, CorruptionError, StoreNotFound
-from .index import DenseLoc, Index, RowLoc, finish_interrupted_install, install_built_index
-from .msgpack_safe import unpack_bounded
-from .lock import ProcessLock
-from .storage import LocalSegmentStorage
-from .marker import FORMAT_VERSION, read_marker
-from .schema import TableRecord, table_from_log
-from .version_edit import AnchorLog, DropLog, VersionEdit
+from ..errors import CnrError, CorruptionError, StoreNotFound
+from ..engine.index import DenseLoc, Index, RowLoc, finish_interrupted_install, install_built_index
+from ..engine.msgpack_safe import unpack_bounded
+from ..engine.lock import ProcessLock
+from ..engine.storage import LocalSegmentStorage
+from ..engine.marker import FORMAT_VERSION, read_marker
+from ..engine.schema import TableRecord, table_from_log
+from ..engine.version_edit import AnchorLog, DropLog, VersionEdit
 
 Progress = Callable[[int, int], None]
 
@@ -820,7 +820,7 @@ def _plausible_table(found: _Found, info: dict) -> TableRecord | None:
     """The table of a catalog entry decoded from a damaged record, if the entry is well formed (checked as
     a ``tables`` value is) and agrees with every row record of its table (blocks within the table, the
     row size of each record's codec); else None."""
-    from . import codecs
+    from .. import codecs
 
     try:
         table = table_from_log(info)

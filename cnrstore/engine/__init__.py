@@ -1,0 +1,22 @@
+"""The storage engine: the append-only segment log, its LMDB index and the one commit path.
+
+Layers, lowest first (docs/ARCHITECTURE.md draws them):
+
+* files — ``filenames``, ``fs`` (durable file operations), ``lock``, ``marker``, ``msgpack_safe``;
+* the log — ``record`` (one record's bytes), ``blocks`` (row-to-block math), ``block_records`` (a
+  block's ROWS records), ``segments`` (segment files), ``storage`` (the segment storage seam and
+  ``fetch``, the one checked read of a record);
+* the index — ``index`` (LMDB), ``schema`` (what its values hold), ``version_edit`` (what one commit
+  changes: its log record and its index update);
+* reads and writes — ``reader`` (read chains), ``table_decode`` (whole tables: every record verified,
+  then decoded in parallel into place), ``merge`` (merge-on-write deltas), ``arguments`` (the
+  checks of a caller's arguments), ``writer`` (a checkpoint);
+* the engine — ``opening`` (finding and making a store's files) and ``core`` (``Engine``: the lock, the
+  index, recovery, the appenders and the writer slot).
+
+Nothing here imports ``cnrstore.maintenance``, ``cnrstore.store`` or a wing (tests/test_engine.py).
+"""
+
+from .core import Engine, version_info
+
+__all__ = ["Engine", "version_info"]
