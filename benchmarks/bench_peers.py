@@ -37,8 +37,17 @@ each is an independent file or directory). The issue's cnrstore scheme keeps eve
 with the peers' all-kept figure; the design's scheme keeps the last ``--keep`` and compares with the
 peers' measured figure.
 
+Trainer stall over a run (issue 23; ``--stall-only`` runs just this part): the issue's scheme trains
+``--stall-saves`` checkpoint intervals of ``--stall-every`` steps and saves after each WITHOUT waiting for the
+write, as a trainer does, twice from the same seed and batches: with the save queue (the default bound)
+and with ``max_queue_bytes=0`` (one save at a time, the behaviour before issue 23: a save waits for the one
+still writing). Per arm: every save()'s wall time (the stall), its median and maximum over the run
+(baselines included; and after the first save, the full copy every process pays once), the baselines'
+stalls, and the save right after each baseline against the median ordinary increment.
+
     python benchmarks/bench_peers.py                 # full run (see --emb-mib for the scale)
     python benchmarks/bench_peers.py --quick         # smoke run (< 60 s)
+    python benchmarks/bench_peers.py --quick --stall-only   # the trainer-stall run alone
     python benchmarks/bench_peers.py --out FILE --plot benchmarks/peers_intervals.png
 """
 
@@ -447,6 +456,87 @@ def run(args) -> tuple[str, dict]:
     return "\n".join(lines) + "\n", res
 
 
+def stall_run(args) -> str:
+    """The trainer-stall run (module doc): markdown lines with both arms' figures and the issue-23 goals."""
+    torch.set_num_threads(args.threads)
+    if not getattr(args, "max_rows", None):
+        args.max_rows = rows_cap_for(args.emb_mib * 2**20 // (4 * args.dim))
+    card = dlrm_model.cardinalities(args)
+    loss_fn = nn.BCEWithLogitsLoss()
+    loader = dlrm_model.SyntheticCriteo(args)
+    batches = [loader.next() for _ in range(args.stall_every * args.stall_saves)]
+    arms = {"queued (default bound)": None, "one at a time (max_queue_bytes=0)": 0}
+    out = {}
+    # an untimed warm-up arm first (a process's first saves pay one-time costs), then the arms
+    for arm, bound in [("warm-up", None), *arms.items()]:
+        model, opt = fresh(args, args.seed)
+        root = tempfile.mkdtemp(prefix="bench_peers-stall-", dir=args.tmp)
+        try:
+            store = cnrstore.open(os.path.join(root, "store"), create=True, compaction="auto")
+            ck = Checkpointer(store, model, opt, codec=WEIGHT_CODEC, mode="intermittent", max_queue_bytes=bound)
+            stalls, baseline, held, pendings = [], [], [], []
+            t_run = time.perf_counter()
+            for i in range(args.stall_saves if arm != "warm-up" else 3):
+                torch.set_num_threads(args.train_threads)
+                for dense, ids, labels in batches[i * args.stall_every:(i + 1) * args.stall_every]:
+                    opt.zero_grad(set_to_none=True)
+                    loss_fn(model(dense, ids), labels).backward()
+                    opt.step()
+                torch.set_num_threads(args.threads)
+                t0 = time.perf_counter()
+                pending = ck.save(i)
+                stalls.append(time.perf_counter() - t0)
+                baseline.append(pending.report.baseline)
+                held.append(ck.queued_bytes())
+                pendings.append(pending)
+            versions = [p.wait() for p in pendings]
+            run_s = time.perf_counter() - t_run
+            assert versions == sorted(versions), "versions committed out of save order"
+            if arm != "warm-up":
+                out[arm] = dict(stalls=stalls, baseline=baseline, held=max(held), bound=ck.queue_bound(),
+                                run_s=run_s)
+            ck.close()
+            store.close()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        del model, opt
+        gc.collect()
+
+    lines = ["### Trainer stall over a run (issue 23)", "",
+             f"- {args.stall_saves} saves, one every {args.stall_every} step(s) of batch {args.batch_size}, "
+             f"Checkpointer(codec={WEIGHT_CODEC!r}, mode='intermittent') on open(compaction='auto'), "
+             f"{sum(card) * args.dim * 4 / 2**20:.0f} MiB of fp32 embeddings + Adagrad state; save() not waited "
+             "for; the same seed and batches in every arm, run one after the other after an untimed warm-up (3 saves)", "",
+             "| arm | saves (baselines) | stall median | p90 | stall max (save #, kind) | max / median | "
+             "max / median after the first save | baseline stalls | save after a baseline / median increment "
+             "| queued bytes, max (bound) | run |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    goals = []
+    for arm, r in out.items():
+        st, base = np.asarray(r["stalls"]), np.asarray(r["baseline"])
+        after = np.zeros_like(base)
+        after[1:] = base[:-1] & ~base[1:]
+        ordinary = st[~base & ~after]
+        med_inc = float(np.median(ordinary)) if ordinary.size else float("nan")
+        ratio_after = float(st[after].max()) / med_inc if after.any() and ordinary.size else float("nan")
+        p100 = float(st.max()) / float(np.median(st))
+        later = float(st[1:].max()) / float(np.median(st)) if st.size > 1 else float("nan")
+        lines.append(
+            f"| {arm} | {st.size} ({int(base.sum())}) | {fmt_s(float(np.median(st)))} | "
+            f"{fmt_s(float(np.percentile(st, 90)))} | {fmt_s(float(st.max()))} (#{int(st.argmax()) + 1}, "
+            f"{'baseline' if base[st.argmax()] else 'after a baseline' if after[st.argmax()] else 'increment'}) | "
+            f"{p100:.1f}x | {later:.1f}x | {', '.join(fmt_s(float(x)) for x in st[base])} | "
+            + (f"{ratio_after:.1f}x ({', '.join(fmt_s(float(x)) for x in st[after])} / {fmt_s(med_inc)})"
+               if ratio_after == ratio_after else "n/a")
+            + f" | {fmt_bytes(r['held'])} ({fmt_bytes(r['bound'])}) | {r['run_s']:.1f} s |")
+        goals.append(f"  - {arm}: stall max / median {p100:.1f}x (goal <= 2x): "
+                     f"**{'met' if p100 <= 2 else 'not met'}** (after the first save, the process's first full "
+                     f"copy: {later:.1f}x); save after a baseline / ordinary increment "
+                     f"{ratio_after:.1f}x (goal <= 2x): **{'met' if ratio_after <= 2 else 'not met'}**")
+    lines += ["", "Goals (issue 23), ratios from this run:", *goals]
+    return "\n".join(lines) + "\n"
+
+
 #: Line styles of the peers, whose byte and disk lines coincide (each writes the same full state): distinct
 #: markers and dashes, so that all three stay visible where they lie on top of each other.
 PEER_STYLE = {
@@ -562,21 +652,38 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="also write the markdown to FILE")
     p.add_argument("--plot", default=None, help="write a PNG (e.g. benchmarks/peers_intervals.png); needs matplotlib")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--stall-saves", type=int, default=None, help="saves in the trainer-stall run (default 30; --quick 12)")
+    p.add_argument("--stall-every", type=int, default=1, help="training steps between saves in the stall run")
+    p.add_argument("--stall-only", action="store_true", help="run only the trainer-stall run")
     args = p.parse_args(argv)
-    defaults = dict(emb_mib=(16, 1024), intervals=(6, 7), steps=(2, 4), batch_size=(1024, 4096), keep=(3, 5))
+    defaults = dict(emb_mib=(16, 1024), intervals=(6, 7), steps=(2, 4), batch_size=(1024, 4096), keep=(3, 5),
+                    stall_saves=(12, 30))
     for k, (quick, full) in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, quick if args.quick else full)
     if args.train_threads is None:
         args.train_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     args.default_emb_mib = defaults["emb_mib"][0 if args.quick else 1]
-    if args.keep < 1 or args.intervals < 1 or args.restores < 1:
-        p.error("--keep, --intervals and --restores must be positive")
+    args.default_stall_saves = defaults["stall_saves"][0 if args.quick else 1]
+    if min(args.keep, args.intervals, args.restores, args.stall_saves, args.stall_every) < 1:
+        p.error("--keep, --intervals, --restores, --stall-saves and --stall-every must be positive")
     args.schemes = csv_list(args.schemes, SCHEMES, "--schemes", p)
     args.optimizer_codecs = csv_list(args.optimizer_codecs, OPTIMIZER_CODECS, "--optimizer-codecs", p)
     args.load_start = load_average()
     warnings.filterwarnings("ignore")
+    if args.stall_only:
+        body = stall_run(args)
+        head = [f"- {h}" for h in machine_description()]
+        md = "\n".join(["## Trainer stall over a run", "", *head,
+                        f"- load average at start: {args.load_start}; at end: {load_average()}", ""])
+        publish(md + "\n" + body + f"\nreproduce: `python benchmarks/bench_peers.py"
+                f"{' --quick' if args.quick else ''}{f' --emb-mib {args.emb_mib}' if args.emb_mib != args.default_emb_mib else ''}"
+                f"{f' --stall-saves {args.stall_saves}' if args.stall_saves != args.default_stall_saves else ''}"
+                f"{f' --stall-every {args.stall_every}' if args.stall_every != 1 else ''} --stall-only`\n",
+                args.out, None, None)
+        return 0
     md, res = run(args)
+    md += "\n" + stall_run(args)
     publish(md, args.out, args.plot, lambda path: plot(res, path))
     return 0
 

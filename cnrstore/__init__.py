@@ -30,6 +30,7 @@ from .errors import (
     MissingRows,
     PermissionDenied,
     ReadOnlyError,
+    SaveSkipped,
     StorageFull,
     StorageIOError,
     StoreClosed,
@@ -76,5 +77,5 @@ __all__ = [
     "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "TableNotFound",
     "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",
     "CheckpointInProgress", "GlobalCommitError", "IndexDamaged", "StorageIOError", "IndexBusy", "CompactionFailed",
-    "ExportFailed", "PermissionDenied", "StoreMoved", "UnsafePayload",
+    "ExportFailed", "PermissionDenied", "StoreMoved", "UnsafePayload", "SaveSkipped",
 ]

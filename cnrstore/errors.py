@@ -25,6 +25,7 @@ __all__ = [
     "ReadOnlyError",
     "CheckpointInProgress",
     "GlobalCommitError",
+    "SaveSkipped",
     "ExportFailed",
     "CompactionFailed",
     "StorageIOError",
@@ -141,6 +142,13 @@ class GlobalCommitError(CnrError):
     def __init__(self, message: str, ranks=()):
         super().__init__(message)
         self.ranks = tuple(ranks)
+
+
+class SaveSkipped(CnrError):
+    """A queued ``cnrstore.torch.Checkpointer`` save was not written because the save queued before it did
+    not commit (``__cause__`` says why): it held only the rows changed since that one. Nothing of it was
+    committed, every version committed before is intact, and the Checkpointer's next save is a baseline.
+    ``PendingSave.wait()`` raises it; the failure itself is raised once by the next ``save()``."""
 
 
 class ExportFailed(CnrError, OSError):

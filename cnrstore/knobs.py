@@ -35,6 +35,14 @@ ENCODE_CHUNK_ROWS = 1 << 18
 #: Buffers handed to one writev call.
 WRITEV_BUFFERS = 512
 
+# Trainer saves (cnrstore.torch) -------------------------------------------------------------------
+#: A Checkpointer's saves queue (a save copies its rows and returns while earlier ones are still being
+#: written) as long as the host memory their snapshots hold stays within this many full snapshots of the
+#: model (every row of every table and of its row-wise optimizer state, and the dense state); a save that
+#: would pass the bound first waits for the oldest. 2: a baseline being written plus as much again queued.
+#: ``Checkpointer(max_queue_bytes=...)`` sets the bound in bytes instead (0: one save at a time).
+SAVE_QUEUE_SNAPSHOTS = 2.0
+
 # Compaction and GC ---------------------------------------------------------------------------------
 #: GC rewrites a sealed segment whose live records fill less than this fraction of it.
 GC_LIVE_FRACTION = 0.5

@@ -1,6 +1,7 @@
 """cnrstore.torch.Checkpointer: row tracking, modes, asynchronous saves, exact restore."""
 
 import copy
+import threading
 
 import numpy as np
 import pytest
@@ -341,26 +342,182 @@ def test_unreported_background_failure_is_raised_by_close(store, monkeypatch):
     ck.close()  # idempotent
 
 
-def test_save_waits_for_the_one_in_flight(store, monkeypatch):
+class Gate:
+    """Holds every background write at its ``store.checkpoint`` call until ``open()``; counts the calls and
+    can make chosen calls fail (1-based), as a write whose disk failed."""
+
+    def __init__(self, store, monkeypatch, fail_calls=()):
+        self.real, self.fail_calls, self.calls = store.checkpoint, set(fail_calls), 0
+        self.event = threading.Event()
+        monkeypatch.setattr(store, "checkpoint", self)
+
+    def __call__(self, *a, **k):
+        assert self.event.wait(30), "the gate was never opened: a save waited for a write it held"
+        self.calls += 1
+        if self.calls in self.fail_calls:
+            raise OSError("disk unplugged")
+        return self.real(*a, **k)
+
+    def open(self):
+        self.event.set()
+
+
+def test_saves_queue_behind_a_write_in_flight_and_commit_in_save_order(store, monkeypatch):
+    """A save while earlier ones are still writing copies its rows and returns; versions commit in save
+    order, each holding exactly the model at its save (the reusable buffers are not overwritten under a
+    queued write)."""
     torch.manual_seed(0)
     model = Table()
-    ck = Checkpointer(store, model, codec="fp32")
-    real = store.checkpoint
-    import threading
-    gate = threading.Event()
-
-    def slow(*a, **k):
-        gate.wait(10)
-        return real(*a, **k)
-
-    monkeypatch.setattr(store, "checkpoint", slow)
-    first = ck.save(0)
-    assert not first.done()
-    threading.Timer(0.2, gate.set).start()
-    second = ck.save(1)  # blocks until the first one is written
-    assert first.done()
-    assert second.wait() > first.wait()
+    # (a model this small is mostly payload: the default bound of two full snapshots would hold 3 saves)
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental", max_queue_bytes=1 << 20)
+    gate = Gate(store, monkeypatch)
+    pendings, models = [], []
+    for i in range(4):
+        touch(model, [i, 10 + i])
+        with torch.no_grad():
+            model.emb.weight[[i, 10 + i]] += 1.0  # (as an optimizer step would)
+        pendings.append(ck.save(i))
+        models.append(model.emb.weight.detach().numpy().copy())
+    assert not any(p.done() for p in pendings)  # all four returned with the first still held
+    assert pendings[0].report.baseline and not any(p.report.baseline for p in pendings[1:])
+    gate.open()
+    versions = [p.wait() for p in pendings]
+    assert versions == sorted(versions) and len(set(versions)) == 4
+    for v, want in zip(versions, models):
+        np.testing.assert_array_equal(store.read_table("emb", v), want)
+    assert [p.report.rows["emb"] for p in pendings[1:]] == [2, 2, 2]
     ck.close()
+
+
+def test_a_save_over_the_memory_bound_waits_and_only_then(store, monkeypatch):
+    """The queued snapshots' host bytes stay within max_queue_bytes: a save that would pass it waits for
+    the oldest first; max_queue_bytes=0 is one save at a time."""
+    torch.manual_seed(0)
+    model = Table()
+    waits = []
+    cnrstore.fs.pause_at("checkpointer_waits_for_room", lambda name: waits.append(name))
+    try:
+        ck = Checkpointer(store, model, codec="fp32", mode="incremental")
+        base = ck.save(0)
+        base.wait()
+        touch(model, list(range(50)))
+        half = ck.save(1)  # half the rows: the measure of an increment below
+        half.wait()
+        assert base.report.host_bytes > half.report.host_bytes > 50 * 4 * 4
+        gate = Gate(store, monkeypatch)
+        # room for the baseline and one increment of 50 rows beside it, not two
+        ck.max_queue_bytes = base.report.host_bytes + half.report.host_bytes + 100
+        ck.note_restore()
+        first = ck.save(2)  # a baseline; an empty queue never waits
+        touch(model, list(range(50)))
+        second = ck.save(3)  # fits beside it: no wait
+        assert not waits and not first.done()
+        assert ck.queued_bytes() == first.report.host_bytes + second.report.host_bytes <= ck.max_queue_bytes
+        touch(model, list(range(50, 100)))
+        threading.Timer(0.3, gate.open).start()
+        third = ck.save(4)  # would pass the bound: waits for the baseline's write
+        assert waits and first.done() and third.report.stall_s >= 0.2
+        assert first.wait() < second.wait() < third.wait()
+        ck.close()
+
+        waits.clear()
+        ck = Checkpointer(store, model, codec="fp32", mode="incremental", max_queue_bytes=0)
+        gate.event.clear()
+        ck.save(5)
+        threading.Timer(0.3, gate.open).start()
+        touch(model, [2])
+        ck.save(6)  # one save at a time: waits for the one before, as before issue 23
+        assert waits
+        ck.close()
+    finally:
+        cnrstore.fs.pause_at("checkpointer_waits_for_room", None)
+    with pytest.raises(InvalidArgument, match="max_queue_bytes"):
+        Checkpointer(store, model, max_queue_bytes=-1)
+
+
+def test_default_bound_is_two_full_snapshots_and_a_knob(store, monkeypatch):
+    model = Table()
+    ck = Checkpointer(store, model, codec="fp32")
+    base = ck.save(0)
+    base.wait()
+    assert base.report.baseline and ck.queue_bound() == 2 * base.report.host_bytes
+    monkeypatch.setattr(cnrstore.knobs, "SAVE_QUEUE_SNAPSHOTS", 0.5)
+    assert ck.queue_bound() == base.report.host_bytes // 2
+    ck.close()
+
+
+def test_a_failed_queued_save_is_raised_by_the_next_save_and_the_increments_after_it_are_skipped(
+        store, monkeypatch):
+    torch.manual_seed(0)
+    model = Table()
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental", max_queue_bytes=1 << 20)
+    ck.save(0).wait()
+    gate = Gate(store, monkeypatch, fail_calls={1})
+    touch(model, [1])
+    failing = ck.save(1)  # save #2
+    touch(model, [2])
+    skipped = ck.save(2)  # an increment on save #2's rows: it must not commit without them
+    gate.open()
+    with pytest.raises(OSError, match="disk unplugged"):
+        failing.wait()
+    with pytest.raises(cnrstore.SaveSkipped, match="save #2") as info:
+        skipped.wait()
+    assert isinstance(info.value.__cause__, OSError)
+    newest = store.latest().version
+    with pytest.raises(OSError, match="disk unplugged") as info:
+        ck.save(3)  # raised once, naming the save that failed and this one; no snapshot
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "save #2 (step 1)" in notes and "re-raised by save #4" in notes
+    assert store.latest().version == newest  # neither the failed nor the skipped save committed
+    p = ck.save(4)  # then a baseline: the rows of the lost saves are not lost
+    p.wait()
+    assert p.report.baseline
+    np.testing.assert_array_equal(store.read_table("emb"), model.emb.weight.detach().numpy())
+    ck.close()
+
+
+def test_a_baseline_queued_after_a_failure_still_commits(store, monkeypatch):
+    """Only increments depend on the save before them: a baseline queued behind a failed save is written."""
+    torch.manual_seed(0)
+    model = Table()
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental")
+    gate = Gate(store, monkeypatch, fail_calls={1})
+    failing = ck.save(0)  # the first save is a baseline; it fails
+    with torch.no_grad():
+        model.emb.weight.add_(1.0)
+    ck.note_restore()  # (any path that makes the next save a baseline)
+    second = ck.save(1)
+    assert second.report.baseline
+    gate.open()
+    v = second.wait()
+    np.testing.assert_array_equal(store.read_table("emb", v), model.emb.weight.detach().numpy())
+    with pytest.raises(OSError):
+        ck.close()  # the failure nobody was told of yet
+    assert failing.done() and failing.failure() is not None
+
+
+def test_close_and_restore_wait_for_every_queued_save(store, monkeypatch):
+    torch.manual_seed(0)
+    model = Table()
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental", max_queue_bytes=1 << 20)
+    gate = Gate(store, monkeypatch)
+    pendings = []
+    for i in range(3):
+        touch(model, [i])
+        with torch.no_grad():
+            model.emb.weight[i] += 1.0
+        pendings.append(ck.save(i))
+    want = model.emb.weight.detach().numpy().copy()
+    threading.Timer(0.2, gate.open).start()
+    info = ck.restore()  # waits for all three; the newest is the third
+    assert all(p.done() for p in pendings) and info.version == pendings[-1].wait()
+    np.testing.assert_array_equal(model.emb.weight.detach().numpy(), want)
+    gate.event.clear()
+    touch(model, [5])
+    queued = [ck.save(10), ck.save(11)]
+    threading.Timer(0.2, gate.open).start()
+    ck.close()
+    assert all(p.done() for p in queued) and queued[0].wait() < queued[1].wait()
 
 
 # -- wrong shapes ---------------------------------------------------------------------------------------

@@ -111,7 +111,9 @@ def test_drifting_optimizers_write_more_than_the_looked_up_rows_and_only_what_ch
             written = []
             for i in range(1, 4):
                 _step(model, opt, i)
-                written.append(ck.save(step=i).wait() and ck._pending.report.rows["emb"])
+                p = ck.save(step=i)
+                p.wait()
+                written.append(p.report.rows["emb"])
     assert written == [8, 12, 16]  # rows 0..4i+3: every row looked up so far, never the others
 
 
@@ -184,3 +186,41 @@ def test_save_refuses_dense_state_beyond_one_record_before_the_background_write(
             monkeypatch.undo()
             ck.save(step=0).wait()  # nothing failed in the background: the next save just works
         assert len(store.versions()) == 1
+
+
+@pytest.mark.parametrize("mode", ["incremental", "one-shot", "intermittent"])
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "adagrad"])
+def test_queued_saves_restore_bit_exactly(tmp_path, name, mode, monkeypatch):
+    """Saves taken while earlier ones are still writing (issue 23: they queue instead of waiting): every
+    version still restores to the exact state at its save() call."""
+    import threading
+    model = Model()
+    opt = OPTIMIZERS[name](model.parameters())
+    copies, pendings = [], []
+    with cnrstore.open(str(tmp_path / "store"), create=True) as store:
+        real, release = store.checkpoint, threading.Event()
+
+        def held(*a, **k):  # every write waits until all six saves are taken
+            release.wait(30)
+            return real(*a, **k)
+
+        monkeypatch.setattr(store, "checkpoint", held)
+        ck = Checkpointer(store, model, opt, codec="fp32", mode=mode, max_queue_bytes=1 << 24)
+        for i in range(6):
+            _step(model, opt, i)
+            pendings.append(ck.save(step=i))
+            copies.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
+        assert not any(p.done() for p in pendings)  # all queued behind the first
+        release.set()
+        versions = [p.wait() for p in pendings]
+        assert versions == sorted(versions)
+        ck.close()
+        assert not all(p.report.baseline for p in pendings[1:]) or mode == "intermittent"
+        for v, (saved_model, saved_opt) in zip(versions, copies):
+            fresh = Model()
+            with torch.no_grad():
+                fresh.emb.weight.fill_(7.0)
+            fresh_opt = OPTIMIZERS[name](fresh.parameters())
+            with Checkpointer(store, fresh, fresh_opt, codec="fp32", mode=mode) as ck2:
+                ck2.restore(v)
+            _assert_same_state(fresh, fresh_opt, saved_model, saved_opt)

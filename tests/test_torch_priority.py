@@ -152,9 +152,9 @@ def test_priority_save_writes_the_top_rows_and_the_next_save_the_rest(store, mod
     keep = ~mask
     np.testing.assert_array_equal(after[keep], before[keep])  # the rest keep theirs
     t = ck._tables[0]
-    assert set(np.flatnonzero(t.touched.numpy()).tolist()) == {9} | set(range(10, 20))
+    assert set(t.touched.rows().tolist()) == {9} | set(range(10, 20))
     if mode != "incremental":
-        assert set(np.flatnonzero(t.since_baseline.numpy()).tolist()) == picked
+        assert set(t.since_baseline.rows().tolist()) == picked
     assert ck._plan.diffs == []  # a priority save is no differential of the intermittent rule
 
     # the next regular save writes the remaining touched rows (and, since the baseline, the picked ones)
@@ -243,7 +243,7 @@ def test_restore_of_a_priority_version_follows_store_semantics(store, priority):
     for i in range(3, 8):
         step(model, opt, i)
     before = counts(ck)
-    touched = {t.name: t.touched.numpy().copy() for t in ck._tables}
+    touched = {t.name: t.touched.to_mask().numpy() for t in ck._tables}
     at_priority = copy.deepcopy((model.state_dict(), opt.state_dict()))
     p = ck.save(8, top=0.1)
     v = p.wait()

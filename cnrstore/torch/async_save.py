@@ -1,31 +1,35 @@
 """The asynchronous half of a ``Checkpointer`` save: the host copies its snapshot holds, the write of that
 snapshot into the store on a background thread, and the handles the trainer and the store wait on.
 
-``save()`` stalls the trainer only for :func:`gather` (device rows into reused host buffers); the version
-is then written by :func:`write` while training goes on, and :class:`PendingSave` says when it has
-committed. :class:`WeakPendingWork` is how ``Store.close()`` and the interpreter's exit find that work.
+``save()`` stalls the trainer only for :func:`gather` (device rows into host buffers); the version is then
+written by :func:`write` while training goes on, and :class:`PendingSave` says when it has committed.
+Saves queue: :class:`SaveQueue` holds the snapshots not yet written, writes them one after the other in
+save order, and counts the host bytes they hold, so that a save waits only when the bound would be
+passed. :class:`WeakPendingWork` is how ``Store.close()`` and the interpreter's exit find that work.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ..errors import SaveSkipped
 from .payload import DENSE_PREFIX, STATE_BLOB
 
-__all__ = ["PendingSave", "SaveReport", "WeakPendingWork", "gather", "write"]
+__all__ = ["PendingSave", "SaveQueue", "SaveReport", "WeakPendingWork", "gather", "write"]
 
 
 @dataclass
 class SaveReport:
     """What one save wrote: rows per table (weights and row-wise optimizer state), whether it was a
-    baseline or a priority save (``save(top=...)``), and how long ``save()`` held the trainer
-    (``stall_s``)."""
+    baseline or a priority save (``save(top=...)``), how long ``save()`` held the trainer (``stall_s``,
+    including any wait for room in the save queue) and the host bytes its snapshot holds until written
+    (``host_bytes``)."""
 
     step: int | None
     baseline: bool
@@ -33,13 +37,16 @@ class SaveReport:
     stall_s: float = 0.0
     version: int | None = None
     priority: bool = False
+    host_bytes: int = 0
 
 
 class PendingSave:
-    """A save whose snapshot is taken and whose write runs in the background."""
+    """A save whose snapshot is taken and whose write runs in the background. ``seq``: which save of its
+    Checkpointer it is (1, 2, ...: error messages name a save by it)."""
 
-    def __init__(self, report: SaveReport):
+    def __init__(self, report: SaveReport, seq: int = 0):
         self.report = report
+        self.seq = seq
         self._done = threading.Event()
         self._version: int | None = None
         self._error: BaseException | None = None
@@ -74,6 +81,15 @@ class PendingSave:
     def cancel(self) -> None:
         """Make the write abort at its next step: nothing of it commits (an interrupt while waiting for it)."""
         self._cancelled = True
+
+    def failure(self) -> BaseException | None:
+        """The write's failure once it has ended (None while it runs, or if it committed); unlike
+        :meth:`wait`, this does not count as reporting it."""
+        return self._error if self._done.is_set() else None
+
+    def describe(self) -> str:
+        """``"save #3 (step 120)"``: this save, for messages."""
+        return f"save #{self.seq} (step {self.report.step})"
 
     @property
     def failure_reported(self) -> bool:
@@ -122,12 +138,14 @@ def gather(src: torch.Tensor, rows, out: torch.Tensor) -> None:
 
 
 def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: np.ndarray,
-          on_failure: Callable[[BaseException], None]) -> None:
+          after: PendingSave | None = None) -> None:
     """Write one snapshot as a version of ``store`` (the body of a save's background thread): ``row_jobs``
     ``(table, rows, host values, codec or None)``, the ``dense`` model arrays (under ``DENSE_PREFIX``) and
-    the payload ``blob`` (``STATE_BLOB``). Notes the version in ``pending``, or its failure (then
-    ``on_failure(exc)`` runs, before anyone waiting on ``pending`` wakes). A cancelled ``pending`` aborts at
-    its next step with KeyboardInterrupt. Marks ``pending`` done in every case; raises nothing."""
+    the payload ``blob`` (``STATE_BLOB``). Starts once ``after`` (the save queued before, if any) has ended;
+    if that one did not commit, a snapshot that is no baseline is not written (:class:`SaveSkipped`: it is
+    an increment on rows that never reached the store). Notes the version in ``pending``, or its failure. A
+    cancelled ``pending`` aborts at its next step with KeyboardInterrupt. Marks ``pending`` done in every
+    case; raises nothing."""
     def check():  # an interrupt cancelled this save while the trainer waited for it: abort, commit nothing
         if pending._cancelled:
             raise KeyboardInterrupt(f"the save of step {step} was cancelled by an interrupt while waiting "
@@ -135,6 +153,16 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
 
     version, error = None, None
     try:
+        if after is not None:
+            while not after.wait_done(0.05):  # (polled: a cancel must not wait for the one before)
+                check()
+            before = after.failure()
+            if before is not None and not pending.report.baseline:
+                raise SaveSkipped(
+                    f"{pending.describe()} was not written: {after.describe()}, queued before it, did not "
+                    f"commit ({type(before).__name__}: {before}), and this one holds only the rows changed "
+                    "since then; nothing of it was committed, the next save() writes a baseline") from before
+        check()
         with store.checkpoint(step, meta) as ck:
             for name, rows, values, codec in row_jobs:
                 check()
@@ -147,11 +175,93 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
             check()
         version = pending.report.version = ck.version
     except BaseException as exc:  # re-raised by wait() and the next save()
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"(cnrstore.torch: the background write of the checkpoint of step {step} failed; "
-                         "the next save() re-raises this once, without taking a snapshot, and the one "
-                         "after writes a full baseline)")
+        if hasattr(exc, "add_note") and not isinstance(exc, SaveSkipped):
+            exc.add_note(f"(cnrstore.torch: the background write of {pending.describe()} failed; the next "
+                         "save() re-raises this once, without taking a snapshot, and the one after writes "
+                         "a full baseline)")
         error = exc
-        on_failure(exc)
     finally:
         pending.finish(version, error)
+
+
+class SaveQueue:
+    """The saves of one Checkpointer whose snapshots are taken and not yet written, oldest first, with the
+    host bytes each snapshot holds. :meth:`start` queues a save's write; one worker thread writes them in
+    order (so versions commit in save order, and a save does not pay for starting a thread: under load
+    that took tens of ms); it ends after ``IDLE_S`` without work and the next save starts another. The
+    owner (the trainer's thread) takes the ended saves out with :meth:`reap`, which is when their bytes
+    stop counting."""
+
+    IDLE_S = 2.0
+
+    def __init__(self):
+        self._saves: list[tuple[PendingSave, int, object]] = []  # (pending, bytes, what it holds)
+        self._jobs: collections.deque = collections.deque()  # write arguments not yet taken by the worker
+        self._lock = threading.Condition()
+        self._worker: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        return len(self._saves)
+
+    @property
+    def held_bytes(self) -> int:
+        """Host bytes the queued snapshots hold (counted until reaped)."""
+        return sum(n for _p, n, _h in self._saves)
+
+    @property
+    def last(self) -> PendingSave | None:
+        return self._saves[-1][0] if self._saves else None
+
+    def pending(self) -> list[PendingSave]:
+        """The saves queued, oldest first."""
+        return [p for p, _n, _h in self._saves]
+
+    def start(self, store, pending: PendingSave, nbytes: int, holds, step, meta, row_jobs, dense: dict,
+              blob: np.ndarray) -> None:
+        """Queue ``pending`` (its snapshot holds ``nbytes`` host bytes; ``holds`` is returned by
+        :meth:`reap` once it has ended); its write starts after the last queued one has ended."""
+        after = self.last
+        self._saves.append((pending, nbytes, holds))
+        with self._lock:
+            self._jobs.append((store, pending, step, meta, row_jobs, dense, blob, after))
+            self._lock.notify()
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="cnrstore-save", daemon=True)
+                self._worker.start()
+
+    def _work(self) -> None:
+        """The worker: write the queued snapshots in order; end after IDLE_S without one."""
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self._lock.wait(self.IDLE_S)
+                if not self._jobs:
+                    self._worker = None
+                    return
+                job = self._jobs.popleft()
+            write(*job)
+            del job  # (the snapshot's host copies go with the reaped save, not with this frame)
+
+    def reap(self) -> list[tuple[PendingSave, object]]:
+        """Take out the saves that have ended at the head of the queue (in save order): (pending, holds)."""
+        ended = []
+        while self._saves and self._saves[0][0].done():
+            p, _n, holds = self._saves.pop(0)
+            ended.append((p, holds))
+        return ended
+
+    def wait_oldest(self) -> None:
+        """Block until the oldest queued save has ended (not reaped)."""
+        if self._saves:
+            self._saves[0][0].wait_done(None)
+
+    def wait_all(self, timeout: float | None) -> bool:
+        """Block until every queued save has ended (for good, or ``timeout`` seconds); whether they have.
+        (They end in order: the last one ending means all have.)"""
+        last = self.last
+        return True if last is None else last.wait_done(timeout)
+
+    def cancel(self) -> None:
+        """Make every queued save abort at its next step: nothing of them commits."""
+        for p, _n, _h in self._saves:
+            p.cancel()

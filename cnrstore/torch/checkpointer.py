@@ -14,8 +14,8 @@ What goes where in the store:
   ``state_dict()``, dtypes) is one ``torch.save`` blob, the uint8 dense array ``"torch.state"``: data only
   (payload format 2, ``cnrstore/torch/payload.py``), checked at save and read with ``weights_only=True``.
 
-Row tracking: a forward pre-hook on each embedding sets a bool mask (on the weight's device) at every
-looked-up index, while autograd is enabled (lookups under ``torch.no_grad()``, e.g. evaluation, are not
+Row tracking: a forward pre-hook on each embedding sets a bit (one per row, ``rowbits.RowBits``, on the
+weight's device) at every looked-up index, while autograd is enabled (lookups under ``torch.no_grad()``, e.g. evaluation, are not
 tracked: they cannot change the weights). Weights changed outside a forward pass and an optimizer step
 are not tracked. (The masks and counts: ``tracking.py``; drift, non-zero rows and restored optimizer state:
 ``optim_state.py``; which rows each save writes: ``save_plan.py``; the host snapshot's write in the
@@ -70,8 +70,6 @@ every count.
 
 from __future__ import annotations
 
-import functools
-import threading
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -81,16 +79,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import codecs
+from .. import codecs, knobs
 from ..engine import fs, arguments
 from . import payload as _payload
 from . import restore as _restore
 from . import sharded
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, SaveSkipped
 from ..types import VersionInfo
 from ..engine.writer import pack_meta
-from .async_save import PendingSave, SaveReport, WeakPendingWork, gather, write
-from .optim_state import as_optimizer_list, create_lazy_state, table_drift, with_live_state
+from .async_save import PendingSave, SaveQueue, SaveReport, WeakPendingWork, gather
+from .optim_state import as_optimizer_list, create_lazy_state, row_state_width, table_drift, with_live_state
 from .payload import DENSE_PREFIX, STATE_BLOB, dense_copy
 from .save_plan import MODES, SavePlanner
 from .tracking import SSU_SEED, ShardTable, Table, tbe_tracker
@@ -140,13 +138,18 @@ class Checkpointer:
     """Checkpoints ``model`` (and ``optimizer``, ``extra``) into ``store``; see API.md and the module doc.
 
     ``codec`` is a codec name or a ``cnrstore.policy.BitWidthPolicy`` (its ``codec()`` is asked at each
-    save, and ``restore`` records a restore with it). Tables are created if missing; an existing table of
-    another shape raises :class:`InvalidArgument`. Not thread-safe: call it from the training thread.
+    save, and ``restore`` records a restore with it). Tables are created if missing (at construction, and
+    those of row-wise optimizer state created later, e.g. Adam's, at the first save that finds it); an
+    existing table of another shape raises :class:`InvalidArgument`. Not thread-safe: call it from the training thread.
+
+    ``max_queue_bytes`` bounds the host memory held by the snapshots of saves not yet written (see
+    :meth:`save`); None: ``knobs.SAVE_QUEUE_SNAPSHOTS`` times a full snapshot of the model (every row of
+    every table and of its row-wise optimizer state, and the dense state); 0: one save at a time.
     """
 
     def __init__(self, store, model: nn.Module, optimizer=None, *, codec="int4", mode: str = "intermittent",
                  optimizer_codec: str = "fp32", extra=None, priority: str | None = None,
-                 ssu_rate: float = 0.125):
+                 ssu_rate: float = 0.125, max_queue_bytes: int | None = None):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if priority is not None and priority not in PRIORITIES:
@@ -157,6 +160,11 @@ class Checkpointer:
                                   f"got {ssu_rate!r}")
         if not isinstance(model, nn.Module):
             raise InvalidArgument(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if max_queue_bytes is not None and (isinstance(max_queue_bytes, bool) or not isinstance(
+                max_queue_bytes, (int, np.integer)) or max_queue_bytes < 0):
+            raise InvalidArgument(f"max_queue_bytes must be None (the default bound) or a number of bytes >= 0; "
+                                  f"got {max_queue_bytes!r}")
+        self.max_queue_bytes = None if max_queue_bytes is None else int(max_queue_bytes)
         self._policy = None if isinstance(codec, str) else codec
         if self._policy is not None and not callable(getattr(self._policy, "codec", None)):
             raise InvalidArgument(f"codec must be a codec name or a BitWidthPolicy, got {codec!r}")
@@ -193,14 +201,24 @@ class Checkpointer:
         self._dense = {k: v for k, v in model.state_dict(keep_vars=True).items()
                        if id(v) not in self._by_weight and k not in sharded_keys}
         self._plan = SavePlanner(mode, self._tables, self._optimizers)  # which rows each save writes
-        self._pending: PendingSave | None = None
+        try:  # row-wise state that exists already (Adagrad's) gets its tables now, not in the first save's stall
+            for t in self._tables:
+                for key, state in self._plan.row_states(t):
+                    self._ensure_table(existing, f"{t.name}.optim.{key}", t.store_rows, row_state_width(state),
+                                       self.optimizer_codec)
+        except BaseException:
+            self._remove_hooks()
+            raise
+        self._queue = SaveQueue()  # the saves whose snapshots are taken and not yet written, in order
+        self._seq = 0  # saves taken so far (messages name a save by its number)
+        self._blob_bytes = 0  # the last payload's size: the estimate of the next one's
         self._error: BaseException | None = None  # a background failure not yet re-raised by save()
         self._failed: PendingSave | None = None  # the save that failed with it
         self._closed = False
         self._work = WeakPendingWork(self, Checkpointer._finish_saves, Checkpointer._cancel_saves,
-                                     lambda owner: owner._error)
+                                     Checkpointer._unreported_failure)
         add_work = getattr(store, "add_pending_work", None)
-        if add_work is not None:  # store.close() and the interpreter's exit wait for our save in flight
+        if add_work is not None:  # store.close() and the interpreter's exit wait for our queued saves
             add_work(self._work)
 
     def _add_shards(self, model: nn.Module, existing: dict) -> set:
@@ -248,45 +266,114 @@ class Checkpointer:
     def _raise_pending_error(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
+            if hasattr(err, "add_note"):
+                err.add_note(f"(re-raised by save #{self._seq + 1} of this Checkpointer, which took no snapshot)")
             raise err
 
+    def _reap(self) -> None:
+        """Take the saves that have ended out of the queue (on the trainer's thread): their reusable buffers
+        are free again and their bytes stop counting; a failure makes the next save a baseline and is kept
+        for the next save() to raise (the first one; a save skipped because of it adds nothing)."""
+        for pending, holds in self._queue.reap():
+            for t, name in holds:
+                t.release_buffer(name)
+            err = pending.failure()
+            if err is not None:
+                self._plan.force_full = True
+                if self._error is None and not isinstance(err, SaveSkipped):
+                    self._error, self._failed = err, pending
+
     def _finish_inflight(self) -> None:
-        if not self._finish_saves(None):
-            return
-        self._pending = None
+        if self._finish_saves(None):
+            self._reap()
 
     def _finish_saves(self, timeout: float | None) -> bool:
-        """Wait for the save in flight (for good, or ``timeout`` seconds); whether it has ended. An
-        interrupt while waiting cancels it (it aborts at its next step: nothing of it commits) and is
-        re-raised; the save stays pending until its thread has ended, so that the store is never closed
-        under it. (Store.close() and the store's exit hook call this, through its ``WeakPendingWork``.)"""
-        p = self._pending
-        if p is None:
+        """Wait for every queued save (for good, or ``timeout`` seconds); whether they have ended. An
+        interrupt while waiting cancels them (each aborts at its next step: nothing of them commits) and is
+        re-raised; they stay queued until their threads have ended, so that the store is never closed
+        under them. (Store.close() and the store's exit hook call this, through its ``WeakPendingWork``.)"""
+        if not len(self._queue):
             return True
         try:
             fs.pause_point("checkpointer_waits_for_save")  # (tests: where a Ctrl-C lands while close waits)
-            return p.wait_done(timeout)
+            return self._queue.wait_all(timeout)
         except BaseException:
-            p.cancel()
+            self._queue.cancel()
             raise
 
     def _cancel_saves(self) -> None:
-        """Tell the save in flight to abort at its next step (an exit that cannot wait for it)."""
-        if self._pending is not None:
-            self._pending.cancel()
+        """Tell every queued save to abort at its next step (an exit that cannot wait for them)."""
+        self._queue.cancel()
+
+    def _unreported_failure(self) -> BaseException | None:
+        """A background failure nobody has been told of yet (the store's exit hook logs it)."""
+        if self._error is not None:
+            return self._error
+        for pending in self._queue.pending():
+            err = pending.failure()
+            if err is not None and not pending.failure_reported and not isinstance(err, SaveSkipped):
+                return err
+        return None
+
+    def queue_bound(self) -> int:
+        """The bytes the snapshots of queued saves may hold (``max_queue_bytes``, or its default)."""
+        if self.max_queue_bytes is not None:
+            return self.max_queue_bytes
+        return int(knobs.SAVE_QUEUE_SNAPSHOTS * self._snapshot_bytes([None] * len(self._tables)))
+
+    def queued_bytes(self) -> int:
+        """Host bytes the snapshots of the saves not yet written hold now."""
+        self._reap()
+        return self._queue.held_bytes
+
+    def _snapshot_bytes(self, picks: list) -> int:
+        """Host bytes a snapshot of ``picks`` (per table: rows, or None for all) takes: the rows of each table
+        and of its row-wise state (in full the first time a state table is written in this session), the
+        dense arrays, and a payload the size of the last one."""
+        total = self._blob_bytes + sum(v.nbytes for v in self._dense.values())
+        for t, rows in zip(self._tables, picks):
+            n = t.num_rows if rows is None else int(rows.numel())
+            total += 4 * n * t.dim
+            for key, state in self._plan.row_states(t):
+                width = row_state_width(state)
+                full = f"{t.name}.optim.{key}" not in t.full_written
+                total += 4 * (t.num_rows if full else n) * width
+        return total
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Before a snapshot of ``nbytes``: wait for the oldest queued saves while the queue holds any and
+        the bound would be passed (a snapshot alone over the bound is taken once the queue is empty). A
+        failure found meanwhile is raised here, with no snapshot taken."""
+        self._reap()
+        bound = self.queue_bound()
+        while len(self._queue) and self._queue.held_bytes + nbytes > bound:
+            try:
+                fs.pause_point("checkpointer_waits_for_room")  # (tests: a save waiting on the bound)
+                self._queue.wait_oldest()
+            except BaseException:
+                self._queue.cancel()
+                raise
+            self._reap()
+        self._raise_pending_error()
 
     # -- save -----------------------------------------------------------------------------------------
     def save(self, step: int | None = None, meta: dict | None = None, *, top: float | None = None) -> PendingSave:
         """Snapshot the state into host memory and write it in the background; see API.md.
 
         ``top`` (a fraction in (0, 1], only with ``priority``) makes it a priority save: per table, at most
-        ``ceil(top · num_rows)`` of the touched rows, the most updated first (module doc). Waits for the
-        save in flight first. A failure of an earlier background write is raised here (once) instead of
-        taking a snapshot.
+        ``ceil(top · num_rows)`` of the touched rows, the most updated first (module doc).
 
-        Once ``save()`` has returned, the save commits even if the process then ends: ``store.close()``,
-        ``Checkpointer.close()`` and the interpreter's exit (Ctrl-C, an uncaught exception, ``sys.exit``)
-        wait for it; the exit waits at most ``cnrstore.store.EXIT_WAIT_S`` seconds (300, env
+        Saves queue: a save while earlier ones are still writing copies its rows and returns; the queued
+        snapshots are written one after the other, so versions commit in save order. Only when the host
+        bytes the queued snapshots hold plus this one's would pass ``queue_bound()`` does ``save`` first wait
+        for the oldest ones (its ``stall_s`` includes that wait). A failure of an earlier background write
+        is raised here (once, with a note naming the save that failed) instead of taking a snapshot; the
+        queued saves after the failed one that are no baseline are not written (their ``wait()`` raises
+        :class:`SaveSkipped`), and the next save is a baseline.
+
+        Once ``save()`` has returned, the save commits (unless a save queued before it fails: see above) even
+        if the process then ends: ``store.close()``, ``Checkpointer.close()`` and the interpreter's exit
+        (Ctrl-C, an uncaught exception, ``sys.exit``) wait for every queued save; the exit waits at most ``cnrstore.store.EXIT_WAIT_S`` seconds (300, env
         ``CNRSTORE_EXIT_WAIT_S``) for all of a store's work in flight. What loses it: SIGKILL, ``os._exit``,
         a signal whose default action kills the process without Python's exit (SIGTERM: install a handler
         that raises ``SystemExit`` to finish the save), a write still running after ``EXIT_WAIT_S``, or a
@@ -303,7 +390,7 @@ class Checkpointer:
                                       "priority='mfu' or priority='ssu'")
             if not _is_fraction(top):
                 raise InvalidArgument(f"top must be a fraction in (0, 1] of each table's rows; got {top!r}")
-        self._finish_inflight()
+        self._reap()
         self._raise_pending_error()
         pack_meta(meta)  # bad arguments fail here, not in the background
         step = arguments.step_arg(step)
@@ -321,17 +408,49 @@ class Checkpointer:
             raise
 
     def _snapshot(self, step, meta, top=None) -> PendingSave:
-        """Copy what the save writes into host memory (the trainer's stall), then start its write."""
+        """Copy what the save writes into host memory (the trainer's stall), then queue its write."""
         start = time.perf_counter()
         codec = self._weight_codec()
         baseline, priority, picks = self._plan.pick(top)
+        self._wait_for_room(self._snapshot_bytes(picks))
         report = SaveReport(step=step, baseline=baseline, priority=priority)
+        holds = []  # (table, name) of the reusable host buffers this snapshot takes
+        try:
+            row_jobs, dense, blob = self._copy(picks, codec, report, holds)
+        except BaseException:
+            for t, name in holds:
+                t.release_buffer(name)
+            raise
+        self._plan.settle(picks, priority)
+        for t in self._tables:
+            for name, _, _, _ in row_jobs:
+                if name.startswith(f"{t.name}.optim."):
+                    t.full_written.add(name)
+        self._blob_bytes = blob.nbytes
+        report.host_bytes = sum(values.nbytes for _n, _r, values, _c in row_jobs) + blob.nbytes + sum(
+            a.nbytes for a in dense.values())
+        report.stall_s = time.perf_counter() - start
+        self._seq += 1
+        pending = PendingSave(report, self._seq)
+        self._queue.start(self.store, pending, report.host_bytes, holds, step, meta, row_jobs, dense, blob)
+        return pending
+
+    def _copy(self, picks: list, codec: str, report: SaveReport, holds: list):
+        """The snapshot's host copies: (row jobs, dense arrays, payload blob); notes the rows in ``report``
+        and the reusable buffers taken in ``holds``."""
         row_jobs = []  # (table, rows numpy, values tensor, codec)
         existing = self.store.tables()
+
+        def buffer(t, name, n, width):
+            buf, pooled = t.take_buffer(name, n, width)
+            if pooled:
+                holds.append((t, name))
+            return buf
+
         with torch.no_grad():
             for t, rows in zip(self._tables, picks):
                 n = t.num_rows if rows is None else int(rows.numel())
-                buf = t.host_buffer(t.name, n, t.dim)
+                buf = buffer(t, t.name, n, t.dim)
                 gather(t.weight, rows, buf)
                 rows_np = np.arange(t.num_rows, dtype=np.int64) if rows is None else rows.cpu().numpy()
                 if t.offset:
@@ -341,13 +460,13 @@ class Checkpointer:
                 report.rows[t.name] = n
                 for key, state in self._plan.row_states(t):
                     name = f"{t.name}.optim.{key}"
-                    width = int(np.prod(state.shape[1:], dtype=np.int64)) if state.dim() > 1 else 1
+                    width = row_state_width(state)
                     self._ensure_table(existing, name, t.store_rows, width, self.optimizer_codec)
                     s_rows, s_np = rows, rows_np
                     if name not in t.full_written:
                         s_rows, s_np = None, np.arange(t.offset, t.offset + t.num_rows, dtype=np.int64)
                     m = t.num_rows if s_rows is None else int(s_rows.numel())
-                    sbuf = t.host_buffer(name, m, width)
+                    sbuf = buffer(t, name, m, width)
                     gather(state.reshape(t.num_rows, width), s_rows, sbuf)
                     row_jobs.append((name, s_np, sbuf, None))
                     report.rows[name] = m
@@ -358,18 +477,7 @@ class Checkpointer:
                     f"the optimizer state outside the embedding tables (and extra) pickles to {blob.nbytes:,} "
                     f"bytes, more than one dense array holds ({arguments.max_dense_bytes():,}); keep large "
                     "row-wise state on nn.Embedding weights (saved as tables) or split the dense layers")
-        self._plan.settle(picks, priority)
-        for t in self._tables:
-            for name, _, _, _ in row_jobs:
-                if name.startswith(f"{t.name}.optim."):
-                    t.full_written.add(name)
-        report.stall_s = time.perf_counter() - start
-        pending = PendingSave(report)
-        self._pending = pending
-        threading.Thread(target=write, args=(self.store, pending, step, meta, row_jobs, dense, blob,
-                                             functools.partial(self._write_failed, pending)),
-                         name=f"cnrstore-save-{step}", daemon=True).start()
-        return pending
+        return row_jobs, dense, blob
 
     def _state_blob(self) -> np.ndarray:
         """This save's trainer payload, encoded (``payload.build``, then ``payload.encode``)."""
@@ -379,12 +487,6 @@ class Checkpointer:
             extra=self._extra, param_names={id(p): name for name, p in self.model.named_parameters()},
             row_tables=row_tables))
 
-    def _write_failed(self, pending: PendingSave, exc: BaseException) -> None:
-        """The background write of ``pending`` failed (on its thread, before anyone waiting for it wakes):
-        the next save() re-raises ``exc`` once, and the one after writes a baseline."""
-        self._error, self._failed = exc, pending
-        self._plan.force_full = True
-
     # -- restore --------------------------------------------------------------------------------------
     def restore(self, version: int | None = None, *, trust_pickle: bool = False) -> VersionInfo:
         """Load ``version`` (default newest) into the model, optimizers and ``extra`` in place.
@@ -393,7 +495,7 @@ class Checkpointer:
         code (written before payload format 2, or crafted) raises :class:`UnsafePayload` before anything is
         changed, unless ``trust_pickle=True`` (a warning, then a full unpickle: only for a store you wrote).
 
-        Waits for an in-flight save (its failure, if any, is still raised by the next ``save``). A model
+        Waits for every queued save first (a failure among them is still raised by the next ``save``). A model
         whose shapes differ from the stored ones raises :class:`InvalidArgument`, and so does a version
         holding another number of optimizers than this Checkpointer has -- except a version holding none
         (``cnrstore import`` of model weights only), which leaves the optimizers as they are.
@@ -458,11 +560,12 @@ class Checkpointer:
         """*For sibling packages* (``cnrstore.distributed``): drop the failure of a background write that the
         next ``save()`` would raise, because the caller has surfaced it itself (the next save is still a
         baseline)."""
+        self._reap()
         self._error = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the save in flight and remove the tracking hooks. Idempotent. A background failure
+        """Wait for every queued save and remove the tracking hooks. Idempotent. A background failure
         that neither ``wait()`` nor ``save()`` has raised yet is raised here (after closing)."""
         if self._closed:
             return

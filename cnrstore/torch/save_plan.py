@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from .optim_state import nonzero_rows, row_states, table_drift
+from .rowbits import RowBits
 from .tracking import ShardTable, Table
 
 __all__ = ["MODES", "SavePlanner"]
@@ -55,16 +56,13 @@ class SavePlanner:
         for t in self.tables:
             drift = self.drift(t)
             if drift == "all":
-                if t.on_cpu:
-                    t.touched.numpy().fill(True)
-                else:
-                    t.touched.fill_(True)
+                t.touched.fill()
                 t.nonzero_saved = None
             elif drift == "state":
-                nz = nonzero_rows([v for _k, v in self.row_states(t)], t.num_rows, t.touched.device)
-                changed = nz if t.nonzero_saved is None else nz | t.nonzero_saved
-                t.touched |= changed
-                t.nonzero_saved = nz
+                nz = nonzero_rows([v for _k, v in self.row_states(t)], t.num_rows, t.device)
+                t.touched.or_mask(nz)
+                t.touched.or_(t.nonzero_saved)
+                t.nonzero_saved = RowBits.from_mask(nz)
             else:
                 t.nonzero_saved = None
 
@@ -83,11 +81,11 @@ class SavePlanner:
         if self.force_full or not self.tables:
             baseline = True
         elif self.mode == "incremental":
-            return False, [t.rows(t.touched) for t in self.tables]
+            return False, [t.touched.rows() for t in self.tables]
         else:
             for t in self.tables:
                 t.merge_touched()
-            count = sum(t.count(t.since_baseline) for t in self.tables)
+            count = sum(t.since_baseline.count() for t in self.tables)
             baseline = False
             if self.mode == "intermittent":
                 s = self.diffs + [count / self.total_rows]
@@ -96,11 +94,11 @@ class SavePlanner:
                 if not baseline:
                     self.diffs = s
             if not baseline:
-                return False, [t.rows(t.since_baseline) for t in self.tables]
+                return False, [t.since_baseline.rows() for t in self.tables]
         self.force_full = False
         self.diffs = []
         for t in self.tables:
-            t.clear(t.since_baseline)
+            t.since_baseline.clear()
         return True, [None] * len(self.tables)
 
     def _pick_priority(self, top: float) -> list:
@@ -120,7 +118,7 @@ class SavePlanner:
             if priority:
                 t.settle_priority(rows, keep_since_baseline=self.mode != "incremental")
             else:
-                t.clear(t.touched)
+                t.touched.clear()
                 if t.counts is not None:
                     t.clear(t.counts)
 
@@ -130,12 +128,13 @@ class SavePlanner:
         optimizer state is non-zero, and make the next save a baseline unless ``matches_newest`` in
         incremental mode (the next increment then follows the store's newest version)."""
         for t in self.tables:
-            t.touched.zero_()
-            t.since_baseline.zero_()
+            t.touched.clear()
+            t.since_baseline.clear()
             if t.counts is not None:
                 t.counts.zero_()
             t.nonzero_saved = None
             if self.drift(t) == "state":
-                t.nonzero_saved = nonzero_rows([v for _k, v in self.row_states(t)], t.num_rows, t.touched.device)
+                t.nonzero_saved = RowBits.from_mask(
+                    nonzero_rows([v for _k, v in self.row_states(t)], t.num_rows, t.device))
         self.force_full = not (self.mode == "incremental" and matches_newest)
         self.diffs = []

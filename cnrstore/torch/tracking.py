@@ -1,7 +1,8 @@
 """Row tracking for ``cnrstore.torch.Checkpointer``: which rows of each embedding table a save must write.
 
-A :class:`Table` is one embedding weight: a bool mask of the rows looked up since the last save
-(``touched``), of those changed since the last baseline (``since_baseline``), per-row update counts for
+A :class:`Table` is one embedding weight: the set of rows looked up since the last save (``touched``) and
+of those changed since the last baseline (``since_baseline``), each one bit per row (``rowbits.RowBits``;
+``since_baseline`` is never allocated in incremental mode, which does not set it), per-row update counts for
 priority saves (``counts``, ``"mfu"`` exact or ``"ssu"`` sampled) and reusable host buffers. Lookups are
 recorded by a forward pre-hook on the embedding module (:meth:`Table.track_module`), or, for the local
 shards of a TorchRec-sharded table (:class:`ShardTable`), by a hook on the TBE kernel
@@ -15,6 +16,8 @@ import random
 import numpy as np
 import torch
 from torch import nn
+
+from .rowbits import RowBits
 
 __all__ = ["SSU_SEED", "ShardTable", "Table", "tbe_tracker"]
 
@@ -37,8 +40,9 @@ class Table:
         self.module = module
         self.weight: torch.Tensor = module.weight if weight is None else weight
         self.num_rows, self.dim = self.weight.shape
-        self.touched = torch.zeros(self.num_rows, dtype=torch.bool, device=self.weight.device)
-        self.since_baseline = torch.zeros_like(self.touched)
+        self.device = self.weight.device
+        self.touched = RowBits(self.num_rows, self.device)
+        self.since_baseline = RowBits(self.num_rows, self.device)
         self.on_cpu = self.weight.device.type == "cpu"
         self.counts: torch.Tensor | None = None
         self.count_scale = 1.0
@@ -54,8 +58,9 @@ class Table:
             self.generator = torch.Generator().manual_seed(seed)
             self._rounding = random.Random(seed)
         self.buffers: dict[str, torch.Tensor] = {}  # host buffers by table name, reused across saves
+        self.busy: set[str] = set()  # the names whose buffer a queued snapshot holds
         # rows whose row-wise optimizer state was non-zero at the last regular save ("state" drift only)
-        self.nonzero_saved: torch.Tensor | None = None
+        self.nonzero_saved: RowBits | None = None
         self.full_written: set[str] = set()  # row-state tables written in full in this session
         self.offset = 0                 # global id of local row 0 (a sharded table's shard: its row offset)
         self.store_rows = self.num_rows  # rows of the store table (a shard's table has the global count)
@@ -75,13 +80,13 @@ class Table:
 
     def _track(self, module, args, kwargs) -> None:
         if torch.is_grad_enabled():
-            self.note((args[0] if args else kwargs["input"]).reshape(-1))
+            self.note(args[0] if args else kwargs["input"])
 
     def note(self, ids: torch.Tensor) -> None:
-        """Record a lookup of the local rows ``ids`` (1-D, duplicates allowed)."""
-        self.touched[ids] = True
+        """Record a lookup of the local rows ``ids`` (any shape, duplicates allowed)."""
+        self.touched.set(ids)
         if self.counts is not None:
-            self._count(ids)
+            self._count(ids.reshape(-1))
 
     def _count(self, ids: torch.Tensor) -> None:
         """Add one per id (duplicates too), or per id of a random sample of ``ssu_rate · len(ids)`` ids
@@ -100,16 +105,6 @@ class Table:
             self._ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.int32, device=self._ones.device)
         self.counts.index_add_(0, ids, self._ones[:n])
 
-    # mask arithmetic on CPU goes through numpy views: single-threaded, so a save does not wait on
-    # intra-op worker threads of a busy machine for what are microseconds of work
-    def rows(self, mask: torch.Tensor) -> torch.Tensor:
-        if self.on_cpu:
-            return torch.from_numpy(np.flatnonzero(mask.numpy()))
-        return mask.nonzero().squeeze(1)
-
-    def count(self, mask: torch.Tensor) -> int:
-        return int(np.count_nonzero(mask.numpy())) if self.on_cpu else int(mask.sum())
-
     def host(self, t: torch.Tensor) -> np.ndarray:
         """``t`` as numpy: a view on CPU (writes go through), a copy otherwise."""
         return t.numpy() if self.on_cpu else t.cpu().numpy()
@@ -117,7 +112,7 @@ class Table:
     def top_rows(self, k: int) -> torch.Tensor:
         """The touched rows with the highest counts, at most ``k``, ties to the lower row id; ascending,
         on the weight's device."""
-        rows = np.flatnonzero(self.host(self.touched))
+        rows = self.host(self.touched.rows())
         if rows.size > k:
             rows = _top_rows(rows, self.host(self.counts)[rows], k)
         out = torch.from_numpy(rows)
@@ -126,38 +121,42 @@ class Table:
     def settle_priority(self, rows: torch.Tensor, keep_since_baseline: bool) -> None:
         """After a priority save wrote ``rows``: clear their touched bit and count; record them as
         changed since the baseline if ``keep_since_baseline`` (one-shot and intermittent modes)."""
-        if self.on_cpu:
-            r = rows.numpy()
-            self.touched.numpy()[r] = False
-            self.counts.numpy()[r] = 0
-            if keep_since_baseline:
-                self.since_baseline.numpy()[r] = True
+        self.touched.clear_rows(rows)
+        if self.on_cpu:  # (numpy on CPU: single-threaded, no intra-op pool to wake for microseconds of work)
+            self.counts.numpy()[rows.numpy()] = 0
         else:
-            self.touched[rows] = False
             self.counts[rows] = 0
-            if keep_since_baseline:
-                self.since_baseline[rows] = True
+        if keep_since_baseline:
+            self.since_baseline.set(rows)
 
     def merge_touched(self) -> None:
-        if self.on_cpu:
-            np.logical_or(self.since_baseline.numpy(), self.touched.numpy(), out=self.since_baseline.numpy())
-        else:
-            self.since_baseline |= self.touched
+        """Add the touched rows to the rows changed since the baseline."""
+        self.since_baseline.or_(self.touched)
 
     @staticmethod
-    def clear(mask: torch.Tensor) -> None:
-        """Zero a mask or a count tensor."""
-        if mask.device.type == "cpu":
-            mask.numpy().fill(0)
+    def clear(counts: torch.Tensor) -> None:
+        """Zero a count tensor."""
+        if counts.device.type == "cpu":
+            counts.numpy().fill(0)
         else:
-            mask.zero_()
+            counts.zero_()
 
-    def host_buffer(self, table: str, n: int, width: int) -> torch.Tensor:
+    def take_buffer(self, table: str, n: int, width: int) -> tuple[torch.Tensor, bool]:
+        """A host buffer of ``n`` x ``width`` float32 for a snapshot of ``table`` (this table or one of its
+        row-wise state tables), and whether it is the reusable one: that one is lent to one snapshot at a
+        time (until :meth:`release_buffer`); a snapshot taken while it is lent gets a buffer of its own."""
+        if table in self.busy:
+            return torch.empty((n, width), dtype=torch.float32), False
         buf = self.buffers.get(table)
         if buf is None or buf.shape[0] < n or buf.shape[1] != width:
             buf = torch.empty((max(n, 1), width), dtype=torch.float32)
             self.buffers[table] = buf
-        return buf[:n]
+        self.busy.add(table)
+        return buf[:n], True
+
+    def release_buffer(self, table: str) -> None:
+        """The snapshot that took the reusable buffer of ``table`` is written: it may be lent again."""
+        self.busy.discard(table)
 
 
 class ShardTable(Table):
@@ -189,7 +188,7 @@ def tbe_tracker(tables: list, features: list):
         values = kjt.values()
         for t, lo, hi in zip(tables, bounds[:-1], bounds[1:]):
             if t is not None and ends[hi] > ends[lo]:
-                t.note(values[ends[lo]:ends[hi]].to(t.touched.device))
+                t.note(values[ends[lo]:ends[hi]].to(t.device))
 
     return track
 
