@@ -1287,6 +1287,19 @@ def test_dense_names_lists_every_dense_array_a_version_holds(tmp_path):
 
 # -- read_table(out=), read_tables ------------------------------------------------------------------------------
 
+def _int4_chain(store, rng, also=lambda v, ck: None) -> None:
+    """Table "w" (1000 x 6, int4, blocks of 64 rows): a baseline, then 3 increments of 150 rows, 3 rows of
+    each past int4's range (written with its fallback codec); ``also(v, ck)`` writes more in checkpoint v."""
+    store.create_table("w", 1000, 6, codec="int4", block_rows=64)
+    for v in range(4):
+        with store.checkpoint() as ck:
+            rows = np.arange(1000) if v == 0 else np.sort(rng.choice(1000, 150, replace=False))
+            vals = rng.standard_normal((rows.size, 6)).astype(np.float32)
+            vals[:3, 0] = 1e6
+            ck.put_rows("w", rows, vals)
+            also(v, ck)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_read_table_into_out_equals_read_table(tmp_path, monkeypatch, threads):
     """Several blocks, a chain of increments in two codecs (int4 with int8 fallback rows): out= gives
@@ -1296,16 +1309,9 @@ def test_read_table_into_out_equals_read_table(tmp_path, monkeypatch, threads):
     monkeypatch.setattr(knobs, "DECODE_THREADS", threads)
     rng = np.random.default_rng(5)
     with cnrstore.open(str(tmp_path / "s"), create=True) as store:
-        store.create_table("w", 1000, 6, codec="int4", block_rows=64)
         store.create_table("f", 300, 3, codec="fp32", block_rows=128)
-        for v in range(4):
-            with store.checkpoint() as ck:
-                rows = np.arange(1000) if v == 0 else np.sort(rng.choice(1000, 150, replace=False))
-                vals = rng.standard_normal((rows.size, 6)).astype(np.float32)
-                vals[:3, 0] = 1e6  # past int4's range: written with its fallback codec
-                ck.put_rows("w", rows, vals)
-                if v < 2:
-                    ck.put_rows("f", np.arange(300), rng.standard_normal((300, 3)).astype(np.float32))
+        _int4_chain(store, rng, lambda v, ck: v < 2 and ck.put_rows(
+            "f", np.arange(300), rng.standard_normal((300, 3)).astype(np.float32)))
         for version in (1, 4):
             want = store.read_table("w", version)
             out = np.full((1000, 6), np.nan, dtype=np.float32)
@@ -1325,15 +1331,8 @@ def test_read_tables_row_ranges_equal_slices_of_read_table(tmp_path, monkeypatch
     from cnrstore import knobs
 
     monkeypatch.setattr(knobs, "DECODE_THREADS", threads)
-    rng = np.random.default_rng(6)
     with cnrstore.open(str(tmp_path / "s"), create=True) as store:
-        store.create_table("w", 1000, 6, codec="int4", block_rows=64)
-        for v in range(4):
-            with store.checkpoint() as ck:
-                rows = np.arange(1000) if v == 0 else np.sort(rng.choice(1000, 150, replace=False))
-                vals = rng.standard_normal((rows.size, 6)).astype(np.float32)
-                vals[:3, 0] = 1e6  # past int4's range: written with its fallback codec
-                ck.put_rows("w", rows, vals)
+        _int4_chain(store, np.random.default_rng(6))
         for version in (1, 4):
             want = store.read_table("w", version)
             for start, stop in ((0, 1000), (37, 999), (64, 128), (70, 90), (500, 1000), (999, 1000), (5, 5)):
