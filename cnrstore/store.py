@@ -359,15 +359,24 @@ class Store:
         return self.read_tables({table: out}, version)[table]
 
     def read_tables(self, tables, version: int | None = None) -> dict[str, np.ndarray]:
-        """{name: float32 (num_rows, dim)}: each table of ``tables`` ({name: out array, or None for a new
-        one}) as of ``version``, in one read transaction. Every record of every table is verified before
-        any ``out`` is written; then the blocks of all tables are decoded in parallel, into the ``out``
-        arrays (distinct, each as ``read_table`` takes it)."""
+        """{name: float32 array}: each table of ``tables`` as of ``version``, in one read transaction. Each
+        value of ``tables`` says where its rows go: None, the whole table into a new array; an out array
+        (as ``read_table`` takes it), the whole table into it; ``(start, out)``, rows ``start .. start +
+        len(out) - 1`` into ``out`` (float32 C-contiguous ``(n, dim)``), every one of them written. Every
+        record of every table is verified before any ``out`` is written; then the blocks of all tables are
+        decoded in parallel into the ``out`` arrays (distinct memory)."""
         with self._read(version, list(tables)) as (view, v):
             jobs = []
             for name, out in tables.items():
                 info = self._table_or_raise(name, view)
-                jobs.append((info, None if out is None else table_decode.check_out(out, info, "out")))
+                if isinstance(out, tuple):
+                    if len(out) != 2:
+                        raise InvalidArgument(f"read_tables: the value for table {name!r} must be None, an out "
+                                              f"array or (start, out), got a tuple of {len(out)}")
+                    start, out = out
+                    jobs.append((info, table_decode.check_out(out, info, "out", start), int(start)))
+                else:
+                    jobs.append((info, None if out is None else table_decode.check_out(out, info, "out"), 0))
             return dict(zip(tables, table_decode.read_tables(view, self._engine.segments, jobs, v)))
 
     def read_dense(self, name: str, version: int | None = None) -> np.ndarray:
@@ -388,9 +397,9 @@ class Store:
         with self._read(version) as (view, v):
             info = view.version(v)
             snap = Snapshot(version=v, step=info["step"], meta=info["meta"])
-            jobs = [(tinfo, None) for _name, tinfo in sorted(view.tables().items()) if _written_by(view, tinfo, v)]
+            jobs = [(tinfo, None, 0) for _name, tinfo in sorted(view.tables().items()) if _written_by(view, tinfo, v)]
             arrays = table_decode.read_tables(view, self._engine.segments, jobs, v)
-            snap.tables.update((tinfo.name, arr) for (tinfo, _), arr in zip(jobs, arrays))
+            snap.tables.update((tinfo.name, arr) for (tinfo, _, _), arr in zip(jobs, arrays))
             for name, dense_id in sorted(view.dense_names().items()):
                 arr = reader.read_dense(view, self._engine.segments, dense_id, name, v)
                 if arr is not None:

@@ -83,6 +83,15 @@ def _load(tmp_path, kind: str, world: int) -> dict[str, np.ndarray]:
     return out
 
 
+def _assembled(tmp_path, world: int) -> list[str]:
+    """The shards (and states) a restore assembled from column slices rather than decoding into the TBE."""
+    names = []
+    for rank in range(world):
+        with open(tmp_path / f"assembled-rank{rank}.json") as f:
+            names += json.load(f)
+    return names
+
+
 def _assert_equal(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)
     for key in a:
@@ -100,6 +109,8 @@ def test_sharded_model_round_trip_is_bit_exact(tmp_path, world, plan):
     _run(tmp_path, "restore", world, plan, seed=7)
     _assert_equal(_load(tmp_path, "restored", world), _load(tmp_path, "saved", world))
     _assert_equal(_load(tmp_path, "continued-restored", world), _load(tmp_path, "continued-saved", world))
+    # the same plan: every shard and its fused state decoded straight into the TBE, none assembled
+    assert _assembled(tmp_path, world) == []
     with open(tmp_path / "saves-rank0.json") as f:
         saves = json.load(f)
     tables = saves["tables"]
@@ -130,6 +141,8 @@ def test_restore_into_another_sharding_plan(tmp_path):
     _run(tmp_path, "save", 1, ALL_TW, seed=0, fused="EXACT_ADAGRAD")
     _run(tmp_path, "restore", 1, {**ALL_TW, "t1": "column_wise"}, seed=7, fused="EXACT_ADAGRAD")
     _assert_equal(_load(tmp_path, "restored", 1), _load(tmp_path, "saved", 1))
+    # only t1's slices (weights and state) are cut from the stored table: the other tables go straight in
+    assert _assembled(tmp_path, 1) and all(".t1[" in name for name in _assembled(tmp_path, 1))
 
 
 @pytest.mark.parametrize("src,dst", [((2, MIXED), (1, {**MIXED, "t0": "table_wise"})),

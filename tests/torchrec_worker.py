@@ -221,6 +221,12 @@ def main(cfg: dict) -> None:
     elif scenario == "restore":
         # a fresh model (another seed), maybe another plan: restore the newest version
         src = os.path.join(cfg["root"], f"rank-{cfg.get('source_rank', rank)}")
+        # count the shards assembled from column slices (the others are decoded straight into the TBE)
+        from cnrstore.torch import restore as restore_module
+        assembled = []
+        read_shard = restore_module.read_shard
+        restore_module.read_shard = lambda store, catalog, t, suffix, *a: (assembled.append(t.name + suffix),
+                                                                             read_shard(store, catalog, t, suffix, *a))[1]
         with cnrstore.open(src, readonly=True) as store:
             ckpt = Checkpointer(store, dmp, dense, codec=cfg.get("codec", "fp32"), mode=cfg.get("mode", "incremental"))
             try:
@@ -230,6 +236,8 @@ def main(cfg: dict) -> None:
                     f.write(str(exc))
                 return
             ckpt.close()
+        with open(os.path.join(out, f"assembled-rank{rank}.json"), "w") as f:
+            json.dump(assembled, f)
         np.savez(os.path.join(out, f"restored-rank{rank}.npz"), **state_of(dmp))
         train(dmp, dense, range(cfg["steps"], cfg["steps"] + 2))
         np.savez(os.path.join(out, f"continued-restored-rank{rank}.npz"), **state_of(dmp))

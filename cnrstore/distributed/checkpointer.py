@@ -565,22 +565,15 @@ class _Resharder:
             if lo >= hi:
                 continue
             st, v = self._store(s.rank), self.gv.local_versions[s.rank]
-            whole = (lo, hi) == (s.row_start, s.row_end)
-            try:
-                if self.gv.plan.row_ids == "global":   # the store numbers rows by their global ids
-                    whole = whole and (lo, hi) == (0, self.gv.plan.tables[table][0])
-                    vals = st.read_table(name, v) if whole else st.read_rows(name, np.arange(lo, hi), v)
-                elif whole:
-                    vals = st.read_table(name, v)
-                else:
-                    vals = st.read_rows(name, np.arange(lo - s.row_start, hi - s.row_start), v)
+            first = lo if self.gv.plan.row_ids == "global" else lo - s.row_start  # the store numbers rows so
+            try:  # straight into this shard's rows of ``out`` (every record verified first)
+                st.read_tables({name: (first, out[lo - shard.row_start:hi - shard.row_start])}, v)
             except (TableNotFound, MissingRows) as exc:
                 raise InvalidArgument(f"global version {self.gv.version}: rank {s.rank}'s store lacks {name!r} "
                                       f"rows [{lo}, {hi}) ({exc})") from exc
-            if vals.shape[1] != width:
-                raise InvalidArgument(f"{name!r} has width {vals.shape[1]} in global version {self.gv.version}, "
-                                      f"{width} here")
-            out[lo - shard.row_start:hi - shard.row_start] = vals
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"{name!r} in global version {self.gv.version} (rank {s.rank}'s store) does "
+                                      f"not hold rows [{lo}, {hi}) of width {width}, as here: {exc}") from exc
         return out
 
     def _dense(self, key: str, shape) -> torch.Tensor:

@@ -318,12 +318,12 @@ class IndexView:
                 ok = cur.next()
         return out
 
-    def row_blocks(self, table_id: int) -> Iterator[tuple[int, int]]:
-        """(block, version of its oldest record) of every block of the table with an index entry, in
-        block order: one seek per such block, however many versions it holds and however many blocks
-        of the table were never written."""
+    def row_blocks(self, table_id: int, first: int = 0) -> Iterator[tuple[int, int]]:
+        """(block, version of its oldest record) of every block from ``first`` on of the table with an index
+        entry, in block order: one seek per such block, however many versions it holds and however many
+        blocks of the table were never written."""
         with self._txn.cursor(db=self._dbs[b"rows"]) as cur:
-            block = 0
+            block = first
             while block < 2**64 and cur.set_range(ROW_KEY.pack(table_id, block, 0)):
                 t, b, v = ROW_KEY.unpack(cur.key())
                 if t != table_id:

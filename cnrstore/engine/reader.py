@@ -244,37 +244,51 @@ def read_rows(view: IndexView, segments: SegmentReader, table: TableRecord, rows
     return out_unique if unique_rows.size == rows.size and np.array_equal(unique_rows, rows) else out_unique[inverse]
 
 
-def plan_table(view: IndexView, segments: SegmentReader, table: TableRecord, version: int) -> list[tuple[int, list[Piece]]]:
-    """(block, pieces) of every block of the whole table as of ``version``: each row of the table lies in
-    exactly one piece. Every record these pieces come from is verified (checksum, the index entry's
-    table, block and version, its codec and row offsets) before this returns; nothing is decoded.
+def plan_table(view: IndexView, segments: SegmentReader, table: TableRecord, version: int,
+               start: int = 0, stop: int | None = None) -> list[tuple[int, list[Piece]]]:
+    """(offset, pieces) of every block of rows ``start .. stop - 1`` of the table (default: the whole
+    table; ``0 <= start <= stop <= num_rows``, checked by the caller) as of ``version``: the pieces hold
+    the block's rows of the range, in order from row ``start + offset``, each row in exactly one piece
+    (``decode_block(out, offset, pieces, dim)`` writes them). Every record these pieces come from is
+    verified (checksum, the index entry's table, block and version, its codec and row offsets) before
+    this returns; nothing is decoded.
 
     Only blocks with index entries are visited (one seek to find each, ``IndexView.row_blocks``):
     rows of the others are counted as missing arithmetically, so a sparsely written table of billions
     of rows raises MissingRows (exact count, first ids) in time and memory proportional to what was
-    written. The pieces are views of the segments' maps: decode them within the same read transaction.
+    written. The pieces of a block wholly in the range are views of the segments' maps (decode them
+    within the same read transaction); a block cut by the range's ends holds a copy of its rows there.
     """
     num_rows, block_rows = table.num_rows, table.block_rows
-    num_blocks = blocks_math.count(num_rows, block_rows)
+    stop = num_rows if stop is None else stop
+    if stop <= start:
+        return []
+    first, last = start >> blocks_math.shift(block_rows), (stop - 1) >> blocks_math.shift(block_rows)
     resolver = BlockResolver(view, segments, table)
     plans = []
     missing = _Missing()
-    next_block = 0  # blocks before it are accounted for
-    for block, oldest in view.row_blocks(table.id):
-        if block >= num_blocks:
-            break  # an index entry past the table's end: verify reports it; no row reads it
+    next_row = start  # rows of the range before it are accounted for
+    for block, oldest in view.row_blocks(table.id, first):
+        if block > last:
+            break  # past the range (an entry past the table's end included: verify reports it)
         if oldest > version:
             continue  # written only later: counted with the gap before the next written block
-        missing.add_range(blocks_math.base(next_block, block_rows), blocks_math.base(block, block_rows))
-        next_block = block + 1
-        pieces, absent = resolver.resolve(block, None, version)
+        base = blocks_math.base(block, block_rows)
+        lo, hi = max(start, base), min(stop, base + blocks_math.length(block, block_rows, num_rows))
+        missing.add_range(next_row, lo)
+        next_row = hi
+        if hi - lo == blocks_math.length(block, block_rows, num_rows):
+            pieces, absent = resolver.resolve(block, None, version)
+        else:  # the range's ends cut the block: only its rows there, renumbered from the cut
+            pieces, absent = resolver.resolve(block, np.arange(lo - base, hi - base, dtype=np.int64), version)
+            pieces = [Piece(p.codec_id, p.source, p.dest - (lo - base), p.take) for p in pieces]
         if absent.size:
-            missing.add(absent + blocks_math.base(block, block_rows))
+            missing.add(absent + base)
         if missing.count:
             plans = []  # the read fails: keep counting, hold no rows
         else:
-            plans.append((block, pieces))
-    missing.add_range(blocks_math.base(next_block, block_rows), num_rows)
+            plans.append((lo - start, pieces))
+    missing.add_range(next_row, stop)
     if missing.count:
         raise missing.error(table.name, version, whole_table=True)
     return plans
@@ -288,13 +302,13 @@ def read_table(view: IndexView, segments: SegmentReader, table: TableRecord, ver
     plans = plan_table(view, segments, table, version)
     if out is None:
         out = np.empty((table.num_rows, table.dim), dtype=np.float32)
-    for block, pieces in plans:
-        decode_block(out, blocks_math.base(block, table.block_rows), pieces, table.dim)
+    for offset, pieces in plans:
+        decode_block(out, offset, pieces, table.dim)
     return out
 
 
 def decode_block(out: np.ndarray, base: int, pieces: list[Piece], dim: int) -> None:
-    """Decode a block's pieces (``plan_table``'s: every row of the block in exactly one) into
+    """Decode a block's pieces (``plan_table``'s: every row they stand for in exactly one) into
     ``out[base:...]``. A whole-block piece decodes straight from the segment into place; pieces of one
     codec are gathered as encoded rows (a few bytes a row, one block at most) and decoded with one call
     straight into place; pieces of several codecs go through a block-sized temporary each."""

@@ -1,4 +1,4 @@
-"""Whole-table reads decoded in parallel: every table of a read is planned (each record it needs verified,
+"""Whole-table and row-range reads decoded in parallel: every table of a read is planned (each record it needs verified,
 ``reader.plan_table``) before any destination array is written, then its blocks are decoded straight into
 those arrays on a pool of threads (the decode kernels, numpy's and FBGEMM's, release the GIL).
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import knobs
 from ..codecs.base import as_out
-from . import blocks as blocks_math
+from ..errors import InvalidArgument
 from .index import IndexView
 from .reader import decode_block, plan_table
 from .schema import TableRecord
@@ -58,26 +58,40 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def check_out(out, table: TableRecord, what: str) -> np.ndarray:
+def check_out(out, table: TableRecord, what: str, start: int | None = None) -> np.ndarray:
     """``out`` as a numpy array sharing its memory, if it is a writable C-contiguous float32 array (or CPU
-    torch tensor) of the table's shape ``(num_rows, dim)``; else InvalidArgument naming the table."""
-    return as_out(out, (table.num_rows, table.dim), f"{what} of table {table.name!r} ({table.num_rows} x {table.dim})")
+    torch tensor) of the table's shape ``(num_rows, dim)``; with ``start``, of shape ``(n, dim)`` for rows
+    ``start .. start + n - 1`` of the table (``0 <= start``, ``start + n <= num_rows``); else InvalidArgument
+    naming the table."""
+    name = f"{what} of table {table.name!r} ({table.num_rows} x {table.dim})"
+    if start is None:
+        return as_out(out, (table.num_rows, table.dim), name)
+    shape = getattr(out, "shape", None)
+    if shape is None or len(shape) != 2:
+        return as_out(out, (0, table.dim), name)  # raises, saying what was expected
+    n = int(shape[0])
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= start <= table.num_rows - n:
+        raise InvalidArgument(f"{name}: rows {start!r} .. {start!r} + {n} - 1 are not within the table's "
+                              f"rows 0 .. {table.num_rows - 1}")
+    return as_out(out, (n, table.dim), f"{name}, rows {start}..{int(start) + n - 1}")
 
 
-def read_tables(view: IndexView, segments: SegmentReader, jobs: Sequence[tuple[TableRecord, np.ndarray | None]],
+def read_tables(view: IndexView, segments: SegmentReader, jobs: Sequence[tuple[TableRecord, np.ndarray | None, int]],
                 version: int) -> list[np.ndarray]:
-    """Each table of ``jobs`` ((table, destination or None for a new array)) as of ``version``, decoded into
-    its destination (checked with :func:`check_out` by the caller), in ``jobs`` order.
+    """Each job of ``jobs`` ((table, destination, first row)) as of ``version``: rows ``first .. first +
+    len(destination) - 1`` of the table decoded into its destination (checked with :func:`check_out` by the
+    caller), or, for a destination None (first row 0), the whole table into a new array; in ``jobs`` order.
 
-    Every table is planned first, so every record the read needs is verified (and every row found)
+    Every job is planned first, so every record the read needs is verified (and every row found)
     before any destination is written: a CorruptionError or MissingRows leaves them all untouched. The
     blocks are then decoded on :func:`decode_threads` threads; an error there (none is expected once the
     records are verified, short of running out of memory) is raised after every block has finished.
     """
-    plans = [plan_table(view, segments, table, version) for table, _ in jobs]
-    outs = [np.empty((t.num_rows, t.dim), dtype=np.float32) if out is None else out for t, out in jobs]
-    tasks = [(out, blocks_math.base(block, table.block_rows), pieces, table.dim)
-             for (table, _), out, blocks in zip(jobs, outs, plans) for block, pieces in blocks]
+    plans = [plan_table(view, segments, table, version, start, None if out is None else start + out.shape[0])
+             for table, out, start in jobs]
+    outs = [np.empty((t.num_rows, t.dim), dtype=np.float32) if out is None else out for t, out, _start in jobs]
+    tasks = [(out, offset, pieces, table.dim)
+             for (table, _, _), out, blocks in zip(jobs, outs, plans) for offset, pieces in blocks]
     threads = min(decode_threads(), len(tasks))
     if threads <= 1:
         for task in tasks:

@@ -525,10 +525,11 @@ class Checkpointer:
         read from a stored version, all of it read and checked already, into the live objects, in place.
 
         ``weights``: a tensor per table (``trainer_state().tables`` order; the table's own weight tensor
-        when it already holds the state, a pinned host tensor is copied without blocking); ``shard_states``: (row-wise state
-        tensor of a ``ShardTable``, its stored values); ``dense``: {state-dict key: tensor} (bfloat16 viewed
-        as such); ``optimizer_states``: a state dict per optimizer with its row-wise state filled in (an
-        empty list leaves the optimizers as they are); ``extra``: {name: state dict}, loaded in that order.
+        when it already holds the state, a pinned host tensor is copied without blocking);
+        ``shard_states``: (row-wise state tensor of a ``ShardTable``, its stored values, or the state tensor
+        itself when it holds them already); ``dense``: {state-dict key: tensor} (bfloat16 viewed as such);
+        ``optimizer_states``: a state dict per optimizer with its row-wise state filled in (an empty list
+        leaves the optimizers as they are); ``extra``: {name: state dict}, loaded in that order.
         Call :meth:`note_restore` after it."""
         create_lazy_state(self._optimizers, optimizer_states)
         with torch.no_grad():
@@ -536,7 +537,8 @@ class Checkpointer:
                 if w is not t.weight:  # (the weight itself: restore decoded the table into it)
                     t.weight.copy_(w, non_blocking=w.is_pinned())
             for state, w in shard_states:
-                state.copy_(w.reshape(state.shape))
+                if w is not state:  # (the state itself: restore decoded its rows into it)
+                    state.copy_(w.reshape(state.shape))
             for key, src in dense.items():
                 self._dense[key].copy_(src)
             if any(w is not t.weight and t.weight.is_cuda for t, w in zip(self._tables, weights)):

@@ -4,9 +4,11 @@ them changes. The one step that writes live objects comes last, after every reco
 the whole tables are decoded in parallel straight into the fp32 host weights and the optimizers' existing
 row-wise state tensors (``Store.read_tables``); ``Checkpointer.load_state`` then puts the rest in place.
 
-A TorchRec shard (``tracking.ShardTable``) is assembled from whichever column slices the saving plan
-stored (:func:`read_shard`); row-wise optimizer state comes back from the tables its payload's
-``ROW_MARK`` markers name.
+A TorchRec shard (``tracking.ShardTable``) whose columns one stored table holds exactly (restored into the
+plan it was saved with) is read in the same ``read_tables`` call, as a row range of that table, straight
+into its view of the TBE's weights, and its fused row-wise state into the TBE's state tensors; a shard of
+another plan is assembled from whichever column slices the saving plan stored (:func:`read_shard`).
+Row-wise optimizer state comes back from the tables its payload's ``ROW_MARK`` markers name.
 """
 
 from __future__ import annotations
@@ -94,18 +96,26 @@ def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping
     missing = [k for k in payload["extra"] if k not in extra]
     if missing:
         raise InvalidArgument(f"version {v} holds extra state {missing}, which this Checkpointer lacks")
-    shards = {id(t): torch.from_numpy(read_shard(store, catalog, t, "", t.dim, v))
-              for t in tables if isinstance(t, ShardTable)}
-    shard_states = [(state, torch.from_numpy(read_shard(store, catalog, t, f".optim.{key}", row_state_width(state), v)))
-                    for t in tables if isinstance(t, ShardTable) for key, state in t.states]
     # every table read whole, in one read_tables call: {name: live tensor or a new host tensor}
     targets = {t.name: _weight_target(t.weight) for t in tables if not isinstance(t, ShardTable)}
     row_marks = [_row_marks(store, catalog, sd, None if live_opts is None else live_opts[i], v, targets)
                  for i, sd in enumerate(payload["optimizers"])]
+    # a shard (and its row-wise state) that one stored table holds, columns for columns, is read in the same
+    # call, as a row range, into its live tensor in the TBE (or a pinned buffer); the others are assembled
+    # from column slices now (new arrays, copied in by load_state)
+    ranges: dict[str, tuple[int, torch.Tensor]] = {}
+    shards = {id(t): _shard_read(store, catalog, t, "", t.dim, t.weight, v, targets, ranges)
+              for t in tables if isinstance(t, ShardTable)}
+    shard_states = [(state, _shard_read(store, catalog, t, f".optim.{key}", row_state_width(state), state, v, targets,
+                                        ranges))
+                    for t in tables if isinstance(t, ShardTable) for key, state in t.states]
     outs = {name: None if target is None else target.numpy() for name, target in targets.items()}
+    outs.update((name, (start, target.numpy())) for name, (start, target) in ranges.items())
     arrays = store.read_tables(outs, v)  # verifies every record, then decodes (in parallel) into the targets
     read = {name: torch.from_numpy(arrays[name]) if target is None else target for name, target in targets.items()}
-    weights = [shards[id(t)] if isinstance(t, ShardTable) else _live_or(read[t.name], t.weight) for t in tables]
+    weights = [_live_or(shards[id(t)], t.weight) if isinstance(t, ShardTable) else _live_or(read[t.name], t.weight)
+               for t in tables]
+    shard_states = [(state, _live_or(w, state)) for state, w in shard_states]
     # a version without optimizer state (an import of model weights) leaves the optimizers as they are
     optim_sds = [_with_row_state(sd, marks, read, v) for sd, marks in zip(payload["optimizers"], row_marks)]
     return info, StoredState(weights, shard_states, stored_dense, optim_sds, payload["extra"])
@@ -126,8 +136,34 @@ def _weight_target(weight: torch.Tensor) -> torch.Tensor | None:
 
 def _live_or(read: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     """``live`` when ``read`` is its own memory (decoded in place), else ``read``."""
-    return live if read.data_ptr() == live.data_ptr() and read.shape == live.shape and read.device == live.device \
+    return live if read.data_ptr() == live.data_ptr() and read.numel() == live.numel() and read.device == live.device \
         else read
+
+
+def _shard_read(store, catalog: dict, t: ShardTable, suffix: str, width: int, live: torch.Tensor, v: int,
+                targets: dict, ranges: dict) -> torch.Tensor:
+    """Where the rows of shard ``t`` of ``<fqn><suffix>`` (``read_shard``'s arguments) for the live tensor
+    ``live`` will be: when one stored table holds exactly the shard's columns (of ``width``), a tensor of
+    ``live``'s memory (fp32, contiguous, host) or a pinned host buffer (a CUDA ``live``), registered in
+    ``ranges`` ({table: (first row, tensor)}) for the caller's ``read_tables`` call to decode into; else
+    the rows read now (``read_shard``: column slices assembled into a new array)."""
+    name = _stored_range(catalog, t, suffix, width)
+    target = None if name is None or name in targets or name in ranges else _weight_target(live)
+    if target is None:
+        return torch.from_numpy(read_shard(store, catalog, t, suffix, width, v))
+    target = target.view(t.num_rows, width)
+    ranges[name] = (t.offset, target)
+    return target
+
+
+def _stored_range(catalog: dict, t: ShardTable, suffix: str, width: int) -> str | None:
+    """The stored table of ``<fqn><suffix>`` whose columns are exactly shard ``t``'s (``width`` of them) and
+    whose rows are the whole table's, or None (``read_shard`` assembles the shard, or says what is amiss)."""
+    name = t.name + suffix  # (a column-wise shard's own slice, ``<fqn>[c0:c1]``, or the whole-width table)
+    info = catalog.get(name)
+    if info is None or info.dim != width or info.num_rows != t.store_rows:
+        return None
+    return name
 
 
 def _row_marks(store, catalog: dict, sd: dict, opt, v: int, targets: dict) -> dict:
