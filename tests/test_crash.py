@@ -478,3 +478,54 @@ def test_power_loss_drops_only_unsynced_bytes(tmp_path):
         check_recovered(path, model, acked, torn=None)
         if n % 3 == 0:
             write_one_more(path, model, acked, not_reused=in_flight)
+
+
+QUEUED_SAVES = r'''
+import os, signal, sys
+import numpy as np, torch
+from torch import nn
+import cnrstore
+from cnrstore.torch import Checkpointer
+
+path, out, saves, acked = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(0)
+emb = nn.Embedding(200_000, 16)
+store = cnrstore.open(path, create=True)
+ck = Checkpointer(store, emb, codec="fp32", mode="incremental", max_queue_bytes=1 << 30)
+rng = np.random.default_rng(1)
+pendings = []
+for i in range(saves):
+    ids = torch.from_numpy(rng.choice(200_000, 20_000, replace=False))
+    emb(ids).sum().backward()
+    with torch.no_grad():
+        emb.weight[ids] += 1.0
+    np.save(os.path.join(out, f"save{i}.npy"), emb.weight.detach().numpy())
+    pendings.append(ck.save(i))
+print("queued", sum(not p.done() for p in pendings), flush=True)
+pendings[acked - 1].wait()        # acknowledged: its version must survive what follows
+os.kill(os.getpid(), signal.SIGKILL)   # while later saves are queued or being written
+'''
+
+
+@pytest.mark.parametrize("acked", [1, 2])
+def test_sigkill_with_saves_queued_keeps_a_prefix_of_them_in_save_order(tmp_path, acked):
+    """A Checkpointer's queued saves (issue 23) commit in save order: after a SIGKILL while later saves are
+    queued or half written, the store holds a prefix of the saves, every acknowledged one (its wait()
+    returned) included, each exactly the model at its save(); the store then takes a new checkpoint."""
+    path, out, saves = str(tmp_path / "store"), tmp_path / "models", 5
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-c", QUEUED_SAVES, path, str(out), str(saves), str(acked)],
+                          env=CHILD_ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr[-3000:]
+    import numpy as np
+
+    with cnrstore.open(path) as store:
+        versions = [v.version for v in store.versions()]
+        steps = [v.step for v in store.versions()]
+        assert steps == list(range(len(steps))) and acked <= len(steps) <= saves, (steps, proc.stdout)
+        for v, step in zip(versions, steps):
+            want = np.load(out / f"save{step}.npy")
+            np.testing.assert_array_equal(store.read_table("embedding", v), want)
+        with store.checkpoint(step=99) as ck:
+            ck.put_rows("embedding", np.array([0]), np.zeros((1, 16), np.float32))
+        assert store.latest().step == 99
