@@ -92,14 +92,15 @@ def read_tables(view: IndexView, segments: SegmentReader, jobs: Sequence[tuple[T
     outs = [np.empty((t.num_rows, t.dim), dtype=np.float32) if out is None else out for t, out, _start in jobs]
     tasks = [(out, offset, pieces, table.dim)
              for (table, _, _), out, blocks in zip(jobs, outs, plans) for offset, pieces in blocks]
-    threads = min(decode_threads(), len(tasks))
-    if threads <= 1:
+    workers = decode_threads()
+    if min(workers, len(tasks)) <= 1:
         for task in tasks:
             decode_block(*task)
         return outs
     # the biggest blocks first, so that the pool does not end waiting on one large block
     tasks.sort(key=lambda task: -sum(p.count for p in task[2]))
-    futures = [_executor(decode_threads()).submit(decode_block, *task) for task in tasks]
+    pool = _executor(workers)
+    futures = [pool.submit(decode_block, *task) for task in tasks]
     errors = [f.exception() for f in futures]  # waits for every block: none may still write afterwards
     first = next((e for e in errors if e is not None), None)
     if first is not None:

@@ -220,12 +220,8 @@ def _with_row_state(sd: dict, marks: dict, read: dict, v: int) -> dict:
                 name, live = marks[(idx, k)]
                 if live is not None:
                     val = live  # the optimizer's own tensor, decoded into: load_state_dict keeps it
-                else:
-                    arr = read[name]
-                    if math.prod(val["shape"]) != arr.numel():
-                        raise InvalidArgument(f"version {v}: optimizer state {name!r} has {arr.numel()} "
-                                              f"values, its payload names shape {tuple(val['shape'])}")
-                    val = arr.reshape(val["shape"]).to(_payload.torch_dtype(val["dtype"], v))
+                else:  # (its size was checked against the stored table by _row_marks, before any read)
+                    val = read[name].reshape(val["shape"]).to(_payload.torch_dtype(val["dtype"], v))
             out[k] = val
         state[idx] = out
     return {**sd, "state": state}
