@@ -49,6 +49,13 @@ SECTIONS = [
      "checkpoints, write amplification, read chains, space amplification after retain(5), disk after "
      "retain(1) against one fp32 checkpoint, restore against torch.load, point reads.",
      ["--plot", "space.png"], ["--quick", "--plot", "none"], "space.png"),
+    ("bench_writecost.py", "Write cost over a long run: saves, merges and read amplification",
+     "The issue-25 peer workload (IncrCP_paper's Check-N-Run baseline): 8 tables of 524,288 rows x 64 (1 GiB of "
+     "fp32), a baseline and 20 increments each touching 2-5% of every table's rows with Zipf popularity, under "
+     "the old policy (the save path merges to hold read chains at 3) and the new one (the package's defaults), "
+     "fp32 and int4: bytes and time per save against the raw delta, background merge bytes, total write "
+     "amplification, disk, read amplification per block, restore of the newest against torch.load with its "
+     "peak extra memory.", ["--plot", "writecost.png"], ["--quick", "--plot", "none"], "writecost.png"),
     ("bench_codecs.py", "Codecs",
      "Encode and decode speed and relative L2 error of every codec beside FBGEMM's plain and greedy "
      "kernels on the same rows, and bytes per row; speed against error plotted.", ["--plot", "codecs.png"],
