@@ -162,6 +162,7 @@ def _run(name: str, codec_name: str, args, root: str, base: list[np.ndarray], mo
         for n, values in zip(names, base):
             ck.put_rows(n, all_rows, values)
     out["baseline_s"] = time.perf_counter() - t0
+    baseline = ck.version
     settle(store)
     first = counters(store, None)
     out["baseline_bytes"], out["block_rows"], out["row_bytes"] = first["written"], block_rows, row_bytes
@@ -195,7 +196,7 @@ def _run(name: str, codec_name: str, args, root: str, base: list[np.ndarray], mo
                    "read_amplification": hasattr(store, "read_amplification")}
     out["after_baseline"] = prev["written"] - first["written"]
     out["compaction_errors"] = store.stats()["compaction_errors"]
-    out.update(restore(store, names, model, args))
+    out.update(restore(store, names, model, args, baseline))
     store.close()
     shutil.rmtree(path, ignore_errors=True)
     return out
@@ -229,9 +230,10 @@ def read_amplification(store, version: int) -> np.ndarray | None:
     return np.concatenate([np.asarray(a, dtype=np.float64) for a in per_table.values()])
 
 
-def restore(store, names: list[str], model: list[np.ndarray], args) -> dict:
+def restore(store, names: list[str], model: list[np.ndarray], args, baseline: int) -> dict:
     """Best of ``args.restores`` reads of every table of the newest version (a first, untimed read warms the
-    page cache and checks the bits), with the peak extra memory of each."""
+    page cache and checks the bits), with the peak extra memory of each; and the same of the ``baseline``
+    version (each block a lone baseline record: what the chains above it cost is the difference)."""
     got = store.read_tables({n: None for n in names})
     for t, n in enumerate(names):
         if not np.array_equal(got[n].view(np.uint32), model[t].view(np.uint32)):
@@ -240,15 +242,24 @@ def restore(store, names: list[str], model: list[np.ndarray], args) -> dict:
                                  f"(first row {bad})")
     output = sum(a.nbytes for a in got.values())
     del got
+    best, extra = best_read(lambda: store.read_tables({n: None for n in names}), args.restores)
+    store.read_tables({n: None for n in names}, version=baseline)  # warm
+    base_s, _ = best_read(lambda: store.read_tables({n: None for n in names}, version=baseline), args.restores)
+    return {"restore_s": best, "restore_extra": extra, "output_bytes": output, "baseline_restore_s": base_s}
+
+
+def best_read(read, repeats: int) -> tuple[float, int]:
+    """(best time of ``repeats`` calls of ``read``, the highest peak extra memory of any); what a call
+    returns is dropped before the next."""
     best, extra = float("inf"), 0
-    for _ in range(args.restores):
+    for _ in range(repeats):
         with PeakSampler() as peak:
             t0 = time.perf_counter()
-            got = store.read_tables({n: None for n in names})
+            got = read()
             best = min(best, time.perf_counter() - t0)
         extra = max(extra, peak.extra)
         del got
-    return {"restore_s": best, "restore_extra": extra, "output_bytes": output}
+    return best, extra
 
 
 def torch_reference(model: list[np.ndarray], root: str, restores: int) -> dict:
@@ -257,14 +268,7 @@ def torch_reference(model: list[np.ndarray], root: str, restores: int) -> dict:
     torch.save({f"t{t}": torch.from_numpy(a) for t, a in enumerate(model)}, path)
     size = os.path.getsize(path)
     torch.load(path)
-    best, extra = float("inf"), 0
-    for _ in range(restores):
-        with PeakSampler() as peak:
-            t0 = time.perf_counter()
-            state = torch.load(path)
-            best = min(best, time.perf_counter() - t0)
-        extra = max(extra, peak.extra)
-        del state
+    best, extra = best_read(lambda: torch.load(path), restores)
     os.remove(path)
     return {"load_s": best, "load_extra": extra, "fp32_bytes": size}
 
@@ -357,6 +361,8 @@ def report(results: dict, refs: dict, args, seconds: float, start_load: str) -> 
         lambda r, ref: "-" if r["amp_max"][-1] is None else f"{r['amp_max'][-1]:.2f} / {r['amp_mean'][-1]:.2f}")
     row("... max over the run", lambda r, ref: "-" if r["amp_max"][-1] is None else f"{max(r['amp_max']):.2f}")
     row(f"restore newest (read_tables, best of {args.restores})", lambda r, ref: f"{r['restore_s'] * 1e3:.0f} ms")
+    row("... over a restore of the baseline version, same store", lambda r, ref: f"{r['restore_s'] / r['baseline_restore_s']:.2f}x "
+        f"({r['baseline_restore_s'] * 1e3:.0f} ms)")
     row("... torch.load of the fp32 file / restore (above 1: faster)",
         lambda r, ref: f"{ref['load_s'] / r['restore_s']:.2f}x")
     row("restore peak extra memory / output", lambda r, ref: f"{r['restore_extra'] / r['output_bytes']:.2f}")
