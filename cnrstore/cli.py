@@ -242,11 +242,13 @@ def cmd_info(args) -> int:
     print(f"{'table':<24} {'rows':>12} {'dim':>6} {'codec':<10} {'block_rows':>10}")
     for t in tables.values():
         print(f"{t.name:<24} {t.num_rows:>12,} {t.dim:>6} {t.codec:<10} {t.block_rows:>10}")
-    for key in ("versions", "bytes_written", "bytes_on_disk", "live_bytes", "index_bytes", "max_read_chain"):
+    for key in ("versions", "bytes_written", "save_bytes", "merge_bytes", "bytes_on_disk", "live_bytes", "index_bytes",
+                "max_read_chain"):
         value = stats[key]
         print(f"{key:<16} {value:>16,}" if isinstance(value, int) else f"{key:<16} {value}")
     print(f"{'live_ratio':<16} {live_ratio:>16.1%}")
     for key, what in (("write_amplification", "all bytes appended / the checkpoints' own rows"),
+                      ("save_write_amplification", "bytes saves appended / the checkpoints' own rows"),
                       ("space_amplification", "bytes on disk / live bytes")):
         value = stats[key]
         shown = f"{value:>16.3f}" if value is not None else f"{'-':>16}"

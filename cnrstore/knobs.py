@@ -52,12 +52,34 @@ GC_SPACE_BOUND = 1.15
 #: ... but never cleans a segment more live than this (its copy would cost more than it frees).
 GC_CLEAN_MAX_LIVE = 0.95
 
-# Read chains (format 3) ------------------------------------------------------------------------------
-#: The most records a read of any version walks for one block. A checkpoint whose increment of a block
-#: would make the block's read chain longer writes a cumulative delta instead: the union of the block's
-#: rows written since its baseline (newest value of each; encoded bytes copied, never re-quantized), read
-#: as that record plus the baseline. None: plain increments only (chains grow until compaction).
-READ_CHAIN_BOUND = 3
+# Read chains and merges (format 3; docs/DESIGN.md "Read chains, merges and read amplification") ----
+#: Reads are bounded by what they cost. A record's read cost is its bytes plus READ_RECORD_COST_BYTES (its
+#: fixed cost: an index seek, a header, a checksum and a decode call, ~16 us here: ~16 KB of int4 rows
+#: decoded, ~120 KB of fp32 rows copied; READ_CHAIN_BOUND backstops the difference). A block's *read
+#: amplification* at a version is the cost of its read chain there over the cost of one baseline of the
+#: block (every row, in the table's codec, or the block's baseline record if that is larger).
+READ_RECORD_COST_BYTES = 8 << 10
+#: Background compaction merges a block once its read amplification at the newest version passes this:
+#: the records above its baseline become one delta (or a delta on the cumulative delta, or a new baseline:
+#: merge.py), written at that version under the same key, leaving it halfway between 1 and the trigger.
+#: Lower: faster restores, more bytes written by merges (1,000 saves of 1% uniform int4 touches: all bytes
+#: 2.1x the saves' own at 2.5; Zipf touches merge far less); None: no background merges.
+MERGE_TRIGGER = 2.5
+#: The hard bound on any version's read amplification, enforced on the save path: a save whose record of a
+#: block would pass it writes a merged delta itself (what the background merge would have written, had it
+#: kept up). None: no bound in bytes (READ_CHAIN_BOUND still holds).
+READ_AMP_BOUND = 3.0
+#: The most records a read of any version walks for one block (a backstop against many tiny records),
+#: enforced on the save path as READ_AMP_BOUND is; background merges start at MERGE_TRIGGER / READ_AMP_BOUND
+#: of it. None: plain increments only, and no merges at all (chains grow until compaction materializes).
+#: The engine before issue 25 merged on every save at 3 (READ_CHAIN_BOUND = 3, READ_AMP_BOUND = None,
+#: MERGE_TRIGGER = None): flat reads, but a save's bytes grew 4.7x over 20 versions.
+READ_CHAIN_BOUND = 64
+#: Background merges write at most this many bytes per second (a token bucket, RocksDB's RateLimiter in
+#: miniature), so that they yield the disk to the trainer's saves; None: no limit.
+MERGE_RATE_BYTES = 256 << 20
+#: Background merges commit in batches of about this many bytes (each one index transaction).
+MERGE_BATCH_BYTES = 64 << 20
 #: Once the rows a block's cumulative deltas copied since its baseline reach this fraction of the block,
 #: the next merge writes a new baseline of the block instead (Check-N-Run's reset, per block, on the real
 #: union of changed rows; at 1.0 a ski-rental rule: copies never cost more than twice the best choice):

@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 
 from . import codecs, knobs
-from .engine import arguments, filenames, fs, reader, schema, table_decode
+from .engine import arguments, filenames, fs, merge, reader, schema, table_decode
 from .engine import blocks as blocks_math
 from .engine.core import Engine, version_info as _version_info
 from .engine.index import Index, IndexView
@@ -421,6 +421,19 @@ class Store:
         check = None if not names else (lambda view: [self._table_or_raise(name, view) for name in names])
         return _ReadContext(self._engine.index, version, check)
 
+    def read_amplification(self, version: int | None = None) -> dict[str, np.ndarray]:
+        """{table name: float64 array, one entry per block with a record at or before ``version`` (default:
+        newest), in block order}: what reading that block's chain at ``version`` costs over what one baseline
+        of the block costs (engine/merge.py ``read_amplification``; 1.0 for a lone baseline). The arrays'
+        maximum is what ``knobs.READ_AMP_BOUND`` bounds and ``knobs.MERGE_TRIGGER`` aims below."""
+        with self._read(version) as (view, v):
+            out = {}
+            for name, info in sorted(view.tables().items()):
+                amps = [merge.read_amplification(info, block, merge.walk_chain(view, info.id, block, v))
+                        for block, oldest in view.row_blocks(info.id) if oldest <= v]
+                out[name] = np.asarray(amps, dtype=np.float64)
+            return out
+
     # maintenance ------------------------------------------------------------------------------------
     def compact(self, version: int | None = None, progress=None) -> "compaction.CompactReport":
         """Materialize a baseline at ``version`` (default: newest) for every block whose read chain there
@@ -501,8 +514,13 @@ class Store:
                 "compaction_errors": self._compactor.failures if self._compactor is not None else 0,
             }
             increments = schema.INCREMENT_BYTES.get(view, stats["bytes_written"])
-        # all bytes appended over the bytes of the checkpoints' own rows; disk over what the index names
+            stats["increment_bytes"] = increments
+            stats["save_bytes"] = schema.SAVE_BYTES.get(view, stats["bytes_written"])
+            stats["merge_bytes"] = schema.MERGE_BYTES.get(view)
+        # all bytes appended over the bytes of the checkpoints' own rows; the saves' own share of it; disk
+        # over what the index names
         stats["write_amplification"] = stats["bytes_written"] / increments if increments else None
+        stats["save_write_amplification"] = stats["save_bytes"] / increments if increments else None
         stats["space_amplification"] = stats["bytes_on_disk"] / live if live else None
         return stats
 

@@ -71,6 +71,19 @@ class CompactReport:
 
 
 @dataclass
+class MergeReport:
+    """What a background merge step did (compaction.merge_chains): blocks whose read chain at ``version``
+    it merged (``baselines`` of them into new baselines), the bytes written, and the seconds it waited on
+    the rate limit (``knobs.MERGE_RATE_BYTES``)."""
+
+    version: int
+    blocks_merged: int = 0
+    baselines: int = 0
+    bytes_written: int = 0
+    waited_s: float = 0.0
+
+
+@dataclass
 class GCReport:
     """What ``Store.gc`` did. ``bytes_reclaimed`` were freed on disk now; ``bytes_pending`` belong to
     segments that readers may still use, deleted by a later ``gc`` (or open) once they are done.

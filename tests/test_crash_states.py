@@ -10,6 +10,7 @@ workloads over many seeds; its count is recorded in docs/DESIGN.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -19,6 +20,7 @@ import pytest
 from cnrstore import knobs
 from cnrstore.maintenance.repair import repair
 from cnrstore.maintenance.background import BackgroundCompactor
+from cnrstore.maintenance.compaction import merge_chains
 from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention
 from cnrstore.store import Store
 
@@ -93,6 +95,14 @@ class Workload:
             assert report.ok, report.versions_lost
             self.store = Store(self.store.path, create=False, readonly=False, filesystem=self.rec)
         return self._op("repair", run_repair)
+
+    def merge(self):
+        """A background merge step (issue 25) at the newest version, as the compactor runs it."""
+        def run_merges():
+            engine = self.store.engine
+            with engine.maintenance_lock:
+                return merge_chains(engine, self.store.latest().version)
+        return self._op("merge", run_merges)
 
     def rewrite_dense(self, version: int):
         """``Store.replace_dense`` (what ``cnrstore migrate-payload`` does to a trainer payload): the array of
@@ -185,14 +195,51 @@ def clean_after_drop(w: Workload) -> None:
     w.checkpoint(10)
 
 
+@contextlib.contextmanager
+def _knobs(**values):
+    old = {name: getattr(knobs, name) for name in values}
+    for name, value in values.items():
+        setattr(knobs, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(knobs, name, value)
+
+
 def deltas_then_compact(w: Workload) -> None:
-    """Long read chains turned into merged deltas by the writer, then a baseline, a drop and a gc."""
-    for _ in range(7):
+    """Long read chains turned into merged deltas by the writer (the count bound alone, at 3: the engine
+    before issue 25), then a baseline, a drop and a gc."""
+    with _knobs(READ_CHAIN_BOUND=3, READ_AMP_BOUND=None, MERGE_TRIGGER=None):
+        for _ in range(7):
+            w.checkpoint(25)
+        w.compact()
+        w.retain(3)
+        w.gc()
         w.checkpoint(25)
-    w.compact()
-    w.retain(3)
-    w.gc()
-    w.checkpoint(25)
+
+
+def merges_then_gc(w: Workload) -> None:
+    """Background merges (issue 25) of chains past a low trigger, beside saves that merge past the hard
+    bound themselves, then a drop that leaves the merged records' old inputs unread, gc's cleaning, and
+    merges again."""
+    merged = 0
+    with _knobs(READ_AMP_BOUND=1.2, READ_RECORD_COST_BYTES=0):  # the save path merges past the hard bound
+        for _ in range(4):
+            w.checkpoint(40)
+    with _knobs(MERGE_TRIGGER=1.1, READ_AMP_BOUND=None, READ_RECORD_COST_BYTES=0):
+        for i in range(4):
+            w.checkpoint(40)
+            if i % 2:
+                merged += w.merge().blocks_merged
+        w.retain(2)
+        w.gc()
+        w.checkpoint(40)
+        merged += w.merge().blocks_merged
+        w.gc()
+        st = w.store.stats()
+    assert merged and st["merge_bytes"], "the workload merged in the background"
+    assert st["save_bytes"] > st["increment_bytes"], "and some save merged past the hard bound itself"
 
 
 def rewrite_dense_then_gc(w: Workload) -> None:
@@ -223,11 +270,11 @@ def repair_amid_maintenance(w: Workload) -> None:
 
 
 #: workloads whose every crash state is also checked with its index lost and repaired from the log
-REPAIRED_FROM_LOG = {"maintenance_mix", "clean_after_drop", "deltas_then_compact"}
+REPAIRED_FROM_LOG = {"maintenance_mix", "clean_after_drop", "deltas_then_compact", "merges_then_gc"}
 
 
-@pytest.mark.parametrize("script", [maintenance_mix, clean_after_drop, deltas_then_compact, rewrite_dense_then_gc,
-                                    repair_amid_maintenance],
+@pytest.mark.parametrize("script", [maintenance_mix, clean_after_drop, deltas_then_compact, merges_then_gc,
+                                    rewrite_dense_then_gc, repair_amid_maintenance],
                          ids=lambda s: s.__name__)
 def test_every_crash_state_of_a_named_workload_recovers(tmp_path, script):
     """Every crash state opens with the versions before or after the operation in flight, bit for bit;

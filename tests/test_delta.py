@@ -1,5 +1,6 @@
-"""Cumulative delta records (format 3, cnrstore/engine/merge.py): every block's read chain stays within
-knobs.READ_CHAIN_BOUND, every version reads bit-exactly as its puts say, merged bytes are copies of the
+"""Cumulative delta records written by the save path (format 3, cnrstore/engine/merge.py) under the count
+bound alone (``knobs.READ_CHAIN_BOUND``, with the cost bound and background merges off: test_merge_chains
+covers those): every block's read chain stays within knobs.READ_CHAIN_BOUND, every version reads bit-exactly as its puts say, merged bytes are copies of the
 stored ones, a block whose deltas copied knobs.DELTA_RESET_FRACTION of it gets a new baseline, and retention never drops
 the baseline an open checkpoint's deltas read."""
 
@@ -14,6 +15,13 @@ import cnrstore
 from cnrstore import codecs, knobs
 from cnrstore.engine import record
 from cnrstore.errors import CorruptionError
+
+
+@pytest.fixture(autouse=True)
+def _count_bound_only(monkeypatch):
+    monkeypatch.setattr(knobs, "READ_CHAIN_BOUND", 3)
+    monkeypatch.setattr(knobs, "READ_AMP_BOUND", None)
+    monkeypatch.setattr(knobs, "MERGE_TRIGGER", None)
 
 
 def _entries(store, table: str):

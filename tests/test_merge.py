@@ -79,6 +79,8 @@ def _baseline(chain: Chain, version: int = 1):
 def _knobs(monkeypatch):
     """The defaults these tests reason with, whatever a run overrides."""
     monkeypatch.setattr(knobs, "READ_CHAIN_BOUND", 3)
+    monkeypatch.setattr(knobs, "READ_AMP_BOUND", None)  # the count bound alone (test_merge_chains: by cost)
+    monkeypatch.setattr(knobs, "MERGE_TRIGGER", None)
     monkeypatch.setattr(knobs, "DELTA_RESET_FRACTION", 1.0)
     monkeypatch.setattr(knobs, "DELTA_FULL_FRACTION", 0.7)
     monkeypatch.setattr(knobs, "DELTA_TIER_RATIO", 1.0)
@@ -158,7 +160,7 @@ def test_many_rows_above_a_delta_merge_everything_since_the_baseline():
 
 def test_a_chain_within_the_bound_needs_no_merge(tmp_path, monkeypatch):
     monkeypatch.setattr(knobs, "READ_CHAIN_BOUND", None)
-    assert merge.chain_merge(None, 1, 0, 5) is None      # merging is off
+    assert merge.chain_merge(None, None, 0, 5, 0) is None      # merging is off
     monkeypatch.setattr(knobs, "READ_CHAIN_BOUND", 3)
     with cnrstore.open(tmp_path / "s", create=True) as store:
         store.create_table("t", 16, DIM, codec="fp32", block_rows=16)
@@ -166,8 +168,8 @@ def test_a_chain_within_the_bound_needs_no_merge(tmp_path, monkeypatch):
             with store.checkpoint() as ck:
                 ck.put_rows("t", [v], np.ones((1, DIM), np.float32))
         with store.engine.index.read() as view:
-            tid = next(view.row_entries())[0]
-            assert merge.chain_merge(view, tid, 0, None) is None        # a first version has no chain
-            assert merge.chain_merge(view, tid, 0, 2) is None           # 2 records + this one = 3
-            plan = merge.chain_merge(view, tid, 0, 3)                   # 3 records + this one > 3
+            info = view.table("t")
+            assert merge.chain_merge(view, info, 0, None, 0) is None        # a first version has no chain
+            assert merge.chain_merge(view, info, 0, 2, 0) is None           # 2 records + this one = 3
+            plan = merge.chain_merge(view, info, 0, 3, 0)                   # 3 records + this one > 3
     assert plan is not None and plan.baseline is None and [v for v, _loc in plan.records] == [3, 2, 1]

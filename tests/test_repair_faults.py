@@ -27,6 +27,15 @@ from cnrstore.errors import CorruptionError
 PY = sys.executable
 
 
+
+@pytest.fixture(autouse=True)
+def _count_bound_only(monkeypatch):
+    """The delta shapes these faults are built on: the save path's count bound alone (READ_CHAIN_BOUND 3,
+    the engine before issue 25); a test may set READ_CHAIN_BOUND None for plain increments."""
+    monkeypatch.setattr(knobs, "READ_CHAIN_BOUND", 3)
+    monkeypatch.setattr(knobs, "READ_AMP_BOUND", None)
+    monkeypatch.setattr(knobs, "MERGE_TRIGGER", None)
+
 def _lose_index(path) -> None:
     shutil.rmtree(filenames.index_dir(str(path)))
 

@@ -15,14 +15,16 @@ from .schema import TableRecord
 
 
 def block_records(info: TableRecord, codec, rows: np.ndarray, encoded: np.ndarray, version: int, *,
-                  compacted: bool = False, base: int = 0, copied: int = 0, baseline: bool = False) -> list:
+                  compacted: bool = False, base: int = 0, copied: int = 0, baseline: bool = False,
+                  merged: bool = False) -> list:
     """One ROWS record per block of ``rows`` (sorted, unique; ``encoded`` aligned with them).
 
     Returns ((block, count, flags), buffers, length) per record; the buffers are views, not copies. A
     record holding every row of its block is a baseline. With ``compacted``, every record is a
     (compacted) baseline: it holds every row written to its block at or before ``version``. With
     ``base`` (rows of one block, merge.py), a record that is not a baseline is a cumulative delta on the
-    baseline at version ``base`` (record.FLAG_DELTA).
+    baseline at version ``base`` (record.FLAG_DELTA). With ``merged`` (a background merge, merge.py), every
+    record is flagged COMPACTED (the block's record at ``version``, rewritten) without being made a baseline.
     """
     block_rows, num_rows = info.block_rows, info.num_rows
     shift = blocks_math.shift(block_rows)
@@ -41,7 +43,7 @@ def block_records(info: TableRecord, codec, rows: np.ndarray, encoded: np.ndarra
     if compacted or complete:
         baseline = np.ones_like(baseline)
     flags = (np.where(full, record.FLAG_FULL, 0) | np.where(baseline, record.FLAG_BASELINE, 0)
-             | (record.FLAG_COMPACTED if compacted else 0) | np.where(~baseline & bool(base), record.FLAG_DELTA, 0))
+             | (record.FLAG_COMPACTED if compacted or merged else 0) | np.where(~baseline & bool(base), record.FLAG_DELTA, 0))
     records = []
     for start, stop, first, flag, is_full in zip(starts.tolist(), stops.tolist(), bases.tolist(),
                                                  flags.tolist(), full.tolist()):

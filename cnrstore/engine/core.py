@@ -58,6 +58,9 @@ class Engine:
         self.writer = None  # the open CheckpointWriter, if any
         #: Called after each committed checkpoint (the background compactor's ``notify``).
         self.on_commit: Optional[Callable[[], None]] = None
+        #: (table id, block) pairs committed checkpoints wrote since the background merges last looked
+        #: (None: look at every block: nothing was looked at in this process yet); see take_written_blocks
+        self._written_blocks: set | None = None
         self._tables: dict[str, TableRecord] = {}
         self._next_dense_id: int | None = None
         self._history: tuple[VersionInfo, ...] | None = None  # see history()
@@ -262,8 +265,22 @@ class Engine:
         with self.writer_mutex:
             if self.writer is writer:
                 self.writer = None
+            if writer.committed and self._written_blocks is not None:
+                self._written_blocks.update(writer.blocks_written())
         if self.on_commit is not None and writer.committed:
             self.on_commit()
+
+    def take_written_blocks(self) -> set | None:
+        """The (table id, block) pairs checkpoints committed since the last call (None on the first call of
+        this process: every block may need a look), and start collecting afresh."""
+        with self.writer_mutex:
+            written, self._written_blocks = self._written_blocks, set()
+        return written
+
+    def look_at_every_block(self) -> None:
+        """Make the next ``take_written_blocks`` return None (a merge step failed, or was cut short)."""
+        with self.writer_mutex:
+            self._written_blocks = None
 
     def delete_doomed(self, report: GCReport) -> GCReport:
         """Delete the freed segment files (meta ``doomed_segments``) no reader of any process can need any

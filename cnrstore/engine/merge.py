@@ -1,14 +1,18 @@
-"""Merge-on-write: the deltas that keep every block's read chain short (format 3).
+"""Merges: the deltas that keep every block's reads bounded by what they cost (format 3).
 
-A checkpoint's increment of block b normally adds one record to b's read chain. When the chain at the
-parent version already holds ``knobs.READ_CHAIN_BOUND`` records, the checkpoint instead writes one merged
-record, flagged ``record.FLAG_DELTA`` with a *base* version that a read jumps to:
+A checkpoint writes a plain increment of each block it touches: one more record on the block's read
+chain. A block's *read amplification* at a version is what reading its chain there costs over what one
+baseline of the block costs, a record costing its bytes plus ``knobs.READ_RECORD_COST_BYTES`` (``read_cost``).
+Once it passes ``knobs.MERGE_TRIGGER`` at the newest version, background compaction merges the block
+(maintenance/compaction.py ``merge_chains``); a save merges it itself only when its record would pass the
+hard bounds (``knobs.READ_AMP_BOUND``, and ``knobs.READ_CHAIN_BOUND`` records: ``chain_merge``). A merge
+writes one record, flagged ``record.FLAG_DELTA`` with a *base* version that a read jumps to:
 
-- a **delta on the chain's cumulative delta D** (two levels, size-tiered): its own rows plus the rows of
-  the records above D, while those are fewer than ``knobs.DELTA_TIER_RATIO`` times D's rows; read as it,
-  D and the baseline (three records), and D's rows are not copied again;
-- else a **cumulative delta on the baseline**: its own rows plus every row changed since the baseline
-  (newest value of each); read as it and the baseline;
+- a **delta on the chain's cumulative delta D** (two levels, size-tiered): the rows of the records above
+  D, while those are fewer than ``knobs.DELTA_TIER_RATIO`` times D's rows; read as it, D and the baseline
+  (three records), and D's rows are not copied again;
+- else a **cumulative delta on the baseline**: every row changed since the baseline (newest value of
+  each); read as it and the baseline;
 - or a **new baseline** of the block, once the block's merges have copied ``knobs.DELTA_RESET_FRACTION``
   of the block since its baseline (a ski-rental rule: copies never cost more than twice the best choice
   in hindsight), or the merge would hold ``knobs.DELTA_FULL_FRACTION`` of the block anyway: every row,
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import codecs, knobs
+from . import blocks as blocks_math
 from . import record
 from .index import IndexView, RowLoc
 from .reader import BlockResolver
@@ -34,28 +39,78 @@ from .reader import BlockResolver
 
 @dataclass
 class ChainMerge:
-    """What a checkpoint merges into its record of one block: the chain at the parent version."""
+    """What a merge of one block reads: its read chain at a version."""
 
-    records: list  # (version, RowLoc) of the chain's non-baseline records, newest first (up to 2 deltas)
+    records: list  # (version, RowLoc) of the chain's non-baseline records, newest first
     baseline: tuple | None  # (version, RowLoc) of the chain's baseline, None if the chain has none
 
 
-def chain_merge(view: IndexView, table_id: int, block: int, parent: int | None) -> ChainMerge | None:
-    """The merge a new version's record of ``block`` needs (None: a plain increment keeps the chain within
-    ``knobs.READ_CHAIN_BOUND``, at least 2). Reads the block's read chain at ``parent`` (index entries only)."""
+def baseline_cost(info, block_len: int, baseline=None) -> int:
+    """What reading one baseline of a block of ``block_len`` rows of table ``info`` costs, in bytes: every
+    row in the table's codec (or the block's baseline record ``baseline``, a RowLoc, if larger), plus a
+    record's fixed cost."""
+    full = record.HEADER_BYTES + record.TRAILER_BYTES + block_len * codecs.get(info.codec).row_bytes(info.dim)
+    if baseline is not None:
+        full = max(full, baseline.length)
+    return full + knobs.READ_RECORD_COST_BYTES
+
+
+def read_cost(locs) -> int:
+    """What reading the records ``locs`` (RowLocs) costs, in bytes: theirs plus each one's fixed cost."""
+    return sum(loc.length for loc in locs) + len(locs) * knobs.READ_RECORD_COST_BYTES
+
+
+def walk_chain(view: IndexView, table_id: int, block: int, version: int) -> ChainMerge:
+    """The block's read chain at ``version`` (index entries only), split into its records above the
+    baseline and the baseline."""
+    chain: list[tuple[int, RowLoc]] = []
+    for v, loc in view.row_chain(table_id, block, version):
+        if loc.flags & record.FLAG_BASELINE:
+            return ChainMerge(chain, (v, loc))
+        chain.append((v, loc))
+    return ChainMerge(chain, None)
+
+
+def read_amplification(info, block: int, chain: ChainMerge) -> float:
+    """The block's read amplification over ``chain``: its read cost over one baseline's."""
+    locs = [loc for _v, loc in chain.records] + ([chain.baseline[1]] if chain.baseline is not None else [])
+    block_len = blocks_math.length(block, info.block_rows, info.num_rows)
+    return read_cost(locs) / baseline_cost(info, block_len, chain.baseline[1] if chain.baseline else None)
+
+
+def merge_due(info, block: int, chain: ChainMerge, trigger: float) -> bool:
+    """Whether background compaction merges a block whose read chain is ``chain``: its read amplification
+    passes ``trigger``, or its records pass the same fraction (``trigger / knobs.READ_AMP_BOUND``) of
+    ``knobs.READ_CHAIN_BOUND``, so that the save path seldom has to merge."""
+    count = len(chain.records) + (chain.baseline is not None)
+    amp_bound = knobs.READ_AMP_BOUND or trigger
+    if knobs.READ_CHAIN_BOUND is not None and count > knobs.READ_CHAIN_BOUND * min(1.0, trigger / amp_bound):
+        return True
+    return read_amplification(info, block, chain) > trigger
+
+
+def chain_merge(view: IndexView, info, block: int, parent: int | None, own_bytes: int) -> ChainMerge | None:
+    """The merge a new version's record of ``block`` (about ``own_bytes``) needs on the save path: None
+    unless the record on top of the chain at ``parent`` would pass ``knobs.READ_CHAIN_BOUND`` records or a
+    read amplification of ``knobs.READ_AMP_BOUND`` (background merges normally keep chains well below both).
+    With ``knobs.READ_CHAIN_BOUND`` None, never. Reads the block's chain at ``parent`` (index entries only)."""
     bound = knobs.READ_CHAIN_BOUND
     if bound is None or parent is None:
         return None
-    chain: list[tuple[int, RowLoc]] = []
-    baseline = None
-    for v, loc in view.row_chain(table_id, block, parent):
-        if loc.flags & record.FLAG_BASELINE:
-            baseline = (v, loc)
-            break
-        chain.append((v, loc))
-    if len(chain) + (baseline is not None) + 1 <= max(2, bound):
-        return None
-    return ChainMerge(chain, baseline)
+    chain = walk_chain(view, info.id, block, parent)
+    if not chain.records:
+        return None  # nothing to merge: the record goes on a baseline (or is the block's first)
+    count = len(chain.records) + (chain.baseline is not None) + 1
+    if count > max(2, bound):
+        return chain
+    amp_bound = knobs.READ_AMP_BOUND
+    if amp_bound is not None:
+        locs = [loc for _v, loc in chain.records] + ([chain.baseline[1]] if chain.baseline is not None else [])
+        block_len = blocks_math.length(block, info.block_rows, info.num_rows)
+        ref = baseline_cost(info, block_len, chain.baseline[1] if chain.baseline else None)
+        if read_cost(locs) + own_bytes + knobs.READ_RECORD_COST_BYTES > amp_bound * ref:
+            return chain
+    return None
 
 
 @dataclass
@@ -72,15 +127,20 @@ class Merged:
 
 
 def merge_block(resolver: BlockResolver, block: int, block_len: int, merge: ChainMerge, codec, offsets: np.ndarray,
-                encoded: np.ndarray) -> Merged:
-    """Merge a version's rows of ``block`` (``offsets`` sorted unique, ``encoded`` by ``codec``) with the
-    chain ``merge`` describes. Every record read is checksum-verified; bytes are copied.
+                encoded: np.ndarray, budget: float | None = None) -> Merged:
+    """Merge a version's rows of ``block`` (``offsets`` sorted unique, ``encoded`` by ``codec``; none for a
+    background merge of the chain at a version) with the chain ``merge`` describes. Every record read is
+    checksum-verified; bytes are copied.
 
     Two levels, size-tiered: if the chain holds a cumulative delta D (on the baseline) and the records
     above it hold, with this version's rows, fewer rows than ``knobs.DELTA_TIER_RATIO`` times D, they are
     merged into a delta *on D* (read: it, D, the baseline), copying only the rows above D. Otherwise
     everything since the baseline is merged into a new cumulative delta on the baseline (or, once the
     block's merges have copied ``knobs.DELTA_RESET_FRACTION`` of the block since it, a new baseline).
+
+    With a ``budget`` (bytes: what reading the block's chain may cost after the merge, ``read_cost``), the
+    cheapest of the three to write whose chain stays within it is taken instead of the tier ratio, so
+    that every merge leaves room for many records before the next (``merge_budget``).
     """
     records = list(merge.records)
     loaded = [(v, loc) + resolver.load_rows(loc, block, v) for v, loc in records]
@@ -88,23 +148,47 @@ def merge_block(resolver: BlockResolver, block: int, block_len: int, merge: Chai
     base_version = merge.baseline[0] if merge.baseline is not None else 0
     # the level-2 record: the oldest of the chain, if it is a cumulative delta on the baseline
     level2 = len(loaded) - 1 if loaded and base_version and loaded[-1][1].base == base_version else None
-    own = [(codec.codec_id, offsets, encoded)]  # newest first: the first occurrence of a row wins
-    if level2 is not None and level2 > 0 and knobs.READ_CHAIN_BOUND >= 3:
+    # newest first: the first occurrence of a row wins (a background merge has no rows of its own)
+    own = [(codec.codec_id, offsets, encoded)] if offsets.size else []
+    # (two or more records become one: a merge always shortens the chain)
+    if level2 is not None and len(own) + level2 >= 2 and (knobs.READ_CHAIN_BOUND or 3) >= 3:
         upper = own + [(rec.codec_id, rec.offsets(), rows) for _v, _loc, rec, rows in loaded[:level2]]
         upper_rows = np.unique(np.concatenate([p[1] for p in upper]))
-        if upper_rows.size < knobs.DELTA_TIER_RATIO * loaded[level2][2].count:
+        if (upper_rows.size < knobs.DELTA_TIER_RATIO * loaded[level2][2].count if budget is None else
+                _base_cost(merge) + read_cost([loaded[level2][1]]) + _record_cost(upper, upper_rows.size, resolver.dim)
+                <= budget):
             copied = copied_before + upper_rows.size - offsets.size
             return _merged(upper, codec, resolver.dim, offsets, loaded[level2][0], copied)
     parts = own + [(rec.codec_id, rec.offsets(), rows) for _v, _loc, rec, rows in loaded]
     union = np.unique(np.concatenate([p[1] for p in parts]))
     copied = copied_before + union.size - offsets.size
+    over_budget = budget is not None and _base_cost(merge) + _record_cost(parts, union.size, resolver.dim) > budget
     if merge.baseline is not None and (copied >= knobs.DELTA_RESET_FRACTION * block_len
-                                       or union.size >= knobs.DELTA_FULL_FRACTION * block_len):
+                                       or union.size >= knobs.DELTA_FULL_FRACTION * block_len or over_budget):
         v, loc = merge.baseline
         rec, rows = resolver.load_rows(loc, block, v)
         parts.append((rec.codec_id, rec.offsets(), rows))
         return _merged(parts, codec, resolver.dim, offsets, 0, 0)  # a new baseline: every row the block has
     return _merged(parts, codec, resolver.dim, offsets, base_version, copied)
+
+
+def merge_budget(bound: float, info, block: int, chain: ChainMerge) -> float:
+    """The read cost (bytes) a merge triggered at read amplification ``bound`` may leave the block's chain
+    at: halfway from one baseline to ``bound``, so that the records until the next merge add at least half
+    the room a baseline would leave (a merge never leaves the chain just under its trigger, to be merged
+    again a few versions later)."""
+    block_len = blocks_math.length(block, info.block_rows, info.num_rows)
+    return baseline_cost(info, block_len, chain.baseline[1] if chain.baseline else None) * (1 + (bound - 1) / 2)
+
+
+def _base_cost(chain: ChainMerge) -> int:
+    return read_cost([chain.baseline[1]]) if chain.baseline is not None else 0
+
+
+def _record_cost(parts: list, rows: int, dim: int) -> int:
+    """About what reading a merged record of ``rows`` rows of ``parts`` (codec of the first) would cost."""
+    row_bytes = codecs.by_id(parts[0][0]).row_bytes(dim) + 2
+    return read_cost([RowLoc(0, 0, record.HEADER_BYTES + record.TRAILER_BYTES + rows * row_bytes, rows, 0, 0)])
 
 
 def _merged(parts: list, codec, dim: int, offsets: np.ndarray, base: int, copied: int) -> Merged:

@@ -238,6 +238,11 @@ BYTES_WRITTEN = MetaKey("bytes_written", _byte_count, "a byte count below 2**62"
 #: the bytes the checkpoints' records would take holding only their own rows (format 3; absent in a store
 #: written before it: read it with bytes_written as the default)
 INCREMENT_BYTES = MetaKey("increment_bytes", _byte_count, "a byte count below 2**62")
+#: the bytes checkpoints appended (their records, merges a save had to write itself, COMMIT records;
+#: absent in a store written before it: read it with bytes_written as the default)
+SAVE_BYTES = MetaKey("save_bytes", _byte_count, "a byte count below 2**62")
+#: the bytes background merges appended (merge.py, compaction.merge_chains)
+MERGE_BYTES = MetaKey("merge_bytes", _byte_count, "a byte count below 2**62", 0)
 DROPPED_BELOW = MetaKey("dropped_below", _count, "a version", 0)
 DROP_SEQ = MetaKey("drop_seq", _count, "a sequence number", 0)
 MAX_DELETED_SEGMENT = MetaKey("max_deleted_segment", _segment_id, "a segment id (u32)", 0)

@@ -36,7 +36,7 @@ from ..errors import CnrError, InvalidArgument
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
 from .reader import unread_versions
 from .schema import (
-    BYTES_WRITTEN, DOOMED_SEGMENTS, INCREMENT_BYTES, LAST_BASELINE, NEXT_DENSE_ID, MetaKey, TableRecord,
+    BYTES_WRITTEN, DOOMED_SEGMENTS, INCREMENT_BYTES, LAST_BASELINE, MERGE_BYTES, SAVE_BYTES, NEXT_DENSE_ID, MetaKey, TableRecord,
     table_from_log,
 )
 
@@ -132,7 +132,8 @@ class VersionEdit:
 
     # -- meta -----------------------------------------------------------------------------------------
     bytes_written: int | None = None  # added to meta bytes_written
-    increment_bytes: int | None = None  # added to meta increment_bytes
+    increment_bytes: int | None = None  # added to meta increment_bytes (and bytes_written to save_bytes)
+    merge_bytes: int | None = None  # added to meta merge_bytes (bytes_written of a background merge)
     last_baseline: dict | None = None  # {"version", "bytes"}: set unless a newer baseline is recorded
     meta: dict[MetaKey, object] = field(default_factory=dict)  # set as given, after everything above
 
@@ -200,6 +201,9 @@ class VersionEdit:
             if self.increment_bytes is not None:
                 # (a store written before this counter existed counts its earlier bytes as increments)
                 INCREMENT_BYTES.put(w, INCREMENT_BYTES.get(w, written) + self.increment_bytes)
+                SAVE_BYTES.put(w, SAVE_BYTES.get(w, written) + self.bytes_written)
+            if self.merge_bytes is not None:
+                MERGE_BYTES.put(w, MERGE_BYTES.get(w) + self.merge_bytes)
         if self.last_baseline is not None and \
                 self.last_baseline["version"] >= (LAST_BASELINE.get(w) or {}).get("version", 0):
             LAST_BASELINE.put(w, self.last_baseline)

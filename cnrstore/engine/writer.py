@@ -57,6 +57,11 @@ class CheckpointWriter:
     def committed(self) -> bool:
         return self._state == "committed"
 
+    def blocks_written(self) -> set[tuple[int, int]]:
+        """(table id, block) of every record this version holds (so far)."""
+        engine = self._engine
+        return {(engine.table_record(name).id, block) for name, blocks in self._rows.items() for block in blocks}
+
     # context manager --------------------------------------------------------------------------------
     def __enter__(self) -> "CheckpointWriter":
         return self
@@ -99,8 +104,8 @@ class CheckpointWriter:
         before = dict(pending) if table in self._rows else None
         with contextlib.ExitStack() as stack:
             try:
-                # blocks whose read chain would outgrow knobs.READ_CHAIN_BOUND: a cumulative delta (merge.py)
-                chain_merges, resolver = self._chain_merges(stack, info, blocks[fresh])
+                # blocks whose record would pass the hard read bounds: a merged delta (merge.py)
+                chain_merges, resolver = self._chain_merges(stack, info, blocks[fresh], chosen)
                 groups = _codec_groups(chosen, rows[fresh], values[fresh], shift,
                                        value_range if merging is None else None)
                 for group_codec, g_rows, g_values in groups:
@@ -243,9 +248,10 @@ class CheckpointWriter:
             total -= loc.length - (record.HEADER_BYTES + record.TRAILER_BYTES + own * (row_bytes + 2))
         return total
 
-    def _chain_merges(self, stack: contextlib.ExitStack, info: TableRecord, blocks: np.ndarray):
-        """({block: merge.ChainMerge} of the fresh ``blocks`` whose chain needs a merge, and a resolver
-        reading within an index read transaction held by ``stack`` while the merges load records).
+    def _chain_merges(self, stack: contextlib.ExitStack, info: TableRecord, blocks: np.ndarray, codec):
+        """({block: merge.ChainMerge} of the fresh ``blocks`` (one per row, of rows encoded by ``codec``)
+        whose record would pass the hard read bounds (merge.chain_merge), and a resolver reading within an
+        index read transaction held by ``stack`` while the merges load records).
 
         The delta bases are pinned (``pins``) in the same critical section as the chain is read, so that
         a concurrent retention cannot drop the entries this version's deltas will read."""
@@ -253,10 +259,12 @@ class CheckpointWriter:
             return {}, None
         engine = self._engine
         found = {}
+        unique, counts = np.unique(blocks, return_counts=True)
+        own_bytes = (counts * (codec.row_bytes(info.dim) + 2) + record.HEADER_BYTES + record.TRAILER_BYTES).tolist()
         with engine.pin_lock:
             view = stack.enter_context(engine.index.read())
-            for block in np.unique(blocks).tolist():
-                plan = merge.chain_merge(view, info.id, block, self._parent)
+            for block, size in zip(unique.tolist(), own_bytes):
+                plan = merge.chain_merge(view, info, block, self._parent, size)
                 if plan is not None:  # (every entry the merged record might read; narrowed after the merge)
                     found[block] = plan
                     for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
@@ -283,14 +291,16 @@ class CheckpointWriter:
             block = int(m_blocks[start])
             first = blocks_math.base(block, info.block_rows)
             block_len = blocks_math.length(block, info.block_rows, info.num_rows)
-            m = merge.merge_block(resolver, block, block_len, chain_merges[block], codec, m_rows[start:stop] - first,
-                                  m_encoded[start:stop])
+            plan = chain_merges[block]
+            budget = None if knobs.READ_AMP_BOUND is None else merge.merge_budget(knobs.READ_AMP_BOUND, info, block, plan)
+            m = merge.merge_block(resolver, block, block_len, plan, codec, m_rows[start:stop] - first,
+                                  m_encoded[start:stop], budget)
             self._append(table, block_records(info, m.codec, m.offsets + first, m.encoded, self.version,
                                               base=m.base, copied=m.copied, baseline=not m.base), m.base)
             fs.crash_point("after_delta_merge")  # a merged record appended, the version not committed
             if m.carried.size:
                 self._carried[(table, block)] = m.carried + first
-            plan = chain_merges[block]  # keep pinned exactly the entries the merged record reads
+            # keep pinned exactly the entries the merged record reads
             reads = {m.base} | ({plan.baseline[0]} if m.base and plan.baseline is not None else set())
             for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
                 if v not in reads:

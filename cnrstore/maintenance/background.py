@@ -20,7 +20,9 @@ import threading
 from typing import TYPE_CHECKING
 
 from . import compaction
+from .. import knobs
 from ..engine import fs
+from .rate_limit import RateLimiter
 from ..errors import StorageFull
 from ..policy.compaction import CompactionPolicy
 
@@ -44,6 +46,8 @@ class BackgroundCompactor:
         self.failures = 0  # failed steps since start
         self.reported = 0  # failures the store has raised already (close() raises the rest once)
         self.steps = 0  # policy runs that did something (for tests and stats)
+        self.merges: list = []  # the newest merge steps' MergeReports that merged something (tests, benchmarks)
+        self._rate: RateLimiter | None = None
         self._wake = threading.Condition()
         self._pending = True  # the first step: catch up on what the history asks for
         self._stopping = False
@@ -101,6 +105,12 @@ class BackgroundCompactor:
             self._pending = False
             self._wake.notify_all()
 
+    def _limiter(self) -> RateLimiter:
+        """The merges' rate limiter, kept across steps (a fresh one if knobs.MERGE_RATE_BYTES changed)."""
+        if self._rate is None or self._rate.rate != knobs.MERGE_RATE_BYTES:
+            self._rate = RateLimiter(knobs.MERGE_RATE_BYTES)
+        return self._rate
+
     def _run(self) -> None:
         while True:
             with self._wake:
@@ -126,7 +136,19 @@ class BackgroundCompactor:
     def _step(self) -> None:
         engine = self._engine
         with engine.maintenance_lock:
+            written = engine.take_written_blocks()  # before the history: a later commit's blocks wait for the next step
             history = engine.history()
+            if history.versions and knobs.MERGE_TRIGGER is not None and not self._halt:
+                # merges first: they keep the newest version's reads bounded (merge.py)
+                try:
+                    report = compaction.merge_chains(engine, history.versions[-1].version, written,
+                                                     limiter=self._limiter(), halted=lambda: self._halt)
+                except BaseException:
+                    engine.look_at_every_block()  # the next step looks again at what this one could not merge
+                    raise
+                if report.blocks_merged:
+                    self.merges.append(report)
+                del self.merges[:-KEEP_ERRORS]
             plan = self.policy.plan(history)
             if not (plan.materialize or plan.drop):
                 return

@@ -19,13 +19,13 @@ import numpy as np
 
 from ..engine import blocks as blocks_math
 from .. import codecs, knobs
-from ..engine import fs, reader, record, schema
+from ..engine import fs, merge, reader, record, schema
 from . import liveness
 from ..errors import InvalidArgument, StorageFull
 from ..engine.index import DenseLoc, IndexView, RowLoc
 from ..engine.segments import SEGMENT_HEADER_BYTES
 from ..engine.storage import Expect, fetch
-from ..types import CompactReport, GCReport
+from ..types import CompactReport, GCReport, MergeReport
 from ..engine.block_records import block_records
 from ..engine.version_edit import DropLog, Move, VersionEdit, anchor_at
 
@@ -179,6 +179,93 @@ def materialize(engine: "Engine", version: int, progress: Progress | None = None
         edit.pinned = frozenset(engine.pinned())
         _commit(engine, appender, True, "compact", edit)
     return report
+
+
+def merge_chains(engine: "Engine", version: int, blocks: set[tuple[int, int]] | None = None, *,
+                 limiter=None, halted: Callable[[], bool] = lambda: False) -> MergeReport:
+    """Merge every block (of ``blocks``, (table id, block) pairs; None: all) whose read amplification at
+    ``version`` passes ``knobs.MERGE_TRIGGER`` and whose chain holds two or more records above its
+    baseline: one delta (or new baseline: merge.merge_block) per block, flagged COMPACTED, written at
+    ``version`` under the block's key there, so that reads at ``version`` and later walk it instead of the
+    records it merged. Reads of every version are unchanged bit for bit.
+
+    Commits in batches of about ``knobs.MERGE_BATCH_BYTES`` (crash points ``merge_after_append`` and
+    ``merge_inside_index_commit``), asks ``limiter`` (a RateLimiter) before each block, and stops early,
+    between blocks, once ``halted()``; what it leaves is only not merged yet. The caller holds the
+    maintenance lock; a checkpoint may be written meanwhile.
+    """
+    report = MergeReport(version)
+    trigger = knobs.MERGE_TRIGGER
+    if trigger is None or knobs.READ_CHAIN_BOUND is None:
+        return report
+    with engine.index.read() as view:
+        tables = {info.id: info for info in view.tables().values()}
+        if blocks is None:
+            blocks = {(tid, block) for tid in tables for block, oldest in view.row_blocks(tid) if oldest <= version}
+        due = []
+        for tid, block in sorted(blocks):
+            info = tables.get(tid)
+            if info is None:
+                continue
+            chain = merge.walk_chain(view, tid, block, version)
+            if len(chain.records) >= 2 and merge.merge_due(info, block, chain, trigger):
+                due.append((info, block, chain))
+    batch: list[tuple[int, int, RowLoc]] = []
+    batch_bytes = 0
+    try:
+        for info, block, chain in due:
+            if halted():
+                break
+            size = _append_merge(engine, version, info, block, chain, batch, limiter, halted)
+            batch_bytes += size
+            report.blocks_merged += 1
+            report.baselines += bool(batch[-1][2].flags & record.FLAG_BASELINE)
+            if batch_bytes >= knobs.MERGE_BATCH_BYTES:
+                _commit_merges(engine, version, batch, batch_bytes)  # (rolls back itself on failure)
+                report.bytes_written += batch_bytes
+                batch, batch_bytes = [], 0
+    except BaseException:
+        if batch:
+            engine.compaction_appender.rollback()  # merged records appended, not committed: thrown away
+        raise
+    if batch:
+        _commit_merges(engine, version, batch, batch_bytes)
+        report.bytes_written += batch_bytes
+    report.waited_s = limiter.waited if limiter is not None else 0.0
+    return report
+
+
+def _append_merge(engine: "Engine", version: int, info, block: int, chain, batch: list, limiter, halted) -> int:
+    """Append the merged record of ``block`` (its read ``chain`` at ``version``) to the compaction appender,
+    noting its entry in ``batch``; returns its bytes."""
+    with engine.index.read() as view:
+        resolver = reader.BlockResolver(view, engine.segments, info)
+        block_len = blocks_math.length(block, info.block_rows, info.num_rows)
+        codec = codecs.get(info.codec)
+        m = merge.merge_block(resolver, block, block_len, chain, codec, np.empty(0, dtype=np.int64),
+                              np.empty((0, codec.row_bytes(info.dim)), dtype=np.uint8),
+                              merge.merge_budget(knobs.MERGE_TRIGGER, info, block, chain))
+    first = blocks_math.base(block, info.block_rows)
+    records = block_records(info, m.codec, m.offsets + first, m.encoded, version, base=m.base, copied=m.copied,
+                            baseline=not m.base, merged=True)
+    size = sum(length for _key, _buffers, length in records)
+    if limiter is not None:
+        limiter.acquire(size, halted)
+    locations = engine.compaction_appender.append_many([(buffers, n) for _key, buffers, n in records])
+    for ((blk, count, flags), _buffers, length), (seg, off) in zip(records, locations):
+        batch.append((info.id, blk, RowLoc(seg, off, length, count, flags, m.base if flags & record.FLAG_DELTA else 0)))
+    fs.crash_point("merge_appended")  # a merged record appended, not committed
+    return size
+
+
+def _commit_merges(engine: "Engine", version: int, rows: list, size: int) -> None:
+    """Commit merged records of ``version``: they replace its entries of their blocks; entries of dropped
+    versions no kept version reads any more are pruned (never a pinned one)."""
+    edit = VersionEdit(rows=[(tid, blk, version, loc) for tid, blk, loc in rows],
+                       shadowed=[(tid, blk) for tid, blk, _loc in rows], bytes_written=size, merge_bytes=size)
+    with engine.pin_lock:  # as in drop_versions: never delete the base of an open checkpoint's delta
+        edit.pinned = frozenset(engine.pinned())
+        _commit(engine, engine.compaction_appender, True, "merge", edit)
 
 
 def _commit(engine: "Engine", appender, appended: bool, name: str, edit: VersionEdit) -> None:

@@ -191,7 +191,8 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
 # the old index ----------------------------------------------------------------------------------------
 #: The meta of an old index that still opens which repair carries over (so that no counter goes back).
 _CARRIED_META = (schema.NEXT_VERSION, schema.DROPPED_BELOW, schema.DROP_SEQ, schema.LAST_BASELINE,
-                 schema.BYTES_WRITTEN, schema.INCREMENT_BYTES, schema.MAX_DELETED_SEGMENT)
+                 schema.BYTES_WRITTEN, schema.INCREMENT_BYTES, schema.SAVE_BYTES, schema.MERGE_BYTES,
+                 schema.MAX_DELETED_SEGMENT)
 
 
 @dataclass
@@ -589,12 +590,26 @@ class _LogProof:
         return repr({i: n for n, i in self.plan.dense_names.items()}.get(did, f"id {did}"))
 
     def apply_compacted(self, st: _State, v: int) -> None:
-        """Materialized baselines at v (COMPACTED with BASELINE) hold the whole block; a COMPACTED
-        record without BASELINE is GC's rewrite of the checkpoint's own record at v, never a baseline."""
+        """Materialized baselines at v (COMPACTED with BASELINE) hold the whole block; a COMPACTED delta
+        (a background merge, or GC's rewrite of a delta) heads the block's chain at v; any other COMPACTED
+        record is GC's rewrite of the checkpoint's own record at v, never a baseline."""
         for tid, block in sorted(self.found.compacted_at.get(v, ())):
             loc = self.found.row(tid, block, v, compacted=True)
             if loc is not None and loc.flags & record.FLAG_BASELINE:
                 st.blocks[(tid, block)] = self.chain_from(tid, block, (v, loc, None), None)
+            elif loc is not None and loc.base:
+                # a merged delta (background merge, or GC's rewrite of a delta): the block's state at v is
+                # it and the chain at its base. Taken where that chain is proven whole; else what the
+                # commits proved stands (a merge only repeats rows the records it merged hold)
+                key = (tid, block)
+                remembered = self.entry.get((tid, block, v))
+                chain = self.chain_from(tid, block, (v, loc, None), st.blocks.get(key, st.unknown))
+                if _healthy(chain):
+                    st.blocks[key] = chain
+                elif remembered is not None:
+                    self.entry[(tid, block, v)] = remembered
+                else:
+                    self.entry.pop((tid, block, v), None)
 
     def apply_anchor(self, st: _State, v: int) -> _State:
         heads: dict[tuple[int, int], tuple | None] = {}
@@ -1074,8 +1089,9 @@ def _install(root: str, filesystem: fs.FileSystem, storage: LocalSegmentStorage,
             schema.SEGMENT_IDS: {"high": max_seg, "pending": []},
             schema.DROPPED_BELOW: plan.floor,
         }
-        if meta[schema.INCREMENT_BYTES]:
-            meta_set[schema.INCREMENT_BYTES] = meta[schema.INCREMENT_BYTES]
+        for key in (schema.INCREMENT_BYTES, schema.SAVE_BYTES, schema.MERGE_BYTES):
+            if meta[key]:
+                meta_set[key] = meta[key]
         if drop_seq:  # later drops are numbered after it
             meta_set[schema.DROP_SEQ] = drop_seq
         last = plan.last_baseline or meta[schema.LAST_BASELINE]
