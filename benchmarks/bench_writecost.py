@@ -16,9 +16,8 @@ removed), written with new random values. Plain store API: ``create_table(..., c
 Per increment, once the background compactor is idle: the raw delta (the bytes the save's records take
 holding only its own rows: rows x the codec's row bytes, plus record header, checksum and row offsets,
 computed here; beside it the store's own count, ``stats()["increment_bytes"]``), the bytes the save
-appended (``stats()["save_bytes"]``; ``VersionInfo.bytes`` where the store has no such key), the bytes
-background merges appended (``stats()["merge_bytes"]``; where absent, all bytes appended minus the
-save's), the save's wall time (the ``with store.checkpoint(...)`` block), disk, and the read
+appended (``stats()["save_bytes"]``), the bytes background merges appended (``stats()["merge_bytes"]``),
+the save's wall time (the ``with store.checkpoint(...)`` block), disk, and the read
 amplification of every block at the newest version (``Store.read_amplification``: the block's read cost
 over its baseline's; max and mean). At the end: restore of the newest version (``read_tables`` of every
 table, best of ``--restores``, page cache warm) with its peak extra memory (``RssAnon`` high-water, as
@@ -53,15 +52,13 @@ from bench_restore import PeakSampler  # noqa: E402
 from cnrstore import codecs, knobs  # noqa: E402
 from cnrstore.engine import record  # noqa: E402
 
-#: The knobs a policy sets. The old policy's are fixed (the engine before issue 25); the new one is the
-#: package's defaults, read once here, before anything changes them.
+#: The knobs a policy sets. The old policy's are fixed (the engine before issue 25: the save path merges
+#: to hold every chain at 3 records); the new one is the package's defaults, read once here, before
+#: anything changes them.
 POLICY_KNOBS = ("READ_CHAIN_BOUND", "READ_AMP_BOUND", "MERGE_TRIGGER")
-MISSING = object()
-DEFAULTS = {k: getattr(knobs, k, MISSING) for k in POLICY_KNOBS}
 POLICIES = {
     "old": {"READ_CHAIN_BOUND": 3, "READ_AMP_BOUND": None, "MERGE_TRIGGER": None},
-    # until issue 25's knobs exist, the new policy is whatever the package has (then the same as old)
-    "new": {k: v for k, v in DEFAULTS.items() if v is not MISSING},
+    "new": {k: getattr(knobs, k) for k in POLICY_KNOBS},
 }
 ZIPF_A = 1.05
 #: Verdict thresholds (stated in the report): a line is flat when the 95% interval of its fitted change
@@ -73,23 +70,20 @@ RESTORE_MARGIN = 1.10
 
 
 class policy_knobs:
-    """Set a policy's knobs for the ``with`` block; put every knob back (or remove it, if it was missing)."""
+    """Set a policy's knobs for the ``with`` block; put every knob back after it."""
 
     def __init__(self, name: str):
         self.settings = POLICIES[name]
 
     def __enter__(self):
-        self.saved = {k: getattr(knobs, k, MISSING) for k in self.settings}
+        self.saved = {k: getattr(knobs, k) for k in self.settings}
         for k, v in self.settings.items():
             setattr(knobs, k, v)
         return self
 
     def __exit__(self, *exc):
         for k, v in self.saved.items():
-            if v is MISSING:
-                delattr(knobs, k)
-            else:
-                setattr(knobs, k, v)
+            setattr(knobs, k, v)
 
 
 # workload --------------------------------------------------------------------------------------------
@@ -164,8 +158,8 @@ def _run(name: str, codec_name: str, args, root: str, base: list[np.ndarray], mo
     out["baseline_s"] = time.perf_counter() - t0
     baseline = ck.version
     settle(store)
-    first = counters(store, None)
-    out["baseline_bytes"], out["block_rows"], out["row_bytes"] = first["written"], block_rows, row_bytes
+    first = counters(store)
+    out["baseline_bytes"], out["block_rows"], out["row_bytes"] = first["bytes_written"], block_rows, row_bytes
     prev = first
     for v in range(1, args.versions + 1):
         puts = [increment(args, perms, v, t) for t in range(args.tables)]
@@ -176,25 +170,20 @@ def _run(name: str, codec_name: str, args, root: str, base: list[np.ndarray], mo
         out["save_s"].append(time.perf_counter() - t0)
         version = ck.version
         settle(store)
-        now = counters(store, version)
+        now = counters(store)
         for t, (rows, values) in enumerate(puts):
             model[t][rows] = expected(codec, values, args.dim)
         out["raw"].append(sum(raw_delta_bytes(rows, args.rows, block_rows, row_bytes) for rows, _ in puts))
         out["touched"].append(sum(rows.size for rows, _ in puts))
-        out["store_raw"].append(None if now["increments"] is None else now["increments"] - prev["increments"])
-        save = now["save"] - prev["save"] if now["save_key"] else now["version_bytes"]
-        out["save"].append(save)
-        out["merge"].append(now["merge"] - prev["merge"] if now["merge_key"]
-                            else now["written"] - prev["written"] - save)
-        out["disk"].append(now["disk"])
-        amp = read_amplification(store, version)
-        out["amp_max"].append(None if amp is None else float(amp.max()))
-        out["amp_mean"].append(None if amp is None else float(amp.mean()))
+        out["store_raw"].append(now["increment_bytes"] - prev["increment_bytes"])
+        out["save"].append(now["save_bytes"] - prev["save_bytes"])
+        out["merge"].append(now["merge_bytes"] - prev["merge_bytes"])
+        out["disk"].append(now["bytes_on_disk"])
+        amp = np.concatenate(list(store.read_amplification(version).values()))
+        out["amp_max"].append(float(amp.max()))
+        out["amp_mean"].append(float(amp.mean()))
         prev = now
-    out["keys"] = {"save_bytes": prev["save_key"], "merge_bytes": prev["merge_key"],
-                   "increment_bytes": prev["increment_key"],
-                   "read_amplification": hasattr(store, "read_amplification")}
-    out["after_baseline"] = prev["written"] - first["written"]
+    out["after_baseline"] = prev["bytes_written"] - first["bytes_written"]
     out["compaction_errors"] = store.stats()["compaction_errors"]
     out.update(restore(store, names, model, args, baseline))
     store.close()
@@ -202,32 +191,10 @@ def _run(name: str, codec_name: str, args, root: str, base: list[np.ndarray], mo
     return out
 
 
-def counters(store, version: int | None) -> dict:
-    """The store's byte counters now (after the background compactor went idle)."""
+def counters(store) -> dict:
+    """The store's byte counters now (read after the background compactor went idle)."""
     st = store.stats()
-    written = st["bytes_written"]
-    if "increment_bytes" in st:
-        increments = st["increment_bytes"]
-    elif st["write_amplification"]:  # the same counter, exposed only as bytes_written / increment bytes
-        increments = round(written / st["write_amplification"])
-    else:
-        increments = None
-    info = store.latest()
-    return {"written": written, "disk": st["bytes_on_disk"], "increments": increments,
-            "increment_key": "increment_bytes" in st,
-            "save": st.get("save_bytes", 0), "save_key": "save_bytes" in st,
-            "merge": st.get("merge_bytes", 0), "merge_key": "merge_bytes" in st,
-            "version_bytes": info.bytes if version is not None and info.version == version else None}
-
-
-def read_amplification(store, version: int) -> np.ndarray | None:
-    """Every block's read amplification at ``version``, all tables together (None: the store has no such
-    method)."""
-    method = getattr(store, "read_amplification", None)
-    if method is None:
-        return None
-    per_table = method(version)
-    return np.concatenate([np.asarray(a, dtype=np.float64) for a in per_table.values()])
+    return {k: st[k] for k in ("bytes_written", "bytes_on_disk", "increment_bytes", "save_bytes", "merge_bytes")}
 
 
 def restore(store, names: list[str], model: list[np.ndarray], args, baseline: int) -> dict:
@@ -298,7 +265,7 @@ def flat(ys: list[float], tolerance: float) -> tuple[bool, str]:
     y_mean = float(np.mean(ys))
     lo, hi = ((b - half) * (len(ys) - 1) / y_mean, (b + half) * (len(ys) - 1) / y_mean)
     ok = -tolerance <= lo and hi <= tolerance
-    why = "" if ok else ("; grows" if lo > tolerance else "; shrinks" if hi < -tolerance
+    why = "" if ok else ("; grows (the CI excludes 0)" if lo > 0 else "; shrinks (the CI excludes 0)" if hi < 0
                          else "; too noisy to show it within the tolerance")
     return ok, f"fitted change over the run {change:+.1%} of the mean (95% CI {lo:+.1%} to {hi:+.1%}){why}"
 
@@ -351,15 +318,14 @@ def report(results: dict, refs: dict, args, seconds: float, start_load: str) -> 
     row("background merge bytes, all increments", lambda r, ref: mb(np.sum(r["merge"])))
     row("total amplification (all bytes after the baseline / raw deltas)",
         lambda r, ref: f"{r['after_baseline'] / np.sum(r['raw']):.2f}")
-    row("store's own increment count / raw delta", lambda r, ref: "-" if None in r["store_raw"]
-        else f"{np.sum(r['store_raw']) / np.sum(r['raw']):.4f}")
+    row("store's own increment count / raw delta", lambda r, ref: f"{np.sum(r['store_raw']) / np.sum(r['raw']):.4f}")
     row("save time: first / last / mean", lambda r, ref: f"{r['save_s'][0] * 1e3:.0f} / {r['save_s'][-1] * 1e3:.0f} / "
         f"{np.mean(r['save_s']) * 1e3:.0f} ms")
     row(f"disk after {args.versions} increments (x one fp32 copy)",
         lambda r, ref: f"{mb(r['disk'][-1])} ({r['disk'][-1] / ref['fp32_bytes']:.2f}x)")
     row("read amplification per block at the newest: max / mean",
-        lambda r, ref: "-" if r["amp_max"][-1] is None else f"{r['amp_max'][-1]:.2f} / {r['amp_mean'][-1]:.2f}")
-    row("... max over the run", lambda r, ref: "-" if r["amp_max"][-1] is None else f"{max(r['amp_max']):.2f}")
+        lambda r, ref: f"{r['amp_max'][-1]:.2f} / {r['amp_mean'][-1]:.2f}")
+    row("... max over the run", lambda r, ref: f"{max(r['amp_max']):.2f}")
     row(f"restore newest (read_tables, best of {args.restores})", lambda r, ref: f"{r['restore_s'] * 1e3:.0f} ms")
     row("... over a restore of the baseline version, same store", lambda r, ref: f"{r['restore_s'] / r['baseline_restore_s']:.2f}x "
         f"({r['baseline_restore_s'] * 1e3:.0f} ms)")
@@ -377,10 +343,6 @@ def report(results: dict, refs: dict, args, seconds: float, start_load: str) -> 
                      f"{args.restores} {ref['load_s'] * 1e3:.0f} ms, peak extra memory / output "
                      f"{ref['load_extra'] / ref['fp32_bytes']:.2f}. The newest version of every policy read bit "
                      "for bit as the model held in memory (checked; a mismatch fails the run).")
-    missing = sorted({k for c in args.codecs for p in args.policies for k, ok in results[c][p]["keys"].items() if not ok})
-    if missing:
-        lines.append("- not in this build (figures from the fallbacks above, or '-'): "
-                     + ", ".join(f"`{k}`" for k in missing))
     lines.append("")
     lines += goals(results, args)
     lines.append("")
@@ -390,8 +352,7 @@ def report(results: dict, refs: dict, args, seconds: float, start_load: str) -> 
             lines.append(f"- {p} {c}, per increment: save " + ", ".join(f"{x / 1e6:.1f}" for x in r["save"])
                          + " MB; merges " + ", ".join(f"{x / 1e6:.1f}" for x in r["merge"]) + " MB; save time "
                          + ", ".join(f"{x * 1e3:.0f}" for x in r["save_s"]) + " ms"
-                         + ("" if r["amp_max"][-1] is None else "; read amplification max "
-                            + ", ".join(f"{x:.2f}" for x in r["amp_max"])))
+                         + "; read amplification max " + ", ".join(f"{x:.2f}" for x in r["amp_max"]))
     lines += ["", f"Reproduce: `python benchmarks/bench_writecost.py{' --quick' if args.quick else ''}`", ""]
     return "\n".join(lines)
 
@@ -443,29 +404,25 @@ def plot(results: dict, args, path: str) -> str | None:
             kw = dict(color=colors.get(p), linestyle=styles.get(c, ":"), marker="o", markersize=3, label=f"{p} {c}")
             axes[0].plot(x, np.array(r["save"]) / 1e6, **kw)
             axes[1].plot(x, np.array(r["save_s"]) * 1e3, **kw)
-            if r["amp_max"][-1] is not None:
-                axes[2].plot(x, r["amp_max"], **kw)
-                axes[2].plot(x, r["amp_mean"], **{**kw, "marker": "x", "alpha": 0.5, "label": f"{p} {c} (mean)"})
+            axes[2].plot(x, r["amp_max"], **kw)
+            axes[2].plot(x, r["amp_mean"], **{**kw, "marker": "x", "alpha": 0.5, "label": f"{p} {c} (mean)"})
         raw = results[c][args.policies[0]]["raw"]
         axes[0].plot(x, np.array(raw) / 1e6, color="gray", linestyle=styles.get(c, ":"), linewidth=1,
                      label=f"raw delta {c}")
-    bound = POLICIES.get("new", {}).get("READ_AMP_BOUND")
-    if isinstance(bound, (int, float)) and any(results[c][p]["amp_max"][-1] is not None
-                                               for c in args.codecs for p in args.policies):
-        axes[2].axhline(bound, color="gray", linestyle=":", linewidth=1, label=f"new READ_AMP_BOUND {bound:g}")
+    for knob, style in (("READ_AMP_BOUND", ":"), ("MERGE_TRIGGER", "-.")):
+        if "new" in args.policies and POLICIES["new"][knob] is not None:
+            axes[2].axhline(POLICIES["new"][knob], color="gray", linestyle=style, linewidth=1,
+                            label=f"new {knob} {POLICIES['new'][knob]:g}")
     axes[0].set_yscale("log")
     axes[1].set_yscale("log")
     axes[0].set_title("bytes per save (MB, log)")
     axes[1].set_title("save time (ms, log)")
     axes[2].set_title("read amplification per block, newest (max; x: mean)")
-    if not any(results[c][p]["amp_max"][-1] is not None for c in args.codecs for p in args.policies):
-        axes[2].text(0.5, 0.5, "Store.read_amplification\nnot in this build", ha="center", va="center",
-                     transform=axes[2].transAxes)
     for ax in axes:
         ax.set_xlabel("increment")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    axes[2].legend(fontsize=7) if axes[2].lines else None
+    axes[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return None
