@@ -110,14 +110,15 @@ def test_merged_stores_repair_from_the_log_alone(tmp_path, low_trigger, monkeypa
         assert ro.verify().ok
 
 
-def test_a_merge_beside_a_save_that_merges_the_same_chain(tmp_path, low_trigger):
+def test_a_merge_beside_a_save_that_merges_the_same_chain(tmp_path, low_trigger, monkeypatch):
     """By schedule: a background merge at v has appended its records (not committed) when a save on
     parent v merges the same chain past the hard bound itself and commits; then the merge commits, and a
     drop and gc follow. Every version reads exactly, before and after repair from the log."""
     path = tmp_path / "s"
     store, rng, model = _new(path, compaction=None)
     with store:
-        with knobs_set(READ_AMP_BOUND=None):
+        with monkeypatch.context() as m:
+            m.setattr(knobs, "READ_AMP_BOUND", None)
             for _ in range(8):
                 _save(store, rng, model, 0.03)  # a long chain: plain increments
         newest = store.latest().version
@@ -127,7 +128,8 @@ def test_a_merge_beside_a_save_that_merges_the_same_chain(tmp_path, low_trigger)
                     return merge_chains(store.engine, newest)
             merging = run_in_thread(merge)
             appended.wait_reached()
-            with knobs_set(READ_AMP_BOUND=1.2):  # past it: the save merges itself, reading v's chain
+            with monkeypatch.context() as m:
+                m.setattr(knobs, "READ_AMP_BOUND", 1.2)  # past it: the save merges itself, reading v's chain
                 _save(store, rng, model, 0.05)
             appended.release()
             assert merging.result(timeout=60).blocks_merged > 0
@@ -144,17 +146,18 @@ def test_a_merge_beside_a_save_that_merges_the_same_chain(tmp_path, low_trigger)
         _check(ro, model)
 
 
-def test_a_save_merging_an_entry_that_a_background_merge_replaces(tmp_path, low_trigger):
+def test_a_save_merging_an_entry_that_a_background_merge_replaces(tmp_path, low_trigger, monkeypatch):
     """By schedule: a save's merge has read and appended (crash point after_delta_merge) from the chain at
     its parent v when a background merge replaces v's entries and a gc runs; the save then commits. Its
     pinned bases survive, and every version reads exactly."""
     store, rng, model = _new(tmp_path / "s", compaction=None)
     with store:
-        with knobs_set(READ_AMP_BOUND=None):
+        with monkeypatch.context() as m:
+            m.setattr(knobs, "READ_AMP_BOUND", None)
             for _ in range(8):
                 _save(store, rng, model, 0.03)
         newest = store.latest().version
-        knobs.READ_AMP_BOUND = 1.2  # (low_trigger restores it) the save merges itself
+        monkeypatch.setattr(knobs, "READ_AMP_BOUND", 1.2)  # the save merges itself
         with Pause("after_delta_merge") as merged:
             saving = run_in_thread(_save, store, rng, model, 0.05)
             merged.wait_reached()
@@ -188,16 +191,3 @@ def test_the_rate_limiter_spreads_writes_over_time():
     assert limiter.waited == pytest.approx(3.0)
     RateLimiter(None).acquire(1 << 40)  # no limit: never waits
 
-
-class knobs_set:  # noqa: N801 - a context manager used like a function
-    def __init__(self, **values):
-        self.values = values
-
-    def __enter__(self):
-        self.old = {name: getattr(knobs, name) for name in self.values}
-        for name, value in self.values.items():
-            setattr(knobs, name, value)
-
-    def __exit__(self, *exc):
-        for name, value in self.old.items():
-            setattr(knobs, name, value)

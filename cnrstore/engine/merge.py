@@ -71,11 +71,17 @@ def walk_chain(view: IndexView, table_id: int, block: int, version: int) -> Chai
     return ChainMerge(chain, None)
 
 
-def read_amplification(info, block: int, chain: ChainMerge) -> float:
-    """The block's read amplification over ``chain``: its read cost over one baseline's."""
+def chain_cost(info, block: int, chain: ChainMerge) -> tuple[int, int]:
+    """(what reading ``chain`` costs, what reading one baseline of the block costs), in bytes."""
     locs = [loc for _v, loc in chain.records] + ([chain.baseline[1]] if chain.baseline is not None else [])
     block_len = blocks_math.length(block, info.block_rows, info.num_rows)
-    return read_cost(locs) / baseline_cost(info, block_len, chain.baseline[1] if chain.baseline else None)
+    return read_cost(locs), baseline_cost(info, block_len, chain.baseline[1] if chain.baseline else None)
+
+
+def read_amplification(info, block: int, chain: ChainMerge) -> float:
+    """The block's read amplification over ``chain``: its read cost over one baseline's."""
+    cost, reference = chain_cost(info, block, chain)
+    return cost / reference
 
 
 def merge_due(info, block: int, chain: ChainMerge, trigger: float) -> bool:
@@ -105,10 +111,8 @@ def chain_merge(view: IndexView, info, block: int, parent: int | None, own_bytes
         return chain
     amp_bound = knobs.READ_AMP_BOUND
     if amp_bound is not None:
-        locs = [loc for _v, loc in chain.records] + ([chain.baseline[1]] if chain.baseline is not None else [])
-        block_len = blocks_math.length(block, info.block_rows, info.num_rows)
-        ref = baseline_cost(info, block_len, chain.baseline[1] if chain.baseline else None)
-        if read_cost(locs) + own_bytes + knobs.READ_RECORD_COST_BYTES > amp_bound * ref:
+        cost, reference = chain_cost(info, block, chain)
+        if cost + own_bytes + knobs.READ_RECORD_COST_BYTES > amp_bound * reference:
             return chain
     return None
 
@@ -177,8 +181,7 @@ def merge_budget(bound: float, info, block: int, chain: ChainMerge) -> float:
     at: halfway from one baseline to ``bound``, so that the records until the next merge add at least half
     the room a baseline would leave (a merge never leaves the chain just under its trigger, to be merged
     again a few versions later)."""
-    block_len = blocks_math.length(block, info.block_rows, info.num_rows)
-    return baseline_cost(info, block_len, chain.baseline[1] if chain.baseline else None) * (1 + (bound - 1) / 2)
+    return chain_cost(info, block, chain)[1] * (1 + (bound - 1) / 2)
 
 
 def _base_cost(chain: ChainMerge) -> int:
@@ -187,8 +190,8 @@ def _base_cost(chain: ChainMerge) -> int:
 
 def _record_cost(parts: list, rows: int, dim: int) -> int:
     """About what reading a merged record of ``rows`` rows of ``parts`` (codec of the first) would cost."""
-    row_bytes = codecs.by_id(parts[0][0]).row_bytes(dim) + 2
-    return read_cost([RowLoc(0, 0, record.HEADER_BYTES + record.TRAILER_BYTES + rows * row_bytes, rows, 0, 0)])
+    row_bytes = codecs.by_id(parts[0][0]).row_bytes(dim) + 2  # (+ its u16 offset)
+    return record.HEADER_BYTES + record.TRAILER_BYTES + rows * row_bytes + knobs.READ_RECORD_COST_BYTES
 
 
 def _merged(parts: list, codec, dim: int, offsets: np.ndarray, base: int, copied: int) -> Merged:

@@ -212,6 +212,7 @@ def merge_chains(engine: "Engine", version: int, blocks: set[tuple[int, int]] | 
                 due.append((info, block, chain))
     batch: list[tuple[int, int, RowLoc]] = []
     batch_bytes = 0
+    waited_before = limiter.waited if limiter is not None else 0.0  # (a limiter lives across steps)
     try:
         for info, block, chain in due:
             if halted():
@@ -231,7 +232,7 @@ def merge_chains(engine: "Engine", version: int, blocks: set[tuple[int, int]] | 
     if batch:
         _commit_merges(engine, version, batch, batch_bytes)
         report.bytes_written += batch_bytes
-    report.waited_s = limiter.waited if limiter is not None else 0.0
+    report.waited_s = limiter.waited - waited_before if limiter is not None else 0.0
     return report
 
 
