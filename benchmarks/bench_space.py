@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Space management (issue 12): bytes written, disk and read chains of a DLRM trained with incremental
-saves, under the engine's old and new policies, side by side in one run.
+"""Space management: bytes written, disk and read cost of a DLRM trained with incremental saves, under
+three merge policies of the engine, side by side in one run.
 
 The workload is the issue's: the reference DLRM of tools/train_dlrm.py (26 tables of the Criteo Kaggle
 cardinalities capped at ``--max-rows``, dim ``--dim``, Zipf(1.05) lookups over a random ranking of each
@@ -8,16 +8,18 @@ table's rows), plain SGD, ``cnrstore.torch.Checkpointer(mode="incremental", code
 save, then ``--intervals`` intervals of ``--steps`` training steps, each followed by a save of the rows
 touched in it. Each policy replays the same seeds in a fresh store:
 
-  none  compaction=None with ``knobs.READ_CHAIN_BOUND = None``: plain increments, chains grow without end
-  old   compaction="auto" with ``knobs.READ_CHAIN_BOUND = None``: the first engine's design, background
-        intermittent baselines (Check-N-Run's rule fed the sum of increment sizes), whole blocks
-  new   compaction="auto" with the default ``knobs.READ_CHAIN_BOUND = 3``: the writer's cumulative deltas
-        and per-block reset (cnrstore/engine/merge.py); the background compactor materializes nothing
+  none      compaction=None with ``knobs.READ_CHAIN_BOUND = None``: plain increments, no merges at all;
+            chains grow without end
+  chains-3  compaction="auto" with ``READ_CHAIN_BOUND = 3``, ``READ_AMP_BOUND = None``, ``MERGE_TRIGGER =
+            None``: every save merges to hold each read chain at 3 records (the engine of issues 12-24)
+  default   compaction="auto" with the package's knobs: saves write their own rows, background merges
+            bound each block's read cost (docs/DESIGN.md "Read chains, merges and read amplification")
 
 Per interval, once the background compactor is idle: all bytes appended (``stats()["bytes_written"]``),
-disk (``bytes_on_disk``), live bytes, the longest read chain of any version. At the end: write
+disk (``bytes_on_disk``), live bytes, the longest read chain of any version and the largest read
+amplification of any block at the newest version (``Store.read_amplification``). At the end: write
 amplification (``stats()["write_amplification"]``: all bytes appended over the bytes of the trainer's
-own rows), the write volume after the first save against ``--intervals`` full fp32 checkpoints (the
+own rows; the saves' and the background merges' bytes apart), the write volume after the first save against ``--intervals`` full fp32 checkpoints (the
 size of ``torch.save`` of the embedding tables), ``retain(keep_last=5); gc()`` (space amplification),
 ``retain(keep_last=1); gc()`` (disk against one full fp32 checkpoint, and against the codec's ceiling),
 restore of the newest version against ``torch.load`` of the fp32 file, and 10,000 random point reads
@@ -52,18 +54,25 @@ import cnrstore  # noqa: E402
 from cnrstore import knobs  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
 
-POLICIES = {"none": (None, None), "old": ("auto", None), "new": ("auto", 3)}
+#: name: (compaction, the knobs it sets); "default" sets none (the package's knobs as they are).
+POLICIES = {
+    "none": (None, {"READ_CHAIN_BOUND": None}),
+    "chains-3": ("auto", {"READ_CHAIN_BOUND": 3, "READ_AMP_BOUND": None, "MERGE_TRIGGER": None}),
+    "default": ("auto", {}),
+}
 CODEC = "adaptive4"
 
 
 def run_policy(name: str, args, root: str) -> dict:
-    compaction, bound = POLICIES[name]
-    old_bound = knobs.READ_CHAIN_BOUND
-    knobs.READ_CHAIN_BOUND = bound  # read when the store opens ("auto") and at every write
+    compaction, settings = POLICIES[name]
+    saved = {k: getattr(knobs, k) for k in settings}
+    for k, v in settings.items():  # read when the store opens ("auto") and at every write
+        setattr(knobs, k, v)
     try:
         return _run(name, compaction, args, root)
     finally:
-        knobs.READ_CHAIN_BOUND = old_bound
+        for k, v in saved.items():
+            setattr(knobs, k, v)
 
 
 def _run(name: str, compaction, args, root: str) -> dict:
@@ -75,7 +84,7 @@ def _run(name: str, compaction, args, root: str) -> dict:
     path = os.path.join(root, name)
     store = cnrstore.open(path, create=True, compaction=compaction)
     ck = Checkpointer(store, model, opt, codec=CODEC, mode="incremental")
-    out = {"intervals": [], "written": [], "disk": [], "live": [], "chain": [], "save_s": []}
+    out = {"intervals": [], "written": [], "disk": [], "live": [], "chain": [], "amp": [], "save_s": []}
 
     def settle():
         if store._compactor is not None:
@@ -104,11 +113,13 @@ def _run(name: str, compaction, args, root: str) -> dict:
         out["disk"].append(st["bytes_on_disk"])
         out["live"].append(st["live_bytes"])
         out["chain"].append(st["max_read_chain"])
+        out["amp"].append(max(float(a.max()) for a in store.read_amplification().values() if a.size))
     ck.close()
     st = store.stats()
     out["first"] = first
     out["after_first"] = st["bytes_written"] - first
     out["wa"] = st["write_amplification"]
+    out["save_bytes"], out["merge_bytes"] = st["save_bytes"] - first, st["merge_bytes"]
     out["max_chain"] = st["max_read_chain"]
     out["compaction_errors"] = st["compaction_errors"]
     versions = [v.version for v in store.versions()]
@@ -163,15 +174,16 @@ def fmt_mb(n: float) -> str:
 
 
 def report(results: dict, args, seconds: float, start_load: str) -> str:
-    lines = ["## Space management: bytes written, disk and read chains (issue 12)", ""]
+    lines = ["## Space management: bytes written, disk and read cost", ""]
     lines += [f"- {line}" for line in machine_description()]
     lines += [f"- workload: DLRM of tools/train_dlrm.py, 26 tables capped at {args.max_rows:,} rows, dim "
               f"{args.dim}, {CODEC}, SGD lr {args.lr}, batch {args.batch_size}; a full save, then "
               f"{args.intervals} intervals of {args.steps} steps, an incremental save after each; seed {args.seed}",
               f"- load average at start: {start_load}; at end: {load_average()}; total run {seconds:.0f} s",
-              "- policies: none = no compaction, plain increments; old = compaction='auto' with the chain bound "
-              "off (the first engine: background intermittent baselines); new = compaction='auto' with the "
-              "default READ_CHAIN_BOUND 3 (cumulative deltas written by the checkpoint, per-block reset)",
+              "- policies: none = plain increments, no merges (chains grow without end); chains-3 = every save "
+              "merges to hold each read chain at 3 records (the engine before issue 25); default = the package's "
+              f"knobs: saves write their own rows, background merges past read amplification {knobs.MERGE_TRIGGER}, "
+              f"hard bound {knobs.READ_AMP_BOUND} (compaction='auto' for the last two)",
               "- write amplification = stats()['write_amplification']: all bytes appended / bytes the "
               "checkpoints' records would take holding only their own rows", ""]
     full = results[next(iter(results))]["full_fp32"]
@@ -186,14 +198,21 @@ def report(results: dict, args, seconds: float, start_load: str) -> str:
     row("bytes appended after the first save", lambda r: fmt_mb(r["after_first"]))
     row(f"... below {args.intervals} full fp32 checkpoints", lambda r: f"{args.intervals * full / r['after_first']:.1f}x",
         ">= 30x")
+    row("... by the saves", lambda r: fmt_mb(r["save_bytes"]))
+    row("... by background merges", lambda r: fmt_mb(r["merge_bytes"]))
     row("write amplification (all appended / own rows)", lambda r: f"{r['wa']:.2f}", "<= 1.3")
-    row("longest read chain of any version, end", lambda r: str(r["max_chain"]), "<= 3")
-    row("longest read chain, any interval", lambda r: str(max(r["chain"])), "<= 3")
+    row("longest read chain of any version, end", lambda r: str(r["max_chain"]))
+    row("largest read amplification of a block (newest version), any interval",
+        lambda r: f"{max(r['amp']):.2f}", f"<= {knobs.READ_AMP_BOUND}")
     row("retain(5); gc(): disk / live (space amplification)", lambda r: f"{r['keep5_sa']:.2f}", "<= 1.5")
     row("retain(1); gc(): disk", lambda r: fmt_mb(r["keep1_disk"]))
     row("... below one full fp32 checkpoint", lambda r: f"{full / r['keep1_disk']:.2f}x", ">= 6.4x")
     row("... of the codec's ceiling", lambda r: f"{full / r['keep1_disk'] / ceiling:.2f}", ">= 0.9")
     row("restore(newest), median", lambda r: f"{r['restore_s'] * 1e3:.0f} ms")
+    if "chains-3" in results:
+        ref = results["chains-3"]["restore_s"]
+        row("... against chains-3's restore (same run)", lambda r: f"{r['restore_s'] / ref:.2f}x",
+            "default <= 1.1x")
     row(f"... against torch.load of the fp32 state ({next(iter(results.values()))['load_s'] * 1e3:.0f} ms, warm)",
         lambda r: f"{r['load_s'] / r['restore_s']:.2f}x", ">= 1.0x")
     row("10,000 random point reads, older version", lambda r: f"{r['points_s'] * 1e3:.1f} ms", "<= 10 ms")
@@ -208,7 +227,8 @@ def report(results: dict, args, seconds: float, start_load: str) -> str:
     for n, r in results.items():
         lines.append(f"- {n}, per interval: written " + ", ".join(f"{w / 1e6:.1f}" for w in r["written"])
                      + " MB; disk " + ", ".join(f"{d / 1e6:.1f}" for d in r["disk"]) + " MB; max chain "
-                     + ", ".join(map(str, r["chain"])))
+                     + ", ".join(map(str, r["chain"])) + "; max read amplification "
+                     + ", ".join(f"{a:.2f}" for a in r["amp"]))
     lines.append("")
     return "\n".join(lines)
 
@@ -225,14 +245,15 @@ def plot(results: dict, path: str) -> str | None:
     for name, r in results.items():
         axes[0].plot(r["intervals"], np.array(r["written"]) / 1e6, marker="o", label=name)
         axes[1].plot(r["intervals"], np.array(r["disk"]) / 1e6, marker="o", label=name)
-        axes[2].plot(r["intervals"], r["chain"], marker="o", label=name)
+        axes[2].plot(r["intervals"], r["amp"], marker="o", label=name)
     axes[0].set_title("bytes appended (cumulative, MB)")
     axes[1].set_title("disk (MB)")
-    axes[2].set_title("longest read chain")
+    axes[2].set_title("largest read amplification (newest)")
     for ax in axes:
         ax.set_xlabel("interval")
         ax.grid(alpha=0.3)
-    axes[2].axhline(3, color="gray", linestyle=":", linewidth=1)
+    if knobs.READ_AMP_BOUND:
+        axes[2].axhline(knobs.READ_AMP_BOUND, color="gray", linestyle=":", linewidth=1)
     axes[0].legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -250,7 +271,7 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, default=3, help="restores per measurement (median)")
-    p.add_argument("--policies", default="none,old,new")
+    p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--tmp", default=None, help="directory for the stores (default: system temp)")
     p.add_argument("--out", default=None, help="also write the markdown to FILE")
     p.add_argument("--plot", default=None, help="write a PNG (needs matplotlib); 'none' for no plot")
@@ -277,7 +298,7 @@ def main(argv=None) -> int:
     text = report(results, args, time.monotonic() - t0, start_load)
     if args.plot and args.plot != "none":
         note = plot(results, os.path.join(HERE, args.plot) if not os.path.isabs(args.plot) else args.plot)
-        text += f"\n![bytes written, disk and read chain per interval]({os.path.basename(args.plot)})\n" \
+        text += f"\n![bytes written, disk and read amplification per interval]({os.path.basename(args.plot)})\n" \
             if note is None else f"\n*{note}*\n"
     print(text)
     if args.out:

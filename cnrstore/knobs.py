@@ -53,12 +53,14 @@ GC_SPACE_BOUND = 1.15
 GC_CLEAN_MAX_LIVE = 0.95
 
 # Read chains and merges (format 3; docs/DESIGN.md "Read chains, merges and read amplification") ----
-#: Reads are bounded by what they cost. A record's read cost is its bytes plus READ_RECORD_COST_BYTES (its
-#: fixed cost: an index seek, a header, a checksum and a decode call, ~16 us here: ~16 KB of int4 rows
-#: decoded, ~120 KB of fp32 rows copied; READ_CHAIN_BOUND backstops the difference). A block's *read
+#: Reads are bounded by what they cost. A record's read cost is its bytes plus its fixed cost: the time
+#: of an index step, a header, a checksum set-up, an offsets check and its share of a block's gather (~11
+#: us per record fitted on fp32 chains of 1-20 records here), in bytes of the table's codec decoded in
+#: that time (READ_RECORD_COST_S x ``Codec.decode_bytes_per_s``: ~192 KB of fp32, ~10 KB of int4). A block's *read
 #: amplification* at a version is the cost of its read chain there over the cost of one baseline of the
-#: block (every row, in the table's codec, or the block's baseline record if that is larger).
-READ_RECORD_COST_BYTES = 8 << 10
+#: block (every row, in the table's codec, or the block's baseline record if that is larger): about how
+#: much longer than a baseline's its read takes.
+READ_RECORD_COST_S = 12e-6
 #: Background compaction merges a block once its read amplification at the newest version passes this:
 #: the records above its baseline become one delta (or a delta on the cumulative delta, or a new baseline:
 #: merge.py), written at that version under the same key, leaving it halfway between 1 and the trigger.

@@ -224,10 +224,10 @@ def merges_then_gc(w: Workload) -> None:
     bound themselves, then a drop that leaves the merged records' old inputs unread, gc's cleaning, and
     merges again."""
     merged = 0
-    with _knobs(READ_AMP_BOUND=1.2, READ_RECORD_COST_BYTES=0):  # the save path merges past the hard bound
+    with _knobs(READ_AMP_BOUND=1.2, READ_RECORD_COST_S=0):  # the save path merges past the hard bound
         for _ in range(4):
             w.checkpoint(40)
-    with _knobs(MERGE_TRIGGER=1.1, READ_AMP_BOUND=None, READ_RECORD_COST_BYTES=0):
+    with _knobs(MERGE_TRIGGER=1.1, READ_AMP_BOUND=None, READ_RECORD_COST_S=0):
         for i in range(4):
             w.checkpoint(40)
             if i % 2:

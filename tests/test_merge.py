@@ -4,6 +4,8 @@ checkpoints, and the read-chain bound it keeps, are test_delta.py's."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -22,6 +24,7 @@ class Chain:
     """One block's records, newest last as written, read back like BlockResolver.load_rows."""
 
     dim = DIM
+    table = SimpleNamespace(codec="fp32")  # (what merge_block prices a record by: the table's codec)
 
     def __init__(self):
         self.records: dict[RowLoc, record.Record] = {}

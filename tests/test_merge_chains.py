@@ -15,7 +15,7 @@ import pytest
 
 import cnrstore
 from cnrstore import knobs
-from cnrstore.engine import record
+from cnrstore.engine import merge, record
 from cnrstore.maintenance.compaction import merge_chains
 from cnrstore.maintenance.rate_limit import RateLimiter
 
@@ -52,7 +52,7 @@ def _check(store, model: dict) -> None:
 
 @pytest.fixture
 def low_trigger(monkeypatch):
-    monkeypatch.setattr(knobs, "READ_RECORD_COST_BYTES", 0)
+    monkeypatch.setattr(knobs, "READ_RECORD_COST_S", 0)
     monkeypatch.setattr(knobs, "MERGE_TRIGGER", 1.3)
     monkeypatch.setattr(knobs, "READ_AMP_BOUND", 2.0)
 
@@ -86,6 +86,45 @@ def test_without_background_merges_the_save_path_holds_the_hard_bound(tmp_path, 
         assert st["merge_bytes"] == 0 and st["save_bytes"] > st["increment_bytes"]
         for info in store.versions():
             assert store.read_amplification(info.version)["t"].max() <= knobs.READ_AMP_BOUND
+        _check(store, model)
+
+
+def _walked_costs(store) -> dict:
+    """{(table id, block): (head, records, cost)} of every block's chain at the newest version, walked."""
+    info = store.engine.table_record("t")
+    newest = store.versions()[-1].version
+    found = {}
+    with store.engine.index.read() as view:
+        for block in range(ROWS // BLOCK):
+            chain = merge.walk_chain(view, info.id, block, newest)
+            found[(info.id, block)] = (merge.chain_head(view, info.id, block, newest),
+                                       len(chain.records) + (chain.baseline is not None),
+                                       merge.chain_cost(info, block, chain)[0])
+    return found
+
+
+@pytest.mark.parametrize("compaction", [None, "auto"])
+def test_the_remembered_chain_costs_match_the_chains_or_overstate_them(tmp_path, low_trigger, compaction):
+    """The save path checks its bound against the engine's remembered chain costs (chain_costs.py), not a
+    walk: each entry naming a block's current head holds exactly the walked chain's records and cost
+    without background merges, and never less with them (a merge below the head only makes it cheaper)."""
+    store, rng, model = _new(tmp_path / "s", compaction=compaction)
+    with store:
+        used = 0
+        for _ in range(30):
+            _save(store, rng, model, 0.03)
+            if compaction:
+                store._compactor.wait_idle()
+            for key, (head, records, cost) in _walked_costs(store).items():
+                known = store.engine.chain_costs.get(key, head)
+                if known is None:
+                    continue  # a merged or new head: the next save walks the chain
+                used += 1
+                if compaction is None:
+                    assert (known.records, known.cost) == (records, cost), key
+                else:
+                    assert known.records >= records and known.cost >= cost, key
+        assert used > 30, "the remembered costs were used"
         _check(store, model)
 
 

@@ -54,6 +54,27 @@ def test_every_version_reads_the_newest_value_of_each_row_at_or_before_it(store)
         assert np.array_equal(store.read_rows("t", asked, v), want[asked]), v
 
 
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_a_long_chain_of_one_codec_reads_each_row_from_its_newest_record(store, codec):
+    """A whole-table read resolves a chain of one codec on a full baseline per block, not per record
+    (reader.Piece.over): rows written in many records, the newest wins, bit for bit as a row read."""
+    rng = np.random.default_rng(11)
+    c = codecs.get(codec)
+    state = np.zeros((ROWS, DIM), np.float32)
+    history = {}
+    for v in range(1, 21):
+        rows = np.arange(ROWS) if v == 1 else rng.choice(ROWS, int(rng.integers(1, 12)), replace=False)
+        values = rng.standard_normal((rows.size, DIM)).astype(np.float32)
+        state[rows] = c.decode(c.encode(values), DIM)
+        assert _write(store, rows, values, codec) == v
+        history[v] = state.copy()
+    assert store.stats()["max_read_chain"] > 5  # (long chains: the knob is off)
+    for v, want in history.items():
+        got = store.read_table("t", v)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), v
+        assert np.array_equal(store.read_rows("t", np.arange(ROWS), v).view(np.uint32), got.view(np.uint32)), v
+
+
 def test_a_baseline_ends_the_chain(store):
     _write(store, [1], np.full((1, DIM), 1, np.float32))
     _write(store, [0, 1, 2, 3], np.full((4, DIM), 2, np.float32))    # every row of block 0

@@ -343,6 +343,7 @@ class _Adaptive(Codec):
     bits: ClassVar[int]
     lossless = False
     fallback = "int8"
+    decode_bytes_per_s = 0.8e9  # as the FBGEMM n-bit codecs (0.4-2.1 GB/s measured)
 
     def row_bytes(self, dim: int) -> int:
         return uniform_row_bytes(dim, self.bits)

@@ -23,6 +23,7 @@ class FP32(Codec):
     codec_id = 1  # on disk: never renumber
     lossless = True
     fallback = None
+    decode_bytes_per_s = 16e9  # a copy (17-22 GB/s measured)
 
     def row_bytes(self, dim: int) -> int:
         return 4 * dim
@@ -54,6 +55,7 @@ class FP16(Codec):
     codec_id = 2  # on disk: never renumber
     lossless = False
     fallback = "fp32"
+    decode_bytes_per_s = 1.1e9  # numpy's half -> single conversion (1.1-1.2 GB/s measured)
     _range_hint = "fp16 holds values within ±65504 only; use the fp32 codec for such rows"
 
     def row_bytes(self, dim: int) -> int:

@@ -276,6 +276,7 @@ class _Uniform(Codec):
     bits: ClassVar[int]
     lossless = False
     fallback = "int8"
+    decode_bytes_per_s = 0.35e9  # numpy unpacking (0.17 GB/s at int1 to 0.7 at int7 measured)
 
     def row_bytes(self, dim: int) -> int:
         return uniform_row_bytes(dim, self.bits)

@@ -9,8 +9,9 @@ Layers, lowest first (docs/ARCHITECTURE.md draws them):
 * the index — ``index`` (LMDB), ``schema`` (what its values hold), ``version_edit`` (what one commit
   changes: its log record and its index update);
 * reads and writes — ``reader`` (read chains), ``table_decode`` (whole tables: every record verified,
-  then decoded in parallel into place), ``merge`` (merge-on-write deltas), ``arguments`` (the
-  checks of a caller's arguments), ``writer`` (a checkpoint);
+  then decoded in parallel into place), ``merge`` (read cost and the merged deltas that bound it),
+  ``chain_costs`` (each block's chain cost, remembered for the save path), ``arguments`` (the checks of
+  a caller's arguments), ``writer`` (a checkpoint);
 * the engine — ``opening`` (finding and making a store's files) and ``core`` (``Engine``: the lock, the
   index, recovery, the appenders and the writer slot).
 

@@ -24,6 +24,7 @@ from typing import Callable, Optional, TypeVar
 from . import filenames, fs, opening, record, schema, segments
 from ..errors import CheckpointInProgress, IndexDamaged, InvalidArgument, ReadOnlyError, StorageFull, StoreClosed
 from .index import DenseLoc, Index, IndexView, IndexWriter, RowLoc, damage_hint, finish_interrupted_install
+from .chain_costs import ChainCosts
 from .lock import ProcessLock
 from .marker import FORMAT_VERSION, marker_bytes
 from .reader import BlockResolver
@@ -61,6 +62,8 @@ class Engine:
         #: (table id, block) pairs committed checkpoints wrote since the background merges last looked
         #: (None: look at every block: nothing was looked at in this process yet); see take_written_blocks
         self._written_blocks: set | None = None
+        #: what each block's read chain costs, for the save path's bound check (chain_costs.py)
+        self.chain_costs = ChainCosts()
         self._tables: dict[str, TableRecord] = {}
         self._next_dense_id: int | None = None
         self._history: tuple[VersionInfo, ...] | None = None  # see history()

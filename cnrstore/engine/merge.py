@@ -2,7 +2,8 @@
 
 A checkpoint writes a plain increment of each block it touches: one more record on the block's read
 chain. A block's *read amplification* at a version is what reading its chain there costs over what one
-baseline of the block costs, a record costing its bytes plus ``knobs.READ_RECORD_COST_BYTES`` (``read_cost``).
+baseline of the block costs, a record costing its bytes plus a fixed cost (``record_fixed_cost``: what the
+table's codec decodes in ``knobs.READ_RECORD_COST_S``), so that it tracks a read's time (``read_cost``).
 Once it passes ``knobs.MERGE_TRIGGER`` at the newest version, background compaction merges the block
 (maintenance/compaction.py ``merge_chains``); a save merges it itself only when its record would pass the
 hard bounds (``knobs.READ_AMP_BOUND``, and ``knobs.READ_CHAIN_BOUND`` records: ``chain_merge``). A merge
@@ -33,6 +34,7 @@ import numpy as np
 from .. import codecs, knobs
 from . import blocks as blocks_math
 from . import record
+from .chain_costs import ChainCost, ChainCosts, Head
 from .index import IndexView, RowLoc
 from .reader import BlockResolver
 
@@ -45,6 +47,13 @@ class ChainMerge:
     baseline: tuple | None  # (version, RowLoc) of the chain's baseline, None if the chain has none
 
 
+def record_fixed_cost(info) -> int:
+    """What reading one record of table ``info`` costs beyond its bytes, in bytes: those the table's codec
+    decodes in ``knobs.READ_RECORD_COST_S`` (``Codec.decode_bytes_per_s``), the time a record's seek,
+    verification, gather and decode call take whatever its size."""
+    return round(knobs.READ_RECORD_COST_S * codecs.get(info.codec).decode_bytes_per_s)
+
+
 def baseline_cost(info, block_len: int, baseline=None) -> int:
     """What reading one baseline of a block of ``block_len`` rows of table ``info`` costs, in bytes: every
     row in the table's codec (or the block's baseline record ``baseline``, a RowLoc, if larger), plus a
@@ -52,12 +61,13 @@ def baseline_cost(info, block_len: int, baseline=None) -> int:
     full = record.HEADER_BYTES + record.TRAILER_BYTES + block_len * codecs.get(info.codec).row_bytes(info.dim)
     if baseline is not None:
         full = max(full, baseline.length)
-    return full + knobs.READ_RECORD_COST_BYTES
+    return full + record_fixed_cost(info)
 
 
-def read_cost(locs) -> int:
-    """What reading the records ``locs`` (RowLocs) costs, in bytes: theirs plus each one's fixed cost."""
-    return sum(loc.length for loc in locs) + len(locs) * knobs.READ_RECORD_COST_BYTES
+def read_cost(locs, fixed: int) -> int:
+    """What reading the records ``locs`` (RowLocs) costs, in bytes: theirs plus ``fixed``
+    (``record_fixed_cost``) for each."""
+    return sum(loc.length for loc in locs) + len(locs) * fixed
 
 
 def walk_chain(view: IndexView, table_id: int, block: int, version: int) -> ChainMerge:
@@ -75,7 +85,8 @@ def chain_cost(info, block: int, chain: ChainMerge) -> tuple[int, int]:
     """(what reading ``chain`` costs, what reading one baseline of the block costs), in bytes."""
     locs = [loc for _v, loc in chain.records] + ([chain.baseline[1]] if chain.baseline is not None else [])
     block_len = blocks_math.length(block, info.block_rows, info.num_rows)
-    return read_cost(locs), baseline_cost(info, block_len, chain.baseline[1] if chain.baseline else None)
+    return (read_cost(locs, record_fixed_cost(info)),
+            baseline_cost(info, block_len, chain.baseline[1] if chain.baseline else None))
 
 
 def read_amplification(info, block: int, chain: ChainMerge) -> float:
@@ -87,33 +98,51 @@ def read_amplification(info, block: int, chain: ChainMerge) -> float:
 def merge_due(info, block: int, chain: ChainMerge, trigger: float) -> bool:
     """Whether background compaction merges a block whose read chain is ``chain``: its read amplification
     passes ``trigger``, or its records pass the same fraction (``trigger / knobs.READ_AMP_BOUND``) of
-    ``knobs.READ_CHAIN_BOUND``, so that the save path seldom has to merge."""
+    ``knobs.READ_CHAIN_BOUND``, or two more records like its newest would pass ``knobs.READ_AMP_BOUND`` (a
+    block whose records each cost much of a baseline: the next save's record may be larger than the
+    newest), so that the save path seldom has to merge."""
     count = len(chain.records) + (chain.baseline is not None)
     amp_bound = knobs.READ_AMP_BOUND or trigger
     if knobs.READ_CHAIN_BOUND is not None and count > knobs.READ_CHAIN_BOUND * min(1.0, trigger / amp_bound):
         return True
-    return read_amplification(info, block, chain) > trigger
+    cost, reference = chain_cost(info, block, chain)
+    newest = read_cost([chain.records[0][1]], record_fixed_cost(info)) if chain.records else 0
+    return cost > trigger * reference or cost + 2 * newest > amp_bound * reference
 
 
-def chain_merge(view: IndexView, info, block: int, parent: int | None, own_bytes: int) -> ChainMerge | None:
+def chain_head(view: IndexView, table_id: int, block: int, version: int) -> Head | None:
+    """Where the block's newest record at ``version`` lies (one index seek); None if it has none."""
+    for v, loc in view.row_chain(table_id, block, version):
+        return Head(v, loc.segment, loc.offset)
+    return None
+
+
+def chain_merge(view: IndexView, info, block: int, parent: int | None, own_bytes: int,
+                costs: ChainCosts | None = None, head: Head | None = None) -> ChainMerge | None:
     """The merge a new version's record of ``block`` (about ``own_bytes``) needs on the save path: None
     unless the record on top of the chain at ``parent`` would pass ``knobs.READ_CHAIN_BOUND`` records or a
     read amplification of ``knobs.READ_AMP_BOUND`` (background merges normally keep chains well below both).
-    With ``knobs.READ_CHAIN_BOUND`` None, never. Reads the block's chain at ``parent`` (index entries only)."""
+    With ``knobs.READ_CHAIN_BOUND`` None, never. The chain's cost comes from ``costs`` where it remembers
+    the chain whose newest record is ``head`` (``chain_head`` at ``parent``), else from walking the chain
+    (index entries only), which ``costs`` then remembers; the chain is walked to be returned."""
     bound = knobs.READ_CHAIN_BOUND
     if bound is None or parent is None:
         return None
-    chain = walk_chain(view, info.id, block, parent)
-    if not chain.records:
-        return None  # nothing to merge: the record goes on a baseline (or is the block's first)
-    count = len(chain.records) + (chain.baseline is not None) + 1
-    if count > max(2, bound):
-        return chain
-    amp_bound = knobs.READ_AMP_BOUND
-    if amp_bound is not None:
+    key = (info.id, block)
+    known = costs.get(key, head) if costs is not None and head is not None else None
+    chain = None
+    if known is None:
+        chain = walk_chain(view, info.id, block, parent)
         cost, reference = chain_cost(info, block, chain)
-        if cost + own_bytes + knobs.READ_RECORD_COST_BYTES > amp_bound * reference:
-            return chain
+        known = ChainCost(head, len(chain.records) + (chain.baseline is not None), len(chain.records), cost, reference)
+        if costs is not None and head is not None:
+            costs.put(key, known)
+    if not known.above:
+        return None  # nothing to merge: the record goes on a baseline (or is the block's first)
+    amp_bound = knobs.READ_AMP_BOUND
+    if known.records + 1 > max(2, bound) or (
+            amp_bound is not None and known.cost + own_bytes + record_fixed_cost(info) > amp_bound * known.reference):
+        return chain if chain is not None else walk_chain(view, info.id, block, parent)
     return None
 
 
@@ -147,6 +176,7 @@ def merge_block(resolver: BlockResolver, block: int, block_len: int, merge: Chai
     that every merge leaves room for many records before the next (``merge_budget``).
     """
     records = list(merge.records)
+    fixed = record_fixed_cost(resolver.table)
     loaded = [(v, loc) + resolver.load_rows(loc, block, v) for v, loc in records]
     copied_before = max((rec.copied() for _v, _loc, rec, _rows in loaded), default=0)
     base_version = merge.baseline[0] if merge.baseline is not None else 0
@@ -159,14 +189,15 @@ def merge_block(resolver: BlockResolver, block: int, block_len: int, merge: Chai
         upper = own + [(rec.codec_id, rec.offsets(), rows) for _v, _loc, rec, rows in loaded[:level2]]
         upper_rows = np.unique(np.concatenate([p[1] for p in upper]))
         if (upper_rows.size < knobs.DELTA_TIER_RATIO * loaded[level2][2].count if budget is None else
-                _base_cost(merge) + read_cost([loaded[level2][1]]) + _record_cost(upper, upper_rows.size, resolver.dim)
-                <= budget):
+                _base_cost(merge, fixed) + read_cost([loaded[level2][1]], fixed)
+                + _record_cost(upper, upper_rows.size, resolver.dim, fixed) <= budget):
             copied = copied_before + upper_rows.size - offsets.size
             return _merged(upper, codec, resolver.dim, offsets, loaded[level2][0], copied)
     parts = own + [(rec.codec_id, rec.offsets(), rows) for _v, _loc, rec, rows in loaded]
     union = np.unique(np.concatenate([p[1] for p in parts]))
     copied = copied_before + union.size - offsets.size
-    over_budget = budget is not None and _base_cost(merge) + _record_cost(parts, union.size, resolver.dim) > budget
+    over_budget = (budget is not None
+                   and _base_cost(merge, fixed) + _record_cost(parts, union.size, resolver.dim, fixed) > budget)
     if merge.baseline is not None and (copied >= knobs.DELTA_RESET_FRACTION * block_len
                                        or union.size >= knobs.DELTA_FULL_FRACTION * block_len or over_budget):
         v, loc = merge.baseline
@@ -184,14 +215,14 @@ def merge_budget(bound: float, info, block: int, chain: ChainMerge) -> float:
     return chain_cost(info, block, chain)[1] * (1 + (bound - 1) / 2)
 
 
-def _base_cost(chain: ChainMerge) -> int:
-    return read_cost([chain.baseline[1]]) if chain.baseline is not None else 0
+def _base_cost(chain: ChainMerge, fixed: int) -> int:
+    return read_cost([chain.baseline[1]], fixed) if chain.baseline is not None else 0
 
 
-def _record_cost(parts: list, rows: int, dim: int) -> int:
+def _record_cost(parts: list, rows: int, dim: int, fixed: int) -> int:
     """About what reading a merged record of ``rows`` rows of ``parts`` (codec of the first) would cost."""
     row_bytes = codecs.by_id(parts[0][0]).row_bytes(dim) + 2  # (+ its u16 offset)
-    return record.HEADER_BYTES + record.TRAILER_BYTES + rows * row_bytes + knobs.READ_RECORD_COST_BYTES
+    return record.HEADER_BYTES + record.TRAILER_BYTES + rows * row_bytes + fixed
 
 
 def _merged(parts: list, codec, dim: int, offsets: np.ndarray, base: int, copied: int) -> Merged:

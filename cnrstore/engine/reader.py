@@ -7,6 +7,7 @@ written at or before its version) ends the chain: rows not found by then were ne
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,11 @@ class Piece:
     source: np.ndarray  # uint8 (m, row_bytes): the record's rows (a view of the segment's map, or a copy)
     dest: np.ndarray | None  # int64 block offsets, or None for rows 0..n-1
     take: np.ndarray | None = None  # bool (m,): the rows of ``source`` this piece holds; None: all of them
+    whole: bool = False  # ``source`` is every row of the block, rows 0..m-1 in order (a full baseline)
+    #: With ``dest`` None: the newer records of the chain above the baseline ``source``, newest first, as
+    #: (encoded rows, u16 block offsets): the block reads as ``source`` with their rows written over it,
+    #: the newest record's of each row winning (resolved when decoded, on the decoding thread).
+    over: list | None = None
 
     @property
     def encoded(self) -> np.ndarray:
@@ -56,13 +62,21 @@ class BlockResolver:
         """The verified record at ``loc``; it must be the one its index entry (block, version) names."""
         return fetch(self.segments, loc, Expect(record.KIND_ROWS, self.table.id, version, block))
 
-    def resolve(self, block: int, want: np.ndarray | None, version: int) -> tuple[list[Piece], np.ndarray]:
+    def resolve(self, block: int, want: np.ndarray | None, version: int, *,
+                overlay: bool = False) -> tuple[list[Piece], np.ndarray]:
         """Pieces holding the rows ``want`` (sorted unique block offsets; None = every row) at ``version``.
 
-        Each wanted row appears in exactly one piece. Returns (pieces, offsets never written).
+        Each wanted row appears in exactly one piece, except with ``overlay`` (and ``want`` None): a chain
+        of records of one codec on a full baseline is then one Piece with ``over`` (``decode_block``
+        resolves it), which costs a read a few array operations per block rather than per record.
+        Returns (pieces, offsets never written).
         """
         block_len = blocks_math.length(block, self.block_rows, self.table.num_rows)
         if want is None:
+            if overlay:
+                found = self._overlay(block, block_len, version)
+                if found is not None:
+                    return [found], np.zeros(0, dtype=np.int64)
             return self._resolve_all(block, block_len, version)
         remaining = want
         pieces: list[Piece] = []
@@ -88,6 +102,25 @@ class BlockResolver:
                 break
         return pieces, remaining
 
+    def _overlay(self, block: int, block_len: int, version: int) -> Piece | None:
+        """The block at ``version`` as one Piece: its full baseline ``source`` with the newer records'
+        rows ``over`` it; None unless the chain ends in a baseline of every row and all its records share
+        one codec (``_resolve_all`` answers then). Every record is loaded (verified) here."""
+        over = []
+        for v, loc in self.view.row_chain(self.table.id, block, version):
+            rec, rows = self.load_rows(loc, block, v)
+            if over and rec.codec_id != over[0][2]:
+                return None
+            if rec.flags & record.FLAG_FULL and rec.count == block_len:
+                return Piece(rec.codec_id, rows, None, over=[(r, o) for r, o, _c in over] or None)
+            if rec.flags & record.FLAG_BASELINE:
+                return None  # a baseline of part of the block: rows may be missing
+            if rec.count:  # (GC empties records every kept version shadows)
+                offsets = (np.arange(rec.count, dtype=record.OFFSET_DTYPE) if rec.flags & record.FLAG_FULL
+                           else rec.stored_offsets())
+                over.append((rows, offsets, rec.codec_id))
+        return None
+
     def _resolve_all(self, block: int, block_len: int, version: int) -> tuple[list[Piece], np.ndarray]:
         """``resolve`` for every row of the block: newest record first, each row taken once."""
         pieces: list[Piece] = []
@@ -108,7 +141,8 @@ class BlockResolver:
                 else:
                     offsets = offsets[take]  # (the rows stay a view: Piece.encoded selects them when used)
             if offsets.size:
-                pieces.append(Piece(rec.codec_id, rows, offsets, take))
+                whole = bool(rec.flags & record.FLAG_FULL) and rec.count == block_len
+                pieces.append(Piece(rec.codec_id, rows, offsets, take, whole))
                 filled[offsets] = True
                 left -= offsets.size
             if not left or rec.flags & record.FLAG_BASELINE:
@@ -278,7 +312,7 @@ def plan_table(view: IndexView, segments: SegmentReader, table: TableRecord, ver
         missing.add_range(next_row, lo)
         next_row = hi
         if hi - lo == blocks_math.length(block, block_rows, num_rows):
-            pieces, absent = resolver.resolve(block, None, version)
+            pieces, absent = resolver.resolve(block, None, version, overlay=True)
         else:  # the range's ends cut the block: only its rows there, renumbered from the cut
             pieces, absent = resolver.resolve(block, np.arange(lo - base, hi - base, dtype=np.int64), version)
             pieces = [Piece(p.codec_id, p.source, p.dest - (lo - base), p.take) for p in pieces]
@@ -307,19 +341,61 @@ def read_table(view: IndexView, segments: SegmentReader, table: TableRecord, ver
     return out
 
 
+#: Largest encoded block (bytes) ``decode_block`` gathers in a buffer kept by its thread for the next
+#: block (a fresh one each time costs a page fault per 4 KiB, twice the gather itself); larger ones
+#: get a temporary.
+SCRATCH_BYTES = 8 << 20
+_scratch = threading.local()
+
+
+def _encoded_rows(count: int, row_bytes: int) -> np.ndarray:
+    """uint8 (count, row_bytes) to gather a block's encoded rows in: this thread's scratch buffer
+    (grown as needed up to ``SCRATCH_BYTES``), or a new array for a larger block."""
+    need = count * row_bytes
+    if need > SCRATCH_BYTES:
+        return np.empty((count, row_bytes), dtype=np.uint8)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < need:
+        buf = _scratch.buf = np.empty(need, dtype=np.uint8)
+    return buf[:need].reshape(count, row_bytes)
+
+
+def _newest_rows(over: list, block_len: int):
+    """(block offsets, encoded rows) of the records ``over`` (newest first: (rows, u16 offsets) each), each
+    offset once with the newest record's row; in three array operations whatever the records' count."""
+    offsets = np.concatenate([o for _r, o in over]) if len(over) > 1 else over[0][1]
+    rows = np.concatenate([r for r, _o in over]) if len(over) > 1 else over[0][0]
+    first = np.full(block_len, offsets.size, dtype=np.int64)
+    np.minimum.at(first, offsets, np.arange(offsets.size))  # newest first: the smallest position wins
+    held = np.flatnonzero(first < offsets.size)
+    return held, rows[first[held]]
+
+
 def decode_block(out: np.ndarray, base: int, pieces: list[Piece], dim: int) -> None:
     """Decode a block's pieces (``plan_table``'s: every row they stand for in exactly one) into
     ``out[base:...]``. A whole-block piece decodes straight from the segment into place; pieces of one
-    codec are gathered as encoded rows (a few bytes a row, one block at most) and decoded with one call
-    straight into place; pieces of several codecs go through a block-sized temporary each."""
+    codec are gathered as encoded rows (a few bytes a row, one block at most, in a buffer the thread
+    keeps) and decoded with one call straight into place — a full baseline under newer pieces
+    (``Piece.whole``) copied whole first and the newer rows written over it, instead of gathering the
+    rows they leave; pieces of several codecs go through a block-sized temporary each."""
     if len(pieces) == 1 and pieces[0].dest is None:
         p = pieces[0]
-        codecs.by_id(p.codec_id).decode_into(p.encoded, dim, out[base : base + p.encoded.shape[0]])
+        source = p.encoded
+        if p.over:  # a baseline with newer records over it: one gathered block
+            encoded = _encoded_rows(source.shape[0], source.shape[1])
+            encoded[:] = source
+            held, rows = _newest_rows(p.over, source.shape[0])
+            encoded[held] = rows
+            source = encoded
+        codecs.by_id(p.codec_id).decode_into(source, dim, out[base : base + source.shape[0]])
         return
     codec_id = pieces[0].codec_id
     if all(p.codec_id == codec_id for p in pieces):
         count = sum(p.count for p in pieces)
-        encoded = np.empty((count, pieces[0].source.shape[1]), dtype=np.uint8)
+        encoded = _encoded_rows(count, pieces[0].source.shape[1])
+        if pieces[-1].whole:  # the chain's baseline, every row: the newer pieces overwrite theirs
+            encoded[:] = pieces[-1].source
+            pieces = pieces[:-1]
         for p in pieces:  # every row of the block is in exactly one piece
             encoded[p.dest] = p.encoded
         codecs.by_id(codec_id).decode_into(encoded, dim, out[base : base + count])

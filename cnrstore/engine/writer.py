@@ -26,6 +26,7 @@ from . import fs, merge, reader, record, arguments
 from ..errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
 from .index import DenseLoc, RowLoc
 from .block_records import block_records
+from .chain_costs import Head
 from .schema import TableRecord
 from .version_edit import VersionEdit
 
@@ -52,6 +53,9 @@ class CheckpointWriter:
         #: (table id, block, version) of the baselines this version's cumulative deltas read: retention
         #: keeps their entries while the version is being written (compaction.drop_versions)
         self.pins: set[tuple[int, int, int]] = set()
+        #: (table, block) -> the newest record of the block's chain at the parent, where this version's record
+        #: goes on top of it unmerged: once committed, the engine's chain costs extend by it (chain_costs.py)
+        self._below: dict[tuple[str, int], Head] = {}
 
     @property
     def committed(self) -> bool:
@@ -169,6 +173,7 @@ class CheckpointWriter:
         engine.commit(engine.appender, edit, appended=True, after_append="after_append", after_fsync="after_fsync",
                       inside_index_commit="inside_index_commit", on_failure=self._fail)
         self._state = "committed"
+        self._extend_chain_costs()
         engine.writer_done(self)
         return self.version
 
@@ -206,6 +211,17 @@ class CheckpointWriter:
                            dense=[(dense_id, self.version, loc) for dense_id, loc in self._dense.values()],
                            dense_names={name: dense_id for name, (dense_id, _loc) in self._dense.items()},
                            bytes_written=self._bytes, increment_bytes=self._increment_bytes())
+
+    def _extend_chain_costs(self) -> None:
+        """Tell the engine's chain costs about each plain record this committed version put on a chain."""
+        engine = self._engine
+        for (table, block), below in self._below.items():
+            loc = self._rows.get(table, {}).get(block)
+            if loc is None or loc.flags & (record.FLAG_DELTA | record.FLAG_BASELINE):
+                continue  # merged, or a new baseline: the next save walks the chain afresh
+            info = engine.table_record(table)
+            engine.chain_costs.extend((info.id, block), below, Head(self.version, loc.segment, loc.offset),
+                                      merge.read_cost([loc], merge.record_fixed_cost(info)))
 
     def _check_open(self) -> None:
         if self._state == "failed":
@@ -264,7 +280,10 @@ class CheckpointWriter:
         with engine.pin_lock:
             view = stack.enter_context(engine.index.read())
             for block, size in zip(unique.tolist(), own_bytes):
-                plan = merge.chain_merge(view, info, block, self._parent, size)
+                head = merge.chain_head(view, info.id, block, self._parent)
+                plan = merge.chain_merge(view, info, block, self._parent, size, engine.chain_costs, head)
+                if plan is None and head is not None:
+                    self._below[(info.name, block)] = head
                 if plan is not None:  # (every entry the merged record might read; narrowed after the merge)
                     found[block] = plan
                     for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
