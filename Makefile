@@ -6,15 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench bench-quick clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch pinned exactly: these machines carry the 2.13.0 CPU wheel; a looser pin pulls CUDA builds
-	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[test,torchrec]"
-	# torchrec without its declared deps: they name the CUDA fbgemm-gpu; the [torchrec] extra brings the CPU
-	# build (fbgemm-gpu-cpu) and the rest. torchrec/fbgemm 1.8 pair with torch 2.13 (README, "TorchRec")
-	$(PY) -m pip install --quiet --no-deps "torchrec==1.8.0"
+	# torch pinned exactly: these machines carry the 2.13.0 CPU wheel; a looser pin pulls CUDA builds.
+	# pyproject.toml declares ranges; constraints-cpu.txt pins the tested set for every install below
+	$(PY) -m pip install --quiet -c constraints-cpu.txt "torch==2.13.0"
+	$(PY) -m pip install --quiet -c constraints-cpu.txt -e ".[test,torchrec-cpu]"
+	# torchrec without its declared deps: they name the CUDA fbgemm-gpu; the [torchrec-cpu] extra brings the CPU
+	# build (fbgemm-gpu-cpu) and the rest. torchrec/fbgemm 1.8 pair with torch 2.13 (README, "Install")
+	$(PY) -m pip install --quiet -c constraints-cpu.txt --no-deps "torchrec==1.8.0"
 	touch $(STAMP)
 
 demo: $(STAMP)

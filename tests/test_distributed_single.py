@@ -239,3 +239,32 @@ def test_recover_estimates_lost_updates_from_the_checkpoint_and_the_last_regular
     with pytest.raises(InvalidArgument, match="failed_ranks"):
         ck.recover([1], step=9)
     ck.close()
+
+
+def test_on_report_gets_global_versions_and_restores_and_logging_is_the_default(tmp_path, group, caplog):
+    import logging
+
+    from cnrstore.torch import RestoreReport, SaveReport
+
+    got = []
+    ck, model, opt = make(tmp_path / "root", on_report=got.append)
+    for i in range(3):
+        step(model, opt, rows=(i,))
+        pending = ck.save(step=10 * i)
+        assert pending.wait() == got[-1].version  # reported before wait() returns, with the global version
+    gv = ck.restore()
+    ck.close()
+    assert [type(r) for r in got] == [SaveReport] * 3 + [RestoreReport]
+    assert [r.version for r in got[:3]] == [g.version for g in versions(tmp_path / "root")]
+    assert [r.step for r in got] == [0, 10, 20, 20] and got[3].version == gv.version
+    assert all(r.stall_s > 0 and r.bytes_written for r in got[:3])
+    with pytest.raises(InvalidArgument, match="on_report"):
+        make(tmp_path / "other", on_report="tensorboard")
+
+    ck, model, opt = make(tmp_path / "logged")
+    with caplog.at_level(logging.INFO, logger="cnrstore.torch"):
+        ck.save(step=1).wait()
+        ck.restore()
+    ck.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "cnrstore.torch"]
+    assert len(lines) == 2 and lines[0].startswith("save of step 1 -> version 1") and "restored version 1" in lines[1]

@@ -44,6 +44,8 @@ def readme_blocks() -> list[Block]:
 #: sh blocks not run, and why. Keep this short: only what cannot run inside a test.
 NOT_RUN = {
     "make demo": "`make demo` builds .venv and trains for ~2 minutes; `make test` is this whole suite (10-12 min)",
+    "download.pytorch.org/whl/$CUDA": "installs CUDA builds of torch's kin from the network into the environment "
+                                      "(tests/test_packaging.py checks the metadata it relies on)",
 }
 
 

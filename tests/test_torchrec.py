@@ -6,7 +6,7 @@ EmbeddingBagCollection with a fused row-wise Adagrad (or Adagrad) TBE optimizer 
 a fresh process (another init) restores the newest version, maybe into another sharding plan, and dumps
 its state; then both train two more steps and dump again. Unsharded torchrec modules run in this process.
 
-TorchRec is an optional dependency (``pip install 'cnrstore[torchrec]'``, see README); ``make test``
+TorchRec is an optional dependency (``pip install 'cnrstore[torchrec-cpu]'``, see README); ``make test``
 installs it and sets CNRSTORE_REQUIRE_TORCHREC=1, which turns a missing torchrec into a failure here.
 """
 

@@ -1,6 +1,6 @@
 """tools/train_dlrm.py, the reference trainer `make demo` runs: end to end, in a subprocess.
 
-The ``--torchrec`` cases need torchrec (the ``[torchrec]`` extra): skipped without it, unless
+The ``--torchrec`` cases need torchrec (the ``[torchrec-cpu]`` extra): skipped without it, unless
 CNRSTORE_REQUIRE_TORCHREC=1 (``make test``) makes a missing torchrec a failure.
 """
 
@@ -16,7 +16,7 @@ TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
 TOOL = os.path.join(TOOLS, "train_dlrm.py")
 requires_torchrec = pytest.mark.skipif(
     os.environ.get("CNRSTORE_REQUIRE_TORCHREC") != "1" and importlib.util.find_spec("torchrec") is None,
-    reason="torchrec is not installed (pip install 'cnrstore[torchrec]', see README)")
+    reason="torchrec is not installed (pip install 'cnrstore[torchrec-cpu]', see README)")
 
 
 def run(*args):

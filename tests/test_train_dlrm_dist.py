@@ -14,7 +14,7 @@ import pytest
 TOOL = os.path.join(os.path.dirname(__file__), "..", "tools", "train_dlrm.py")
 requires_torchrec = pytest.mark.skipif(
     os.environ.get("CNRSTORE_REQUIRE_TORCHREC") != "1" and importlib.util.find_spec("torchrec") is None,
-    reason="torchrec is not installed (pip install 'cnrstore[torchrec]', see README)")
+    reason="torchrec is not installed (pip install 'cnrstore[torchrec-cpu]', see README)")
 # 80 steps, a checkpoint every 20, one failure at step 50 (rank 1): the newest global version is step 40
 # The process groups' timeout (3600 s) is far beyond the job's (150 s): a recovery that waited it out
 # instead of learning of the failure from the failure board or a failed collective fails the test.

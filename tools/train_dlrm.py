@@ -39,7 +39,7 @@ of one id per feature per sample. In one process its tables are ``nn.EmbeddingBa
 With ``--world-size N`` the collection is sharded by ``DistributedModelParallel`` (torchrec's planner,
 ``--sharding row|table``, fused row-wise Adagrad on the tables) and checkpointed by
 ``DistributedCheckpointer(plan=None)``; ``--recovery ecrm`` is refused (ECRM protects ``nn.Embedding``
-shards only). It needs the ``[torchrec]`` extra (README, "TorchRec").
+shards only). It needs the ``[torchrec-cpu]`` extra (README, "TorchRec").
 
     python tools/train_dlrm.py --torchrec --quick --codec fp32 --mode incremental
     python tools/train_dlrm.py --torchrec --world-size 2 --quick --recovery partial
@@ -396,7 +396,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "KeyedJaggedTensor, checkpointed as above; with --world-size, sharded by "
                         "DistributedModelParallel (--sharding row|table, fused row-wise Adagrad for the tables, each "
                         "rank a slice of the batch), checkpointed by DistributedCheckpointer(plan=None), --recovery "
-                        "full or partial (not ecrm: it protects nn.Embedding shards only). Needs the [torchrec] extra")
+                        "full or partial (not ecrm: it protects nn.Embedding shards only). Needs the [torchrec-cpu] extra")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (0: torch's default); 1 leaves a core to the background writer "
                         "and avoids thread oversubscription on small machines")
@@ -451,8 +451,8 @@ def main(argv=None) -> int:
         quiet_torchrec()
         problem = torchrec_missing()
         if problem:
-            print(f"error: --torchrec needs torchrec and fbgemm-gpu ({problem}): pip install 'cnrstore[torchrec]' "
-                  "then pip install --no-deps torchrec==1.8.0 (README, 'TorchRec')",
+            print(f"error: --torchrec needs torchrec and fbgemm-gpu ({problem}): pip install 'cnrstore[torchrec-cpu]' "
+                  "then pip install --no-deps torchrec==1.8.0 (README, 'Install')",
                   file=sys.stderr)
             return 2
     if args.world_size is not None:

@@ -21,6 +21,7 @@ versions no manifest names are orphans; they are dropped when a rank starts up a
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from .. import store as _store
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
 from ..torch import payload as _payload
+from ..torch import reports
 from ..torch.async_save import PendingSave, SaveReport, WeakPendingWork
 from ..torch.checkpointer import Checkpointer
 from ..torch.optim_state import is_keyed, row_state_width
@@ -98,12 +100,17 @@ class DistributedCheckpointer:
     "auto" or a ``CompactionPolicy`` without retention: versions are kept or dropped by the global
     ``keep_last``, never by one rank alone). ``keep_last`` keeps that many newest global versions
     (None: all). ``timeout_s`` bounds how long a commit waits for the slowest rank.
+
+    ``on_report`` (as ``Checkpointer``'s): a callable given, on every rank, each save's ``SaveReport`` once
+    it is a global version (``version`` is the global version; on the commit thread, before ``wait()``
+    returns) and each restore's ``RestoreReport``; None: logged at INFO on the ``cnrstore.torch`` logger.
     """
 
     def __init__(self, root, model: nn.Module, optimizer=None, *, plan: ShardingPlan | None = None, codec="int4",
                  mode: str = "intermittent", optimizer_codec: str = "fp32", extra=None, priority=None,
                  ssu_rate: float | None = None, compaction=None, keep_last: int | None = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, on_report=None):
+        self._on_report = reports.check_hook(on_report, "DistributedCheckpointer")
         self.rank, self.world_size = _check_dist()
         self._plan_from_model = plan is None
         if plan is None:  # a TorchRec model: its own sharding (collective), else a clear error
@@ -141,7 +148,8 @@ class DistributedCheckpointer:
             if ssu_rate is not None:
                 kwargs["ssu_rate"] = ssu_rate
             self._local = Checkpointer(self.store, model, optimizer, codec=codec, mode=mode,
-                                       optimizer_codec=optimizer_codec, extra=extra, **kwargs)
+                                       optimizer_codec=optimizer_codec, extra=extra, on_report=reports.silent,
+                                       **kwargs)
         except BaseException:
             self.store.close()
             raise
@@ -331,7 +339,11 @@ class DistributedCheckpointer:
         except BaseException as exc:
             error = self._error = exc
         finally:
-            pending.finish(version, error)
+            try:
+                if error is None and version is not None:
+                    reports.deliver(self._on_report, dataclasses.replace(local.report, version=version))
+            finally:
+                pending.finish(version, error)
 
     def _commit_global(self, local, step, meta) -> int:
         ok, version, reason = True, None, ""
@@ -397,6 +409,7 @@ class DistributedCheckpointer:
         pickle names code, unless ``trust_pickle=True`` (a warning, then a full unpickle)."""
         if self._closed:
             raise InvalidArgument("this DistributedCheckpointer is closed")
+        start = time.perf_counter()
         self._finish()
         gv = self.root.latest() if version is None else self.root.read(version)
         if gv is None:
@@ -405,6 +418,7 @@ class DistributedCheckpointer:
             self._local.restore(gv.local_versions[self.rank], trust_pickle=trust_pickle)
         else:
             _Resharder(self, gv, trust_pickle=trust_pickle).load()
+        reports.deliver(self._on_report, reports.RestoreReport(gv.version, gv.step, time.perf_counter() - start))
         return gv
 
     # -- partial recovery (CPR) -----------------------------------------------------------------------

@@ -2,8 +2,8 @@
 see ``checkpointer``), reading a version back as a model state dict (``export``; files are written by
 ``cnrstore.export``), and seeding a store from a PyTorch checkpoint (``imports``)."""
 
-from .checkpointer import Checkpointer, PendingSave, SaveReport
+from .checkpointer import Checkpointer, PendingSave, RestoreReport, SaveReport
 from .export import CheckpointView
 from .imports import ImportReport, import_checkpoint
 
-__all__ = ["Checkpointer", "CheckpointView", "ImportReport", "PendingSave", "SaveReport", "import_checkpoint"]
+__all__ = ["Checkpointer", "CheckpointView", "ImportReport", "PendingSave", "RestoreReport", "SaveReport", "import_checkpoint"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -29,7 +30,10 @@ class SaveReport:
     """What one save wrote: rows per table (weights and row-wise optimizer state), whether it was a
     baseline or a priority save (``save(top=...)``), how long ``save()`` held the trainer (``stall_s``,
     including any wait for room in the save queue) and the host bytes its snapshot holds until written
-    (``host_bytes``)."""
+    (``host_bytes``). Once the save has committed: its ``version``, how long the background write took
+    (``write_s``, from its start to the commit), the bytes the version appended to the store's log
+    (``bytes_written``, ``VersionInfo.bytes``) and the versions the Checkpointer's retention dropped after it
+    (``dropped``)."""
 
     step: int | None
     baseline: bool
@@ -38,6 +42,9 @@ class SaveReport:
     version: int | None = None
     priority: bool = False
     host_bytes: int = 0
+    write_s: float = 0.0
+    bytes_written: int | None = None
+    dropped: list[int] = field(default_factory=list)
 
 
 class PendingSave:
@@ -138,14 +145,16 @@ def gather(src: torch.Tensor, rows, out: torch.Tensor) -> None:
 
 
 def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: np.ndarray,
-          after: PendingSave | None = None) -> None:
+          after: PendingSave | None = None, after_commit=None) -> None:
     """Write one snapshot as a version of ``store`` (the body of a save's background thread): ``row_jobs``
     ``(table, rows, host values, codec or None)``, the ``dense`` model arrays (under ``DENSE_PREFIX``) and
     the payload ``blob`` (``STATE_BLOB``). Starts once ``after`` (the save queued before, if any) has ended;
     if that one did not commit, a snapshot that is no baseline is not written (:class:`SaveSkipped`: it is
     an increment on rows that never reached the store). Notes the version in ``pending``, or its failure. A
-    cancelled ``pending`` aborts at its next step with KeyboardInterrupt. Marks ``pending`` done in every
-    case; raises nothing."""
+    cancelled ``pending`` aborts at its next step with KeyboardInterrupt. Once committed, fills in the
+    report's ``version``, ``write_s`` and ``bytes_written`` and calls ``after_commit(store, report)`` (if
+    given; it must raise nothing: the version is committed). Marks ``pending`` done in every case (after
+    ``after_commit``); raises nothing."""
     def check():  # an interrupt cancelled this save while the trainer waited for it: abort, commit nothing
         if pending._cancelled:
             raise KeyboardInterrupt(f"the save of step {step} was cancelled by an interrupt while waiting "
@@ -163,6 +172,7 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
                     f"commit ({type(before).__name__}: {before}), and this one holds only the rows changed "
                     "since then; nothing of it was committed, the next save() writes a baseline") from before
         check()
+        start = time.perf_counter()
         with store.checkpoint(step, meta) as ck:
             for name, rows, values, codec in row_jobs:
                 check()
@@ -174,6 +184,7 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
             ck.put_dense(STATE_BLOB, blob)
             check()
         version = pending.report.version = ck.version
+        pending.report.write_s = time.perf_counter() - start
     except BaseException as exc:  # re-raised by wait() and the next save()
         if hasattr(exc, "add_note") and not isinstance(exc, SaveSkipped):
             exc.add_note(f"(cnrstore.torch: the background write of {pending.describe()} failed; the next "
@@ -181,7 +192,23 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
                          "a full baseline)")
         error = exc
     finally:
-        pending.finish(version, error)
+        try:
+            if version is not None:
+                _note_commit(store, pending.report, after_commit)
+        finally:
+            pending.finish(version, error)
+
+
+def _note_commit(store, report: SaveReport, after_commit) -> None:
+    """The committed version's bytes into ``report``, then ``after_commit``."""
+    try:
+        latest = store.latest()  # this version: the queue's worker is the store's one committer meanwhile
+        if latest is not None and latest.version == report.version:
+            report.bytes_written = latest.bytes
+    except Exception:  # (a count for the report only: the version is committed whatever happens here)
+        pass
+    if after_commit is not None:
+        after_commit(store, report)
 
 
 class SaveQueue:
@@ -217,13 +244,14 @@ class SaveQueue:
         return [p for p, _n, _h in self._saves]
 
     def start(self, store, pending: PendingSave, nbytes: int, holds, step, meta, row_jobs, dense: dict,
-              blob: np.ndarray) -> None:
+              blob: np.ndarray, after_commit=None) -> None:
         """Queue ``pending`` (its snapshot holds ``nbytes`` host bytes; ``holds`` is returned by
-        :meth:`reap` once it has ended); its write starts after the last queued one has ended."""
+        :meth:`reap` once it has ended); its write starts after the last queued one has ended
+        (``after_commit``: see :func:`write`)."""
         after = self.last
         self._saves.append((pending, nbytes, holds))
         with self._lock:
-            self._jobs.append((store, pending, step, meta, row_jobs, dense, blob, after))
+            self._jobs.append((store, pending, step, meta, row_jobs, dense, blob, after, after_commit))
             self._lock.notify()
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="cnrstore-save", daemon=True)

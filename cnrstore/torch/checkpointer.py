@@ -70,6 +70,7 @@ every count.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -80,8 +81,11 @@ import torch
 from torch import nn
 
 from .. import codecs, knobs
+from .. import store as _store
 from ..engine import fs, arguments
+from ..policy.compaction import KeepEveryNSteps, KeepLast, Retention
 from . import payload as _payload
+from . import reports
 from . import restore as _restore
 from . import sharded
 from ..errors import InvalidArgument, SaveSkipped
@@ -90,13 +94,14 @@ from ..engine.writer import pack_meta
 from .async_save import PendingSave, SaveQueue, SaveReport, WeakPendingWork, gather
 from .optim_state import as_optimizer_list, create_lazy_state, row_state_width, table_drift, with_live_state
 from .payload import DENSE_PREFIX, STATE_BLOB, dense_copy
+from .reports import RestoreReport
 from .save_plan import MODES, SavePlanner
 from .tracking import SSU_SEED, ShardTable, Table, tbe_tracker
 
 # STATE_BLOB, DENSE_PREFIX, table_drift, SaveReport, PendingSave and WeakPendingWork are importable from here as
 # before (they live in payload.py, optim_state.py and async_save.py); MODES lives in save_plan.py
-__all__ = ["Checkpointer", "DENSE_PREFIX", "MODES", "PendingSave", "STATE_BLOB", "SaveReport", "TrainerState",
-           "WeakPendingWork", "table_drift"]
+__all__ = ["Checkpointer", "DENSE_PREFIX", "MODES", "PendingSave", "RestoreReport", "STATE_BLOB", "SaveReport",
+           "TrainerState", "WeakPendingWork", "table_drift"]
 
 PRIORITIES = ("mfu", "ssu")
 
@@ -119,6 +124,14 @@ def _is_fraction(x) -> bool:
             and 0 < float(x) <= 1)
 
 
+def _retention_arg(value, name: str, what: str) -> int | None:
+    """None, or a positive integer; InvalidArgument saying what to pass otherwise."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+        raise InvalidArgument(f"{name} must be None (keep every version) or a positive integer ({what}); "
+                              f"got {value!r}")
+    return None if value is None else int(value)
+
+
 def _as_extra(extra) -> dict:
     if extra is None:
         return {}
@@ -137,6 +150,11 @@ def _as_extra(extra) -> dict:
 class Checkpointer:
     """Checkpoints ``model`` (and ``optimizer``, ``extra``) into ``store``; see API.md and the module doc.
 
+    ``store`` is a ``cnrstore.Store`` (the caller's: ``close()`` leaves it open) or a path (``str`` or
+    ``os.PathLike``): the Checkpointer then opens it, creating it if absent, owns it and closes it in
+    :meth:`close` (also when the constructor fails). The arguments are checked before the store is opened:
+    a bad one creates nothing.
+
     ``codec`` is a codec name or a ``cnrstore.policy.BitWidthPolicy`` (its ``codec()`` is asked at each
     save, and ``restore`` records a restore with it). Tables are created if missing (at construction, and
     those of row-wise optimizer state created later, e.g. Adam's, at the first save that finds it); an
@@ -145,11 +163,24 @@ class Checkpointer:
     ``max_queue_bytes`` bounds the host memory held by the snapshots of saves not yet written (see
     :meth:`save`); None: ``knobs.SAVE_QUEUE_SNAPSHOTS`` times a full snapshot of the model (every row of
     every table and of its row-wise optimizer state, and the dense state); 0: one save at a time.
+
+    Retention: with ``keep_last=n`` and/or ``keep_every_n_steps=k``, after each save commits the store keeps
+    the newest ``n`` versions and those whose step is a multiple of ``k`` (what either rule keeps, and always
+    the newest: ``cnrstore.policy.Retention``), drops the rest (versions of earlier runs included) and
+    collects their space -- in the background, before that save's ``wait()`` returns. What a kept version
+    reads is never changed. A retention failure does not fail the save (it is logged; the next save tries
+    again). Both None (the default): every version is kept.
+
+    ``on_report``: a callable given each save's :class:`SaveReport` once the save has committed (on the
+    background writer's thread, before its ``wait()`` returns; keep it short: the next save's write waits
+    for it) and each restore's :class:`RestoreReport` (on the caller's thread); None: they are logged at
+    INFO on the ``cnrstore.torch`` logger. A hook's exception is logged, never raised (``reports``).
     """
 
     def __init__(self, store, model: nn.Module, optimizer=None, *, codec="int4", mode: str = "intermittent",
                  optimizer_codec: str = "fp32", extra=None, priority: str | None = None,
-                 ssu_rate: float = 0.125, max_queue_bytes: int | None = None):
+                 ssu_rate: float = 0.125, max_queue_bytes: int | None = None, keep_last: int | None = None,
+                 keep_every_n_steps: int | None = None, on_report=None):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if priority is not None and priority not in PRIORITIES:
@@ -164,21 +195,44 @@ class Checkpointer:
                 max_queue_bytes, (int, np.integer)) or max_queue_bytes < 0):
             raise InvalidArgument(f"max_queue_bytes must be None (the default bound) or a number of bytes >= 0; "
                                   f"got {max_queue_bytes!r}")
-        self.max_queue_bytes = None if max_queue_bytes is None else int(max_queue_bytes)
+        self.keep_last = _retention_arg(keep_last, "keep_last", "the number of newest versions to keep")
+        self.keep_every_n_steps = _retention_arg(keep_every_n_steps, "keep_every_n_steps",
+                                                 "keep the versions whose step is a multiple of it")
+        rules = ([KeepLast(self.keep_last)] if self.keep_last else []) + (
+            [KeepEveryNSteps(self.keep_every_n_steps)] if self.keep_every_n_steps else [])
+        self._retention = Retention(*rules) if rules else None
+        self._on_report = reports.check_hook(on_report, "Checkpointer")
         self._policy = None if isinstance(codec, str) else codec
         if self._policy is not None and not callable(getattr(self._policy, "codec", None)):
             raise InvalidArgument(f"codec must be a codec name or a BitWidthPolicy, got {codec!r}")
         self._codec_str = codec if self._policy is None else None
         codecs.get(self._weight_codec())  # unknown name -> InvalidArgument
         codecs.get(optimizer_codec)
+        self._extra = _as_extra(extra)
+        self._optimizers = as_optimizer_list(optimizer)
+        self._owns_store = False
+        if isinstance(store, (str, os.PathLike)):
+            store = _store.open(store, create=True)  # (every argument above checked: a bad one creates nothing)
+            self._owns_store = True
+        elif not callable(getattr(store, "checkpoint", None)):
+            raise InvalidArgument(f"store must be a cnrstore.Store or a path (str or os.PathLike) to open or create "
+                                  f"one; got {type(store).__name__}")
+        try:
+            self._setup(store, model, mode, optimizer_codec, priority, ssu_rate, max_queue_bytes)
+        except BaseException:
+            if self._owns_store:
+                store.close()
+            raise
+
+    def _setup(self, store, model, mode, optimizer_codec, priority, ssu_rate, max_queue_bytes) -> None:
+        """The rest of ``__init__``, on an open ``store``."""
+        self.max_queue_bytes = None if max_queue_bytes is None else int(max_queue_bytes)
         self.store = store
         self.model = model
         self.mode = mode
         self.optimizer_codec = optimizer_codec
         self.priority = priority
         self.ssu_rate = float(ssu_rate)
-        self._optimizers = as_optimizer_list(optimizer)
-        self._extra = _as_extra(extra)
         self._tables: list[Table] = []
         self._by_weight: dict[int, Table] = {}
         existing = store.tables()
@@ -432,8 +486,31 @@ class Checkpointer:
         report.stall_s = time.perf_counter() - start
         self._seq += 1
         pending = PendingSave(report, self._seq)
-        self._queue.start(self.store, pending, report.host_bytes, holds, step, meta, row_jobs, dense, blob)
+        self._queue.start(self.store, pending, report.host_bytes, holds, step, meta, row_jobs, dense, blob,
+                          after_commit=self._after_commit)
         return pending
+
+    def _after_commit(self, store, report: SaveReport) -> None:
+        """On the writer's thread, once a save has committed: retention, then the report. Raises nothing
+        (the version is committed; a failure here is logged)."""
+        if self._retention is not None:
+            try:
+                report.dropped = self._apply_retention(store)
+            except Exception as exc:
+                reports.LOGGER.warning("retention after the save of step %s (version %s) failed; the version is "
+                                       "committed, the next save retries: %s: %s", report.step, report.version,
+                                       type(exc).__name__, exc)
+        reports.deliver(self._on_report, report)
+
+    def _apply_retention(self, store) -> list[int]:
+        """Drop the versions ``keep_last`` / ``keep_every_n_steps`` do not keep and collect their space;
+        the dropped versions, oldest first."""
+        drop = self._retention.to_drop(tuple(store.versions()))
+        if not drop:
+            return []
+        dropped = store.drop_versions(drop)
+        store.gc()
+        return dropped
 
     def _copy(self, picks: list, codec: str, report: SaveReport, holds: list):
         """The snapshot's host copies: (row jobs, dense arrays, payload blob); notes the rows in ``report``
@@ -502,6 +579,7 @@ class Checkpointer:
         """
         if self._closed:
             raise InvalidArgument("this Checkpointer is closed")
+        start = time.perf_counter()
         self._finish_inflight()
         info, stored = _restore.read_version(self.store, self._tables, self._dense, self._optimizers,
                                              self._extra, version, trust_pickle=trust_pickle)
@@ -510,6 +588,7 @@ class Checkpointer:
         self.load_state(*stored)
         latest = self.store.latest()
         self.note_restore(matches_newest=latest is not None and latest.version == info.version)
+        reports.deliver(self._on_report, RestoreReport(info.version, info.step, time.perf_counter() - start))
         return info
 
     # -- for sibling packages (cnrstore.distributed; docs/ARCHITECTURE.md, "Seams between packages") -----
@@ -567,13 +646,16 @@ class Checkpointer:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for every queued save and remove the tracking hooks. Idempotent. A background failure
-        that neither ``wait()`` nor ``save()`` has raised yet is raised here (after closing)."""
+        """Wait for every queued save, remove the tracking hooks and, when the Checkpointer opened the store
+        (a path), close it. Idempotent. A background failure that neither ``wait()`` nor ``save()`` has
+        raised yet is raised here (after closing)."""
         if self._closed:
             return
         self._finish_inflight()
         self._remove_hooks()
         self._closed = True
+        if self._owns_store:
+            self.store.close()
         if self._error is not None and self._failed is not None and not self._failed.failure_reported:
             err, self._error = self._error, None
             raise err
