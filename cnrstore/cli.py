@@ -1,6 +1,7 @@
 """The ``cnrstore`` command: inspect, verify and maintain a store offline.
 
-    cnrstore ls STORE [--json]                           versions: step, time, bytes, read chain, tables
+    cnrstore ls STORE [--long] [--json]                  versions: step, time, bytes, read chain, tables
+                                 (--long: each version's meta too)
     cnrstore info STORE [--json]                         tables, codecs, disk use, live ratio, amplification
     cnrstore verify STORE [--json] [--progress]          every checksum and the index (exit 1 on problems)
     cnrstore rows STORE TABLE ROW... [--version V] [--json]   print rows as the store reads them
@@ -27,20 +28,24 @@
                                  refuse them with UnsafePayload, or unpickle them with --trust-pickle)
 
 ``ls``, ``verify`` and ``export`` also take the root of a multi-rank job (``cnrstore.distributed``): they
-list its global versions, verify its manifests and every rank store they name, and export a global
-version as one merged model. The other commands take one rank's store (``ROOT/gen-G/rank-R``).
+list its global versions and the rank stores they read, verify its manifests and every rank store they
+name, and export a global version as one merged model. The other commands take one rank's store
+(``ROOT/gen-G/rank-R``, as ``ls ROOT`` prints them).
 
 Output: a human-readable summary on stdout; with ``--json``, one JSON object on stdout instead (for
 ``ls``, a JSON list of versions). ``ls`` names a version's tables when they are few and counts them
 otherwise (``--json`` always lists them). Progress bars of long work (verify, compact, retain, gc,
 export, repair) go to stderr, only when stderr is a terminal or with ``--progress`` (then one line per
-update, at most about one a second), so scripts and pipes see no progress output.
+update, at most about one a second), so scripts and pipes see no progress output. ``export`` counts
+bytes: the tables decoded (for a root, each rank's shards as its store is read), then the file written.
 
 On a store, ``ls``, ``info``, ``verify`` and ``rows`` never import torch (a ~2-3 s import): reads decode
 with numpy unless torch is already loaded (``cnrstore/codecs/rowwise.py``), and ``cnrstore.distributed``
 is imported only for a multi-rank root (whose manifests it reads without torch, too).
 
-Exit status (every failure prints one line on stderr: the error type, what happened and what to do):
+Exit status (every failure prints one line on stderr: the error type, what happened and what to do, in
+the command's terms -- a store another process holds names that process and says to wait for it or stop
+it):
 
     0    success
     1    ``verify`` found damage: a bad checksum, a corrupt or missing store marker beside store files,
@@ -69,7 +74,8 @@ import numpy as np
 
 from .maintenance import compaction
 from .engine import filenames
-from .errors import CnrError, CorruptionError, InvalidArgument, StoreNotFound
+from .engine.lock import describe_holder
+from .errors import CnrError, CorruptionError, InvalidArgument, StoreLocked, StoreNotFound
 from .export import DEFAULT_MIN_ROWS, FORMATS, LAYOUTS, SOURCE_FORMATS, check_path, export
 from .maintenance.repair import damaged_blocks, repair as repair_store
 from .store import Store, open as open_store
@@ -80,42 +86,65 @@ class Progress:
     """A progress report on stderr, a ``compaction.Progress`` callable: ``progress(done, total)``, with
     an optional note (what is being done). On a terminal it is a one-line bar redrawn in place (at
     most ten times a second); with ``force`` on a stream that is not a terminal, one line per update
-    (at most about one a second, and the last); otherwise it prints nothing."""
+    (at most one per ``interval_s``, and the last); otherwise it prints nothing. ``in_bytes`` shows
+    ``done`` and ``total`` as sizes (KiB, MiB, GiB)."""
 
     #: The terminal whose bar was left mid-line (an error message must start on a new line), or None.
     dangling = None
+    #: Least seconds between two lines on a stream that is not a terminal (a terminal's bar: 0.1 s).
+    interval_s = 1.0
 
-    def __init__(self, label: str, stream=None, force: bool = False):
+    def __init__(self, label: str, stream=None, force: bool = False, in_bytes: bool = False):
         self.label = label
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.enabled = self.tty or force
+        self.in_bytes = in_bytes
         self._last = float("-inf")
         self._note = ""
+
+    def phase(self, note: str) -> None:
+        """Start a phase of the work (export: reading, then writing): its note, with its first update
+        shown at once."""
+        self._note = note
+        self._last = float("-inf")
 
     def __call__(self, done: int, total: int, note: str | None = None) -> None:
         now = time.monotonic()
         if note is not None:
             self._note = note
-        if not self.enabled or (now - self._last < (0.1 if self.tty else 1.0) and done < total and note is None):
+        if not self.enabled or (now - self._last < (0.1 if self.tty else self.interval_s) and done < total
+                                and note is None):
             return
         self._last = now
         frac = done / total if total else 1.0
         tail = f" {self._note}" if self._note else ""
+        count = f"{_size(done)}/{_size(total)}" if self.in_bytes else f"{done}/{total}"
         if self.tty:
             bar = "#" * int(frac * 30)
-            self.stream.write(f"\r{self.label} [{bar:<30}] {done}/{total} {frac:6.1%}{tail}\x1b[K")
+            self.stream.write(f"\r{self.label} [{bar:<30}] {count} {frac:6.1%}{tail}\x1b[K")
             Progress.dangling = self.stream
             if done >= total:
                 self.stream.write("\n")
                 Progress.dangling = None
         else:
-            self.stream.write(f"{self.label}: {done}/{total} {frac:6.1%}{tail}\n")
+            self.stream.write(f"{self.label}: {count} {frac:6.1%}{tail}\n")
         self.stream.flush()
 
 
-def _progress(args, label: str) -> Progress:
-    return Progress(label, force=getattr(args, "progress", False))
+def _size(nbytes: int) -> str:
+    """``nbytes`` for a person: "512 B", "1.5 KiB", "12.3 MiB", "4.56 GiB"."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    for unit, scale in (("KiB", 2 ** 10), ("MiB", 2 ** 20), ("GiB", 2 ** 30), ("TiB", 2 ** 40)):
+        if nbytes < 1024 * scale or unit == "TiB":
+            value = nbytes / scale
+            return f"{value:.2f} {unit}" if unit in ("GiB", "TiB") else f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _progress(args, label: str, in_bytes: bool = False) -> Progress:
+    return Progress(label, force=getattr(args, "progress", False), in_bytes=in_bytes)
 
 
 def _emit(args, obj, text: str) -> None:
@@ -152,6 +181,7 @@ def _versions_rows(store: Store) -> list[dict]:
             "bytes": info["bytes"],
             "tables": list(info["tables"]),
             "read_chain": chain,
+            "meta": info["meta"],
             # blocks repair found damaged (reads of them raise CorruptionError; `cnrstore verify` says more)
             "damaged": [f"{names.get(d['table'], d['table'])}[{d['block']}]" if "table" in d
                         else f"dense {dense.get(d['dense'], d['dense'])}" for d in damaged.get(v, ())],
@@ -159,18 +189,54 @@ def _versions_rows(store: Store) -> list[dict]:
     return rows
 
 
+def _meta_json(meta, indent: int | None = None) -> str:
+    """A version's meta as JSON (msgpack's bytes, which JSON lacks, as hex strings)."""
+    return json.dumps(meta, indent=indent, default=lambda o: o.hex() if isinstance(o, (bytes, bytearray)) else repr(o))
+
+
 def _print_versions(args, rows: list[dict], header: str, noun: str, rest) -> int:
-    """Print ``rows`` as JSON (``--json``) or as a table: version, step, creation time, then ``rest(row)``."""
+    """Print ``rows`` as JSON (``--json``) or as a table: version, step, creation time, then ``rest(row)``;
+    with ``--long``, each version's meta (where it has one) on an indented line below it."""
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(_meta_json(rows, indent=2))
         return 0
     print(header)
     for r in rows:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
         step = "-" if r["step"] is None else r["step"]
         print(f"{r['version']:>8} {step:>10} {created:<20} {rest(r)}")
+        if args.long and r["meta"] is not None:
+            print(f"{'':>8} meta: {_meta_json(r['meta'])}")
     print(f"{len(rows)} {noun}")
     return 0
+
+
+def _open(args, *, readonly: bool = False) -> Store:
+    """The store at ``args.store``; StoreNotFound says what is wrong in the command's terms (the Python
+    API's hint, "pass create=True", is no fix here: the command never creates a store)."""
+    try:
+        return open_store(args.store, readonly=readonly)
+    except StoreNotFound:
+        if _store_like(args.store):
+            raise StoreNotFound(
+                f"no cnrstore store at {args.store!r}: it holds a store's index/ and segments/ but no marker "
+                f"{filenames.MARKER} (its creation did not finish, or the marker was deleted); the files there are "
+                "kept, and the program that was creating the store finishes it when it creates the store there again"
+                ) from None
+        raise StoreNotFound(f"no cnrstore store at {args.store!r} (no {filenames.MARKER} file there); check the "
+                            "path") from None
+
+
+def _message(args, exc: CnrError) -> str:
+    """The error line of a failed command: the error's type and message, in the command's terms where the
+    message's fix is the Python API's. StoreLocked: a maintenance command cannot read alongside the writer
+    (the Python fix, ``readonly=True``), so it names the holder and says to wait for it or stop it."""
+    if isinstance(exc, StoreLocked):
+        return (f"StoreLocked: store {args.store!r} is held for writing by {describe_holder(exc.pid)}; "
+                f"`cnrstore {args.command}` needs the store to itself: wait for that process to finish, or stop "
+                "it, then run the command again (`cnrstore ls`, `info`, `verify`, `rows` and `export` read the "
+                "store meanwhile)")
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _is_root(path: str) -> bool:
@@ -190,16 +256,29 @@ def _refuse_root(args) -> None:
 
 
 def cmd_ls_root(args) -> int:
+    """The root's global versions, then the rank stores they read (the paths ``info``, ``rows`` and the
+    maintenance commands take), once per distinct set of stores; ``--json`` gives each version's
+    ``stores`` (relative to the root) instead."""
     from .distributed.manifest import Root
 
-    gvs = Root(args.store).versions()
+    root = Root(args.store)
     rows = [{"version": g.version, "step": g.step, "created": g.created, "world_size": g.world_size,
-             "generation": g.generation, "local_versions": list(g.local_versions), "stores": list(g.stores)}
-            for g in gvs]
-    return _print_versions(args, rows, f"{'global':>8} {'step':>10} {'created (UTC)':<20} {'ranks':>5} {'gen':>4}  "
-                                       "local versions", "global version(s)",
-                           lambda r: f"{r['world_size']:>5} {r['generation']:>4}  "
-                                     f"{_names([str(v) for v in r['local_versions']], 'ranks')}")
+             "generation": g.generation, "local_versions": list(g.local_versions), "stores": root.rank_stores(g),
+             "meta": g.meta} for g in root.versions()]
+    status = _print_versions(args, rows, f"{'global':>8} {'step':>10} {'created (UTC)':<20} {'ranks':>5} {'gen':>4}  "
+                                         "local versions", "global version(s)",
+                             lambda r: f"{r['world_size']:>5} {r['generation']:>4}  "
+                                       f"{_names([str(v) for v in r['local_versions']], 'ranks')}")
+    if not args.json:
+        by_stores: dict[tuple[str, ...], list[int]] = {}
+        for r in rows:
+            by_stores.setdefault(tuple(r["stores"]), []).append(r["version"])
+        for stores, versions in by_stores.items():
+            span = f"{versions[0]}" if len(versions) == 1 else f"{versions[0]}-{versions[-1]}"
+            print(f"rank stores of global version(s) {span} (`cnrstore info`, `rows`, `compact`, ... take one):")
+            for rank, rel in enumerate(stores):
+                print(f"  rank {rank}: {os.path.join(args.store, rel)}")
+    return status
 
 
 def cmd_verify_root(args) -> int:
@@ -220,7 +299,7 @@ def cmd_verify_root(args) -> int:
 def cmd_ls(args) -> int:
     if _is_root(args.store):
         return cmd_ls_root(args)
-    with open_store(args.store, readonly=True) as store:
+    with _open(args, readonly=True) as store:
         rows = _versions_rows(store)
     return _print_versions(args, rows, f"{'version':>8} {'step':>10} {'created (UTC)':<20} {'bytes':>14} {'chain':>6}  "
                                        "tables", "version(s)",
@@ -230,7 +309,7 @@ def cmd_ls(args) -> int:
 
 def cmd_info(args) -> int:
     _refuse_root(args)
-    with open_store(args.store, readonly=True) as store:
+    with _open(args, readonly=True) as store:
         tables = store.tables()
         stats = store.stats()
     live_ratio = stats["live_bytes"] / stats["segment_bytes"] if stats["segment_bytes"] else 1.0
@@ -280,7 +359,7 @@ def cmd_verify(args) -> int:
     if _is_root(args.store):
         return cmd_verify_root(args)
     try:
-        store = open_store(args.store, readonly=True)
+        store = _open(args, readonly=True)
     except CorruptionError as exc:
         hint = "" if "cnrstore repair" in str(exc) else "; restore it from a copy or recover what is readable"
         return _print_verify(args, False, [f"the store cannot be opened: {exc} ({type(exc).__name__}){hint}"],
@@ -300,7 +379,7 @@ def cmd_verify(args) -> int:
 
 def cmd_compact(args) -> int:
     _refuse_root(args)
-    with open_store(args.store) as store:
+    with _open(args) as store:
         report = store.compact(args.version, progress=_progress(args, "compact"))
     _emit(args, dataclasses.asdict(report),
           f"compacted at version {report.version}: {report.blocks_materialized} block baseline(s), "
@@ -312,8 +391,10 @@ def cmd_retain(args) -> int:
     """``Store.retain`` is one index transaction with no progress of its own: the progress line says
     what it is doing and, at the end, that it is done."""
     _refuse_root(args)
+    if args.keep_last < 1:  # here, so that the message names the option (Store.retain names keep_last=)
+        raise InvalidArgument(f"--keep-last must be a positive integer, got {args.keep_last}")
     progress = _progress(args, "retain")
-    with open_store(args.store) as store:
+    with _open(args) as store:
         progress(0, 1, f"keeping the newest {args.keep_last} version(s)")
         dropped = store.retain(keep_last=args.keep_last)
         kept = [v.version for v in store.versions()]
@@ -326,7 +407,7 @@ def cmd_retain(args) -> int:
 
 def cmd_gc(args) -> int:
     _refuse_root(args)
-    with open_store(args.store) as store:
+    with _open(args) as store:
         report = store.gc(progress=_progress(args, "gc"))
     _emit(args, dataclasses.asdict(report),
           f"reclaimed {report.bytes_reclaimed:,} bytes ({report.segments_deleted} segment(s) deleted, "
@@ -346,26 +427,26 @@ def _export_snapshot(args, progress: Progress) -> tuple[Snapshot, bool]:
     if _is_root(args.store):
         from .distributed.export import merged_snapshot
 
-        progress(0, 2, "assembling " + ("the newest global version" if args.version is None
+        progress.phase("assembling " + ("the newest global version" if args.version is None
                                         else f"global version {args.version}") + " from every rank")
-        return merged_snapshot(args.store, args.version, trust_pickle=args.trust_pickle), True
-    with open_store(args.store, readonly=True) as store:
-        progress(0, 2, "reading " + ("the newest version" if args.version is None else f"version {args.version}"))
-        return store.restore(args.version), False
+        return merged_snapshot(args.store, args.version, trust_pickle=args.trust_pickle, progress=progress), True
+    with _open(args, readonly=True) as store:
+        progress.phase("reading " + ("the newest version" if args.version is None else f"version {args.version}"))
+        return store.restore(args.version, progress=progress), False
 
 
 def cmd_export(args) -> int:
     """Read the snapshot, then write it with ``export.export`` (atomically; layout "auto": a
-    Checkpointer's version as the model's state dict, any other as the store's tables and dense arrays):
-    progress counts those two phases, since neither reports finer progress of its own."""
+    Checkpointer's version as the model's state dict, any other as the store's tables and dense arrays).
+    Progress is in bytes, phase by phase: the tables' fp32 bytes decoded (a root: each rank's shards as
+    its store is read), then the bytes of the file written."""
     check_path(args.out, args.format, overwrite=args.force)  # before the (long) read: a bad path fails at once
-    progress = _progress(args, "export")
+    progress = _progress(args, "export", in_bytes=True)
     snapshot, merged = _export_snapshot(args, progress)
-    progress(1, 2, f"writing {args.out} ({args.format})")
+    progress.phase(f"writing {args.out} ({args.format})")
     report = export(snapshot, args.format, args.out, layout=args.layout, overwrite=args.force,
-                    trust_pickle=args.trust_pickle)
+                    trust_pickle=args.trust_pickle, progress=progress)
     report = dataclasses.replace(report, merged=merged)
-    progress(2, 2, "done")
     _emit(args, dataclasses.asdict(report),
           f"exported {'global ' if merged else ''}version {report.version} ({report.tensors} tensor(s), "
           f"{report.tables} from tables; layout {report.layout}) to {report.path} as {report.format}")
@@ -414,7 +495,7 @@ def cmd_migrate_payload(args) -> int:
 
 def cmd_rows(args) -> int:
     _refuse_root(args)
-    with open_store(args.store, readonly=True) as store:
+    with _open(args, readonly=True) as store:
         version = args.version
         if version is None:  # name the version read: the newest now, whatever commits meanwhile
             latest = store.latest()
@@ -484,7 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     root_help = "path of the store, or of a multi-rank job's root"
     add("ls", cmd_ls, "list versions: step, creation time, bytes appended, read-chain length, tables (named "
-        "when few, else counted)", store_help=root_help)
+        "when few, else counted); of a multi-rank root, its global versions and the rank stores they read",
+        store_help=root_help).add_argument("--long", action="store_true",
+                                           help="also print each version's meta (the dict saved with it)")
     add("info", cmd_info, "tables, codecs, disk use, live ratio, write and space amplification")
     add("verify", cmd_verify, "check every checksum and the index against the log (exit 1 on problems)",
         progress=True, store_help=root_help)
@@ -558,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except CnrError as exc:
-        _fail(args, f"{type(exc).__name__}: {exc}")
+        _fail(args, _message(args, exc))
         return 2
     except BrokenPipeError:  # e.g. `cnrstore ls | head`: the reader is gone; say nothing more
         _silence_stdout()

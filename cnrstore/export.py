@@ -54,6 +54,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -363,7 +364,7 @@ def _write_error(exc: BaseException, path: str) -> Exception:
 
 
 def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=None,
-           overwrite: bool = False, trust_pickle: bool = False) -> ExportReport:
+           overwrite: bool = False, trust_pickle: bool = False, progress=None) -> ExportReport:
     """Write ``snapshot`` to ``path`` in format ``fmt`` (one of FORMATS) and ``layout`` (module doc),
     atomically.
 
@@ -378,6 +379,12 @@ def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=No
 
     The trainer payload of a state-dict or checkpoint layout is read as data: a pickle naming code raises
     UnsafePayload unless ``trust_pickle`` (the command's ``--trust-pickle``; it warns, then unpickles).
+
+    ``progress(done, total)``, if given, follows the write in bytes: ``total`` is the size of the arrays
+    and tensors written (the file's size, less its headers), ``done`` what the file (or DCP directory) holds
+    so far, at most ``total``; it is called from a thread that watches the file, about ten times a second
+    while the format's writer runs, and last with ``(total, total)`` once the file is in place. (A writer
+    that builds the whole file in memory first, like safetensors', shows as one jump.)
 
     Raises InvalidArgument for an unknown format or layout, a layout the version or format cannot hold, or a
     path that cannot be written (missing or non-writable directory; a directory, a symbolic link, a FIFO,
@@ -394,9 +401,15 @@ def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=No
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
                        f".{os.path.basename(os.path.normpath(path))}.cnrstore-export-{os.getpid()}.tmp")
     _remove(tmp)  # a leftover of an export killed in this pid's earlier life
+    total = _nbytes(content.data)
+    watch = None if progress is None else _Watch(tmp, total, progress)
     try:
-        _write(content, fmt, tmp)
-        _sync(tmp)
+        try:
+            _write(content, fmt, tmp)
+            _sync(tmp)
+        finally:
+            if watch is not None:
+                watch.stop()
         if fmt == "dcp":
             os.rename(tmp, path)  # onto nothing or an empty directory only (ENOTEMPTY, ENOTDIR): never merges
         else:
@@ -410,8 +423,58 @@ def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=No
         if isinstance(exc, (KeyboardInterrupt, SystemExit, MemoryError)):
             raise
         raise _write_error(exc, path) from exc
+    if progress is not None:
+        progress(total, total)
     return ExportReport(path=path, format=fmt, layout=layout, version=snapshot.version, step=snapshot.step,
                         tensors=content.tensors, tables=content.tables)
+
+
+def _nbytes(data) -> int:
+    """Bytes of the arrays and tensors in ``data`` (nested dicts, lists and tuples; anything else counts 0)."""
+    if isinstance(data, dict):
+        return sum(_nbytes(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return sum(_nbytes(v) for v in data)
+    nbytes = getattr(data, "nbytes", None)  # numpy arrays and torch tensors
+    return int(nbytes) if isinstance(nbytes, (int, np.integer)) else 0
+
+
+def _bytes_at(path: str) -> int:
+    """Bytes of the file at ``path``, or of every file under the directory at ``path`` (0 if absent)."""
+    try:
+        if not os.path.isdir(path):
+            return os.stat(path).st_size
+        return sum(os.stat(os.path.join(d, f)).st_size for d, _dirs, files in os.walk(path) for f in files)
+    except OSError:  # absent yet, or a file of a DCP write renamed meanwhile
+        return 0
+
+
+class _Watch:
+    """A thread that reports the bytes at ``path`` to ``progress`` every 0.1 s while they change, until
+    ``stop()``: below ``total`` (the file is not in place until the export returns, which reports
+    ``total`` itself). An error of ``progress`` ends the watching, not the export."""
+
+    def __init__(self, path: str, total: int, progress):
+        self.path, self.total, self.progress = path, total, progress
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cnrstore-export-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            shown = 0
+            self.progress(shown, self.total)
+            while not self._stop.wait(0.1):
+                done = min(_bytes_at(self.path), max(self.total - 1, 0))
+                if done != shown:
+                    shown = done
+                    self.progress(done, self.total)
+        except Exception:  # noqa: BLE001 - a progress display that fails must not fail the export
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def export_path(source, fmt: str, path, *, version: int | None = None, layout: str = "auto",

@@ -388,22 +388,33 @@ class Store:
                 raise MissingRows(f"dense array {name!r} was never put at or before version {v}")
             return arr
 
-    def restore(self, version: int | None = None) -> Snapshot:
+    def restore(self, version: int | None = None, progress=None) -> Snapshot:
         """Every table and dense array as of ``version``, with its step and meta.
 
         A table with no row written at or before the version is left out; a table only partly
-        written raises MissingRows (use read_rows for sparse tables).
+        written raises MissingRows (use read_rows for sparse tables). ``progress(done, total)``, if given,
+        is called as the read advances, in bytes: the tables' fp32 bytes as their blocks are decoded, then
+        each dense array's record as it is read (``total`` is their sum, known before the first call).
         """
         with self._read(version) as (view, v):
             info = view.version(v)
             snap = Snapshot(version=v, step=info["step"], meta=info["meta"])
             jobs = [(tinfo, None, 0) for _name, tinfo in sorted(view.tables().items()) if _written_by(view, tinfo, v)]
-            arrays = table_decode.read_tables(view, self._engine.segments, jobs, v)
+            dense = [(name, dense_id, found[1].length) for name, dense_id in sorted(view.dense_names().items())
+                     if (found := view.dense_at(dense_id, v)) is not None]
+            table_bytes = sum(tinfo.num_rows * tinfo.dim * 4 for tinfo, _, _ in jobs)
+            total = table_bytes + sum(length for _, _, length in dense)
+            tables_progress = None if progress is None else (lambda done, _total: progress(done, total))
+            arrays = table_decode.read_tables(view, self._engine.segments, jobs, v, tables_progress)
             snap.tables.update((tinfo.name, arr) for (tinfo, _, _), arr in zip(jobs, arrays))
-            for name, dense_id in sorted(view.dense_names().items()):
+            done = table_bytes
+            for name, dense_id, length in dense:
                 arr = reader.read_dense(view, self._engine.segments, dense_id, name, v)
                 if arr is not None:
                     snap.dense[name] = arr
+                if progress is not None:
+                    done += length
+                    progress(done, total)
             return snap
 
     def _table_or_raise(self, table: str, view: IndexView) -> dict:

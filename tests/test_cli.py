@@ -143,9 +143,54 @@ def test_maintenance_on_a_store_a_trainer_holds_is_refused(made_store, tmp_path)
     path = tmp_path / "held"
     subprocess.run(["cp", "-r", src, str(path)], check=True)
     with cnrstore.open(path):  # this process plays the trainer
-        proc = run("gc", path, check_rc=2)
-        assert "StoreLocked" in proc.stderr and str(os.getpid()) in proc.stderr
+        for command in (["gc"], ["compact"], ["retain", "--keep-last", "1"]):
+            proc = run(command[0], path, *command[1:], check_rc=2)
+            # the holder by pid and command line (this pytest process), and what to do in the command's terms:
+            # not the Python API's readonly=True, which these commands do not have
+            assert "StoreLocked" in proc.stderr and f"process {os.getpid()} (" in proc.stderr, proc.stderr
+            assert "readonly" not in proc.stderr and "wait for that process to finish, or stop it" in proc.stderr
+            assert f"`cnrstore {command[0]}` needs the store to itself" in proc.stderr
         assert "5 version(s)" in run("ls", path).stdout  # readonly commands still work
+    assert "baseline" in run("compact", path).stdout  # once the holder is gone
+
+
+def test_describe_holder_names_the_process_and_its_command_line():
+    from cnrstore.engine.lock import describe_holder
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()",
+                               "trainer-" + "x" * 100], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"up\n"  # running its own command line now
+        shown = describe_holder(holder.pid)
+    finally:
+        holder.communicate(b"")
+    exe = os.path.basename(sys.executable)
+    assert shown.startswith(f"process {holder.pid} ({exe} -c import sys; print("), shown
+    assert shown.endswith("...)") and len(shown) < 120  # a long command line is cut
+    assert describe_holder(None) == "another process (its pid is unknown)"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert describe_holder(int(dead.stdout)) == f"process {int(dead.stdout)}"  # gone: no command line to show
+
+
+#: what a message that names the Python API looks like: a call, a keyword argument
+PYTHON_TERMS = re.compile(r"\w\(\)|\b\w+=(True|False|None)\b|readonly|create=|keep_last")
+
+
+def test_error_messages_speak_in_command_line_terms(made_store, tmp_path):
+    """Issue 24: what the command prints on failure says what to do with the command, not with Python calls."""
+    path, _ = made_store
+    half = _copy(path, tmp_path / "half")
+    os.unlink(half / filenames.MARKER)
+    failures = [run("gc", tmp_path / "nope", check_rc=2), run("ls", tmp_path / "nope", check_rc=2),
+                run("compact", half, check_rc=2), run("ls", half, check_rc=2),
+                run("retain", path, "--keep-last", "0", check_rc=2),
+                run("export", path, "--format", "npz", tmp_path / "x.npz", "--version", 99, check_rc=2)]
+    for proc in failures:
+        line = proc.stderr.strip()
+        assert len(line.splitlines()) == 1 and not PYTHON_TERMS.search(line), line
+    assert "check the path" in failures[0].stderr and "nope" in failures[0].stderr
+    assert "kept" in failures[2].stderr and "creation did not finish" in failures[2].stderr
+    assert "--keep-last must be a positive integer" in failures[4].stderr
 
 
 # --- hardening (issue 11, item 12): every failure a typed one-line error; verify's exit contract ------------
@@ -423,10 +468,13 @@ def test_progress_only_on_request_when_stderr_is_not_a_terminal(made_store, tmp_
     proc = run("gc", path, "--progress")
     assert "gc: " in proc.stderr and "100.0%" in proc.stderr
     proc = run("export", path, "--format", "npz", tmp_path / "b.npz", "--progress")
-    lines = proc.stderr.splitlines()
-    assert lines[0] == "export: 0/2   0.0% reading the newest version"
-    assert lines[1] == f"export: 1/2  50.0% writing {tmp_path / 'b.npz'} (npz)"
-    assert lines[2] == "export: 2/2 100.0% done"
+    lines = proc.stderr.splitlines()  # in bytes: the table's 600 x 8 fp32 (18.75 KiB) and the dense array
+    assert re.fullmatch(r"export: 0 B/18\.[89] KiB   0\.0% reading the newest version", lines[0]), lines
+    assert re.fullmatch(r"export: (18\.[89] KiB)/\1 100\.0% reading the newest version", lines[1]), lines
+    assert re.fullmatch(rf"export: 0 B/18\.[89] KiB   0\.0% writing {re.escape(str(tmp_path / 'b.npz'))} \(npz\)",
+                        lines[2]), lines
+    assert re.fullmatch(rf"export: (18\.[89] KiB)/\1 100\.0% writing {re.escape(str(tmp_path / 'b.npz'))} \(npz\)",
+                        lines[-1]), lines
 
 
 def test_ls_names_few_tables_and_counts_many(tmp_path):
@@ -597,3 +645,92 @@ def test_import_of_a_damaged_dcp_directory_exits_2_with_one_line(tmp_path, damag
     assert len(lines) == 1 and lines[0].startswith("cnrstore import: InvalidArgument: cannot read"), proc.stderr
     assert "dcp checkpoint" in lines[0] and "copy the checkpoint again" in lines[0]
     assert not (tmp_path / "store").exists()
+
+
+# --- issue 24, item 8: rank paths in `ls ROOT`, meta in `ls --long`, export progress by bytes ----------------
+
+def test_ls_long_prints_each_versions_meta(made_store):
+    path, expected = made_store
+    lines = run("ls", path, "--long").stdout.splitlines()
+    metas = [line.split("meta: ", 1)[1] for line in lines if line.lstrip().startswith("meta: ")]
+    assert metas == [json.dumps({"pos": v}) for v in range(5)]
+    assert not any("meta" in line for line in run("ls", path).stdout.splitlines())  # only with --long
+    assert [r["meta"] for r in json.loads(run("ls", path, "--json").stdout)] == [{"pos": v} for v in range(5)]
+
+
+def test_ls_of_a_root_prints_the_rank_stores_that_info_takes(tmp_path, group, capsys):
+    """`cnrstore info ROOT` says to give it ROOT/gen-G/rank-R and to look at `cnrstore ls ROOT`: ls prints
+    those paths, and each one works with info; --long shows the global version's meta."""
+    import torch
+    from torch import nn
+
+    from cnrstore.distributed import DistributedCheckpointer, ShardingPlan
+
+    model = nn.Sequential(nn.EmbeddingBag(64, 4))
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    root = str(tmp_path / "root")
+    ck = DistributedCheckpointer(root, model, opt, plan=ShardingPlan.row_wise({"0": (64, 4)}, 1), codec="fp32")
+    for step in (10, 20):
+        model[0](torch.tensor([1, 2]), torch.tensor([0])).sum().backward()
+        opt.step()
+        ck.save(step, meta={"epoch": step // 10}).wait()
+    ck.close()
+    assert cli.main(["info", root]) == 2
+    assert f"see `cnrstore ls {root}`" in capsys.readouterr().err
+    assert cli.main(["ls", root, "--long"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split("meta: ")[1] for line in out if "meta: " in line] == ['{"epoch": 1}', '{"epoch": 2}']
+    assert out[-2].startswith("rank stores of global version(s) 1-2")
+    rank_store = out[-1].split("rank 0: ")[1]
+    assert rank_store == os.path.join(root, "gen-000001", "rank-00000")
+    assert cli.main(["info", rank_store]) == 0 and "store " + rank_store in capsys.readouterr().out
+    assert cli.main(["ls", root, "--json"]) == 0
+    assert [g["stores"] for g in json.loads(capsys.readouterr().out)] == [["gen-000001/rank-00000"]] * 2
+    # a global version that is not there: said without naming a Python call
+    assert cli.main(["export", root, "--format", "npz", str(tmp_path / "x.npz"), "--version", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "VersionNotFound: global version 9" in err and not PYTHON_TERMS.search(err), err
+    # a root's export reports bytes per rank, then the file's
+    assert cli.main(["export", root, "--format", "npz", str(tmp_path / "x.npz"), "--progress"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "export: 0 B/1.0 KiB   0.0% assembling the newest global version from every rank"
+    assert lines[1] == "export: 1.0 KiB/1.0 KiB 100.0% assembling the newest global version from every rank"
+    assert lines[-1].endswith(f"100.0% writing {tmp_path / 'x.npz'} (npz)")
+
+
+def test_export_progress_is_a_stream_of_bytes(tmp_path, capsys, monkeypatch):
+    """Not three ticks: the read reports every decoded block and the write the file's size as it grows."""
+    import time
+
+    from cnrstore import export as export_mod
+
+    path = str(tmp_path / "s")
+    with cnrstore.open(path, create=True) as store:
+        store.create_table("emb", 20_000, 16, codec="int8", block_rows=1024)
+        with store.checkpoint() as ck:
+            ck.put_rows("emb", np.arange(20_000), np.ones((20_000, 16), dtype=np.float32))
+    real_write = export_mod._write
+
+    def slow_write(content, fmt, tmp):  # the real file, written in 5 slices a little apart
+        real_write(content, fmt, tmp + ".full")
+        data = open(tmp + ".full", "rb").read()
+        os.unlink(tmp + ".full")
+        with open(tmp, "wb") as f:
+            for i in range(5):
+                f.write(data[i * len(data) // 5:(i + 1) * len(data) // 5])
+                f.flush()
+                time.sleep(0.25)
+
+    monkeypatch.setattr(export_mod, "_write", slow_write)
+    monkeypatch.setattr(cli.Progress, "interval_s", 0.0)  # every update, not one a second
+    assert cli.main(["export", path, "--format", "npz", str(tmp_path / "x.npz"), "--progress"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    reading = [line for line in lines if line.endswith("reading the newest version")]
+    writing = [line for line in lines if "writing" in line]
+    total = "1.2 MiB"  # 20,000 x 16 fp32
+    assert len(reading) == 1 + 20 and all(f"/{total} " in line for line in reading)  # 0, then each of 20 blocks
+    assert reading[-1].startswith(f"export: {total}/{total} 100.0%")
+    assert len(writing) >= 5 and writing[0].startswith(f"export: 0 B/{total}")  # 0, the slices, the end
+    assert writing[-1].startswith(f"export: {total}/{total} 100.0%")
+    percents = [float(line.split("%")[0].split()[-1]) for line in writing]
+    assert percents == sorted(percents) and len(set(percents)) >= 4, writing

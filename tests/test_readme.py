@@ -66,15 +66,23 @@ class Spec:
     #: an optional dependency the block needs (skipped without it, unless make test's
     #: CNRSTORE_REQUIRE_TORCHREC=1 says it is installed)
     needs: str | None = None
+    #: fresh interpreters that run prelude, block and check one after another in the same directory (a
+    #: restart of the script); each sees its run's number, from 0, as RUN in its environment
+    runs: int = 1
+    #: a python block that is a script: written to this file in the directory (by the sh block that runs
+    #: it, whose ``after`` names it) instead of run
+    file: str | None = None
+    #: what an sh block must print on stdout
+    stdout: tuple[str, ...] = ()
 
 
 TRAINER = '''
+import os
 import torch
 from torch import nn
 import cnrstore
 
 torch.manual_seed(0)
-store = cnrstore.open("ckpt", create=True)
 model = nn.Sequential(nn.EmbeddingBag(1000, 16), nn.Linear(16, 1))   # stands for your model
 optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
 
@@ -95,7 +103,7 @@ class StatefulLoader:  # stands for torchdata's StatefulDataLoader: batches, and
         self.pos = state["pos"]
 
 
-data_loader = StatefulLoader(2500)
+data_loader = StatefulLoader(2500 + 1000 * int(os.environ["RUN"]))   # the restart has 1000 batches more
 
 
 def train_step(model, optimizer, batch):
@@ -136,7 +144,7 @@ train(model, optimizer, range(3))
 '''
 
 USE = 'with cnrstore.open("ckpt", create=True) as store:\n    store.create_table("user_emb"'
-DIST = 'DistributedCheckpointer("ckpt", model'
+DIST = 'DistributedCheckpointer("ckpt", model, optimizer, plan=plan, codec="int4"'
 
 SPECS = {
     USE: Spec(check='''
@@ -151,9 +159,21 @@ with cnrstore.open("ckpt", readonly=True) as s:
 assert steps[-5:] == [16_000, 17_000, 18_000, 19_000, 20_000] and 10_000 in steps, steps
 assert set(steps) <= {10_000, *range(11_000, 21_000, 1_000)}
 '''),
-    "Checkpointer(store, model, optimizer": Spec(prelude=TRAINER, check='''
-assert [v.step for v in store.versions()] == [1000, 2000]
-assert data_loader.pos == 2000  # restore() put the loader back at the newest version's position
+    "Checkpointer(store, model, optimizer": Spec(prelude=TRAINER, runs=2, check='''
+with cnrstore.open("ckpt", readonly=True) as s:
+    steps = [v.step for v in s.versions()]
+if os.environ["RUN"] == "0":  # the first run: batches 1-2500, saves at 1000 and 2000
+    assert start == 1 and steps == [1000, 2000], (start, steps)
+else:  # the restart: restore() put the loader at batch 2000 (its position at the save), so steps go on at 2001
+    assert start == 2001 and steps == [1000, 2000, 3000], (start, steps)
+assert data_loader.pos == 2500 + 1000 * int(os.environ["RUN"])
+'''),
+    "# train.py": Spec(covered_by="torchrun --standalone", file="train.py"),
+    "torchrun --standalone": Spec(after="# train.py", stdout=("rank 0: ckpt/gen-000001/rank-00000",
+                                                              "rank 1: ckpt/gen-000001/rank-00001"), check='''
+import cnrstore.distributed
+gvs = cnrstore.distributed.versions("ckpt")
+assert [g.step for g in gvs] == [300, 350, 400], [g.step for g in gvs]  # keep_last=3 of the two runs' saves
 '''),
     DIST: Spec(covered_by="ECRM(model, optimizer"),
     "ECRM(model, optimizer": Spec(prelude=RANKS, after=DIST, ranks=3, check='''
@@ -170,7 +190,7 @@ assert [g.step for g in cnrstore.distributed.versions("trec")] == [100]
 assert cnrstore.distributed.versions("trec")[0].plan.row_ids == "global"
 '''),
     "BitWidthPolicy(mtbf_hours": Spec(check='assert codec == "adaptive3" and bits.bits == 3'),
-    "cnrstore ls ckpt": Spec(after=USE, check='''
+    "cnrstore ls ckpt --long": Spec(after=USE, check='''
 import numpy as np
 with np.load("ckpt.npz") as z:
     assert z["tables/user_emb"].shape == (100_000, 64) and z["dense/mlp.0.weight"].shape == (64, 32)
@@ -199,8 +219,8 @@ def test_every_block_is_run_or_excused():
     assert len(NOT_RUN) <= 2, "keep the list of blocks not run short"
 
 
-def _python(code: str, cwd, rank: int | None = None, world: int = 1, rdzv: str = "") -> subprocess.Popen:
-    env = dict(ENV) if rank is None else dict(ENV, RANK=str(rank), WORLD_SIZE=str(world), RDZV=rdzv)
+def _python(code: str, cwd, rank: int | None = None, world: int = 1, rdzv: str = "", env=None) -> subprocess.Popen:
+    env = dict(ENV, **(env or {})) if rank is None else dict(ENV, RANK=str(rank), WORLD_SIZE=str(world), RDZV=rdzv)
     return subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -223,18 +243,23 @@ def test_readme_block_runs_as_written(key, tmp_path):
         if s.covered_by == key:
             assert spec.after is not None and SPECS[spec.after] is s
     if block.lang == "sh":
-        if before is not None:
+        if before is not None and SPECS[spec.after].file:
+            (tmp_path / SPECS[spec.after].file).write_text(before.code)
+        elif before is not None:
             _wait([_python(before.code, tmp_path)], f"README block at line {before.line}")
         proc = subprocess.run(["bash", "-c", "set -eo pipefail\n" + block.code], cwd=tmp_path, env=ENV,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{where} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
         assert "Traceback" not in proc.stderr
+        for text in spec.stdout:
+            assert text in proc.stdout, (text, proc.stdout)
         _wait([_python(spec.check, tmp_path)], f"the check after {where}")
         return
     parts = [spec.prelude, before.code if before is not None else "", block.code, spec.check]
     code = "\n".join(parts)
     if spec.ranks == 1:
-        _wait([_python(code, tmp_path)], where)
+        for run in range(spec.runs):
+            _wait([_python(code, tmp_path, env={"RUN": str(run)})], f"{where} (run {run})")
     else:
         rdzv = f"file://{tmp_path / 'rdzv'}"
         _wait([_python(code, tmp_path, r, spec.ranks, rdzv) for r in range(spec.ranks)], where)

@@ -44,17 +44,21 @@ def _global_version(root: Root, version: int | None) -> GlobalVersion:
     root.check()
     gv = root.latest() if version is None else root.read(version)
     if gv is None:
-        raise InvalidArgument(f"{root.path} holds no global version yet; save() one with DistributedCheckpointer")
+        raise InvalidArgument(f"{root.path} holds no global version yet: nothing is exported until the job's first "
+                              "save commits one")
     return gv
 
 
-def merged_snapshot(root, version: int | None = None, *, trust_pickle: bool = False) -> Snapshot:
+def merged_snapshot(root, version: int | None = None, *, trust_pickle: bool = False, progress=None) -> Snapshot:
     """Global ``version`` (default newest) of the root at ``root`` as one unsharded Snapshot (module doc).
 
     Raises StoreNotFound if ``root`` is not a root, VersionNotFound for an unknown global version,
     InvalidArgument when a rank's store lacks a shard the plan gives it, CorruptionError when the plan
     claims more rows than the rank stores' segments can hold (checked before anything is allocated), and
-    the rank stores' own errors (CorruptionError, ...)."""
+    the rank stores' own errors (CorruptionError, ...).
+
+    ``progress(done, total)``, if given, is called once before the first rank's store is read and after
+    each: fp32 bytes of the plan's tables read so far (the rank's shards), of the plan's total."""
     r = Root(root)
     gv = _global_version(r, version)
     plan = gv.plan
@@ -64,6 +68,9 @@ def merged_snapshot(root, version: int | None = None, *, trust_pickle: bool = Fa
     covered: dict[str, int] = {}
     dense: dict[str, np.ndarray] = {}
     blob = None
+    total, done = sum(n * d * 4 for n, d in plan.tables.values()), 0
+    if progress is not None:
+        progress(0, total)
     for rank in range(gv.world_size):
         with _store.open(_rank_path(r, gv, rank), readonly=True) as st:
             snap = (st.restore(gv.local_versions[rank]) if plan.row_ids == "local"
@@ -90,6 +97,9 @@ def merged_snapshot(root, version: int | None = None, *, trust_pickle: bool = Fa
             dense = {k: v for k, v in snap.dense.items() if k.startswith(DENSE_PREFIX)}
             blob = snap.dense.get(STATE_BLOB)
         del snap
+        if progress is not None:
+            done += sum(shard.num_rows * plan.tables[name][1] * 4 for name, shard in plan.shards_of(rank).items())
+            progress(min(done, total), total)
     # a row-state table some shard lacks (an optimizer state a rank never had) has no merged form
     for sname, out in row_state.items():
         owner = sname.split(".optim.")[0]
@@ -107,7 +117,7 @@ def merged_snapshot(root, version: int | None = None, *, trust_pickle: bool = Fa
 
 
 def _rank_path(r: Root, gv: GlobalVersion, rank: int) -> str:
-    return r.store_path(gv.stores[rank] if gv.stores else r.store_rel(gv.generation, rank))
+    return r.store_path(r.rank_stores(gv)[rank])
 
 
 def _min_row_bytes(dim: int) -> int:

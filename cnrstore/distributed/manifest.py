@@ -167,6 +167,11 @@ class Root:
     def store_path(self, rel: str) -> str:
         return os.path.join(self.path, rel)
 
+    def rank_stores(self, gv: "GlobalVersion") -> list[str]:
+        """The store of each rank that global version ``gv`` reads, by rank, relative to the root: the
+        manifest's ``stores``, or for a manifest naming none, ``store_rel(gv.generation, rank)``."""
+        return list(gv.stores) if gv.stores else [self.store_rel(gv.generation, r) for r in range(gv.world_size)]
+
     def _manifest_path(self, version: int) -> str:
         return os.path.join(self.path, GLOBAL_DIR, f"g-{version:012d}.cnrg")
 
@@ -264,7 +269,7 @@ class Root:
     def read(self, version: int) -> GlobalVersion:
         path = self._manifest_path(version)
         if not os.path.exists(path):
-            raise VersionNotFound(f"global version {version} is not in {self.path} (see versions())")
+            raise VersionNotFound(f"global version {version} is not in {self.path} (never committed, or dropped)")
         d = _unseal("manifest", path)
         if d.get("format") != DIST_FORMAT_VERSION:
             raise FormatVersionError(f"{path} has format {d.get('format')}, expected {DIST_FORMAT_VERSION}")

@@ -137,11 +137,28 @@ class ProcessLock:
             os.close(fd)
 
 
+def describe_holder(pid: int | None) -> str:
+    """Who holds a store, for a message: "process 1234 (python train.py --steps 10)" with the holder's
+    command line where /proc shows it (cut to about 80 characters), "process 1234" where it does not, and
+    "another process (its pid is unknown)" without a pid."""
+    if not pid:
+        return "another process (its pid is unknown)"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read(4096).split(b"\0") if a]
+    except OSError:
+        argv = []
+    if not argv:
+        return f"process {pid}"
+    argv[0] = os.path.basename(argv[0])
+    cmd = " ".join(argv)
+    return f"process {pid} ({cmd if len(cmd) <= 80 else cmd[:77] + '...'})"
+
+
 def _locked(root: str, holder: int | None) -> errors.StoreLocked:
-    who = f"process {holder}" if holder else "another process"
     return errors.StoreLocked(
-        f"store {root!r} is held for writing by {who} (pid {holder}); "
-        "close it there, or open with readonly=True to read alongside it",
+        f"store {root!r} is held for writing by {describe_holder(holder)}; close it there (or wait for that "
+        "process to finish), or open with readonly=True to read alongside it",
         pid=holder,
     )
 

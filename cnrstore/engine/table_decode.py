@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
@@ -77,7 +77,7 @@ def check_out(out, table: TableRecord, what: str, start: int | None = None) -> n
 
 
 def read_tables(view: IndexView, segments: SegmentReader, jobs: Sequence[tuple[TableRecord, np.ndarray | None, int]],
-                version: int) -> list[np.ndarray]:
+                version: int, progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
     """Each job of ``jobs`` ((table, destination, first row)) as of ``version``: rows ``first .. first +
     len(destination) - 1`` of the table decoded into its destination (checked with :func:`check_out` by the
     caller), or, for a destination None (first row 0), the whole table into a new array; in ``jobs`` order.
@@ -86,23 +86,43 @@ def read_tables(view: IndexView, segments: SegmentReader, jobs: Sequence[tuple[T
     before any destination is written: a CorruptionError or MissingRows leaves them all untouched. The
     blocks are then decoded on :func:`decode_threads` threads; an error there (none is expected once the
     records are verified, short of running out of memory) is raised after every block has finished.
+
+    ``progress(done, total)``, if given, is called on this thread as blocks are decoded: fp32 bytes of the
+    destinations decoded so far, of their total (once with 0 before the first block, last with ``total``).
     """
     plans = [plan_table(view, segments, table, version, start, None if out is None else start + out.shape[0])
              for table, out, start in jobs]
     outs = [np.empty((t.num_rows, t.dim), dtype=np.float32) if out is None else out for t, out, _start in jobs]
     tasks = [(out, offset, pieces, table.dim)
              for (table, _, _), out, blocks in zip(jobs, outs, plans) for offset, pieces in blocks]
+    total, done = sum(out.nbytes for out in outs), 0
+    if progress is not None:
+        progress(0, total)
     workers = decode_threads()
     if min(workers, len(tasks)) <= 1:
         for task in tasks:
             decode_block(*task)
+            if progress is not None:
+                done += _task_bytes(task)
+                progress(done, total)
         return outs
     # the biggest blocks first, so that the pool does not end waiting on one large block
     tasks.sort(key=lambda task: -sum(p.count for p in task[2]))
     pool = _executor(workers)
-    futures = [pool.submit(decode_block, *task) for task in tasks]
-    errors = [f.exception() for f in futures]  # waits for every block: none may still write afterwards
+    futures = {pool.submit(decode_block, *task): task for task in tasks}
+    try:
+        if progress is not None:
+            for future in as_completed(futures):
+                done += _task_bytes(futures[future])
+                progress(done, total)
+    finally:  # even when progress raises (Ctrl-C): no block may still write afterwards
+        errors = [f.exception() for f in futures]  # waits for every block
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
     return outs
+
+
+def _task_bytes(task) -> int:
+    """fp32 bytes a decode task (out, offset, pieces, dim) writes."""
+    return sum(p.count for p in task[2]) * task[3] * 4

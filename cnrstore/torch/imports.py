@@ -399,13 +399,15 @@ def _split(obj, where: str, model_only: bool) -> _Source:
     extra = obj.get("extra", {})
     if not isinstance(extra, Mapping) or not all(isinstance(k, str) for k in extra):
         raise InvalidArgument(f"entry 'extra' of {where} is not a dict of state dicts keyed by name; re-export it "
-                              "or pass --model-only")
+                              "or pass --model-only (model_only=True)")
     src.extra = dict(extra)
     step, meta, version = obj.get("step"), obj.get("meta"), obj.get("version")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise InvalidArgument(f"entry 'step' of {where} is {step!r}, not an integer; pass step= or --model-only")
+        raise InvalidArgument(f"entry 'step' of {where} is {step!r}, not an integer; pass step= (--step) or "
+                              "model_only=True (--model-only)")
     if meta is not None and not isinstance(meta, Mapping):
-        raise InvalidArgument(f"entry 'meta' of {where} is a {type(meta).__name__}, not a dict; pass --model-only")
+        raise InvalidArgument(f"entry 'meta' of {where} is a {type(meta).__name__}, not a dict; pass --model-only "
+                              "(model_only=True)")
     src.step, src.meta = step, (dict(meta) if meta is not None else None)
     src.version = version if isinstance(version, int) and not isinstance(version, bool) else None
     return src
@@ -493,7 +495,7 @@ def select_tables(state_dict: Mapping, *, model: nn.Module | None = None, tables
                                       "'<module path>.weight'; narrow the pattern")
     else:
         if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1:
-            raise InvalidArgument(f"min_rows must be a positive integer, got {min_rows!r}")
+            raise InvalidArgument(f"min_rows (--min-rows) must be a positive integer, got {min_rows!r}")
         named = {k for k in state_dict
                  if _is_weight_key(k) and any("emb" in part.lower() for part in k.split(".")[:-1])}
         for k in named:
@@ -509,7 +511,7 @@ def select_tables(state_dict: Mapping, *, model: nn.Module | None = None, tables
         name = _table_name(key)
         if name in out:
             raise InvalidArgument(f"keys {out[name][0]!r} and {key!r} would both be table {name!r}; pass tables= "
-                                  "to choose one")
+                                  "(--table) to choose one")
         out[name] = [key]
     return out
 
