@@ -44,9 +44,10 @@ SECTIONS = [
      ["--quick", "--plot", "none"], "policies.png"),
     ("bench_space.py", "Space management: write and space amplification, read chains",
      "The issue-12 DLRM (26 Criteo tables capped at 100k rows, dim 64, adaptive4, SGD, incremental saves, 10 "
-     "intervals of 30 steps) under the first engine's policy (background intermittent baselines) and the "
-     "new one (cumulative deltas written by the checkpoint, row-level GC): bytes written against full fp32 "
-     "checkpoints, write amplification, read chains, space amplification after retain(5), disk after "
+     "intervals of 30 steps) with no merges, with every save merging to hold read chains at 3 (the engine "
+     "before issue 25) and with the defaults (saves write their own rows, background merges bound each "
+     "block's read cost): bytes written (saves and merges apart) against full fp32 checkpoints, write "
+     "amplification, read chains and read amplification, space amplification after retain(5), disk after "
      "retain(1) against one fp32 checkpoint, restore against torch.load, point reads.",
      ["--plot", "space.png"], ["--quick", "--plot", "none"], "space.png"),
     ("bench_writecost.py", "Write cost over a long run: saves, merges and read amplification",
