@@ -7,7 +7,9 @@ written at or before its version) ends the chain: rows not found by then were ne
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +32,6 @@ class Piece:
     source: np.ndarray  # uint8 (m, row_bytes): the record's rows (a view of the segment's map, or a copy)
     dest: np.ndarray | None  # int64 block offsets, or None for rows 0..n-1
     take: np.ndarray | None = None  # bool (m,): the rows of ``source`` this piece holds; None: all of them
-    whole: bool = False  # ``source`` is every row of the block, rows 0..m-1 in order (a full baseline)
     #: With ``dest`` None: the newer records of the chain above the baseline ``source``, newest first, as
     #: (encoded rows, u16 block offsets): the block reads as ``source`` with their rows written over it,
     #: the newest record's of each row winning (resolved when decoded, on the decoding thread).
@@ -73,11 +74,13 @@ class BlockResolver:
         """
         block_len = blocks_math.length(block, self.block_rows, self.table.num_rows)
         if want is None:
+            chain = self._chain(block, version)
             if overlay:
-                found = self._overlay(block, block_len, version)
+                found, seen = self._overlay(chain, block_len)
                 if found is not None:
                     return [found], np.zeros(0, dtype=np.int64)
-            return self._resolve_all(block, block_len, version)
+                chain = itertools.chain(seen, chain)  # (each record is loaded and verified once)
+            return self._resolve_all(chain, block_len)
         remaining = want
         pieces: list[Piece] = []
         for v, loc in self.view.row_chain(self.table.id, block, version):
@@ -102,32 +105,36 @@ class BlockResolver:
                 break
         return pieces, remaining
 
-    def _overlay(self, block: int, block_len: int, version: int) -> Piece | None:
-        """The block at ``version`` as one Piece: its full baseline ``source`` with the newer records'
-        rows ``over`` it; None unless the chain ends in a baseline of every row and all its records share
-        one codec (``_resolve_all`` answers then). Every record is loaded (verified) here."""
-        over = []
+    def _chain(self, block: int, version: int) -> Iterator[tuple[record.Record, np.ndarray]]:
+        """The block's read chain at ``version``, newest first: each record verified as it is reached
+        (``load_rows``), with its encoded rows."""
         for v, loc in self.view.row_chain(self.table.id, block, version):
-            rec, rows = self.load_rows(loc, block, v)
-            if over and rec.codec_id != over[0][2]:
-                return None
-            if rec.flags & record.FLAG_FULL and rec.count == block_len:
-                return Piece(rec.codec_id, rows, None, over=[(r, o) for r, o, _c in over] or None)
-            if rec.flags & record.FLAG_BASELINE:
-                return None  # a baseline of part of the block: rows may be missing
-            if rec.count:  # (GC empties records every kept version shadows)
-                offsets = (np.arange(rec.count, dtype=record.OFFSET_DTYPE) if rec.flags & record.FLAG_FULL
-                           else rec.stored_offsets())
-                over.append((rows, offsets, rec.codec_id))
-        return None
+            yield self.load_rows(loc, block, v)
 
-    def _resolve_all(self, block: int, block_len: int, version: int) -> tuple[list[Piece], np.ndarray]:
-        """``resolve`` for every row of the block: newest record first, each row taken once."""
+    def _overlay(self, chain: Iterator, block_len: int) -> tuple[Piece | None, list]:
+        """(the block as one Piece: its full baseline ``source`` with the newer records' rows ``over`` it,
+        the records of ``chain`` taken so far). The Piece is None unless the chain ends in a baseline of
+        every row and all its records share one codec; ``_resolve_all`` goes on from the records taken."""
+        seen: list[tuple[record.Record, np.ndarray]] = []
+        for rec, rows in chain:
+            seen.append((rec, rows))
+            if rec.codec_id != seen[0][0].codec_id:
+                return None, seen
+            if rec.flags & record.FLAG_FULL and rec.count == block_len:
+                over = [(r, np.arange(c.count, dtype=record.OFFSET_DTYPE) if c.flags & record.FLAG_FULL
+                         else c.stored_offsets()) for c, r in seen[:-1] if c.count]  # (GC empties records)
+                return Piece(rec.codec_id, rows, None, over=over or None), seen
+            if rec.flags & record.FLAG_BASELINE:
+                return None, seen  # a baseline of part of the block: rows may be missing
+        return None, seen
+
+    def _resolve_all(self, chain: Iterator, block_len: int) -> tuple[list[Piece], np.ndarray]:
+        """``resolve`` for every row of the block from its ``chain`` (``_chain``): newest record first,
+        each row taken once."""
         pieces: list[Piece] = []
         filled = None
         left = block_len
-        for v, loc in self.view.row_chain(self.table.id, block, version):
-            rec, rows = self.load_rows(loc, block, v)
+        for rec, rows in chain:
             if filled is None and rec.flags & record.FLAG_FULL and rec.count == block_len:
                 return [Piece(rec.codec_id, rows, None)], np.zeros(0, dtype=np.int64)  # the common case
             offsets = rec.offsets()
@@ -141,8 +148,7 @@ class BlockResolver:
                 else:
                     offsets = offsets[take]  # (the rows stay a view: Piece.encoded selects them when used)
             if offsets.size:
-                whole = bool(rec.flags & record.FLAG_FULL) and rec.count == block_len
-                pieces.append(Piece(rec.codec_id, rows, offsets, take, whole))
+                pieces.append(Piece(rec.codec_id, rows, offsets, take))
                 filled[offsets] = True
                 left -= offsets.size
             if not left or rec.flags & record.FLAG_BASELINE:
@@ -375,9 +381,9 @@ def decode_block(out: np.ndarray, base: int, pieces: list[Piece], dim: int) -> N
     """Decode a block's pieces (``plan_table``'s: every row they stand for in exactly one) into
     ``out[base:...]``. A whole-block piece decodes straight from the segment into place; pieces of one
     codec are gathered as encoded rows (a few bytes a row, one block at most, in a buffer the thread
-    keeps) and decoded with one call straight into place — a full baseline under newer pieces
-    (``Piece.whole``) copied whole first and the newer rows written over it, instead of gathering the
-    rows they leave; pieces of several codecs go through a block-sized temporary each."""
+    keeps) and decoded with one call straight into place — a baseline with newer records over it
+    (``Piece.over``) is copied whole and the newest row of each offset written over it; pieces of several
+    codecs go through a block-sized temporary each."""
     if len(pieces) == 1 and pieces[0].dest is None:
         p = pieces[0]
         source = p.encoded
@@ -393,9 +399,6 @@ def decode_block(out: np.ndarray, base: int, pieces: list[Piece], dim: int) -> N
     if all(p.codec_id == codec_id for p in pieces):
         count = sum(p.count for p in pieces)
         encoded = _encoded_rows(count, pieces[0].source.shape[1])
-        if pieces[-1].whole:  # the chain's baseline, every row: the newer pieces overwrite theirs
-            encoded[:] = pieces[-1].source
-            pieces = pieces[:-1]
         for p in pieces:  # every row of the block is in exactly one piece
             encoded[p.dest] = p.encoded
         codecs.by_id(codec_id).decode_into(encoded, dim, out[base : base + count])
