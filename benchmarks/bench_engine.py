@@ -25,6 +25,7 @@ with it (A B A B ...), so that drift hits both alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime
 import io
@@ -67,6 +68,19 @@ def zipf_rows(rng: np.random.Generator, perm: np.ndarray, count: int, a: float =
         if ordered.size >= count:
             return np.sort(ordered[:count])
         seen = ordered
+
+
+@contextlib.contextmanager
+def knob_settings(settings: dict):
+    """Set ``cnrstore.knobs`` (name: value) for the ``with`` block; put every one back after it."""
+    saved = {name: getattr(cnrstore.knobs, name) for name in settings}
+    for name, value in settings.items():
+        setattr(cnrstore.knobs, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(cnrstore.knobs, name, value)
 
 
 def timed(fn):

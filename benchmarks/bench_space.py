@@ -46,7 +46,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
-from bench_engine import load_average, machine_description, median  # noqa: E402
+from bench_engine import knob_settings, load_average, machine_description, median  # noqa: E402
 
 import dlrm_model  # noqa: E402
 
@@ -65,14 +65,8 @@ CODEC = "adaptive4"
 
 def run_policy(name: str, args, root: str) -> dict:
     compaction, settings = POLICIES[name]
-    saved = {k: getattr(knobs, k) for k in settings}
-    for k, v in settings.items():  # read when the store opens ("auto") and at every write
-        setattr(knobs, k, v)
-    try:
+    with knob_settings(settings):  # read when the store opens ("auto") and at every write
         return _run(name, compaction, args, root)
-    finally:
-        for k, v in saved.items():
-            setattr(knobs, k, v)
 
 
 def _run(name: str, compaction, args, root: str) -> dict:

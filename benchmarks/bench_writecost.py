@@ -47,7 +47,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import cnrstore  # noqa: E402
-from bench_engine import T975, Z975, fmt_bytes, load_average, machine_description, publish, t_quantile, zipf_rows  # noqa: E402
+from bench_engine import (T975, Z975, fmt_bytes, knob_settings, load_average, machine_description, publish,  # noqa: E402
+                          t_quantile, zipf_rows)
 from bench_restore import PeakSampler  # noqa: E402
 from cnrstore import codecs, knobs  # noqa: E402
 from cnrstore.engine import record  # noqa: E402
@@ -67,23 +68,6 @@ FLAT_BYTES, FLAT_TIME = 0.10, 0.25
 #: "No slower": the new policy's best restore within this factor of the old one's (timing noise on a
 #: shared machine).
 RESTORE_MARGIN = 1.10
-
-
-class policy_knobs:
-    """Set a policy's knobs for the ``with`` block; put every knob back after it."""
-
-    def __init__(self, name: str):
-        self.settings = POLICIES[name]
-
-    def __enter__(self):
-        self.saved = {k: getattr(knobs, k) for k in self.settings}
-        for k, v in self.settings.items():
-            setattr(knobs, k, v)
-        return self
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            setattr(knobs, k, v)
 
 
 # workload --------------------------------------------------------------------------------------------
@@ -135,7 +119,7 @@ def run_policy(name: str, codec_name: str, args, root: str, base: list[np.ndarra
                perms) -> dict:
     """One fresh store under policy ``name``: ``base`` (the baseline's values) then the increments;
     ``model`` (what the baseline reads back) is updated in place to what the newest version reads."""
-    with policy_knobs(name):
+    with knob_settings(POLICIES[name]):
         return _run(name, codec_name, args, root, base, model, perms)
 
 
