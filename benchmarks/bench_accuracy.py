@@ -291,7 +291,7 @@ def render(ns, st: Study, results: dict, header: list[str], elapsed: float) -> s
     runs = list(results.values())
     walls = [o["wall_s"] for o in runs]
     per_seed_runs = len(runs) / len(ns.seeds)
-    lines = ["# Quantized checkpoints against the paper's bit-width table", ""]
+    lines = [f"# Quantized checkpoints against {ns.table_label}", ""]
     lines += [f"- {h}" for h in header]
     lines.append(f"- load average at start: {ns.load_start}; at end: {load_average()}")
     card = dm.cardinalities(ns)
@@ -332,7 +332,7 @@ def render(ns, st: Study, results: dict, header: list[str], elapsed: float) -> s
     lines.append(f"- {len(runs)} training runs ({per_seed_runs:.0f} per seed), median {statistics.median(walls):.1f} s "
                  f"each, {sum(walls):.0f} s of run time in {ns.jobs} parallel process(es); total {elapsed:.0f} s")
 
-    lines += ["", "## Verdicts: the paper's table, cell by cell", "",
+    lines += ["", f"## Verdicts: {ns.table_label}, cell by cell", "",
               "Held-out logloss degradation against the same seed's run without failures, % (mean ± 95% "
               "interval); ✓ holds (interval below +0.01%), ✗ FAILS (above), ? unresolved (straddles). Beside "
               "each: the MDE of this design for that cell and the seeds an MDE of 0.01% would need at the "
@@ -376,7 +376,7 @@ def render(ns, st: Study, results: dict, header: list[str], elapsed: float) -> s
             + ("above 1.5x the floor's: the codec's effect itself varies with the seed"
                if e.sd > 1.5 * fl.sd else "at the floor's: more seeds, or a quieter workload, would resolve it")
             + f"; needs {e.seeds_for() or '?'} seeds)" for r, b, f, e in big))
-    lines += ["", "### The paper's table", ""]
+    lines += ["", f"### {ns.table_label[0].upper()}{ns.table_label[1:]}", ""]
     for restores, bits in ns.paper_cells:
         row = [(f, e) for r, b, f, e in verdicts if r == restores]
         lines.append(f"- {restores} restore{'s' if restores > 1 else ''} -> {bits}-bit: " + "; ".join(
@@ -471,7 +471,7 @@ def plot(path: str, ns, st: Study) -> str | None:
         ax.grid(True, axis="y", alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle(f"The paper's bit-width table on a converging DLRM: {len(ns.seeds)} paired seeds, "
+    fig.suptitle(f"{ns.table_label[0].upper()}{ns.table_label[1:]} on a converging DLRM: {len(ns.seeds)} paired seeds, "
                  f"{ns.steps} steps, lr decayed to 0")
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
     fig.savefig(path)
@@ -485,6 +485,9 @@ def plot(path: str, ns, st: Study) -> str | None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="3 cells x 2 seeds, a short run (smoke test)")
+    p.add_argument("--cells", nargs="+", default=None, metavar="R:B",
+                   help="test these (restores, bits) cells instead of the paper's table, e.g. 1:4 3:4 20:8 "
+                        "(calibrating BitWidthPolicy's table)")
     p.add_argument("--seeds", type=int, default=None, help="paired seeds 0..N-1 (default 8; --quick 2)")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; --quick 60)")
     p.add_argument("--max-rows", type=int, default=None, help="table row cap (default 5000; --quick 1000)")
@@ -509,6 +512,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(ns, k) is None:
             setattr(ns, k, v)
     ns.paper_cells = ((1, 2), (3, 3)) if ns.quick else PAPER_CELLS
+    ns.table_label = "the paper's bit-width table"
+    if ns.cells:
+        try:
+            ns.paper_cells = tuple((int(r), int(b)) for r, b in (c.split(":") for c in ns.cells))
+        except ValueError:
+            p.error(f"--cells takes RESTORES:BITS pairs such as 1:4, got {ns.cells}")
+        ns.table_label = "the cells " + ", ".join(f"{r} restore{'s' if r > 1 else ''} -> {b}-bit"
+                                                  for r, b in ns.paper_cells)
     ns.dim = 16
     if ns.seeds < 2:
         p.error("--seeds must be at least 2 (an interval needs two)")

@@ -9,10 +9,10 @@ the other, all in ONE run (each method's write is waited for before the next met
 method's foreground work overlaps another's measurement; cnrstore's background compaction may still run
 while the others save, as it would beside a trainer):
 
-  - cnrstore, the issue's scheme: ``Checkpointer(codec="adaptive4", mode="intermittent")`` on a store
+  - cnrstore, intermittent + compaction: ``Checkpointer(codec="adaptive4", mode="intermittent")`` on a store
     opened with ``compaction="auto"`` (the trainer writes intermittent differentials and its own
     baselines; every version kept);
-  - cnrstore, the design's scheme: ``Checkpointer(codec="adaptive4", mode="incremental")`` on a store
+  - cnrstore, incremental + keep-last: ``Checkpointer(codec="adaptive4", mode="incremental")`` on a store
     opened with ``compaction=CompactionPolicy(retention=Retention(KeepLast(--keep)))``: the
     trainer writes only the rows touched since its previous save (the writer bounds read chains with
     deltas and per-block baselines, cnrstore/engine/merge.py), the background compactor drops all but the last
@@ -33,14 +33,14 @@ Disk and retention: the peers keep their last ``--keep`` checkpoints on disk (ol
 after each interval, as a trainer with that retention would; keeping all of them at 1 GiB would need
 ~120 GiB). Their disk use is reported two ways: as measured (``du``, last ``--keep`` kept), and for
 keeping all checkpoints (the sum of every checkpoint's ``du``, measured right after it was written;
-each is an independent file or directory). The issue's cnrstore scheme keeps every version and compares
-with the peers' all-kept figure; the design's scheme keeps the last ``--keep`` and compares with the
+each is an independent file or directory). intermittent + compaction keeps every version and compares
+with the peers' all-kept figure; incremental + keep-last keeps the last ``--keep`` and compares with the
 peers' measured figure.
 
-Trainer stall over a run (issue 23; ``--stall-only`` runs just this part): the issue's scheme trains
+Trainer stall over a run ( ``--stall-only`` runs just this part): intermittent + compaction trains
 ``--stall-saves`` checkpoint intervals of ``--stall-every`` steps and saves after each WITHOUT waiting for the
 write, as a trainer does, twice from the same seed and batches: with the save queue (the default bound)
-and with ``max_queue_bytes=0`` (one save at a time, the behaviour before issue 23: a save waits for the one
+and with ``max_queue_bytes=0`` (one save at a time, the behaviour before the save queue: a save waits for the one
 still writing). Per arm: every save()'s wall time (the stall), its median and maximum over the run
 (baselines included; and after the first save, the full copy every process pays once), the baselines'
 stalls, and the save right after each baseline against the median ordinary increment.
@@ -80,28 +80,30 @@ from cnrstore.torch import Checkpointer  # noqa: E402
 
 WEIGHT_CODEC = "adaptive4"
 PEERS = ("torch.save", "DCP save", "DCP async_save")
-SCHEMES = ("issue", "design")
+SCHEMES = ("intermittent", "incremental")
+#: how each scheme is named in the report: the trainer's mode, and what keeps the versions bounded
+SCHEME_LABELS = {"intermittent": "intermittent + compaction", "incremental": "incremental + keep-last"}
 OPTIMIZER_CODECS = ("fp32", "int8")
 
 
 @dataclass(frozen=True)
 class CnrConfig:
-    """One cnrstore configuration: the scheme (issue's or design's) and the optimizer state's codec."""
+    """One cnrstore configuration: the scheme (intermittent or incremental) and the optimizer state's codec."""
 
     scheme: str
     optimizer_codec: str
 
     @property
     def name(self) -> str:
-        base = f"cnrstore, {self.scheme}'s scheme"
+        base = f"cnrstore, {SCHEME_LABELS[self.scheme]}"
         return base if self.optimizer_codec == "fp32" else f"{base}, optimizer {self.optimizer_codec}"
 
     @property
     def mode(self) -> str:
-        return "intermittent" if self.scheme == "issue" else "incremental"
+        return self.scheme
 
     def compaction(self, keep: int):
-        if self.scheme == "issue":
+        if self.scheme == "intermittent":
             return "auto"
         # the default materialize rule: none while the writer bounds read chains (merge.py), as it does
         return CompactionPolicy(retention=Retention(KeepLast(keep)), gc=True)
@@ -316,8 +318,8 @@ def run(args) -> tuple[str, dict]:
         gc.collect()
         disk = {m: du(d) for m, d in dirs.items()}
         disk_all = {m: (keepers[m].all_kept if m in keepers else
-                        (disk[m] if cnr[m].scheme == "issue" else float("nan"))) for m in methods}
-        disk_last = {m: (disk[m] if m in keepers or cnr[m].scheme == "design" else float("nan"))
+                        (disk[m] if cnr[m].scheme == "intermittent" else float("nan"))) for m in methods}
+        disk_last = {m: (disk[m] if m in keepers or cnr[m].scheme == "incremental" else float("nan"))
                      for m in methods}
         compaction_baselines = {m: len(baselines_seen[m] - {None}) - 1 for m in cnr}  # the first is the trainer's
 
@@ -386,7 +388,7 @@ def run(args) -> tuple[str, dict]:
 
     goals = []
     for m, c in cnr.items():
-        if c.scheme == "issue":
+        if c.scheme == "intermittent":
             disk_ref, disk_what = disk_all["torch.save"], f"torch.save keeping all {args.intervals} checkpoints"
         else:
             disk_ref, disk_what = disk_last["torch.save"], f"torch.save keeping its last {args.keep}"
@@ -416,8 +418,8 @@ def run(args) -> tuple[str, dict]:
         f"touched per interval: median {median(touched_frac):.2%} (min {min(touched_frac):.2%}, max "
         f"{max(touched_frac):.2%}); training {median(train_s):.2f} s per interval (median, {args.train_threads} "
         f"thread(s)); checkpoints and restores measured with {args.threads} torch thread(s)",
-        f"- weights in {WEIGHT_CODEC}; issue's scheme: Checkpointer(mode=\"intermittent\") on "
-        "open(compaction=\"auto\"), every version kept; design's scheme: Checkpointer(mode=\"incremental\") on "
+        f"- weights in {WEIGHT_CODEC}; intermittent + compaction: Checkpointer(mode=\"intermittent\") on "
+        "open(compaction=\"auto\"), every version kept; incremental + keep-last: Checkpointer(mode=\"incremental\") on "
         f"open(compaction=CompactionPolicy(retention=Retention(KeepLast({args.keep})), gc=True)) (read chains "
         "bounded by the writer's deltas, no background baselines)",
     ]
@@ -450,7 +452,7 @@ def run(args) -> tuple[str, dict]:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    lines += ["", "Goals (issue 6), ratios from this run:", *goals]
+    lines += ["", "Targets, ratios from this run:", *goals]
     if notes:
         lines += ["", *[f"Note: {n}" for n in notes]]
     return "\n".join(lines) + "\n", res
@@ -502,7 +504,7 @@ def stall_run(args) -> str:
         del model, opt
         gc.collect()
 
-    lines = ["### Trainer stall over a run (issue 23)", "",
+    lines = ["### Trainer stall over a run", "",
              f"- {args.stall_saves} saves, one every {args.stall_every} step(s) of batch {args.batch_size}, "
              f"Checkpointer(codec={WEIGHT_CODEC!r}, mode='intermittent') on open(compaction='auto'), "
              f"{sum(card) * args.dim * 4 / 2**20:.0f} MiB of fp32 embeddings + Adagrad state; save() not waited "
@@ -533,7 +535,7 @@ def stall_run(args) -> str:
                      f"**{'met' if p100 <= 2 else 'not met'}** (after the first save, the process's first full "
                      f"copy: {later:.1f}x); save after a baseline / ordinary increment "
                      f"{ratio_after:.1f}x (goal <= 2x): **{'met' if ratio_after <= 2 else 'not met'}**")
-    lines += ["", "Goals (issue 23), ratios from this run:", *goals]
+    lines += ["", "Targets for the stall, ratios from this run:", *goals]
     return "\n".join(lines) + "\n"
 
 
@@ -637,8 +639,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="training steps per interval (default 4; --quick 2)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default 4096; --quick 1024)")
     p.add_argument("--keep", type=int, default=None,
-                   help="checkpoints kept by the peers and by the design's scheme (KeepLast; default 5; --quick 3)")
-    p.add_argument("--schemes", default="issue,design", help="cnrstore schemes to run: issue, design")
+                   help="checkpoints kept by the peers and by incremental + keep-last (KeepLast; default 5; --quick 3)")
+    p.add_argument("--schemes", default="intermittent,incremental", help="cnrstore schemes to run: intermittent, incremental")
     p.add_argument("--optimizer-codecs", default="fp32,int8", help="cnrstore optimizer_codec values to run")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.05)

@@ -431,7 +431,7 @@ def exponent_rows(work_name: str, xs, metrics) -> tuple[list[str], list[tuple]]:
 
 
 def report(args, size, versions, fraction, fbase, seconds: float, load_start: str, tmpdir: str) -> tuple[str, dict]:
-    lines = ["## Scale curves: how costs grow with the work (issue 15)", ""]
+    lines = ["## Scale curves: how costs grow with the work", ""]
     lines += [f"- {line}" for line in machine_description()]
     lines += [
         f"- load average (1/5/15 min) at start: {load_start}; at end: {load_average()} (a shared machine); "

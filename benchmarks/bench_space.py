@@ -175,7 +175,7 @@ def report(results: dict, args, seconds: float, start_load: str) -> str:
               f"{args.intervals} intervals of {args.steps} steps, an incremental save after each; seed {args.seed}",
               f"- load average at start: {start_load}; at end: {load_average()}; total run {seconds:.0f} s",
               "- policies: none = plain increments, no merges (chains grow without end); chains-3 = every save "
-              "merges to hold each read chain at 3 records (the engine before issue 25); default = the package's "
+              "merges to hold each read chain at 3 records (the engine of 2026-11 before background merges); default = the package's "
               f"knobs: saves write their own rows, background merges past read amplification {knobs.MERGE_TRIGGER}, "
               f"hard bound {knobs.READ_AMP_BOUND} (compaction='auto' for the last two)",
               "- write amplification = stats()['write_amplification']: all bytes appended / bytes the "

@@ -539,7 +539,7 @@ def report(args, s: dict, load_start: str, elapsed: float) -> tuple[str, dict]:
                      f"{fmt_s(r['wait_max'])} | {fmt_bytes(r['bytes'])} | {fmt_bytes(r['bytes_total'])} | "
                      f"{fmt_s(r['durable'])} | {fmt_s(r['restore'])} | "
                      f"{s[m]['train_wall'] / base_wall - 1:+.0%} |")
-    lines += ["", "Goals (issue 14), DCP async_save / cnrstore, medians from this run"
+    lines += ["", "Targets, DCP async_save / cnrstore, medians from this run"
               + (" (--quick: a smoke run at 1/50 of the tables, where fixed per-save costs dominate and an "
                  "interval touches far more of the rows; the full run's verdicts are the ones that count):"
                  if args.quick else ":")]

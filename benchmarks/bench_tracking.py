@@ -190,7 +190,7 @@ def run(args) -> str:
         + (", and an int32 count" if args.priority else "") + f", against {args.dim} x 4 B of weights); the "
         f"save's host staging buffers, allocated by a save and reused: {fmt_bytes(staging_b)} "
         f"({100 * staging_b / emb_bytes:.2f}%) after the baseline save",
-        f"- goals (issue 23): hooks at most 1% of a step -- {'reached' if hook_step / step_off <= 0.01 else 'missed'} "
+        f"- target: hooks at most 1% of a step -- {'reached' if hook_step / step_off <= 0.01 else 'missed'} "
         f"by the direct timing ({100 * hook_step / step_off:.2f}%), A/B median {pct(float(np.median(r)))} with "
         f"its interval above; state at most 0.1% of the embedding bytes -- "
         f"{'reached' if track_b <= 0.001 * emb_bytes else 'missed'} ({100 * track_b / emb_bytes:.3f}%; one bit "

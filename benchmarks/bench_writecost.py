@@ -53,7 +53,7 @@ from bench_restore import PeakSampler  # noqa: E402
 from cnrstore import codecs, knobs  # noqa: E402
 from cnrstore.engine import record  # noqa: E402
 
-#: The knobs a policy sets. The old policy's are fixed (the engine before issue 25: the save path merges
+#: The knobs a policy sets. The old policy's are fixed (the engine of 2026-11 before background merges: the save path merges
 #: to hold every chain at 3 records); the new one is the package's defaults, read once here, before
 #: anything changes them.
 POLICY_KNOBS = ("READ_CHAIN_BOUND", "READ_AMP_BOUND", "MERGE_TRIGGER")
@@ -263,7 +263,7 @@ def verdict(ok: bool) -> str:
 
 
 def report(results: dict, refs: dict, args, seconds: float, start_load: str) -> str:
-    lines = ["## Write cost over a long run: saves, merges and read amplification (issue 25)", ""]
+    lines = ["## Write cost over a long run: saves, merges and read amplification", ""]
     lines += [f"- {line}" for line in machine_description()]
     total = args.tables * args.rows * args.dim * 4
     lines += [
@@ -352,7 +352,7 @@ def goals(results: dict, args) -> list[str]:
     flat_time, why_time = flat(per_mb, FLAT_TIME)
     total = r["after_baseline"] / np.sum(r["raw"])
     mem = r["restore_extra"] / r["output_bytes"]
-    lines = ["Goals of the issue (new policy, fp32):", "",
+    lines = ["Targets (new policy, fp32):", "",
              f"- bytes per save at most 1.1x the raw delta: max {max(amps):.2f}x, mean {np.mean(amps):.2f}x: "
              f"{verdict(max(amps) <= 1.1)}",
              f"- ... and flat (save bytes / raw delta, which takes out the workload's own 2-5% draw; flat when the "

@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 
+import verdict  # noqa: E402  (benchmarks/verdict.py: the table that opens RESULTS.md)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: The issue's time budgets on 2 cores: ``make bench`` and ``make bench-quick``.
 FULL_BUDGET_S = 30 * 60
@@ -27,8 +29,8 @@ QUICK_BUDGET_S = 3 * 60
 # quick runs never write the committed PNGs
 SECTIONS = [
     ("bench_peers.py", "Against the peers",
-     "cnrstore (adaptive 4-bit weights; the issue's scheme: intermittent trainer + background compaction, "
-     "and the design's: incremental trainer, read chains bounded by the writer's deltas, KeepLast retention; "
+     "cnrstore (adaptive 4-bit weights; intermittent + compaction: intermittent trainer + background compaction, "
+     "and incremental + keep-last: incremental trainer, read chains bounded by the writer's deltas, KeepLast retention; "
      "optimizer state fp32 and int8) against a blocking torch.save and torch.distributed.checkpoint "
      "save/async_save on the reference DLRM: bytes written, trainer stall, time until durable, restore "
      "time, disk use.", ["--plot", "peers_intervals.png"], ["--quick"], "peers_intervals.png"),
@@ -43,15 +45,15 @@ SECTIONS = [
      "longest read chain, restore time, trainer checkpoint latency.", ["--plot", "policies.png"],
      ["--quick", "--plot", "none"], "policies.png"),
     ("bench_space.py", "Space management: write and space amplification, read chains",
-     "The issue-12 DLRM (26 Criteo tables capped at 100k rows, dim 64, adaptive4, SGD, incremental saves, 10 "
+     "A DLRM (26 Criteo tables capped at 100k rows, dim 64, adaptive4, SGD, incremental saves, 10 "
      "intervals of 30 steps) with no merges, with every save merging to hold read chains at 3 (the engine "
-     "before issue 25) and with the defaults (saves write their own rows, background merges bound each "
+     "before background merges) and with the defaults (saves write their own rows, background merges bound each "
      "block's read cost): bytes written (saves and merges apart) against full fp32 checkpoints, write "
      "amplification, read chains and read amplification, space amplification after retain(5), disk after "
      "retain(1) against one fp32 checkpoint, restore against torch.load, point reads.",
      ["--plot", "space.png"], ["--quick", "--plot", "none"], "space.png"),
     ("bench_writecost.py", "Write cost over a long run: saves, merges and read amplification",
-     "The issue-25 peer workload (IncrCP_paper's Check-N-Run baseline): 8 tables of 524,288 rows x 64 (1 GiB of "
+     "A long incremental run (IncrCP_paper's Check-N-Run baseline): 8 tables of 524,288 rows x 64 (1 GiB of "
      "fp32), a baseline and 20 increments each touching 2-5% of every table's rows with Zipf popularity, under "
      "the old policy (the save path merges to hold read chains at 3) and the new one (the package's defaults), "
      "fp32 and int4: bytes and time per save against the raw delta, background merge bytes, total write "
@@ -233,7 +235,7 @@ def main(argv=None) -> int:
     print("wall times: " + ", ".join(f"{script} {seconds:.0f} s" for script, seconds, *_ in walls)
           + f"; all {total:.0f} s (budget {budget:.0f} s{'' if total <= budget else ': OVER'})")
     with open(out, "w") as f:
-        f.write("".join(parts))
+        f.write(verdict.put("".join(parts)))  # the user's verdict, read off the sections, opens the file
     print(f"wrote {out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
