@@ -337,7 +337,7 @@ def render(ns, st: Study, results: dict, header: list[str], elapsed: float) -> s
               "interval); ✓ holds (interval below +0.01%), ✗ FAILS (above), ? unresolved (straddles). Beside "
               "each: the MDE of this design for that cell and the seeds an MDE of 0.01% would need at the "
               "cell's spread.", "",
-              "| paper's cell | family | codec | logloss degradation | verdict | MDE (95%, 80% power) | seeds for "
+              f"| {ns.cell_header} | family | codec | logloss degradation | verdict | MDE (95%, 80% power) | seeds for "
               "MDE 0.01% | AUC delta |", "|---|---|---|---:|---|---:|---:|---:|"]
     verdicts = []
     for restores, bits in ns.paper_cells:
@@ -397,7 +397,7 @@ def render(ns, st: Study, results: dict, header: list[str], elapsed: float) -> s
     lines += ["", "### Uniform against adaptive against k-means", "",
               "Paired over seeds: the degradation of one family minus uniform's at the same cell (percentage "
               "points; negative: better than uniform).", "",
-              "| paper's cell | adaptive - uniform | k-means - uniform |", "|---|---:|---:|"]
+              f"| {ns.cell_header} | adaptive - uniform | k-means - uniform |", "|---|---:|---:|"]
     for restores, bits in ns.paper_cells:
         uni = codec_of("uniform", bits)
         cols = []
@@ -512,12 +512,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(ns, k) is None:
             setattr(ns, k, v)
     ns.paper_cells = ((1, 2), (3, 3)) if ns.quick else PAPER_CELLS
-    ns.table_label = "the paper's bit-width table"
+    ns.table_label, ns.cell_header = "the paper's bit-width table", "paper's cell"
     if ns.cells:
         try:
             ns.paper_cells = tuple((int(r), int(b)) for r, b in (c.split(":") for c in ns.cells))
         except ValueError:
             p.error(f"--cells takes RESTORES:BITS pairs such as 1:4, got {ns.cells}")
+        ns.cell_header = "cell"
         ns.table_label = "the cells " + ", ".join(f"{r} restore{'s' if r > 1 else ''} -> {b}-bit"
                                                   for r, b in ns.paper_cells)
     ns.dim = 16

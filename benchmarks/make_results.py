@@ -40,6 +40,11 @@ SECTIONS = [
      "over the last evaluations against the same seed's run without failures, paired over 8 seeds, with "
      "each verdict's minimum detectable effect; an fp16 control gives the noise floor, an fp32 control checks "
      "that restores are exact.", ["--plot", "accuracy.png"], ["--quick", "--plot", "none"], "accuracy.png"),
+    ("bench_accuracy.py", "Accuracy: the cells that calibrate BitWidthPolicy",
+     "The cells the paper's table leaves out but a bit-width rule needs (4-bit at 1 and 3 restores, 8-bit at 20), "
+     "in the same design: cnrstore.policy.CALIBRATED_TABLE, BitWidthPolicy's default, and the README's decision "
+     "table are read off these verdicts and the paper-table run above.",
+     ["--cells", "1:4", "3:4", "20:8", "--plot", "none"], ["--quick", "--cells", "1:4", "3:4", "--plot", "none"], None),
     ("bench_policies.py", "Differential schemes and background compaction",
      "30 checkpoints of 25% Zipf-modified rows under each scheme: bytes the trainer wrote, peak disk, "
      "longest read chain, restore time, trainer checkpoint latency.", ["--plot", "policies.png"],
@@ -150,6 +155,17 @@ def gpu_section(quick: bool, timeout: float) -> tuple[str, float, bool]:
         return note + f.read(), 0.0, True
 
 
+def shown_args(args: list[str]) -> list[str]:
+    """A section's arguments as its Reproduce line shows them: without ``--plot FILE``, which only draws."""
+    out, skip = [], False
+    for a in args:
+        if skip or a == "--plot":
+            skip = not skip
+            continue
+        out.append(a)
+    return out
+
+
 def load_average() -> str:
     """The 1/5/15-minute load averages (the machine is shared: the load beside each benchmark's time). The
     twin of bench_engine.load_average, kept here so that this long-lived parent never imports torch."""
@@ -211,7 +227,7 @@ def main(argv=None) -> int:
         walls.append((script, seconds, ok, load_before, load_average()))
         if not ok:
             failed.append(script)
-        reproduce = f"`.venv/bin/python benchmarks/{script}{' --quick' if args.quick else ''}`"
+        reproduce = f"`.venv/bin/python benchmarks/{' '.join([script, *shown_args(quick_args if args.quick else full_args)])}`"
         parts.append(f"\n## {title}\n\n{what}\n\nReproduce: {reproduce} ({seconds:.0f} s here).\n")
         if png and ok and not args.quick:
             parts.append(f"\n![{title}]({png})\n")

@@ -222,7 +222,7 @@ def test_failure_rate_forms_agree():
     assert e.interval_s() == pytest.approx(2 * 0.01 * 14 * HOUR * 8)
     assert d.expected_failures(100) == pytest.approx(5)
     assert BitWidthPolicy(expected_restores=d.expected_failures(100)).bits == \
-        BitWidthPolicy(mtbf_hours=20, job_hours=100).bits == 4
+        BitWidthPolicy(mtbf_hours=20, job_hours=100).bits == 8
 
 
 # -- monotonicity --------------------------------------------------------------------------------------

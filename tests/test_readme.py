@@ -189,7 +189,7 @@ import cnrstore.distributed
 assert [g.step for g in cnrstore.distributed.versions("trec")] == [100]
 assert cnrstore.distributed.versions("trec")[0].plan.row_ids == "global"
 '''),
-    "BitWidthPolicy(mtbf_hours": Spec(check='assert codec == "adaptive3" and bits.bits == 3'),
+    "BitWidthPolicy(mtbf_hours": Spec(check='assert codec == "adaptive4" and bits.bits == 4'),
     "cnrstore ls ckpt --long": Spec(after=USE, check='''
 import numpy as np
 with np.load("ckpt.npz") as z:

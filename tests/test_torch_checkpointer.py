@@ -11,6 +11,7 @@ from torch import nn
 import cnrstore
 from cnrstore.errors import InvalidArgument
 from cnrstore.policy import BitWidthPolicy
+from cnrstore.policy.bitwidth import PAPER_TABLE
 from cnrstore.torch import Checkpointer
 
 
@@ -619,7 +620,7 @@ def check_int4_restore(store, device="cpu") -> None:
 def test_bit_width_policy_picks_codec_and_counts_restores(store):
     torch.manual_seed(0)
     model = Table()
-    policy = BitWidthPolicy(expected_restores=0.5)  # -> 2 bits; 8 bits once a restore exceeds it
+    policy = BitWidthPolicy(expected_restores=0.5, table=PAPER_TABLE)  # -> 2 bits; 8 bits once a restore exceeds it
     ck = Checkpointer(store, model, codec=policy, mode="incremental")
     assert store.tables()["emb"].codec == "int2"
     saved = model.emb.weight.detach().numpy().copy()

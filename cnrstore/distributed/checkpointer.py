@@ -106,7 +106,7 @@ class DistributedCheckpointer:
     returns) and each restore's ``RestoreReport``; None: logged at INFO on the ``cnrstore.torch`` logger.
     """
 
-    def __init__(self, root, model: nn.Module, optimizer=None, *, plan: ShardingPlan | None = None, codec="int4",
+    def __init__(self, root, model: nn.Module, optimizer=None, *, plan: ShardingPlan | None = None, codec="int8",
                  mode: str = "intermittent", optimizer_codec: str = "fp32", extra=None, priority=None,
                  ssu_rate: float | None = None, compaction=None, keep_last: int | None = None,
                  timeout_s: float = 600.0, on_report=None):

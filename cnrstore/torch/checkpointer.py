@@ -177,7 +177,7 @@ class Checkpointer:
     INFO on the ``cnrstore.torch`` logger. A hook's exception is logged, never raised (``reports``).
     """
 
-    def __init__(self, store, model: nn.Module, optimizer=None, *, codec="int4", mode: str = "intermittent",
+    def __init__(self, store, model: nn.Module, optimizer=None, *, codec="int8", mode: str = "intermittent",
                  optimizer_codec: str = "fp32", extra=None, priority: str | None = None,
                  ssu_rate: float = 0.125, max_queue_bytes: int | None = None, keep_last: int | None = None,
                  keep_every_n_steps: int | None = None, on_report=None):
