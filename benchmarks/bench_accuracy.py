@@ -135,10 +135,12 @@ def run_one(ns, seed: int, codec: str | None, restores: int, snapshot_at: frozen
         model.load_state_dict(model_state)
         opt.load_state_dict(opt_state)
     tmp = tempfile.mkdtemp(prefix="bench_accuracy-")
+    # the lossless control checks that a restore is exact: its optimizer state is lossless too
+    optimizer_codec = LOSSLESS_CODEC if codec == LOSSLESS_CODEC else ns.optimizer_codec
     store = ckpt = None
     if codec:
         store = cnrstore.open(os.path.join(tmp, "store"), create=True)
-        ckpt = Checkpointer(store, model, opt, codec=codec, mode=ns.mode)
+        ckpt = Checkpointer(store, model, opt, codec=codec, mode=ns.mode, optimizer_codec=optimizer_codec)
     evals, curve, restarts, trained = [], [], 0, 0
     t0 = time.perf_counter()
     try:
@@ -150,7 +152,7 @@ def run_one(ns, seed: int, codec: str | None, restores: int, snapshot_at: frozen
                 # a restarted process: a differently initialized model, a new optimizer and Checkpointer
                 model = dm.build_model(args, seed + 1000 * restarts)
                 opt = torch.optim.Adagrad(model.parameters(), lr=ns.lr)
-                ckpt = Checkpointer(store, model, opt, codec=codec, mode=ns.mode)
+                ckpt = Checkpointer(store, model, opt, codec=codec, mode=ns.mode, optimizer_codec=optimizer_codec)
                 if ckpt.restore().step != step:
                     raise RuntimeError(f"{codec}: the restore after step {step} did not return step {step}")
             if step in snapshot_at:
@@ -297,7 +299,9 @@ def render(ns, st: Study, results: dict, header: list[str], elapsed: float) -> s
     card = dm.cardinalities(ns)
     lines.append(f"- workload: the DLRM of tools/train_dlrm.py, 26 EmbeddingBags, {sum(card):,} rows x dim {ns.dim}; "
                  f"{ns.steps} steps x batch {ns.batch_size}; Adagrad, learning rate {ns.lr} decayed linearly to 0; "
-                 f"checkpoint mode {ns.mode}; optimizer state and dense layers lossless")
+                 f"checkpoint mode {ns.mode}; "
+                 + ("optimizer state and dense layers lossless" if ns.optimizer_codec == "fp32" else
+                    f"Adagrad's state in {ns.optimizer_codec} (the fp32 control's in fp32), dense layers lossless"))
     lines.append(f"- metric: mean held-out logloss (and AUC) of the last {ns.evals} evaluations, every "
                  f"{ns.eval_every} steps, on {ns.holdout_batches * 4096:,} held-out samples per seed")
     lines.append(f"- seeds: {len(ns.seeds)} ({ns.seeds[0]}..{ns.seeds[-1]}), paired: every cell is compared with "
@@ -497,6 +501,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--evals", type=int, default=5, help="the metric averages this many final evaluations")
     p.add_argument("--eval-every", type=int, default=None, help="steps between them (default 10; --quick 5)")
     p.add_argument("--mode", default="intermittent", choices=("incremental", "intermittent"))
+    p.add_argument("--optimizer-codec", default="fp32",
+                   help="codec of Adagrad's row-wise state (default fp32, lossless; e.g. int8)")
     p.add_argument("--no-fork", dest="fork", action="store_false",
                    help="train every run from step 0 (default: a run with failures starts from the baseline's "
                         "state at its first failure, the steps before it being identical)")
@@ -521,6 +527,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ns.cell_header = "cell"
         ns.table_label = "the cells " + ", ".join(f"{r} restore{'s' if r > 1 else ''} -> {b}-bit"
                                                   for r, b in ns.paper_cells)
+    if ns.optimizer_codec != "fp32":
+        ns.table_label += f" (optimizer state in {ns.optimizer_codec})"
     ns.dim = 16
     if ns.seeds < 2:
         p.error("--seeds must be at least 2 (an interval needs two)")

@@ -45,6 +45,11 @@ SECTIONS = [
      "in the same design: cnrstore.policy.CALIBRATED_TABLE, BitWidthPolicy's default, and the README's decision "
      "table are read off these verdicts and the paper-table run above.",
      ["--cells", "1:4", "3:4", "20:8", "--plot", "none"], ["--quick", "--cells", "1:4", "3:4", "--plot", "none"], None),
+    ("bench_accuracy.py", "Accuracy: the optimizer state in int8",
+     "The same design with Adagrad's row-wise state checkpointed in int8 (optimizer_codec=\"int8\", which halves a "
+     "save's bytes with Adagrad) instead of fp32: 4-bit weights at 1 restore, int8 weights at 20.",
+     ["--cells", "1:4", "20:8", "--optimizer-codec", "int8", "--plot", "none"],
+     ["--quick", "--cells", "1:4", "--optimizer-codec", "int8", "--plot", "none"], None),
     ("bench_policies.py", "Differential schemes and background compaction",
      "30 checkpoints of 25% Zipf-modified rows under each scheme: bytes the trainer wrote, peak disk, "
      "longest read chain, restore time, trainer checkpoint latency.", ["--plot", "policies.png"],
