@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import threading
 
-import numpy as np
 import pytest
 import torch
 

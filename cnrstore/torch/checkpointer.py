@@ -148,6 +148,16 @@ def _as_extra(extra) -> dict:
     return items
 
 
+def _copy_in(live: torch.Tensor, src: torch.Tensor, pending: set) -> None:
+    """``live[:] = src``: from a pinned host buffer into a CUDA tensor without blocking (its device is added
+    to ``pending``: synchronize it before the buffer is read or freed), otherwise at once."""
+    if src.is_pinned() and live.is_cuda:
+        live.copy_(src, non_blocking=True)
+        pending.add(live.device)
+    else:
+        live.copy_(src)
+
+
 class Checkpointer:
     """Checkpoints ``model`` (and ``optimizer``, ``extra``) into ``store``; see API.md and the module doc.
 
@@ -626,17 +636,18 @@ class Checkpointer:
         leaves the optimizers as they are); ``extra``: {name: state dict}, loaded in that order.
         Call :meth:`note_restore` after it."""
         create_lazy_state(self._optimizers, optimizer_states)
+        pending = set()  # the CUDA devices with host-to-device copies in flight
         with torch.no_grad():
             for t, w in zip(self._tables, weights):
                 if w is not t.weight:  # (the weight itself: restore decoded the table into it)
-                    t.weight.copy_(w, non_blocking=w.is_pinned())
+                    _copy_in(t.weight, w, pending)
             for state, w in shard_states:
                 if w is not state:  # (the state itself: restore decoded its rows into it)
-                    state.copy_(w.reshape(state.shape))
+                    _copy_in(state, w.reshape(state.shape), pending)
             for key, src in dense.items():
                 self._dense[key].copy_(src)
-            if any(w is not t.weight and t.weight.is_cuda for t, w in zip(self._tables, weights)):
-                torch.cuda.synchronize()  # the pinned buffers' copies have landed before anyone reads
+            for device in pending:  # the pinned buffers' copies have landed before anyone reads (or frees) them
+                torch.cuda.synchronize(device)
         for opt, sd in zip(self._optimizers, optimizer_states):
             opt.load_state_dict(with_live_state(sd, opt))
         for k, state in extra.items():
