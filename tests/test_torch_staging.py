@@ -72,6 +72,18 @@ class _DeferredBatch:
         return wait, []
 
 
+def gated(store, seed: int):
+    """(gate, backend, model, optimizer, loader, Checkpointer): an incremental fp32 Checkpointer whose
+    staged copies land only once ``gate`` is set."""
+    gate = threading.Event()
+    backend = DeferredBackend(gate)
+    model, opt = make(seed, "adagrad")
+    loader = Loader()
+    ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental", extra={"loader": loader},
+                      stager=Stager(backend))
+    return gate, backend, model, opt, loader, ck
+
+
 def snapshot(model, opt, loader):
     return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), loader.position
 
@@ -115,12 +127,7 @@ def test_the_writer_stores_the_staged_copies_bit_exact(store, optim, mode):
 def test_nothing_of_the_snapshot_is_read_before_the_copies_land(store):
     """The write of a save whose copies have not landed has written nothing; once they land it commits
     exactly the state at save()."""
-    gate = threading.Event()
-    backend = DeferredBackend(gate)
-    model, opt = make(1, "adagrad")
-    loader = Loader()
-    ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental", extra={"loader": loader},
-                      stager=Stager(backend))
+    gate, backend, model, opt, loader, ck = gated(store, 1)
     train_step(model, opt, loader.next())
     pending = ck.save(step=1)
     want = snapshot(model, opt, loader)
@@ -161,12 +168,7 @@ def test_host_buffers_are_reused_save_after_save(store):
 def test_a_queued_save_keeps_its_buffers_while_the_next_save_copies(store):
     """Save 1's write waits (its copies have not landed) while the trainer goes on and saves again: save 2
     gets buffers of its own, so nothing of save 1's snapshot is overwritten; both restore bit-exact."""
-    gate = threading.Event()
-    backend = DeferredBackend(gate)
-    model, opt = make(3, "adagrad")
-    loader = Loader()
-    ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental", extra={"loader": loader},
-                      stager=Stager(backend))
+    gate, backend, model, opt, loader, ck = gated(store, 3)
     emb = ck.trainer_state().tables[0]
     train_step(model, opt, loader.next())
     first = ck.save(step=loader.position)
