@@ -237,3 +237,74 @@ def test_stager_argument_is_checked(store):
     model, opt = make(6, "sgd")
     with pytest.raises(InvalidArgument, match="stager"):
         Checkpointer(store, model, opt, stager=object())
+
+
+def test_the_cuda_backend_orders_the_trainers_stream_after_the_reads(monkeypatch):
+    """CudaBackend's calls, with torch.cuda's streams and events replaced by recorders (CPU tensors do the
+    copies): the side stream first waits for the current one; the event the current stream waits on is
+    recorded after every read of a live tensor (the rows gathered, the whole tensor copied) and before the
+    gathered rows are copied to the host; the handle's wait synchronizes on an event recorded after them."""
+    import contextlib
+
+    from cnrstore.torch.staging import CudaBackend
+
+    log = []
+    nan = float("nan")
+    src = torch.arange(12.0).reshape(6, 2)
+    rows = torch.tensor([4, 1])
+    out_rows, out_whole = torch.full((2, 2), nan), torch.full((6, 2), nan)
+
+    def landed():
+        return (not out_rows.isnan().any().item(), not out_whole.isnan().any().item())
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            log.append(("wait_event", self.name, event.name))
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+            self.name = f"event{Event.made}"
+
+        def record(self, stream):
+            log.append(("record", stream.name, self.name, landed()))
+
+        def synchronize(self):
+            log.append(("synchronize", self.name))
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(("enter", stream.name))
+        yield
+        log.append(("exit", stream.name))
+
+    current = Stream("current")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("side"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    batch = CudaBackend(torch.device("cpu")).batch()
+    batch.gather(src, rows, out_rows)
+    batch.gather(src, None, out_whole)
+    wait, keep = batch.finish()
+    src.add_(100.0)  # the trainer's next step (ordered after the reads on a GPU)
+    wait()
+    assert log[0] == ("wait_stream", "side", "current")
+    records = [e for e in log if e[0] == "record"]
+    assert [r[1] for r in records] == ["side", "side"]
+    read, copied = records[0][2], records[1][2]
+    assert records[0][3] == (False, True)   # at the read event: the whole copy done, the rows not yet on the host
+    assert records[1][3] == (True, True)
+    assert log.index(("wait_event", "current", read)) > log.index(records[0])
+    assert log[-1] == ("synchronize", copied)
+    assert torch.equal(out_rows, torch.tensor([[8.0, 9.0], [2.0, 3.0]]))
+    assert torch.equal(out_whole, torch.arange(12.0).reshape(6, 2))
+    assert any(t is rows for t in keep) and any(t is src for t in keep)
