@@ -243,7 +243,8 @@ def test_the_cuda_backend_orders_the_trainers_stream_after_the_reads(monkeypatch
     """CudaBackend's calls, with torch.cuda's streams and events replaced by recorders (CPU tensors do the
     copies): the side stream first waits for the current one; the event the current stream waits on is
     recorded after every read of a live tensor (the rows gathered, the whole tensor copied) and before the
-    gathered rows are copied to the host; the handle's wait synchronizes on an event recorded after them."""
+    gathered rows are copied to the host; the handle's wait synchronizes on an event recorded after them;
+    the sources and row indices are marked record_stream(side)."""
     import contextlib
 
     from cnrstore.torch.staging import CudaBackend
@@ -287,6 +288,8 @@ def test_the_cuda_backend_orders_the_trainers_stream_after_the_reads(monkeypatch
         log.append(("exit", stream.name))
 
     current = Stream("current")
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: log.append(("record_stream", stream.name, self.data_ptr())))
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("side"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.cuda, "Event", Event)
@@ -307,4 +310,6 @@ def test_the_cuda_backend_orders_the_trainers_stream_after_the_reads(monkeypatch
     assert log[-1] == ("synchronize", copied)
     assert torch.equal(out_rows, torch.tensor([[8.0, 9.0], [2.0, 3.0]]))
     assert torch.equal(out_whole, torch.arange(12.0).reshape(6, 2))
-    assert any(t is rows for t in keep) and any(t is src for t in keep)
+    # the tensors made on the trainer's stream and read on the side one are marked for the allocator
+    marked = {e[2] for e in log if e[0] == "record_stream" and e[1] == "side"}
+    assert {src.data_ptr(), rows.data_ptr()} <= marked and keep == []

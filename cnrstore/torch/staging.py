@@ -24,9 +24,12 @@ that is current on the weight's device when ``save()`` runs (the trainer's) and 
    step's in-place writes of the weights and of their optimizer state -- runs after phase A has read them.
    The trainer's *thread* does not wait: only its stream's later work is ordered after the reads.
 4. Phase B on *side*: each temporary ``non_blocking`` into its pinned buffer. Then event *copied*.
-5. The writer calls :meth:`Staged.wait` (``copied.synchronize()``) before it reads a host buffer; the
-   device tensors read on *side* (sources, row indices, temporaries) stay referenced by the handle until
-   then, so the caching allocator cannot hand their memory to other work while *side* still uses it.
+5. The writer calls :meth:`Staged.wait` (``copied.synchronize()``) before it reads a host buffer.
+   Device memory: the sources and row indices, made on other streams, are marked ``record_stream(side)``,
+   so the caching allocator does not hand their memory to other work before *side*'s work on them is
+   done, even if the trainer drops them at once; the temporaries are allocated on *side* and dropped once
+   phase B is enqueued (their memory goes only to later work on *side*, which runs after those copies).
+   So a queued snapshot holds no device memory while it waits for its write, only its pinned buffers.
 6. A host buffer is lent to one snapshot until that snapshot's write has ended (``Table.take_buffer`` /
    ``release_buffer``), and the write waits for *copied* first: no copy of a later save lands in a buffer
    a queued write still reads.
@@ -215,28 +218,26 @@ class _CudaBatch:
         self.current = torch.cuda.current_stream(backend.device)
         self.stream.wait_stream(self.current)  # step 1
         self.later: list = []  # (device temporary, pinned buffer): phase B
-        self.keep: list = []   # device tensors read on the side stream
 
     def gather(self, src: torch.Tensor, rows, out: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):  # phase A: the reads of live tensors
             if rows is None:
                 out.copy_(src, non_blocking=True)
             else:
-                tmp = src.index_select(0, rows)
-                self.later.append((tmp, out))
-                self.keep.append(tmp)
-        self.keep.append(src)
+                self.later.append((src.index_select(0, rows), out))  # (allocated on the side stream)
+        src.record_stream(self.stream)  # (step 5: made on another stream, read on this one)
         if rows is not None:
-            self.keep.append(rows)
+            rows.record_stream(self.stream)
 
     def finish(self):
-        """(a wait for the copies, the device tensors to hold until then)."""
+        """(a wait for the copies, no device tensor to hold: step 5)."""
         read = torch.cuda.Event()
         read.record(self.stream)
         self.current.wait_event(read)  # step 3
         with torch.cuda.stream(self.stream):  # step 4
             for tmp, out in self.later:
                 out.copy_(tmp, non_blocking=True)
+        self.later = []  # the temporaries: their memory goes to later work on the side stream only
         copied = torch.cuda.Event()
         copied.record(self.stream)
-        return copied.synchronize, self.keep
+        return copied.synchronize, []
