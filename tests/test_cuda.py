@@ -4,6 +4,8 @@ Skipped where torch sees no GPU (CI has none); run on a lent GPU machine with ``
 The same properties as the CPU tests: tracking catches every looked-up row, every mode writes exactly the
 rows it must, restores are bit-exact (fp32) or equal the decoded saved rows (int4), a store written from
 CUDA restores onto the CPU and back, and a one-rank NCCL job saves and restores through its own gloo group.
+The staged snapshot: pinned host buffers reused across saves, the ordering of the trainer's next in-place
+write after the snapshot's reads, and a save() stall below a synchronous copy's.
 """
 
 from __future__ import annotations
@@ -192,6 +194,111 @@ def test_one_rank_nccl_job_saves_and_restores_bit_exact(tmp_path):
         assert_state_equal(want_opt, on_cpu(opt.state_dict()))
         ck.close()
     finally:
+        dist.destroy_process_group()
+
+
+# -- the staged snapshot (cnrstore/torch/staging.py): pinned buffers, a side stream, the ordering contract --
+
+def test_cuda_snapshot_stages_into_pinned_buffers_reused_across_saves(store):
+    from cnrstore.torch.staging import CudaBackend
+
+    model, opt = make(0, "adagrad", CUDA)
+    ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental")
+    assert isinstance(ck.stager.backend(model.emb.weight.device), CudaBackend)
+    ptrs = None
+    for i in range(4):
+        train_step(model, opt, batch(i))
+        ck.save(i).wait()
+        bufs = {(t.name, key): buf for t in ck.trainer_state().tables for key, buf in t.buffers.items()}
+        assert ("emb", "emb.optim.sum") in bufs and all(buf.is_pinned() for buf in bufs.values())
+        now = {k: buf.data_ptr() for k, buf in bufs.items()}
+        if ptrs is not None:
+            assert now == ptrs  # the baseline's buffers serve every increment
+        ptrs = now
+    want = on_cpu(model.state_dict()), on_cpu(opt.state_dict())
+    train_step(model, opt, batch(9))
+    ck.restore()
+    assert_state_equal(want[0], on_cpu(model.state_dict()))
+    assert_state_equal(want[1], on_cpu(opt.state_dict()))
+    ck.close()
+
+
+def test_cuda_save_reads_the_weights_before_the_trainers_next_in_place_write(tmp_path):
+    """save() returns with its copies in flight on the side stream; the trainer's stream at once writes
+    every row in place. The version holds the rows as they were at save(): the trainer's stream waited for
+    the snapshot's reads (a 256 MiB table: the copies take milliseconds, the race is real)."""
+    rows, dim = 1 << 20, 64
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        emb = nn.Embedding(rows, dim).to(CUDA)
+        ck = Checkpointer(store, nn.ModuleDict({"emb": emb}), codec="fp32", mode="incremental")
+        w = emb.weight
+        with torch.no_grad():
+            w.fill_(1.0)
+        first = ck.save(1)  # a baseline: every row, copied straight from the weight
+        with torch.no_grad():
+            w.add_(1.0)
+        v1 = first.wait()
+        emb(torch.arange(0, rows, 2, device=CUDA))  # tracked: the even rows
+        second = ck.save(2)  # an increment: index_select on the side stream, then device-to-host
+        with torch.no_grad():
+            w.mul_(10.0)
+        v2 = second.wait()
+        got1 = store.read_table("emb", version=v1)
+        got2 = store.read_table("emb", version=v2)
+        ck.close()
+    assert (got1 == 1.0).all()
+    assert (got2[0::2] == 2.0).all() and (got2[1::2] == 1.0).all()
+
+
+def test_cuda_save_stalls_less_than_a_synchronous_copy(store):
+    """The trainer's stall in save() (launching the side stream's copies) against a synchronous
+    device-to-host copy of the same rows, both measured here (every row of a 512 MiB table)."""
+    import statistics
+    import time
+
+    rows, dim = 1 << 21, 64
+    emb = nn.Embedding(rows, dim).to(CUDA)
+    ck = Checkpointer(store, nn.ModuleDict({"emb": emb}), codec="fp32", mode="incremental")
+    ids = torch.arange(rows, device=CUDA)
+    ck.save(0).wait()  # the baseline (and the pinned buffer's allocation)
+    stalls, syncs = [], []
+    for i in range(3):
+        emb(ids)  # every row looked up: the increment gathers them all
+        torch.cuda.synchronize()
+        pending = ck.save(i + 1)
+        stalls.append(pending.report.stall_s)
+        pending.wait()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        emb.weight.detach().index_select(0, ids).cpu()
+        syncs.append(time.perf_counter() - t0)
+    ck.close()
+    stall, sync = statistics.median(stalls), statistics.median(syncs)
+    print(f"save() stall {stall * 1e3:.2f} ms, synchronous copy {sync * 1e3:.2f} ms ({sync / stall:.1f}x)")
+    assert stall < 0.5 * sync
+
+
+def test_watched_object_collectives_on_a_one_rank_nccl_group(tmp_path):
+    """cnrstore.distributed.failures' object collectives under a failure watch carry their messages on the
+    current CUDA device when the group is NCCL's (a trainer's own default group)."""
+    import torch.distributed as dist
+
+    from cnrstore.distributed import failures
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60), device_id=torch.device("cuda", 0))
+    board = failures.FailureBoard()
+    failures.install(failures.FailureWatch(board.host, board.port, rank=0, epoch=0))
+    try:
+        assert failures.message_device().type == "cuda"
+        got = [None]
+        failures.all_gather_object(got, {"rows": [1, 2]})
+        assert got == [{"rows": [1, 2]}]
+        answer = [("ok", 3)]
+        failures.broadcast_object_list(answer, src=0)
+        assert answer == [("ok", 3)]
+    finally:
+        failures.uninstall()
         dist.destroy_process_group()
 
 

@@ -105,3 +105,21 @@ def test_without_a_watch_the_helpers_are_plain_waits():
     failures.wait([work])                # returns: the work completed
     with pytest.raises(RuntimeError, match="Connection closed"):
         failures.wait([Broken()])        # gloo's own error, as torch raises it
+
+
+def test_object_collectives_under_a_watch_carry_objects_on_the_groups_device(watch, group):
+    """The watched object collectives (async tensor collectives underneath) on a gloo group: CPU messages
+    (an NCCL group would get them on the current CUDA device: tests/test_cuda.py)."""
+    import torch.distributed as dist
+
+    assert failures.message_device() == torch.device("cpu")
+    side = dist.new_group(backend="gloo")
+    try:
+        got = [None]
+        failures.all_gather_object(got, {"rank": 0, "rows": [1, 2, 3]}, group=side)
+        assert got == [{"rank": 0, "rows": [1, 2, 3]}]
+        answer = [("ok", 7)]
+        failures.broadcast_object_list(answer, src=0, group=side)
+        assert answer == [("ok", 7)]
+    finally:
+        dist.destroy_process_group(side)

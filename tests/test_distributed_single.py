@@ -268,3 +268,31 @@ def test_on_report_gets_global_versions_and_restores_and_logging_is_the_default(
     ck.close()
     lines = [r.getMessage() for r in caplog.records if r.name == "cnrstore.torch"]
     assert len(lines) == 2 and lines[0].startswith("save of step 1 -> version 1") and "restored version 1" in lines[1]
+
+
+def test_every_collective_of_the_checkpointer_runs_on_its_own_gloo_group(tmp_path, group, monkeypatch):
+    """Nothing of cnrstore.distributed runs on the default group, which may be NCCL (it carries no CPU
+    tensors): construction, saves, restores and recovery use the checkpointer's own gloo group."""
+    import torch.distributed as dist
+
+    from cnrstore.distributed import failures
+
+    seen = []
+    for name in ("all_gather_object", "broadcast_object_list"):
+        real = getattr(failures, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            g = kw.get("group")
+            seen.append((_name, g is not None and g is not dist.group.WORLD, g is not None and dist.get_backend(g)))
+            return _real(*args, **kw)
+        monkeypatch.setattr(failures, name, spy)
+    ck, model, opt = make(tmp_path / "root", mode="incremental")
+    step(model, opt)
+    ck.save(step=1).wait()
+    step(model, opt, rows=(4, 5))
+    ck.save(step=2).wait()
+    ck.restore()
+    ck.recover([0], step=3)
+    ck.close()
+    assert {n for n, _o, _b in seen} == {"all_gather_object", "broadcast_object_list"}
+    assert all(own and backend == "gloo" for _n, own, backend in seen), seen

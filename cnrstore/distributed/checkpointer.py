@@ -82,6 +82,12 @@ class DistributedPendingSave(PendingSave):
         self.global_version: int | None = None
 
 
+def _host_copy(v: torch.Tensor) -> torch.Tensor:
+    """A copy of the optimizer state ``v`` to send: in host memory (a 0-dim tensor keeps its device)."""
+    v = v.detach()
+    return v.to("cpu", copy=True) if v.dim() > 0 else v.clone()
+
+
 def _check_dist() -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise InvalidArgument("torch.distributed is not initialized; call torch.distributed.init_process_group "
@@ -112,9 +118,25 @@ class DistributedCheckpointer:
                  timeout_s: float = 600.0, on_report=None):
         self._on_report = reports.check_hook(on_report, "DistributedCheckpointer")
         self.rank, self.world_size = _check_dist()
+        if not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be positive, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self._group = None
+        self._world = None
+        self._new_group()  # (collective) every collective of this checkpointer runs on it, whatever the backend
+        try:
+            self._setup(root, model, optimizer, plan, codec, mode, optimizer_codec, extra, priority, ssu_rate,
+                        compaction, keep_last)
+        except BaseException:
+            self._release_group()
+            raise
+
+    def _setup(self, root, model, optimizer, plan, codec, mode, optimizer_codec, extra, priority, ssu_rate,
+               compaction, keep_last) -> None:
+        """The rest of ``__init__``, once this checkpointer's gloo group exists."""
         self._plan_from_model = plan is None
         if plan is None:  # a TorchRec model: its own sharding (collective), else a clear error
-            plan = ShardingPlan.from_torchrec(model, self.world_size)
+            plan = ShardingPlan.from_torchrec(model, self.world_size, group=self._group)
         if not isinstance(plan, ShardingPlan):
             raise InvalidArgument(f"plan must be a cnrstore.distributed.ShardingPlan, got {type(plan).__name__}")
         if plan.world_size != self.world_size:
@@ -126,17 +148,12 @@ class DistributedCheckpointer:
                                   "a global version needs every rank's local version; use keep_last=")
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise InvalidArgument(f"keep_last must be a positive integer or None, got {keep_last!r}")
-        if not timeout_s > 0:
-            raise InvalidArgument(f"timeout_s must be positive, got {timeout_s!r}")
         self.plan = plan
         self.model = model
         self.keep_last = keep_last
-        self.timeout_s = float(timeout_s)
         self._shards = plan.shards_of(self.rank)
         self._check_model(model)
         self.root = Root(root)
-        self._group = None
-        self._world = None
         self.generation = self._join()
         self.store = _store.open(self.root.store_path(self.root.store_rel(self.generation, self.rank)),
                                  create=True, compaction=policy)
@@ -201,12 +218,17 @@ class DistributedCheckpointer:
             except Exception:  # a group broken by a dead peer: nothing left to release
                 pass
 
-    def _join(self) -> int:
-        """Create this checkpointer's gloo group over the current default group and agree on the
-        generation (collective). Rank 0 makes the root and the generation's plan file."""
+    def _new_group(self) -> None:
+        """Create this checkpointer's gloo group over the current default group (collective). Every
+        collective of the checkpointer runs on it: its messages are CPU tensors, which an NCCL default
+        group cannot carry, and a trainer's own NCCL collectives never queue behind a checkpoint's."""
         self._release_group()
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         self._world = dist.group.WORLD
+
+    def _join(self) -> int:
+        """Agree on the generation over this checkpointer's group (collective). Rank 0 makes the root and
+        the generation's plan file."""
         answer: list = [None]
         if self.rank == 0:
             try:
@@ -227,8 +249,9 @@ class DistributedCheckpointer:
         if dist.group.WORLD is self._world:
             return
         _check_dist()
+        self._new_group()
         if self._plan_from_model:
-            plan = ShardingPlan.from_torchrec(self.model, self.world_size)
+            plan = ShardingPlan.from_torchrec(self.model, self.world_size, group=self._group)
             if plan != self.plan:
                 raise InvalidArgument("the re-formed job's TorchRec shards are not the ones this checkpointer saved "
                                       "(another world size or plan): open a new DistributedCheckpointer and restore()")
@@ -488,13 +511,14 @@ class DistributedCheckpointer:
         return {id(p): n for n, p in self.model.named_parameters()}
 
     def _replicated_state(self) -> dict:
-        """The dense parameters/buffers and their optimizer state, by name (sent to replaced ranks)."""
+        """The dense parameters/buffers and their optimizer state, by name (sent to replaced ranks over the
+        gloo group: tensors in host memory, but for 0-dim ones, which keep their device)."""
         names = self._param_names()
         local = self._local.trainer_state()
         dense_ids = {id(v) for v in local.dense.values()}
         optims = []
         for opt in local.optimizers:
-            optims.append({names[id(p)]: {k: (v.detach().clone() if torch.is_tensor(v) else v)
+            optims.append({names[id(p)]: {k: (_host_copy(v) if torch.is_tensor(v) else v)
                                           for k, v in opt.state.get(p, {}).items()}
                            for g in opt.param_groups for p in g["params"]
                            if id(p) in dense_ids and id(p) in names})
@@ -512,7 +536,9 @@ class DistributedCheckpointer:
                 for p in g["params"]:
                     st = by_name.get(names.get(id(p)))
                     if st is not None:
-                        opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
+                        # (a 0-dim state on a device, e.g. a capturable step, goes to this rank's device too)
+                        opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and (v.dim() > 0 or v.is_cuda)
+                                            else v)
                                         for k, v in st.items()}
 
     # -- lifecycle ------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ import torch.distributed as dist
 from ..errors import InvalidArgument, PeerFailure
 
 __all__ = ["FailureBoard", "FailureWatch", "install", "current", "uninstall", "wait", "all_reduce", "all_gather",
-           "all_gather_object", "broadcast_object_list", "batch_isend_irecv", "leave_group", "KEY_PREFIX"]
+           "all_gather_object", "broadcast_object_list", "batch_isend_irecv", "leave_group", "message_device",
+           "KEY_PREFIX"]
 
 #: The board's key of failure epoch ``e`` is ``KEY_PREFIX + str(e)``.
 KEY_PREFIX = "cnrstore/failure/"
@@ -305,45 +306,61 @@ def batch_isend_irecv(ops: list) -> None:
     wait(dist.batch_isend_irecv(ops), ops[0].group)
 
 
-def _to_bytes(obj) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+def _to_bytes(obj, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def message_device(group=None) -> torch.device:
+    """Where the tensors of an object collective on ``group`` (None: the default group) must live: the
+    current CUDA device for an NCCL group (NCCL moves device memory only; as with torch's own object
+    collectives, each rank must have called ``torch.cuda.set_device`` to its own GPU), the CPU otherwise
+    (gloo). ``cnrstore.distributed``'s own collectives run on gloo groups of their own, so the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_gather_object(object_list: list, obj, group=None) -> None:
     """``dist.all_gather_object`` on async tensor collectives (so :func:`wait` can leave it): fills
-    ``object_list[r]`` with rank r's ``obj``. Objects are pickled; peers are trusted as with torch's."""
+    ``object_list[r]`` with rank r's ``obj``. Objects are pickled; peers are trusted as with torch's. On
+    an NCCL group the messages go through the current CUDA device (:func:`message_device`)."""
     if _WATCH is None:
         dist.all_gather_object(object_list, obj, group=group)
         return
     n = dist.get_world_size(group)
     if len(object_list) != n:
         raise InvalidArgument(f"object_list must have {n} entries, got {len(object_list)}")
-    data = _to_bytes(obj)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-    all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group)
-    width = max(int(s) for s in sizes)
-    padded = torch.zeros(width, dtype=torch.uint8)
+    device = message_device(group)
+    data = _to_bytes(obj, device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group)
+    sizes = [int(s) for s in sizes]
+    width = max(sizes)
+    padded = torch.zeros(width, dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
-    out = [torch.empty(width, dtype=torch.uint8) for _ in range(n)]
+    out = [torch.empty(width, dtype=torch.uint8, device=device) for _ in range(n)]
     all_gather(out, padded, group)
     for r in range(n):
-        object_list[r] = pickle.loads(out[r][:int(sizes[r])].numpy().tobytes())
+        object_list[r] = pickle.loads(out[r][:sizes[r]].cpu().numpy().tobytes())
 
 
 def broadcast_object_list(object_list: list, src: int, group=None) -> None:
     """``dist.broadcast_object_list`` on async tensor collectives: every rank's ``object_list`` becomes
-    rank ``src``'s (a global rank, as torch's)."""
+    rank ``src``'s (a global rank, as torch's). On an NCCL group the messages go through the current CUDA
+    device (:func:`message_device`)."""
     if _WATCH is None:
         dist.broadcast_object_list(object_list, src=src, group=group)
         return
     _checked()
-    data = _to_bytes(list(object_list)) if dist.get_rank() == src else torch.zeros(0, dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
+    device = message_device(group)
+    mine = dist.get_rank() == src
+    data = _to_bytes(list(object_list), device) if mine else torch.zeros(0, dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     wait(dist.broadcast(size, src=src, group=group, async_op=True), group)
-    buf = data if dist.get_rank() == src else torch.empty(int(size), dtype=torch.uint8)
+    buf = data if mine else torch.empty(int(size), dtype=torch.uint8, device=device)
     wait(dist.broadcast(buf, src=src, group=group, async_op=True), group)
-    if dist.get_rank() != src:
-        object_list[:] = pickle.loads(buf.numpy().tobytes())
+    if not mine:
+        object_list[:] = pickle.loads(buf.cpu().numpy().tobytes())
 
 
 def leave_group() -> None:

@@ -130,11 +130,11 @@ class ShardingPlan:
     @classmethod
     def from_torchrec(cls, model, world_size: int, group=None) -> "ShardingPlan":
         """The plan a TorchRec ``DistributedModelParallel`` model was sharded with (collective over ``group``,
-        default the default group): one table per stored table of ``cnrstore.torch.sharded`` (a table's FQN,
+        default the default group; on an NCCL group each rank must have set its own CUDA device, as for torch's
+        object collectives; ``DistributedCheckpointer`` passes its gloo group): one table per stored table of ``cnrstore.torch.sharded`` (a table's FQN,
         or one column slice of it), its shards the ranks' row ranges; rows numbered by global id."""
-        import torch.distributed as dist  # noqa: PLC0415
-
         from ..torch import sharded  # noqa: PLC0415
+        from . import failures  # noqa: PLC0415
 
         if not sharded.is_sharded(model):
             raise InvalidArgument("the model holds no TorchRec sharded module: give its ShardingPlan as plan=")
@@ -142,7 +142,7 @@ class ShardingPlan:
         mine = [(s.name, s.global_rows, int(s.tensor.shape[1]), s.row_offset, s.row_offset + int(s.tensor.shape[0]))
                 for s in shards if s.tensor.numel()]
         every: list = [None] * int(world_size)
-        dist.all_gather_object(every, mine, group=group)
+        failures.all_gather_object(every, mine, group=group)
         tables, out = {}, []
         for rank, entries in enumerate(every):
             for name, rows, width, r0, r1 in entries:

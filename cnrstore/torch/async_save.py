@@ -1,8 +1,8 @@
 """The asynchronous half of a ``Checkpointer`` save: the host copies its snapshot holds, the write of that
 snapshot into the store on a background thread, and the handles the trainer and the store wait on.
 
-``save()`` stalls the trainer only for :func:`gather` (device rows into host buffers); the version is then
-written by :func:`write` while training goes on, and :class:`PendingSave` says when it has committed.
+``save()`` stalls the trainer only for the snapshot (``staging``: device rows into host buffers, enqueued
+on a side stream for a CUDA device); the version is then written by :func:`write` while training goes on, and :class:`PendingSave` says when it has committed.
 Saves queue: :class:`SaveQueue` holds the snapshots not yet written, writes them one after the other in
 save order, and counts the host bytes they hold, so that a save waits only when the bound would be
 passed. :class:`WeakPendingWork` is how ``Store.close()`` and the interpreter's exit find that work.
@@ -17,12 +17,11 @@ import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from ..errors import SaveSkipped
 from .payload import DENSE_PREFIX, STATE_BLOB
 
-__all__ = ["PendingSave", "SaveQueue", "SaveReport", "WeakPendingWork", "gather", "write"]
+__all__ = ["PendingSave", "SaveQueue", "SaveReport", "WeakPendingWork", "write"]
 
 
 @dataclass
@@ -129,26 +128,14 @@ class WeakPendingWork:
         return None if owner is None or self._failure is None else self._failure(owner)
 
 
-def gather(src: torch.Tensor, rows, out: torch.Tensor) -> None:
-    """Copy rows ``rows`` (an index tensor, or None for every row) of ``src`` into the host buffer ``out``."""
-    src = src.detach()
-    if src.device.type == "cpu" and src.dtype == torch.float32:
-        # numpy: single-threaded copies (see Table.rows); out is a reused host buffer
-        if rows is None:
-            np.copyto(out.numpy(), src.numpy())
-        else:
-            np.take(src.numpy(), rows.numpy(), axis=0, out=out.numpy())
-    elif rows is None:
-        out.copy_(src)
-    else:
-        out.copy_(src.index_select(0, rows))
-
-
 def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: np.ndarray,
-          after: PendingSave | None = None, after_commit=None) -> None:
+          after: PendingSave | None = None, after_commit=None, staged=None) -> None:
     """Write one snapshot as a version of ``store`` (the body of a save's background thread): ``row_jobs``
     ``(table, rows, host values, codec or None)``, the ``dense`` model arrays (under ``DENSE_PREFIX``) and
-    the payload ``blob`` (``STATE_BLOB``). Starts once ``after`` (the save queued before, if any) has ended;
+    the payload ``blob`` (``STATE_BLOB``). First waits for ``staged`` (a ``staging.Staged``, if given):
+    the host values and dense arrays hold the snapshot only once its copies have landed, so nothing of them
+    is read before (and the write ends, and its buffers are lent again, only after they have landed, even
+    when it fails). Starts once ``after`` (the save queued before, if any) has ended;
     if that one did not commit, a snapshot that is no baseline is not written (:class:`SaveSkipped`: it is
     an increment on rows that never reached the store). Notes the version in ``pending``, or its failure. A
     cancelled ``pending`` aborts at its next step with KeyboardInterrupt. Once committed, fills in the
@@ -162,6 +149,8 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
 
     version, error = None, None
     try:
+        if staged is not None:
+            staged.wait()  # the device-to-host copies have landed: the buffers hold the snapshot
         if after is not None:
             while not after.wait_done(0.05):  # (polled: a cancel must not wait for the one before)
                 check()
@@ -244,14 +233,14 @@ class SaveQueue:
         return [p for p, _n, _h in self._saves]
 
     def start(self, store, pending: PendingSave, nbytes: int, holds, step, meta, row_jobs, dense: dict,
-              blob: np.ndarray, after_commit=None) -> None:
+              blob: np.ndarray, after_commit=None, staged=None) -> None:
         """Queue ``pending`` (its snapshot holds ``nbytes`` host bytes; ``holds`` is returned by
         :meth:`reap` once it has ended); its write starts after the last queued one has ended
-        (``after_commit``: see :func:`write`)."""
+        (``after_commit``, ``staged``: see :func:`write`)."""
         after = self.last
         self._saves.append((pending, nbytes, holds))
         with self._lock:
-            self._jobs.append((store, pending, step, meta, row_jobs, dense, blob, after, after_commit))
+            self._jobs.append((store, pending, step, meta, row_jobs, dense, blob, after, after_commit, staged))
             self._lock.notify()
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="cnrstore-save", daemon=True)

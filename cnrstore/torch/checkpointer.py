@@ -91,11 +91,12 @@ from . import sharded
 from ..errors import InvalidArgument, SaveSkipped
 from ..types import VersionInfo
 from ..engine.writer import pack_meta
-from .async_save import PendingSave, SaveQueue, SaveReport, WeakPendingWork, gather
+from .async_save import PendingSave, SaveQueue, SaveReport, WeakPendingWork
 from .optim_state import as_optimizer_list, create_lazy_state, row_state_width, table_drift, with_live_state
-from .payload import DENSE_PREFIX, STATE_BLOB, dense_copy
+from .payload import DENSE_PREFIX, STATE_BLOB
 from .reports import RestoreReport
 from .save_plan import MODES, SavePlanner
+from .staging import Stager
 from .tracking import SSU_SEED, ShardTable, Table, tbe_tracker
 
 # STATE_BLOB, DENSE_PREFIX, table_drift, SaveReport, PendingSave and WeakPendingWork are importable from here as
@@ -147,6 +148,16 @@ def _as_extra(extra) -> dict:
     return items
 
 
+def _copy_in(live: torch.Tensor, src: torch.Tensor, pending: set) -> None:
+    """``live[:] = src``: from a pinned host buffer into a CUDA tensor without blocking (its device is added
+    to ``pending``: synchronize it before the buffer is read or freed), otherwise at once."""
+    if src.is_pinned() and live.is_cuda:
+        live.copy_(src, non_blocking=True)
+        pending.add(live.device)
+    else:
+        live.copy_(src)
+
+
 class Checkpointer:
     """Checkpoints ``model`` (and ``optimizer``, ``extra``) into ``store``; see API.md and the module doc.
 
@@ -175,12 +186,18 @@ class Checkpointer:
     background writer's thread, before its ``wait()`` returns; keep it short: the next save's write waits
     for it) and each restore's :class:`RestoreReport` (on the caller's thread); None: they are logged at
     INFO on the ``cnrstore.torch`` logger. A hook's exception is logged, never raised (``reports``).
+
+    On a GPU (a weight, its row-wise optimizer state or a dense array on a CUDA device) ``save()`` enqueues
+    its copies on a side stream of the Checkpointer's own into page-locked host buffers (reused save after
+    save) and returns; the trainer's later work on the current stream is ordered after the snapshot's
+    reads, and the background write waits for the copies to land (``staging``: the ordering contract).
+    ``stager``: None (that default), or a ``staging.Stager`` with a backend of its own (tests).
     """
 
     def __init__(self, store, model: nn.Module, optimizer=None, *, codec="int8", mode: str = "intermittent",
                  optimizer_codec: str = "fp32", extra=None, priority: str | None = None,
                  ssu_rate: float = 0.125, max_queue_bytes: int | None = None, keep_last: int | None = None,
-                 keep_every_n_steps: int | None = None, on_report=None):
+                 keep_every_n_steps: int | None = None, on_report=None, stager: Stager | None = None):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if priority is not None and priority not in PRIORITIES:
@@ -202,6 +219,10 @@ class Checkpointer:
             [KeepEveryNSteps(self.keep_every_n_steps)] if self.keep_every_n_steps else [])
         self._retention = Retention(*rules) if rules else None
         self._on_report = reports.check_hook(on_report, "Checkpointer")
+        if stager is not None and not isinstance(stager, Stager):
+            raise InvalidArgument(f"stager must be None or a cnrstore.torch.staging.Stager, got {type(stager).__name__}")
+        #: how snapshots reach host memory (``staging``: numpy on CPU, a side stream per CUDA device)
+        self.stager = Stager() if stager is None else stager
         self._policy = None if isinstance(codec, str) else codec
         if self._policy is not None and not callable(getattr(self._policy, "codec", None)):
             raise InvalidArgument(f"codec must be a codec name or a BitWidthPolicy, got {codec!r}")
@@ -469,12 +490,15 @@ class Checkpointer:
         self._wait_for_room(self._snapshot_bytes(picks))
         report = SaveReport(step=step, baseline=baseline, priority=priority)
         holds = []  # (table, name) of the reusable host buffers this snapshot takes
+        staging = self.stager.begin()
         try:
-            row_jobs, dense, blob = self._copy(picks, codec, report, holds)
+            row_jobs, dense, blob = self._copy(staging, picks, codec, report, holds)
         except BaseException:
+            staging.finish().wait()  # (copies already enqueued land before their buffers are lent again)
             for t, name in holds:
                 t.release_buffer(name)
             raise
+        staged = staging.finish()
         self._plan.settle(picks, priority)
         for t in self._tables:
             for name, _, _, _ in row_jobs:
@@ -487,7 +511,7 @@ class Checkpointer:
         self._seq += 1
         pending = PendingSave(report, self._seq)
         self._queue.start(self.store, pending, report.host_bytes, holds, step, meta, row_jobs, dense, blob,
-                          after_commit=self._after_commit)
+                          after_commit=self._after_commit, staged=staged)
         return pending
 
     def _after_commit(self, store, report: SaveReport) -> None:
@@ -512,14 +536,15 @@ class Checkpointer:
         store.gc()
         return dropped
 
-    def _copy(self, picks: list, codec: str, report: SaveReport, holds: list):
-        """The snapshot's host copies: (row jobs, dense arrays, payload blob); notes the rows in ``report``
-        and the reusable buffers taken in ``holds``."""
+    def _copy(self, staging, picks: list, codec: str, report: SaveReport, holds: list):
+        """The snapshot's host copies, through ``staging`` (a ``staging.Staging``: on a CUDA device they are
+        enqueued, and land by its handle's ``wait()``): (row jobs, dense arrays, payload blob); notes the
+        rows in ``report`` and the reusable buffers taken in ``holds``."""
         row_jobs = []  # (table, rows numpy, values tensor, codec)
         existing = self.store.tables()
 
         def buffer(t, name, n, width):
-            buf, pooled = t.take_buffer(name, n, width)
+            buf, pooled = t.take_buffer(name, n, width, lambda shape: staging.host_empty(t.device, shape))
             if pooled:
                 holds.append((t, name))
             return buf
@@ -528,7 +553,7 @@ class Checkpointer:
             for t, rows in zip(self._tables, picks):
                 n = t.num_rows if rows is None else int(rows.numel())
                 buf = buffer(t, t.name, n, t.dim)
-                gather(t.weight, rows, buf)
+                staging.gather(t.weight, rows, buf)
                 rows_np = np.arange(t.num_rows, dtype=np.int64) if rows is None else rows.cpu().numpy()
                 if t.offset:
                     rows_np = rows_np + t.offset  # a shard's rows under their global ids
@@ -544,10 +569,10 @@ class Checkpointer:
                         s_rows, s_np = None, np.arange(t.offset, t.offset + t.num_rows, dtype=np.int64)
                     m = t.num_rows if s_rows is None else int(s_rows.numel())
                     sbuf = buffer(t, name, m, width)
-                    gather(state.reshape(t.num_rows, width), s_rows, sbuf)
+                    staging.gather(state.reshape(t.num_rows, width), s_rows, sbuf)
                     row_jobs.append((name, s_np, sbuf, None))
                     report.rows[name] = m
-            dense = {k: dense_copy(v) for k, v in self._dense.items()}
+            dense = {k: staging.dense(v) for k, v in self._dense.items()}
             blob = self._state_blob()
             if blob.nbytes > arguments.max_dense_bytes():  # the optimizers' dense state can outgrow a record
                 raise InvalidArgument(
@@ -611,17 +636,18 @@ class Checkpointer:
         leaves the optimizers as they are); ``extra``: {name: state dict}, loaded in that order.
         Call :meth:`note_restore` after it."""
         create_lazy_state(self._optimizers, optimizer_states)
+        pending = set()  # the CUDA devices with host-to-device copies in flight
         with torch.no_grad():
             for t, w in zip(self._tables, weights):
                 if w is not t.weight:  # (the weight itself: restore decoded the table into it)
-                    t.weight.copy_(w, non_blocking=w.is_pinned())
+                    _copy_in(t.weight, w, pending)
             for state, w in shard_states:
                 if w is not state:  # (the state itself: restore decoded its rows into it)
-                    state.copy_(w.reshape(state.shape))
+                    _copy_in(state, w.reshape(state.shape), pending)
             for key, src in dense.items():
                 self._dense[key].copy_(src)
-            if any(w is not t.weight and t.weight.is_cuda for t, w in zip(self._tables, weights)):
-                torch.cuda.synchronize()  # the pinned buffers' copies have landed before anyone reads
+            for device in pending:  # the pinned buffers' copies have landed before anyone reads (or frees) them
+                torch.cuda.synchronize(device)
         for opt, sd in zip(self._optimizers, optimizer_states):
             opt.load_state_dict(with_live_state(sd, opt))
         for k, state in extra.items():

@@ -69,9 +69,10 @@ def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping
 
     Only its last step changes live objects: once every record of every table it reads has been verified
     (``Store.read_tables``), the tables are decoded, in parallel, straight into the live fp32 CPU
-    weights and into the optimizers' existing row-wise state tensors of the stored shape and dtype (these
-    come back in the ``StoredState`` as the live tensors themselves, which ``Checkpointer.load_state``
-    then leaves as they are); other tables are decoded into new tensors (pinned host memory for a CUDA
+    weights and into the optimizers' existing row-wise state tensors of the stored shape and dtype (on a
+    CUDA device: into pinned buffers copied into them without blocking, then synchronized; these come
+    back in the ``StoredState`` as the live tensors themselves, which ``Checkpointer.load_state`` then
+    leaves as they are); other tables are decoded into new tensors (pinned host memory for a CUDA
     weight) for ``load_state`` to copy."""
     info = version_info(store, version)
     v = info.version
@@ -98,7 +99,8 @@ def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping
         raise InvalidArgument(f"version {v} holds extra state {missing}, which this Checkpointer lacks")
     # every table read whole, in one read_tables call: {name: live tensor or a new host tensor}
     targets = {t.name: _weight_target(t.weight) for t in tables if not isinstance(t, ShardTable)}
-    row_marks = [_row_marks(store, catalog, sd, None if live_opts is None else live_opts[i], v, targets)
+    to_device: list = []  # (live CUDA state tensor, the pinned buffer its table is decoded into)
+    row_marks = [_row_marks(store, catalog, sd, None if live_opts is None else live_opts[i], v, targets, to_device)
                  for i, sd in enumerate(payload["optimizers"])]
     # a shard (and its row-wise state) that one stored table holds, columns for columns, is read in the same
     # call, as a row range, into its live tensor in the TBE (or a pinned buffer); the others are assembled
@@ -112,6 +114,7 @@ def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping
     outs = {name: None if target is None else target.numpy() for name, target in targets.items()}
     outs.update((name, (start, target.numpy())) for name, (start, target) in ranges.items())
     arrays = store.read_tables(outs, v)  # verifies every record, then decodes (in parallel) into the targets
+    _copy_to_devices(to_device)
     read = {name: torch.from_numpy(arrays[name]) if target is None else target for name, target in targets.items()}
     weights = [_live_or(shards[id(t)], t.weight) if isinstance(t, ShardTable) else _live_or(read[t.name], t.weight)
                for t in tables]
@@ -166,11 +169,12 @@ def _stored_range(catalog: dict, t: ShardTable, suffix: str, width: int) -> str 
     return name
 
 
-def _row_marks(store, catalog: dict, sd: dict, opt, v: int, targets: dict) -> dict:
+def _row_marks(store, catalog: dict, sd: dict, opt, v: int, targets: dict, to_device: list) -> dict:
     """{(state index, key): (table name, live state tensor or None)} for each ``ROW_MARK`` of the stored
     optimizer state dict ``sd``, checked against the stored table; adds each table to ``targets`` (the
-    live tensor when ``opt`` holds one of the marker's shape and dtype, fp32 in host memory, for the same
-    parameter as the stored state: it is decoded into in place)."""
+    live tensor when ``opt`` holds one of the marker's shape and dtype, fp32, contiguous, for the same
+    parameter as the stored state: decoded into in place when it is in host memory; on a CUDA device,
+    decoded into a pinned buffer noted in ``to_device`` with the live tensor, for :func:`_copy_to_devices`)."""
     live = _live_states(sd, opt)
     marks = {}
     for idx, st in sd["state"].items():
@@ -183,12 +187,28 @@ def _row_marks(store, catalog: dict, sd: dict, opt, v: int, targets: dict) -> di
                 raise InvalidArgument(f"version {v}: optimizer state {name!r} has {ti.num_rows * ti.dim} "
                                       f"values, its payload names shape {tuple(val['shape'])}")
             target = live.get((idx, k))
-            ok = (ti is not None and torch.is_tensor(target) and target.device.type == "cpu" and target.is_contiguous()
-                  and target.dtype == torch.float32 == _payload.torch_dtype(val["dtype"], v)
+            ok = (ti is not None and torch.is_tensor(target) and target.device.type in ("cpu", "cuda")
+                  and target.is_contiguous() and target.dtype == torch.float32 == _payload.torch_dtype(val["dtype"], v)
                   and tuple(target.shape) == tuple(val["shape"]) and name not in targets)
+            if ok and target.device.type == "cuda":
+                pinned = torch.empty((ti.num_rows, ti.dim), dtype=torch.float32, pin_memory=True)
+                to_device.append((target.detach().view(ti.num_rows, ti.dim), pinned))
+                targets[name] = pinned
             targets.setdefault(name, target.detach().view(ti.num_rows, ti.dim) if ok else None)
             marks[(idx, k)] = (name, target if ok else None)
     return marks
+
+
+def _copy_to_devices(to_device: list) -> None:
+    """Each (live CUDA tensor, pinned host buffer) pair: the buffer copied in without blocking, then one
+    synchronization per device, so the live tensors hold their rows when this returns."""
+    devices = set()
+    with torch.no_grad():
+        for live, pinned in to_device:
+            live.copy_(pinned, non_blocking=True)
+            devices.add(live.device)
+    for device in devices:
+        torch.cuda.synchronize(device)
 
 
 def _live_states(sd: dict, opt) -> dict:

@@ -141,15 +141,19 @@ class Table:
         else:
             counts.zero_()
 
-    def take_buffer(self, table: str, n: int, width: int) -> tuple[torch.Tensor, bool]:
+    def take_buffer(self, table: str, n: int, width: int, alloc=None) -> tuple[torch.Tensor, bool]:
         """A host buffer of ``n`` x ``width`` float32 for a snapshot of ``table`` (this table or one of its
         row-wise state tables), and whether it is the reusable one: that one is lent to one snapshot at a
-        time (until :meth:`release_buffer`); a snapshot taken while it is lent gets a buffer of its own."""
+        time (until :meth:`release_buffer`), grows only, and is kept across saves; a snapshot taken while it
+        is lent gets a buffer of its own. ``alloc(shape)`` makes a buffer (default ``torch.empty``; a CUDA
+        table's snapshots use page-locked ones, ``staging.Staging.host_empty``)."""
+        if alloc is None:
+            alloc = _host_empty
         if table in self.busy:
-            return torch.empty((n, width), dtype=torch.float32), False
+            return alloc((n, width)), False
         buf = self.buffers.get(table)
         if buf is None or buf.shape[0] < n or buf.shape[1] != width:
-            buf = torch.empty((max(n, 1), width), dtype=torch.float32)
+            buf = alloc((max(n, 1), width))
             self.buffers[table] = buf
         self.busy.add(table)
         return buf[:n], True
@@ -192,6 +196,10 @@ def tbe_tracker(tables: list, features: list):
 
     return track
 
+
+
+def _host_empty(shape) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32)
 
 
 def _top_rows(rows: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
