@@ -85,7 +85,7 @@ def s3_endpoint():
 def s3_options(endpoint: str, **config) -> dict:
     """remote_options for s3fs against ``endpoint``: fake credentials, few retries (tests stay fast)."""
     return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-            "config_kwargs": {"retries": {"max_attempts": 3, "mode": "standard"}, "connect_timeout": 5,
+            "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5,
                               "read_timeout": 10, **config}}
 
 

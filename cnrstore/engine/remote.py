@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -109,8 +110,15 @@ class ObjectStore:
             raise RemoteObjectMissing(f"{what} {self.where(key)}: the object is missing from the object store",
                                       self.where(key), None) from exc
         except Exception as exc:  # noqa: BLE001 - the boundary: every client error becomes a typed one
-            raise RemoteStorageError(f"{what} {self.where(key)} failed after the client's retries: "
-                                     f"{type(exc).__name__}: {exc}; {_CHECK}") from exc
+            text = f"{type(exc).__name__}: {exc}"
+            hint = _CHECK
+            # s3fs reports throttling (503 SlowDown, Service Unavailable) as EBUSY
+            if getattr(exc, "errno", None) == errno.EBUSY or any(t in text for t in ("SlowDown", "Throttl")):
+                hint = ("the object store kept throttling (503 SlowDown) past the client's retries: save less "
+                        "often (a larger remote_every), or raise the client's retries (remote_options "
+                        "config_kwargs={'retries': {'max_attempts': N}})")
+            raise RemoteStorageError(f"{what} {self.where(key)} failed after the client's retries: {text}; "
+                                     f"{hint}") from exc
 
     def put(self, key: str, data) -> None:
         """Store ``data`` (bytes-like) as object ``key``, replacing it whole (an object store's PUT is
@@ -326,7 +334,9 @@ class RemoteSegmentStorage(LocalSegmentStorage):
     Reads go to the local copy when there is one and to the object store by range otherwise. The local
     copy of a sealed segment is evictable once the remote holds it whole; ``cache_bytes`` bounds the
     evictable copies (active segments, and sealed ones whose upload failed, are never evicted and come on
-    top). A failed upload is logged and retried at the next copy point; the commit it followed stands."""
+    top). A failed upload is logged and retried at the next copy point; the commit it followed stands.
+    While the last upload or copy point failed, segments sealed meanwhile wait for the next copy point (so
+    that a failing endpoint costs one round of client retries per copy point, not one per segment)."""
 
     def __init__(self, root: str, filesystem: fs.FileSystem, objects: ObjectStore, *, store_id: str,
                  owners: set[str] | None = None, readonly: bool, cache_bytes: int = DEFAULT_CACHE_BYTES, every: int = DEFAULT_EVERY):
@@ -472,6 +482,8 @@ class RemoteSegmentStorage(LocalSegmentStorage):
             return
         with self._lock:
             self._cache[seg] = size
+        if self.last_error is not None:
+            return  # the object store is failing: one attempt per copy point, not one per sealed segment
         try:
             self._upload(seg, size)
         except CnrError as exc:
