@@ -47,8 +47,9 @@ def remote(s3_bucket, proxy):
 
 
 def objects(s3_endpoint, bucket, folder="") -> dict[str, int]:
-    client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="testing",
-                          aws_secret_access_key="testing", region_name="us-east-1")
+    opts = s3_options(s3_endpoint)
+    client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id=opts["key"],
+                          aws_secret_access_key=opts["secret"], region_name="us-east-1")
     out = client.list_objects_v2(Bucket=bucket, Prefix=f"ckpt/{folder}")
     return {o["Key"][len("ckpt/"):]: o["Size"] for o in out.get("Contents", [])}
 

@@ -322,7 +322,13 @@ def open_storage(root: str, url: str, options: dict | None, filesystem: fs.FileS
         raise InvalidArgument(f"cache_bytes={cache_bytes!r}: pass a byte count >= 0")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise InvalidArgument(f"remote_every={every!r}: pass a commit count >= 1")
-    objects = ObjectStore(url, options)
+    return storage_for(root, ObjectStore(url, options), filesystem, readonly=readonly, create=create,
+                       cache_bytes=cache_bytes, every=every)
+
+
+def storage_for(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, readonly: bool, create: bool,
+                cache_bytes: int = DEFAULT_CACHE_BYTES, every: int = DEFAULT_EVERY) -> "RemoteSegmentStorage":
+    """``open_storage`` with the object store given (a test's recording one)."""
     store_id, owners = prepare(root, objects, filesystem, readonly=readonly, create=create)
     return RemoteSegmentStorage(root, filesystem, objects, store_id=store_id, owners=owners, readonly=readonly,
                                 cache_bytes=cache_bytes, every=every)
@@ -411,6 +417,7 @@ class RemoteSegmentStorage(LocalSegmentStorage):
     # reads -------------------------------------------------------------------------------------------
     def read(self, seg: int, offset: int, length: int) -> np.ndarray:
         if seg not in self._evicted:
+            fs.pause_point("remote_read_local", seg)
             try:
                 view = super().read(seg, offset, length)
             except CorruptionError:
@@ -495,8 +502,13 @@ class RemoteSegmentStorage(LocalSegmentStorage):
 
     def _upload(self, seg: int, length: int) -> None:
         """Upload bytes ``[0, length)`` of the local segment (final, or a committed prefix of an active one)."""
-        with builtins.open(filenames.segment_path(self.root, seg), "rb") as f:
-            data = f.read(length)
+        try:
+            with builtins.open(filenames.segment_path(self.root, seg), "rb") as f:
+                data = f.read(length)
+        except FileNotFoundError:
+            raise CorruptionError(f"segment {self.path(seg)} is missing locally and the remote {self.objects.url} "
+                                  "does not hold it: the versions that read it are damaged; run `cnrstore verify`",
+                                  self.path(seg), None) from None
         if len(data) != length:
             raise CorruptionError(f"segment {self.path(seg)} holds {len(data)} bytes, the index needs {length}",
                                   self.path(seg), len(data))
@@ -572,6 +584,10 @@ class RemoteSegmentStorage(LocalSegmentStorage):
             gen = filenames.parse_remote_snapshot_name(name)
             if gen is not None and gen < generation:
                 self.objects.delete(filenames.remote_snapshot_key(gen))
+
+    def sync_cache(self) -> None:
+        """Bring the local copies within ``cache_bytes`` now (after a change of it)."""
+        self._evict()
 
     def _evict(self) -> None:
         """Delete local copies of segments the remote holds whole, least recently read first, until the
