@@ -326,6 +326,16 @@ def open_storage(root: str, url: str, options: dict | None, filesystem: fs.FileS
                        cache_bytes=cache_bytes, every=every)
 
 
+def repair_storage(root: str, url: str, options: dict | None, filesystem: fs.FileSystem) -> "RemoteSegmentStorage":
+    """The storage ``cnrstore repair --remote`` scans (the index is lost or damaged): every segment object
+    under the prefix counts, as well as the local files; nothing is uploaded, evicted or deleted."""
+    objects = ObjectStore(url, options)
+    ident = _read_identity(root) or {}
+    storage = RemoteSegmentStorage(root, filesystem, objects, store_id=ident.get("store_id", ""), readonly=True)
+    storage.adopt_every_object()
+    return storage
+
+
 def storage_for(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, readonly: bool, create: bool,
                 cache_bytes: int = DEFAULT_CACHE_BYTES, every: int = DEFAULT_EVERY) -> "RemoteSegmentStorage":
     """``open_storage`` with the object store given (a test's recording one)."""
@@ -392,6 +402,17 @@ class RemoteSegmentStorage(LocalSegmentStorage):
                 self._cache[seg] = size
         if not self.readonly:
             self._evict()
+
+    def adopt_every_object(self) -> None:
+        """Count every segment object under the prefix as this store's (repair: no index says which are)."""
+        listing = self.objects.list(filenames.REMOTE_SEGMENTS_DIR)
+        local = set(super().list())
+        with self._lock:
+            for name, size in listing.items():
+                seg = filenames.parse_segment_name(name)
+                if seg is not None:
+                    self._remote[seg] = size
+            self._evicted = set(self._remote) - local
 
     def after_commit(self) -> None:
         if self.readonly:
