@@ -9,6 +9,7 @@ Layout of a store directory::
     <store>/index.repair-tmp/READY  written once that index is built and durable: repair installs it
     <store>/index.damaged-<time>/  an index repair replaced (kept as evidence; delete it by hand)
     <store>/segments/<id>.seg   append-only segment files, id as 16 hex digits
+    <store>/segments/<id>.seg.download  a segment being fetched back from the remote (renamed into place)
     <store>/REMOTE              a store with an object-store tier: its URL and store id (engine/remote.py)
     <store>/remote-snapshot.tmp/  the index copy a remote copy point is uploading (remade each time)
 
@@ -91,6 +92,11 @@ def remote_snapshot_tmp(root: str) -> str:
 def index_data_path(index_path: str) -> str:
     """The LMDB data file of an index directory."""
     return os.path.join(index_path, "data.mdb")
+
+
+def segment_download_tmp(root: str, segment_id: int) -> str:
+    """Where a segment fetched back from the remote is written before it is renamed into place."""
+    return segment_path(root, segment_id) + ".download"
 
 
 def remote_segment_key(segment_id: int) -> str:

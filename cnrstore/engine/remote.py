@@ -452,6 +452,8 @@ class RemoteSegmentStorage(LocalSegmentStorage):
                         if seg in self._cache:
                             self._cache.move_to_end(seg)
                 return view
+        if self._fetch_whole(seg):
+            return super().read(seg, offset, length)
         key = filenames.remote_segment_key(seg)
         data = self.objects.get(key, offset, offset + length)
         with self._lock:
@@ -461,6 +463,29 @@ class RemoteSegmentStorage(LocalSegmentStorage):
             raise CorruptionError(f"remote segment {self.objects.where(key)} holds fewer bytes than the index needs "
                                   f"({offset + len(data)} < {offset + length})", self.objects.where(key), offset)
         return np.frombuffer(data, dtype=np.uint8)
+
+    def _fetch_whole(self, seg: int) -> bool:
+        """Bring an evicted segment back into the cache with one GET when it is small beside the cache (at most
+        a quarter of ``cache_bytes``): a restore then makes one request per segment, not one per record.
+        False (read by range instead) for a larger segment, or when the local copy cannot be written."""
+        size = self._remote.get(seg)
+        if size is None or size > self.cache_bytes // 4:
+            return False
+        data = self.objects.get(filenames.remote_segment_key(seg))
+        if len(data) != size:
+            return False
+        path = filenames.segment_path(self.root, seg)
+        try:
+            self.fs.write_file_atomic(path, filenames.segment_download_tmp(self.root, seg), data)
+        except (OSError, CnrError):
+            return False  # (a read-only directory, a full disk: ranged reads still work)
+        with self._lock:
+            self._cache[seg] = size
+            self._evicted.discard(seg)
+            self.counters["remote_reads"] += 1
+            self.counters["remote_read_bytes"] += size
+        self._evict()
+        return True
 
     def path(self, seg: int) -> str:
         if seg in self._evicted:
