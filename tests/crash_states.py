@@ -423,39 +423,54 @@ def explore(base: str, effects: list[Effect], content, workdir: str, write_more:
         e.keep_last = keep_last
     sweep = Sweep(effects=len(effects))
     seen: set = set()
-    n = 0
     for k in range(len(effects) + 1):
         if k:
             model.apply(effects[k - 1])
         if k % stride and k != len(effects):
             continue
-        for variant in variants:
-            files = model.state(variant)
-            if files is None:
-                continue
-            key = (state_key(files), expect[k].allowed)
-            if key in seen:
-                continue
-            seen.add(key)
-            root = os.path.join(workdir, f"state-{n}")
-            n += 1
-            write_state(files, root)
-            try:
-                if repair_from_log:
-                    write_state(files, root + "-repaired")
+
+        def check(root: str, files, k=k) -> None:
+            if repair_from_log:
+                write_state(files, root + "-repaired")
+                try:
                     check_repair_from_log(root + "-repaired", expect[k])
-                check_state(root, expect[k], write_more)
-            except Exception as exc:  # noqa: BLE001 - collected and reported with the state's place
-                sweep.failures.append(f"after effect {k} ({effects[k - 1].kind if k else 'start'} "
-                                      f"{effects[k - 1].path if k else ''}), {variant}: {type(exc).__name__}: {exc}")
-                if len(sweep.failures) >= max_failures:
-                    return sweep
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
-                shutil.rmtree(root + "-repaired", ignore_errors=True)
-            sweep.states += 1
-            sweep.by_variant[variant] = sweep.by_variant.get(variant, 0) + 1
+                finally:
+                    shutil.rmtree(root + "-repaired", ignore_errors=True)
+            check_state(root, expect[k], write_more)
+
+        if not _check_prefix(sweep, seen, workdir, model, variants, effects, k, expect[k].allowed, check,
+                             max_failures):
+            break
     return sweep
+
+
+def _check_prefix(sweep: Sweep, seen: set, workdir: str, model: FileModel, variants, effects, k: int, key,
+                  check: Callable[[str, dict], None], max_failures: int) -> bool:
+    """Write each distinct crash state ``model`` gives after prefix ``k`` (distinct by its files and ``key``)
+    to a new directory and run ``check(root, files)`` on it, recording failures with the state's place in
+    ``sweep``; False once ``max_failures`` are recorded."""
+    for variant in variants:
+        files = model.state(variant)
+        if files is None:
+            continue
+        state = (state_key(files), key)
+        if state in seen:
+            continue
+        seen.add(state)
+        root = os.path.join(workdir, f"state-{len(seen)}")
+        write_state(files, root)
+        try:
+            check(root, files)
+        except Exception as exc:  # noqa: BLE001 - collected and reported with the state's place
+            sweep.failures.append(f"after effect {k} ({effects[k - 1].kind if k else 'start'} "
+                                  f"{effects[k - 1].path if k else ''}), {variant}: {type(exc).__name__}: {exc}")
+            if len(sweep.failures) >= max_failures:
+                return False
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        sweep.states += 1
+        sweep.by_variant[variant] = sweep.by_variant.get(variant, 0) + 1
+    return True
 
 
 # -- 4. the remote tier ------------------------------------------------------------------------------------
@@ -549,7 +564,6 @@ def explore_remote(base: str, base_objects: dict[str, bytes], effects: list[Effe
     objects = dict(base_objects)
     pointer = initial_pointer
     seen: set = set()
-    n = 0
     for k in range(len(effects) + 1):
         if k:
             e = effects[k - 1]
@@ -562,30 +576,16 @@ def explore_remote(base: str, base_objects: dict[str, bytes], effects: list[Effe
                 objects.pop(e.path, None)
         if k % stride and k != len(effects):
             continue
-        remote_key = state_key(dict(objects))
-        for variant in variants:
-            files = model.state(variant)
-            if files is None:
-                continue
-            key = (state_key(files), remote_key, expect[k].allowed)
-            if key in seen:
-                continue
-            seen.add(key)
-            root = os.path.join(workdir, f"state-{n}")
-            n += 1
-            write_state(files, root)
-            state_remote = DictObjectStore(objects)  # (the recovered store writes on; its reopen reads that)
+
+        def check(root: str, _files, k=k, remote_now=dict(objects), pointer=pointer) -> None:
+            state_remote = DictObjectStore(remote_now)  # (the recovered store writes on; its reopen reads that)
             try:
-                check_remote_alone(objects, pointer, content, root + "-fresh")
-                check_state(root, expect[k], write_more, opener=lambda r: remote_store(r, state_remote))
-            except Exception as exc:  # noqa: BLE001 - collected and reported with the state's place
-                sweep.failures.append(f"after effect {k} ({effects[k - 1].kind if k else 'start'} "
-                                      f"{effects[k - 1].path if k else ''}), {variant}: {type(exc).__name__}: {exc}")
-                if len(sweep.failures) >= max_failures:
-                    return sweep
+                check_remote_alone(remote_now, pointer, content, root + "-fresh")
             finally:
-                shutil.rmtree(root, ignore_errors=True)
                 shutil.rmtree(root + "-fresh", ignore_errors=True)
-            sweep.states += 1
-            sweep.by_variant[variant] = sweep.by_variant.get(variant, 0) + 1
+            check_state(root, expect[k], write_more, opener=lambda r: remote_store(r, state_remote))
+
+        if not _check_prefix(sweep, seen, workdir, model, variants, effects, k,
+                             (state_key(dict(objects)), expect[k].allowed), check, max_failures):
+            break
     return sweep

@@ -14,55 +14,32 @@ import shutil
 import numpy as np
 import pytest
 
-from cnrstore import knobs
 from cnrstore.engine import filenames
-
 from cnrstore.errors import RemoteStorageError
 
 import crash_states as cs
 from schedule import Pause, run_in_thread
 
-ROWS, BLOCK = 512, 64
-TABLES = {"f": (4, "fp32"), "q": (8, "int4")}
+from test_crash_states import BLOCK, ROWS, TABLES, small_segments, write_more  # noqa: F401 (a fixture)
+from test_crash_states import Workload as LocalWorkload
 
 pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
 
-@pytest.fixture(autouse=True)
-def small_segments(monkeypatch):
-    monkeypatch.setattr(knobs, "SEGMENT_BYTES", 4 << 10)
+class Workload(LocalWorkload):
+    """test_crash_states' workload on a store whose segments go to a recording object store (cache_bytes=0:
+    every sealed segment is evicted once uploaded)."""
 
-
-class Workload:
-    def __init__(self, path: str, rec: cs.RecordingFileSystem, objects: dict, seed: int):
-        self.rec = rec
-        self.rng = np.random.default_rng(seed)
-        self.store = None
+    def __init__(self, path: str, rec: cs.RecordingFileSystem, objects: dict, seed: int):  # noqa: super() opens locally
+        self.rec, self.rng, self.store = rec, np.random.default_rng(seed), None
         self.objects = cs.RecordingObjectStore(rec, self.listed)
         self.objects.objects.update(objects)
         self.store = cs.remote_store(path, self.objects, rec, cache_bytes=0)
-        self.content: dict[int, dict[str, np.ndarray]] = {}
+        self.model = {name: np.full((ROWS, dim), 0.5, np.float32) for name, (dim, _c) in TABLES.items()}
+        self.content: dict = {}
 
     def listed(self) -> frozenset:
-        return frozenset(v.version for v in self.store.versions()) if self.store is not None else frozenset()
-
-    def _op(self, name: str, fn):
-        self.rec.op_start(name, self.listed())
-        result = fn()
-        self.rec.op_end(self.listed())
-        return result
-
-    def checkpoint(self, rows_per_table: int) -> int:
-        def write():
-            with self.store.checkpoint() as ck:
-                for name, (dim, _codec) in TABLES.items():
-                    rows = np.sort(self.rng.choice(ROWS, size=rows_per_table, replace=False))
-                    ck.put_rows(name, rows, self.rng.standard_normal((rows.size, dim)).astype(np.float32))
-            return ck.version
-
-        v = self._op("checkpoint", write)
-        self.content[v] = {name: self.store.read_table(name, version=v) for name in TABLES}
-        return v
+        return super().listed() if self.store is not None else frozenset()
 
     def close(self):
         self.rec.op_start("close", self.listed())
@@ -83,15 +60,6 @@ def make_base(path: str) -> tuple[dict, dict, frozenset]:
                 ck.put_rows(name, np.arange(ROWS), np.full((ROWS, dim), 0.5, np.float32))
         content = {1: {name: store.read_table(name, version=1) for name in TABLES}}
     return objects.objects, content, frozenset(content)
-
-
-def write_more(store) -> None:
-    rows = np.array([1, 70, 300])
-    values = np.full((3, 4), 7.25, np.float32)
-    with store.checkpoint() as ck:
-        ck.put_rows("f", rows, values)
-    np.testing.assert_array_equal(store.read_rows("f", rows), values)
-    store.gc()
 
 
 def test_every_crash_state_of_a_remote_workload(tmp_path):

@@ -46,6 +46,12 @@ def remote(s3_bucket, proxy):
     return f"s3://{s3_bucket}/ckpt", s3_options(proxy.url)
 
 
+def open_remote(path, remote, **kwargs):
+    """A new store at ``path`` whose remote is ``remote`` ((url, options), the fixture)."""
+    url, opts = remote
+    return cnrstore.open(path, create=True, remote=url, remote_options=opts, **kwargs)
+
+
 def objects(s3_endpoint, bucket, folder="") -> dict[str, int]:
     opts = s3_options(s3_endpoint)
     client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id=opts["key"],
@@ -79,6 +85,14 @@ class Trainer:
         self.content[v] = self.model.copy()
         return v
 
+    def check_fresh(self, where, remote, versions=None) -> None:
+        """Recovery from the remote alone (``where``: an empty directory, ``remote``: (url, options)) lists
+        ``versions`` (default: every one saved), each reading back bit for bit, and verifies clean."""
+        url, opts = remote
+        with cnrstore.open(where, readonly=True, remote=url, remote_options=opts) as fresh:
+            self.check(fresh, versions)
+            assert not fresh.verify().problems
+
     def check(self, store, versions=None) -> None:
         versions = sorted(self.content) if versions is None else versions
         assert [v.version for v in store.versions()] == versions
@@ -87,9 +101,8 @@ class Trainer:
 
 
 def test_round_trip_evicted_reads_and_cache_bound(tmp_path, remote):
-    url, opts = remote
     bound = 64 << 10
-    with cnrstore.open(tmp_path / "a", create=True, remote=url, remote_options=opts, cache_bytes=bound) as store:
+    with open_remote(tmp_path / "a", remote, cache_bytes=bound) as store:
         t = Trainer(store)
         for _ in range(6):
             t.save()
@@ -105,41 +118,34 @@ def test_round_trip_evicted_reads_and_cache_bound(tmp_path, remote):
 
 def test_recovery_from_the_remote_alone_is_bit_exact(tmp_path, remote, s3_bucket, s3_endpoint):
     url, opts = remote
-    with cnrstore.open(tmp_path / "a", create=True, remote=url, remote_options=opts, cache_bytes=0) as store:
+    with open_remote(tmp_path / "a", remote, cache_bytes=0) as store:
         t = Trainer(store)
         for _ in range(5):
             t.save()
     assert "CURRENT" in objects(s3_endpoint, s3_bucket)
     # a fresh machine: an empty directory and the URL
-    with cnrstore.open(tmp_path / "fresh", readonly=True, remote=url, remote_options=opts) as store:
-        t.check(store)
-        assert not store.verify().problems
+    t.check_fresh(tmp_path / "fresh", remote)
     with cnrstore.open(tmp_path / "fresh2", remote=url, remote_options=opts) as store:  # writable: takes over
         t.check(store)
         t.store = store
         t.save()
         t.check(store)
-    with cnrstore.open(tmp_path / "fresh3", readonly=True, remote=url, remote_options=opts) as store:
-        t.check(store)
+    t.check_fresh(tmp_path / "fresh3", remote)
 
 
 def test_remote_every_sets_the_copy_points(tmp_path, remote):
-    url, opts = remote
-    store = cnrstore.open(tmp_path / "a", create=True, remote=url, remote_options=opts, remote_every=3)
+    store = open_remote(tmp_path / "a", remote, remote_every=3)
     t = Trainer(store)
     for _ in range(4):
         t.save()
     # copy point at the third commit: a machine that recovers now sees versions 1-3, not the fourth
-    with cnrstore.open(tmp_path / "r", readonly=True, remote=url, remote_options=opts) as other:
-        t.check(other, sorted(t.content)[:3])
+    t.check_fresh(tmp_path / "r", remote, sorted(t.content)[:3])
     store.close()  # close is a copy point
-    with cnrstore.open(tmp_path / "r2", readonly=True, remote=url, remote_options=opts) as other:
-        t.check(other)
+    t.check_fresh(tmp_path / "r2", remote)
 
 
 def test_gc_deletes_remote_segments_only_after_the_pointer_moved(tmp_path, remote, s3_bucket, s3_endpoint):
-    url, opts = remote
-    with cnrstore.open(tmp_path / "a", create=True, remote=url, remote_options=opts, cache_bytes=0) as store:
+    with open_remote(tmp_path / "a", remote, cache_bytes=0) as store:
         t = Trainer(store)
         for _ in range(5):
             t.save(touched=ROWS // 2)
@@ -150,8 +156,7 @@ def test_gc_deletes_remote_segments_only_after_the_pointer_moved(tmp_path, remot
         assert report.segments_deleted > 0
         # GC freed segments locally; the pointer still names the index that reads them: all still remote
         assert segment_ids(objects(s3_endpoint, s3_bucket, "segments/")) >= before
-        with cnrstore.open(tmp_path / "r", readonly=True, remote=url, remote_options=opts) as other:
-            t.check(other)  # every version of the last copy point, although GC dropped three since
+        t.check_fresh(tmp_path / "r", remote)  # every version of the last copy point, although GC dropped three since
         store.sync_remote()  # the pointer moves: now the freed ones go
         after = segment_ids(objects(s3_endpoint, s3_bucket, "segments/"))
         assert before - after  # the freed segments are gone from the remote
@@ -160,13 +165,12 @@ def test_gc_deletes_remote_segments_only_after_the_pointer_moved(tmp_path, remot
         assert len([k for k in objects(s3_endpoint, s3_bucket, "index/")]) == 1  # older snapshots deleted
         t.content = {v: t.content[v] for v in kept}
         t.check(store)
-    with cnrstore.open(tmp_path / "r2", readonly=True, remote=url, remote_options=opts) as other:
-        t.check(other)
+    t.check_fresh(tmp_path / "r2", remote)
 
 
 def test_one_writer_per_prefix(tmp_path, remote):
     url, opts = remote
-    with cnrstore.open(tmp_path / "a", create=True, remote=url, remote_options=opts) as store:
+    with open_remote(tmp_path / "a", remote) as store:
         Trainer(store).save()
     with cnrstore.open(tmp_path / "b", remote=url, remote_options=opts) as other:  # recovered elsewhere
         Trainer(other, seed=1).save()
@@ -186,7 +190,7 @@ def test_open_arguments_are_checked(tmp_path, remote):
         cnrstore.open(tmp_path / "x", create=True, cache_bytes=10)
     with pytest.raises(InvalidArgument, match="remote_every"):
         cnrstore.open(tmp_path / "x", create=True, remote=url, remote_options=opts, remote_every=0)
-    with cnrstore.open(tmp_path / "a", create=True, remote=url, remote_options=opts) as store:
+    with open_remote(tmp_path / "a", remote) as store:
         Trainer(store).save()
     with pytest.raises(InvalidArgument, match="open it with that remote="):
         cnrstore.open(tmp_path / "a")
@@ -195,21 +199,18 @@ def test_open_arguments_are_checked(tmp_path, remote):
 # -- faults ---------------------------------------------------------------------------------------------------
 
 def test_a_connection_cut_mid_upload_is_retried(tmp_path, remote, proxy):
-    url, opts = remote
-    with cnrstore.open(tmp_path / "a", create=True, remote=url, remote_options=opts, cache_bytes=0) as store:
+    with open_remote(tmp_path / "a", remote, cache_bytes=0) as store:
         t = Trainer(store)
         t.save()
         proxy.drop_puts(1)
         t.save()
         assert any(kind == "drop" for kind, _ in proxy.log)
         assert store.stats()["remote"]["last_error"] is None  # the client's retry got it through
-    with cnrstore.open(tmp_path / "r", readonly=True, remote=url, remote_options=opts) as other:
-        t.check(other)
+    t.check_fresh(tmp_path / "r", remote)
 
 
 def test_uploads_failing_for_good_lose_nothing_and_are_retried(tmp_path, remote, proxy):
-    url, opts = remote
-    with cnrstore.open(tmp_path / "a", create=True, remote=url, remote_options=opts, cache_bytes=0) as store:
+    with open_remote(tmp_path / "a", remote, cache_bytes=0) as store:
         t = Trainer(store)
         t.save()
         proxy.drop_puts(1000)  # every upload cut off: past every retry
@@ -220,19 +221,16 @@ def test_uploads_failing_for_good_lose_nothing_and_are_retried(tmp_path, remote,
         t.check(store)
         with pytest.raises(RemoteStorageError, match="check: the endpoint URL"):
             store.sync_remote()
-        with cnrstore.open(tmp_path / "r", readonly=True, remote=url, remote_options=opts) as other:
-            t.check(other, sorted(t.content)[:-1])  # the remote reads at its last copy point
+        t.check_fresh(tmp_path / "r", remote, sorted(t.content)[:-1])  # the remote reads at its last copy point
         proxy.heal()
         t.save()  # the next copy point uploads what the failed ones did not
         assert store.stats()["remote"]["last_error"] is None
         assert v in [x.version for x in store.versions()]
-    with cnrstore.open(tmp_path / "r2", readonly=True, remote=url, remote_options=opts) as other:
-        t.check(other)
+    t.check_fresh(tmp_path / "r2", remote)
 
 
 def test_throttling_within_the_retries_and_past_them(tmp_path, remote, proxy):
-    url, opts = remote
-    with cnrstore.open(tmp_path / "a", create=True, remote=url, remote_options=opts) as store:
+    with open_remote(tmp_path / "a", remote) as store:
         t = Trainer(store)
         t.save()
         proxy.slow_down(1)
@@ -244,13 +242,12 @@ def test_throttling_within_the_retries_and_past_them(tmp_path, remote, proxy):
         proxy.heal()
         t.save()
         store.sync_remote()
-    with cnrstore.open(tmp_path / "r", readonly=True, remote=url, remote_options=opts) as other:
-        t.check(other)
+    t.check_fresh(tmp_path / "r", remote)
 
 
 def test_a_missing_remote_segment_is_a_typed_corruption(tmp_path, remote, proxy):
     url, opts = remote
-    with cnrstore.open(tmp_path / "a", create=True, remote=url, remote_options=opts, cache_bytes=0) as store:
+    with open_remote(tmp_path / "a", remote, cache_bytes=0) as store:
         t = Trainer(store)
         t.save()
         t.save()
@@ -279,7 +276,7 @@ def test_cli_reads_verifies_exports_and_repairs_through_the_remote(tmp_path, rem
     from cnrstore.cli import main
 
     url, opts = remote
-    with cnrstore.open(tmp_path / "a", create=True, remote=url, remote_options=opts, cache_bytes=0) as store:
+    with open_remote(tmp_path / "a", remote, cache_bytes=0) as store:
         t = Trainer(store)
         for _ in range(3):
             t.save()
@@ -297,8 +294,7 @@ def test_cli_reads_verifies_exports_and_repairs_through_the_remote(tmp_path, rem
     capsys.readouterr()
     assert main([*args, "repair", str(tmp_path / "r"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["versions_recovered"] == sorted(t.content)
-    with cnrstore.open(tmp_path / "r", readonly=True, remote=url, remote_options=opts) as store:
-        t.check(store)
+    t.check_fresh(tmp_path / "r", remote)
     # the index of the original store lost: repair --remote rebuilds it from local and remote segments
     import shutil
 
