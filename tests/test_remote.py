@@ -180,6 +180,25 @@ def test_one_writer_per_prefix(tmp_path, remote):
         assert len(old.versions()) == 1  # reading the stale copy is allowed
 
 
+def test_a_local_store_is_attached_to_a_remote(tmp_path, remote):
+    """A store made without remote= and opened writable with it: its first copy point uploads all of it."""
+    with cnrstore.open(tmp_path / "a", create=True) as store:
+        t = Trainer(store)
+        t.save()
+        t.save()
+    url, opts = remote
+    with pytest.raises(InvalidArgument, match="has no remote tier"):
+        cnrstore.open(tmp_path / "a", readonly=True, remote=url, remote_options=opts)
+    with cnrstore.open(tmp_path / "a", remote=url, remote_options=opts) as store:
+        t.store = store
+        t.save()
+    t.check_fresh(tmp_path / "fresh", remote)
+    with cnrstore.open(tmp_path / "b", create=True) as other:  # another store may not attach to the same prefix
+        Trainer(other).save()
+    with pytest.raises(RemoteStorageError, match="another store's copy"):
+        cnrstore.open(tmp_path / "b", remote=url, remote_options=opts)
+
+
 def test_open_arguments_are_checked(tmp_path, remote):
     url, opts = remote
     with pytest.raises(StoreNotFound, match="CURRENT"):

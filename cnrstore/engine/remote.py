@@ -400,8 +400,7 @@ class RemoteSegmentStorage(LocalSegmentStorage):
             for seg in sorted(local):  # the writable open never appends to these again (appender)
                 size = os.path.getsize(filenames.segment_path(self.root, seg))
                 self._cache[seg] = size
-        if not self.readonly:
-            self._evict()
+        self._evict()
 
     def adopt_every_object(self) -> None:
         """Count every segment object under the prefix as this store's (repair: no index says which are)."""
@@ -422,10 +421,10 @@ class RemoteSegmentStorage(LocalSegmentStorage):
             return
         try:
             self.copy_point()
-        except CnrError as exc:
+        except Exception as exc:  # noqa: BLE001 - the commit has happened: never fail it after the fact
             self.last_error = exc
             log.warning("cnrstore: the remote copy point after a commit failed; the commit stands locally and "
-                        "the copy is retried at the next one: %s", exc)
+                        "the copy is retried at the next one: %s: %s", type(exc).__name__, exc)
 
     def flush(self) -> None:
         if self.readonly or self._index is None:
@@ -637,7 +636,11 @@ class RemoteSegmentStorage(LocalSegmentStorage):
 
     def _evict(self) -> None:
         """Delete local copies of segments the remote holds whole, least recently read first, until the
-        evictable ones fit ``cache_bytes``."""
+        evictable ones fit ``cache_bytes``. A readonly open deletes nothing: beside a writer of another
+        process it cannot tell that writer's active segment (whose committed prefix the remote may hold
+        whole) from a sealed one; the writer's own evictions bound the directory."""
+        if self.readonly:
+            return
         with self._lock:
             total = sum(self._cache.values())
             for seg in list(self._cache):
