@@ -532,10 +532,10 @@ class RecordingObjectStore(DictObjectStore):
 
 
 def remote_store(root: str, objects: ObjectStore, filesystem=fs.DEFAULT, *, readonly=False, create=False,
-                 cache_bytes=0) -> Store:
+                 cache_bytes=0, every=1) -> Store:
     """A Store at ``root`` whose segments go to ``objects`` (what cnrstore.open(remote=...) builds)."""
     storage = remote.storage_for(os.path.abspath(root), objects, filesystem, readonly=readonly, create=create,
-                                 cache_bytes=cache_bytes)
+                                 cache_bytes=cache_bytes, every=every)
     return Store(root, create=create, readonly=readonly, filesystem=filesystem, storage=storage)
 
 

@@ -30,11 +30,12 @@ class Workload(LocalWorkload):
     """test_crash_states' workload on a store whose segments go to a recording object store (cache_bytes=0:
     every sealed segment is evicted once uploaded)."""
 
-    def __init__(self, path: str, rec: cs.RecordingFileSystem, objects: dict, seed: int):  # noqa: super() opens locally
+    def __init__(self, path: str, rec: cs.RecordingFileSystem, objects: dict, seed: int, *, every: int = 1,
+                 cache_bytes: int = 0):  # (not super().__init__: it opens the store without its remote)
         self.rec, self.rng, self.store = rec, np.random.default_rng(seed), None
         self.objects = cs.RecordingObjectStore(rec, self.listed)
         self.objects.objects.update(objects)
-        self.store = cs.remote_store(path, self.objects, rec, cache_bytes=0)
+        self.store = cs.remote_store(path, self.objects, rec, cache_bytes=cache_bytes, every=every)
         self.model = {name: np.full((ROWS, dim), 0.5, np.float32) for name, (dim, _c) in TABLES.items()}
         self.content: dict = {}
 
@@ -62,27 +63,33 @@ def make_base(path: str) -> tuple[dict, dict, frozenset]:
     return objects.objects, content, frozenset(content)
 
 
-def test_every_crash_state_of_a_remote_workload(tmp_path):
+@pytest.mark.parametrize("every, cache_bytes", [(1, 0), (2, 1 << 20)], ids=["copy-each-commit-evict-all",
+                                                                         "copy-every-2nd-cache-all"])
+def test_every_crash_state_of_a_remote_workload(tmp_path, every, cache_bytes):
+    """Copy points after every commit with every sealed segment evicted (reads go remote); and after every
+    second commit with everything cached (the writer appends on between copy points: torn appends too)."""
     base = str(tmp_path / "base")
     objects, content, initial = make_base(base)
     live = str(tmp_path / "live")
     shutil.copytree(base, live)
     with cs.RecordingFileSystem(live) as rec:
-        w = Workload(live, rec, objects, seed=3)
+        w = Workload(live, rec, objects, seed=3, every=every, cache_bytes=cache_bytes)
         w.content.update(content)
         w.checkpoint(60)
         w.checkpoint(200)
         w._op("retain", lambda: w.store.retain(keep_last=2))
         w._op("gc", w.store.gc)
         w.checkpoint(30)  # its copy point deletes the segments GC freed, after the pointer moved
+        evicted = w.store.stats()["remote"]["segments_evicted"]
         w.close()
     kinds = [e.kind for e in rec.effects]
-    assert kinds.count("put") > 5 and "delete" in kinds and "remove" in kinds  # uploads, remote GC, evictions
+    assert kinds.count("put") > 5 and "delete" in kinds  # uploads, and the remote GC after the pointer moved
+    assert (evicted > 0) == (cache_bytes == 0)
     work = tmp_path / "states"
     work.mkdir()
     sweep = cs.explore_remote(base, objects, rec.effects, w.content, str(work), write_more, initial=initial,
                               initial_pointer=initial)
-    print(f"\nremote workload: {sweep.effects} effects, {sweep.states} crash states checked {sweep.by_variant}")
+    print(f"\nremote workload (every={every}, cache_bytes={cache_bytes}): {sweep.effects} effects, {sweep.states} crash states checked {sweep.by_variant}")
     assert not sweep.failures, "\n".join(sweep.failures)
     assert sweep.states > 40
 
