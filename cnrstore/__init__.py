@@ -30,6 +30,8 @@ from .errors import (
     MissingRows,
     PermissionDenied,
     ReadOnlyError,
+    RemoteObjectMissing,
+    RemoteStorageError,
     SaveSkipped,
     StorageFull,
     StorageIOError,
@@ -77,5 +79,6 @@ __all__ = [
     "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "TableNotFound",
     "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",
     "CheckpointInProgress", "GlobalCommitError", "IndexDamaged", "StorageIOError", "IndexBusy", "CompactionFailed",
-    "ExportFailed", "PermissionDenied", "StoreMoved", "UnsafePayload", "SaveSkipped",
+    "ExportFailed", "PermissionDenied", "StoreMoved", "UnsafePayload", "SaveSkipped", "RemoteStorageError",
+    "RemoteObjectMissing",
 ]

@@ -27,6 +27,12 @@
                                  as data, once; without --trust-pickle only list them (export and restore
                                  refuse them with UnsafePayload, or unpickle them with --trust-pickle)
 
+A store with an object-store tier (``cnrstore.open(..., remote=URL)``) is named with the options ``--remote URL``
+and ``--remote-options JSON`` (the client's options, e.g. ``'{"client_kwargs": {"endpoint_url": ...}}'``) given
+*before* the command, for every command: ``cnrstore --remote s3://bucket/ckpt ls ./cache``. On a directory that
+holds no store yet, the store is first recovered there from the remote's last copy point (a fresh machine);
+``repair`` does that explicitly, or rebuilds a lost index from the local and the remote segments.
+
 ``ls``, ``verify`` and ``export`` also take the root of a multi-rank job (``cnrstore.distributed``): they
 list its global versions and the rank stores they read, verify its manifests and every rank store they
 name, and export a global version as one merged model. The other commands take one rank's store
@@ -211,12 +217,32 @@ def _print_versions(args, rows: list[dict], header: str, noun: str, rest) -> int
     return 0
 
 
+def _remote_args(args) -> dict:
+    """open()'s remote= and remote_options= from --remote and --remote-options (none without --remote)."""
+    if getattr(args, "remote", None) is None:
+        if getattr(args, "remote_options", None) is not None:
+            raise InvalidArgument("--remote-options needs --remote URL")
+        return {}
+    options = None
+    if args.remote_options is not None:
+        try:
+            options = json.loads(args.remote_options)
+        except ValueError as exc:
+            raise InvalidArgument(f"--remote-options is not JSON ({exc}): pass e.g. "
+                                  "'{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}'") from None
+        if not isinstance(options, dict):
+            raise InvalidArgument("--remote-options must be a JSON object")
+    return {"remote": args.remote, "remote_options": options}
+
+
 def _open(args, *, readonly: bool = False) -> Store:
     """The store at ``args.store``; StoreNotFound says what is wrong in the command's terms (the Python
     API's hint, "pass create=True", is no fix here: the command never creates a store)."""
     try:
-        return open_store(args.store, readonly=readonly)
+        return open_store(args.store, readonly=readonly, **_remote_args(args))
     except StoreNotFound:
+        if getattr(args, "remote", None) is not None:
+            raise  # (it names the remote, which holds no store either)
         if _store_like(args.store):
             raise StoreNotFound(
                 f"no cnrstore store at {args.store!r}: it holds a store's index/ and segments/ but no marker "
@@ -513,7 +539,7 @@ def cmd_rows(args) -> int:
 
 def cmd_repair(args) -> int:
     _refuse_root(args)
-    report = repair_store(args.store, progress=_progress(args, "repair"))
+    report = repair_store(args.store, progress=_progress(args, "repair"), **_remote_args(args))
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -550,6 +576,15 @@ def build_parser() -> argparse.ArgumentParser:
                "other error (usage, not a store, locked, unknown version, export path not writable, disk "
                "full, OS error), with one line on stderr saying what to do; 130 interrupted. --json prints "
                "one JSON object on stdout; progress goes to stderr when it is a terminal or with --progress.")
+    # before the command, for every command (git -C style): a store with an object-store tier
+    parser.add_argument("--remote", metavar="URL", default=None,
+                        help="the store keeps its sealed segments at this object-store URL (s3://bucket/prefix, or "
+                             "any fsspec URL); on a STORE directory that holds no store yet, the store is recovered "
+                             "there from the remote's last copy point (repair: the same, explicitly)")
+    parser.add_argument("--remote-options", metavar="JSON", default=None,
+                        help="options of the object store's client as a JSON object, e.g. "
+                             "'{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}' (credentials: "
+                             "the usual AWS environment variables)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, func, help_text, *, progress=False, store_help="path of the store"):

@@ -34,6 +34,8 @@ __all__ = [
     "StoreMoved",
     "UnsafePayload",
     "PeerFailure",
+    "RemoteStorageError",
+    "RemoteObjectMissing",
 ]
 
 
@@ -209,3 +211,20 @@ class UnsafePayload(CnrError):
         super().__init__(message)
         self.version = version
         self.names = tuple(names)
+
+
+class RemoteStorageError(CnrError, OSError):
+    """The object store of a store's remote tier (``open(..., remote=URL)``) failed a request after the
+    client's own retries: the endpoint was unreachable, refused the credentials, or kept throttling
+    (503 SlowDown). Nothing committed locally is lost: what could not be uploaded stays in the local
+    directory (never evicted) and is uploaded again at the next copy point. The message names the object
+    and what to check (endpoint URL, credentials, bucket, network)."""
+
+
+class RemoteObjectMissing(RemoteStorageError, CorruptionError):
+    """An object the remote copy needs (a segment the index names, or the snapshot the pointer names) is
+    gone from the object store. ``.path`` is its URL. The versions that read it are damaged: run
+    ``cnrstore verify`` to list them."""
+
+    def __init__(self, message: str, path: str | None = None, offset: int | None = None):
+        CorruptionError.__init__(self, message, path, offset)

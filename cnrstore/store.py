@@ -13,6 +13,7 @@ import numpy as np
 
 from . import codecs, knobs
 from .engine import arguments, filenames, fs, merge, reader, schema, table_decode
+from .engine import remote as remote_tier
 from .engine import blocks as blocks_math
 from .engine.core import Engine, version_info as _version_info
 from .engine.index import Index, IndexView
@@ -26,8 +27,15 @@ from .policy import compaction as compaction_policy
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 
 
-def open(path, *, create: bool = False, readonly: bool = False, compaction=None) -> "Store":  # noqa: A001
+def open(path, *, create: bool = False, readonly: bool = False, compaction=None, remote: str | None = None,  # noqa: A001
+         remote_options: dict | None = None, cache_bytes: int | None = None,
+         remote_every: int | None = None) -> "Store":
     """Open the store at ``path`` (see API.md). ``create=True`` makes it if absent.
+
+    ``remote`` (an fsspec URL such as ``s3://bucket/prefix``; ``remote_options`` go to its file system) keeps
+    the sealed segments in an object store, with at most ``cache_bytes`` of them cached in ``path``, and a
+    copy of the index there as of every ``remote_every``-th commit (default 1) and of close (API.md, "The
+    remote tier"). On an empty ``path`` it recovers the store from the remote's last copy point.
 
     Processes racing ``create=True`` on one path create it once; the others open it, or get StoreLocked
     while another holds it for writing. A file the process may not read or write raises PermissionDenied.
@@ -40,7 +48,17 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None)
     policy = compaction_policy.resolve(compaction)
     if policy is not None and readonly:
         raise InvalidArgument("compaction= needs a writable store; open with readonly=False")
-    store = Store(os.fspath(path), create=create, readonly=readonly, filesystem=fs.DEFAULT)
+    path = os.path.abspath(os.fspath(path))
+    storage = None
+    if remote is not None:
+        storage = remote_tier.open_storage(path, remote, remote_options, fs.DEFAULT, readonly=readonly,
+                                           create=create, cache_bytes=cache_bytes, every=remote_every)
+    elif remote_options is not None or cache_bytes is not None or remote_every is not None:
+        raise InvalidArgument("remote_options, cache_bytes and remote_every need remote= (the object store's URL)")
+    elif os.path.isdir(path) and remote_tier.kept_remotely(path) is not None:
+        raise InvalidArgument(f"store {path!r} keeps its sealed segments at {remote_tier.kept_remotely(path)!r}: "
+                              "open it with that remote=")
+    store = Store(path, create=create, readonly=readonly, filesystem=fs.DEFAULT, storage=storage)
     if policy is not None:
         store._compactor = BackgroundCompactor(store._engine, policy)
         store._engine.on_commit = store._compactor.notify
@@ -533,7 +551,20 @@ class Store:
         stats["write_amplification"] = stats["bytes_written"] / increments if increments else None
         stats["save_write_amplification"] = stats["save_bytes"] / increments if increments else None
         stats["space_amplification"] = stats["bytes_on_disk"] / live if live else None
+        remote = self._engine.segments.remote_status()
+        if remote is not None:
+            stats["remote"] = remote
         return stats
+
+    def sync_remote(self) -> None:
+        """Make a copy point now (a store opened with ``remote=``): every segment the index references
+        uploaded, the index snapshot uploaded, the pointer replaced. RemoteStorageError if the object store
+        fails (the remote then still reads at its previous copy point); InvalidArgument without a remote."""
+        self._check_writable()
+        segments = self._engine.segments
+        if segments.remote_status() is None:
+            raise InvalidArgument(f"store {self.path!r} has no remote tier: open it with remote=URL")
+        segments.copy_point()
 
     def _disk_bytes(self) -> int:
         return self._engine.segments.disk_bytes() + sum(

@@ -33,7 +33,9 @@ from typing import Callable
 
 import numpy as np
 
-from cnrstore.engine import filenames, fs
+from cnrstore.engine import filenames, fs, remote
+from cnrstore.engine.remote import ObjectStore
+from cnrstore.errors import RemoteObjectMissing, StoreNotFound
 from cnrstore.maintenance.repair import repair
 from cnrstore.store import Store
 
@@ -127,6 +129,10 @@ class RecordingFileSystem(fs.FileSystem):
             return  # an environment outside this store
         with open(os.path.join(env_path, "data.mdb"), "rb") as f:
             self._log(Effect("index", os.path.join(self._rel(env_path), "data.mdb"), data=f.read()))
+
+    def record(self, effect: Effect) -> None:
+        """Log an effect made outside the file system (an object-store put or delete: ``RecordingObjectStore``)."""
+        self._log(effect)
 
     def op_start(self, name: str, versions) -> None:
         self._log(Effect("op_start", name=name, versions=frozenset(versions)))
@@ -333,10 +339,14 @@ def expectations(effects: list[Effect], content, initial=frozenset()) -> list[Ex
 CheckNewWrite = Callable[[Store], None]
 
 
-def check_state(root: str, expect: Expectation, write_more: CheckNewWrite) -> None:
-    """Open the crash state at ``root`` for writing and check it (module docstring, step 3); raises
-    AssertionError (or the store's error) naming what is wrong."""
-    store = Store(root, create=False, readonly=False, filesystem=fs.DEFAULT)
+def _open_local(root: str) -> Store:
+    return Store(root, create=False, readonly=False, filesystem=fs.DEFAULT)
+
+
+def check_state(root: str, expect: Expectation, write_more: CheckNewWrite, opener=_open_local) -> None:
+    """Open the crash state at ``root`` for writing (``opener(root)``) and check it (module docstring,
+    step 3); raises AssertionError (or the store's error) naming what is wrong."""
+    store = opener(root)
     try:
         listed = frozenset(v.version for v in store.versions())
         if expect.keep_last is None:
@@ -356,7 +366,7 @@ def check_state(root: str, expect: Expectation, write_more: CheckNewWrite) -> No
         _check_versions(store, listed, expect, "after a checkpoint, gc and compact on the recovered store")
     finally:
         store.close()
-    with Store(root, create=False, readonly=False, filesystem=fs.DEFAULT) as store:  # ... and survive a reopen
+    with opener(root) as store:  # ... and survive a reopen
         _check_versions(store, listed, expect, "after reopening")
 
 
@@ -413,36 +423,169 @@ def explore(base: str, effects: list[Effect], content, workdir: str, write_more:
         e.keep_last = keep_last
     sweep = Sweep(effects=len(effects))
     seen: set = set()
-    n = 0
     for k in range(len(effects) + 1):
         if k:
             model.apply(effects[k - 1])
         if k % stride and k != len(effects):
             continue
-        for variant in variants:
-            files = model.state(variant)
-            if files is None:
-                continue
-            key = (state_key(files), expect[k].allowed)
-            if key in seen:
-                continue
-            seen.add(key)
-            root = os.path.join(workdir, f"state-{n}")
-            n += 1
-            write_state(files, root)
-            try:
-                if repair_from_log:
-                    write_state(files, root + "-repaired")
+
+        def check(root: str, files, k=k) -> None:
+            if repair_from_log:
+                write_state(files, root + "-repaired")
+                try:
                     check_repair_from_log(root + "-repaired", expect[k])
-                check_state(root, expect[k], write_more)
-            except Exception as exc:  # noqa: BLE001 - collected and reported with the state's place
-                sweep.failures.append(f"after effect {k} ({effects[k - 1].kind if k else 'start'} "
-                                      f"{effects[k - 1].path if k else ''}), {variant}: {type(exc).__name__}: {exc}")
-                if len(sweep.failures) >= max_failures:
-                    return sweep
+                finally:
+                    shutil.rmtree(root + "-repaired", ignore_errors=True)
+            check_state(root, expect[k], write_more)
+
+        if not _check_prefix(sweep, seen, workdir, model, variants, effects, k, expect[k].allowed, check,
+                             max_failures):
+            break
+    return sweep
+
+
+def _check_prefix(sweep: Sweep, seen: set, workdir: str, model: FileModel, variants, effects, k: int, key,
+                  check: Callable[[str, dict], None], max_failures: int) -> bool:
+    """Write each distinct crash state ``model`` gives after prefix ``k`` (distinct by its files and ``key``)
+    to a new directory and run ``check(root, files)`` on it, recording failures with the state's place in
+    ``sweep``; False once ``max_failures`` are recorded."""
+    for variant in variants:
+        files = model.state(variant)
+        if files is None:
+            continue
+        state = (state_key(files), key)
+        if state in seen:
+            continue
+        seen.add(state)
+        root = os.path.join(workdir, f"state-{len(seen)}")
+        write_state(files, root)
+        try:
+            check(root, files)
+        except Exception as exc:  # noqa: BLE001 - collected and reported with the state's place
+            sweep.failures.append(f"after effect {k} ({effects[k - 1].kind if k else 'start'} "
+                                  f"{effects[k - 1].path if k else ''}), {variant}: {type(exc).__name__}: {exc}")
+            if len(sweep.failures) >= max_failures:
+                return False
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        sweep.states += 1
+        sweep.by_variant[variant] = sweep.by_variant.get(variant, 0) + 1
+    return True
+
+
+# -- 4. the remote tier ------------------------------------------------------------------------------------
+# The object store's effects go into the same log: every put (an object replaced whole, durable when it
+# returns: an S3 PUT is atomic) and delete, through the ObjectStore seam (engine/remote.py). A crash state
+# is then a pair: the local files (kill / power / torn, as above) and the objects as of that prefix. Each is
+# checked twice: local recovery with that remote (``check_state``, as for a local store), and recovery from
+# the remote alone into an empty directory, which must list exactly the versions of the last pointer put.
+
+class DictObjectStore(ObjectStore):
+    """Objects in a dict (a crash state's remote, or the recording's)."""
+
+    def __init__(self, objects: dict[str, bytes] | None = None):  # (no fsspec file system)
+        self.url = "mem://remote"
+        self.root = ""
+        self.objects = dict(objects or {})
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data) -> None:
+        with self._lock:
+            self.objects[key] = bytes(data)
+
+    def get(self, key: str, start=None, end=None) -> bytes:
+        with self._lock:
+            if key not in self.objects:
+                raise RemoteObjectMissing(f"reading {self.where(key)}: the object is missing", self.where(key))
+            return self.objects[key][start:end]
+
+    def size(self, key: str):
+        with self._lock:
+            return len(self.objects[key]) if key in self.objects else None
+
+    def list(self, folder: str) -> dict[str, int]:
+        with self._lock:
+            return {k[len(folder) + 1:]: len(v) for k, v in self.objects.items() if k.startswith(folder + "/")}
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self.objects.pop(key, None)
+
+
+class RecordingObjectStore(DictObjectStore):
+    """Logs every put and delete into ``rec``'s effect log; a put of the pointer carries the versions the
+    live store lists at that instant (``listed()``): what a recovery from the remote must find."""
+
+    def __init__(self, rec: RecordingFileSystem, listed: Callable[[], frozenset]):
+        super().__init__()
+        self.rec = rec
+        self.listed = listed
+
+    def put(self, key: str, data) -> None:
+        super().put(key, data)
+        versions = self.listed() if key == filenames.REMOTE_POINTER else frozenset()
+        self.rec.record(Effect("put", key, data=bytes(data), versions=versions))
+
+    def delete(self, key: str) -> None:
+        super().delete(key)
+        self.rec.record(Effect("delete", key))
+
+
+def remote_store(root: str, objects: ObjectStore, filesystem=fs.DEFAULT, *, readonly=False, create=False,
+                 cache_bytes=0, every=1) -> Store:
+    """A Store at ``root`` whose segments go to ``objects`` (what cnrstore.open(remote=...) builds)."""
+    storage = remote.storage_for(os.path.abspath(root), objects, filesystem, readonly=readonly, create=create,
+                                 cache_bytes=cache_bytes, every=every)
+    return Store(root, create=create, readonly=readonly, filesystem=filesystem, storage=storage)
+
+
+def check_remote_alone(objects: dict[str, bytes], pointer_versions: frozenset | None, content, workdir: str) -> None:
+    """Recovery from the remote alone (an empty directory): exactly the last pointer's versions, bit for bit."""
+    try:
+        store = remote_store(workdir, DictObjectStore(objects), readonly=True)
+    except StoreNotFound:
+        assert pointer_versions is None, f"no store recovered from the remote; its pointer listed {pointer_versions}"
+        return
+    with store:
+        listed = frozenset(v.version for v in store.versions())
+        assert listed == pointer_versions, (f"recovery from the remote lists {sorted(listed)}; the last pointer "
+                                            f"put listed {sorted(pointer_versions or ())}")
+        _check_versions(store, listed, Expectation((listed,), content), "recovered from the remote alone")
+
+
+def explore_remote(base: str, base_objects: dict[str, bytes], effects: list[Effect], content, workdir: str,
+                   write_more: CheckNewWrite, *, initial=frozenset(), initial_pointer=None,
+                   variants=("kill", "power", "torn"), stride: int = 1, max_failures: int = 5) -> Sweep:
+    """``explore`` for a store with a remote tier: every ``stride``-th prefix, each variant of the local
+    files with the remote as of that prefix, checked by local recovery and by recovery from the remote alone."""
+    model = FileModel.of_directory(base)
+    expect = expectations(effects, content, initial)
+    sweep = Sweep(effects=len(effects))
+    objects = dict(base_objects)
+    pointer = initial_pointer
+    seen: set = set()
+    for k in range(len(effects) + 1):
+        if k:
+            e = effects[k - 1]
+            model.apply(e)
+            if e.kind == "put":
+                objects[e.path] = e.data
+                if e.path == filenames.REMOTE_POINTER:
+                    pointer = e.versions
+            elif e.kind == "delete":
+                objects.pop(e.path, None)
+        if k % stride and k != len(effects):
+            continue
+
+        def check(root: str, _files, k=k, remote_now=dict(objects), pointer=pointer) -> None:
+            state_remote = DictObjectStore(remote_now)  # (the recovered store writes on; its reopen reads that)
+            try:
+                check_remote_alone(remote_now, pointer, content, root + "-fresh")
             finally:
-                shutil.rmtree(root, ignore_errors=True)
-                shutil.rmtree(root + "-repaired", ignore_errors=True)
-            sweep.states += 1
-            sweep.by_variant[variant] = sweep.by_variant.get(variant, 0) + 1
+                shutil.rmtree(root + "-fresh", ignore_errors=True)
+            check_state(root, expect[k], write_more, opener=lambda r: remote_store(r, state_remote))
+
+        if not _check_prefix(sweep, seen, workdir, model, variants, effects, k,
+                             (state_key(dict(objects)), expect[k].allowed), check, max_failures):
+            break
     return sweep

@@ -143,6 +143,18 @@ model, optimizer = build({"plan": {"t0": "row_wise", "t1": "column_wise", "t2": 
 train(model, optimizer, range(3))
 '''
 
+S3 = TRAINER + '''
+import logging
+from moto.server import ThreadedMotoServer   # stands for S3: an endpoint on localhost, named by the environment
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+_s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+_s3.start()
+os.environ.update(AWS_ENDPOINT_URL="http://%s:%d" % _s3.get_host_and_port(), AWS_ACCESS_KEY_ID="testing",
+                  AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+import boto3
+boto3.client("s3").create_bucket(Bucket="my-bucket")
+'''
+
 USE = 'with cnrstore.open("ckpt", create=True) as store:\n    store.create_table("user_emb"'
 DIST = 'DistributedCheckpointer("ckpt", model, optimizer, plan=plan, codec="int4"'
 
@@ -167,6 +179,11 @@ if os.environ["RUN"] == "0":  # the first run: batches 1-2500, saves at 1000 and
 else:  # the restart: restore() put the loader at batch 2000 (its position at the save), so steps go on at 2001
     assert start == 2001 and steps == [1000, 2000, 3000], (start, steps)
 assert data_loader.pos == 2500 + 1000 * int(os.environ["RUN"])
+'''),
+    'remote="s3://my-bucket/dlrm/run-7", cache_bytes': Spec(prelude=S3, check='''
+assert info.step == 2000, info
+with cnrstore.open("ckpt-fresh", readonly=True, remote="s3://my-bucket/dlrm/run-7") as s:
+    assert [v.step for v in s.versions()] == [1000, 2000] and s.verify().ok
 '''),
     "# train.py": Spec(covered_by="torchrun --standalone", file="train.py"),
     "torchrun --standalone": Spec(after="# train.py", stdout=("rank 0: ckpt/gen-000001/rank-00000",

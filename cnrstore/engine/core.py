@@ -98,6 +98,7 @@ class Engine:
             engine._open_index(storage)
             if not readonly:
                 engine._recover(fmt)
+            engine.segments.attach(engine.index, engine.seal_idle_writer_segment)
         except BaseException:
             engine.close()
             raise
@@ -270,6 +271,8 @@ class Engine:
                 self.writer = None
             if writer.committed and self._written_blocks is not None:
                 self._written_blocks.update(writer.blocks_written())
+        if writer.committed:
+            self.segments.after_commit()  # a remote storage's copy point (storage.py)
         if self.on_commit is not None and writer.committed:
             self.on_commit()
 
@@ -384,6 +387,12 @@ class Engine:
         """Abort the open checkpoint writer, if any, then close every part (idempotent)."""
         if self.writer is not None:
             self.writer.abort()
+        flush_error = None
+        if not self.closed and not self.readonly and self.appender is not None:
+            try:
+                self.segments.flush()  # a remote storage's last copy point
+            except Exception as exc:  # noqa: BLE001 - close everything first, then report it
+                flush_error = exc
         self.closed = True
         for appender in (self.appender, self.compaction_appender):
             if appender is not None:
@@ -394,6 +403,8 @@ class Engine:
             self.index.close()
         if self.lock is not None:
             self.lock.release()
+        if flush_error is not None:
+            raise flush_error
 
 
 def version_info(version: int, info: dict) -> VersionInfo:

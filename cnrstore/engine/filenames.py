@@ -9,6 +9,15 @@ Layout of a store directory::
     <store>/index.repair-tmp/READY  written once that index is built and durable: repair installs it
     <store>/index.damaged-<time>/  an index repair replaced (kept as evidence; delete it by hand)
     <store>/segments/<id>.seg   append-only segment files, id as 16 hex digits
+    <store>/segments/<id>.seg.download  a segment being fetched back from the remote (renamed into place)
+    <store>/REMOTE              a store with an object-store tier: its URL and store id (engine/remote.py)
+    <store>/remote-snapshot.tmp/  the index copy a remote copy point is uploading (remade each time)
+
+Objects under a remote prefix (docs/FORMAT.md, "Remote layout")::
+
+    <prefix>/CURRENT                  the pointer: names the index snapshot of the last copy point
+    <prefix>/index/<generation>.mdb   a compact LMDB copy of the index, generation as 16 hex digits
+    <prefix>/segments/<id>.seg        a segment, as the local file (or a committed prefix of it)
 """
 
 from __future__ import annotations
@@ -20,7 +29,14 @@ MARKER = "CNRSTORE"
 LOCK = "LOCK"
 INDEX_DIR = "index"
 SEGMENTS_DIR = "segments"
+REMOTE = "REMOTE"
+REMOTE_SNAPSHOT_TMP = "remote-snapshot.tmp"
 _SEGMENT_RE = re.compile(r"^([0-9a-f]{16})\.seg$")
+_SNAPSHOT_RE = re.compile(r"^([0-9a-f]{16})\.mdb$")
+#: remote object names (relative to the store's prefix)
+REMOTE_POINTER = "CURRENT"
+REMOTE_INDEX_DIR = "index"
+REMOTE_SEGMENTS_DIR = "segments"
 
 
 def marker_path(root: str) -> str:
@@ -62,4 +78,36 @@ def segment_path(root: str, segment_id: int) -> str:
 def parse_segment_name(name: str) -> int | None:
     """Segment id of a file name in segments/, or None if the name is not a segment's."""
     m = _SEGMENT_RE.match(name)
+    return int(m.group(1), 16) if m else None
+
+
+def remote_path(root: str) -> str:
+    return os.path.join(root, REMOTE)
+
+
+def remote_snapshot_tmp(root: str) -> str:
+    return os.path.join(root, REMOTE_SNAPSHOT_TMP)
+
+
+def index_data_path(index_path: str) -> str:
+    """The LMDB data file of an index directory."""
+    return os.path.join(index_path, "data.mdb")
+
+
+def segment_download_tmp(root: str, segment_id: int) -> str:
+    """Where a segment fetched back from the remote is written before it is renamed into place."""
+    return segment_path(root, segment_id) + ".download"
+
+
+def remote_segment_key(segment_id: int) -> str:
+    return f"{REMOTE_SEGMENTS_DIR}/{segment_id:016x}.seg"
+
+
+def remote_snapshot_key(generation: int) -> str:
+    return f"{REMOTE_INDEX_DIR}/{generation:016x}.mdb"
+
+
+def parse_remote_snapshot_name(name: str) -> int | None:
+    """Generation of an object name in the remote index/ folder, or None if it is not a snapshot's."""
+    m = _SNAPSHOT_RE.match(name)
     return int(m.group(1), 16) if m else None

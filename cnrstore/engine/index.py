@@ -186,6 +186,11 @@ class IndexView:
         self._txn = txn
         self._dbs = dbs
 
+    def txn_id(self) -> int:
+        """LMDB's id of this transaction: a read's is that of the commit it sees; readers that began before
+        a write transaction commits have smaller ids than it."""
+        return self._txn.id()
+
     # catalogs -------------------------------------------------------------------------------------
     def meta(self, key: str, default=None):
         raw = self._txn.get(key.encode(), db=self._dbs[b"meta"])
@@ -443,9 +448,6 @@ class IndexWriter(IndexView):
     def delete_segment(self, segment: int) -> None:
         self._txn.delete(VERSION_KEY.pack(segment), db=self._dbs[b"segments"])
 
-    def txn_id(self) -> int:
-        """LMDB's id of this write transaction: readers that began before it commits have smaller ids."""
-        return self._txn.id()
 
 
 class Index:
@@ -562,6 +564,15 @@ class Index:
 
     def map_size(self) -> int:
         return self._env.info()["map_size"]
+
+    def copy_to(self, dest_dir: str, view: IndexView) -> None:
+        """Write a compact copy of the index, as ``view`` (a read of this index) sees it, to
+        ``dest_dir``/data.mdb: an existing directory with no data.mdb. The copy is an index of its own
+        (a remote copy point uploads it; engine/remote.py)."""
+        try:
+            self._env.copy(dest_dir, compact=True, txn=view._txn)
+        except lmdb.Error as exc:
+            raise self._error(exc, f"copying the index to {dest_dir}") from exc
 
     def oldest_reader_txn(self) -> int | None:
         """The smallest transaction id any active reader (of any process) sees, or None if none reads.

@@ -88,7 +88,8 @@ def create(root: str, filesystem: fs.FileSystem, wait_s: float) -> ProcessLock:
     try:
         if not os.path.exists(marker):  # (else another process created it while we waited)
             leftovers = set(os.listdir(root)) - {
-                filenames.INDEX_DIR, filenames.SEGMENTS_DIR, filenames.LOCK, filenames.MARKER + ".tmp"}
+                filenames.INDEX_DIR, filenames.SEGMENTS_DIR, filenames.LOCK, filenames.MARKER + ".tmp",
+                filenames.REMOTE, filenames.REMOTE + ".tmp"}  # (a store with a remote tier names it first)
             if leftovers:
                 raise InvalidArgument(f"{root!r} is a non-empty directory that is not a store "
                                       f"(it holds {sorted(leftovers)[:3]}); choose an empty or new directory")

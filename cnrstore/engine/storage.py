@@ -140,6 +140,22 @@ class SegmentStorage(abc.ABC):
     def sealed(self, seg: int) -> None:
         """Segment ``seg`` will never be appended to again (its committed bytes are final)."""
 
+    def attach(self, index, seal_writer) -> None:
+        """The engine opened (after crash recovery): ``index`` is its Index and ``seal_writer()`` seals the
+        checkpoint writer's active segment if no checkpoint is open. A remote storage's copy points use both."""
+
+    def after_commit(self) -> None:
+        """A checkpoint committed (the writer slot is free again): where a remote storage makes its copy
+        point. Never raises for a remote fault (that is logged and retried at the next one)."""
+
+    def remote_status(self) -> dict | None:
+        """What a storage with a remote side reports of it (``Store.stats()["remote"]``); None: none."""
+        return None
+
+    def flush(self) -> None:
+        """A writable store is closing: make the copy kept elsewhere current (a last copy point). May raise
+        RemoteStorageError; the store closes all the same."""
+
     def forget(self, seg: int) -> None:
         """Drop what is cached of segment ``seg`` (it left the index)."""
 

@@ -54,6 +54,7 @@ import msgpack
 import numpy as np
 
 from ..engine import filenames, fs, record, schema, segments, version_edit
+from ..engine import remote as remote_tier
 from .verify import LOST_SEGMENT, damaged_blocks
 from ..errors import CnrError, CorruptionError, StoreNotFound
 from ..engine.index import DenseLoc, Index, RowLoc, finish_interrupted_install, install_built_index
@@ -155,9 +156,15 @@ class _Found:
         return self._by_block
 
 
-def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem | None = None) -> RepairReport:
+def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem | None = None,
+           remote: str | None = None, remote_options: dict | None = None) -> RepairReport:
     """Rebuild the index of the store at ``path`` from its segment log (and its old index, when that
     still opens); see the module docstring.
+
+    With ``remote`` (the store's object-store URL, engine/remote.py) the log is the local segments and
+    every segment object under the remote prefix (read from there). A ``path`` that holds no store is
+    recovered from the remote alone instead: the index snapshot its pointer names is installed there
+    (every version of the last copy point; the report lists them).
 
     Takes the store's lock (raises StoreLocked while a writer holds it). Close every handle of the store
     in this process first. ``progress(done, total)`` is called as segment bytes are scanned. Every
@@ -166,6 +173,8 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
     """
     filesystem = filesystem if filesystem is not None else fs.DEFAULT
     root = os.path.abspath(os.fspath(path))
+    if remote is not None and not os.path.exists(filenames.marker_path(root)):
+        return _recover_from_remote(root, remote, remote_options, filesystem)
     if not os.path.exists(filenames.marker_path(root)) or not os.path.isdir(filenames.segments_dir(root)):
         raise StoreNotFound(f"no cnrstore store at {root!r} (no marker or no segments/ directory); repair "
                             "needs the store's CNRSTORE marker and segments/")
@@ -176,7 +185,8 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
         report = RepairReport(root)
         _finish_interrupted_install(root, filesystem, report)
         old = _read_old_index(root, report)
-        storage = LocalSegmentStorage(root, filesystem)
+        storage = LocalSegmentStorage(root, filesystem) if remote is None else \
+            remote_tier.repair_storage(root, remote, remote_options, filesystem)
         try:
             found, lengths = _scan(storage, report, progress)
             plan = _prove(found, report, old)
@@ -237,6 +247,23 @@ def _read_old_index(root: str, report: RepairReport) -> _OldIndex | None:
 
 
 # scan -------------------------------------------------------------------------------------------------
+def _recover_from_remote(root: str, url: str, options: dict | None, filesystem: fs.FileSystem) -> RepairReport:
+    """``repair(path, remote=url)`` of a path with no store: the remote's last copy point installed there."""
+    report = RepairReport(root)
+    storage = remote_tier.open_storage(root, url, options, filesystem, readonly=False, create=False)
+    storage.close()
+    index = Index(filenames.index_dir(root), readonly=True)
+    try:
+        with index.read() as view:
+            report.versions_recovered = view.version_numbers()
+            report.tables_recovered = sorted(view.tables())
+    finally:
+        index.close()
+    report.notes.append(f"recovered the index of {url}'s last copy point (generation {storage.generation}): "
+                        "every version committed by then; segments are read from the remote")
+    return report
+
+
 def _scan(storage: LocalSegmentStorage, report: RepairReport,
           progress: Progress | None) -> tuple[_Found, dict[int, int]]:
     sizes = {seg: storage.size(seg) or 0 for seg in storage.list()}

@@ -1,0 +1,180 @@
+"""Crash states of a store with a remote tier, enumerated (tests/crash_states.py, section 4): checkpoints
+that roll, seal and upload segments, copy points after each commit, evictions (cache_bytes=0), retain and gc
+(remote deletes after the pointer moved) and the copy point at close, recorded with the object store's
+puts and deletes in the same log. Every prefix's state is checked by local recovery against the remote as
+of that prefix, and by recovery from the remote alone (exactly the last pointer's versions, bit for bit).
+Plus race schedules (tests/schedule.py): a seal's upload racing GC's removal, and a reader of a segment
+being evicted."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from cnrstore.engine import filenames
+from cnrstore.errors import RemoteStorageError
+
+import crash_states as cs
+from schedule import Pause, run_in_thread
+
+from test_crash_states import BLOCK, ROWS, TABLES, small_segments, write_more  # noqa: F401 (a fixture)
+from test_crash_states import Workload as LocalWorkload
+
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")
+
+
+class Workload(LocalWorkload):
+    """test_crash_states' workload on a store whose segments go to a recording object store (cache_bytes=0:
+    every sealed segment is evicted once uploaded)."""
+
+    def __init__(self, path: str, rec: cs.RecordingFileSystem, objects: dict, seed: int, *, every: int = 1,
+                 cache_bytes: int = 0):  # (not super().__init__: it opens the store without its remote)
+        self.rec, self.rng, self.store = rec, np.random.default_rng(seed), None
+        self.objects = cs.RecordingObjectStore(rec, self.listed)
+        self.objects.objects.update(objects)
+        self.store = cs.remote_store(path, self.objects, rec, cache_bytes=cache_bytes, every=every)
+        self.model = {name: np.full((ROWS, dim), 0.5, np.float32) for name, (dim, _c) in TABLES.items()}
+        self.content: dict = {}
+
+    def listed(self) -> frozenset:
+        return super().listed() if self.store is not None else frozenset()
+
+    def close(self):
+        self.rec.op_start("close", self.listed())
+        listed = self.listed()
+        self.store.close()
+        self.rec.op_end(listed)
+
+
+def make_base(path: str) -> tuple[dict, dict, frozenset]:
+    """The store before the workload, with its remote (a copy point made): its objects, content, versions."""
+    objects = cs.DictObjectStore()
+    store = cs.remote_store(path, objects, create=True, cache_bytes=0)
+    with store:
+        for name, (dim, codec) in TABLES.items():
+            store.create_table(name, ROWS, dim, codec=codec, block_rows=BLOCK)
+        with store.checkpoint() as ck:
+            for name, (dim, _codec) in TABLES.items():
+                ck.put_rows(name, np.arange(ROWS), np.full((ROWS, dim), 0.5, np.float32))
+        content = {1: {name: store.read_table(name, version=1) for name in TABLES}}
+    return objects.objects, content, frozenset(content)
+
+
+@pytest.mark.parametrize("every, cache_bytes", [(1, 0), (2, 1 << 20)], ids=["copy-each-commit-evict-all",
+                                                                         "copy-every-2nd-cache-all"])
+def test_every_crash_state_of_a_remote_workload(tmp_path, every, cache_bytes):
+    """Copy points after every commit with every sealed segment evicted (reads go remote); and after every
+    second commit with everything cached (the writer appends on between copy points: torn appends too)."""
+    base = str(tmp_path / "base")
+    objects, content, initial = make_base(base)
+    live = str(tmp_path / "live")
+    shutil.copytree(base, live)
+    with cs.RecordingFileSystem(live) as rec:
+        w = Workload(live, rec, objects, seed=3, every=every, cache_bytes=cache_bytes)
+        w.content.update(content)
+        w.checkpoint(60)
+        w.checkpoint(200)
+        w._op("retain", lambda: w.store.retain(keep_last=2))
+        w._op("gc", w.store.gc)
+        w.checkpoint(30)  # its copy point deletes the segments GC freed, after the pointer moved
+        evicted = w.store.stats()["remote"]["segments_evicted"]
+        w.close()
+    kinds = [e.kind for e in rec.effects]
+    assert kinds.count("put") > 5 and "delete" in kinds  # uploads, and the remote GC after the pointer moved
+    assert (evicted > 0) == (cache_bytes == 0)
+    work = tmp_path / "states"
+    work.mkdir()
+    sweep = cs.explore_remote(base, objects, rec.effects, w.content, str(work), write_more, initial=initial,
+                              initial_pointer=initial)
+    print(f"\nremote workload (every={every}, cache_bytes={cache_bytes}): {sweep.effects} effects, {sweep.states} crash states checked {sweep.by_variant}")
+    assert not sweep.failures, "\n".join(sweep.failures)
+    assert sweep.states > 40
+
+
+# -- races by schedule ------------------------------------------------------------------------------------
+
+class FlakyObjectStore(cs.DictObjectStore):
+    """Puts fail while ``failing`` (an endpoint that is down)."""
+
+    failing = False
+
+    def put(self, key, data):
+        if self.failing:
+            raise RemoteStorageError(f"uploading {self.where(key)} failed (test: endpoint down)")
+        super().put(key, data)
+
+
+def _three_versions(path, objects):
+    store = cs.remote_store(path, objects, create=True, cache_bytes=0)
+    store.create_table("f", ROWS, 4, codec="fp32", block_rows=BLOCK)
+    content = {}
+    for i in range(3):
+        _save(store, content, float(i))
+    return store, content
+
+
+def _save(store, content, value):
+    rows = np.arange(ROWS)
+    with store.checkpoint() as ck:
+        ck.put_rows("f", rows, np.full((ROWS, 4), value, np.float32))
+    content[ck.version] = np.full((ROWS, 4), value, np.float32)
+
+
+def test_a_copy_point_upload_racing_gc_removal(tmp_path):
+    """A copy point uploading segments whose upload at seal failed, paused mid-way, while retain and GC free
+    and try to delete those very segments: GC leaves the local copies the copy point's snapshot needs (it
+    reads the index), the upload completes, the remote reads back at that snapshot, and only a later GC and
+    copy point delete them (locally, then remotely)."""
+    objects = FlakyObjectStore()
+    objects.failing = True
+    store, content = _three_versions(str(tmp_path / "a"), objects)
+    with store:
+        assert store.stats()["remote"]["last_error"]  # nothing reached the remote
+        snapshot_versions = sorted(content)
+        old = {s for s in store.engine.segments.list()}
+        objects.failing = False
+        with Pause("remote_upload") as paused:
+            copy = run_in_thread(store.sync_remote)
+            paused.wait_reached()  # inside the copy point's index read, before its first upload
+            store.retain(keep_last=1)
+            report = store.gc()
+            assert report.bytes_pending > 0  # freed, but the copy point still reads them: not deleted
+            paused.release()
+            copy.result()
+        uploaded = {filenames.parse_segment_name(k.split("/")[1]) for k in objects.objects if k.startswith("segments/")}
+        assert old <= uploaded
+        with cs.remote_store(str(tmp_path / "fresh"), cs.DictObjectStore(objects.objects), readonly=True) as fresh:
+            assert [v.version for v in fresh.versions()] == snapshot_versions
+            for v in snapshot_versions:
+                np.testing.assert_array_equal(fresh.read_table("f", version=v), content[v])
+        store.gc()  # no reader now: the freed local copies go
+        store.sync_remote()  # the pointer moves past them: the remote copies go
+        remaining = {filenames.parse_segment_name(k.split("/")[1]) for k in objects.objects if k.startswith("segments/")}
+        assert old - remaining
+        np.testing.assert_array_equal(store.read_table("f"), content[max(content)])
+        assert not store.verify().problems
+
+
+def test_a_reader_of_a_segment_being_evicted(tmp_path):
+    """A read that resolved a record to a local segment, paused, then finds the local copy evicted: it reads
+    the record from the remote instead (never a CorruptionError for a segment the remote holds)."""
+    store, content = _three_versions(str(tmp_path / "a"), cs.DictObjectStore())
+    with store:
+        storage = store.engine.segments
+        storage.cache_bytes = 1 << 40  # keep local copies for now
+        v = max(content)
+        _save(store, content, 9.0)  # local copies of the new segments, uploaded whole
+        segs = [s for s in storage.list() if os.path.exists(filenames.segment_path(store.path, s))]
+        assert segs
+        with Pause("remote_read_local") as paused:
+            reader = run_in_thread(lambda: store.read_table("f", version=max(content)))
+            paused.wait_reached()
+            storage.cache_bytes = 0
+            storage.sync_cache()  # evicts every uploaded local copy while the reader is paused
+            assert not [s for s in segs if os.path.exists(filenames.segment_path(store.path, s))]
+            paused.release()
+            np.testing.assert_array_equal(reader.result(), content[max(content)])
+        np.testing.assert_array_equal(store.read_table("f", version=v), content[v])
