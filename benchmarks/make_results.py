@@ -123,6 +123,11 @@ SECTIONS = [
      "identical training run, through DCP async_save: trainer stall and bytes on disk per save as ratios "
      "DCP/cnrstore, the wait for the previous save, time until durable, restore of the newest version.",
      ["--plot", "torchrec.png"], ["--quick", "--plot", "none"], "torchrec.png"),
+    ("bench_s3.py", "Checkpoints on S3: the remote tier against DCP's FsspecWriter",
+     "8 fp32 tables (128 MiB), 10 saves each changing 5% of the rows, to the same S3 endpoint (moto on localhost): "
+     "cnrstore with its remote tier (copy point after every commit) against torch.distributed.checkpoint with "
+     "FsspecWriter: seconds and bytes uploaded per save, the copy point's cost against a local store, restore of "
+     "the newest save on a fresh machine.", [], ["--quick"], None),
 ]
 
 

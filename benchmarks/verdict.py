@@ -109,6 +109,16 @@ def verdict(md: str) -> str:
     line(f"Restore into the live model ({first_state} state)", "dcp.load", get(r_dcp, "restore (median)"),
          "fp32", get(r32, "restore (median)"), "Restore into a live model")
 
+    s3 = {r["method"]: r for r in table(md, "method", "save 0")}
+    s_dcp, s_cnr = s3.get("DCP FsspecWriter -> S3"), s3.get("cnrstore -> S3")
+    where = "Checkpoints on S3 (fp32, moto on localhost)"
+    line("S3: seconds per save", "FsspecWriter", get(s_dcp, "later saves (median)"), "fp32, remote tier",
+         get(s_cnr, "later saves (median)"), where)
+    line("S3: bytes uploaded per save", "FsspecWriter", get(s_dcp, "later save uploaded (median)"),
+         "fp32, remote tier", get(s_cnr, "later save uploaded (median)"), where)
+    line("S3: restore on a fresh machine", "dcp.load", get(s_dcp, "restore newest, fresh machine"),
+         "fp32, remote tier", get(s_cnr, "restore newest, fresh machine"), where)
+
     acc = table(md, "paper's cell", "family")
     a4 = row(acc, codec="adaptive4")
     i8 = row(acc, codec="int8")
