@@ -22,6 +22,40 @@ PEERS_CNR = "cnrstore, incremental + keep-last"
 PEERS_CNR_INT8 = "cnrstore, incremental + keep-last, optimizer int8"
 MISSING = "not in this file"
 
+#: where the verdict's rows come from: a table (its first two headers) and how the row names it
+SOURCES = {
+    "peers": (("method", "bytes written / interval (median)"), "Against the peers (1 GiB DLRM, 1 process)"),
+    "torchrec": (("method", "trainer stall / save (median)"), "TorchRec (DMP, 2 ranks)"),
+    "s3": (("method", "save 0"), "Checkpoints on S3 (fp32, moto on localhost)"),
+}
+#: (question, source, DCP's row, its label, cnrstore's row, its label, the column both are read from)
+ROWS = [
+    ("Training stall per save", "peers", "DCP async_save", "async_save", PEERS_CNR, "adaptive4",
+     "trainer stall (median)"),
+    ("Bytes written per save", "peers", "DCP async_save", "async_save", PEERS_CNR, "adaptive4",
+     "bytes written / interval (median)"),
+    ("... with the optimizer state in int8", "peers", "DCP async_save", "async_save", PEERS_CNR_INT8,
+     "adaptive4 + int8 state", "bytes written / interval (median)"),
+    ("Save until durable", "peers", "DCP async_save", "async_save", PEERS_CNR, "adaptive4", "until durable (median)"),
+    ("Disk, last 5 checkpoints kept", "peers", "DCP save", "save", PEERS_CNR, "adaptive4", "disk, last 5 kept"),
+    ("Restore the newest into a freshly built model", "peers", "DCP save", "save", PEERS_CNR, "adaptive4",
+     "restore newest (median)"),
+    ("TorchRec: training stall per save", "torchrec", "DCP async_save", "async_save", "cnrstore, int4", "int4",
+     "trainer stall / save (median)"),
+    ("TorchRec: bytes per save", "torchrec", "DCP async_save", "async_save", "cnrstore, int4", "int4",
+     "bytes on disk / save (median)"),
+    ("TorchRec: bytes per save, lossless", "torchrec", "DCP async_save", "async_save", "cnrstore, fp32", "fp32",
+     "bytes on disk / save (median)"),
+    ("TorchRec: restore the newest", "torchrec", "DCP async_save", "async_save", "cnrstore, fp32", "fp32",
+     "restore newest"),
+    ("S3: seconds per save", "s3", "DCP FsspecWriter -> S3", "FsspecWriter", "cnrstore -> S3", "fp32, remote tier",
+     "later saves (median)"),
+    ("S3: bytes uploaded per save", "s3", "DCP FsspecWriter -> S3", "FsspecWriter", "cnrstore -> S3",
+     "fp32, remote tier", "later save uploaded (median)"),
+    ("S3: restore on a fresh machine", "s3", "DCP FsspecWriter -> S3", "dcp.load", "cnrstore -> S3",
+     "fp32, remote tier", "restore newest, fresh machine"),
+]
+
 
 def quantity(cell: str) -> float | None:
     """The value of a cell such as ``2.0 GiB`` or ``51.3 ms`` in bytes or seconds (None if not one)."""
@@ -72,35 +106,12 @@ def verdict(md: str) -> str:
             return
         out.append(f"| {question} | {dcp} ({dcp_label}) | {cnr} ({cnr_label}) | {ratio(dcp, cnr)} | {where} |")
 
-    peers = {r["method"]: r for r in table(md, "method", "bytes written / interval (median)")}
-    cnr, cnr8 = peers.get(PEERS_CNR), peers.get(PEERS_CNR_INT8)
-    dcp_a, dcp_s = peers.get("DCP async_save"), peers.get("DCP save")
-    where = "Against the peers (1 GiB DLRM, 1 process)"
     get = (lambda r, k: r.get(k) if r else None)
-    line("Training stall per save", "async_save", get(dcp_a, "trainer stall (median)"), "adaptive4",
-         get(cnr, "trainer stall (median)"), where)
-    line("Bytes written per save", "async_save", get(dcp_a, "bytes written / interval (median)"), "adaptive4",
-         get(cnr, "bytes written / interval (median)"), where)
-    line("... with the optimizer state in int8", "async_save", get(dcp_a, "bytes written / interval (median)"),
-         "adaptive4 + int8 state", get(cnr8, "bytes written / interval (median)"), where)
-    line("Save until durable", "async_save", get(dcp_a, "until durable (median)"), "adaptive4",
-         get(cnr, "until durable (median)"), where)
-    line("Disk, last 5 checkpoints kept", "save", get(dcp_s, "disk, last 5 kept"), "adaptive4",
-         get(cnr, "disk, last 5 kept"), where)
-    line("Restore the newest into a freshly built model", "save", get(dcp_s, "restore newest (median)"), "adaptive4",
-         get(cnr, "restore newest (median)"), where)
-
-    trec = {r["method"]: r for r in table(md, "method", "trainer stall / save (median)")}
-    where = "TorchRec (DMP, 2 ranks)"
-    t_dcp, t4, t32 = trec.get("DCP async_save"), trec.get("cnrstore, int4"), trec.get("cnrstore, fp32")
-    line("TorchRec: training stall per save", "async_save", get(t_dcp, "trainer stall / save (median)"), "int4",
-         get(t4, "trainer stall / save (median)"), where)
-    line("TorchRec: bytes per save", "async_save", get(t_dcp, "bytes on disk / save (median)"), "int4",
-         get(t4, "bytes on disk / save (median)"), where)
-    line("TorchRec: bytes per save, lossless", "async_save", get(t_dcp, "bytes on disk / save (median)"), "fp32",
-         get(t32, "bytes on disk / save (median)"), where)
-    line("TorchRec: restore the newest", "async_save", get(t_dcp, "restore newest"), "fp32",
-         get(t32, "restore newest"), where)
+    for question, source, dcp_method, dcp_label, cnr_method, cnr_label, column in ROWS:
+        header, where = SOURCES[source]
+        rows = {r["method"]: r for r in table(md, *header)}
+        line(question, dcp_label, get(rows.get(dcp_method), column), cnr_label,
+             get(rows.get(cnr_method), column), where)
 
     rest = table(md, "state", "method")
     first_state = rest[0]["state"] if rest else None
@@ -108,16 +119,6 @@ def verdict(md: str) -> str:
     r32 = row(rest, state=first_state, method="cnrstore fp32")
     line(f"Restore into the live model ({first_state} state)", "dcp.load", get(r_dcp, "restore (median)"),
          "fp32", get(r32, "restore (median)"), "Restore into a live model")
-
-    s3 = {r["method"]: r for r in table(md, "method", "save 0")}
-    s_dcp, s_cnr = s3.get("DCP FsspecWriter -> S3"), s3.get("cnrstore -> S3")
-    where = "Checkpoints on S3 (fp32, moto on localhost)"
-    line("S3: seconds per save", "FsspecWriter", get(s_dcp, "later saves (median)"), "fp32, remote tier",
-         get(s_cnr, "later saves (median)"), where)
-    line("S3: bytes uploaded per save", "FsspecWriter", get(s_dcp, "later save uploaded (median)"),
-         "fp32, remote tier", get(s_cnr, "later save uploaded (median)"), where)
-    line("S3: restore on a fresh machine", "dcp.load", get(s_dcp, "restore newest, fresh machine"),
-         "fp32, remote tier", get(s_cnr, "restore newest, fresh machine"), where)
 
     acc = table(md, "paper's cell", "family")
     a4 = row(acc, codec="adaptive4")
