@@ -182,6 +182,28 @@ def publish(md: str, out: str | None, plot_path: str | None, plot) -> None:
         print(why or f"plot: {plot_path}", file=sys.stderr)
 
 
+def three_panels(figsize: tuple[float, float]):
+    """(figure, its three side-by-side axes) from matplotlib's Agg backend, or None if matplotlib is not
+    installed (the plot is then skipped)."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    return plt.subplots(1, 3, figsize=figsize)
+
+
+def save_panels(fig, axes, xlabel: str, path: str) -> None:
+    """Label every panel's x axis ``xlabel``, grid it, and write the figure to ``path``."""
+    for ax in axes:
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def dir_bytes(path: str) -> int:
     """Apparent bytes of the files under ``path`` (sizes, not blocks)."""
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)

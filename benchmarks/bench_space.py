@@ -46,7 +46,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
-from bench_engine import knob_settings, load_average, machine_description, median  # noqa: E402
+from bench_engine import (knob_settings, load_average, machine_description, median, save_panels,  # noqa: E402
+                          three_panels)
 
 import dlrm_model  # noqa: E402
 
@@ -228,14 +229,10 @@ def report(results: dict, args, seconds: float, start_load: str) -> str:
 
 
 def plot(results: dict, path: str) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    panels = three_panels((13, 3.6))
+    if panels is None:
         return "matplotlib is not installed: no plot"
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = panels
     for name, r in results.items():
         axes[0].plot(r["intervals"], np.array(r["written"]) / 1e6, marker="o", label=name)
         axes[1].plot(r["intervals"], np.array(r["disk"]) / 1e6, marker="o", label=name)
@@ -243,14 +240,10 @@ def plot(results: dict, path: str) -> str | None:
     axes[0].set_title("bytes appended (cumulative, MB)")
     axes[1].set_title("disk (MB)")
     axes[2].set_title("largest read amplification (newest)")
-    for ax in axes:
-        ax.set_xlabel("interval")
-        ax.grid(alpha=0.3)
     if knobs.READ_AMP_BOUND:
         axes[2].axhline(knobs.READ_AMP_BOUND, color="gray", linestyle=":", linewidth=1)
     axes[0].legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_panels(fig, axes, "interval", path)
     return None
 
 

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import cnrstore  # noqa: E402
 from bench_engine import (T975, Z975, fmt_bytes, knob_settings, load_average, machine_description, publish,  # noqa: E402
-                          t_quantile, zipf_rows)
+                          save_panels, t_quantile, three_panels, zipf_rows)
 from bench_restore import PeakSampler  # noqa: E402
 from cnrstore import codecs, knobs  # noqa: E402
 from cnrstore.engine import record  # noqa: E402
@@ -371,14 +371,10 @@ def goals(results: dict, args) -> list[str]:
 
 
 def plot(results: dict, args, path: str) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    panels = three_panels((14, 3.8))
+    if panels is None:
         return "matplotlib is not installed: no plot"
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    fig, axes = panels
     colors = {"old": "tab:red", "new": "tab:blue"}
     styles = {"fp32": "-", "int4": "--"}
     x = np.arange(1, args.versions + 1)
@@ -402,13 +398,9 @@ def plot(results: dict, args, path: str) -> str | None:
     axes[0].set_title("bytes per save (MB, log)")
     axes[1].set_title("save time (ms, log)")
     axes[2].set_title("read amplification per block, newest (max; x: mean)")
-    for ax in axes:
-        ax.set_xlabel("increment")
-        ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     axes[2].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_panels(fig, axes, "increment", path)
     return None
 
 
@@ -419,7 +411,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=None, help="rows per table (default 524,288: 1 GiB; --quick 16,384)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--versions", type=int, default=None, help="increments after the baseline (default 20; --quick 6)")
-    p.add_argument("--codecs", default="fp32,int4", help="comma separated; fp32 is the issue's headline")
+    p.add_argument("--codecs", default="fp32,int4", help="comma separated; fp32 is the headline figure")
     p.add_argument("--policies", default="old,new")
     p.add_argument("--restores", type=int, default=3, help="timed restores (best of)")
     p.add_argument("--seed", type=int, default=0)
