@@ -55,8 +55,8 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None,
                                            create=create, cache_bytes=cache_bytes, every=remote_every)
     elif remote_options is not None or cache_bytes is not None or remote_every is not None:
         raise InvalidArgument("remote_options, cache_bytes and remote_every need remote= (the object store's URL)")
-    elif os.path.isdir(path) and (kept := _kept_remotely(path)) is not None:
-        raise InvalidArgument(f"store {path!r} keeps its sealed segments at {kept!r}: open it with that remote=")
+    else:
+        remote_tier.check_local_only(path, "open")
     store = Store(path, create=create, readonly=readonly, filesystem=fs.DEFAULT, storage=storage)
     if policy is not None:
         store._compactor = BackgroundCompactor(store._engine, policy)
@@ -108,15 +108,6 @@ class PendingWork:
 
     def failure(self) -> BaseException | None:
         """The failure of background work that nobody has reported yet (logged at exit), or None."""
-        return None
-
-
-def _kept_remotely(path: str) -> str | None:
-    """The remote URL the store at ``path`` names, or None; None too where its directory may not be read:
-    the open that follows then raises PermissionDenied naming the directory (opening.find)."""
-    try:
-        return remote_tier.kept_remotely(path)
-    except PermissionError:
         return None
 
 

@@ -7,6 +7,8 @@ stays usable."""
 
 from __future__ import annotations
 
+import os
+
 import boto3
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import pytest
 import cnrstore
 from cnrstore import knobs
 from cnrstore.engine import filenames
+from cnrstore.maintenance.repair import repair
 from cnrstore.errors import CorruptionError, InvalidArgument, RemoteObjectMissing, RemoteStorageError, StoreNotFound
 
 from conftest import s3_options
@@ -213,6 +216,25 @@ def test_open_arguments_are_checked(tmp_path, remote):
         Trainer(store).save()
     with pytest.raises(InvalidArgument, match="open it with that remote="):
         cnrstore.open(tmp_path / "a")
+
+
+def test_repair_without_the_remote_is_refused_and_deletes_nothing(tmp_path, remote, s3_bucket, s3_endpoint):
+    """A repair that saw only the cached segments would index them alone; the next copy point would then
+    delete every other segment object. Refused before the store is touched."""
+    with open_remote(tmp_path / "a", remote, cache_bytes=0) as store:  # every sealed segment evicted
+        trainer = Trainer(store)
+        for _ in range(3):
+            trainer.save()
+    before = objects(s3_endpoint, s3_bucket)
+    index_before = sorted(os.listdir(tmp_path / "a" / "index"))
+    with pytest.raises(InvalidArgument, match="repair it with that remote="):
+        repair(tmp_path / "a")
+    assert sorted(os.listdir(tmp_path / "a" / "index")) == index_before
+    url, opts = remote
+    with cnrstore.open(tmp_path / "a", remote=url, remote_options=opts) as store:
+        store.sync_remote()
+        trainer.check(store)
+    assert segment_ids(objects(s3_endpoint, s3_bucket)) == segment_ids(before)
 
 
 # -- faults ---------------------------------------------------------------------------------------------------

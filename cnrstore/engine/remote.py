@@ -225,6 +225,16 @@ def _read_identity(root: str) -> dict | None:
                               filenames.remote_path(root), 0) from exc
 
 
+def _identity_for(root: str, url: str) -> dict | None:
+    """The ``REMOTE`` identity of the store at ``root`` (None if it has none); InvalidArgument if it names
+    another remote than ``url``."""
+    ident = _read_identity(root)
+    if ident is not None and ident["url"].rstrip("/") != url:
+        raise InvalidArgument(f"store {root!r} keeps its segments at {ident['url']!r}, not {url!r}: pass "
+                              "that remote= (or recover from this remote into an empty directory)")
+    return ident
+
+
 def _write_identity(root: str, url: str, store_id: str, filesystem: fs.FileSystem, after: str | None = None) -> None:
     """``after``: the store id whose pointer this store took over (recovered from), until its own replaces it."""
     data = json.dumps({"url": url, "store_id": store_id, "after": after}).encode()
@@ -235,6 +245,20 @@ def kept_remotely(root: str) -> str | None:
     """The URL of the remote tier of the local store at ``root``, or None if it has none."""
     ident = _read_identity(root)
     return None if ident is None else ident["url"]
+
+
+def check_local_only(root: str, doing: str) -> None:
+    """InvalidArgument if the store at ``root`` keeps its sealed segments in an object store: ``doing``
+    (an open, a repair) without that ``remote=`` would see only the cached segments (a repair would then
+    index them alone, and the next copy point delete every other object). A directory that may not be read
+    passes: what follows reports PermissionDenied naming it (opening.find)."""
+    try:
+        url = kept_remotely(root) if os.path.isdir(root) else None
+    except PermissionError:
+        return
+    if url is not None:
+        raise InvalidArgument(f"store {root!r} keeps its sealed segments at {url!r}: {doing} it with that remote= "
+                              "(`cnrstore --remote URL ...`)")
 
 
 def prepare(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, readonly: bool,
@@ -256,10 +280,7 @@ def prepare(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, reado
     url = objects.url
     pointer = read_pointer(objects)
     if find(root, readonly):
-        ident = _read_identity(root)
-        if ident is not None and ident["url"].rstrip("/") != url:
-            raise InvalidArgument(f"store {root!r} keeps its segments at {ident['url']!r}, not {url!r}: pass "
-                                  "that remote= (or recover from this remote into an empty directory)")
+        ident = _identity_for(root, url)
         if ident is None:
             if readonly:
                 raise InvalidArgument(f"store {root!r} has no remote tier: open it without remote= (or writable, "
@@ -330,7 +351,7 @@ def repair_storage(root: str, url: str, options: dict | None, filesystem: fs.Fil
     """The storage ``cnrstore repair --remote`` scans (the index is lost or damaged): every segment object
     under the prefix counts, as well as the local files; nothing is uploaded, evicted or deleted."""
     objects = ObjectStore(url, options)
-    ident = _read_identity(root) or {}
+    ident = _identity_for(root, objects.url) or {}
     storage = RemoteSegmentStorage(root, filesystem, objects, store_id=ident.get("store_id", ""), readonly=True)
     storage.adopt_every_object()
     return storage

@@ -175,6 +175,8 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
     root = os.path.abspath(os.fspath(path))
     if remote is not None and not os.path.exists(filenames.marker_path(root)):
         return _recover_from_remote(root, remote, remote_options, filesystem)
+    if remote is None:
+        remote_tier.check_local_only(root, "repair")
     if not os.path.exists(filenames.marker_path(root)) or not os.path.isdir(filenames.segments_dir(root)):
         raise StoreNotFound(f"no cnrstore store at {root!r} (no marker or no segments/ directory); repair "
                             "needs the store's CNRSTORE marker and segments/")
