@@ -309,6 +309,22 @@ def test_an_endpoint_that_is_down_is_a_typed_error(tmp_path, s3_bucket):
     assert not (tmp_path / "a").exists() or not list((tmp_path / "a").iterdir())
 
 
+
+def test_a_bucket_that_does_not_exist_is_a_storage_error_not_damage(tmp_path, s3_endpoint):
+    """Uploading to a bucket nobody made is the URL's fault, not a missing (corrupt) object: the save
+    commits locally, the copy point's RemoteStorageError says to create the bucket, and close raises it."""
+    store = cnrstore.open(tmp_path / "a", create=True, remote="s3://no-such-bucket-anywhere/ckpt",
+                          remote_options=s3_options(s3_endpoint))
+    trainer = Trainer(store)
+    trainer.save()
+    trainer.check(store)
+    error = store.stats()["remote"]["last_error"]
+    assert "does not exist" in error and "RemoteObjectMissing" not in error, error
+    with pytest.raises(RemoteStorageError, match="does not exist") as raised:
+        store.close()
+    assert not isinstance(raised.value, CorruptionError)
+
+
 # -- the command line -----------------------------------------------------------------------------------------
 
 def test_cli_reads_verifies_exports_and_repairs_through_the_remote(tmp_path, remote, capsys):

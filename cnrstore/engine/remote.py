@@ -101,12 +101,18 @@ class ObjectStore:
         return f"{self.root}/{key}"
 
     @contextlib.contextmanager
-    def _calling(self, what: str, key: str) -> Iterator[None]:
+    def _calling(self, what: str, key: str, *, reading: bool = True) -> Iterator[None]:
+        """Client errors as typed ones: a missing object that was to be read RemoteObjectMissing (a
+        CorruptionError); anything else, a write to a bucket that does not exist included,
+        RemoteStorageError."""
         try:
             yield
         except CnrError:
             raise
         except FileNotFoundError as exc:
+            if not reading:  # (s3fs: NoSuchBucket) not damage: the URL names no bucket or folder
+                raise RemoteStorageError(f"{what} {self.where(key)}: the bucket (or folder) does not exist "
+                                         f"({exc}); create it, or check the URL") from exc
             raise RemoteObjectMissing(f"{what} {self.where(key)}: the object is missing from the object store",
                                       self.where(key), None) from exc
         except Exception as exc:  # noqa: BLE001 - the boundary: every client error becomes a typed one
@@ -124,7 +130,7 @@ class ObjectStore:
         """Store ``data`` (bytes-like) as object ``key``, replacing it whole (an object store's PUT is
         atomic: readers see the old object or the new one), and check the stored size."""
         data = bytes(data)
-        with self._calling("uploading", key):
+        with self._calling("uploading", key, reading=False):
             self.fs.pipe_file(self._path(key), data)
         stored = self.size(key)
         if stored != len(data):
