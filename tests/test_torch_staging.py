@@ -69,7 +69,7 @@ class _DeferredBatch:
             for snap, out in later:  # phase B: land the copies
                 out.copy_(snap)
             backend.landed += 1
-        return wait, []
+        return wait
 
 
 def gated(store, seed: int):
@@ -222,7 +222,7 @@ def test_cpu_tables_keep_the_immediate_numpy_path(store):
 
 def test_staged_wait_runs_each_wait_once_from_any_thread():
     calls = []
-    staged = Staged([lambda: calls.append(1)], keep=[torch.zeros(1)])
+    staged = Staged([lambda: calls.append(1)])
     threads = [threading.Thread(target=staged.wait) for _ in range(4)]
     for th in threads:
         th.start()
@@ -297,7 +297,7 @@ def test_the_cuda_backend_orders_the_trainers_stream_after_the_reads(monkeypatch
     batch = CudaBackend(torch.device("cpu")).batch()
     batch.gather(src, rows, out_rows)
     batch.gather(src, None, out_whole)
-    wait, keep = batch.finish()
+    wait = batch.finish()
     src.add_(100.0)  # the trainer's next step (ordered after the reads on a GPU)
     wait()
     assert log[0] == ("wait_stream", "side", "current")
@@ -312,4 +312,4 @@ def test_the_cuda_backend_orders_the_trainers_stream_after_the_reads(monkeypatch
     assert torch.equal(out_whole, torch.arange(12.0).reshape(6, 2))
     # the tensors made on the trainer's stream and read on the side one are marked for the allocator
     marked = {e[2] for e in log if e[0] == "record_stream" and e[1] == "side"}
-    assert {src.data_ptr(), rows.data_ptr()} <= marked and keep == []
+    assert {src.data_ptr(), rows.data_ptr()} <= marked

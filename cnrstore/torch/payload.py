@@ -27,7 +27,7 @@ import torch
 from ..errors import InvalidArgument, UnsafePayload
 
 __all__ = ["DENSE_PREFIX", "LIVE_MARK", "PAYLOAD_FORMAT", "ROW_MARK", "STATE_BLOB", "build", "check_structure",
-           "decode", "dense_copy", "encode", "is_sharded_value", "torch_dtype", "unsafe_globals"]
+           "decode", "dense_copy", "dense_view", "encode", "is_sharded_value", "torch_dtype", "unsafe_globals"]
 
 #: Format of the payload (docs/FORMAT.md): 1 = any pickle (before issue 26), 2 = data only (weights_only).
 PAYLOAD_FORMAT = 2
@@ -214,13 +214,16 @@ def _not_payload(version, exc: BaseException) -> InvalidArgument:
                            f"({_one_line(exc)}); export it with layout 'nested'")
 
 
-def dense_copy(t: torch.Tensor) -> np.ndarray:
-    """An exact host copy of the tensor ``t`` as numpy, as a ``DENSE_PREFIX`` array stores it (bfloat16 as its
-    raw int16 pattern)."""
+def dense_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, as a ``DENSE_PREFIX`` array stores it: bfloat16 (which numpy lacks) as its raw int16
+    pattern, every other dtype as it is (a view: nothing copied)."""
     t = t.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.to("cpu", copy=True).numpy()
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def dense_copy(t: torch.Tensor) -> np.ndarray:
+    """An exact host copy of the tensor ``t`` as numpy, as a ``DENSE_PREFIX`` array stores it (``dense_view``)."""
+    return dense_view(t).to("cpu", copy=True).numpy()
 
 
 def torch_dtype(name, version=None) -> torch.dtype:

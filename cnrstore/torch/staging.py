@@ -46,15 +46,15 @@ import threading
 import numpy as np
 import torch
 
-from .payload import dense_copy
+from .payload import dense_copy, dense_view
 
 __all__ = ["CudaBackend", "Staged", "Stager", "Staging", "host_gather"]
 
 
 def host_gather(src: torch.Tensor, rows, out: torch.Tensor) -> None:
-    """Copy rows ``rows`` (an index tensor, or None for every row) of the CPU tensor ``src`` into the host
-    buffer ``out``, now."""
-    if src.dtype == torch.float32 and out.dtype == torch.float32:
+    """Copy rows ``rows`` (an index tensor, or None for every row) of ``src`` (a tensor on a device without an
+    asynchronous backend: the CPU, or one torch copies synchronously) into the host buffer ``out``, now."""
+    if src.device.type == "cpu" and src.dtype == torch.float32 and out.dtype == torch.float32:
         # numpy: single-threaded copies (no intra-op pool to wake in the trainer's stall)
         if rows is None:
             np.copyto(out.numpy(), src.numpy())
@@ -70,18 +70,17 @@ class Staged:
     """A snapshot's copies into host memory, in flight or landed: :meth:`wait` before reading its buffers.
 
     ``waits`` are callables that each block until one backend's copies have landed; they run once, in
-    order, in the first :meth:`wait` (any thread; later calls return at once). ``keep`` holds the device
-    tensors those copies read until then."""
+    order, in the first :meth:`wait` (any thread; later calls return at once). No device tensor needs holding
+    until then: the sources are marked ``record_stream`` (module doc, step 5)."""
 
-    def __init__(self, waits=(), keep=()):
+    def __init__(self, waits=()):
         self._waits = list(waits)
-        self._keep = list(keep)
         self._lock = threading.Lock()
         self._landed = not self._waits
 
     def wait(self) -> None:
-        """Block until every copy of the snapshot is in its host buffer; then drop the device tensors held
-        for the copies. Raises what a backend's wait raises (a device error)."""
+        """Block until every copy of the snapshot is in its host buffer. Raises what a backend's wait raises
+        (a device error)."""
         if self._landed:
             return
         with self._lock:
@@ -90,7 +89,7 @@ class Staged:
             for w in self._waits:
                 w()
             self._landed = True
-            self._waits, self._keep = [], []
+            self._waits = []
 
     def landed(self) -> bool:
         """Whether :meth:`wait` has returned once (the buffers hold the snapshot)."""
@@ -115,11 +114,6 @@ class Staging:
             batch = self._batches[id(backend)] = backend.batch()
         return batch
 
-    def pinned(self, device: torch.device) -> bool:
-        """Whether snapshots of tensors on ``device`` are staged asynchronously (their host buffers come from
-        :meth:`host_empty`)."""
-        return self._stager.backend(device) is not None
-
     def host_empty(self, device: torch.device, shape, dtype=torch.float32) -> torch.Tensor:
         """A new host tensor for a snapshot of a tensor on ``device``: page-locked where that device's
         copies are asynchronous, plain otherwise."""
@@ -142,23 +136,17 @@ class Staging:
         batch = self._batch(t.device)
         if batch is None:
             return dense_copy(t)
-        t = t.detach()
-        if t.dtype == torch.bfloat16:
-            t = t.view(torch.int16)
-        out = self._stager.backend(t.device).host_empty(tuple(t.shape), t.dtype)
+        t = dense_view(t)
+        out = self.host_empty(t.device, tuple(t.shape), t.dtype)
         batch.gather(t, None, out)
         return out.numpy()
 
     def finish(self) -> Staged:
         """End the snapshot: order the trainer's later work after the reads (contract step 3) and start the
         remaining copies; the handle the writer waits on."""
-        waits, keep = [], []
-        for batch in self._batches.values():
-            w, k = batch.finish()
-            waits.append(w)
-            keep.extend(k)
+        waits = [batch.finish() for batch in self._batches.values()]
         self._batches = {}
-        return Staged(waits, keep)
+        return Staged(waits)
 
 
 class Stager:
@@ -167,8 +155,8 @@ class Stager:
     that stages every tensor, whatever its device (tests). A backend has ``host_empty(shape, dtype)`` (a
     host tensor its copies may land in) and ``batch()``: one snapshot's copies, an object with
     ``gather(src, rows, out)`` (enqueue ``out[:] = src[rows]``, ``rows`` None for all) and ``finish()``
-    (after the last gather: order the trainer's later work after the reads; return ``(wait, keep)``, a
-    callable that blocks until every copy has landed and the device tensors to hold until then)."""
+    (after the last gather: order the trainer's later work after the reads; return ``wait``, a
+    callable that blocks until every copy has landed)."""
 
     def __init__(self, backend=None):
         self._fixed = backend
@@ -230,7 +218,7 @@ class _CudaBatch:
             rows.record_stream(self.stream)
 
     def finish(self):
-        """(a wait for the copies, no device tensor to hold: step 5)."""
+        """A wait for the copies (no device tensor to hold: step 5)."""
         read = torch.cuda.Event()
         read.record(self.stream)
         self.current.wait_event(read)  # step 3
@@ -240,4 +228,4 @@ class _CudaBatch:
         self.later = []  # the temporaries: their memory goes to later work on the side stream only
         copied = torch.cuda.Event()
         copied.record(self.stream)
-        return copied.synchronize, []
+        return copied.synchronize
