@@ -31,6 +31,9 @@ INDEX_DIR = "index"
 SEGMENTS_DIR = "segments"
 REMOTE = "REMOTE"
 REMOTE_SNAPSHOT_TMP = "remote-snapshot.tmp"
+#: What a directory may hold before its store exists (a creation or a recovery from a remote that did not
+#: finish): a store with a remote tier names it first, in REMOTE.
+BEFORE_MARKER = frozenset({INDEX_DIR, SEGMENTS_DIR, LOCK, MARKER + ".tmp", REMOTE, REMOTE + ".tmp"})
 _SEGMENT_RE = re.compile(r"^([0-9a-f]{16})\.seg$")
 _SNAPSHOT_RE = re.compile(r"^([0-9a-f]{16})\.mdb$")
 #: remote object names (relative to the store's prefix)

@@ -681,7 +681,7 @@ def check_data_file(path: str) -> None:
     SIGBUS on first touch. So before LMDB opens it: data.mdb exists, and its newest valid meta page (the
     larger txnid of pages 0 and 1) has ``(last_pgno + 1) * page_size <= file size``.
     """
-    data = os.path.join(path, "data.mdb")
+    data = filenames.index_data_path(path)
 
     def damaged(why: str):
         return IndexDamaged(f"the index of the store is damaged: {why}; {damage_hint(path)}", data, None)

@@ -87,12 +87,7 @@ def create(root: str, filesystem: fs.FileSystem, wait_s: float) -> ProcessLock:
     lock.acquire(write_pid=False, wait=lambda: not os.path.exists(marker), timeout=wait_s)
     try:
         if not os.path.exists(marker):  # (else another process created it while we waited)
-            leftovers = set(os.listdir(root)) - {
-                filenames.INDEX_DIR, filenames.SEGMENTS_DIR, filenames.LOCK, filenames.MARKER + ".tmp",
-                filenames.REMOTE, filenames.REMOTE + ".tmp"}  # (a store with a remote tier names it first)
-            if leftovers:
-                raise InvalidArgument(f"{root!r} is a non-empty directory that is not a store "
-                                      f"(it holds {sorted(leftovers)[:3]}); choose an empty or new directory")
+            check_no_leftovers(root, "choose an empty or new directory")
             try:
                 _create_files(root, filesystem)
             except OSError as exc:
@@ -104,6 +99,15 @@ def create(root: str, filesystem: fs.FileSystem, wait_s: float) -> ProcessLock:
         lock.release()
         raise
     return lock
+
+
+def check_no_leftovers(root: str, fix: str) -> None:
+    """InvalidArgument (saying ``fix``) if the directory ``root`` holds anything but what a store being
+    created (or recovered) leaves before its marker exists (``filenames.BEFORE_MARKER``)."""
+    leftovers = set(os.listdir(root)) - filenames.BEFORE_MARKER
+    if leftovers:
+        raise InvalidArgument(f"{root!r} is a non-empty directory that is not a store "
+                              f"(it holds {sorted(leftovers)[:3]}); {fix}")
 
 
 def _create_files(root: str, filesystem: fs.FileSystem) -> None:

@@ -36,14 +36,14 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import xxhash
 
 from . import filenames, fs, schema
 from .marker import marker_bytes
-from .opening import find
+from .opening import check_no_leftovers, find
 from .storage import LocalSegmentStorage
 from ..errors import (CnrError, CorruptionError, InvalidArgument, RemoteObjectMissing, RemoteStorageError,
                       StoreNotFound)
@@ -57,9 +57,6 @@ DEFAULT_EVERY = 1
 #: Default bound on the local copies of sealed segments (bytes).
 DEFAULT_CACHE_BYTES = 4 << 30
 
-#: what a directory may hold before its store exists (a creation or recovery that did not finish)
-_STORE_FILES = {filenames.INDEX_DIR, filenames.SEGMENTS_DIR, filenames.LOCK, filenames.MARKER + ".tmp",
-                filenames.REMOTE, filenames.REMOTE + ".tmp"}
 _CHECK = "what to check: the endpoint URL and network, the credentials and the bucket (remote_options)"
 
 
@@ -267,11 +264,19 @@ def check_local_only(root: str, doing: str) -> None:
                               "(`cnrstore --remote URL ...`)")
 
 
+class Prepared(NamedTuple):
+    """What ``prepare`` found: the store id this process writes (or reads) as, the store ids whose pointer
+    it may replace (its own, and the one it recovered from), and the generation the remote's pointer names
+    (0: none yet)."""
+
+    store_id: str
+    owners: set
+    generation: int
+
+
 def prepare(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, readonly: bool,
-            create: bool) -> tuple[str, set[str]]:
-    """Get the local directory ``root`` ready for a store whose remote is ``objects``; returns the store id
-    this process writes (or reads) as, and the store ids whose pointer it may replace (its own, and the one
-    it recovered from).
+            create: bool) -> Prepared:
+    """Get the local directory ``root`` ready for a store whose remote is ``objects`` (``Prepared``).
 
     - ``root`` holds a store: its ``REMOTE`` file must name this URL (InvalidArgument otherwise); a
       writable open is refused (RemoteStorageError) when the pointer names another store id: another
@@ -285,6 +290,7 @@ def prepare(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, reado
     """
     url = objects.url
     pointer = read_pointer(objects)
+    generation = pointer["generation"] if pointer is not None else 0
     if find(root, readonly):
         ident = _identity_for(root, url)
         if ident is None:
@@ -302,36 +308,33 @@ def prepare(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, reado
                 f"{url} is written by another store (its pointer names store {pointer['store_id']}, this local "
                 f"directory is store {ident['store_id']}): one writer per prefix. Another machine recovered it "
                 "and writes it now; open this one readonly, or recover from the remote into an empty directory")
-        return ident["store_id"], owners
+        return Prepared(ident["store_id"], owners, generation)
     if pointer is None:
         if not create or readonly:
             raise StoreNotFound(f"no cnrstore store at {root!r}, and {url} holds none (no "
                                 f"{filenames.REMOTE_POINTER}){'' if readonly else '; pass create=True to make one'}")
         store_id = uuid.uuid4().hex
         os.makedirs(root, exist_ok=True)
-        if not set(os.listdir(root)) - _STORE_FILES:  # (else the engine's create refuses the directory)
+        if not set(os.listdir(root)) - filenames.BEFORE_MARKER:  # (else the engine's create refuses the directory)
             _write_identity(root, url, store_id, filesystem)
-        return store_id, {store_id}
+        return Prepared(store_id, {store_id}, generation)
     _recover_from_remote(root, objects, pointer, filesystem)
     store_id = pointer["store_id"] if readonly else uuid.uuid4().hex
     _write_identity(root, url, store_id, filesystem, after=pointer["store_id"])
     # the marker last: a store exists exactly when its marker does
     filesystem.write_file_atomic(filenames.marker_path(root), filenames.marker_tmp_path(root), marker_bytes())
-    return store_id, {store_id, pointer["store_id"]}
+    return Prepared(store_id, {store_id, pointer["store_id"]}, generation)
 
 
 def _recover_from_remote(root: str, objects: ObjectStore, pointer: dict, filesystem: fs.FileSystem) -> None:
     """Lay out a store's index (the pointer's snapshot) and an empty segments/ in ``root``, which must hold no
     store files yet (the marker is written by the caller)."""
     os.makedirs(root, exist_ok=True)
-    leftovers = set(os.listdir(root)) - _STORE_FILES
-    if leftovers:
-        raise InvalidArgument(f"{root!r} is a non-empty directory that is not a store (it holds "
-                              f"{sorted(leftovers)[:3]}): recover from the remote into an empty or new directory")
+    check_no_leftovers(root, "recover from the remote into an empty or new directory")
     data = fetch_snapshot(objects, pointer)
-    for d in (filenames.index_dir(root), filenames.segments_dir(root)):
-        if not os.path.isdir(d):
-            filesystem.mkdir(d)
+    if not os.path.isdir(filenames.index_dir(root)):
+        filesystem.mkdir(filenames.index_dir(root))
+    LocalSegmentStorage.create(root, filesystem)
     index_file = filenames.index_data_path(filenames.index_dir(root))
     filesystem.write_file_atomic(index_file, index_file + ".tmp", data)
     filesystem.fsync_dir(root)
@@ -366,8 +369,9 @@ def repair_storage(root: str, url: str, options: dict | None, filesystem: fs.Fil
 def storage_for(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, readonly: bool, create: bool,
                 cache_bytes: int = DEFAULT_CACHE_BYTES, every: int = DEFAULT_EVERY) -> "RemoteSegmentStorage":
     """``open_storage`` with the object store given (a test's recording one)."""
-    store_id, owners = prepare(root, objects, filesystem, readonly=readonly, create=create)
-    return RemoteSegmentStorage(root, filesystem, objects, store_id=store_id, owners=owners, readonly=readonly,
+    found = prepare(root, objects, filesystem, readonly=readonly, create=create)
+    return RemoteSegmentStorage(root, filesystem, objects, store_id=found.store_id, owners=found.owners,
+                                generation=found.generation, readonly=readonly,
                                 cache_bytes=cache_bytes, every=every)
 
 
@@ -382,7 +386,7 @@ class RemoteSegmentStorage(LocalSegmentStorage):
     that a failing endpoint costs one round of client retries per copy point, not one per segment)."""
 
     def __init__(self, root: str, filesystem: fs.FileSystem, objects: ObjectStore, *, store_id: str,
-                 owners: set[str] | None = None, readonly: bool, cache_bytes: int = DEFAULT_CACHE_BYTES, every: int = DEFAULT_EVERY):
+                 owners: set[str] | None = None, generation: int = 0, readonly: bool, cache_bytes: int = DEFAULT_CACHE_BYTES, every: int = DEFAULT_EVERY):
         super().__init__(root, filesystem)
         self.objects = objects
         self.store_id = store_id
@@ -399,8 +403,7 @@ class RemoteSegmentStorage(LocalSegmentStorage):
         self._seal_writer: Callable[[], None] | None = None
         self._commits = 0
         self._copied_txn: int | None = None  # the index transaction the last copy point uploaded
-        pointer = read_pointer(objects)
-        self.generation = pointer["generation"] if pointer is not None else 0
+        self.generation = generation  # the pointer's, as the open found it (prepare)
         #: the last failure of an upload or copy point not yet made good (None: the remote is current as of
         #: the last copy point)
         self.last_error: BaseException | None = None
@@ -561,6 +564,10 @@ class RemoteSegmentStorage(LocalSegmentStorage):
             return
         with self._lock:
             self._cache[seg] = size
+            uploaded = self._remote.get(seg) == size  # (a copy point uploaded it whole already)
+        if uploaded:
+            self._evict()
+            return
         if self.last_error is not None:
             return  # the object store is failing: one attempt per copy point, not one per sealed segment
         try:
@@ -676,11 +683,8 @@ class RemoteSegmentStorage(LocalSegmentStorage):
                 size = self._cache[seg]
                 if self._remote.get(seg) != size:
                     continue  # not uploaded whole yet (the next copy point does)
-                super().forget(seg)
-                try:
-                    self.fs.remove(filenames.segment_path(self.root, seg))
-                except FileNotFoundError:
-                    pass
+                with contextlib.suppress(FileNotFoundError):
+                    super().remove(seg)  # (the local copy only: the remote keeps it)
                 del self._cache[seg]
                 self._evicted.add(seg)
                 total -= size
