@@ -151,6 +151,19 @@ def test_mode_700_store_directory_is_permission_denied_not_store_not_found(base)
     assert_denied(unprivileged(_open(os.path.join(path, "inner"), readonly=True)), path, "search")
 
 
+def test_an_unreadable_remote_file_is_permission_denied_not_a_local_store(base):
+    """A store whose REMOTE file (its object-store URL) may not be read must not open as a local store:
+    its sealed segments are elsewhere (engine/remote.py check_local_only)."""
+    path = os.path.join(base, "store")
+    make_store(path)
+    remote_file = filenames.remote_path(path)
+    with open(remote_file, "w") as f:
+        f.write('{"url": "s3://bucket/prefix", "store_id": "x"}')
+    give_to_runner(path)
+    os.chmod(remote_file, 0o000)
+    assert_denied(unprivileged(_open(path, readonly=True)), remote_file, "cannot open store", "read")
+
+
 def test_create_under_unwritable_parent_is_permission_denied(base):
     parent = os.path.join(base, "parent")
     os.mkdir(parent, 0o555)

@@ -254,11 +254,15 @@ def check_local_only(root: str, doing: str) -> None:
     """InvalidArgument if the store at ``root`` keeps its sealed segments in an object store: ``doing``
     (an open, a repair) without that ``remote=`` would see only the cached segments (a repair would then
     index them alone, and the next copy point delete every other object). A directory that may not be read
-    passes: what follows reports PermissionDenied naming it (opening.find)."""
-    try:
-        url = kept_remotely(root) if os.path.isdir(root) else None
-    except PermissionError:
+    passes: what follows reports PermissionDenied naming it (opening.find); a ``REMOTE`` file that may not
+    be read in one that may is PermissionDenied here (the store is not taken for a local one)."""
+    if not os.path.isdir(root) or not os.access(root, os.R_OK | os.X_OK):
         return
+    try:
+        url = kept_remotely(root)
+    except PermissionError as exc:
+        raise fs.permission_denied(exc, f"cannot {doing} store {root!r}", filenames.remote_path(root), needs="read",
+                                   writing=False) from None
     if url is not None:
         raise InvalidArgument(f"store {root!r} keeps its sealed segments at {url!r}: {doing} it with that remote= "
                               "(`cnrstore --remote URL ...`)")
@@ -416,17 +420,11 @@ class RemoteSegmentStorage(LocalSegmentStorage):
     def attach(self, index, seal_writer: Callable[[], None]) -> None:
         with index.read() as view:
             known = set(view.segments()) | set(schema.DOOMED_SEGMENTS.get(view))
-        listing = self.objects.list(filenames.REMOTE_SEGMENTS_DIR)
-        local = set(super().list())
+        # an object this index does not know is a leftover (deleted at the next copy point): never taken for
+        # the upload of a segment that may get its id
+        local = self._adopt(lambda seg: seg in known)
         with self._lock:
             self._index, self._seal_writer = index, seal_writer
-            for name, size in listing.items():
-                seg = filenames.parse_segment_name(name)
-                # an object this index does not know is a leftover (deleted at the next copy point): never
-                # taken for the upload of a segment that may get its id
-                if seg is not None and seg in known:
-                    self._remote[seg] = size
-            self._evicted = set(self._remote) - local
             for seg in sorted(local):  # the writable open never appends to these again (appender)
                 size = os.path.getsize(filenames.segment_path(self.root, seg))
                 self._cache[seg] = size
@@ -434,14 +432,20 @@ class RemoteSegmentStorage(LocalSegmentStorage):
 
     def adopt_every_object(self) -> None:
         """Count every segment object under the prefix as this store's (repair: no index says which are)."""
+        self._adopt(lambda seg: True)
+
+    def _adopt(self, ours: Callable[[int], bool]) -> set[int]:
+        """Count the segment objects under the prefix that ``ours`` accepts as this store's uploads, and those
+        with no local copy as evicted; returns the local segments' ids."""
         listing = self.objects.list(filenames.REMOTE_SEGMENTS_DIR)
         local = set(super().list())
         with self._lock:
             for name, size in listing.items():
                 seg = filenames.parse_segment_name(name)
-                if seg is not None:
+                if seg is not None and ours(seg):
                     self._remote[seg] = size
             self._evicted = set(self._remote) - local
+        return local
 
     def after_commit(self) -> None:
         if self.readonly:
