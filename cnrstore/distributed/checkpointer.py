@@ -588,7 +588,8 @@ class _Resharder:
 
     def _store(self, rank: int):
         if rank not in self._stores:
-            self._stores[rank] = _store.open(self.owner.root.store_path(self.gv.stores[rank]), readonly=True)
+            self._stores[rank] = _store.open(self.owner.root.store_path(self.owner.root.rank_stores(self.gv)[rank]),
+                                              readonly=True)
         return self._stores[rank]
 
     def _payload(self, rank: int) -> dict:
