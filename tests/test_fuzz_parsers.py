@@ -392,7 +392,18 @@ _CRAFTED = {  # (database, key, value) each of which reached the code using it b
     "bytes_written a string": (b"meta", b"bytes_written", msgpack.packb("x")),
     "bytes_written nil": (b"meta", b"bytes_written", msgpack.packb(None)),
     "dense id of 3 bytes": (b"dense_names", b"d", b"\0\0\1"),
+    "save_bytes a string": (b"meta", b"save_bytes", msgpack.packb("")),
+    "merge_bytes a string": (b"meta", b"merge_bytes", msgpack.packb("x")),
 }
+
+
+def test_every_meta_key_is_checked_when_read():
+    """A MetaKey left out of schema.META_KEYS is read unchecked (save_bytes and merge_bytes were: a
+    damaged one reached stats() as a string)."""
+    from cnrstore.engine import schema
+
+    defined = {k.name for k in vars(schema).values() if isinstance(k, schema.MetaKey)}
+    assert defined == set(schema.META_KEYS)
 
 
 @pytest.mark.parametrize("case", sorted(_CRAFTED))

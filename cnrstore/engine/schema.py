@@ -258,7 +258,7 @@ DAMAGED = MetaKey("damaged", _damaged_map, 'a map of version to [{"table", "bloc
 
 #: every ``meta`` key this cnrstore reads (docs/FORMAT.md), by name
 META_KEYS = {key.name: key for key in (FORMAT, NEXT_VERSION, NEXT_TABLE_ID, NEXT_DENSE_ID, BYTES_WRITTEN,
-                                       INCREMENT_BYTES, DROPPED_BELOW, DROP_SEQ, MAX_DELETED_SEGMENT,
+                                       INCREMENT_BYTES, SAVE_BYTES, MERGE_BYTES, DROPPED_BELOW, DROP_SEQ, MAX_DELETED_SEGMENT,
                                        DOOMED_SEGMENTS, SEGMENT_IDS, LAST_BASELINE, DAMAGED)}
 
 
