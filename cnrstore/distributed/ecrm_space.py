@@ -40,7 +40,10 @@ class DataSpace:
     ``.data`` is rebound; its values are kept) and points ``item.words`` at its ``[rows, width]`` view."""
 
     def __init__(self, items, table_rows, words: int):
-        devices = {it.tensor.device for it in items}
+        # the rank's device is its row-tracked tensors' (weights, row-wise state); small state an optimizer
+        # keeps elsewhere (torch keeps Adagrad's and Adam's ``step`` on the CPU for a CUDA parameter) moves
+        # into the arena with the rest, as every protected tensor does
+        devices = {it.tensor.device for it in items if it.table is not None} or {it.tensor.device for it in items}
         if len(devices) > 1:
             raise InvalidArgument(f"ECRM protects tensors on one device per rank; this rank's embedding shards and "
                                   f"their optimizer state are on {sorted(str(d) for d in devices)}: move them to one")
