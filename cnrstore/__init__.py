@@ -30,8 +30,10 @@ from .errors import (
     MissingRows,
     PermissionDenied,
     ReadOnlyError,
+    RemoteConflict,
     RemoteObjectMissing,
     RemoteStorageError,
+    RemoteTakenOver,
     SaveSkipped,
     StorageFull,
     StorageIOError,
@@ -80,5 +82,5 @@ __all__ = [
     "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",
     "CheckpointInProgress", "GlobalCommitError", "IndexDamaged", "StorageIOError", "IndexBusy", "CompactionFailed",
     "ExportFailed", "PermissionDenied", "StoreMoved", "UnsafePayload", "SaveSkipped", "RemoteStorageError",
-    "RemoteObjectMissing",
+    "RemoteObjectMissing", "RemoteConflict", "RemoteTakenOver",
 ]

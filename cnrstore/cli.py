@@ -30,8 +30,10 @@
 A store with an object-store tier (``cnrstore.open(..., remote=URL)``) is named with the options ``--remote URL``
 and ``--remote-options JSON`` (the client's options, e.g. ``'{"client_kwargs": {"endpoint_url": ...}}'``) given
 *before* the command, for every command: ``cnrstore --remote s3://bucket/ckpt ls ./cache``. On a directory that
-holds no store yet, the store is first recovered there from the remote's last copy point (a fresh machine);
-``repair`` does that explicitly, or rebuilds a lost index from the local and the remote segments.
+holds no store yet, the remote's last copy point is first installed there as a read cache (a fresh machine),
+which installs the newest one each time a command opens it again; ``repair`` does that explicitly, or rebuilds a
+lost index from the local and the remote segments. Maintenance commands (compact, retain, gc) on a read cache
+open it writable, which takes the prefix over from its writer: run them where the writer is.
 
 ``ls``, ``verify`` and ``export`` also take the root of a multi-rank job (``cnrstore.distributed``): they
 list its global versions and the rank stores they read, verify its manifests and every rank store they
@@ -238,8 +240,11 @@ def _remote_args(args) -> dict:
 def _open(args, *, readonly: bool = False) -> Store:
     """The store at ``args.store``; StoreNotFound says what is wrong in the command's terms (the Python
     API's hint, "pass create=True", is no fix here: the command never creates a store)."""
+    remote = _remote_args(args)
+    if remote and not readonly:
+        _refuse_takeover(args)
     try:
-        return open_store(args.store, readonly=readonly, **_remote_args(args))
+        return open_store(args.store, readonly=readonly, **remote)
     except StoreNotFound:
         if getattr(args, "remote", None) is not None:
             raise  # (it names the remote, which holds no store either)
@@ -251,6 +256,22 @@ def _open(args, *, readonly: bool = False) -> Store:
                 ) from None
         raise StoreNotFound(f"no cnrstore store at {args.store!r} (no {filenames.MARKER} file there); check the "
                             "path") from None
+
+
+def _refuse_takeover(args) -> None:
+    """A command that writes never takes a remote prefix over: on a directory that is not the prefix's writer
+    (a read cache, or no store yet), opening it writable would make it the writer and stop the trainer."""
+    from .engine import remote as remote_tier
+
+    ident = remote_tier.read_identity(os.path.abspath(args.store)) if os.path.isdir(args.store) else None
+    if ident is None and os.path.exists(filenames.marker_path(args.store)):
+        return  # a local store being attached to the remote
+    if ident is None or ident.role != "writer":
+        raise InvalidArgument(
+            f"{args.store!r} is not the writer of {args.remote} ({'a read cache' if ident else 'no store yet'}): "
+            f"`cnrstore {args.command}` would take the prefix over from its writer (a running trainer would then "
+            "stop with RemoteTakenOver). Run it on the writer's directory; to move the writer here on purpose, "
+            "open it writable with cnrstore.open(DIR, remote=URL)")
 
 
 def _message(args, exc: CnrError) -> str:
@@ -579,8 +600,9 @@ def build_parser() -> argparse.ArgumentParser:
     # before the command, for every command (git -C style): a store with an object-store tier
     parser.add_argument("--remote", metavar="URL", default=None,
                         help="the store keeps its sealed segments at this object-store URL (s3://bucket/prefix, or "
-                             "any fsspec URL); on a STORE directory that holds no store yet, the store is recovered "
-                             "there from the remote's last copy point (repair: the same, explicitly)")
+                             "any fsspec URL); on a STORE directory that holds no store yet, the remote's last "
+                             "copy point is installed there as a read cache (repair: the same, explicitly), which "
+                             "follows the remote each time it is opened again")
     parser.add_argument("--remote-options", metavar="JSON", default=None,
                         help="options of the object store's client as a JSON object, e.g. "
                              "'{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}' (credentials: "

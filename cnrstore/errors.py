@@ -36,6 +36,8 @@ __all__ = [
     "PeerFailure",
     "RemoteStorageError",
     "RemoteObjectMissing",
+    "RemoteConflict",
+    "RemoteTakenOver",
 ]
 
 
@@ -228,3 +230,23 @@ class RemoteObjectMissing(RemoteStorageError, CorruptionError):
 
     def __init__(self, message: str, path: str | None = None, offset: int | None = None):
         CorruptionError.__init__(self, message, path, offset)
+
+
+class RemoteConflict(RemoteStorageError):
+    """A conditional write to the object store lost: another writer replaced (or created) the object first.
+    The remote tier's pointer is replaced only this way (a compare-and-swap), so two writers can never both
+    move it: the loser learns here, before anything of its own becomes readable from the bucket."""
+
+
+class RemoteTakenOver(RemoteStorageError):
+    """This store lost its remote prefix: another machine recovered the prefix and moved its pointer on (one
+    writer per prefix). What this directory committed stays readable in it (its evicted segments are fetched
+    back when this is detected), is never served from the bucket, and new checkpoints are refused: stop this
+    writer, or recover from the remote into a new directory to go on from the bucket's newest version.
+    ``.writer`` is the store id the pointer now names (None if unknown), ``.version`` the version this
+    store had committed locally when it learned (None if it learned at open)."""
+
+    def __init__(self, message: str, writer: str | None = None, version: int | None = None):
+        super().__init__(message)
+        self.writer = writer
+        self.version = version

@@ -29,13 +29,15 @@ from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 
 def open(path, *, create: bool = False, readonly: bool = False, compaction=None, remote: str | None = None,  # noqa: A001
          remote_options: dict | None = None, cache_bytes: int | None = None,
-         remote_every: int | None = None) -> "Store":
+         remote_every: int | None = None, remote_timeout_s: float | None = None) -> "Store":
     """Open the store at ``path`` (see API.md). ``create=True`` makes it if absent.
 
     ``remote`` (an fsspec URL such as ``s3://bucket/prefix``; ``remote_options`` go to its file system) keeps
     the sealed segments in an object store, with at most ``cache_bytes`` of them cached in ``path``, and a
     copy of the index there as of every ``remote_every``-th commit (default 1) and of close (API.md, "The
-    remote tier"). On an empty ``path`` it recovers the store from the remote's last copy point.
+    remote tier"); every request to it finishes within ``remote_timeout_s`` (default 60) plus a second per
+    8 MiB it moves. On an empty ``path`` it recovers the store from the remote's last copy point (a read
+    cache; opened writable, it takes the prefix over).
 
     Processes racing ``create=True`` on one path create it once; the others open it, or get StoreLocked
     while another holds it for writing. A file the process may not read or write raises PermissionDenied.
@@ -52,9 +54,11 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None,
     storage = None
     if remote is not None:
         storage = remote_tier.open_storage(path, remote, remote_options, fs.DEFAULT, readonly=readonly,
-                                           create=create, cache_bytes=cache_bytes, every=remote_every)
-    elif remote_options is not None or cache_bytes is not None or remote_every is not None:
-        raise InvalidArgument("remote_options, cache_bytes and remote_every need remote= (the object store's URL)")
+                                           create=create, cache_bytes=cache_bytes, every=remote_every,
+                                           timeout_s=remote_timeout_s)
+    elif any(x is not None for x in (remote_options, cache_bytes, remote_every, remote_timeout_s)):
+        raise InvalidArgument("remote_options, cache_bytes, remote_every and remote_timeout_s need remote= (the "
+                              "object store's URL)")
     else:
         remote_tier.check_local_only(path, "open")
     store = Store(path, create=create, readonly=readonly, filesystem=fs.DEFAULT, storage=storage)

@@ -484,10 +484,15 @@ class DictObjectStore(ObjectStore):
     """Objects in a dict (a crash state's remote, or the recording's)."""
 
     def __init__(self, objects: dict[str, bytes] | None = None):  # (no fsspec file system)
+        super().__init__()
         self.url = "mem://remote"
         self.root = ""
         self.objects = dict(objects or {})
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+
+    def put_if(self, key: str, data, tag) -> None:
+        with self._lock:  # (atomic, as S3's conditional PUT is)
+            super().put_if(key, data, tag)
 
     def put(self, key: str, data) -> None:
         with self._lock:
@@ -529,6 +534,12 @@ class RecordingObjectStore(DictObjectStore):
     def delete(self, key: str) -> None:
         super().delete(key)
         self.rec.record(Effect("delete", key))
+
+
+def segment_ids(objects: dict) -> set[int]:
+    """The segment ids of the segment objects among ``objects`` (keys), in any writer's folder."""
+    return {filenames.parse_segment_name(k.rsplit("/", 1)[-1]) for k in objects
+            if k.split("/")[-2:-1] == [filenames.REMOTE_SEGMENTS_DIR]}
 
 
 def remote_store(root: str, objects: ObjectStore, filesystem=fs.DEFAULT, *, readonly=False, create=False,

@@ -5,6 +5,8 @@ a real object store's show up, not by patching cnrstore.
     proxy.drop_puts(1)        # the next PUT (an object or a multipart part) is cut off mid-body
     proxy.slow_down(3)        # the next 3 requests answer 503 SlowDown
     proxy.hide("segments/")   # GET/HEAD of any key containing it answer 404 NoSuchKey
+    proxy.fail_puts(5)        # the next 5 PUTs answer 500 InternalError
+    proxy.hang("PUT")         # every PUT (or request whose path holds the text) waits, unanswered, until heal()
     proxy.url                 # what the client uses as endpoint_url
 
 Everything else is forwarded as is (the request's Host header too: moto does not check signatures).
@@ -22,6 +24,8 @@ _SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Cod
               b"<Message>Please reduce your request rate.</Message></Error>")
 _NO_SUCH_KEY = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
                 b"<Message>The specified key does not exist.</Message></Error>")
+_INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+             b"<Message>We encountered an internal error. Please try again.</Message></Error>")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer", "upgrade"}
 
 
@@ -33,7 +37,10 @@ class FaultProxy:
         self._drops = 0
         self._slow = 0
         self._hidden: list[str] = []
-        #: what was done: ("drop", path) / ("503", path) / ("404", path) / ("put", path) per request
+        self._fail_puts = 0
+        self._hang: list[str] = []
+        self._healed = threading.Event()
+        #: what was done: ("drop" | "503" | "404" | "500" | "hang" | "put", path) per request
         self.log: list[tuple[str, str]] = []
         proxy = self
 
@@ -56,22 +63,27 @@ class FaultProxy:
                         self.rfile.readline()
                 return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
+            def _cut(self) -> None:
+                self.close_connection = True
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
             def _handle(self) -> None:
                 method, path = self.command, self.path
                 fault = proxy._fault(method, path)
                 if fault == "drop":  # read part of the body, then cut the connection: no response at all
                     length = int(self.headers.get("Content-Length") or 2)
                     self.rfile.read(max(1, length // 2))
-                    self.close_connection = True
-                    try:
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                    return
+                    return self._cut()
                 body = self._body()
-                if fault in ("503", "404"):
-                    payload = _SLOW_DOWN if fault == "503" else _NO_SUCH_KEY
-                    self.send_response(503 if fault == "503" else 404)
+                if fault == "hang":  # no answer until healed (at most a minute), then the connection is cut
+                    proxy._healed.wait(60)
+                    return self._cut()
+                if fault in ("503", "404", "500"):
+                    payload = {"503": _SLOW_DOWN, "404": _NO_SUCH_KEY, "500": _INTERNAL}[fault]
+                    self.send_response(int(fault))
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", "0" if method == "HEAD" else str(len(payload)))
                     self.end_headers()
@@ -109,6 +121,9 @@ class FaultProxy:
     def _fault(self, method: str, path: str) -> str | None:
         with self._lock:
             key = path.split("?", 1)[0]
+            if any(h == method or h in key for h in self._hang):
+                self.log.append(("hang", path))
+                return "hang"
             if method in ("GET", "HEAD") and any(h in key for h in self._hidden):
                 self.log.append(("404", path))
                 return "404"
@@ -121,6 +136,10 @@ class FaultProxy:
                     self._drops -= 1
                     self.log.append(("drop", path))
                     return "drop"
+                if self._fail_puts:
+                    self._fail_puts -= 1
+                    self.log.append(("500", path))
+                    return "500"
                 self.log.append(("put", path))
             return None
 
@@ -139,12 +158,26 @@ class FaultProxy:
         with self._lock:
             self._hidden.append(fragment)
 
-    def heal(self) -> None:
-        """No more faults."""
+    def fail_puts(self, n: int) -> None:
+        """Answer the next ``n`` PUTs of object data with 500 InternalError."""
         with self._lock:
-            self._drops = self._slow = 0
+            self._fail_puts = n
+
+    def hang(self, what: str) -> None:
+        """Leave unanswered (until ``heal``) every request of method ``what`` or whose path contains it."""
+        with self._lock:
+            self._healed.clear()
+            self._hang.append(what)
+
+    def heal(self) -> None:
+        """No more faults (hung requests are let go)."""
+        with self._lock:
+            self._drops = self._slow = self._fail_puts = 0
             self._hidden = []
+            self._hang = []
+            self._healed.set()
 
     def close(self) -> None:
+        self._healed.set()
         self._server.shutdown()
         self._server.server_close()

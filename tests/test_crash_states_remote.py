@@ -107,8 +107,9 @@ class FlakyObjectStore(cs.DictObjectStore):
         super().put(key, data)
 
 
-def _three_versions(path, objects):
-    store = cs.remote_store(path, objects, create=True, cache_bytes=0)
+def _three_versions(path, objects, failing=False):
+    store = cs.remote_store(path, objects, create=True, cache_bytes=0)  # (its creation claims the prefix)
+    objects.failing = failing
     store.create_table("f", ROWS, 4, codec="fp32", block_rows=BLOCK)
     content = {}
     for i in range(3):
@@ -129,8 +130,7 @@ def test_a_copy_point_upload_racing_gc_removal(tmp_path):
     reads the index), the upload completes, the remote reads back at that snapshot, and only a later GC and
     copy point delete them (locally, then remotely)."""
     objects = FlakyObjectStore()
-    objects.failing = True
-    store, content = _three_versions(str(tmp_path / "a"), objects)
+    store, content = _three_versions(str(tmp_path / "a"), objects, failing=True)
     with store:
         assert store.stats()["remote"]["last_error"]  # nothing reached the remote
         snapshot_versions = sorted(content)
@@ -144,7 +144,7 @@ def test_a_copy_point_upload_racing_gc_removal(tmp_path):
             assert report.bytes_pending > 0  # freed, but the copy point still reads them: not deleted
             paused.release()
             copy.result()
-        uploaded = {filenames.parse_segment_name(k.split("/")[1]) for k in objects.objects if k.startswith("segments/")}
+        uploaded = cs.segment_ids(objects.objects)
         assert old <= uploaded
         with cs.remote_store(str(tmp_path / "fresh"), cs.DictObjectStore(objects.objects), readonly=True) as fresh:
             assert [v.version for v in fresh.versions()] == snapshot_versions
@@ -152,7 +152,7 @@ def test_a_copy_point_upload_racing_gc_removal(tmp_path):
                 np.testing.assert_array_equal(fresh.read_table("f", version=v), content[v])
         store.gc()  # no reader now: the freed local copies go
         store.sync_remote()  # the pointer moves past them: the remote copies go
-        remaining = {filenames.parse_segment_name(k.split("/")[1]) for k in objects.objects if k.startswith("segments/")}
+        remaining = cs.segment_ids(objects.objects)
         assert old - remaining
         np.testing.assert_array_equal(store.read_table("f"), content[max(content)])
         assert not store.verify().problems
@@ -161,7 +161,7 @@ def test_a_copy_point_upload_racing_gc_removal(tmp_path):
 def test_a_reader_of_a_segment_being_evicted(tmp_path):
     """A read that resolved a record to a local segment, paused, then finds the local copy evicted: it reads
     the record from the remote instead (never a CorruptionError for a segment the remote holds)."""
-    store, content = _three_versions(str(tmp_path / "a"), cs.DictObjectStore())
+    store, content = _three_versions(str(tmp_path / "a"), FlakyObjectStore())
     with store:
         storage = store.engine.segments
         storage.cache_bytes = 1 << 40  # keep local copies for now
@@ -178,3 +178,86 @@ def test_a_reader_of_a_segment_being_evicted(tmp_path):
             paused.release()
             np.testing.assert_array_equal(reader.result(), content[max(content)])
         np.testing.assert_array_equal(store.read_table("f", version=v), content[v])
+
+
+def test_a_fetch_beside_an_eviction(tmp_path):
+    """A read of an evicted segment fetches it whole into the cache; an eviction that deletes that very copy
+    before the read uses it (cache_bytes lowered meanwhile) never fails the read: it reads the fetched bytes."""
+    store, content = _three_versions(str(tmp_path / "a"), FlakyObjectStore())
+    with store:
+        storage = store.engine.segments
+        storage.cache_bytes = 1 << 20  # segments are fetched whole (each under a quarter of it)
+        assert store.stats()["remote"]["evicted_segments"]  # (cache_bytes=0 until now: all evicted)
+        v = min(content)
+        with Pause("remote_fetched") as paused:
+            reader = run_in_thread(lambda: store.read_table("f", version=v))
+            paused.wait_reached()  # the segment is in the cache, the read has not used it yet
+            storage.cache_bytes = 0
+            storage.sync_cache()  # evicts every covered local copy, the one just fetched too
+            fetched = [s for s in storage.list() if not os.path.exists(filenames.segment_path(store.path, s))]
+            assert fetched
+            paused.release()
+            np.testing.assert_array_equal(reader.result(), content[v])
+        for version, values in content.items():
+            np.testing.assert_array_equal(store.read_table("f", version=version), values)
+
+
+def test_a_readonly_reader_beside_uploads_and_evictions(tmp_path):
+    """A readonly store of the writer's directory, opened before the writer's next saves: it resolves a record to
+    a local segment the writer has not uploaded yet, pauses, and the writer's copy point uploads and evicts that
+    segment; the reader then reads it from the remote (it never lists the remote, never writes the directory)."""
+    objects = FlakyObjectStore()
+    store, content = _three_versions(str(tmp_path / "a"), objects)
+    with store:
+        store.engine.segments.cache_bytes = 1 << 40  # the next save's segments stay local for now
+        with cs.remote_store(str(tmp_path / "a"), objects, readonly=True) as reader:
+            _save(store, content, 7.0)
+            v = max(content)
+            local = set(os.listdir(filenames.segments_dir(store.path)))
+            with Pause("remote_read_local") as paused:
+                read = run_in_thread(lambda: reader.read_table("f", version=v))
+                paused.wait_reached()
+                store.engine.segments.cache_bytes = 0
+                store.sync_remote()  # uploads (nothing new) and evicts what the last pointer names
+                assert set(os.listdir(filenames.segments_dir(store.path))) < local
+                paused.release()
+                np.testing.assert_array_equal(read.result(), content[v])
+            for version, values in content.items():
+                np.testing.assert_array_equal(reader.read_table("f", version=version), values)
+            assert reader.verify().ok
+        assert not [n for n in os.listdir(filenames.segments_dir(store.path)) if n.endswith(".download")]
+
+
+def test_a_read_cache_opened_while_another_process_installs_a_newer_snapshot(tmp_path):
+    """A read cache opening while another opener of it swaps in the bucket's newest snapshot (paused between
+    moving the old index aside and renaming the new one in) waits for the install (the directory's lock),
+    then reads the newest versions: never an index that is missing for that instant."""
+    objects = FlakyObjectStore()
+    store, content = _three_versions(str(tmp_path / "a"), objects)
+    with store:
+        cs.remote_store(str(tmp_path / "cache"), objects, readonly=True).close()  # a cache at version 3
+        _save(store, content, 5.0)
+        with Pause("remote_install_swapping") as paused:
+            installing = run_in_thread(lambda: cs.remote_store(str(tmp_path / "cache"), objects, readonly=True))
+            paused.wait_reached()
+            assert not os.path.exists(filenames.index_dir(str(tmp_path / "cache")))
+            opening = run_in_thread(lambda: cs.remote_store(str(tmp_path / "cache"), objects, readonly=True))
+            paused.release()
+            for future in (installing, opening):
+                with future.result() as cache:
+                    assert [v.version for v in cache.versions()] == sorted(content)
+                    np.testing.assert_array_equal(cache.read_table("f"), content[max(content)])
+
+
+def test_processes_recovering_into_one_directory_at_once_lay_it_out_once(tmp_path):
+    objects = FlakyObjectStore()
+    store, content = _three_versions(str(tmp_path / "a"), objects)
+    store.close()
+    with Pause("remote_install_swapping"):  # (not reached: nothing to swap on a first recovery)
+        futures = [run_in_thread(lambda: cs.remote_store(str(tmp_path / "cache"), objects, readonly=True))
+                   for _ in range(4)]
+        caches = [f.result() for f in futures]
+    for cache in caches:
+        with cache:
+            assert [v.version for v in cache.versions()] == sorted(content)
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted(["CNRSTORE", "REMOTE", "index", "segments"])

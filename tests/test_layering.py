@@ -36,6 +36,9 @@ OUTSIDE = {
         "torchrec's KeyedOptimizerWrapper keeps the torch optimizer it wraps as ._optimizer (no public accessor)",
     ("cnrstore/torch/sharded.py", "_lookups"):
         "torchrec's sharded collections keep their lookup kernels in a plain list ._lookups",
+    ("cnrstore/engine/objects.py", "_call_s3"):
+        "s3fs's client call coroutine is the one way to send If-Match / If-None-Match and read a GET's ETag on its "
+        "event loop within a deadline (its public call_s3 waits without one); fsspec names async methods _name",
     ("cnrstore/codecs/rowwise.py", "_initializing"):
         "importlib's module spec says whether torch is still importing (._initializing): no public flag",
 }

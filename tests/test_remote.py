@@ -16,6 +16,7 @@ import pytest
 import cnrstore
 from cnrstore import knobs
 from cnrstore.engine import filenames
+from cnrstore.engine import remote as remote_tier
 from cnrstore.maintenance.repair import repair
 from cnrstore.errors import CorruptionError, InvalidArgument, RemoteObjectMissing, RemoteStorageError, StoreNotFound
 
@@ -56,6 +57,7 @@ def open_remote(path, remote, **kwargs):
 
 
 def objects(s3_endpoint, bucket, folder="") -> dict[str, int]:
+    """{key under ckpt/: size} of every object whose key starts with ``folder``."""
     opts = s3_options(s3_endpoint)
     client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id=opts["key"],
                           aws_secret_access_key=opts["secret"], region_name="us-east-1")
@@ -64,7 +66,12 @@ def objects(s3_endpoint, bucket, folder="") -> dict[str, int]:
 
 
 def segment_ids(listing: dict[str, int]) -> set[int]:
-    return {filenames.parse_segment_name(k.split("/")[-1]) for k in listing if k.startswith("segments/")}
+    """Segment ids of the segment objects in ``listing`` (in any writer's folder)."""
+    return {filenames.parse_segment_name(k.split("/")[-1]) for k in listing if k.split("/")[-2:-1] == ["segments"]}
+
+
+def snapshots(listing: dict[str, int]) -> list[str]:
+    return [k for k in listing if k.split("/")[-2:-1] == ["index"]]
 
 
 class Trainer:
@@ -77,6 +84,11 @@ class Trainer:
         self.content: dict[int, np.ndarray] = {}
         if "t" not in store.tables():
             store.create_table("t", ROWS, DIM, codec="fp32")
+
+    def resume(self, other: "Trainer") -> None:
+        """Go on from ``other``'s newest version (a machine that recovered what ``other`` wrote)."""
+        self.content = dict(other.content)
+        self.model = other.content[max(other.content)].copy()
 
     def save(self, touched=256) -> int:
         first = not self.content and not self.store.versions()
@@ -152,20 +164,20 @@ def test_gc_deletes_remote_segments_only_after_the_pointer_moved(tmp_path, remot
         t = Trainer(store)
         for _ in range(5):
             t.save(touched=ROWS // 2)
-        before = segment_ids(objects(s3_endpoint, s3_bucket, "segments/"))
+        before = segment_ids(objects(s3_endpoint, s3_bucket))
         kept = sorted(t.content)[-2:]
         store.retain(2)
         report = store.gc()
         assert report.segments_deleted > 0
         # GC freed segments locally; the pointer still names the index that reads them: all still remote
-        assert segment_ids(objects(s3_endpoint, s3_bucket, "segments/")) >= before
+        assert segment_ids(objects(s3_endpoint, s3_bucket)) >= before
         t.check_fresh(tmp_path / "r", remote)  # every version of the last copy point, although GC dropped three since
         store.sync_remote()  # the pointer moves: now the freed ones go
-        after = segment_ids(objects(s3_endpoint, s3_bucket, "segments/"))
+        after = segment_ids(objects(s3_endpoint, s3_bucket))
         assert before - after  # the freed segments are gone from the remote
         with store.engine.index.read() as view:
             assert set(view.segments()) <= after  # and every one the index reads is still there
-        assert len([k for k in objects(s3_endpoint, s3_bucket, "index/")]) == 1  # older snapshots deleted
+        assert len(snapshots(objects(s3_endpoint, s3_bucket))) == 1  # older snapshots deleted
         t.content = {v: t.content[v] for v in kept}
         t.check(store)
     t.check_fresh(tmp_path / "r2", remote)
@@ -250,7 +262,8 @@ def test_a_connection_cut_mid_upload_is_retried(tmp_path, remote, proxy):
     t.check_fresh(tmp_path / "r", remote)
 
 
-def test_uploads_failing_for_good_lose_nothing_and_are_retried(tmp_path, remote, proxy):
+def test_uploads_failing_for_good_lose_nothing_and_are_retried(tmp_path, remote, proxy, monkeypatch):
+    monkeypatch.setattr(remote_tier, "RETRY_BASE_S", 0.0)  # (the backoff between failing copy points: its own test)
     with open_remote(tmp_path / "a", remote, cache_bytes=0) as store:
         t = Trainer(store)
         t.save()
@@ -293,7 +306,7 @@ def test_a_missing_remote_segment_is_a_typed_corruption(tmp_path, remote, proxy)
         t.save()
         t.save()
         proxy.hide("/segments/")
-        with pytest.raises(RemoteObjectMissing, match=r"ckpt/segments/[0-9a-f]{16}\.seg: the object is missing") as info:
+        with pytest.raises(RemoteObjectMissing, match=r"ckpt/w/[0-9a-f]{32}/segments/[0-9a-f]{16}\.seg: the object is missing") as info:
             store.read_table("t", 1)
         assert isinstance(info.value, CorruptionError) and info.value.path.startswith(url)
         report = store.verify()
@@ -311,18 +324,13 @@ def test_an_endpoint_that_is_down_is_a_typed_error(tmp_path, s3_bucket):
 
 
 def test_a_bucket_that_does_not_exist_is_a_storage_error_not_damage(tmp_path, s3_endpoint):
-    """Uploading to a bucket nobody made is the URL's fault, not a missing (corrupt) object: the save
-    commits locally, the copy point's RemoteStorageError says to create the bucket, and close raises it."""
-    store = cnrstore.open(tmp_path / "a", create=True, remote="s3://no-such-bucket-anywhere/ckpt",
-                          remote_options=s3_options(s3_endpoint))
-    trainer = Trainer(store)
-    trainer.save()
-    trainer.check(store)
-    error = store.stats()["remote"]["last_error"]
-    assert "does not exist" in error and "RemoteObjectMissing" not in error, error
-    with pytest.raises(RemoteStorageError, match="does not exist") as raised:
-        store.close()
+    """Opening a store on a bucket nobody made is the URL's fault, found at open (before any save), not a
+    missing (corrupt) object: RemoteStorageError saying so, nothing created locally."""
+    with pytest.raises(RemoteStorageError, match="the bucket does not exist") as raised:
+        cnrstore.open(tmp_path / "a", create=True, remote="s3://no-such-bucket-anywhere/ckpt",
+                      remote_options=s3_options(s3_endpoint))
     assert not isinstance(raised.value, CorruptionError)
+    assert not (tmp_path / "a").exists() or not list((tmp_path / "a").iterdir())
 
 
 # -- the command line -----------------------------------------------------------------------------------------
@@ -361,4 +369,4 @@ def test_cli_reads_verifies_exports_and_repairs_through_the_remote(tmp_path, rem
         t.check(store)
     capsys.readouterr()
     assert main(["--remote", "s3://nobucket-here/x", *args[2:], "ls", str(tmp_path / "nothing")]) == 2
-    assert "StoreNotFound" in capsys.readouterr().err
+    assert "RemoteStorageError" in (err := capsys.readouterr().err) and "the bucket does not exist" in err

@@ -131,7 +131,7 @@ class Engine:
         self.recovery_notes += self.segments.recover(committed, doomed, max_deleted=deleted, ids=seg_ids)
         # never reuse the id of a deleted segment: a long-lived reader may still map the old file
         high, _pending = segments.leftover_rule(committed, doomed, deleted, seg_ids)
-        ids = segments.SegmentIds(high + 1)
+        ids = segments.SegmentIds(self.segments.segment_ids_from(high))
         # the checkpoint writer and compaction append to active segments of their own
         storage = self.segments
         self.appender = storage.appender(committed, FORMAT_VERSION, ids, resume=True, on_sealed=storage.sealed)
@@ -247,6 +247,7 @@ class Engine:
         the next version number, allocated in a synced transaction so that it is never handed out twice
         (even to a checkpoint that aborts or is lost in a crash), ``parent`` the newest committed version.
         CheckpointInProgress while the slot holds another; ``writer_done`` empties it."""
+        self.segments.before_checkpoint()
         with self.writer_mutex:
             if self.writer is not None:
                 raise CheckpointInProgress(f"checkpoint {self.writer.version} is still open; commit or abort it "
@@ -272,9 +273,11 @@ class Engine:
             if writer.committed and self._written_blocks is not None:
                 self._written_blocks.update(writer.blocks_written())
         if writer.committed:
-            self.segments.after_commit()  # a remote storage's copy point (storage.py)
-        if self.on_commit is not None and writer.committed:
-            self.on_commit()
+            try:
+                self.segments.after_commit()  # a remote storage's copy point (storage.py)
+            finally:
+                if self.on_commit is not None:
+                    self.on_commit()
 
     def take_written_blocks(self) -> set | None:
         """The (table id, block) pairs checkpoints committed since the last call (None on the first call of

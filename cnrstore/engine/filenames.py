@@ -10,14 +10,17 @@ Layout of a store directory::
     <store>/index.damaged-<time>/  an index repair replaced (kept as evidence; delete it by hand)
     <store>/segments/<id>.seg   append-only segment files, id as 16 hex digits
     <store>/segments/<id>.seg.download  a segment being fetched back from the remote (renamed into place)
-    <store>/REMOTE              a store with an object-store tier: its URL and store id (engine/remote.py)
+    <store>/REMOTE              a store with an object-store tier: its URL, store id and role (engine/remote.py)
     <store>/remote-snapshot.tmp/  the index copy a remote copy point is uploading (remade each time)
+    <store>/index/INSTALLED     a read cache's installed pointer (the copy point its index/ came from)
+    <store>/index.replaced-<generation>/  a read cache's previous index, while the newer one goes in
 
 Objects under a remote prefix (docs/FORMAT.md, "Remote layout")::
 
-    <prefix>/CURRENT                  the pointer: names the index snapshot of the last copy point
-    <prefix>/index/<generation>.mdb   a compact LMDB copy of the index, generation as 16 hex digits
-    <prefix>/segments/<id>.seg        a segment, as the local file (or a committed prefix of it)
+    <prefix>/CURRENT                          the pointer: names the index snapshot of the last copy point
+    <prefix>/w/<writer>/index/<generation>.mdb  a compact LMDB copy of the index, generation as 16 hex digits
+    <prefix>/w/<writer>/segments/<id>.seg     a segment, as the local file (or a committed prefix of it)
+    <prefix>/index/..., <prefix>/segments/... the same, of a prefix written by pointer format 1 (folder "")
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ _SNAPSHOT_RE = re.compile(r"^([0-9a-f]{16})\.mdb$")
 REMOTE_POINTER = "CURRENT"
 REMOTE_INDEX_DIR = "index"
 REMOTE_SEGMENTS_DIR = "segments"
+REMOTE_WRITERS_DIR = "w"
+#: in a read cache's index/: the pointer its index came from (engine/remote.py)
+INSTALLED = "INSTALLED"
+_WRITER_RE = re.compile(r"^[0-9a-f]{32}$")
+_SNAPSHOT_KEY_RE = re.compile(r"^(w/[0-9a-f]{32}/)?index/[0-9a-f]{16}\.mdb$")
 
 
 def marker_path(root: str) -> str:
@@ -102,15 +110,56 @@ def segment_download_tmp(root: str, segment_id: int) -> str:
     return segment_path(root, segment_id) + ".download"
 
 
-def remote_segment_key(segment_id: int) -> str:
-    return f"{REMOTE_SEGMENTS_DIR}/{segment_id:016x}.seg"
+def installed_pointer_path(root: str) -> str:
+    """A read cache's installed pointer, inside its index directory (it moves with the index)."""
+    return os.path.join(index_dir(root), INSTALLED)
 
 
-def remote_snapshot_key(generation: int) -> str:
-    return f"{REMOTE_INDEX_DIR}/{generation:016x}.mdb"
+def index_replaced(root: str, generation: int) -> str:
+    """Where a read cache moves its previous index while installing the snapshot of ``generation``."""
+    return os.path.join(root, f"{INDEX_DIR}.replaced-{generation:016x}")
+
+
+def is_index_replaced(name: str) -> bool:
+    return name.startswith(INDEX_DIR + ".replaced-")
+
+
+def is_writer_id(name: str) -> bool:
+    """Whether ``name`` is a store id (32 lowercase hex digits): a writer's folder under w/."""
+    return isinstance(name, str) and bool(_WRITER_RE.match(name))
+
+
+def remote_folder(writer: str) -> str:
+    """The folder of writer ``writer``'s objects under the prefix ("" : a pointer-format-1 prefix's root)."""
+    return f"{REMOTE_WRITERS_DIR}/{writer}" if writer else ""
+
+
+def _under(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
+
+
+def remote_segments_dir(folder: str = "") -> str:
+    return _under(folder, REMOTE_SEGMENTS_DIR)
+
+
+def remote_index_dir(folder: str = "") -> str:
+    return _under(folder, REMOTE_INDEX_DIR)
+
+
+def remote_segment_key(segment_id: int, folder: str = "") -> str:
+    return f"{remote_segments_dir(folder)}/{segment_id:016x}.seg"
+
+
+def remote_snapshot_key(generation: int, folder: str = "") -> str:
+    return f"{remote_index_dir(folder)}/{generation:016x}.mdb"
+
+
+def is_remote_snapshot_key(key: str) -> bool:
+    """Whether ``key`` names an index snapshot object (``[w/<writer>/]index/<generation>.mdb``)."""
+    return isinstance(key, str) and bool(_SNAPSHOT_KEY_RE.match(key))
 
 
 def parse_remote_snapshot_name(name: str) -> int | None:
-    """Generation of an object name in the remote index/ folder, or None if it is not a snapshot's."""
+    """Generation of an object name in a remote index/ folder, or None if it is not a snapshot's."""
     m = _SNAPSHOT_RE.match(name)
     return int(m.group(1), 16) if m else None

@@ -11,6 +11,7 @@ from /proc/locks (true even when LOCK was deleted), else from LOCK.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import time
@@ -134,6 +135,35 @@ class ProcessLock:
         if self._dir_fd is not None:
             fd, self._dir_fd = self._dir_fd, None
             fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+class SharedLock:
+    """A shared ``flock`` on a store directory, held briefly by a reader while it opens a read cache (the remote
+    tier): a process installing a newer snapshot there takes the exclusive lock (``ProcessLock``), so that no
+    reader opens the index in the instant it is being swapped. Release it once the index is open."""
+
+    def __init__(self, root: str, timeout: float):
+        self._fd: int | None = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = _flock_holder(self._fd)
+                    self.release()
+                    raise _locked(root, holder) from None
+                time.sleep(0.01)
+            except OSError:  # a file system that cannot flock a directory: no install lock to honour
+                return
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
 

@@ -2,34 +2,28 @@
 or any fsspec URL), read back by byte range, with a bounded local cache; the index and the active
 segments stay local, and their remote copy is made at copy points (docs/DESIGN.md, "The remote tier").
 
-Three parts:
-
-- ``ObjectStore``: the seam for remote effects (put, ranged get, size, list, delete of objects named
-  relative to the prefix), over an fsspec file system (s3fs for ``s3://``). Every third-party error is
-  wrapped here: RemoteObjectMissing for an object that is not there, RemoteStorageError for anything
-  else the client could not get through after its own retries. Tests wrap it to record every put and
-  delete (the crash-state explorer) and put a fault-injecting proxy in front of the endpoint.
-- ``RemoteSegmentStorage``: the ``SegmentStorage`` (storage.py) of such a store. Local files under
-  ``segments/`` as before; a segment is uploaded when it is sealed (``sealed``), after which its local
-  copy is cache, evicted least-recently-read first beyond ``cache_bytes``; reads of an evicted segment go
-  to the object store by range and are checked by the record checksums as every read is.
-- Copy points (``copy_point``): after every ``every``-th committed checkpoint and at close, the writer
-  seals its idle segment, uploads every segment the index references that the remote lacks (or holds
-  shorter), uploads a compact copy of the index as a new immutable object, then replaces the pointer
-  ``CURRENT`` naming it. Only then are remote segments no index needs deleted (GC, drop and merge freed
-  them locally earlier): a crash at any point leaves the remote readable at the last pointer.
-
-``prepare`` gets the local directory ready before the engine opens it: on an empty directory it fetches
-the pointer's index snapshot (recovery from the remote alone); it also keeps the one-writer-per-prefix
-guard (the pointer names the store id of its writer).
+- ``prepare`` gets a local directory ready before the engine opens it, by its role (REMOTE file,
+  remote_layout.Identity): a **writer** directory writes the prefix (its writable open is refused once
+  another writer took the prefix over); a **read cache** follows the pointer (opened again, it installs
+  the newest snapshot); an empty directory is recovered from the pointer's snapshot as a read cache,
+  which a writable open then turns into the prefix's new writer (a takeover).
+- ``RemoteSegmentStorage`` is the ``SegmentStorage`` (storage.py) of such a store: local files under
+  ``segments/`` as before; a sealed segment is uploaded into this writer's own folder, and its local copy
+  becomes cache once a pointer this writer wrote names it (evicted least-recently-read first beyond
+  ``cache_bytes``); reads of an evicted segment go to the object store, to the folder the writers'
+  history names for it, checked by the record checksums as every read is.
+- **Copy points** (``copy_point``): after every ``every``-th commit and at close, the writer reads the
+  pointer (it must still be its own, or the one it recovered from), seals its idle segment, uploads every
+  segment the index references that the remote lacks, uploads a compact copy of the index into its
+  folder, then replaces the pointer by a compare-and-swap on the tag it read. Only then are objects no
+  index needs deleted. A writer that finds the pointer taken over (``RemoteTakenOver``) fetches back what
+  its local index needs, and refuses new checkpoints from then on.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import errno
-import json
 import logging
 import os
 import threading
@@ -42,212 +36,127 @@ import numpy as np
 import xxhash
 
 from . import filenames, fs, schema
+from .index import Index, install_built_index
+from .lock import ProcessLock, SharedLock
 from .marker import marker_bytes
+from .objects import DEFAULT_TIMEOUT_S, FsspecObjectStore, ObjectStore
 from .opening import check_no_leftovers, find
+from .remote_layout import (CACHE, LEGACY_WRITERS, WRITER, Identity, Pointer, Writers, decode_identity,
+                            decode_pointer, encode_pointer)
+from .segments import leftover_rule
 from .storage import LocalSegmentStorage
-from ..errors import (CnrError, CorruptionError, InvalidArgument, RemoteObjectMissing, RemoteStorageError,
-                      StoreNotFound)
+from ..errors import (CnrError, CorruptionError, InvalidArgument, RemoteConflict, RemoteObjectMissing,
+                      RemoteStorageError, RemoteTakenOver, StoreLocked, StoreNotFound)
+
+__all__ = ["ObjectStore", "FsspecObjectStore", "RemoteSegmentStorage", "open_storage", "storage_for",
+           "repair_storage", "read_pointer", "check_local_only", "kept_remotely"]
 
 log = logging.getLogger("cnrstore.engine.remote")
 
-#: On remote storage: the pointer's format (docs/FORMAT.md, "Remote layout"). Never reuse a number.
-POINTER_FORMAT = 1
 #: Default copy-point interval: a copy point after every committed checkpoint.
 DEFAULT_EVERY = 1
 #: Default bound on the local copies of sealed segments (bytes).
 DEFAULT_CACHE_BYTES = 4 << 30
+#: After a failed copy point, commits make none for this long, doubling up to RETRY_MAX_S (a failing
+#: endpoint costs a save one request's deadline at most, and most saves nothing)
+RETRY_BASE_S = 5.0
+RETRY_MAX_S = 300.0
+#: How long a read cache waits for another process installing a snapshot into the same directory
+INSTALL_WAIT_S = 30.0
 
-_CHECK = "what to check: the endpoint URL and network, the credentials and the bucket (remote_options)"
+_POINTER_FIX_READER = ("recovery from this prefix waits until its writer's next copy point rewrites it; or restore "
+                       "CURRENT from a copy (a bucket with versioning keeps the previous one)")
 
 
-def _fsspec():
-    try:
-        import fsspec
-    except ImportError as exc:  # pragma: no cover - the s3 extra is missing
-        raise InvalidArgument("remote= needs fsspec (and s3fs for s3:// URLs): pip install 'cnrstore[s3]'") from exc
-    return fsspec
-
-
-class ObjectStore:
-    """Objects under one remote prefix, named relative to it (``segments/<id>.seg``, ...). Thread-safe.
-
-    Every method raises RemoteObjectMissing (a CorruptionError too) for an object that is not there where
-    one must be, and RemoteStorageError for any other failure the client's retries did not get through
-    (endpoint down, credentials refused, throttling that outlasted the retries)."""
-
-    def __init__(self, url: str, options: dict | None = None):
-        """``url``: an fsspec URL (``s3://bucket/prefix``, ``file:///dir``, ``memory://x``); ``options`` go to
-        the file system (``fsspec.filesystem``), e.g. ``{"client_kwargs": {"endpoint_url": ...}}``."""
-        if not isinstance(url, str) or "://" not in url:
-            raise InvalidArgument(f"remote={url!r} is not a URL: pass e.g. 's3://bucket/prefix'")
-        opts = {"skip_instance_cache": True, **(options or {})}
-        try:
-            self.fs, root = _fsspec().core.url_to_fs(url, **opts)
-        except ImportError as exc:
-            raise InvalidArgument(f"remote={url!r}: {exc} (for s3:// install 'cnrstore[s3]')") from exc
-        except (ValueError, TypeError) as exc:
-            raise InvalidArgument(f"remote={url!r} or remote_options are not valid: {exc}") from exc
-        self.url = url.rstrip("/")
-        self.root = root.rstrip("/")
-
-    def where(self, key: str) -> str:
-        """The URL of object ``key`` (for messages)."""
-        return f"{self.url}/{key}"
-
-    def _path(self, key: str) -> str:
-        return f"{self.root}/{key}"
-
-    @contextlib.contextmanager
-    def _calling(self, what: str, key: str, *, reading: bool = True) -> Iterator[None]:
-        """Client errors as typed ones: a missing object that was to be read RemoteObjectMissing (a
-        CorruptionError); anything else, a write to a bucket that does not exist included,
-        RemoteStorageError."""
-        try:
-            yield
-        except CnrError:
-            raise
-        except FileNotFoundError as exc:
-            if not reading:  # (s3fs: NoSuchBucket) not damage: the URL names no bucket or folder
-                raise RemoteStorageError(f"{what} {self.where(key)}: the bucket (or folder) does not exist "
-                                         f"({exc}); create it, or check the URL") from exc
-            raise RemoteObjectMissing(f"{what} {self.where(key)}: the object is missing from the object store",
-                                      self.where(key), None) from exc
-        except Exception as exc:  # noqa: BLE001 - the boundary: every client error becomes a typed one
-            text = f"{type(exc).__name__}: {exc}"
-            hint = _CHECK
-            # s3fs reports throttling (503 SlowDown, Service Unavailable) as EBUSY
-            if getattr(exc, "errno", None) == errno.EBUSY or any(t in text for t in ("SlowDown", "Throttl")):
-                hint = ("the object store kept throttling (503 SlowDown) past the client's retries: save less "
-                        "often (a larger remote_every), or raise the client's retries (remote_options "
-                        "config_kwargs={'retries': {'max_attempts': N}})")
-            raise RemoteStorageError(f"{what} {self.where(key)} failed after the client's retries: {text}; "
-                                     f"{hint}") from exc
-
-    def put(self, key: str, data) -> None:
-        """Store ``data`` (bytes-like) as object ``key``, replacing it whole (an object store's PUT is
-        atomic: readers see the old object or the new one), and check the stored size."""
-        data = bytes(data)
-        with self._calling("uploading", key, reading=False):
-            self.fs.pipe_file(self._path(key), data)
-        stored = self.size(key)
-        if stored != len(data):
-            raise RemoteStorageError(f"uploading {self.where(key)}: the object store holds {stored} bytes, "
-                                     f"not the {len(data)} uploaded; {_CHECK}")
-
-    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        """Bytes ``[start, end)`` of object ``key`` (the whole object by default)."""
-        with self._calling("reading", key):
-            return self.fs.cat_file(self._path(key), start=start, end=end)
-
-    def size(self, key: str) -> int | None:
-        """Size of object ``key``, or None if there is none."""
-        try:
-            with self._calling("asking the size of", key):
-                self.fs.invalidate_cache(self._path(key))
-                return int(self.fs.info(self._path(key))["size"])
-        except RemoteObjectMissing:
-            return None
-
-    def list(self, folder: str) -> dict[str, int]:
-        """{name: size} of the objects in ``folder`` (one level)."""
-        path = self._path(folder)
-        try:
-            with self._calling("listing", folder):
-                self.fs.invalidate_cache(path)
-                entries = self.fs.ls(path, detail=True)
-        except RemoteObjectMissing:
-            return {}
-        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries
-                if e.get("type") != "directory"}
-
-    def delete(self, key: str) -> None:
-        """Delete object ``key`` (nothing if it is gone already)."""
-        with contextlib.suppress(RemoteObjectMissing), self._calling("deleting", key):
-            self.fs.rm_file(self._path(key))
+def _pointer_fix_writer(root: str) -> str:
+    return (f"if {root!r} is the prefix's writer, `cnrstore --remote URL repair {root}` rewrites the pointer from "
+            f"its index; open it readonly=True to read it meanwhile")
 
 
 # -- the pointer --------------------------------------------------------------------------------------------
 
-def encode_pointer(generation: int, snapshot: bytes, store_id: str, versions: list[int]) -> bytes:
-    """The pointer object naming snapshot ``generation`` (docs/FORMAT.md, "Remote layout")."""
-    body = {"format": POINTER_FORMAT, "generation": generation,
-            "snapshot": filenames.remote_snapshot_key(generation), "snapshot_bytes": len(snapshot),
-            "snapshot_xxh3": f"{xxhash.xxh3_64_intdigest(snapshot):016x}", "store_id": store_id,
-            "versions": len(versions), "newest_version": max(versions, default=None), "written": time.time()}
-    text = json.dumps(body, sort_keys=True)
-    return json.dumps({"pointer": body, "xxh3": f"{xxhash.xxh3_64_intdigest(text.encode()):016x}"},
-                      sort_keys=True).encode() + b"\n"
-
-
-def decode_pointer(data: bytes, where: str) -> dict:
-    """The pointer's body; CorruptionError if it is damaged or of a newer format."""
+def read_pointer(objects: ObjectStore, fix: str = _POINTER_FIX_READER) -> Pointer | None:
+    """The remote's pointer, with the tag to replace it by (None if it has none yet)."""
     try:
-        outer = json.loads(data)
-        body = outer["pointer"]
-        ok = outer["xxh3"] == f"{xxhash.xxh3_64_intdigest(json.dumps(body, sort_keys=True).encode()):016x}"
-    except (ValueError, KeyError, TypeError):
-        ok = False
-    if not ok:
-        raise CorruptionError(f"the remote pointer {where} is damaged (bad JSON or checksum)", where, 0)
-    if body.get("format") != POINTER_FORMAT:
-        raise CorruptionError(f"the remote pointer {where} has format {body.get('format')}, this cnrstore reads "
-                              f"{POINTER_FORMAT}: upgrade cnrstore", where, 0)
-    return body
-
-
-def read_pointer(objects: ObjectStore) -> dict | None:
-    """The remote's pointer (None if it has none yet)."""
-    try:
-        data = objects.get(filenames.REMOTE_POINTER)
+        data, tag = objects.get_tagged(filenames.REMOTE_POINTER)
     except RemoteObjectMissing:
         return None
-    return decode_pointer(data, objects.where(filenames.REMOTE_POINTER))
+    return decode_pointer(data, objects.where(filenames.REMOTE_POINTER), fix, tag)
 
 
-def fetch_snapshot(objects: ObjectStore, pointer: dict) -> bytes:
+def fetch_snapshot(objects: ObjectStore, pointer: Pointer) -> bytes:
     """The index snapshot ``pointer`` names, checked against the size and hash the pointer records."""
-    key = pointer["snapshot"]
-    data = objects.get(key)
-    if len(data) != pointer["snapshot_bytes"] or f"{xxhash.xxh3_64_intdigest(data):016x}" != pointer["snapshot_xxh3"]:
-        raise CorruptionError(f"the index snapshot {objects.where(key)} does not match the pointer "
-                              f"{objects.where(filenames.REMOTE_POINTER)} (size or checksum)", objects.where(key), 0)
+    data = objects.get(pointer.snapshot)
+    if len(data) != pointer.snapshot_bytes or f"{xxhash.xxh3_64_intdigest(data):016x}" != pointer.snapshot_xxh3:
+        where = objects.where(pointer.snapshot)
+        raise CorruptionError(f"the index snapshot {where} does not match the pointer "
+                              f"{objects.where(filenames.REMOTE_POINTER)} (size or checksum): the bucket is damaged; "
+                              f"{_POINTER_FIX_READER}", where, 0)
     return data
+
+
+def _missing_store(root: str, objects: ObjectStore, readonly: bool) -> CnrError:
+    """The error for a path with no store whose remote holds none: a bucket that does not exist is the URL's
+    fault (RemoteStorageError), an empty prefix is StoreNotFound."""
+    if objects.bucket_exists() is False:
+        return RemoteStorageError(f"{objects.url}: the bucket does not exist; create it, or check the URL")
+    return StoreNotFound(f"no cnrstore store at {root!r}, and {objects.url} holds none (no "
+                         f"{filenames.REMOTE_POINTER}){'' if readonly else '; pass create=True to make one'}")
 
 
 # -- the local side -----------------------------------------------------------------------------------------
 
-def _read_identity(root: str) -> dict | None:
+def _read_small(path: str) -> bytes | None:
+    """A REMOTE or INSTALLED file's bytes (None if there is none), read with a bound: a file of another
+    kind (a FIFO, a device) is damage, never a hang."""
+    import stat
+
     try:
-        with builtins.open(filenames.remote_path(root), "rb") as f:
-            return json.loads(f.read())
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
-    except ValueError as exc:
-        raise CorruptionError(f"{filenames.remote_path(root)} is damaged ({exc}); it names the store's remote: "
-                              "rewrite it as {\"url\": URL, \"store_id\": ID} or recover into a new directory",
-                              filenames.remote_path(root), 0) from exc
+    except OSError as exc:
+        if exc.errno in (40,):  # ELOOP: a symbolic link
+            raise CorruptionError(f"{path} is a symbolic link, not a regular file: a store's files are regular "
+                                  "files; restore it from a copy", path, 0) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptionError(f"{path} is not a regular file: a store's files are regular files; restore it "
+                                  "from a copy", path, 0)
+        if st.st_size > (16 << 20):
+            raise CorruptionError(f"{path} is {st.st_size} bytes, far more than it may be: it is damaged", path, 0)
+        with builtins.open(fd, "rb", closefd=False) as f:
+            return f.read(16 << 20)
+    finally:
+        os.close(fd)
 
 
-def _identity_for(root: str, url: str) -> dict | None:
-    """The ``REMOTE`` identity of the store at ``root`` (None if it has none); InvalidArgument if it names
-    another remote than ``url``."""
-    ident = _read_identity(root)
-    if ident is not None and ident["url"].rstrip("/") != url:
-        raise InvalidArgument(f"store {root!r} keeps its segments at {ident['url']!r}, not {url!r}: pass "
+def read_identity(root: str) -> Identity | None:
+    """The REMOTE identity of the local store at ``root`` (None if it has none)."""
+    data = _read_small(filenames.remote_path(root))
+    return None if data is None else decode_identity(data, filenames.remote_path(root))
+
+
+def write_identity(root: str, ident: Identity, filesystem: fs.FileSystem) -> None:
+    path = filenames.remote_path(root)
+    filesystem.write_file_atomic(path, path + ".tmp", ident.encode())
+
+
+def _identity_for(root: str, url: str) -> Identity | None:
+    """``read_identity``; InvalidArgument if it names another remote than ``url``."""
+    ident = read_identity(root)
+    if ident is not None and ident.url != url:
+        raise InvalidArgument(f"store {root!r} keeps its segments at {ident.url!r}, not {url!r}: pass "
                               "that remote= (or recover from this remote into an empty directory)")
     return ident
 
 
-def _write_identity(root: str, url: str, store_id: str, filesystem: fs.FileSystem, after: str | None = None) -> None:
-    """``after``: the store id whose pointer this store took over (recovered from), until its own replaces it."""
-    data = json.dumps({"url": url, "store_id": store_id, "after": after}).encode()
-    filesystem.write_file_atomic(filenames.remote_path(root), filenames.remote_path(root) + ".tmp", data)
-
-
 def kept_remotely(root: str) -> str | None:
     """The URL of the remote tier of the local store at ``root``, or None if it has none."""
-    ident = _read_identity(root)
-    return None if ident is None else ident["url"]
+    ident = read_identity(root)
+    return None if ident is None else ident.url
 
 
 def check_local_only(root: str, doing: str) -> None:
@@ -268,72 +177,149 @@ def check_local_only(root: str, doing: str) -> None:
                               "(`cnrstore --remote URL ...`)")
 
 
-class Prepared(NamedTuple):
-    """What ``prepare`` found: the store id this process writes (or reads) as, the store ids whose pointer
-    it may replace (its own, and the one it recovered from), and the generation the remote's pointer names
-    (0: none yet)."""
+def read_installed(root: str) -> Pointer | None:
+    """The pointer a read cache's index was installed from (None: not a cache, or not recorded)."""
+    path = filenames.installed_pointer_path(root)
+    data = _read_small(path)
+    if data is None:
+        return None
+    return decode_pointer(data, path, "recover from the remote into a new directory")
 
-    store_id: str
-    owners: set
-    generation: int
+
+# -- prepare ------------------------------------------------------------------------------------------------
+
+class Claim(NamedTuple):
+    """A writable open that must make the prefix its own before it writes (at attach: its first copy point
+    replaces ``pointer``, None: creates the pointer). ``base``: the writers' history it extends (None: it has
+    its entry already, e.g. a pending claim retried)."""
+
+    pointer: Pointer | None
+    base: Writers | None
+    undo_identity: bool = False  # a local store being attached: drop REMOTE again if the claim fails
+
+
+class Prepared(NamedTuple):
+    """What ``prepare`` found: this directory's identity, the pointer its reads go by (a cache's installed
+    one), the claim a writable open must make at attach (None: it owns the prefix already), and the shared
+    lock a read cache's open holds until its index is open (released at attach)."""
+
+    identity: Identity
+    pointer: Pointer | None
+    claim: Claim | None
+    open_lock: SharedLock | None = None
 
 
 def prepare(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, readonly: bool,
             create: bool) -> Prepared:
     """Get the local directory ``root`` ready for a store whose remote is ``objects`` (``Prepared``).
 
-    - ``root`` holds a store: its ``REMOTE`` file must name this URL (InvalidArgument otherwise); a
-      writable open is refused (RemoteStorageError) when the pointer names another store id: another
-      writer took the prefix over (recovered it elsewhere). A store with no ``REMOTE`` file is attached
-      to the remote: its first copy point uploads it.
-    - ``root`` holds no store and the remote has a pointer: recovery from the remote alone. The snapshot
-      is downloaded (checked against the pointer) as the local index, then the marker is written last; a
-      writable open takes the prefix over under a new store id.
-    - neither: with ``create`` the new store's ``REMOTE`` file is written (the engine then creates the
-      store), else StoreNotFound.
+    - ``root`` is a writer's directory: its readonly open reads it as it is (no request); its writable open
+      is refused (RemoteTakenOver) unless the pointer is its own or the one it recovered from.
+    - ``root`` is a read cache: the pointer is read again and, if it moved on, its snapshot installed in
+      place of the cache's index (``install_snapshot``); a writable open then takes the prefix over.
+    - ``root`` holds a store without a REMOTE file: a writable open attaches it (its first copy point, at
+      open, uploads it and creates the pointer); a readonly open is refused (InvalidArgument).
+    - ``root`` holds no store: with a pointer, the snapshot is installed there as a read cache (recovery
+      from the remote alone), taken over by a writable open; without one, ``create`` makes a new store
+      (its pointer created at open), else StoreNotFound (RemoteStorageError if the bucket does not exist).
     """
     url = objects.url
-    pointer = read_pointer(objects)
-    generation = pointer["generation"] if pointer is not None else 0
     if find(root, readonly):
         ident = _identity_for(root, url)
         if ident is None:
-            if readonly:
-                raise InvalidArgument(f"store {root!r} has no remote tier: open it without remote= (or writable, "
-                                      f"to attach it to {url!r})")
-            if pointer is not None:
-                raise RemoteStorageError(f"{url} already holds another store's copy (its pointer names store "
-                                         f"{pointer['store_id']}); choose another prefix to attach {root!r} to")
-            ident = {"url": url, "store_id": uuid.uuid4().hex}
-            _write_identity(root, url, ident["store_id"], filesystem)
-        owners = {ident["store_id"], ident.get("after")} - {None}
-        if not readonly and pointer is not None and pointer["store_id"] not in owners:
-            raise RemoteStorageError(
-                f"{url} is written by another store (its pointer names store {pointer['store_id']}, this local "
-                f"directory is store {ident['store_id']}): one writer per prefix. Another machine recovered it "
-                "and writes it now; open this one readonly, or recover from the remote into an empty directory")
-        return Prepared(ident["store_id"], owners, generation)
+            return _attach_local(root, objects, filesystem, readonly)
+        if ident.role == WRITER:
+            return _open_writer(root, objects, ident, readonly)
+        installed, pointer = _refresh_cache(root, objects, filesystem, readonly)
+        return _open_cache(root, objects, ident, installed, pointer, readonly)
+    pointer = read_pointer(objects)
     if pointer is None:
-        if not create or readonly:
-            raise StoreNotFound(f"no cnrstore store at {root!r}, and {url} holds none (no "
-                                f"{filenames.REMOTE_POINTER}){'' if readonly else '; pass create=True to make one'}")
-        store_id = uuid.uuid4().hex
+        if not create or readonly or objects.bucket_exists() is False:
+            raise _missing_store(root, objects, readonly)
         os.makedirs(root, exist_ok=True)
+        store_id = uuid.uuid4().hex
+        ident = Identity(url, store_id, WRITER, Writers([(store_id, 0)]), None)
         if not set(os.listdir(root)) - filenames.BEFORE_MARKER:  # (else the engine's create refuses the directory)
-            _write_identity(root, url, store_id, filesystem)
-        return Prepared(store_id, {store_id}, generation)
-    _recover_from_remote(root, objects, pointer, filesystem)
-    store_id = pointer["store_id"] if readonly else uuid.uuid4().hex
-    _write_identity(root, url, store_id, filesystem, after=pointer["store_id"])
-    # the marker last: a store exists exactly when its marker does
-    filesystem.write_file_atomic(filenames.marker_path(root), filenames.marker_tmp_path(root), marker_bytes())
-    return Prepared(store_id, {store_id, pointer["store_id"]}, generation)
+            write_identity(root, ident, filesystem)
+        return Prepared(ident, None, Claim(None, None))
+    ident = _recover_from_remote(root, objects, pointer, filesystem)
+    return _open_cache(root, objects, ident, pointer, pointer, readonly)
 
 
-def _recover_from_remote(root: str, objects: ObjectStore, pointer: dict, filesystem: fs.FileSystem) -> None:
-    """Lay out a store's index (the pointer's snapshot) and an empty segments/ in ``root``, which must hold no
-    store files yet (the marker is written by the caller)."""
+def _attach_local(root: str, objects: ObjectStore, filesystem: fs.FileSystem, readonly: bool) -> Prepared:
+    url = objects.url
+    if readonly:
+        raise InvalidArgument(f"store {root!r} has no remote tier: open it without remote= (or writable, "
+                              f"to attach it to {url!r})")
+    pointer = read_pointer(objects)
+    if pointer is not None:
+        raise RemoteStorageError(f"{url} already holds another store's copy (its pointer names store "
+                                 f"{pointer.writer}); choose another prefix to attach {root!r} to")
+    store_id = uuid.uuid4().hex
+    ident = Identity(url, store_id, WRITER, Writers([(store_id, 0)]), None)  # every segment it has is its own
+    write_identity(root, ident, filesystem)
+    return Prepared(ident, None, Claim(None, None, undo_identity=True))
+
+
+def _open_writer(root: str, objects: ObjectStore, ident: Identity, readonly: bool) -> Prepared:
+    if readonly:  # its own files and the folders its history names: no request needed to open
+        return Prepared(ident, None, None)
+    pointer = read_pointer(objects, _pointer_fix_writer(root))
+    if not ident.may_replace(pointer):
+        if pointer is None:
+            raise RemoteStorageError(
+                f"{objects.url} holds no pointer, but {root!r} recovered from one (a prefix emptied since?): "
+                "recover into a new directory once the prefix holds a store again")
+        raise RemoteTakenOver(
+            f"{objects.url} is written by another store (its pointer names store {pointer.writer}, generation "
+            f"{pointer.generation}; this local directory is store {ident.store_id}): one writer per prefix. "
+            "Another machine recovered it and writes it now; open this one readonly=True to read it, or recover "
+            "from the remote into an empty directory to go on from the bucket's newest version", pointer.writer)
+    writers = ident.writers
+    if pointer is None:  # a new store whose creation copy point did not finish, or an emptied prefix
+        return Prepared(ident, None, Claim(None, None if writers is not None else LEGACY_WRITERS))
+    if writers is not None and writers[-1][0] == ident.store_id:
+        claim = None if pointer.writer == ident.store_id else Claim(pointer, None)
+        return Prepared(ident, pointer, claim)
+    # a format-1 directory, or a takeover whose claim did not finish: its history gets its own entry
+    return Prepared(ident, pointer, Claim(pointer, pointer.writers if pointer.format > 1 else LEGACY_WRITERS))
+
+
+def _open_cache(root: str, objects: ObjectStore, ident: Identity, installed: Pointer | None,
+                pointer: Pointer | None, readonly: bool) -> Prepared:
+    """A read cache at the copy point ``installed``, the bucket's pointer being ``pointer``: readonly, read
+    as installed; writable, taken over (the cache's index is the pointer's snapshot by now)."""
+    if readonly:  # (no install can swap the index until the engine has it open: released at attach)
+        return Prepared(ident, installed, None, SharedLock(root, INSTALL_WAIT_S))
+    if pointer is None:
+        raise StoreNotFound(f"{root!r} is a read cache of {objects.url}, which holds no store any more (no "
+                            f"{filenames.REMOTE_POINTER}); recover from another prefix")
+    # a takeover: this directory becomes the writer (its REMOTE file is rewritten at attach, before the claim)
+    return Prepared(ident._replace(store_id=uuid.uuid4().hex, role=WRITER, writers=None,
+                                   claimed_from=(pointer.writer, pointer.generation)),
+                    pointer, Claim(pointer, pointer.writers))
+
+
+def _recover_from_remote(root: str, objects: ObjectStore, pointer: Pointer, filesystem: fs.FileSystem) -> Identity:
+    """Lay out a read cache in ``root`` (which must hold no store files yet): the pointer's snapshot as the
+    index (with the pointer as ``index/INSTALLED``), an empty segments/, the REMOTE file (a store id of its
+    own: never the writer's), the marker last. Returns the cache's identity. Under the directory's lock: of
+    processes recovering into one directory at once, one lays it out and the others open what it made."""
     os.makedirs(root, exist_ok=True)
+    lock = ProcessLock(root)
+    lock.acquire(write_pid=False, wait=lambda: not os.path.exists(filenames.marker_path(root)),
+                 timeout=INSTALL_WAIT_S)
+    try:
+        if os.path.exists(filenames.marker_path(root)):  # (another process recovered it meanwhile)
+            made = _identity_for(root, objects.url)
+            if made is not None:
+                return made
+        return _lay_out_cache(root, objects, pointer, filesystem)
+    finally:
+        lock.release()
+
+
+def _lay_out_cache(root: str, objects: ObjectStore, pointer: Pointer, filesystem: fs.FileSystem) -> Identity:
     check_no_leftovers(root, "recover from the remote into an empty or new directory")
     data = fetch_snapshot(objects, pointer)
     if not os.path.isdir(filenames.index_dir(root)):
@@ -341,11 +327,115 @@ def _recover_from_remote(root: str, objects: ObjectStore, pointer: dict, filesys
     LocalSegmentStorage.create(root, filesystem)
     index_file = filenames.index_data_path(filenames.index_dir(root))
     filesystem.write_file_atomic(index_file, index_file + ".tmp", data)
-    filesystem.fsync_dir(root)
+    installed = filenames.installed_pointer_path(root)
+    filesystem.write_file_atomic(installed, installed + ".tmp", pointer.encode())
+    ident = Identity(objects.url, uuid.uuid4().hex, CACHE)
+    write_identity(root, ident, filesystem)
+    # the marker last: a store exists exactly when its marker does
+    filesystem.write_file_atomic(filenames.marker_path(root), filenames.marker_tmp_path(root), marker_bytes())
+    return ident
 
+
+def _refresh_cache(root: str, objects: ObjectStore, filesystem: fs.FileSystem,
+                   readonly: bool) -> tuple[Pointer | None, Pointer | None]:
+    """A read cache opened again follows the bucket: the newest pointer's snapshot installed if it moved on.
+    Returns (the pointer the cache's index is now at, the bucket's pointer)."""
+    installed = read_installed(root)
+    pointer = read_pointer(objects)
+    if pointer is None:
+        log.warning("cnrstore: read cache %s: %s holds no pointer any more; reading what the cache holds", root,
+                    objects.url)
+        return installed, None
+    if installed is not None and _same(installed, pointer):
+        return installed, pointer
+    if readonly and not os.access(root, os.W_OK | os.X_OK):
+        log.warning("cnrstore: read cache %s is at generation %s of %s, which moved on to %s; the directory "
+                    "may not be written, so it reads what it holds", root,
+                    None if installed is None else installed.generation, objects.url, pointer.generation)
+        return installed, pointer
+    return install_snapshot(root, objects, pointer, filesystem), pointer
+
+
+def _same(a: Pointer, b: Pointer) -> bool:
+    """Whether two pointers name the same copy point."""
+    return (a.writer, a.generation, a.snapshot_xxh3) == (b.writer, b.generation, b.snapshot_xxh3)
+
+
+def install_snapshot(root: str, objects: ObjectStore, pointer: Pointer, filesystem: fs.FileSystem) -> Pointer:
+    """Install ``pointer``'s snapshot as the read cache's index (under the store's lock, so that one process
+    of several opening the cache does it): the snapshot and INSTALLED are written into index.repair-tmp/,
+    marked READY, the old index moved aside, the new renamed in (a crash in between is rolled forward by the
+    next open, as for repair); then cached segments the new index does not read as they are are deleted."""
+    lock = ProcessLock(root)
+    try:
+        lock.acquire(write_pid=False, wait=lambda: True, timeout=INSTALL_WAIT_S)
+    except StoreLocked as exc:
+        raise RemoteStorageError(f"read cache {root!r} is being written by another process ({exc}); a read cache "
+                                 "is written only while it installs the bucket's newest snapshot: retry") from exc
+    try:
+        _roll_forward(root, filesystem)
+        installed = read_installed(root)
+        if installed is not None and _same(installed, pointer):
+            return installed  # another process installed it meanwhile
+        data = fetch_snapshot(objects, pointer)
+        tmp = filenames.index_repair_tmp(root)
+        filesystem.remove_tree(tmp)
+        filesystem.mkdir(tmp)
+        index_file = filenames.index_data_path(tmp)
+        filesystem.write_file_atomic(index_file, index_file + ".tmp", data)
+        installed_tmp = os.path.join(tmp, filenames.INSTALLED)
+        filesystem.write_file_atomic(installed_tmp, installed_tmp + ".tmp", pointer.encode())
+        ready = filenames.index_repair_ready(root)
+        filesystem.write_file_atomic(ready, ready + ".tmp", b"")
+        aside = filenames.index_replaced(root, pointer.generation)
+        filesystem.remove_tree(aside)
+        if os.path.isdir(filenames.index_dir(root)):
+            filesystem.rename(filenames.index_dir(root), aside)
+            filesystem.fsync_dir(root)
+        fs.pause_point("remote_install_swapping", root)
+        install_built_index(root, filesystem)
+        filesystem.remove_tree(aside)  # (another process may still map its files: they live on until closed)
+        _drop_stale_cache(root)
+        return pointer
+    finally:
+        lock.release()
+
+
+def _roll_forward(root: str, filesystem: fs.FileSystem) -> None:
+    """Finish an install a crash cut short (the lock is held): no index/ but a READY one is renamed in;
+    indexes moved aside are deleted."""
+    if not os.path.exists(filenames.index_dir(root)) and os.path.exists(filenames.index_repair_ready(root)):
+        install_built_index(root, filesystem)
+    for name in os.listdir(root):
+        if filenames.is_index_replaced(name):
+            filesystem.remove_tree(os.path.join(root, name))
+
+
+def _drop_stale_cache(root: str) -> None:
+    """Delete the cached segments the newly installed index does not read as they are: absent from it, or
+    shorter than it says (a segment another writer's copy point named when it was shorter)."""
+    index = Index(filenames.index_dir(root), readonly=True)
+    try:
+        with index.read() as view:
+            need = view.segments()
+    finally:
+        index.close()
+    seg_dir = filenames.segments_dir(root)
+    for name in os.listdir(seg_dir):
+        seg = filenames.parse_segment_name(name)
+        if seg is None:
+            continue
+        path = os.path.join(seg_dir, name)
+        if seg not in need or os.path.getsize(path) < need[seg]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+
+# -- opening ------------------------------------------------------------------------------------------------
 
 def open_storage(root: str, url: str, options: dict | None, filesystem: fs.FileSystem, *, readonly: bool,
-                 create: bool, cache_bytes: int | None = None, every: int | None = None) -> "RemoteSegmentStorage":
+                 create: bool, cache_bytes: int | None = None, every: int | None = None,
+                 timeout_s: float | None = None) -> "RemoteSegmentStorage":
     """The storage of the store at ``root`` (an absolute path) with its remote at ``url``: ``prepare``s the
     directory (recovering the store from the remote into an empty one), then connects."""
     if cache_bytes is None:
@@ -356,58 +446,93 @@ def open_storage(root: str, url: str, options: dict | None, filesystem: fs.FileS
         raise InvalidArgument(f"cache_bytes={cache_bytes!r}: pass a byte count >= 0")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise InvalidArgument(f"remote_every={every!r}: pass a commit count >= 1")
-    return storage_for(root, ObjectStore(url, options), filesystem, readonly=readonly, create=create,
-                       cache_bytes=cache_bytes, every=every)
-
-
-def repair_storage(root: str, url: str, options: dict | None, filesystem: fs.FileSystem) -> "RemoteSegmentStorage":
-    """The storage ``cnrstore repair --remote`` scans (the index is lost or damaged): every segment object
-    under the prefix counts, as well as the local files; nothing is uploaded, evicted or deleted."""
-    objects = ObjectStore(url, options)
-    ident = _identity_for(root, objects.url) or {}
-    storage = RemoteSegmentStorage(root, filesystem, objects, store_id=ident.get("store_id", ""), readonly=True)
-    storage.adopt_every_object()
-    return storage
+    objects = FsspecObjectStore(url, options, timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    return storage_for(root, objects, filesystem, readonly=readonly, create=create, cache_bytes=cache_bytes,
+                       every=every)
 
 
 def storage_for(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, readonly: bool, create: bool,
                 cache_bytes: int = DEFAULT_CACHE_BYTES, every: int = DEFAULT_EVERY) -> "RemoteSegmentStorage":
     """``open_storage`` with the object store given (a test's recording one)."""
     found = prepare(root, objects, filesystem, readonly=readonly, create=create)
-    return RemoteSegmentStorage(root, filesystem, objects, store_id=found.store_id, owners=found.owners,
-                                generation=found.generation, readonly=readonly,
-                                cache_bytes=cache_bytes, every=every)
+    return RemoteSegmentStorage(root, filesystem, objects, found, readonly=readonly, cache_bytes=cache_bytes,
+                                every=every)
 
+
+def repair_storage(root: str, url: str, options: dict | None, filesystem: fs.FileSystem) -> "RemoteSegmentStorage":
+    """The storage ``cnrstore repair --remote`` scans (the index is lost or damaged): every segment object
+    the writers' history places in a folder counts, as well as the local files; nothing is uploaded,
+    evicted or deleted."""
+    objects = FsspecObjectStore(url, options)
+    ident = _identity_for(root, objects.url)
+    if ident is None:
+        ident = Identity(objects.url, uuid.uuid4().hex, WRITER, LEGACY_WRITERS)
+    pointer = read_installed(root) if ident.role == CACHE else None
+    storage = RemoteSegmentStorage(root, filesystem, objects, Prepared(ident, pointer, None), readonly=True)
+    storage.adopt_every_object()
+    return storage
+
+
+def reinstall_cache(root: str, url: str, options: dict | None, filesystem: fs.FileSystem) -> Pointer:
+    """``cnrstore repair --remote`` of a read cache: its index is the remote's newest snapshot again (whatever
+    became of the local one). Returns the pointer installed."""
+    objects = FsspecObjectStore(url, options)
+    ident = _identity_for(root, objects.url)
+    if ident is None or ident.role != CACHE:
+        raise InvalidArgument(f"{root!r} is not a read cache of {url}")
+    pointer = read_pointer(objects)
+    if pointer is None:
+        raise _missing_store(root, objects, True)
+    with contextlib.suppress(FileNotFoundError):  # (a damaged one must not stop the install)
+        filesystem.remove(filenames.installed_pointer_path(root))
+    return install_snapshot(root, objects, pointer, filesystem)
+
+
+# -- the storage --------------------------------------------------------------------------------------------
 
 class RemoteSegmentStorage(LocalSegmentStorage):
     """Segments under ``<root>/segments/`` while active or cached, and under the remote prefix once sealed.
 
-    Reads go to the local copy when there is one and to the object store by range otherwise. The local
-    copy of a sealed segment is evictable once the remote holds it whole; ``cache_bytes`` bounds the
-    evictable copies (active segments, and sealed ones whose upload failed, are never evicted and come on
-    top). A failed upload is logged and retried at the next copy point; the commit it followed stands.
-    While the last upload or copy point failed, segments sealed meanwhile wait for the next copy point (so
-    that a failing endpoint costs one round of client retries per copy point, not one per segment)."""
+    Reads go to the local copy when there is one and to the object store otherwise (whole, for a segment
+    under a quarter of ``cache_bytes``, into the cache; else by range). A writer's local copy of a sealed
+    segment is evictable once a pointer it wrote names the segment at its full length; ``cache_bytes``
+    bounds the evictable copies (active segments, and those not yet named by a pointer, come on top: then
+    ``stats()["remote"]["over_bound_bytes"]`` says by how much). A failed upload or copy point is logged and
+    retried at a later copy point; the commit it followed stands."""
 
-    def __init__(self, root: str, filesystem: fs.FileSystem, objects: ObjectStore, *, store_id: str,
-                 owners: set[str] | None = None, generation: int = 0, readonly: bool, cache_bytes: int = DEFAULT_CACHE_BYTES, every: int = DEFAULT_EVERY):
+    def __init__(self, root: str, filesystem: fs.FileSystem, objects: ObjectStore, prepared: Prepared, *,
+                 readonly: bool, cache_bytes: int = DEFAULT_CACHE_BYTES, every: int = DEFAULT_EVERY):
         super().__init__(root, filesystem)
         self.objects = objects
-        self.store_id = store_id
-        self.owners = set(owners or ()) | {store_id}  # whose pointer this store may replace
+        self.identity = prepared.identity
         self.readonly = readonly
         self.cache_bytes = cache_bytes
         self.every = every
+        self._claim = prepared.claim
+        self._open_lock = prepared.open_lock
+        if self.identity.role == CACHE:
+            pointer = prepared.pointer if prepared.pointer is not None else read_installed(root)
+            self.writers = pointer.writers if pointer is not None else LEGACY_WRITERS
+        else:
+            self.writers = self.identity.writers if self.identity.writers is not None else LEGACY_WRITERS
+        self.generation = prepared.pointer.generation if prepared.pointer is not None else 0
         self._lock = threading.RLock()  # guards the maps below
         self._copy_lock = threading.Lock()  # one copy point at a time
-        self._remote: dict[int, int] = {}  # segment -> size of its remote object (of this store)
+        self._remote: dict[int, int] = {}  # segment -> size of its object (in the folder its history names)
+        self._listed = False
+        self._covered: dict[int, int] = {}  # segment -> length, as the last pointer this writer wrote names it
         self._cache: "OrderedDict[int, int]" = OrderedDict()  # final local copies, least recently read first
         self._evicted: set[int] = set()  # segments with no local copy: read remotely
         self._index = None
         self._seal_writer: Callable[[], None] | None = None
         self._commits = 0
         self._copied_txn: int | None = None  # the index transaction the last copy point uploaded
-        self.generation = generation  # the pointer's, as the open found it (prepare)
+        self._retry_at = 0.0
+        self._failures = 0
+        self._sealing = False  # a copy point is sealing the writer's segment (it uploads it itself)
+        #: set once another writer took the prefix over (RemoteTakenOver): checkpoints are refused from then on
+        self.lost: RemoteTakenOver | None = None
+        self._lost_reported = False
         #: the last failure of an upload or copy point not yet made good (None: the remote is current as of
         #: the last copy point)
         self.last_error: BaseException | None = None
@@ -416,52 +541,151 @@ class RemoteSegmentStorage(LocalSegmentStorage):
                          "copy_points": 0, "copy_point_seconds": 0.0, "segments_evicted": 0,
                          "remote_segments_deleted": 0}
 
+    @property
+    def store_id(self) -> str:
+        return self.identity.store_id
+
+    @property
+    def role(self) -> str:
+        return self.identity.role
+
+    @property
+    def own_folder(self) -> str:
+        return filenames.remote_folder(self.identity.store_id)
+
+    def _key(self, seg: int) -> str:
+        return self.writers.segment_key(seg)
+
     # the engine's hooks --------------------------------------------------------------------------------
+    def segment_ids_from(self, high: int) -> int:
+        """The first segment id the engine may hand out (``high``: the largest id its index used): a writer
+        taking the prefix over starts past every id of the snapshot it took over from, and past every
+        range the writers' history already gives out."""
+        claim = self._claim
+        if claim is not None and claim.base is not None:
+            first = max(high + 1, claim.base[-1][1] + 1)
+            self.writers = claim.base.then(self.identity.store_id, first)
+            self._claim = claim._replace(base=None)
+            return first
+        own = [f for w, f in self.writers if w == self.identity.store_id]
+        return max(high + 1, own[-1] if own else 0)
+
     def attach(self, index, seal_writer: Callable[[], None]) -> None:
         with index.read() as view:
             known = set(view.segments()) | set(schema.DOOMED_SEGMENTS.get(view))
-        # an object this index does not know is a leftover (deleted at the next copy point): never taken for
-        # the upload of a segment that may get its id
-        local = self._adopt(lambda seg: seg in known)
         with self._lock:
             self._index, self._seal_writer = index, seal_writer
+        self._release_open_lock()
+        if self.readonly:  # reads find what they need on demand
+            if self.role == CACHE and os.access(filenames.segments_dir(self.root), os.W_OK):
+                self._track_cached(known)  # a read cache keeps to its bound across opens
+            return
+        local = self._adopt(lambda seg: seg in known)
+        with self._lock:
             for seg in sorted(local):  # the writable open never appends to these again (appender)
-                size = os.path.getsize(filenames.segment_path(self.root, seg))
+                self._cache[seg] = os.path.getsize(filenames.segment_path(self.root, seg))
+        if self._claim is not None:
+            self._make_claim()
+        self._evict()
+
+    def _release_open_lock(self) -> None:
+        if self._open_lock is not None:
+            lock, self._open_lock = self._open_lock, None
+            lock.release()
+
+    def close(self) -> None:
+        self._release_open_lock()
+        super().close()
+
+    def _track_cached(self, known: set[int]) -> None:
+        """Count a read cache's local copies (least recently used first, by their access times) in the cache
+        it bounds, and evict beyond it."""
+        seg_dir = filenames.segments_dir(self.root)
+        entries = []
+        for name in os.listdir(seg_dir):
+            seg = filenames.parse_segment_name(name)
+            if seg is not None and seg in known:
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.stat(os.path.join(seg_dir, name))
+                    entries.append((st.st_atime, seg, st.st_size))
+        with self._lock:
+            for _atime, seg, size in sorted(entries):
                 self._cache[seg] = size
         self._evict()
 
+    def _make_claim(self) -> None:
+        """Make the prefix this store's: its REMOTE file names its history (and the pointer it may replace),
+        then a copy point replaces the pointer it found (or creates one). Raises (the open fails) if another
+        writer moved the pointer first; a local store being attached is then detached again."""
+        claim = self._claim
+        ident = self.identity._replace(role=WRITER, writers=self.writers)
+        try:
+            if ident != self.identity or not os.path.exists(filenames.remote_path(self.root)):
+                write_identity(self.root, ident, self.fs)
+            self.identity = ident
+            with contextlib.suppress(FileNotFoundError):  # (a cache's installed pointer: no longer what it is)
+                self.fs.remove(filenames.installed_pointer_path(self.root))
+            self.copy_point()
+        except BaseException:
+            if claim.undo_identity:
+                with contextlib.suppress(OSError):
+                    os.remove(filenames.remote_path(self.root))
+            raise
+        self._claim = None
+
     def adopt_every_object(self) -> None:
-        """Count every segment object under the prefix as this store's (repair: no index says which are)."""
+        """Count every segment object its history places in a folder as this store's (repair: no index says
+        which are)."""
         self._adopt(lambda seg: True)
 
     def _adopt(self, ours: Callable[[int], bool]) -> set[int]:
-        """Count the segment objects under the prefix that ``ours`` accepts as this store's uploads, and those
-        with no local copy as evicted; returns the local segments' ids."""
-        listing = self.objects.list(filenames.REMOTE_SEGMENTS_DIR)
+        """Count the segment objects of the history's folders that ``ours`` accepts (each in the folder its
+        id resolves to), and those with no local copy as evicted; returns the local segments' ids."""
+        found = self._list_remote(ours)
         local = set(super().list())
         with self._lock:
-            for name, size in listing.items():
-                seg = filenames.parse_segment_name(name)
-                if seg is not None and ours(seg):
-                    self._remote[seg] = size
+            self._remote.update(found)
+            self._listed = True
             self._evicted = set(self._remote) - local
         return local
+
+    def _list_remote(self, ours: Callable[[int], bool] = lambda seg: True) -> dict[int, int]:
+        found: dict[int, int] = {}
+        for writer in dict.fromkeys(self.writers.writers()):
+            listing = self.objects.list(filenames.remote_segments_dir(filenames.remote_folder(writer)))
+            for name, size in listing.items():
+                seg = filenames.parse_segment_name(name)
+                if seg is not None and self.writers.writer_of(seg) == writer and ours(seg):
+                    found[seg] = size
+        return found
+
+    def before_checkpoint(self) -> None:
+        if self.lost is not None:
+            raise self.lost
 
     def after_commit(self) -> None:
         if self.readonly:
             return
         self._commits += 1
-        if self._commits % self.every:
+        if self.lost is None and (self._commits % self.every or time.monotonic() < self._retry_at):
             return
         try:
-            self.copy_point()
-        except Exception as exc:  # noqa: BLE001 - the commit has happened: never fail it after the fact
-            self.last_error = exc
+            if self.lost is None:
+                self.copy_point()
+        except RemoteTakenOver:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the commit has happened: never fail it for a remote fault
             log.warning("cnrstore: the remote copy point after a commit failed; the commit stands locally and "
-                        "the copy is retried at the next one: %s: %s", type(exc).__name__, exc)
+                        "the copy is retried at a later one: %s: %s", type(exc).__name__, exc)
+        if self.lost is not None and not self._lost_reported:
+            self._lost_reported = True
+            with self._index.read() as view:
+                latest = view.latest()
+            self.lost.version = latest[0] if latest else None
+            raise self.lost
 
     def flush(self) -> None:
-        if self.readonly or self._index is None:
+        if self.readonly or self._index is None or self.lost is not None:
             return
         with self._index.read() as view:
             unchanged = view.txn_id() == self._copied_txn and self.last_error is None
@@ -475,9 +699,9 @@ class RemoteSegmentStorage(LocalSegmentStorage):
             try:
                 view = super().read(seg, offset, length)
             except CorruptionError:
-                if seg not in self._remote or os.path.exists(filenames.segment_path(self.root, seg)):
-                    raise
-                with self._lock:  # the local copy was evicted meanwhile (or lost): the remote holds it
+                if os.path.exists(filenames.segment_path(self.root, seg)):
+                    raise  # the local copy is damaged: never taken for the remote's
+                with self._lock:  # evicted meanwhile, or never here (a reader beside the writer): remote
                     self._evicted.add(seg)
             else:
                 if seg in self._cache:
@@ -485,51 +709,100 @@ class RemoteSegmentStorage(LocalSegmentStorage):
                         if seg in self._cache:
                             self._cache.move_to_end(seg)
                 return view
-        if self._fetch_whole(seg):
-            return super().read(seg, offset, length)
-        key = filenames.remote_segment_key(seg)
-        data = self.objects.get(key, offset, offset + length)
+        data = self._fetch_whole(seg)
+        if data is not None:
+            if offset + length > len(data):
+                raise CorruptionError(f"remote segment {self.objects.where(self._key(seg))} holds fewer bytes than the "
+                                      f"index needs ({len(data)} < {offset + length})", self.path(seg), len(data))
+            return np.frombuffer(data, dtype=np.uint8, count=length, offset=offset)
+        key = self._key(seg)
+        got = self._get(seg, offset, offset + length)
+        if len(got) != length:
+            raise CorruptionError(f"remote segment {self.objects.where(key)} holds fewer bytes than the index needs "
+                                  f"({offset + len(got)} < {offset + length})", self.objects.where(key), offset)
+        return np.frombuffer(got, dtype=np.uint8)
+
+    def _get(self, seg: int, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes of segment ``seg``'s object (``[start, end)``, or whole), counted."""
+        try:
+            data = self.objects.get(self._key(seg), start, end)
+        except RemoteObjectMissing:
+            raise self._missing(seg) from None
         with self._lock:
             self.counters["remote_reads"] += 1
             self.counters["remote_read_bytes"] += len(data)
-        if len(data) != length:
-            raise CorruptionError(f"remote segment {self.objects.where(key)} holds fewer bytes than the index needs "
-                                  f"({offset + len(data)} < {offset + length})", self.objects.where(key), offset)
-        return np.frombuffer(data, dtype=np.uint8)
+        return data
 
-    def _fetch_whole(self, seg: int) -> bool:
-        """Bring an evicted segment back into the cache with one GET when it is small beside the cache (at most
-        a quarter of ``cache_bytes``): a restore then makes one request per segment, not one per record.
-        False (read by range instead) for a larger segment, or when the local copy cannot be written."""
-        size = self._remote.get(seg)
-        if size is None or size > self.cache_bytes // 4:
-            return False
-        data = self.objects.get(filenames.remote_segment_key(seg))
+    def _missing(self, seg: int) -> CnrError:
+        """The error for segment ``seg``'s object not being there: a read cache whose bucket moved on since it
+        installed its index says so (nothing is damaged: reopen it to follow the bucket); anywhere else it is
+        damage, RemoteObjectMissing naming the object."""
+        where = self.objects.where(self._key(seg))
+        if self.role == CACHE:
+            try:
+                pointer = read_pointer(self.objects)
+            except CnrError:
+                pointer = None
+            installed = read_installed(self.root)
+            if pointer is not None and (installed is None or not _same(pointer, installed)):
+                return RemoteStorageError(
+                    f"read cache {self.root!r} holds copy point {self.generation} of {self.objects.url}; the bucket "
+                    f"has moved on to {pointer.generation} and no longer holds {where} (its writer dropped or "
+                    "merged what read it): reopen the store to follow the bucket")
+        return RemoteObjectMissing(f"reading {where}: the object is missing from the object store", where, None)
+
+    def _remote_size(self, seg: int) -> int | None:
+        with self._lock:
+            if seg in self._remote:
+                return self._remote[seg]
+        size = self.objects.size(self._key(seg))
+        if size is not None:
+            with self._lock:
+                self._remote[seg] = size
+        return size
+
+    def _fetch_whole(self, seg: int) -> bytes | None:
+        """An evicted segment fetched whole with one GET when it is small beside the cache (at most a quarter
+        of ``cache_bytes``): a restore then makes one request per segment, not one per record. Its bytes go
+        into the cache (not for a readonly open of a writer's directory: that is the writer's to fill), and
+        are returned: the caller reads them, whatever an eviction does meanwhile. None: read by range."""
+        size = self._remote_size(seg)
+        if size is None:
+            raise self._missing(seg)
+        if size > self.cache_bytes // 4:
+            return None
+        data = self._get(seg)
         if len(data) != size:
-            return False
+            return data
+        if self.readonly and self.role != CACHE:
+            return data
         path = filenames.segment_path(self.root, seg)
         try:
             self.fs.write_file_atomic(path, filenames.segment_download_tmp(self.root, seg), data)
         except (OSError, CnrError):
-            return False  # (a read-only directory, a full disk: ranged reads still work)
+            return data  # (a read-only directory, a full disk: the bytes were read all the same)
         with self._lock:
             self._cache[seg] = size
             self._evicted.discard(seg)
-            self.counters["remote_reads"] += 1
-            self.counters["remote_read_bytes"] += size
-        self._evict()
-        return True
+        fs.pause_point("remote_fetched", seg)
+        self._evict(keep=seg)
+        return data
 
     def path(self, seg: int) -> str:
-        if seg in self._evicted:
-            return self.objects.where(filenames.remote_segment_key(seg))
+        if seg in self._evicted or not os.path.exists(filenames.segment_path(self.root, seg)):
+            return self.objects.where(self._key(seg))
         return super().path(seg)
 
     def size(self, seg: int) -> int | None:
         local = super().size(seg)
-        return local if local is not None else self._remote.get(seg)
+        return local if local is not None else self._remote_size(seg)
 
     def list(self) -> list[int]:
+        if not self._listed:
+            found = self._list_remote()
+            with self._lock:
+                self._remote.update(found)
+                self._listed = True
         return sorted(set(super().list()) | set(self._remote))
 
     def remove(self, seg: int) -> None:
@@ -551,7 +824,7 @@ class RemoteSegmentStorage(LocalSegmentStorage):
             with super().scan(seg) as data:
                 yield data
             return
-        yield self.objects.get(filenames.remote_segment_key(seg))
+        yield self._get(seg)
 
     def appender(self, committed, format_version, ids, *, active=None, resume=False, on_sealed=None):
         # never resume in a segment of an earlier process: every segment on disk at open is final (it may be
@@ -559,9 +832,58 @@ class RemoteSegmentStorage(LocalSegmentStorage):
         return super().appender(committed, format_version, ids, active=None, resume=False, on_sealed=on_sealed)
 
     # uploads, copy points, eviction -----------------------------------------------------------------------
+    def _check_owner(self) -> Pointer | None:
+        """The pointer, if this store may still replace it; else this store has lost the prefix
+        (``_lose``) and RemoteTakenOver is raised."""
+        pointer = read_pointer(self.objects, _pointer_fix_writer(self.root))
+        claiming = self._claim is not None
+        if claiming:
+            expected = self._claim.pointer
+            if (pointer is None and expected is None) or (pointer is not None and expected is not None
+                                                          and _same(pointer, expected)):
+                return pointer
+        if pointer is not None and pointer.writer == self.identity.store_id:
+            return pointer
+        if pointer is None and not claiming:
+            return None  # the pointer was deleted (an emptied prefix): this writer's copy point makes it anew
+        self._lose(pointer)
+        raise self.lost
+
+    def _lose(self, pointer: Pointer | None) -> None:
+        """Another writer took the prefix over: remember it (checkpoints are refused from now on) and fetch
+        back every segment the local index reads that is not here, while the bucket still holds it."""
+        if self.lost is not None:
+            return
+        writer = None if pointer is None else pointer.writer
+        self.lost = RemoteTakenOver(
+            f"{self.objects.url} was taken over by another store (its pointer names store {writer}"
+            f"{'' if pointer is None else f', generation {pointer.generation}'}; this directory is store "
+            f"{self.identity.store_id}): one writer per prefix. What this directory committed stays readable in "
+            f"it; new checkpoints are refused. Stop this writer, or recover from the remote into a new "
+            f"directory to go on from the bucket's newest version", writer)
+        log.error("cnrstore: %s", self.lost)
+        if self._index is None:
+            return
+        with self._index.read() as view:
+            need = sorted(view.segments())
+        for seg in need:
+            if os.path.exists(filenames.segment_path(self.root, seg)):
+                continue
+            try:
+                data = self._get(seg)
+                self.fs.write_file_atomic(filenames.segment_path(self.root, seg),
+                                          filenames.segment_download_tmp(self.root, seg), data)
+            except (CnrError, OSError) as exc:
+                log.error("cnrstore: could not fetch back segment %d after losing the prefix: %s", seg, exc)
+                continue
+            with self._lock:
+                self._evicted.discard(seg)
+                self._cache.pop(seg, None)  # (never evicted again: this store no longer writes the bucket)
+
     def sealed(self, seg: int) -> None:
-        """Upload the now final segment; a failure is logged and retried at the next copy point."""
-        if self.readonly:
+        """Upload the now final segment into this writer's folder (after checking it still owns the prefix);
+        a failure is logged and retried at the next copy point."""
+        if self.readonly or self.lost is not None:
             return
         size = super().size(seg)
         if size is None:
@@ -572,19 +894,29 @@ class RemoteSegmentStorage(LocalSegmentStorage):
         if uploaded:
             self._evict()
             return
-        if self.last_error is not None:
-            return  # the object store is failing: one attempt per copy point, not one per sealed segment
+        if self.last_error is not None or self._sealing:
+            return  # the object store is failing (one attempt per copy point), or the copy point uploads it
         try:
+            self._check_owner()
             self._upload(seg, size)
+        except RemoteTakenOver:
+            return  # (after_commit reports it)
         except CnrError as exc:
-            self.last_error = exc
+            self._failed(exc)  # (the commit's copy point backs off too: one failed request per save at most)
             log.warning("cnrstore: uploading sealed segment %d failed; its local copy is kept and the upload is "
-                        "retried at the next copy point: %s", seg, exc)
+                        "retried at a later copy point: %s", seg, exc)
             return
         self._evict()
 
     def _upload(self, seg: int, length: int) -> None:
-        """Upload bytes ``[0, length)`` of the local segment (final, or a committed prefix of an active one)."""
+        """Upload bytes ``[0, length)`` of the local segment (final, or a committed prefix of an active one)
+        into this writer's folder. Another writer's segment is never uploaded: the remote must hold it."""
+        if self.writers.writer_of(seg) != self.identity.store_id:
+            if self._remote_size(seg) is None:
+                raise RemoteObjectMissing(f"segment {seg:016x}, which store {self.writers.writer_of(seg)} wrote, is "
+                                          f"missing from {self.objects.url}: the versions that read it are damaged; "
+                                          "run `cnrstore verify`", self.objects.where(self._key(seg)), None)
+            return
         try:
             with builtins.open(filenames.segment_path(self.root, seg), "rb") as f:
                 data = f.read(length)
@@ -596,88 +928,136 @@ class RemoteSegmentStorage(LocalSegmentStorage):
             raise CorruptionError(f"segment {self.path(seg)} holds {len(data)} bytes, the index needs {length}",
                                   self.path(seg), len(data))
         fs.pause_point("remote_upload", seg)
-        self.objects.put(filenames.remote_segment_key(seg), data)
+        self.objects.put(self._key(seg), data)
         with self._lock:
             self._remote[seg] = length
         self.counters["bytes_uploaded"] += length
         self.counters["objects_uploaded"] += 1
 
     def copy_point(self) -> None:
-        """Make the remote copy current: every segment the index references uploaded, the index snapshot
-        uploaded as a new object, the pointer replaced; then the remote objects no index needs deleted.
+        """Make the remote copy current: the pointer checked (still this store's: else RemoteTakenOver),
+        every segment the index references uploaded, the index snapshot uploaded into this writer's folder,
+        the pointer replaced by a compare-and-swap; then the objects no index needs deleted.
         RemoteStorageError (or RemoteObjectMissing) if the object store fails: the remote then still reads
         at the previous pointer, and the next copy point starts again."""
+        if self.lost is not None:
+            raise self.lost
         with self._copy_lock:
             started = time.monotonic()
-            if self._seal_writer is not None:
-                self._seal_writer()  # an idle writer's segment: uploaded whole now, never re-uploaded
-            pointer = read_pointer(self.objects)
-            if pointer is not None and pointer["store_id"] not in self.owners:
-                raise RemoteStorageError(f"{self.objects.url} was taken over by another store (its pointer names "
-                                         f"store {pointer['store_id']}): this store no longer writes there. Close it")
-            tmp = filenames.remote_snapshot_tmp(self.root)
-            self.fs.remove_tree(tmp)
-            self.fs.mkdir(tmp)
             try:
-                # one read of the index: the snapshot is its state, and LMDB keeps every segment it references
-                # from GC's deletion while the read is open (delete_doomed waits for older readers)
-                with self._index.read() as view:
-                    txn = view.txn_id()
-                    segments = view.segments()
-                    versions = view.version_numbers()
-                    self._index.copy_to(tmp, view)
-                    for seg, length in sorted(segments.items()):
-                        if self._remote.get(seg, -1) < length:
-                            self._upload(seg, length)
-                with builtins.open(filenames.index_data_path(tmp), "rb") as f:
-                    snapshot = f.read()
-            finally:
-                self.fs.remove_tree(tmp)
-            generation = self.generation + 1
-            self.objects.put(filenames.remote_snapshot_key(generation), snapshot)
-            fs.pause_point("remote_snapshot_uploaded", generation)
-            self.objects.put(filenames.REMOTE_POINTER, encode_pointer(generation, snapshot, self.store_id, versions))
+                pointer = self._check_owner()
+                if self._seal_writer is not None:
+                    self._sealing = True  # (its upload is this copy point's, below: one attempt, not two)
+                    try:
+                        self._seal_writer()  # an idle writer's segment: uploaded whole now, never re-uploaded
+                    finally:
+                        self._sealing = False
+                snapshot, segments, versions, txn = self._snapshot()
+                generation = (pointer.generation if pointer is not None else 0) + 1
+                key = filenames.remote_snapshot_key(generation, self.own_folder)
+                self.objects.put(key, snapshot)
+                fs.pause_point("remote_snapshot_uploaded", generation)
+                body = encode_pointer(generation, key, len(snapshot), f"{xxhash.xxh3_64_intdigest(snapshot):016x}",
+                                      self.identity.store_id, self.writers, len(versions), max(versions, default=None))
+                try:
+                    self.objects.put_if(filenames.REMOTE_POINTER, body, None if pointer is None else pointer.tag)
+                except RemoteConflict:
+                    with contextlib.suppress(CnrError):
+                        self.objects.delete(key)
+                    self._check_owner()  # (raises RemoteTakenOver if another writer moved it)
+                    raise
+            except RemoteTakenOver:
+                raise
+            except Exception as exc:
+                self._failed(exc)
+                raise
             self.generation = generation
             self._copied_txn = txn
-            self.counters["bytes_uploaded"] += len(snapshot) + 1
+            with self._lock:
+                self._covered = dict(segments)
+            self.counters["bytes_uploaded"] += len(snapshot) + len(body)
             self.counters["objects_uploaded"] += 2
             fs.pause_point("remote_pointer_replaced", generation)
-            self._collect(set(segments), generation)
+            try:
+                self._collect(segments, key)
+            except CnrError as exc:  # the pointer moved: what is left is deleted by a later copy point
+                log.warning("cnrstore: deleting remote objects no copy point needs failed: %s", exc)
             self.last_error = None
+            self._failures = 0
+            self._retry_at = 0.0
             self.counters["copy_points"] += 1
             self.counters["copy_point_seconds"] += time.monotonic() - started
         self._evict()
 
-    def _collect(self, snapshot_segments: set[int], generation: int) -> None:
-        """Delete the remote objects neither the pointer's snapshot nor the local index needs (listed first,
-        then the index read: a segment uploaded after the listing is not in it)."""
-        listing = self.objects.list(filenames.REMOTE_SEGMENTS_DIR)
-        snapshots = self.objects.list(filenames.REMOTE_INDEX_DIR)
+    def _failed(self, exc: BaseException) -> None:
+        self.last_error = exc
+        self._failures += 1
+        self._retry_at = time.monotonic() + min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (self._failures - 1))
+
+    def _snapshot(self) -> tuple[bytes, dict[int, int], list[int], int]:
+        """In one read of the index: a compact copy of it, and every segment it references uploaded (LMDB
+        keeps them from GC's deletion while the read is open: delete_doomed waits for older readers).
+        Returns (the copy's bytes, {segment: committed length}, versions, the read's transaction id)."""
+        tmp = filenames.remote_snapshot_tmp(self.root)
+        self.fs.remove_tree(tmp)
+        self.fs.mkdir(tmp)
+        try:
+            with self._index.read() as view:
+                txn = view.txn_id()
+                segments = view.segments()
+                versions = view.version_numbers()
+                self._index.copy_to(tmp, view)
+                for seg, length in sorted(segments.items()):
+                    if self._remote.get(seg, -1) < length:
+                        self._upload(seg, length)
+            with builtins.open(filenames.index_data_path(tmp), "rb") as f:
+                return f.read(), segments, versions, txn
+        finally:
+            self.fs.remove_tree(tmp)
+
+    def _collect(self, snapshot_segments: dict[int, int], snapshot_key: str) -> None:
+        """Delete the objects of the history's folders that neither the pointer's snapshot nor the local index
+        needs (listed first, then the index read: a segment uploaded after the listing is not in it), objects
+        a folder holds beyond its writer's range (a stale writer's), and every snapshot but the pointer's.
+        Folders of writers that are not in this history (one that took the prefix over since) are never
+        touched."""
+        listings = {w: self.objects.list(filenames.remote_segments_dir(filenames.remote_folder(w)))
+                    for w in dict.fromkeys(self.writers.writers())}
         with self._index.read() as view:
-            keep = snapshot_segments | set(view.segments()) | set(schema.DOOMED_SEGMENTS.get(view))
-        for name in listing:
-            seg = filenames.parse_segment_name(name)
-            if seg is not None and seg not in keep:
-                self.objects.delete(filenames.remote_segment_key(seg))
+            keep = set(snapshot_segments) | set(view.segments()) | set(schema.DOOMED_SEGMENTS.get(view))
+        for writer, listing in listings.items():
+            folder = filenames.remote_folder(writer)
+            for name in listing:
+                seg = filenames.parse_segment_name(name)
+                if seg is None or (seg in keep and self.writers.writer_of(seg) == writer):
+                    continue
+                self.objects.delete(filenames.remote_segment_key(seg, folder))
                 self.counters["remote_segments_deleted"] += 1
-                with self._lock:
-                    self._remote.pop(seg, None)
-                    self._evicted.discard(seg)
-        for name in snapshots:
-            gen = filenames.parse_remote_snapshot_name(name)
-            if gen is not None and gen < generation:
-                self.objects.delete(filenames.remote_snapshot_key(gen))
+                if self.writers.writer_of(seg) == writer:
+                    with self._lock:
+                        self._remote.pop(seg, None)
+                        self._evicted.discard(seg)
+            for name in self.objects.list(filenames.remote_index_dir(folder)):
+                key = f"{filenames.remote_index_dir(folder)}/{name}"
+                if filenames.parse_remote_snapshot_name(name) is not None and key != snapshot_key:
+                    self.objects.delete(key)
 
     def sync_cache(self) -> None:
         """Bring the local copies within ``cache_bytes`` now (after a change of it)."""
         self._evict()
 
-    def _evict(self) -> None:
+    def _evictable(self, seg: int, size: int) -> bool:
+        if self.role == CACHE:
+            return True  # a read cache's copies all came from the bucket
+        return self._covered.get(seg) == size and self._remote.get(seg) == size
+
+    def _evict(self, keep: int | None = None) -> None:
         """Delete local copies of segments the remote holds whole, least recently read first, until the
-        evictable ones fit ``cache_bytes``. A readonly open deletes nothing: beside a writer of another
-        process it cannot tell that writer's active segment (whose committed prefix the remote may hold
-        whole) from a sealed one; the writer's own evictions bound the directory."""
-        if self.readonly:
+        evictable ones fit ``cache_bytes``. A writer evicts only what a pointer it wrote names (a segment a
+        stale writer evicted could otherwise be deleted by the writer that took over). A readonly open of a
+        writer's directory deletes nothing: beside that writer it cannot tell its active segment from a
+        sealed one; the writer's own evictions bound the directory."""
+        if self.readonly and self.role != CACHE:
             return
         with self._lock:
             total = sum(self._cache.values())
@@ -685,8 +1065,8 @@ class RemoteSegmentStorage(LocalSegmentStorage):
                 if total <= self.cache_bytes:
                     break
                 size = self._cache[seg]
-                if self._remote.get(seg) != size:
-                    continue  # not uploaded whole yet (the next copy point does)
+                if seg == keep or not self._evictable(seg, size):
+                    continue  # not named by a pointer yet (the next copy point does)
                 with contextlib.suppress(FileNotFoundError):
                     super().remove(seg)  # (the local copy only: the remote keeps it)
                 del self._cache[seg]
@@ -702,7 +1082,13 @@ class RemoteSegmentStorage(LocalSegmentStorage):
     def remote_status(self) -> dict:
         """What ``Store.stats()["remote"]`` reports."""
         with self._lock:
-            return {"url": self.objects.url, "generation": self.generation, "cached_bytes": sum(self._cache.values()),
-                    "cache_bytes": self.cache_bytes, "remote_segments": len(self._remote),
-                    "evicted_segments": len(self._evicted),
-                    "last_error": None if self.last_error is None else str(self.last_error), **self.counters}
+            cached = sum(self._cache.values())
+            return {"url": self.objects.url, "role": self.role, "store_id": self.identity.store_id,
+                    "generation": self.generation, "cached_bytes": cached, "cache_bytes": self.cache_bytes,
+                    "over_bound_bytes": max(0, cached - self.cache_bytes),
+                    "remote_segments": len(self._remote), "evicted_segments": len(self._evicted),
+                    "conditional_writes": self.objects.conditional_writes,
+                    "taken_over": None if self.lost is None else str(self.lost),
+                    "last_error": None if self.last_error is None else str(self.last_error),
+                    "next_retry_s": max(0.0, self._retry_at - time.monotonic()) if self.last_error else 0.0,
+                    **self.counters}

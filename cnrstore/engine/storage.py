@@ -146,7 +146,17 @@ class SegmentStorage(abc.ABC):
 
     def after_commit(self) -> None:
         """A checkpoint committed (the writer slot is free again): where a remote storage makes its copy
-        point. Never raises for a remote fault (that is logged and retried at the next one)."""
+        point. Never raises for a remote fault (that is logged and retried at the next one), except
+        RemoteTakenOver once: another writer took the prefix over (the commit stands locally)."""
+
+    def before_checkpoint(self) -> None:
+        """A checkpoint is about to begin: a storage that may no longer take checkpoints raises (a remote
+        storage that lost its prefix: RemoteTakenOver)."""
+
+    def segment_ids_from(self, high: int) -> int:
+        """The first segment id the engine may hand out, ``high`` being the largest its index used (a
+        remote writer that took a prefix over starts past the ids the writers before it used)."""
+        return high + 1
 
     def remote_status(self) -> dict | None:
         """What a storage with a remote side reports of it (``Store.stats()["remote"]``); None: none."""

@@ -175,6 +175,10 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
     root = os.path.abspath(os.fspath(path))
     if remote is not None and not os.path.exists(filenames.marker_path(root)):
         return _recover_from_remote(root, remote, remote_options, filesystem)
+    if remote is not None and os.path.isdir(root):
+        ident = remote_tier.read_identity(root)
+        if ident is not None and ident.role == "cache":
+            return _reinstall_cache(root, remote, remote_options, filesystem)
     if remote is None:
         remote_tier.check_local_only(root, "repair")
     if not os.path.exists(filenames.marker_path(root)) or not os.path.isdir(filenames.segments_dir(root)):
@@ -250,10 +254,21 @@ def _read_old_index(root: str, report: RepairReport) -> _OldIndex | None:
 
 # scan -------------------------------------------------------------------------------------------------
 def _recover_from_remote(root: str, url: str, options: dict | None, filesystem: fs.FileSystem) -> RepairReport:
-    """``repair(path, remote=url)`` of a path with no store: the remote's last copy point installed there."""
-    report = RepairReport(root)
-    storage = remote_tier.open_storage(root, url, options, filesystem, readonly=False, create=False)
+    """``repair(path, remote=url)`` of a path with no store: the remote's last copy point installed there, a
+    read cache."""
+    storage = remote_tier.open_storage(root, url, options, filesystem, readonly=True, create=False)
     storage.close()
+    return _cache_report(root, url, storage.generation, "recovered the index of the last copy point")
+
+
+def _reinstall_cache(root: str, url: str, options: dict | None, filesystem: fs.FileSystem) -> RepairReport:
+    """``repair(path, remote=url)`` of a read cache: the remote's newest snapshot installed as its index."""
+    pointer = remote_tier.reinstall_cache(root, url, options, filesystem)
+    return _cache_report(root, url, pointer.generation, "installed the newest copy point")
+
+
+def _cache_report(root: str, url: str, generation: int, done: str) -> RepairReport:
+    report = RepairReport(root)
     index = Index(filenames.index_dir(root), readonly=True)
     try:
         with index.read() as view:
@@ -261,8 +276,8 @@ def _recover_from_remote(root: str, url: str, options: dict | None, filesystem: 
             report.tables_recovered = sorted(view.tables())
     finally:
         index.close()
-    report.notes.append(f"recovered the index of {url}'s last copy point (generation {storage.generation}): "
-                        "every version committed by then; segments are read from the remote")
+    report.notes.append(f"{root} is a read cache of {url}: {done} (generation {generation}) as its index, every "
+                        "version committed by then; segments are read from the remote")
     return report
 
 

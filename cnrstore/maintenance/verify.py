@@ -9,7 +9,7 @@ import numpy as np
 from ..engine import blocks as blocks_math
 from .. import codecs
 from ..engine import reader, record, segments
-from ..errors import CnrError
+from ..errors import CnrError, CorruptionError, RemoteStorageError
 from ..engine.schema import DAMAGED, TableRecord
 from ..types import VerifyReport
 from ..engine.storage import Expect, fetch, mismatch
@@ -70,6 +70,7 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
             try:
                 segments.check_segment_header(seg_reader.read(seg, 0, segments.SEGMENT_HEADER_BYTES), seg, path)
             except CnrError as exc:
+                _raise_unless_damage(exc)
                 add(str(exc), DO_SEGMENT)
         tables = {info.id: info for info in view.tables().values()}
         versions = dict(view.versions())
@@ -106,6 +107,7 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
                 rec = _parse_counted(seg_reader, loc, report)
                 problem = _check_rows_record(rec, info, block, version, loc)
             except CnrError as exc:
+                _raise_unless_damage(exc)
                 problem = str(exc)
             if problem:
                 add(f"{where}: {problem}", DO_RECORD)
@@ -129,6 +131,7 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
                     if not problem and rec.body.size != expect:
                         problem = "record body length disagrees with its dense descriptor"
                 except CnrError as exc:
+                    _raise_unless_damage(exc)
                     problem = str(exc)
                 except (ValueError, TypeError, KeyError) as exc:
                     problem = f"bad dense descriptor: {exc}"
@@ -148,6 +151,13 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
         if progress is not None:
             progress(total, total)
     return report
+
+
+def _raise_unless_damage(exc: CnrError) -> None:
+    """Re-raise what says nothing of the store's bytes: an object store that cannot be reached (or a read
+    cache whose bucket moved on) is not damage, and verify cannot tell until it can read."""
+    if isinstance(exc, RemoteStorageError) and not isinstance(exc, CorruptionError):
+        raise exc
 
 
 def _parse_counted(seg_reader, loc, report: VerifyReport) -> record.Record:
@@ -176,6 +186,7 @@ def _check_log_records(view, committed, seg_reader, versions: dict, report: Veri
                         body.get("parent") != versions[version].get("parent"):
                     problem = "record disagrees with the version's parent in the index"
             except CnrError as exc:
+                _raise_unless_damage(exc)
                 problem = str(exc)
             except (ValueError, TypeError, AttributeError) as exc:
                 problem = f"bad record body: {exc}"
