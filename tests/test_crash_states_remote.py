@@ -261,3 +261,48 @@ def test_processes_recovering_into_one_directory_at_once_lay_it_out_once(tmp_pat
         with cache:
             assert [v.version for v in cache.versions()] == sorted(content)
     assert sorted(os.listdir(tmp_path / "cache")) == sorted(["CNRSTORE", "REMOTE", "index", "segments"])
+
+
+def test_every_crash_state_of_a_read_cache_installing_a_newer_snapshot(tmp_path):
+    """A read cache opened again while the bucket moved on (saves, retain, gc) installs the newest snapshot: the
+    snapshot and INSTALLED into index.repair-tmp/, READY, the old index moved aside, the new renamed in, stale
+    cached segments deleted. Every prefix of those effects, in every crash variant: the cache opened again
+    follows the bucket (the newest versions, bit for bit, verify clean), and nothing is left behind."""
+    objects = FlakyObjectStore()
+    store, content = _three_versions(str(tmp_path / "a"), objects)
+    base = str(tmp_path / "base")
+    with cs.remote_store(base, objects, readonly=True, cache_bytes=1 << 30) as cache:
+        for v in content:
+            cache.read_table("f", version=v)  # segments fetched into the cache (some to be dropped as stale)
+    with store:
+        _save(store, content, 5.0)
+        store.retain(keep_last=2)
+        store.gc()
+        _save(store, content, 6.0)
+        content = {v.version: content[v.version] for v in store.versions()}
+    live = str(tmp_path / "live")
+    shutil.copytree(base, live)
+    with cs.RecordingFileSystem(live) as rec:
+        cs.remote_store(live, objects, rec, readonly=True).close()
+    kinds = [e.kind for e in rec.effects]
+    assert "rename" in kinds and "remove" in kinds, kinds  # the swap, and a stale cached segment deleted
+    model = cs.FileModel.of_directory(base)
+    sweep, seen = cs.Sweep(effects=len(rec.effects)), set()
+    work = tmp_path / "states"
+    work.mkdir()
+
+    def check(root, _files):
+        with cs.remote_store(root, objects, readonly=True) as again:
+            assert [v.version for v in again.versions()] == sorted(content)
+            for v, values in content.items():
+                np.testing.assert_array_equal(again.read_table("f", version=v), values)
+            assert again.verify().ok
+        assert sorted(os.listdir(root)) == ["CNRSTORE", "REMOTE", "index", "segments"], os.listdir(root)
+
+    for k in range(len(rec.effects) + 1):
+        if k:
+            model.apply(rec.effects[k - 1])
+        assert cs._check_prefix(sweep, seen, str(work), model, ("kill", "power", "torn"), rec.effects, k, None, check, 5)
+    print(f"\nread cache install: {sweep.effects} effects, {sweep.states} crash states checked {sweep.by_variant}")
+    assert not sweep.failures, "\n".join(sweep.failures)
+    assert sweep.states > 5

@@ -341,12 +341,19 @@ def _refresh_cache(root: str, objects: ObjectStore, filesystem: fs.FileSystem,
     """A read cache opened again follows the bucket: the newest pointer's snapshot installed if it moved on.
     Returns (the pointer the cache's index is now at, the bucket's pointer)."""
     installed = read_installed(root)
-    pointer = read_pointer(objects)
+    try:
+        pointer = read_pointer(objects)
+    except RemoteStorageError as exc:
+        if not readonly or installed is None or isinstance(exc, CorruptionError):
+            raise
+        log.warning("cnrstore: read cache %s cannot read the pointer of %s (%s); reading the copy point it holds "
+                    "(generation %d)", root, objects.url, exc, installed.generation)
+        return installed, None
     if pointer is None:
         log.warning("cnrstore: read cache %s: %s holds no pointer any more; reading what the cache holds", root,
                     objects.url)
         return installed, None
-    if installed is not None and _same(installed, pointer):
+    if installed is not None and _same(installed, pointer) and not _leftovers(root):
         return installed, pointer
     if readonly and not os.access(root, os.W_OK | os.X_OK):
         log.warning("cnrstore: read cache %s is at generation %s of %s, which moved on to %s; the directory "
@@ -395,23 +402,31 @@ def install_snapshot(root: str, objects: ObjectStore, pointer: Pointer, filesyst
         fs.pause_point("remote_install_swapping", root)
         install_built_index(root, filesystem)
         filesystem.remove_tree(aside)  # (another process may still map its files: they live on until closed)
-        _drop_stale_cache(root)
+        _drop_stale_cache(root, filesystem)
         return pointer
     finally:
         lock.release()
 
 
+def _leftovers(root: str) -> bool:
+    """Whether an install a crash cut short left anything in the read cache ``root``."""
+    return (not os.path.isdir(filenames.index_dir(root)) or os.path.exists(filenames.index_repair_tmp(root))
+            or any(filenames.is_index_replaced(name) for name in os.listdir(root)))
+
+
 def _roll_forward(root: str, filesystem: fs.FileSystem) -> None:
-    """Finish an install a crash cut short (the lock is held): no index/ but a READY one is renamed in;
-    indexes moved aside are deleted."""
+    """Finish an install a crash cut short (the lock is held): no index/ but a READY one is renamed in; an
+    unfinished one (no READY) and indexes moved aside are deleted."""
     if not os.path.exists(filenames.index_dir(root)) and os.path.exists(filenames.index_repair_ready(root)):
         install_built_index(root, filesystem)
+    if os.path.isdir(filenames.index_dir(root)):
+        filesystem.remove_tree(filenames.index_repair_tmp(root))
     for name in os.listdir(root):
         if filenames.is_index_replaced(name):
             filesystem.remove_tree(os.path.join(root, name))
 
 
-def _drop_stale_cache(root: str) -> None:
+def _drop_stale_cache(root: str, filesystem: fs.FileSystem) -> None:
     """Delete the cached segments the newly installed index does not read as they are: absent from it, or
     shorter than it says (a segment another writer's copy point named when it was shorter)."""
     index = Index(filenames.index_dir(root), readonly=True)
@@ -428,7 +443,7 @@ def _drop_stale_cache(root: str) -> None:
         path = os.path.join(seg_dir, name)
         if seg not in need or os.path.getsize(path) < need[seg]:
             with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+                filesystem.remove(path)
 
 
 # -- opening ------------------------------------------------------------------------------------------------
