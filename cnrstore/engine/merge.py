@@ -76,6 +76,15 @@ def baseline_cost(info, block_len: int, bottom=None) -> int:
     return full + record_fixed_cost(info)
 
 
+def outweighs_baseline(info, block: int, loc) -> bool:
+    """Whether the record at ``loc`` (a RowLoc of ``block``) is larger than a baseline of every row of its
+    block in the table's codec (one of a costlier codec holding most of the block). As a chain's bottom
+    it is what the block's read amplification is weighed against (``baseline_cost``), so GC keeps its rows
+    whole: a copy holding fewer would raise the amplification of the records above it."""
+    block_len = blocks_math.length(block, info.block_rows, info.num_rows)
+    return loc.length > record.HEADER_BYTES + record.TRAILER_BYTES + block_len * codecs.get(info.codec).row_bytes(info.dim)
+
+
 def read_cost(locs, fixed: int) -> int:
     """What reading the records ``locs`` (RowLocs) costs, in bytes: theirs plus ``fixed``
     (``record_fixed_cost``) for each."""
