@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import cnrstore
 from cnrstore import codecs, knobs
+from cnrstore.engine import record
 from cnrstore.maintenance import compaction
 
 DIM, BLOCK, BLOCKS = 64, 4096, 2
@@ -101,6 +102,14 @@ def saves(tmp_path):
         s.store.close()
 
 
+def _merging_saves(s: Saves) -> set[int]:
+    """Versions after the first whose save merged a block with its chain (a delta or a baseline), in a
+    history whose saves after the first never put a whole block."""
+    with s.store.engine.index.read() as view:
+        return {v for _t, _b, v, loc in view.row_entries()
+                if v > 1 and loc.flags & (record.FLAG_DELTA | record.FLAG_BASELINE)}
+
+
 def _within_bound(s: Saves) -> None:
     assert s.worst <= knobs.READ_AMP_BOUND, f"worst read amplification {s.worst:.2f} > {knobs.READ_AMP_BOUND}"
     s.check_reads()
@@ -133,6 +142,7 @@ def test_fp16_fallback_records(saves):
     for _ in range(6):
         s.save(0.2, big=1e6)
     _within_bound(s)
+    assert len(_merging_saves(s)) == 1, "one merge, when the bound is reached: not every save"
 
 
 def test_a_block_first_written_in_part_with_a_costlier_codec(saves):
