@@ -56,10 +56,12 @@ GC_CLEAN_MAX_LIVE = 0.95
 #: Reads are bounded by what they cost. A record's read cost is its bytes plus its fixed cost: the time
 #: of an index step, a header, a checksum set-up, an offsets check and its share of a block's gather (~11
 #: us per record fitted on fp32 chains of 1-20 records here), in bytes of the table's codec decoded in
-#: that time (READ_RECORD_COST_S x ``Codec.decode_bytes_per_s``: ~192 KB of fp32, ~10 KB of int4). A block's *read
-#: amplification* at a version is the cost of its read chain there over the cost of one baseline of the
-#: block (every row, in the table's codec, or the block's baseline record if that is larger): about how
-#: much longer than a baseline's its read takes.
+#: that time (READ_RECORD_COST_S x ``Codec.decode_bytes_per_s``: ~192 KB of fp32, ~10 KB of int4). A record
+#: in another codec than the table's (a ``codec=`` override, a fallback, a merge mixing codecs: fp32) counts
+#: at its own bytes. A block's *read amplification* at a version is the cost of its read chain there over
+#: the cost of one baseline of the block (every row, in the table's codec, or the block's baseline record
+#: — its oldest record if it has no baseline — if that is larger): about how much longer than a baseline's
+#: its read takes.
 READ_RECORD_COST_S = 12e-6
 #: Background compaction merges a block once its read amplification at the newest version passes this:
 #: the records above its baseline become one delta (or a delta on the cumulative delta, or a new baseline:
@@ -67,9 +69,13 @@ READ_RECORD_COST_S = 12e-6
 #: Lower: faster restores, more bytes written by merges (1,000 saves of 1% uniform int4 touches: all bytes
 #: 2.1x the saves' own at 2.5; Zipf touches merge far less); None: no background merges.
 MERGE_TRIGGER = 2.5
-#: The hard bound on any version's read amplification, enforced on the save path: a save whose record of a
-#: block would pass it writes a merged delta itself (what the background merge would have written, had it
-#: kept up). None: no bound in bytes (READ_CHAIN_BOUND still holds).
+#: The hard bound on read amplification: every block at the newest version is within it after every
+#: committed save and every maintenance step, whatever codecs its records are in. Enforced on the save path:
+#: a save whose record of a block (priced in the codec it is written in) would pass it writes a merged delta
+#: itself (what the background merge would have written, had it kept up), or a new baseline of the block
+#: when no delta fits. Older versions keep what they had when newest, but for those between a version
+#: ``compact(v)`` materializes and the newest (docs/DESIGN.md). None: no bound in bytes (READ_CHAIN_BOUND
+#: still holds).
 READ_AMP_BOUND = 3.0
 #: The most records a read of any version walks for one block (a backstop against many tiny records),
 #: enforced on the save path as READ_AMP_BOUND is; background merges start at MERGE_TRIGGER / READ_AMP_BOUND

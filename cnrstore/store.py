@@ -456,8 +456,10 @@ class Store:
     def read_amplification(self, version: int | None = None) -> dict[str, np.ndarray]:
         """{table name: float64 array, one entry per block with a record at or before ``version`` (default:
         newest), in block order}: what reading that block's chain at ``version`` costs over what one baseline
-        of the block costs (engine/merge.py ``read_amplification``; 1.0 for a lone baseline). The arrays'
-        maximum is what ``knobs.READ_AMP_BOUND`` bounds and ``knobs.MERGE_TRIGGER`` aims below."""
+        of the block costs (engine/merge.py ``read_amplification``; 1.0 for a lone baseline): each record at
+        its own bytes whatever its codec, one baseline every row in the table's codec or the block's
+        baseline record if larger. The arrays' maximum is what ``knobs.READ_AMP_BOUND`` bounds and
+        ``knobs.MERGE_TRIGGER`` aims below."""
         with self._read(version) as (view, v):
             out = {}
             for name, info in sorted(view.tables().items()):

@@ -6,9 +6,12 @@ names (``Head``: version, segment, offset): records are append-only and never re
 record found at the same place is the same record. A save that writes a plain increment on top of a
 remembered head extends the entry by its record (``extend``); anything else that changes a block's head
 — a merge, a materialized baseline, a repair — leaves the entry naming an old head, and the next look
-walks the chain again. A merge or a compaction *below* the head can only make the chain cheaper than
-remembered: the bound is then checked against a cost at most too high (a merge a little early), never
-too low. Memory: one small tuple per block written in this process, cleared past ``MAX_ENTRIES``.
+walks the chain again. A background merge *below* the head never leaves the chain's read amplification
+higher than remembered (compaction.merge_chains): the bound is then checked against a cost at most too
+high (a merge a little early), never too low. A compaction or a GC copy below the head may (a chain mixing
+codecs materialized as fp32; a baseline of a costlier codec rewritten with fewer rows): the engine
+forgets every entry when it commits one (``VersionEdit.rewrites_chains``, ``clear``). Memory: one small
+tuple per block written in this process, cleared past ``MAX_ENTRIES``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,11 @@ class ChainCosts:
             if len(self._entries) >= MAX_ENTRIES and key not in self._entries:
                 self._entries.clear()
             self._entries[key] = cost
+
+    def clear(self) -> None:
+        """Forget every entry (the next look at each block walks its chain)."""
+        with self._lock:
+            self._entries.clear()
 
     def extend(self, key: tuple[int, int], below: Head, head: Head, record_cost: int) -> None:
         """A plain record costing ``record_cost`` now lies at ``head`` on block ``key``'s chain, whose

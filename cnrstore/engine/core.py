@@ -385,6 +385,8 @@ class Engine:
                 on_failure(exc)
             raise
         appender.mark_committed(lengths)
+        if edit.rewrites_chains:
+            self.chain_costs.clear()
 
     def close(self) -> None:
         """Abort the open checkpoint writer, if any, then close every part (idempotent)."""

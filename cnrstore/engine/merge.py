@@ -4,10 +4,15 @@ A checkpoint writes a plain increment of each block it touches: one more record 
 chain. A block's *read amplification* at a version is what reading its chain there costs over what one
 baseline of the block costs, a record costing its bytes plus a fixed cost (``record_fixed_cost``: what the
 table's codec decodes in ``knobs.READ_RECORD_COST_S``), so that it tracks a read's time (``read_cost``).
+Every record counts at its own bytes, whatever codec it was written in (a ``codec=`` override, a
+fallback, a merge mixing codecs and so stored as fp32). One baseline costs every row in the table's codec,
+or the chain's bottom record (its baseline, or its oldest record if it has none) if that is larger: a
+block whose baseline is in a costlier codec reads at that cost however it is merged (``baseline_cost``).
 Once it passes ``knobs.MERGE_TRIGGER`` at the newest version, background compaction merges the block
-(maintenance/compaction.py ``merge_chains``); a save merges it itself only when its record would pass the
-hard bounds (``knobs.READ_AMP_BOUND``, and ``knobs.READ_CHAIN_BOUND`` records: ``chain_merge``). A merge
-writes one record, flagged ``record.FLAG_DELTA`` with a *base* version that a read jumps to:
+(maintenance/compaction.py ``merge_chains``); a save merges it itself whenever its record would pass the
+hard bounds (``knobs.READ_AMP_BOUND``, and ``knobs.READ_CHAIN_BOUND`` records: ``chain_merge``), even a
+record on a lone baseline. A merge writes one record, flagged ``record.FLAG_DELTA`` with a *base* version
+that a read jumps to:
 
 - a **delta on the chain's cumulative delta D** (two levels, size-tiered): the rows of the records above
   D, while those are fewer than ``knobs.DELTA_TIER_RATIO`` times D's rows; read as it, D and the baseline
@@ -54,14 +59,30 @@ def record_fixed_cost(info) -> int:
     return round(knobs.READ_RECORD_COST_S * codecs.get(info.codec).decode_bytes_per_s)
 
 
-def baseline_cost(info, block_len: int, baseline=None) -> int:
+def baseline_cost(info, block_len: int, bottom=None) -> int:
     """What reading one baseline of a block of ``block_len`` rows of table ``info`` costs, in bytes: every
-    row in the table's codec (or the block's baseline record ``baseline``, a RowLoc, if larger), plus a
-    record's fixed cost."""
+    row in the table's codec, or the chain's bottom record ``bottom`` (a RowLoc: its baseline, or its oldest
+    record if it has none) if that is larger, plus a record's fixed cost.
+
+    Why the bottom and not the costliest codec present: a baseline written in a costlier codec (a whole
+    block put with ``codec="fp32"``, an fp16 block fallen back to fp32, a merge mixing codecs) is what the
+    block costs to read at best until a save rewrites it, so the records above it are weighed against it;
+    a record in a costlier codec *above* the baseline is what a merge can take away, so it counts in full
+    and never loosens the bound (one fp32 row on an int4 baseline would otherwise allow a chain 6x its
+    size at dim 64)."""
     full = record.HEADER_BYTES + record.TRAILER_BYTES + block_len * codecs.get(info.codec).row_bytes(info.dim)
-    if baseline is not None:
-        full = max(full, baseline.length)
+    if bottom is not None:
+        full = max(full, bottom.length)
     return full + record_fixed_cost(info)
+
+
+def outweighs_baseline(info, block: int, loc) -> bool:
+    """Whether the record at ``loc`` (a RowLoc of ``block``) is larger than a baseline of every row of its
+    block in the table's codec (one of a costlier codec holding most of the block). As a chain's bottom
+    it is what the block's read amplification is weighed against (``baseline_cost``), so GC keeps its rows
+    whole: a copy holding fewer would raise the amplification of the records above it."""
+    block_len = blocks_math.length(block, info.block_rows, info.num_rows)
+    return loc.length > record.HEADER_BYTES + record.TRAILER_BYTES + block_len * codecs.get(info.codec).row_bytes(info.dim)
 
 
 def read_cost(locs, fixed: int) -> int:
@@ -85,8 +106,7 @@ def chain_cost(info, block: int, chain: ChainMerge) -> tuple[int, int]:
     """(what reading ``chain`` costs, what reading one baseline of the block costs), in bytes."""
     locs = [loc for _v, loc in chain.records] + ([chain.baseline[1]] if chain.baseline is not None else [])
     block_len = blocks_math.length(block, info.block_rows, info.num_rows)
-    return (read_cost(locs, record_fixed_cost(info)),
-            baseline_cost(info, block_len, chain.baseline[1] if chain.baseline else None))
+    return read_cost(locs, record_fixed_cost(info)), baseline_cost(info, block_len, locs[-1] if locs else None)
 
 
 def read_amplification(info, block: int, chain: ChainMerge) -> float:
@@ -119,9 +139,10 @@ def chain_head(view: IndexView, table_id: int, block: int, version: int) -> Head
 
 def chain_merge(view: IndexView, info, block: int, parent: int | None, own_bytes: int,
                 costs: ChainCosts | None = None, head: Head | None = None) -> ChainMerge | None:
-    """The merge a new version's record of ``block`` (about ``own_bytes``) needs on the save path: None
-    unless the record on top of the chain at ``parent`` would pass ``knobs.READ_CHAIN_BOUND`` records or a
-    read amplification of ``knobs.READ_AMP_BOUND`` (background merges normally keep chains well below both).
+    """The merge a new version's record of ``block`` (``own_bytes``: as it will be written, in the codec it
+    will be written in) needs on the save path: None unless the record on top of the chain at ``parent``
+    would pass ``knobs.READ_CHAIN_BOUND`` records or a read amplification of ``knobs.READ_AMP_BOUND``
+    (background merges normally keep chains well below both), the latter even on a lone baseline.
     With ``knobs.READ_CHAIN_BOUND`` None, never. The chain's cost comes from ``costs`` where it remembers
     the chain whose newest record is ``head`` (``chain_head`` at ``parent``), else from walking the chain
     (index entries only), which ``costs`` then remembers; the chain is walked to be returned."""
@@ -137,10 +158,12 @@ def chain_merge(view: IndexView, info, block: int, parent: int | None, own_bytes
         known = ChainCost(head, len(chain.records) + (chain.baseline is not None), len(chain.records), cost, reference)
         if costs is not None and head is not None:
             costs.put(key, known)
-    if not known.above:
-        return None  # nothing to merge: the record goes on a baseline (or is the block's first)
+    if not known.records:
+        return None  # the block's first record
     amp_bound = knobs.READ_AMP_BOUND
-    if known.records + 1 > max(2, bound) or (
+    # (on a lone baseline the count bound never asks for a merge; the cost bound does, for a record that
+    # alone would pass it: the merge then writes a new baseline)
+    if (known.above and known.records + 1 > max(2, bound)) or (
             amp_bound is not None and known.cost + own_bytes + record_fixed_cost(info) > amp_bound * known.reference):
         return chain if chain is not None else walk_chain(view, info.id, block, parent)
     return None
@@ -192,7 +215,7 @@ def merge_block(resolver: BlockResolver, block: int, block_len: int, merge: Chai
                 _base_cost(merge, fixed) + read_cost([loaded[level2][1]], fixed)
                 + _record_cost(upper, upper_rows.size, resolver.dim, fixed) <= budget):
             copied = copied_before + upper_rows.size - offsets.size
-            return _merged(upper, codec, resolver.dim, offsets, loaded[level2][0], copied)
+            return _merged(upper, resolver.dim, offsets, loaded[level2][0], copied)
     parts = own + [(rec.codec_id, rec.offsets(), rows) for _v, _loc, rec, rows in loaded]
     union = np.unique(np.concatenate([p[1] for p in parts]))
     copied = copied_before + union.size - offsets.size
@@ -203,8 +226,18 @@ def merge_block(resolver: BlockResolver, block: int, block_len: int, merge: Chai
         v, loc = merge.baseline
         rec, rows = resolver.load_rows(loc, block, v)
         parts.append((rec.codec_id, rec.offsets(), rows))
-        return _merged(parts, codec, resolver.dim, offsets, 0, 0)  # a new baseline: every row the block has
-    return _merged(parts, codec, resolver.dim, offsets, base_version, copied)
+        return _merged(parts, resolver.dim, offsets, 0, 0)  # a new baseline: every row the block has
+    return _merged(parts, resolver.dim, offsets, base_version, copied)
+
+
+def merged_chain(chain: ChainMerge, version: int, loc: RowLoc) -> ChainMerge:
+    """The block's read chain once ``loc``, a merge of ``chain`` (``merge_block``), is its record at
+    ``version``: a new baseline alone, or the delta over what it is based on (the chain's cumulative delta
+    D and its baseline, or the baseline)."""
+    if loc.flags & record.FLAG_BASELINE:
+        return ChainMerge([], (version, loc))
+    return ChainMerge([(version, loc)] + [(v, d) for v, d in chain.records if loc.base and v == loc.base],
+                      chain.baseline)
 
 
 def merge_budget(bound: float, info, block: int, chain: ChainMerge) -> float:
@@ -220,20 +253,27 @@ def _base_cost(chain: ChainMerge, fixed: int) -> int:
 
 
 def _record_cost(parts: list, rows: int, dim: int, fixed: int) -> int:
-    """About what reading a merged record of ``rows`` rows of ``parts`` (codec of the first) would cost."""
-    row_bytes = codecs.by_id(parts[0][0]).row_bytes(dim) + 2  # (+ its u16 offset)
-    return record.HEADER_BYTES + record.TRAILER_BYTES + rows * row_bytes + fixed
+    """What reading a merged delta of ``rows`` rows of ``parts`` costs at most: in the codec ``_merged``
+    stores it in (theirs if they share one, else fp32), with its offsets and its base."""
+    row_bytes = _merged_codec(parts).row_bytes(dim) + 2  # (+ its u16 offset)
+    return record.HEADER_BYTES + record.BASE.size + record.TRAILER_BYTES + rows * row_bytes + fixed
 
 
-def _merged(parts: list, codec, dim: int, offsets: np.ndarray, base: int, copied: int) -> Merged:
+def _merged_codec(parts: list):
+    """The codec a record merging ``parts`` is stored in: theirs if they share one, else fp32 (of each
+    row's decoded value, which reads back bit-identically)."""
+    ids = {p[0] for p in parts}
+    return codecs.by_id(ids.pop()) if len(ids) == 1 else codecs.get("fp32")
+
+
+def _merged(parts: list, dim: int, offsets: np.ndarray, base: int, copied: int) -> Merged:
     """The record holding each row of ``parts`` (newest first) once, as its first part has it."""
     all_offsets = np.concatenate([p[1] for p in parts])
     merged_offsets, first = np.unique(all_offsets, return_index=True)
+    merged_codec = _merged_codec(parts)
     if len({p[0] for p in parts}) == 1:
-        merged_codec = codec if parts[0][0] == codec.codec_id else codecs.by_id(parts[0][0])
         merged = np.concatenate([p[2] for p in parts])[first]
     else:  # several codecs: fp32 of each row's decoded value reads back bit-identically
-        merged_codec = codecs.get("fp32")
         decoded = np.concatenate([codecs.by_id(cid).decode(rows, dim) for cid, _o, rows in parts])[first]
         merged = merged_codec.encode(decoded, check=False)
     carried = np.setdiff1d(merged_offsets, offsets, assume_unique=True)

@@ -142,6 +142,16 @@ class VersionEdit:
     freed: list[int] = field(default_factory=list)
 
     @property
+    def rewrites_chains(self) -> bool:
+        """Whether the edit may change what blocks' read chains cost below their newest records, so that
+        costs remembered by newest record (chain_costs.py) no longer hold: a compaction's baselines (at a
+        version older than the newest, a chain mixing codecs becomes fp32 of its rows) and GC's copies (a
+        partly live baseline rewritten smaller weighs less against the records above it). A checkpoint
+        writes new newest records; a background merge writes at the newest version and never leaves a
+        chain costlier (compaction.merge_chains)."""
+        return bool(self.moves) or (bool(self.rows) and self.version is None and self.merge_bytes is None)
+
+    @property
     def info(self) -> dict:
         """The ``versions`` entry of the version this edit commits."""
         return self.versions[self.version]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgpack
 import numpy as np
@@ -108,18 +108,23 @@ class CheckpointWriter:
         before = dict(pending) if table in self._rows else None
         with contextlib.ExitStack() as stack:
             try:
+                # each block's record in the codec it is written in (the table's, the put's, or a fallback)
+                groups = list(_codec_groups(chosen, rows[fresh], values[fresh], shift,
+                                            value_range if merging is None else None))
                 # blocks whose record would pass the hard read bounds: a merged delta (merge.py)
-                chain_merges, resolver = self._chain_merges(stack, info, blocks[fresh], chosen)
-                groups = _codec_groups(chosen, rows[fresh], values[fresh], shift,
-                                       value_range if merging is None else None)
+                chain_merges, resolver = self._chain_merges(stack, info, groups, merge_plans)
                 for group_codec, g_rows, g_values in groups:
                     for start, stop in _chunks(g_rows >> shift, knobs.ENCODE_CHUNK_ROWS):
                         encoded = group_codec.encode(g_values[start:stop], check=False)
                         self._append_fresh(table, info, group_codec, g_rows[start:stop], encoded, chain_merges,
                                            resolver)
-                for merged_codec, m_rows, encoded, base, copied, complete in merge_plans:
-                    self._append(table, block_records(info, merged_codec, m_rows, encoded, self.version, base=base,
-                                                      copied=copied, baseline=complete), base)
+                for p in merge_plans:
+                    if p.block in chain_merges:  # the block's record, grown by this put, merged with its chain
+                        self._append_chain_merge(table, info, p.block, p.codec, p.rows, p.encoded,
+                                                 chain_merges[p.block], resolver)
+                    else:
+                        self._append(table, block_records(info, p.codec, p.rows, p.encoded, self.version,
+                                                          base=p.base, copied=p.copied, baseline=p.complete), p.base)
             except InvalidArgument:
                 # what this call appended is unreferenced: the version is as it was before the call
                 if before is None:
@@ -264,25 +269,37 @@ class CheckpointWriter:
             total -= loc.length - (record.HEADER_BYTES + record.TRAILER_BYTES + own * (row_bytes + 2))
         return total
 
-    def _chain_merges(self, stack: contextlib.ExitStack, info: TableRecord, blocks: np.ndarray, codec):
-        """({block: merge.ChainMerge} of the fresh ``blocks`` (one per row, of rows encoded by ``codec``)
-        whose record would pass the hard read bounds (merge.chain_merge), and a resolver reading within an
-        index read transaction held by ``stack`` while the merges load records).
+    def _chain_merges(self, stack: contextlib.ExitStack, info: TableRecord, groups: list, again: list):
+        """({block: merge.ChainMerge} of the blocks whose record would pass the hard read bounds
+        (merge.chain_merge), and a resolver reading within an index read transaction held by ``stack``
+        while the merges load records. The blocks are the fresh ones of ``groups`` ((codec, rows, values)
+        as ``_codec_groups`` splits them: each record priced in the codec it is written in) and those of
+        ``again`` (``_plan_merges``: a block put again in this version, whose record grows into one
+        replacing the earlier; priced on the chain below that record, at its delta base or the parent).
 
         The delta bases are pinned (``pins``) in the same critical section as the chain is read, so that
         a concurrent retention cannot drop the entries this version's deltas will read."""
-        if knobs.READ_CHAIN_BOUND is None or self._parent is None or not blocks.size:
+        if knobs.READ_CHAIN_BOUND is None or self._parent is None or not (groups or again):
             return {}, None
         engine = self._engine
+        shift = blocks_math.shift(info.block_rows)
+        below: dict[int, tuple[int, int]] = {}  # block -> (its record's bytes, the version of the chain below)
+        for group_codec, g_rows, _values in groups:
+            unique, counts = np.unique(g_rows >> shift, return_counts=True)
+            sizes = _record_bytes(counts, group_codec.row_bytes(info.dim))
+            below.update(zip(unique.tolist(), ((size, self._parent) for size in sizes.tolist())))
+        for p in again:
+            if not p.complete:  # (a baseline: its chain is itself)
+                size = int(_record_bytes(p.rows.size, p.codec.row_bytes(info.dim))) + (record.BASE.size if p.base else 0)
+                below[p.block] = (size, p.base or self._parent)
         found = {}
-        unique, counts = np.unique(blocks, return_counts=True)
-        own_bytes = (counts * (codec.row_bytes(info.dim) + 2) + record.HEADER_BYTES + record.TRAILER_BYTES).tolist()
         with engine.pin_lock:
             view = stack.enter_context(engine.index.read())
-            for block, size in zip(unique.tolist(), own_bytes):
-                head = merge.chain_head(view, info.id, block, self._parent)
-                plan = merge.chain_merge(view, info, block, self._parent, size, engine.chain_costs, head)
-                if plan is None and head is not None:
+            for block, (size, at) in below.items():
+                head = merge.chain_head(view, info.id, block, at)
+                costs = engine.chain_costs if at == self._parent else None  # (kept for the parent's heads)
+                plan = merge.chain_merge(view, info, block, at, size, costs, head)
+                if plan is None and head is not None and at == self._parent:
                     self._below[(info.name, block)] = head
                 if plan is not None:  # (every entry the merged record might read; narrowed after the merge)
                     found[block] = plan
@@ -308,26 +325,33 @@ class CheckpointWriter:
         for i, start in enumerate(starts.tolist()):
             stop = int(bounds[i + 1])
             block = int(m_blocks[start])
-            first = blocks_math.base(block, info.block_rows)
-            block_len = blocks_math.length(block, info.block_rows, info.num_rows)
-            plan = chain_merges[block]
-            budget = None if knobs.READ_AMP_BOUND is None else merge.merge_budget(knobs.READ_AMP_BOUND, info, block, plan)
-            m = merge.merge_block(resolver, block, block_len, plan, codec, m_rows[start:stop] - first,
-                                  m_encoded[start:stop], budget)
-            self._append(table, block_records(info, m.codec, m.offsets + first, m.encoded, self.version,
-                                              base=m.base, copied=m.copied, baseline=not m.base), m.base)
-            fs.crash_point("after_delta_merge")  # a merged record appended, the version not committed
-            if m.carried.size:
-                self._carried[(table, block)] = m.carried + first
-            # keep pinned exactly the entries the merged record reads
-            reads = {m.base} | ({plan.baseline[0]} if m.base and plan.baseline is not None else set())
-            for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
-                if v not in reads:
-                    self.pins.discard((info.id, block, v))
+            self._append_chain_merge(table, info, block, codec, m_rows[start:stop], m_encoded[start:stop],
+                                     chain_merges[block], resolver)
+
+    def _append_chain_merge(self, table: str, info: TableRecord, block: int, codec, rows: np.ndarray,
+                            encoded: np.ndarray, plan: merge.ChainMerge, resolver) -> None:
+        """Append this version's record of ``block``: its ``rows`` (global, sorted; ``encoded`` by ``codec``)
+        merged with the chain ``plan`` (merge.merge_block, within the read budget of
+        ``knobs.READ_AMP_BOUND``), and keep pinned exactly the entries the merged record reads."""
+        first = blocks_math.base(block, info.block_rows)
+        block_len = blocks_math.length(block, info.block_rows, info.num_rows)
+        budget = None if knobs.READ_AMP_BOUND is None else merge.merge_budget(knobs.READ_AMP_BOUND, info, block, plan)
+        m = merge.merge_block(resolver, block, block_len, plan, codec, rows - first, encoded, budget)
+        self._append(table, block_records(info, m.codec, m.offsets + first, m.encoded, self.version,
+                                          base=m.base, copied=m.copied, baseline=not m.base), m.base)
+        fs.crash_point("after_delta_merge")  # a merged record appended, the version not committed
+        if m.carried.size:  # (with rows an earlier put of this version carried, if any)
+            carried = self._carried.get((table, block))
+            self._carried[(table, block)] = (m.carried + first if carried is None
+                                             else np.union1d(carried, m.carried + first))
+        reads = {m.base} | ({plan.baseline[0]} if m.base and plan.baseline is not None else set())
+        for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
+            if v not in reads:
+                self.pins.discard((info.id, block, v))
 
     def _plan_merges(self, table, info, rows, values, blocks, merging, codec) -> list:
-        """For blocks this version already wrote: (codec, merged rows, merged encoded rows, delta base,
-        rows copied since it, whether a baseline) per block: a merged record keeps the kind (delta, baseline) of the earlier one.
+        """For blocks this version already wrote: a ``_Regrown`` per block, the record replacing the earlier
+        one: it keeps its kind (delta, baseline).
 
         Raises InvalidArgument (before anything is written) if a row was already put in this version.
         """
@@ -367,11 +391,28 @@ class CheckpointWriter:
                 encoded = merged_codec.encode(np.concatenate(parts), check=False)
             all_rows = np.concatenate([old_rows, new_rows])
             order = np.argsort(all_rows, kind="stable")
-            plans.append((merged_codec, all_rows[order], np.ascontiguousarray(encoded[order]), old.base(),
-                          old.copied(), bool(old.flags & record.FLAG_BASELINE)))
+            plans.append(_Regrown(block, merged_codec, all_rows[order], np.ascontiguousarray(encoded[order]),
+                                  old.base(), old.copied(), bool(old.flags & record.FLAG_BASELINE)))
             if carried is not None:
                 self._carried[(table, block)] = np.setdiff1d(carried, new_rows, assume_unique=True)
         return plans
+
+
+class _Regrown(NamedTuple):
+    """A block put again in one version: its record's rows merged with the put's (``_plan_merges``)."""
+
+    block: int
+    codec: object
+    rows: np.ndarray  # global row ids, sorted
+    encoded: np.ndarray  # aligned with rows, by codec
+    base: int  # of a cumulative delta, else 0
+    copied: int
+    complete: bool  # a baseline
+
+
+def _record_bytes(counts, row_bytes: int):
+    """Bytes of a record of ``counts`` rows of ``row_bytes`` each, with their offsets (at most)."""
+    return counts * (row_bytes + 2) + record.HEADER_BYTES + record.TRAILER_BYTES
 
 
 def _codec_for(codec, values: np.ndarray):

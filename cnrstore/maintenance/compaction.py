@@ -178,16 +178,33 @@ def materialize(engine: "Engine", version: int, progress: Progress | None = None
     with engine.pin_lock:  # as in drop_versions: never delete the base of an open checkpoint's delta
         edit.pinned = frozenset(engine.pinned())
         _commit(engine, appender, True, "compact", edit)
+    _merge_past_the_bound(engine, version, {(tid, blk) for tid, blk, _loc in new_entries})
     return report
 
 
+def _merge_past_the_bound(engine: "Engine", version: int, blocks: set[tuple[int, int]]) -> None:
+    """After baselines were written at ``version`` for ``blocks``: if a newer version exists, merge there
+    each of these blocks whose read amplification now passes ``knobs.READ_AMP_BOUND``. (A baseline of a
+    chain mixing codecs is fp32 of its rows, which may cost more than the chain it replaces; the newer
+    versions' chains read it.)"""
+    if knobs.READ_AMP_BOUND is None or not blocks:
+        return
+    with engine.index.read() as view:
+        newest = max(view.version_numbers(), default=version)
+    if newest > version:
+        merge_chains(engine, newest, blocks, bound=knobs.READ_AMP_BOUND)
+
+
 def merge_chains(engine: "Engine", version: int, blocks: set[tuple[int, int]] | None = None, *,
-                 limiter=None, halted: Callable[[], bool] = lambda: False) -> MergeReport:
+                 limiter=None, halted: Callable[[], bool] = lambda: False, bound: float | None = None) -> MergeReport:
     """Merge every block (of ``blocks``, (table id, block) pairs; None: all) whose read amplification at
     ``version`` passes ``knobs.MERGE_TRIGGER`` and whose chain holds two or more records above its
-    baseline: one delta (or new baseline: merge.merge_block) per block, flagged COMPACTED, written at
-    ``version`` under the block's key there, so that reads at ``version`` and later walk it instead of the
-    records it merged. Reads of every version are unchanged bit for bit.
+    baseline (``merge.merge_due``) — with ``bound``, instead every block whose read amplification there
+    passes ``bound``, one record above its baseline sufficing: one delta (or new baseline:
+    merge.merge_block) per block, flagged COMPACTED, written at ``version`` under the block's key there, so
+    that reads at ``version`` and later walk it instead of the records it merged. A merge that would leave
+    the block's read amplification higher than it was (a chain mixing codecs, stored as fp32) is not
+    written. Reads of every version are unchanged bit for bit.
 
     Commits in batches of about ``knobs.MERGE_BATCH_BYTES`` (crash points ``merge_after_append`` and
     ``merge_inside_index_commit``), asks ``limiter`` (a RateLimiter) before each block, and stops early,
@@ -195,7 +212,7 @@ def merge_chains(engine: "Engine", version: int, blocks: set[tuple[int, int]] | 
     maintenance lock; a checkpoint may be written meanwhile.
     """
     report = MergeReport(version)
-    trigger = knobs.MERGE_TRIGGER
+    trigger = knobs.MERGE_TRIGGER if bound is None else bound
     if trigger is None or knobs.READ_CHAIN_BOUND is None:
         return report
     with engine.index.read() as view:
@@ -208,7 +225,8 @@ def merge_chains(engine: "Engine", version: int, blocks: set[tuple[int, int]] | 
             if info is None:
                 continue
             chain = merge.walk_chain(view, tid, block, version)
-            if len(chain.records) >= 2 and merge.merge_due(info, block, chain, trigger):
+            if (len(chain.records) >= 2 and merge.merge_due(info, block, chain, trigger) if bound is None else
+                    chain.records and merge.read_amplification(info, block, chain) > bound):
                 due.append((info, block, chain))
     batch: list[tuple[int, int, RowLoc]] = []
     batch_bytes = 0
@@ -217,7 +235,9 @@ def merge_chains(engine: "Engine", version: int, blocks: set[tuple[int, int]] | 
         for info, block, chain in due:
             if halted():
                 break
-            size = _append_merge(engine, version, info, block, chain, batch, limiter, halted)
+            size = _append_merge(engine, version, info, block, chain, batch, limiter, halted, trigger)
+            if size is None:
+                continue
             batch_bytes += size
             report.blocks_merged += 1
             report.baselines += bool(batch[-1][2].flags & record.FLAG_BASELINE)
@@ -236,19 +256,26 @@ def merge_chains(engine: "Engine", version: int, blocks: set[tuple[int, int]] | 
     return report
 
 
-def _append_merge(engine: "Engine", version: int, info, block: int, chain, batch: list, limiter, halted) -> int:
-    """Append the merged record of ``block`` (its read ``chain`` at ``version``) to the compaction appender,
-    noting its entry in ``batch``; returns its bytes."""
+def _append_merge(engine: "Engine", version: int, info, block: int, chain, batch: list, limiter, halted,
+                  trigger: float) -> int | None:
+    """Append the merged record of ``block`` (its read ``chain`` at ``version``, merged within the budget of
+    ``trigger``) to the compaction appender, noting its entry in ``batch``; returns its bytes. None (nothing
+    appended) if the merge would leave the block's read amplification higher than the chain's: a save
+    beside this merge checked its bound against the chain (chain_costs.py), and may rely on it."""
     with engine.index.read() as view:
         resolver = reader.BlockResolver(view, engine.segments, info)
         block_len = blocks_math.length(block, info.block_rows, info.num_rows)
         codec = codecs.get(info.codec)
         m = merge.merge_block(resolver, block, block_len, chain, codec, np.empty(0, dtype=np.int64),
                               np.empty((0, codec.row_bytes(info.dim)), dtype=np.uint8),
-                              merge.merge_budget(knobs.MERGE_TRIGGER, info, block, chain))
+                              merge.merge_budget(trigger, info, block, chain))
     first = blocks_math.base(block, info.block_rows)
     records = block_records(info, m.codec, m.offsets + first, m.encoded, version, base=m.base, copied=m.copied,
                             baseline=not m.base, merged=True)
+    ((_blk, count, flags), _buffers, length), = records
+    after = merge.merged_chain(chain, version, RowLoc(0, 0, length, count, flags, m.base))
+    if merge.read_amplification(info, block, after) > merge.read_amplification(info, block, chain):
+        return None
     size = sum(length for _key, _buffers, length in records)
     if limiter is not None:
         limiter.acquire(size, halted)

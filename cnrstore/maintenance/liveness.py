@@ -6,7 +6,10 @@ rows no record before it in the chain holds. A record's *live rows* are the unio
 retained version whose chain visits it. A record whose live rows are fewer than its rows holds dead
 bytes: GC rewrites it with its live rows only (an LSM merge, bytes copied), under the same index key.
 A record a chain walks through but takes no row from (newer records of the chain hold all its rows) is
-rewritten with no rows, never freed with its segment: the chain still visits its index entry.
+rewritten with no rows, never freed with its segment: the chain still visits its index entry. A record
+larger than a baseline of its block in the table's codec (a costlier codec's, ``merge.outweighs_baseline``)
+is wholly live while any row of it is: as a chain's bottom it is what the block's read amplification is
+weighed against, and a smaller copy would raise the amplification of the records above it.
 
 What a version reads is unchanged by that rewrite: each retained reader takes from the record exactly
 the rows that are kept, and finds the others in the same records as before.
@@ -20,7 +23,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..engine import blocks as blocks_math
-from ..engine import record
+from ..engine import merge, record
 from ..engine.index import IndexView, RowLoc
 from ..engine.reader import check_offsets
 from ..engine.schema import TableRecord
@@ -94,6 +97,8 @@ def _block(result: Liveness, info: TableRecord | None, key: tuple[int, int], ent
     for i in read:
         if i in heads or (tid, block, entries[i][0]) in pinned or info is None:
             live[i] = None  # a chain's head: every row of it is read
+        elif merge.outweighs_baseline(info, block, entries[i][1]):
+            live[i] = None  # kept whole: what the read amplification above it is weighed against
     if any(i not in live for i in read):
         block_len = blocks_math.length(block, info.block_rows, info.num_rows)
         offsets: dict[int, np.ndarray] = {}
