@@ -218,8 +218,8 @@ def fetch_snapshot(objects: ObjectStore, pointer: dict) -> bytes:
 
 def _read_identity(root: str) -> dict | None:
     try:
-        with builtins.open(filenames.remote_path(root), "rb") as f:
-            return json.loads(f.read())
+        return json.loads(fs.read_regular(filenames.remote_path(root), 1 << 20, "remote identity file",
+                                          'a store\'s files are regular files: rewrite it as {"url": URL, "store_id": ID}'))
     except FileNotFoundError:
         return None
     except ValueError as exc:
