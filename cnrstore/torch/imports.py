@@ -264,7 +264,9 @@ def _load_dcp(path: str):
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    class DataUnpickler(pickle.Unpickler):
+    # pickle's pure-Python unpickler: the C one allocates the length a BINBYTES / BINUNICODE opcode claims
+    # before reading it (a 111-byte .metadata claiming 512 MiB allocated 512 MiB); this one reads what is there
+    class DataUnpickler(pickle._Unpickler):
         def find_class(self, module, name):
             if (module, name) in _DCP_GLOBALS or (
                     module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)):
