@@ -60,7 +60,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .engine import filenames
+from .engine import filenames, fs
 from .errors import ExportFailed, InvalidArgument, StorageFull
 from .types import Snapshot
 
@@ -183,16 +183,6 @@ def _fspath(path) -> str:
     return path
 
 
-def _kind(mode: int) -> str:
-    """What a non-regular file of ``st_mode`` ``mode`` is, for a message."""
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 def _lstat(path: str):
     """``os.lstat(path)``, or None when nothing is there (a missing parent is reported by _check_parent)."""
     try:
@@ -216,7 +206,7 @@ def _refuse_existing(path: str, st, overwrite: bool) -> None:
                               "export replaces only a regular file and never follows or replaces a link: name the "
                               "link's target, or remove the link")
     if not stat.S_ISREG(st.st_mode):
-        raise InvalidArgument(f"cannot export to {path!r}: it is {_kind(st.st_mode)}, not a regular file; an export "
+        raise InvalidArgument(f"cannot export to {path!r}: it is {fs.file_kind(st.st_mode)}, not a regular file; an export "
                               "replaces only a regular file (--force does not change that): name another path")
     if not overwrite:
         raise InvalidArgument(f"export file {path!r} exists; pass --force (overwrite=True) to replace it, or name "
@@ -237,7 +227,7 @@ def check_path(path, fmt: str | None = None, *, overwrite: bool = False) -> str:
     if fmt == "dcp":
         if st is not None and not (stat.S_ISDIR(st.st_mode) and not os.listdir(path)):
             kind = "a non-empty directory" if stat.S_ISDIR(st.st_mode) else (
-                "a file" if stat.S_ISREG(st.st_mode) else _kind(st.st_mode))
+                "a file" if stat.S_ISREG(st.st_mode) else fs.file_kind(st.st_mode))
             raise InvalidArgument(f"cannot export a DCP checkpoint to {path!r}: it is {kind}; a DCP export "
                                   "creates a new directory (and never deletes one, with --force neither): remove "
                                   "it or name a new one")

@@ -442,3 +442,29 @@ def test_import_of_a_dcp_directory_whose_metadata_or_values_name_code_runs_nothi
     with pytest.raises(InvalidArgument):
         import_checkpoint(str(tmp_path / "s2"), str(src2), model_only=True)
     assert not marker.exists()
+
+
+def test_import_of_a_dcp_metadata_claiming_a_huge_object_allocates_no_more_than_it_holds(tmp_path):
+    """pickle's C unpickler allocates the length a BINBYTES8 opcode claims before reading it: a .metadata of
+    111 bytes claiming 512 MiB allocated 512 MiB (DESIGN.md "Security": memory proportional to the bytes).
+    import unpickles .metadata with the pure-Python unpickler, which reads only what the file holds."""
+    import tracemalloc
+
+    import torch.distributed.checkpoint as dcp
+
+    from cnrstore.torch import import_checkpoint
+
+    src = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"emb.weight": torch.randn(20, 4)}, checkpoint_id=str(src))
+    (src / ".metadata").write_bytes(b"\x80\x04\x8e" + struct.pack("<Q", 512 << 20) + b"x" * 100)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidArgument, match="as a dcp checkpoint"):
+            import_checkpoint(str(tmp_path / "s"), str(src))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+    assert not (tmp_path / "s").exists()

@@ -20,7 +20,6 @@ Every file here is msgpack followed by the XXH3-64 of the bytes before it.
 
 from __future__ import annotations
 
-import builtins
 import os
 import re
 import shutil
@@ -128,12 +127,9 @@ def _seal(kind: str, payload: dict) -> bytes:
 
 
 def _unseal(kind: str, path: str) -> dict:
-    try:
-        with builtins.open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > _MAX_FILE_BYTES:
-                raise CorruptionError(f"{path} is corrupt: {size:,} bytes, no {kind} file is that large", path, 0)
-            data = f.read(size)  # what is there, never more: a read's buffer is allocated up front
+    try:  # a regular file, read up to its size (never a FIFO, a device or a link out of the root)
+        data = fs.read_regular(path, _MAX_FILE_BYTES, f"{kind} file", "a distributed root's files are regular files: "
+                               "restore it from a copy")
     except PermissionError as exc:
         raise fs.permission_denied(exc, f"cannot read {kind} file {path}", path, needs="read", writing=False) \
             from None
@@ -158,14 +154,27 @@ class Root:
         self._parsed: dict[str, tuple[int, GlobalVersion]] = {}
 
     # -- paths ----------------------------------------------------------------------------------------
+    def _subdir(self, *names: str) -> str:
+        """``<root>/<names...>``, a directory inside the root: CorruptionError if any of them is there but is
+        a symbolic link (a read, or a rank's writes, would go to another directory) or not a directory. The
+        root itself may be a link: its path is the caller's."""
+        path = self.path
+        for name in names:
+            path = os.path.join(path, name)
+            fs.check_kind(path, "directory", "a distributed root's generations, rank stores and global/ are "
+                          "directories inside it: restore it from a copy", directory=True)
+        return path
+
     def gen_dir(self, generation: int) -> str:
-        return os.path.join(self.path, f"gen-{generation:06d}")
+        return self._subdir(f"gen-{generation:06d}")
 
     def store_rel(self, generation: int, rank: int) -> str:
         return f"gen-{generation:06d}/rank-{rank:05d}"
 
     def store_path(self, rel: str) -> str:
-        return os.path.join(self.path, rel)
+        """The rank store ``rel`` (``gen-GGGGGG/rank-RRRRR``, as ``store_rel`` and manifests name it): a
+        directory of the root, never followed through a link (``_subdir``)."""
+        return self._subdir(*rel.split("/"))
 
     def rank_stores(self, gv: "GlobalVersion") -> list[str]:
         """The store of each rank that global version ``gv`` reads, by rank, relative to the root: the
@@ -173,7 +182,7 @@ class Root:
         return list(gv.stores) if gv.stores else [self.store_rel(gv.generation, r) for r in range(gv.world_size)]
 
     def _manifest_path(self, version: int) -> str:
-        return os.path.join(self.path, GLOBAL_DIR, f"g-{version:012d}.cnrg")
+        return os.path.join(self._subdir(GLOBAL_DIR), f"g-{version:012d}.cnrg")
 
     # -- the marker -----------------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -183,7 +192,7 @@ class Root:
         """Raise StoreNotFound / FormatVersionError / CorruptionError unless this is a readable root."""
         marker = os.path.join(self.path, MARKER)
         try:
-            os.stat(marker)
+            os.lstat(marker)  # (a marker that is a link, even a dangling one, is refused by _unseal)
             found = True
         except (FileNotFoundError, NotADirectoryError):
             found = False
@@ -261,14 +270,14 @@ class Root:
 
     # -- manifests ------------------------------------------------------------------------------------
     def version_numbers(self) -> list[int]:
-        gdir = os.path.join(self.path, GLOBAL_DIR)
+        gdir = self._subdir(GLOBAL_DIR)
         if not os.path.isdir(gdir):
             return []
         return sorted(int(m.group(1)) for m in map(_MANIFEST_RE.match, os.listdir(gdir)) if m)
 
     def read(self, version: int) -> GlobalVersion:
         path = self._manifest_path(version)
-        if not os.path.exists(path):
+        if not os.path.lexists(path):  # (a dangling link is there: _unseal refuses it)
             raise VersionNotFound(f"global version {version} is not in {self.path} (never committed, or dropped)")
         d = _unseal("manifest", path)
         if d.get("format") != DIST_FORMAT_VERSION:
@@ -282,7 +291,7 @@ class Root:
         overwrites one), so each is read and verified once per ``Root`` and remembered by file name and
         inode: a save, which lists the versions, parses only manifests it has not seen. ``read`` always
         reads the file afresh."""
-        gdir = os.path.join(self.path, GLOBAL_DIR)
+        gdir = self._subdir(GLOBAL_DIR)
         if not os.path.isdir(gdir):
             self._parsed.clear()
             return []

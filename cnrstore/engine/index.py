@@ -674,6 +674,18 @@ def finish_interrupted_install(root: str, filesystem: fs.FileSystem) -> bool:
     return True
 
 
+def check_files(path: str) -> None:
+    """Raise IndexDamaged if the index directory ``path``, or its ``data.mdb`` or ``lock.mdb``, is there but
+    is not what LMDB may open: a symbolic link (LMDB would follow it out of the store: a ``data.mdb`` linked
+    to ``/dev/zero`` makes it read without end), a FIFO (an open that blocks for ever), a socket, a device,
+    or a directory (a file, for ``path``). Missing ones pass: LMDB makes ``lock.mdb`` (and ``data.mdb`` at
+    creation); a readonly open reports a missing ``data.mdb`` (``check_data_file``)."""
+    hint = damage_hint(path)
+    fs.check_kind(path, "the index directory", hint, directory=True, error=IndexDamaged)
+    for name, what in (("data.mdb", "the index's data file"), ("lock.mdb", "the index's lock file")):
+        fs.check_kind(os.path.join(path, name), what, hint, error=IndexDamaged)
+
+
 def check_data_file(path: str) -> None:
     """Raise IndexDamaged unless the LMDB environment in directory ``path`` is whole enough to map.
 
@@ -686,10 +698,11 @@ def check_data_file(path: str) -> None:
     def damaged(why: str):
         return IndexDamaged(f"the index of the store is damaged: {why}; {damage_hint(path)}", data, None)
 
+    check_files(path)
     if not os.path.isdir(path):
         raise damaged(f"the index directory {path} is missing")
     try:
-        with open(data, "rb") as f:
+        with open(fs.open_regular(data, "the index's data file", damage_hint(path), error=IndexDamaged), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(65536 * 2)
     except FileNotFoundError:
@@ -779,6 +792,8 @@ class _SharedEnv:
             if shared is None:
                 if not create:
                     check_data_file(path)
+                else:
+                    check_files(path)
                 writable = not readonly or _writable(path)
                 try:
                     env = lmdb.open(

@@ -21,6 +21,10 @@ from .. import errors
 from . import filenames, fs
 
 
+#: What to do about a LOCK that is not a regular file (it holds only a pid: removing it loses nothing).
+LOCK_FIX = "a store's files are regular files: remove it (the next writer makes a new one)"
+
+
 class ProcessLock:
     """Exclusive lock of a store for one writing process (also exclusive within a process)."""
 
@@ -81,7 +85,9 @@ class ProcessLock:
         if self._fd is not None:
             return
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # never through a link or into a FIFO or device someone left at LOCK: truncating and writing the pid
+            # would go to the link's target (outside the store), and opening a FIFO or device may block or act
+            fd = fs.open_regular(self.path, "the lock file", LOCK_FIX, flags=os.O_RDWR | os.O_CREAT)
         except OSError as exc:
             if exc.errno in fs.NO_PERMISSION:
                 raise fs.permission_denied(exc, f"cannot open store {self.root!r} for writing", self.path) from None
@@ -194,12 +200,18 @@ def _locked(root: str, holder: int | None) -> errors.StoreLocked:
 
 
 def _read_pid(path: str) -> int | None:
+    """The pid in LOCK, or None (no LOCK, not a regular file, not a pid)."""
     try:
-        with open(path, "rb") as f:
-            text = f.read(32).decode().strip()
+        fd = fs.open_regular(path, "the lock file", LOCK_FIX)
+    except (OSError, errors.CnrError):
+        return None
+    try:
+        text = os.read(fd, 32).decode().strip()
         return int(text) if text else None
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)
 
 
 def _flock_holder(fd: int) -> int | None:

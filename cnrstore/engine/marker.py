@@ -6,14 +6,13 @@ Beneath store.py and repair.py, which both read it (so that repair need not impo
 
 from __future__ import annotations
 
-import builtins
 import struct
 import time
 
 import msgpack
 import xxhash
 
-from . import filenames
+from . import filenames, fs
 from ..errors import CorruptionError
 
 #: On disk: the format this code writes and the newest it reads. Bump on any incompatible change.
@@ -23,6 +22,11 @@ from ..errors import CorruptionError
 FORMAT_VERSION = 3
 MARKER_MAGIC = b"CNRSTORE"
 _MARKER_HEAD = struct.Struct("<8sII")  # magic, format version, msgpack length
+#: A marker is about 60 bytes; a file larger than this is not one (it is never read past this).
+MAX_MARKER_BYTES = 64 << 10
+#: What to do about a marker that is not a regular file.
+MARKER_FIX = ("a store's files are regular files: restore it from a copy, or remove it and open the store with "
+              "create=True, which writes a new marker and keeps the store's files")
 
 
 def marker_bytes() -> bytes:
@@ -33,10 +37,13 @@ def marker_bytes() -> bytes:
 
 
 def read_marker(root: str) -> int:
-    """Format version recorded in the store's marker file (verified)."""
+    """Format version recorded in the store's marker file (verified).
+
+    CorruptionError if the marker is damaged, larger than ``MAX_MARKER_BYTES``, or not a regular file (a
+    symbolic link, a FIFO, a device, a directory: ``fs.read_regular``); FileNotFoundError and
+    PermissionError propagate (the caller's StoreNotFound and PermissionDenied)."""
     path = filenames.marker_path(root)
-    with builtins.open(path, "rb") as f:
-        data = f.read()
+    data = fs.read_regular(path, MAX_MARKER_BYTES, "store marker", MARKER_FIX)
     if len(data) < _MARKER_HEAD.size + 8:
         raise CorruptionError(f"store marker {path} is truncated", path, 0)
     magic, fmt, n = _MARKER_HEAD.unpack_from(data)

@@ -25,9 +25,11 @@ def opening(root: str, readonly: bool) -> str:
 
 
 def find(root: str, readonly: bool) -> bool:
-    """Whether the store's marker exists; PermissionDenied if a directory on the way may not be searched."""
+    """Whether the store's marker exists (as anything: a marker that is a link, even a dangling one, or a
+    FIFO is then refused by ``check_format``, never taken for no store); PermissionDenied if a directory on
+    the way may not be searched."""
     try:
-        os.stat(filenames.marker_path(root))
+        os.lstat(filenames.marker_path(root))
         return True
     except (FileNotFoundError, NotADirectoryError):
         return False

@@ -41,6 +41,7 @@ from .lock import ProcessLock, SharedLock
 from .marker import marker_bytes
 from .objects import DEFAULT_TIMEOUT_S, FsspecObjectStore, ObjectStore
 from .opening import check_no_leftovers, find
+from . import remote_layout
 from .remote_layout import (CACHE, LEGACY_WRITERS, WRITER, Identity, Pointer, Writers, decode_identity,
                             decode_pointer, encode_pointer)
 from .segments import leftover_rule
@@ -106,36 +107,18 @@ def _missing_store(root: str, objects: ObjectStore, readonly: bool) -> CnrError:
 
 # -- the local side -----------------------------------------------------------------------------------------
 
-def _read_small(path: str) -> bytes | None:
-    """A REMOTE or INSTALLED file's bytes (None if there is none), read with a bound: a file of another
-    kind (a FIFO, a device) is damage, never a hang."""
-    import stat
-
+def _read_small(path: str, what: str) -> bytes | None:
+    """A REMOTE or INSTALLED file's bytes (None if there is none), read with a bound (fs.read_regular): a
+    file of another kind (a FIFO, a device, a link) is damage, never a hang."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return fs.read_regular(path, remote_layout.MAX_BYTES, what)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        if exc.errno in (40,):  # ELOOP: a symbolic link
-            raise CorruptionError(f"{path} is a symbolic link, not a regular file: a store's files are regular "
-                                  "files; restore it from a copy", path, 0) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptionError(f"{path} is not a regular file: a store's files are regular files; restore it "
-                                  "from a copy", path, 0)
-        if st.st_size > (16 << 20):
-            raise CorruptionError(f"{path} is {st.st_size} bytes, far more than it may be: it is damaged", path, 0)
-        with builtins.open(fd, "rb", closefd=False) as f:
-            return f.read(16 << 20)
-    finally:
-        os.close(fd)
 
 
 def read_identity(root: str) -> Identity | None:
     """The REMOTE identity of the local store at ``root`` (None if it has none)."""
-    data = _read_small(filenames.remote_path(root))
+    data = _read_small(filenames.remote_path(root), "remote identity file")
     return None if data is None else decode_identity(data, filenames.remote_path(root))
 
 
@@ -180,7 +163,7 @@ def check_local_only(root: str, doing: str) -> None:
 def read_installed(root: str) -> Pointer | None:
     """The pointer a read cache's index was installed from (None: not a cache, or not recorded)."""
     path = filenames.installed_pointer_path(root)
-    data = _read_small(path)
+    data = _read_small(path, "read cache's installed pointer")
     if data is None:
         return None
     return decode_pointer(data, path, "recover from the remote into a new directory")

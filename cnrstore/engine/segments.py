@@ -26,6 +26,9 @@ log = logging.getLogger("cnrstore.engine.segments")
 SEGMENT_MAGIC = b"CNRSEG\x00\x01"
 SEGMENT_HEADER = struct.Struct("<8sQII")
 SEGMENT_HEADER_BYTES = SEGMENT_HEADER.size + 8  # 32
+#: What to do about a segment that is not a regular file (a link, a FIFO, a device, a directory).
+SEGMENT_FIX = ("a store's files are regular files: restore it from a copy, or run `cnrstore repair`, which sets "
+               "it aside (the versions that read it are then reported as damaged)")
 
 
 def segment_header(segment_id: int, format_version: int) -> bytes:
@@ -353,6 +356,9 @@ def recover(root: str, committed: dict[int, int], filesystem: fs.FileSystem, doo
     seg_dir = filenames.segments_dir(root)
     high, pending = leftover_rule(committed, doomed, max_deleted, ids)
     names = sorted(os.listdir(seg_dir))
+    for name in names:  # nothing is truncated through a link (out of the store) or removed before this holds
+        if filenames.parse_segment_name(name) is not None:
+            fs.check_kind(os.path.join(seg_dir, name), "segment", SEGMENT_FIX)
     unknown = [n for n in names if (s := filenames.parse_segment_name(n)) is not None
                and s not in committed and s not in doomed and s <= high and s not in pending]
     if unknown:
@@ -409,7 +415,7 @@ class SegmentReader:
         # goes on reading its own files, never those of whatever the old path names now
         try:
             self._dir_fd: int | None = os.open(filenames.segments_dir(root), os.O_RDONLY | os.O_DIRECTORY |
-                                               os.O_CLOEXEC)
+                                               os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             self._dir_fd = None  # (missing or unreadable: each read then names the problem)
 
@@ -436,8 +442,10 @@ class SegmentReader:
             if entry is not None and need <= entry[1].shape[0]:
                 return entry
             try:
-                opened = os.open(os.path.basename(path), os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dir_fd) \
-                    if self._dir_fd is not None else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                # a regular file only (fs.open_regular): a FIFO would block here, a device or a link map
+                # what is not the store's
+                opened = fs.open_regular(path, "segment", SEGMENT_FIX, dir_fd=self._dir_fd,
+                                         name=os.path.basename(path))
                 with open(opened, "rb") as f:
                     mm = _map_whole(f.fileno(), need, path)
             except FileNotFoundError:

@@ -21,6 +21,7 @@ import contextlib
 import errno
 import mmap
 import os
+import stat
 from typing import Iterator, NamedTuple
 
 import numpy as np
@@ -28,7 +29,7 @@ import numpy as np
 from .. import errors
 from . import filenames, fs, record
 from .index import RowLoc
-from .segments import SegmentAppender, SegmentIds, SegmentReader, recover
+from .segments import SEGMENT_FIX, SegmentAppender, SegmentIds, SegmentReader, recover
 
 #: suffix repair gives a segment whose header is damaged (kept as evidence, never read or reused)
 QUARANTINE_SUFFIX = ".damaged"
@@ -128,6 +129,11 @@ class SegmentStorage(abc.ABC):
         size = self.size(seg)
         yield b"" if not size else bytes(self.read(seg, 0, size))
 
+    def unreadable(self, seg: int) -> str | None:
+        """Why segment ``seg``, though listed, cannot be read at all ("is a FIFO, not a regular file"), or
+        None (it can be tried: reads and ``scan`` say what is wrong, if anything)."""
+        return None
+
     def quarantine(self, seg: int) -> str:
         """Move segment ``seg`` (its header is damaged) out of the store's way, kept as evidence; returns
         where it went. Its id is never reused (``quarantined``)."""
@@ -179,9 +185,20 @@ class LocalSegmentStorage(SegmentStorage):
     supports_appends = True
 
     def __init__(self, root: str, filesystem: fs.FileSystem = fs.DEFAULT):
+        """CorruptionError if ``<root>/segments`` is there but is not a directory of its own (a symbolic
+        link: the store would read and write another directory's files; a file)."""
         self.root = root
         self.fs = filesystem
+        self.check_directory(root)
         self._reader = SegmentReader(root)
+
+    @staticmethod
+    def check_directory(root: str) -> None:
+        """CorruptionError if ``<root>/segments`` is there but is not a directory of its own: a symbolic link
+        (never followed: the store would read, and its writer write, another directory's files), a FIFO, a
+        file. A missing one passes (its callers say what that means)."""
+        fs.check_kind(filenames.segments_dir(root), "the segments directory",
+                      "a store's segments/ is a directory inside it: restore it from a copy", directory=True)
 
     @staticmethod
     def create(root: str, filesystem: fs.FileSystem = fs.DEFAULT) -> None:
@@ -196,10 +213,13 @@ class LocalSegmentStorage(SegmentStorage):
         return self._reader.path(seg)
 
     def size(self, seg: int) -> int | None:
+        """(A segment file that is not a regular file -- a link, a FIFO, a device -- holds 0 bytes the
+        store reads: its reads raise CorruptionError saying what it is.)"""
         try:
-            return os.path.getsize(filenames.segment_path(self.root, seg))
+            st = os.lstat(filenames.segment_path(self.root, seg))
         except FileNotFoundError:
             return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
     def list(self) -> list[int]:
         ids = (filenames.parse_segment_name(n) for n in os.listdir(filenames.segments_dir(self.root)))
@@ -249,7 +269,8 @@ class LocalSegmentStorage(SegmentStorage):
 
     @contextlib.contextmanager
     def scan(self, seg: int) -> Iterator[bytes]:
-        with open(filenames.segment_path(self.root, seg), "rb") as f:
+        path = filenames.segment_path(self.root, seg)
+        with open(fs.open_regular(path, "segment", SEGMENT_FIX), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 yield b""
@@ -262,6 +283,13 @@ class LocalSegmentStorage(SegmentStorage):
                 mm.close()
             except BufferError:
                 pass  # a caller still holds a view; the mapping is closed when it is collected
+
+    def unreadable(self, seg: int) -> str | None:
+        try:
+            mode = os.lstat(filenames.segment_path(self.root, seg)).st_mode
+        except FileNotFoundError:
+            return None
+        return None if stat.S_ISREG(mode) else f"is {fs.file_kind(mode)}, not a regular file"
 
     def quarantine(self, seg: int) -> str:
         path = filenames.segment_path(self.root, seg)

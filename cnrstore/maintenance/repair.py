@@ -181,6 +181,7 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
             return _reinstall_cache(root, remote, remote_options, filesystem)
     if remote is None:
         remote_tier.check_local_only(root, "repair")
+    LocalSegmentStorage.check_directory(root)
     if not os.path.exists(filenames.marker_path(root)) or not os.path.isdir(filenames.segments_dir(root)):
         raise StoreNotFound(f"no cnrstore store at {root!r} (no marker or no segments/ directory); repair "
                             "needs the store's CNRSTORE marker and segments/")
@@ -289,13 +290,14 @@ def _scan(storage: LocalSegmentStorage, report: RepairReport,
     for seg, size in sizes.items():
         seg_path = storage.path(seg)
         report.segments_scanned += 1
-        if _scan_segment(storage, seg, seg_path, found, report):
+        unusable = _scan_segment(storage, seg, seg_path, found, report)
+        if unusable is None:
             lengths[seg] = size
         else:
             aside = storage.quarantine(seg)  # unreadable by the store, kept as evidence
-            report.notes.append(f"segment {seg_path} has a damaged header: none of its records can be read; "
+            report.notes.append(f"segment {seg_path} {unusable}: none of its records can be read; "
                                 f"renamed to {os.path.basename(aside)}")
-            found.unattributed.append(f"segment {seg_path} (damaged header)")
+            found.unattributed.append(f"segment {seg_path} ({unusable})")
         done += size
         if progress is not None:
             progress(done, total)
@@ -304,17 +306,22 @@ def _scan(storage: LocalSegmentStorage, report: RepairReport,
     return found, lengths
 
 
-def _scan_segment(storage: LocalSegmentStorage, seg: int, seg_path: str, found: _Found, report: RepairReport) -> bool:
-    """Scan one segment into ``found``; False if its header is damaged (its records are unusable)."""
+def _scan_segment(storage: LocalSegmentStorage, seg: int, seg_path: str, found: _Found,
+                  report: RepairReport) -> str | None:
+    """Scan one segment into ``found``; None if it was scanned, else why its records are unusable: its
+    header is damaged, or it is not a regular file (a link, a FIFO, a device: never read)."""
+    unreadable = storage.unreadable(seg)
+    if unreadable is not None:
+        return unreadable
     with storage.scan(seg) as mm:
         size = len(mm)
         if size == 0:
-            return False
+            return "has a damaged header"
         buf = np.frombuffer(mm, dtype=np.uint8)
         try:
             segments.check_segment_header(buf, seg, seg_path)
         except CorruptionError:
-            return False
+            return "has a damaged header"
         pos, bad_from = segments.SEGMENT_HEADER_BYTES, None
         while pos < size:
             rec, length = _record_at(buf, mm, pos, size, seg_path)
@@ -334,7 +341,7 @@ def _scan_segment(storage: LocalSegmentStorage, seg: int, seg_path: str, found: 
         if bad_from is not None:
             _bad_stretch(found, report, mm, seg, seg_path, bad_from, size, at_end=True)
         del buf
-        return True
+        return None
 
 
 def _bad_stretch(found: _Found, report: RepairReport, mm, seg: int, seg_path: str, start: int, end: int,

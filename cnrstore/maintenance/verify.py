@@ -65,10 +65,15 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
             if size is None:
                 add(f"segment {path} is missing", DO_SEGMENT)
                 continue
+            try:
+                header = seg_reader.read(seg, 0, segments.SEGMENT_HEADER_BYTES)
+            except CnrError as exc:  # (e.g. not a regular file: its size would say nothing more)
+                add(str(exc), DO_SEGMENT)
+                continue
             if size < length:
                 add(f"segment {path} holds {size} bytes, fewer than its committed {length}", DO_SEGMENT)
             try:
-                segments.check_segment_header(seg_reader.read(seg, 0, segments.SEGMENT_HEADER_BYTES), seg, path)
+                segments.check_segment_header(header, seg, path)
             except CnrError as exc:
                 _raise_unless_damage(exc)
                 add(str(exc), DO_SEGMENT)

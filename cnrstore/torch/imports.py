@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import io
 import logging
 import os
 import shutil
@@ -89,7 +90,7 @@ import torch
 from torch import nn
 
 from .. import codecs as _codecs
-from ..engine import filenames
+from ..engine import filenames, fs
 from .. import store as _store
 from ..engine import arguments
 from ..errors import InvalidArgument
@@ -155,7 +156,7 @@ def detect_format(path: str) -> str:
         raise InvalidArgument(f"{path!r} is a directory but not a torch.distributed.checkpoint (no .metadata); "
                               "name a DCP directory, a torch.save file or a safetensors file")
     try:
-        with open(path, "rb") as f:
+        with open(_open_source(path), "rb") as f:
             head = f.read(9)
             size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
@@ -165,6 +166,32 @@ def detect_format(path: str) -> str:
     if len(head) == 9 and head[8:9] == b"{" and 0 < struct.unpack("<Q", head[:8])[0] <= size - 8:
         return "safetensors"
     return "torch"
+
+
+#: What to do about an import source (or a file of a DCP directory) that is not a regular file.
+_SOURCE_FIX = "name a checkpoint file (or a DCP directory of regular files)"
+#: A DCP ``.metadata`` larger than this is not one (it is read whole, then unpickled from memory).
+_MAX_DCP_METADATA_BYTES = 1 << 30
+
+
+def _open_source(path: str) -> int:
+    """A raw fd of the regular file ``path`` to import from (a link to one is followed: the user named it);
+    InvalidArgument for a FIFO (never waited on), a socket, a device (``/dev/zero`` would be read without
+    end) or a directory (``fs.open_regular``). FileNotFoundError and other OSErrors propagate."""
+    return fs.open_regular(path, "checkpoint to import", _SOURCE_FIX, follow_symlinks=True, error=InvalidArgument)
+
+
+@contextlib.contextmanager
+def _checked_source(path: str):
+    """A path naming exactly the regular file ``path`` names now (``_open_source``), for readers that open
+    by name (torch.load with mmap, safetensors): ``/proc/self/fd/N`` of the checked file where /proc has it,
+    so that nothing swapped in after the check is read; else ``path`` itself."""
+    fd = _open_source(path)
+    try:
+        proc = f"/proc/self/fd/{fd}"
+        yield proc if os.path.exists(proc) else path
+    finally:
+        os.close(fd)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -181,6 +208,17 @@ def _one_line(exc: BaseException) -> str:
     if len(text) > 240:
         text = text[:237] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _refusal_in(exc: BaseException) -> InvalidArgument | None:
+    """The InvalidArgument the import's own checks raised inside DCP's loader (its CheckpointException keeps
+    each rank's exception), to be reported as it is; None if there is none."""
+    failures = getattr(exc, "failures", None)
+    for failure in failures.values() if isinstance(failures, Mapping) else ():
+        failure = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(failure, InvalidArgument):
+            return failure
+    return None
 
 
 class _DropDCPRecords(logging.Filter):
@@ -222,10 +260,13 @@ def _load_dcp(path: str):
     import pickle
 
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    class DataUnpickler(pickle.Unpickler):
+    # pickle's pure-Python unpickler: the C one allocates the length a BINBYTES / BINUNICODE opcode claims
+    # before reading it (a 111-byte .metadata claiming 512 MiB allocated 512 MiB); this one reads what is there
+    class DataUnpickler(pickle._Unpickler):
         def find_class(self, module, name):
             if (module, name) in _DCP_GLOBALS or (
                     module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)):
@@ -233,10 +274,30 @@ def _load_dcp(path: str):
             raise pickle.UnpicklingError(f"its .metadata names {module}.{name}, which cnrstore does not unpickle "
                                          "(a DCP .metadata holds only DCP's metadata classes)")
 
+    class Files(FileSystem):
+        """DCP's file access, reading only regular files directly in the directory ``path``: a FIFO or device
+        is refused (never waited on or read without end), and so is a data file a crafted ``.metadata`` names
+        outside the directory (``../x``, ``/etc/passwd``: it would be read into the store)."""
+
+        @contextlib.contextmanager
+        def create_stream(self, file, mode):
+            file = os.fspath(file)
+            if mode != "rb" or os.path.dirname(os.path.abspath(file)) != os.path.abspath(path):
+                raise InvalidArgument(f"DCP checkpoint {path!r} names the data file {file!r}, which is not a file "
+                                      "directly in its directory (DCP writes none such): the checkpoint is damaged "
+                                      "or crafted; copy it again")
+            fd = fs.open_regular(file, "file of the DCP checkpoint to import", _SOURCE_FIX, follow_symlinks=True,
+                                 error=InvalidArgument)
+            with open(fd, "rb") as stream:
+                yield stream
+
     class Reader(FileSystemReader):
+        def __init__(self, checkpoint):
+            super().__init__(checkpoint)
+            self.fs = Files()
+
         def read_metadata(self, *args, **kwargs):
-            with open(os.path.join(path, ".metadata"), "rb") as f:
-                metadata = DataUnpickler(f).load()
+            metadata = DataUnpickler(io.BytesIO(metadata_bytes)).load()
             if not type(metadata).__name__ == "Metadata":
                 raise pickle.UnpicklingError(".metadata does not hold DCP metadata")
             if getattr(metadata, "storage_meta", None) is not None:
@@ -253,6 +314,11 @@ def _load_dcp(path: str):
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
+    # read up to its size (a regular file only), then unpickled from memory: a length the pickle claims
+    # allocates no more than the file holds
+    metadata_bytes = fs.read_regular(os.path.join(path, ".metadata"), _MAX_DCP_METADATA_BYTES,
+                                     "metadata file of the DCP checkpoint to import", _SOURCE_FIX,
+                                     follow_symlinks=True, error=InvalidArgument)
     sd: dict = {}
     _load_state_dict(state_dict=sd, storage_reader=Reader(path), process_group=None, no_dist=True,
                      planner=Planner())
@@ -263,16 +329,18 @@ def _load(path: str, fmt: str):
     """The object stored at ``path`` in ``fmt``; InvalidArgument (one line) when it cannot be read."""
     try:
         if fmt == "torch":
-            try:  # mapped, not read: a large checkpoint is not held twice while it is written
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as exc:
-                if "mmap" not in str(exc):  # the legacy (non-zip) format cannot be mapped
-                    raise
-                return torch.load(path, map_location="cpu", weights_only=True)
+            with _checked_source(path) as checked:
+                try:  # mapped, not read: a large checkpoint is not held twice while it is written
+                    return torch.load(checked, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError as exc:
+                    if "mmap" not in str(exc):  # the legacy (non-zip) format cannot be mapped
+                        raise
+                    return torch.load(checked, map_location="cpu", weights_only=True)
         if fmt == "safetensors":
             from safetensors.torch import load_file
 
-            return load_file(path)
+            with _checked_source(path) as checked:
+                return load_file(checked)
         with _quiet_dcp():
             return _load_dcp(path)
     except InvalidArgument:
@@ -287,6 +355,9 @@ def _load(path: str, fmt: str):
     except ImportError as exc:
         raise InvalidArgument(f"reading {fmt} needs {exc.name or 'a missing package'}: pip install it") from exc
     except BaseException as exc:  # noqa: BLE001 - every reader has its own error types (DCP's is a BaseException)
+        refused = _refusal_in(exc)
+        if refused is not None:
+            raise refused from None
         what = _one_line(exc)
         if fmt == "torch" and "weights_only" in str(exc):
             hint = ("it holds objects other than tensors and plain containers, which are not unpickled: re-save "
