@@ -39,6 +39,9 @@ OUTSIDE = {
     ("cnrstore/engine/objects.py", "_call_s3"):
         "s3fs's client call coroutine is the one way to send If-Match / If-None-Match and read a GET's ETag on its "
         "event loop within a deadline (its public call_s3 waits without one); fsspec names async methods _name",
+    ("cnrstore/torch/imports.py", "_Unpickler"):
+        "pickle's pure-Python unpickler reads only the bytes a DCP .metadata holds; the C one (pickle.Unpickler) "
+        "allocates whatever length a bytes opcode claims (512 MiB for a 111-byte file)",
     ("cnrstore/codecs/rowwise.py", "_initializing"):
         "importlib's module spec says whether torch is still importing (._initializing): no public flag",
 }

@@ -304,6 +304,8 @@ def _recover_from_remote(root: str, objects: ObjectStore, pointer: Pointer, file
 
 def _lay_out_cache(root: str, objects: ObjectStore, pointer: Pointer, filesystem: fs.FileSystem) -> Identity:
     check_no_leftovers(root, "recover from the remote into an empty or new directory")
+    for path in (filenames.index_dir(root), filenames.segments_dir(root)):  # (a creation cut short left them)
+        fs.check_kind(path, "store directory", directory=True)
     data = fetch_snapshot(objects, pointer)
     if not os.path.isdir(filenames.index_dir(root)):
         filesystem.mkdir(filenames.index_dir(root))
@@ -916,7 +918,8 @@ class RemoteSegmentStorage(LocalSegmentStorage):
                                           "run `cnrstore verify`", self.objects.where(self._key(seg)), None)
             return
         try:
-            with builtins.open(filenames.segment_path(self.root, seg), "rb") as f:
+            fd = fs.open_regular(filenames.segment_path(self.root, seg), "segment")
+            with builtins.open(fd, "rb") as f:
                 data = f.read(length)
         except FileNotFoundError:
             raise CorruptionError(f"segment {self.path(seg)} is missing locally and the remote {self.objects.url} "
