@@ -6,7 +6,8 @@
     cnrstore verify STORE [--json] [--progress]          every checksum and the index (exit 1 on problems)
     cnrstore rows STORE TABLE ROW... [--version V] [--json]   print rows as the store reads them
     cnrstore compact STORE [--version V] [--json] [--progress]   materialize baselines (default: newest)
-    cnrstore retain STORE --keep-last N [--json] [--progress]    drop all but the newest N versions
+    cnrstore retain STORE [--keep-last N] [--keep-every-n-steps N] [--keep V]... [--drop V]... [--json] [--progress]
+                                 drop the versions no rule keeps (the newest is always kept)
     cnrstore gc STORE [--json] [--progress]              reclaim space of dropped and shadowed data
     cnrstore export STORE --format F OUT [--version V] [--layout L] [--force] [--trust-pickle] [--json] [--progress]
                                  F: torch|safetensors|dcp|npz (cnrstore.export.FORMATS; dcp writes a directory);
@@ -220,11 +221,18 @@ def _print_versions(args, rows: list[dict], header: str, noun: str, rest) -> int
 
 
 def _remote_args(args) -> dict:
-    """open()'s remote= and remote_options= from --remote and --remote-options (none without --remote)."""
+    """open()'s remote= and remote_options= from --remote and --remote-options; without --remote, the remote
+    a store's REMOTE file names (a store with an object-store tier needs no --remote to be opened)."""
     if getattr(args, "remote", None) is None:
-        if getattr(args, "remote_options", None) is not None:
-            raise InvalidArgument("--remote-options needs --remote URL")
-        return {}
+        store = getattr(args, "store", None)
+        if store is not None and os.path.isdir(store):
+            from .engine import remote as remote_tier
+
+            args.remote = remote_tier.kept_remotely(os.path.abspath(store))
+        if args.remote is None:
+            if getattr(args, "remote_options", None) is not None:
+                raise InvalidArgument("--remote-options needs --remote URL (or a store whose REMOTE file names one)")
+            return {}
     options = None
     if args.remote_options is not None:
         try:
@@ -435,15 +443,24 @@ def cmd_compact(args) -> int:
 
 
 def cmd_retain(args) -> int:
-    """``Store.retain`` is one index transaction with no progress of its own: the progress line says
-    what it is doing and, at the end, that it is done."""
+    """``Store.retain`` with the Checkpointer's rules (and pins and drops); one index transaction with no
+    progress of its own: the progress line says what it is doing and, at the end, that it is done."""
     _refuse_root(args)
-    if args.keep_last < 1:  # here, so that the message names the option (Store.retain names keep_last=)
-        raise InvalidArgument(f"--keep-last must be a positive integer, got {args.keep_last}")
+    for option, value in (("--keep-last", args.keep_last), ("--keep-every-n-steps", args.keep_every_n_steps)):
+        if value is not None and value < 1:  # here, so that the message names the option
+            raise InvalidArgument(f"{option} must be a positive integer, got {value}")
+    if args.keep_last is None and args.keep_every_n_steps is None and not args.keep and not args.drop:
+        raise InvalidArgument("retain needs --keep-last N, --keep-every-n-steps N, --keep V (pin) or --drop V")
     progress = _progress(args, "retain")
     with _open(args) as store:
-        progress(0, 1, f"keeping the newest {args.keep_last} version(s)")
-        dropped = store.retain(keep_last=args.keep_last)
+        kept = ([f"the newest {args.keep_last} version(s)"] if args.keep_last else []) + (
+            [f"the steps that are multiples of {args.keep_every_n_steps}"] if args.keep_every_n_steps else []) + (
+            [f"version(s) {', '.join(map(str, args.keep))}"] if args.keep else [])
+        progress(0, 1, " and ".join(filter(None, [("keeping " + " and ".join(kept)) if kept else "",
+                                                 f"dropping version(s) {', '.join(map(str, args.drop))}"
+                                                 if args.drop else ""])))
+        dropped = store.retain(args.keep_last, keep_every_n_steps=args.keep_every_n_steps, keep=args.keep or (),
+                               drop=args.drop or ())
         kept = [v.version for v in store.versions()]
     progress(1, 1, f"dropped {len(dropped)} version(s)")
     _emit(args, {"dropped": dropped, "kept": kept},
@@ -634,8 +651,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, default=None, help="version to read (default: the newest)")
     add("compact", cmd_compact, "materialize baselines at a version (default: the newest)", progress=True
         ).add_argument("--version", type=int, default=None, help="version to compact at")
-    add("retain", cmd_retain, "drop all but the newest N versions (then run gc to reclaim their space)",
-        progress=True).add_argument("--keep-last", type=int, required=True, metavar="N", help="versions to keep")
+    p = add("retain", cmd_retain, "drop the versions no rule keeps, as a Checkpointer's retention does (the newest is "
+            "always kept; then run gc to reclaim their space)", progress=True)
+    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the newest N versions")
+    p.add_argument("--keep-every-n-steps", type=int, default=None, metavar="N",
+                   help="keep the versions whose step is a multiple of N")
+    p.add_argument("--keep", type=int, action="append", metavar="V", help="pin version V (repeatable)")
+    p.add_argument("--drop", type=int, action="append", metavar="V",
+                   help="drop version V (repeatable; alone, or on top of the rules)")
     add("gc", cmd_gc, "reclaim the space of dropped and shadowed data", progress=True)
     p = add("export", cmd_export, "write a version to a file (a directory for dcp), atomically: a Checkpointer's "
             "version as the model's state dict, any other as its fp32 tables and dense arrays; a multi-rank "

@@ -396,6 +396,7 @@ def export(snapshot: Snapshot, fmt: str, path, *, layout: str = "auto", model=No
     try:
         try:
             _write(content, fmt, tmp)
+            _usual_modes(tmp)
             _sync(tmp)
         finally:
             if watch is not None:
@@ -511,6 +512,32 @@ def _remove(tmp: str) -> None:
             os.unlink(tmp)
     except OSError:
         pass
+
+
+def _usual_modes(path: str) -> None:
+    """Give the written file (or directory and its files) the mode a new file gets (0666, or 0777 for a
+    directory, less the umask), whichever library wrote it: safetensors' writer makes its file 0600, torch's
+    and numpy's 0666 less the umask, so that exports of every format are readable alike."""
+    umask = _umask()
+    if os.path.isdir(path):
+        os.chmod(path, 0o777 & ~umask)
+        for name in os.listdir(path):
+            _usual_modes(os.path.join(path, name))
+        return
+    os.chmod(path, 0o666 & ~umask)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it, racing other threads' file
+    creation): /proc/self/status on Linux, else the common 022."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def _sync(path: str) -> None:

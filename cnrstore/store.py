@@ -305,9 +305,19 @@ class Store:
         self._engine.lock.verify()  # StoreMoved once the directory was renamed away: paths would name another
 
     # tables -----------------------------------------------------------------------------------------
-    def create_table(self, name: str, num_rows: int, dim: int, *, codec: str = "int4",
-                     block_rows: int | None = None) -> TableInfo:
-        """Create a table (durably, at once). Duplicate names or bad sizes raise InvalidArgument."""
+    def create_table(self, name: str, num_rows: int, dim: int, *, codec: str = "fp32",
+                     block_rows: int | None = None, exist_ok: bool = False) -> TableInfo:
+        """Create a table (durably, at once); ``codec`` defaults to lossless fp32. Bad sizes raise
+        InvalidArgument, and so does a name in use -- unless ``exist_ok`` and the table there has this
+        shape and codec (its TableInfo is then returned; another shape or codec is still InvalidArgument)."""
+        if exist_ok:
+            existing = self.tables().get(name)
+            if existing is not None:
+                if (existing.num_rows, existing.dim, existing.codec) != (num_rows, dim, codec):
+                    raise InvalidArgument(
+                        f"table {name!r} exists with {existing.num_rows} rows x {existing.dim} dims in "
+                        f"{existing.codec}, not {num_rows} x {dim} in {codec}; choose another name")
+                return existing
         self._check_writable()
         arguments.name(name, "table name")
         num_rows = arguments.positive_int(num_rows, "num_rows")
@@ -479,21 +489,52 @@ class Store:
                 pass
             return compaction.materialize(self._engine, v, progress)
 
-    def retain(self, keep_last: int) -> list[int]:
-        """Drop all but the newest ``keep_last`` versions; returns the dropped versions, oldest first.
+    def retain(self, keep_last: int | None = None, *, keep_every_n_steps: int | None = None, keep=(),
+               drop=()) -> list[int]:
+        """Drop versions by the same rules as a Checkpointer's retention; returns the dropped versions, oldest
+        first.
+
+        ``keep_last`` keeps the newest N, ``keep_every_n_steps`` those whose step is a multiple of N, ``keep``
+        (version numbers) pins those: with any of these, every version none of them keeps is dropped (the
+        newest is always kept). ``drop`` (version numbers) drops those -- alone, or on top of the rules --
+        except one a rule keeps, and never the newest (InvalidArgument names it). At least one argument.
 
         Nothing is materialized: the index keeps exactly the entries some kept version reads, and ``gc``
         then reclaims the rest, down to the rows (a record kept versions read only partly is rewritten
         with those rows). What every kept version reads is unchanged, bit for bit.
         """
-        keep_last = arguments.positive_int(keep_last, "keep_last")
+        if keep_last is not None:
+            keep_last = arguments.positive_int(keep_last, "keep_last")
+        if keep_every_n_steps is not None:
+            keep_every_n_steps = arguments.positive_int(keep_every_n_steps, "keep_every_n_steps")
+        pinned = arguments.version_set(keep, "keep")
+        dropping = arguments.version_set(drop, "drop")
+        rules = ([compaction_policy.KeepLast(keep_last)] if keep_last else []) + (
+            [compaction_policy.KeepEveryNSteps(keep_every_n_steps)] if keep_every_n_steps else []) + (
+            [compaction_policy.KeepVersions(frozenset(pinned))] if pinned else [])
+        if not rules and not dropping:
+            raise InvalidArgument("retain needs a rule: keep_last=N, keep_every_n_steps=N, keep=[versions] (pinned) "
+                                  "or drop=[versions]")
         self._check_writable()
         with self._engine.maintenance_lock:
             with self._engine.index.read() as view:
-                versions = view.version_numbers()
-            if len(versions) <= keep_last:
+                history = tuple(_version_info(v, info) for v, info in view.versions())
+            present = {v.version for v in history}
+            unknown = sorted((pinned | dropping) - present)
+            if unknown:
+                raise VersionNotFound(f"version(s) {unknown} are not in store {self.path!r} (see `cnrstore ls`)")
+            if history and history[-1].version in dropping:
+                raise InvalidArgument(f"version {history[-1].version} is the newest: retain never drops it (a trainer "
+                                      "resumes from it); write a newer version first")
+            kept = set(present) - compaction_policy.Retention(*rules).to_drop(history) if rules else set(present)
+            clash = sorted(dropping & (kept if rules else pinned))
+            if rules and clash:
+                raise InvalidArgument(f"version(s) {clash} are both kept by a rule and named in drop=; drop them "
+                                      "with a rule that does not keep them")
+            doomed = (set(present) - kept) | dropping
+            if not doomed:
                 return []
-            return compaction.drop_versions(self._engine, set(versions[:-keep_last]))
+            return compaction.drop_versions(self._engine, doomed)
 
     def drop_versions(self, versions, *, allow_newest: bool = False) -> list[int]:
         """*For sibling packages* (``cnrstore.distributed``), not for applications: drop ``versions`` (those

@@ -375,3 +375,28 @@ def test_export_without_overwrite_never_replaces_what_appears_during_the_write(t
         export_path(path, "torch", out)
     assert out.read_bytes() == b"someone else's"
     assert sorted(os.listdir(tmp_path)) == ["m.pt"]
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "npz", "dcp"])
+def test_exports_of_every_format_get_the_mode_a_new_file_gets(tmp_path, fmt):
+    """safetensors' writer made its file 0600 while torch's was 0644: every format now gets 0666 (0777 for a
+    DCP directory) less the umask."""
+    import stat
+
+    import cnrstore
+    from cnrstore.export import export_path
+
+    with cnrstore.open(tmp_path / "s", create=True) as s:
+        s.create_table("t", 8, 2)
+        with s.checkpoint() as ck:
+            ck.put_rows("t", range(8), np.ones((8, 2), np.float32))
+    out = tmp_path / f"out.{fmt}"
+    old = os.umask(0o022)
+    try:
+        export_path(str(tmp_path / "s"), fmt, str(out))
+    finally:
+        os.umask(old)
+    paths = [out] if fmt != "dcp" else [out, *out.iterdir()]
+    for p in paths:
+        want = 0o755 if p.is_dir() else 0o644
+        assert stat.S_IMODE(p.stat().st_mode) == want, (p, oct(p.stat().st_mode))

@@ -436,3 +436,19 @@ def test_repair_of_a_read_cache_installs_the_newest_copy_point(tmp_path, remote,
         url, opts = remote
         with cnrstore.open(tmp_path / "cache", readonly=True, remote=url, remote_options=opts) as cache:
             t.check(cache)
+
+
+def test_the_command_line_reads_the_remote_from_the_stores_remote_file(tmp_path, remote, capsys):
+    """A store with an object-store tier names its remote in REMOTE: commands on it need no --remote (only the
+    client's options, --remote-options, where the environment does not give them)."""
+    url, opts = remote
+    with open_remote(tmp_path / "a", remote, cache_bytes=0) as a:
+        t = Trainer(a)
+        t.save()
+        t.save()
+    capsys.readouterr()
+    assert main(["--remote-options", json.dumps(opts), "ls", str(tmp_path / "a"), "--json"]) == 0
+    assert [r["version"] for r in json.loads(capsys.readouterr().out)] == sorted(t.content)
+    assert main(["--remote-options", json.dumps(opts), "verify", str(tmp_path / "a")]) == 0
+    assert main(["--remote-options", json.dumps(opts), "ls", str(tmp_path / "nowhere")]) == 2
+    assert "needs --remote URL" in capsys.readouterr().err

@@ -294,14 +294,20 @@ def test_repair_after_background_compaction_and_retention_recovers_every_kept_ve
     assert set(report.versions_dropped) <= set(range(1, 11)) - set(kept)
 
 
-def test_repair_twice_is_idempotent_and_keeps_the_old_index(tmp_path):
+def test_repair_of_a_healthy_store_changes_nothing_and_leaves_nothing_behind(tmp_path):
     path = tmp_path / "s"
     _make_store(path)
     before = _everything(path)
+    listing = sorted(os.listdir(path))
     report = cnrstore.repair(path)
-    assert report.ok and report.old_index is not None and os.path.isdir(report.old_index)
-    report = cnrstore.repair(path)
-    assert report.ok
+    assert report.ok and report.old_index is None and "healthy" in " ".join(report.notes)
+    assert report.versions_recovered == sorted(v for v in before if v != "tables")
+    assert sorted(os.listdir(path)) == listing  # no index.damaged-* left behind
+    _lose_deleted(path)
+    report = cnrstore.repair(path)  # a damaged one is rebuilt, and its old index kept as evidence
+    assert report.ok and report.old_index is not None
+    report = cnrstore.repair(path)  # then healthy again: nothing to do
+    assert report.ok and report.old_index is None
     after = _everything(path)
     assert {v: x[1] for v, x in after.items() if v != "tables"} == \
         {v: x[1] for v, x in before.items() if v != "tables"}

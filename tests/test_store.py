@@ -376,9 +376,14 @@ def test_writes_on_readonly_store_raise_read_only_error(emb):
 def test_create_table_and_tables(store):
     info = store.create_table("a", 1000, 16, codec="int8", block_rows=128)
     assert info == cnrstore.TableInfo("a", 1000, 16, "int8", 128)
-    b = store.create_table("b", 5, 3)  # defaults
-    assert b.codec == "int4" and b.num_rows == 5 and b.dim == 3
+    b = store.create_table("b", 5, 3)  # defaults: lossless
+    assert b.codec == "fp32" and b.num_rows == 5 and b.dim == 3
     assert store.tables() == {"a": info, "b": b}
+    assert store.create_table("b", 5, 3, exist_ok=True) == b  # the same table: returned as it is
+    with pytest.raises(cnrstore.InvalidArgument, match="already exists"):
+        store.create_table("b", 5, 3)
+    with pytest.raises(cnrstore.InvalidArgument, match="exists with 5 rows x 3 dims in fp32, not 5 x 3 in int8"):
+        store.create_table("b", 5, 3, codec="int8", exist_ok=True)
     assert all(isinstance(t, cnrstore.TableInfo) for t in store.tables().values())
 
 

@@ -78,7 +78,8 @@ def test_the_blob_is_a_torch_save_zip_of_a_protocol_2_pickle_and_raw_storages(sa
 def test_the_payload_reads_as_format_md_s_example(saved):
     store, _model, _opt = saved
     p = payload.decode(store.read_dense(payload.STATE_BLOB), 1)
-    assert (p["format"], p["mode"], p["tables"], p["extra"]) == (2, "intermittent", ["emb"], {})
+    assert (p["format"], p["mode"], p["tables"], p["extra"]) == (2, "incremental", ["emb"], {})
+    assert p["optimizer_types"] == ["torch.optim.adagrad.Adagrad"]
     assert p["dense_dtypes"] == {"lin.weight": "bfloat16", "lin.bias": "bfloat16"}
     assert p["param_names"] == [["emb.weight", "lin.weight", "lin.bias"]]
     (opt,) = p["optimizers"]

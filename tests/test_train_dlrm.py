@@ -42,7 +42,7 @@ def test_lossless_failures_and_restores_reproduce_the_uninterrupted_run():
 
 
 def test_int4_intermittent_run_learns_and_writes_less_than_torch_save():
-    out = run("--steps", "150")
+    out = run("--codec", "int4", "--mode", "intermittent", "--steps", "150")
     auc_start = float(re.search(r"step 0: [0-9.]+/([0-9.]+)", out).group(1))
     auc_end = float(field(out, "final holdout AUC")[0])
     assert auc_end > auc_start + 0.1 and auc_end > 0.65

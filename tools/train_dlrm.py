@@ -21,10 +21,10 @@ The run ends with a table comparing the cnrstore checkpoints against a full bloc
 the same state (bytes written, trainer stall, restore time), and the final held-out logloss / AUC
 against the same run without failures (and without checkpoints), trained in the same invocation.
 
-    python tools/train_dlrm.py                    # the default (demo) configuration
+    python tools/train_dlrm.py                    # the default (demo) configuration: fp32, then int8
     python tools/train_dlrm.py --quick            # a smaller, faster configuration
     python tools/train_dlrm.py --backend torch    # checkpoint with torch.save only
-    python tools/train_dlrm.py --codec fp32 --mode incremental   # lossless: same weights as no failures
+    python tools/train_dlrm.py --codec fp32       # lossless only: the same weights as without failures
 
 ``--world-size N`` trains on N processes with sharded embeddings instead, checkpointed by
 ``cnrstore.distributed``, where a failure kills one rank and ``--recovery full|partial|ecrm`` picks how
@@ -381,8 +381,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="simulate a failure every K steps, 0 for none (default 170; --quick 70)")
     p.add_argument("--backend", choices=("cnrstore", "torch"), default="cnrstore",
                    help="checkpoint backend; cnrstore falls back to torch.save if its Checkpointer is missing")
-    p.add_argument("--codec", default="int4", help="embedding codec (cnrstore backend)")
-    p.add_argument("--mode", default="intermittent", choices=("incremental", "one-shot", "intermittent"),
+    p.add_argument("--codec", default="fp32,int8",
+                   help="embedding codec (cnrstore backend); several, comma-separated, run one after the other "
+                        "against the same reference (default: lossless fp32, then quantized int8)")
+    p.add_argument("--mode", default="incremental", choices=("incremental", "one-shot", "intermittent"),
                    help="cnrstore checkpoint mode")
     p.add_argument("--store", default=None, help="checkpoint directory, new or empty (default: a temp dir, removed)")
     p.add_argument("--seed", type=int, default=0, help="seeds the data, the teacher and the model init")
@@ -455,7 +457,10 @@ def main(argv=None) -> int:
                   "then pip install --no-deps torchrec==1.8.0 (README, 'Install')",
                   file=sys.stderr)
             return 2
+    codecs_ = [c.strip() for c in args.codec.split(",") if c.strip()]
     if args.world_size is not None:
+        if len(codecs_) != 1:
+            args.codec = codecs_[0]  # (one codec per multi-rank run)
         import dlrm_dist  # noqa: PLC0415 (tools/, beside this file)
         return dlrm_dist.run(args)
     if args.threads:
@@ -468,10 +473,14 @@ def main(argv=None) -> int:
             print(f"note: cnrstore.torch.Checkpointer is not available ({why}); "
                   "falling back to torch.save checkpoints", file=sys.stderr)
             backend_name = "torch"
-        elif args.codec not in cnrstore.codecs.names():
-            print(f"error: unknown codec {args.codec!r}; one of {', '.join(cnrstore.codecs.names())}",
-                  file=sys.stderr)
-            return 2
+        else:
+            unknown = [c for c in codecs_ if c not in cnrstore.codecs.names()]
+            if unknown or not codecs_:
+                print(f"error: unknown codec {unknown or args.codec!r}; one of {', '.join(cnrstore.codecs.names())}",
+                      file=sys.stderr)
+                return 2
+    if backend_name != "cnrstore":
+        codecs_ = codecs_[:1]
 
     tmp = tempfile.mkdtemp(prefix="train_dlrm-")
     try:
@@ -485,39 +494,43 @@ def main(argv=None) -> int:
             store_root = os.path.join(tmp, "store")
         args.probe_dir = tmp
         t_all = time.perf_counter()
+        args.codec = codecs_[0]
         card = cardinalities(args)
         tables = "a torchrec EmbeddingBagCollection of 26 tables" if args.torchrec else "26 EmbeddingBags"
         print(f"DLRM: {tables}, {sum(card):,} rows x dim {args.dim}, bottom 13-64-32-{args.dim}, "
               f"top 64-32-1; {args.steps} steps x batch {args.batch_size}; checkpoint every "
               f"{args.ckpt_every}, failure every {args.fail_every or 'never'}; backend "
               f"{'cnrstore Checkpointer' if backend_name == 'cnrstore' else 'torch.save'}"
-              + (f" (codec {args.codec}, mode {args.mode})" if backend_name == "cnrstore" else ""))
+              + (f" (codec {', then '.join(codecs_)}, mode {args.mode})" if backend_name == "cnrstore" else ""))
         holdout = Holdout(args, args.holdout_batches)
         print(f"held-out set: {holdout.labels.size} samples, positive rate {holdout.labels.mean():.3f}, "
               f"teacher (Bayes-optimal) logloss {holdout.ceiling[0]:.4f} AUC {holdout.ceiling[1]:.4f}")
-        run = train(args, holdout, label="with failures" if args.fail_every else "checkpointed",
-                    checkpoint=True, fail_every=args.fail_every, backend_name=backend_name,
-                    Checkpointer=Checkpointer, store_root=store_root)
         base = None
         if args.compare:
             base = train(args, holdout, label="no failures", checkpoint=False, fail_every=0,
                          backend_name=backend_name, Checkpointer=None, store_root=None)
-
-        # The reference numbers: a full blocking torch.save of the same state.
-        if backend_name == "cnrstore" and run.torch_save:
-            torch_stall = float(np.mean([t[0] for t in run.torch_save]))
-            torch_durable = float(np.mean([t[1] for t in run.torch_save]))
-            torch_bytes = run.torch_save[-1][2]
-        else:
-            torch_stall = float(np.mean(run.stalls)) if run.stalls else float("nan")
-            torch_durable = torch_stall
-            torch_bytes = run.bytes_written // max(run.checkpoints, 1)
-
-        print()
-        print("holdout logloss / AUC during training (" + run.label + "): " +
-              ", ".join(f"step {s}: {ll:.4f}/{a:.4f}" for s, ll, a in run.curve))
-        print()
-        print(summary(args, backend_name, run, base, torch_bytes, torch_stall, torch_durable))
+        for i, codec in enumerate(codecs_):
+            args.codec = codec
+            if len(codecs_) > 1:
+                print(f"\n=== codec {codec} ({'lossless' if codec == 'fp32' else 'quantized'}) ===")
+            run = train(args, holdout, label="with failures" if args.fail_every else "checkpointed",
+                        checkpoint=True, fail_every=args.fail_every, backend_name=backend_name,
+                        Checkpointer=Checkpointer, store_root=store_root if len(codecs_) == 1 else
+                        f"{store_root}-{codec}")
+            # The reference numbers: a full blocking torch.save of the same state.
+            if backend_name == "cnrstore" and run.torch_save:
+                torch_stall = float(np.mean([t[0] for t in run.torch_save]))
+                torch_durable = float(np.mean([t[1] for t in run.torch_save]))
+                torch_bytes = run.torch_save[-1][2]
+            else:
+                torch_stall = float(np.mean(run.stalls)) if run.stalls else float("nan")
+                torch_durable = torch_stall
+                torch_bytes = run.bytes_written // max(run.checkpoints, 1)
+            print()
+            print("holdout logloss / AUC during training (" + run.label + "): " +
+                  ", ".join(f"step {s}: {ll:.4f}/{a:.4f}" for s, ll, a in run.curve))
+            print()
+            print(summary(args, backend_name, run, base, torch_bytes, torch_stall, torch_durable))
         print(f"\ntotal run time {time.perf_counter() - t_all:.1f} s")
         return 0
     finally:

@@ -112,8 +112,8 @@ class DistributedCheckpointer:
     returns) and each restore's ``RestoreReport``; None: logged at INFO on the ``cnrstore.torch`` logger.
     """
 
-    def __init__(self, root, model: nn.Module, optimizer=None, *, plan: ShardingPlan | None = None, codec="int8",
-                 mode: str = "intermittent", optimizer_codec: str = "fp32", extra=None, priority=None,
+    def __init__(self, root, model: nn.Module, optimizer=None, *, plan: ShardingPlan | None = None, codec="fp32",
+                 mode: str = "incremental", optimizer_codec: str = "fp32", extra=None, priority=None,
                  ssu_rate: float | None = None, compaction=None, keep_last: int | None = None,
                  timeout_s: float = 600.0, on_report=None):
         self._on_report = reports.check_hook(on_report, "DistributedCheckpointer")
@@ -364,7 +364,7 @@ class DistributedCheckpointer:
         finally:
             try:
                 if error is None and version is not None:
-                    reports.deliver(self._on_report, dataclasses.replace(local.report, version=version))
+                    reports.deliver(self._on_report, dataclasses.replace(local.report, version=version), background=True)
             finally:
                 pending.finish(version, error)
 

@@ -177,3 +177,17 @@ def step_arg(value) -> int | None:
         raise InvalidArgument(f"step {value} is outside [-2**63, 2**64-1], the range a step is stored in; "
                               "pass a smaller step (e.g. the training iteration)")
     return int(value)
+
+
+def version_set(values, name: str) -> set[int]:
+    """``values`` (an iterable of version numbers, or one) as a set; InvalidArgument naming ``name``."""
+    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
+        values = [values]
+    try:
+        out = {int(v) for v in values if not isinstance(v, bool) and isinstance(v, (int, np.integer)) and v >= 1}
+        ok = len(out) == len(set(values))
+    except TypeError:
+        ok = False
+    if not ok:
+        raise InvalidArgument(f"{name}= takes version numbers (ints >= 1); got {values!r}")
+    return out

@@ -55,8 +55,9 @@ import numpy as np
 
 from ..engine import filenames, fs, record, schema, segments, version_edit
 from ..engine import remote as remote_tier
-from .verify import LOST_SEGMENT, damaged_blocks
+from .verify import LOST_SEGMENT, damaged_blocks, verify_store
 from ..errors import CnrError, CorruptionError, StoreNotFound
+from ..engine.core import Engine
 from ..engine.index import DenseLoc, Index, RowLoc, finish_interrupted_install, install_built_index
 from ..engine.msgpack_safe import unpack_bounded
 from ..engine.lock import ProcessLock
@@ -191,9 +192,15 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
     try:
         report = RepairReport(root)
         _finish_interrupted_install(root, filesystem, report)
+
+        def storage_():
+            return LocalSegmentStorage(root, filesystem) if remote is None else \
+                remote_tier.repair_storage(root, remote, remote_options, filesystem)
+
+        if _store_is_healthy(root, storage_, report, progress):
+            return report
         old = _read_old_index(root, report)
-        storage = LocalSegmentStorage(root, filesystem) if remote is None else \
-            remote_tier.repair_storage(root, remote, remote_options, filesystem)
+        storage = storage_()
         try:
             found, lengths = _scan(storage, report, progress)
             plan = _prove(found, report, old)
@@ -203,6 +210,32 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
         return report
     finally:
         lock.release()
+
+
+def _store_is_healthy(root: str, make_storage, report: RepairReport, progress=None) -> bool:
+    """Whether the store's index opens and ``verify`` finds nothing wrong with it or the log: then repair
+    changes nothing (and leaves nothing behind), and the report says so. The caller holds the lock."""
+    if not os.path.isdir(filenames.index_dir(root)):
+        return False
+    try:
+        engine = Engine.open(root, fs.DEFAULT, make_storage(), readonly=True)
+    except CnrError:
+        return False
+    try:
+        verified = verify_store(engine, progress)
+        if not verified.ok:
+            return False
+        with engine.index.read() as view:
+            report.versions_recovered = view.version_numbers()
+            report.tables_recovered = sorted(view.tables())
+    except CnrError:
+        return False
+    finally:
+        engine.close()
+    report.used_index = True
+    report.notes.append(f"the store is healthy: its index opens and verify found no problem in "
+                        f"{verified.records_checked:,} records; nothing was changed")
+    return True
 
 
 # the old index ----------------------------------------------------------------------------------------

@@ -215,6 +215,7 @@ class SaveQueue:
         self._jobs: collections.deque = collections.deque()  # write arguments not yet taken by the worker
         self._lock = threading.Condition()
         self._worker: threading.Thread | None = None
+        self._stopping = False  # stop(): the worker ends as soon as no write is queued
 
     def __len__(self) -> int:
         return len(self._saves)
@@ -241,23 +242,56 @@ class SaveQueue:
         self._saves.append((pending, nbytes, holds))
         with self._lock:
             self._jobs.append((store, pending, step, meta, row_jobs, dense, blob, after, after_commit, staged))
+            self._stopping = False
             self._lock.notify()
-            if self._worker is None:
+            if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._work, name="cnrstore-save", daemon=True)
                 self._worker.start()
 
     def _work(self) -> None:
-        """The worker: write the queued snapshots in order; end after IDLE_S without one."""
+        """The worker: write the queued snapshots in order; end after IDLE_S without one (at once once
+        ``stop`` asked)."""
         while True:
             with self._lock:
-                if not self._jobs:
+                if not self._jobs and not self._stopping:
                     self._lock.wait(self.IDLE_S)
                 if not self._jobs:
                     self._worker = None
                     return
                 job = self._jobs.popleft()
-            write(*job)
+            try:
+                write(*job)
+            except BaseException as exc:  # (write raises nothing of its own: this escaped a hook, or the exit)
+                self._fail_queued(job[1], exc)
+                return
             del job  # (the snapshot's host copies go with the reaped save, not with this frame)
+
+    def _fail_queued(self, pending: PendingSave, exc: BaseException) -> None:
+        """The worker is ending on ``exc``: every save still queued fails with it (their ``wait()`` and the
+        next ``save()`` raise it), so that none waits for a worker that is gone; the next ``start`` makes a
+        new one."""
+        with self._lock:
+            jobs, self._jobs = list(self._jobs), collections.deque()
+            self._worker = None
+        for job in jobs:
+            job[1].finish(None, SaveSkipped(f"{job[1].describe()} was not written: the thread writing saves ended "
+                                            f"while writing {pending.describe()} ({type(exc).__name__}: {exc}); "
+                                            "the next save() writes a baseline"))
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """End the worker thread once the queued writes are done, and join it (for good, or ``timeout``
+        seconds); whether no worker is left. A Checkpointer's ``close()`` (and the store's, and the
+        interpreter's exit through them) calls it: no thread of cnrstore outlives them, so none is left to
+        release torch objects while the interpreter shuts down (which aborts the process: "terminate called
+        without an active exception"). The next ``start`` makes a new worker."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+            worker = self._worker
+        if worker is None or worker is threading.current_thread():
+            return True
+        worker.join(timeout)
+        return not worker.is_alive()
 
     def reap(self) -> list[tuple[PendingSave, object]]:
         """Take out the saves that have ended at the head of the queue (in save order): (pending, holds)."""

@@ -85,7 +85,7 @@ from .. import store as _store
 from ..engine import fs, arguments
 from ..policy.compaction import KeepEveryNSteps, KeepLast, Retention
 from . import payload as _payload
-from . import reports
+from . import preemption, reports
 from . import restore as _restore
 from . import sharded
 from ..errors import InvalidArgument, SaveSkipped
@@ -194,10 +194,11 @@ class Checkpointer:
     ``stager``: None (that default), or a ``staging.Stager`` with a backend of its own (tests).
     """
 
-    def __init__(self, store, model: nn.Module, optimizer=None, *, codec="int8", mode: str = "intermittent",
+    def __init__(self, store, model: nn.Module, optimizer=None, *, codec="fp32", mode: str = "incremental",
                  optimizer_codec: str = "fp32", extra=None, priority: str | None = None,
                  ssu_rate: float = 0.125, max_queue_bytes: int | None = None, keep_last: int | None = None,
-                 keep_every_n_steps: int | None = None, on_report=None, stager: Stager | None = None):
+                 keep_every_n_steps: int | None = None, on_report=None, stager: Stager | None = None,
+                 on_sigterm: str | None = "finish"):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if priority is not None and priority not in PRIORITIES:
@@ -219,6 +220,7 @@ class Checkpointer:
             [KeepEveryNSteps(self.keep_every_n_steps)] if self.keep_every_n_steps else [])
         self._retention = Retention(*rules) if rules else None
         self._on_report = reports.check_hook(on_report, "Checkpointer")
+        self.on_sigterm = preemption.check(on_sigterm)
         if stager is not None and not isinstance(stager, Stager):
             raise InvalidArgument(f"stager must be None or a cnrstore.torch.staging.Stager, got {type(stager).__name__}")
         #: how snapshots reach host memory (``staging``: numpy on CPU, a side stream per CUDA device)
@@ -233,7 +235,8 @@ class Checkpointer:
         self._optimizers = as_optimizer_list(optimizer)
         self._owns_store = False
         if isinstance(store, (str, os.PathLike)):
-            store = _store.open(store, create=True)  # (every argument above checked: a bad one creates nothing)
+            # (every argument above checked: a bad one creates nothing); background compaction keeps saves flat
+            store = _store.open(store, create=True, compaction="auto")
             self._owns_store = True
         elif not callable(getattr(store, "checkpoint", None)):
             raise InvalidArgument(f"store must be a cnrstore.Store or a path (str or os.PathLike) to open or create "
@@ -290,11 +293,58 @@ class Checkpointer:
         self._error: BaseException | None = None  # a background failure not yet re-raised by save()
         self._failed: PendingSave | None = None  # the save that failed with it
         self._closed = False
+        #: the RestoreReport of the last restore() (None before one)
+        self.last_restore: RestoreReport | None = None
         self._work = WeakPendingWork(self, Checkpointer._finish_saves, Checkpointer._cancel_saves,
                                      Checkpointer._unreported_failure)
         add_work = getattr(store, "add_pending_work", None)
         if add_work is not None:  # store.close() and the interpreter's exit wait for our queued saves
             add_work(self._work)
+        self._watch_sigterm()
+
+    # -- SIGTERM (preemption.py) ----------------------------------------------------------------------
+    def _watch_sigterm(self) -> None:
+        """With ``on_sigterm``: the process's SIGTERM handler; with "save", optimizer step post-hooks that
+        count training steps and save the step in progress once every optimizer has finished it."""
+        self._sigterm = False  # a SIGTERM asked for a save of the step in progress
+        self._last_step: int | None = None  # the step of the last save()
+        self._steps_since = 0  # training steps completed since (each optimizer stepped once)
+        self._stepped: set = set()
+        self._step_hooks = []
+        if self.on_sigterm is None:
+            return
+        if self.on_sigterm == "save" and self._optimizers and all(
+                callable(getattr(o, "register_step_post_hook", None)) for o in self._optimizers):
+            self._step_hooks = [o.register_step_post_hook(self._after_optimizer_step) for o in self._optimizers]
+        preemption.watch(self)
+
+    def can_save_on_sigterm(self) -> bool:
+        """*For preemption.py*: whether a SIGTERM can be answered by a save of the step in progress."""
+        return bool(self._step_hooks) and not self._closed
+
+    def sigterm_received(self) -> None:
+        """*For preemption.py*: save the step in progress once every optimizer has finished it, then exit."""
+        self._sigterm = True
+
+    def _after_optimizer_step(self, optimizer, _args, _kwargs) -> None:
+        self._stepped.add(id(optimizer))
+        if len(self._stepped) < len(self._optimizers):
+            return
+        self._stepped.clear()
+        self._steps_since += 1
+        if self._sigterm:
+            self._sigterm = False
+            step = None if self._last_step is None else self._last_step + self._steps_since
+            reports.LOGGER.warning("cnrstore: SIGTERM: saving step %s, then exiting with status %d", step,
+                                   preemption.EXIT_STATUS)
+            self.save(step, {"sigterm": True})
+            raise SystemExit(preemption.EXIT_STATUS)
+
+    def _unwatch_sigterm(self) -> None:
+        for hook in self._step_hooks:
+            hook.remove()
+        self._step_hooks = []
+        preemption.unwatch(self)
 
     def _add_shards(self, model: nn.Module, existing: dict) -> set:
         """The local shards of TorchRec-sharded tables become tables (``sharded``); returns the state-dict keys
@@ -367,14 +417,17 @@ class Checkpointer:
         interrupt while waiting cancels them (each aborts at its next step: nothing of them commits) and is
         re-raised; they stay queued until their threads have ended, so that the store is never closed
         under them. (Store.close() and the store's exit hook call this, through its ``WeakPendingWork``.)"""
-        if not len(self._queue):
-            return True
-        try:
-            fs.pause_point("checkpointer_waits_for_save")  # (tests: where a Ctrl-C lands while close waits)
-            return self._queue.wait_all(timeout)
-        except BaseException:
-            self._queue.cancel()
-            raise
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if len(self._queue):
+            try:
+                fs.pause_point("checkpointer_waits_for_save")  # (tests: where a Ctrl-C lands while close waits)
+                if not self._queue.wait_all(timeout):
+                    return False
+            except BaseException:
+                self._queue.cancel()
+                raise
+        # every write has ended: the worker thread goes too (none may outlive a close or the interpreter)
+        return self._queue.stop(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _cancel_saves(self) -> None:
         """Tell every queued save to abort at its next step (an exit that cannot wait for them)."""
@@ -477,10 +530,12 @@ class Checkpointer:
                     f"{arguments.max_dense_bytes():,} bytes: make it an nn.Embedding (a table, saved by rows) "
                     "or split it into several parameters")
         try:
-            return self._snapshot(step, meta, top)
+            pending = self._snapshot(step, meta, top)
         except BaseException:
             self._plan.force_full = True  # the masks may be half-consumed: the next save writes everything
             raise
+        self._last_step, self._steps_since = step, 0
+        return pending
 
     def _snapshot(self, step, meta, top=None) -> PendingSave:
         """Copy what the save writes into host memory (the trainer's stall), then queue its write."""
@@ -524,7 +579,7 @@ class Checkpointer:
                 reports.LOGGER.warning("retention after the save of step %s (version %s) failed; the version is "
                                        "committed, the next save retries: %s: %s", report.step, report.version,
                                        type(exc).__name__, exc)
-        reports.deliver(self._on_report, report)
+        reports.deliver(self._on_report, report, background=True)
 
     def _apply_retention(self, store) -> list[int]:
         """Drop the versions ``keep_last`` / ``keep_every_n_steps`` do not keep and collect their space;
@@ -589,31 +644,86 @@ class Checkpointer:
             extra=self._extra, param_names={id(p): name for name, p in self.model.named_parameters()},
             row_tables=row_tables))
 
+    # -- what the store holds ---------------------------------------------------------------------------
+    def versions(self) -> list[VersionInfo]:
+        """The store's versions, oldest first (``Store.versions``)."""
+        return self.store.versions()
+
+    def latest(self) -> VersionInfo | None:
+        """The newest version (None before the first save commits)."""
+        return self.store.latest()
+
+    def steps(self) -> list[int | None]:
+        """The training step of each version, oldest first (what ``save(step)`` recorded)."""
+        return [v.step for v in self.store.versions()]
+
     # -- restore --------------------------------------------------------------------------------------
-    def restore(self, version: int | None = None, *, trust_pickle: bool = False) -> VersionInfo:
-        """Load ``version`` (default newest) into the model, optimizers and ``extra`` in place.
+    def restore(self, version: int | None = None, *, only=None, strict: bool = True,
+                trust_pickle: bool = False) -> VersionInfo | None:
+        """Load ``version`` (default newest) into the model, optimizers and ``extra`` in place; returns its
+        ``VersionInfo``, or None when the store holds no version yet (a fresh start:
+        ``info = ckpt.restore(); start = info.step + 1 if info else 0``).
 
-        The trainer payload is read as data (``torch.load(weights_only=True)``); a payload whose pickle names
-        code (written before payload format 2, or crafted) raises :class:`UnsafePayload` before anything is
-        changed, unless ``trust_pickle=True`` (a warning, then a full unpickle: only for a store you wrote).
+        All or nothing: what the version holds is checked against the live objects before any of them
+        changes (restore_check.py): every table, dense array, optimizer and ``extra`` object must get its
+        state, and the version must hold nothing beyond them, the optimizers of the same kind with the same
+        parameter groups; else :class:`InvalidArgument` names the difference and nothing is changed. A
+        damaged record (:class:`CorruptionError`) and a refused payload (:class:`UnsafePayload`: a pickle
+        naming code, unless ``trust_pickle=True``, a warning, then a full unpickle: only for a store you
+        wrote) change nothing either. An ``extra`` object whose ``load_state_dict`` raises is put back as it
+        was (InvalidArgument).
 
-        Waits for every queued save first (a failure among them is still raised by the next ``save``). A model
-        whose shapes differ from the stored ones raises :class:`InvalidArgument`, and so does a version
-        holding another number of optimizers than this Checkpointer has -- except a version holding none
-        (``cnrstore import`` of model weights only), which leaves the optimizers as they are.
+        ``only`` loads part of it: ``"model"`` (every table and dense array), ``"optimizers"``,
+        ``"extra"``, or names of tables, dense arrays (state-dict keys) and ``extra`` objects, in any
+        combination (a list); the rest is left as it is. ``strict=False`` loads what matches a changed model
+        (DCP's ``allow_partial_load``): live state the version lacks is left as it is, stored state nothing
+        takes is not loaded, and optimizer state follows the parameters by name; the ``RestoreReport`` (the
+        ``on_report`` hook, and ``last_restore``) lists both (``missing``, ``unexpected``).
+
+        Waits for every queued save first (a failure among them is still raised by the next ``save``). A
+        version holding no optimizer state (``cnrstore import`` of model weights only) leaves the
+        optimizers as they are.
         """
         if self._closed:
             raise InvalidArgument("this Checkpointer is closed")
         start = time.perf_counter()
         self._finish_inflight()
-        info, stored = _restore.read_version(self.store, self._tables, self._dense, self._optimizers,
-                                             self._extra, version, trust_pickle=trust_pickle)
+        before: dict = {}  # extra objects' state as it was, put back if a later step fails
+
+        def load_extra(states: dict) -> None:
+            for name, state in states.items():
+                obj = self._extra[name]
+                before[name] = obj.state_dict()
+                try:
+                    obj.load_state_dict(state)
+                except Exception as exc:
+                    raise InvalidArgument(f"extra {name!r}: its load_state_dict failed ({type(exc).__name__}: "
+                                          f"{exc}); nothing was changed") from exc
+
+        try:
+            got = _restore.read_version(self.store, self._tables, self._dense, self._optimizers, self._extra,
+                                        version, trust_pickle=trust_pickle, only=only, strict=strict,
+                                        param_names={id(p): n for n, p in self.model.named_parameters()},
+                                        before_decode=load_extra)
+        except BaseException:
+            for name, state in before.items():
+                try:
+                    self._extra[name].load_state_dict(state)
+                except Exception:  # noqa: BLE001 - the first failure is the one to raise
+                    reports.LOGGER.exception("cnrstore: putting extra %r back after a failed restore failed", name)
+            raise
+        if got is None:
+            return None
+        info, stored, outcome = got
         # everything read and checked (the fp32 host weights and row-wise optimizer state already decoded
         # into place, after every record was verified): now change the rest of the live objects
         self.load_state(*stored)
         latest = self.store.latest()
-        self.note_restore(matches_newest=latest is not None and latest.version == info.version)
-        reports.deliver(self._on_report, RestoreReport(info.version, info.step, time.perf_counter() - start))
+        whole = only is None and not outcome.missing and not outcome.unexpected
+        self.note_restore(matches_newest=whole and latest is not None and latest.version == info.version)
+        self.last_restore = RestoreReport(info.version, info.step, time.perf_counter() - start, outcome.restored,
+                                          outcome.missing, outcome.unexpected)
+        reports.deliver(self._on_report, self.last_restore)
         return info
 
     # -- for sibling packages (cnrstore.distributed; docs/ARCHITECTURE.md, "Seams between packages") -----
@@ -635,11 +745,11 @@ class Checkpointer:
         ``optimizer_states``: a state dict per optimizer with its row-wise state filled in (an empty list
         leaves the optimizers as they are); ``extra``: {name: state dict}, loaded in that order.
         Call :meth:`note_restore` after it."""
-        create_lazy_state(self._optimizers, optimizer_states)
+        create_lazy_state(self._optimizers, [sd if sd is not None else {"state": {}} for sd in optimizer_states])
         pending = set()  # the CUDA devices with host-to-device copies in flight
         with torch.no_grad():
             for t, w in zip(self._tables, weights):
-                if w is not t.weight:  # (the weight itself: restore decoded the table into it)
+                if w is not None and w is not t.weight:  # (None: not loaded; the weight itself: decoded into)
                     _copy_in(t.weight, w, pending)
             for state, w in shard_states:
                 if w is not state:  # (the state itself: restore decoded its rows into it)
@@ -649,7 +759,8 @@ class Checkpointer:
             for device in pending:  # the pinned buffers' copies have landed before anyone reads (or frees) them
                 torch.cuda.synchronize(device)
         for opt, sd in zip(self._optimizers, optimizer_states):
-            opt.load_state_dict(with_live_state(sd, opt))
+            if sd is not None:  # (None: this one is not loaded)
+                opt.load_state_dict(with_live_state(sd, opt))
         for k, state in extra.items():
             self._extra[k].load_state_dict(state)
 
@@ -679,6 +790,7 @@ class Checkpointer:
             return
         self._finish_inflight()
         self._remove_hooks()
+        self._unwatch_sigterm()
         self._closed = True
         if self._owns_store:
             self.store.close()

@@ -109,6 +109,8 @@ _CHUNK_ELEMENTS = 1 << 24
 #: The entries a source dict may hold beside its ``"model"`` (or ``"state_dict"``): what ``cnrstore export
 #: --layout checkpoint`` writes (``cnrstore/torch/export.py``, ``CheckpointView.checkpoint_dict``).
 CHECKPOINT_KEYS = ("optimizers", "param_names", "embedding_tables", "extra", "version", "step", "meta")
+#: Where trainers keep one optimizer's ``state_dict()`` beside the model (DCP's tutorials: ``"optim"``)
+OPTIMIZER_KEYS = ("optim", "optimizer", "optimizer_state_dict")
 
 
 @dataclass(frozen=True)
@@ -383,6 +385,11 @@ class _Source:
     meta: dict | None = None
     version: int | None = None
     ignored: tuple = ()
+    #: the optimizer state is keyed by position (``optimizer.state_dict()``): its parameters are named at
+    #: the import, by ``optimizer=`` or ``model=`` (``_name_positional``)
+    positional: bool = False
+    #: the source's scalar entries that are not the layout's (``"epoch"``): imported into the version's meta
+    scalars: dict = field(default_factory=dict)
 
 
 def _is_nested_export(obj: Mapping) -> bool:
@@ -417,6 +424,10 @@ def _split(obj, where: str, model_only: bool) -> _Source:
                               "store), not a model state dict; import takes what model.state_dict() returns")
     if obj and all(torch.is_tensor(v) for v in obj.values()):
         return _Source(_state_dict_of(obj, where))
+    if len(obj) == 1:  # a Stateful's state under one name (DCP's {"app": AppState(model, optimizer)} layout)
+        (wrapper, inner), = obj.items()
+        if isinstance(inner, Mapping) and any(k in inner for k in ("model", "state_dict")):
+            obj, where = inner, f"entry {wrapper!r} of {where}"
     model_keys = [k for k in ("model", "state_dict") if k in obj]
     if not model_keys:
         odd = [k for k, v in obj.items() if not torch.is_tensor(v)][:3]
@@ -431,7 +442,23 @@ def _split(obj, where: str, model_only: bool) -> _Source:
     if model_only:
         src.ignored = tuple(str(k) for k in rest)
         return src
-    unknown = [k for k in rest if k not in CHECKPOINT_KEYS]
+    single = [k for k in OPTIMIZER_KEYS if k in obj]
+    if len(single) > 1 or (single and "optimizers" in obj):
+        raise InvalidArgument(f"{where} holds optimizer state under {[*single, *(['optimizers'] if 'optimizers' in obj else [])]}: "
+                              "which one the trainer's is would be a guess; re-save it with one, or pass --model-only")
+    if single:
+        obj = {**{k: v for k, v in obj.items() if k != single[0]}, "optimizers": [obj[single[0]]]}
+        rest = [k for k in obj if k != key]
+        named = _by_name(obj["optimizers"][0])
+        if named is not None:  # keyed by parameter name (DCP's get_state_dict): the names come with it
+            obj["optimizers"], obj["param_names"] = [named[0]], [named[1]]
+        elif "param_names" not in obj:
+            obj["optimizers"] = [_by_position(obj["optimizers"][0], where)]
+            src.positional = True
+    scalars = {k: v for k, v in obj.items() if k in rest and k not in CHECKPOINT_KEYS
+               and isinstance(k, str) and isinstance(v, (int, float, str, bool))}
+    src.scalars = scalars
+    unknown = [k for k in rest if k not in CHECKPOINT_KEYS and k not in scalars]
     if unknown:
         raise InvalidArgument(
             f"{where} holds entries the import does not understand: {unknown[:8]} (beside {key!r} it reads what "
@@ -448,7 +475,7 @@ def _split(obj, where: str, model_only: bool) -> _Source:
                               "'state' and 'param_groups'); re-export it, or pass --model-only (model_only=True)")
     src.optimizers = [dict(o) for o in optimizers]
     names = obj.get("param_names")
-    if src.optimizers and names is None:
+    if src.optimizers and names is None and not src.positional:
         raise InvalidArgument(f"{where} holds optimizer state without 'param_names': state keyed by position "
                               "cannot be matched to the embedding tables. Import the model with --model-only "
                               "(model_only=True), or load the state into the trainer's optimizer and pass "
@@ -482,6 +509,79 @@ def _split(obj, where: str, model_only: bool) -> _Source:
     src.step, src.meta = step, (dict(meta) if meta is not None else None)
     src.version = version if isinstance(version, int) and not isinstance(version, bool) else None
     return src
+
+
+def _by_name(sd) -> tuple[dict, list] | None:
+    """An optimizer state dict keyed by parameter name (``get_state_dict``'s: ``state`` and each group's
+    ``params`` hold names) as one keyed by position, and the names; None if it is not keyed by name."""
+    if not isinstance(sd, Mapping) or not isinstance(sd.get("param_groups"), (list, tuple)):
+        return None
+    groups = sd["param_groups"]
+    names = [p for g in groups if isinstance(g, Mapping) for p in g.get("params", ())]
+    if not names or not all(isinstance(n, str) and not n.isdigit() for n in names):
+        return None
+    index = {n: i for i, n in enumerate(names)}
+    state = sd.get("state") or {}
+    if not isinstance(state, Mapping) or any(k not in index for k in state):
+        return None
+    out_groups, i = [], 0
+    for g in groups:
+        out_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(i, i + len(g["params"])))})
+        i += len(g["params"])
+    return {**sd, "state": {index[k]: v for k, v in state.items()}, "param_groups": out_groups}, names
+
+
+def _by_position(sd, where: str) -> dict:
+    """An ``optimizer.state_dict()`` whose parameters are positions, with the positions as ints (DCP saves
+    them as strings)."""
+    def pos(k):
+        if isinstance(k, int) and not isinstance(k, bool):
+            return k
+        if isinstance(k, str) and k.isdigit():
+            return int(k)
+        raise InvalidArgument(f"the optimizer state of {where} is keyed by {k!r}, neither a parameter's position nor "
+                              "its name; re-save it as optimizer.state_dict(), or pass --model-only")
+    if not isinstance(sd, Mapping) or not isinstance(sd.get("state"), Mapping) or not isinstance(
+            sd.get("param_groups"), (list, tuple)):
+        raise InvalidArgument(f"the optimizer entry of {where} is not an optimizer.state_dict() (with 'state' and "
+                              "'param_groups'); re-save it, or pass --model-only")
+    groups = [{**g, "params": [pos(p) for p in g.get("params", ())]} if isinstance(g, Mapping) else g
+              for g in sd["param_groups"]]
+    return {**sd, "state": {pos(k): v for k, v in sd["state"].items()}, "param_groups": groups}
+
+
+def _name_positional(src: _Source, model, optimizers, where: str) -> list:
+    """The parameter names of a source's one optimizer state keyed by position: ``optimizer=``'s parameters
+    (built as the trainer built it), else ``model=``'s in ``named_parameters()`` order (an optimizer made
+    with ``model.parameters()``) when every state tensor has the shape of its parameter; InvalidArgument
+    saying what to pass otherwise."""
+    sd = src.optimizers[0]
+    count = sum(len(g["params"]) for g in sd["param_groups"])
+    if optimizers:
+        if len(optimizers) != 1:
+            raise InvalidArgument(f"{where} holds one optimizer's state; optimizer= gives {len(optimizers)}")
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names.get(id(p)) for g in optimizers[0].param_groups for p in g["params"]]
+        if len(order) != count:
+            raise InvalidArgument(f"{where} holds optimizer state for {count} parameters; optimizer= has "
+                                  f"{len(order)}: pass the optimizer built as the trainer built it")
+        return order
+    fix = ("pass optimizer= (the trainer's optimizer, built as it was when it saved) with model=, or --model-only "
+           "(model_only=True) to import the model alone")
+    if model is None:
+        raise InvalidArgument(f"{where} holds optimizer state keyed by position ({count} parameters), which only the "
+                              f"model can name: {fix}")
+    params = list(model.named_parameters())
+    if len(params) != count:
+        raise InvalidArgument(f"{where} holds optimizer state for {count} parameters, the model has {len(params)}: "
+                              f"the optimizer was not made with model.parameters(); {fix}")
+    for i, (name, p) in enumerate(params):
+        for k, v in sd["state"].get(i, {}).items():
+            if torch.is_tensor(v) and v.dim() >= 1 and tuple(v.shape) != tuple(p.shape):
+                raise InvalidArgument(f"{where}: optimizer state {k!r} of parameter {i} has shape {tuple(v.shape)}, "
+                                      f"the model's parameter {i} ({name!r}) {tuple(p.shape)}: the optimizer was not "
+                                      f"made with model.parameters(); {fix}")
+    return [n for n, _ in params]
 
 
 def _read(source, format: str | None, model_only: bool) -> tuple[_Source, str]:
@@ -751,6 +851,9 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
     src, fmt = _read(source, format, bool(model_only))
     state_dict = src.state_dict
     where = "the state dict given" if fmt == "state_dict" else repr(os.fspath(source))
+    if src.positional:  # its parameters named by optimizer= or model= (optimizer= is not recorded then)
+        src.param_names = [_name_positional(src, model, optimizers, where)]
+        optimizers = []
     if optimizers and src.optimizers:
         raise InvalidArgument(f"{where} holds the state of {len(src.optimizers)} optimizer(s) and optimizer= is "
                               "given too; drop optimizer= to import the source's, or pass model_only=True to "
@@ -803,6 +906,8 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
         _check_finite(f"optimizer state table {name!r}", v)
     step = src.step if step is None else step
     meta = src.meta if meta is None else meta
+    if src.scalars:  # (a trainer's "epoch" and such: into the version's meta, beside what meta= says)
+        meta = {**src.scalars, **(meta or {})}
     arguments.step_arg(step)
     pack_meta(meta)
     payload = {"format": PAYLOAD_FORMAT, "mode": "imported", "tables": list(chosen),

@@ -87,6 +87,9 @@ def build(*, mode: str, tables: list[str], dense: Mapping, optimizers: list, ext
         "extra": {k: obj.state_dict() for k, obj in extra.items()},
         "param_names": [[param_names.get(id(p)) for g in opt.param_groups for p in g["params"]]
                         for opt in optimizers],
+        # the optimizers' classes: a restore into another kind is refused (restore_check.py); absent in
+        # payloads of earlier cnrstore, whose kinds are then not checked
+        "optimizer_types": [f"{type(opt).__module__}.{type(opt).__qualname__}" for opt in optimizers],
     }
 
 
@@ -272,6 +275,9 @@ def check_structure(payload, version) -> None:
                     torch_dtype(val.get("dtype"), version)
     if not isinstance(payload.get("extra", {}), dict):
         raise _bad(version, "extra is not a map")
+    kinds = payload.get("optimizer_types")
+    if kinds is not None and (not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds)):
+        raise _bad(version, "optimizer_types is not a list of class names")
     names = payload.get("param_names")
     if names is not None and (not isinstance(names, (list, tuple)) or not all(
             isinstance(n, (list, tuple)) and all(x is None or isinstance(x, str) for x in n) for n in names)):

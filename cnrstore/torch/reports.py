@@ -10,7 +10,7 @@ loaded): it is logged on the same logger, with its traceback, and dropped.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import InvalidArgument
 
@@ -24,11 +24,16 @@ LOGGER = logging.getLogger("cnrstore.torch")
 class RestoreReport:
     """What one restore loaded: the ``version`` (for a ``DistributedCheckpointer``, the global version), its
     training ``step``, and ``seconds`` from the call to the state being in place (waiting for queued saves
-    included)."""
+    included); what it ``restored`` (tables, dense arrays, ``extra`` names, ``optimizer N``), and, with
+    ``strict=False``, the live state it left as it was (``missing``) and the stored state nothing took
+    (``unexpected``)."""
 
     version: int
     step: int | None
     seconds: float
+    restored: list = field(default_factory=list)
+    missing: list = field(default_factory=list)
+    unexpected: list = field(default_factory=list)
 
 
 def check_hook(on_report, owner: str):
@@ -47,7 +52,9 @@ def silent(report) -> None:
 def describe(report) -> str:
     """One line for the log: ``save of step 100 -> version 7 (baseline): 1,234 rows, stall 3.1 ms, ...``."""
     if isinstance(report, RestoreReport):
-        return f"restored version {report.version} (step {report.step}) in {report.seconds * 1e3:.1f} ms"
+        left = (f"; left as they were: {report.missing}" if report.missing else "") + (
+            f"; not loaded: {report.unexpected}" if report.unexpected else "")
+        return f"restored version {report.version} (step {report.step}) in {report.seconds * 1e3:.1f} ms{left}"
     kind = "baseline" if report.baseline else "priority" if report.priority else "increment"
     parts = [f"{sum(report.rows.values()):,} rows", f"stall {report.stall_s * 1e3:.1f} ms",
              f"write {report.write_s * 1e3:.1f} ms"]
@@ -58,13 +65,16 @@ def describe(report) -> str:
     return f"save of step {report.step} -> version {report.version} ({kind}): {', '.join(parts)}"
 
 
-def deliver(hook, report) -> None:
-    """Hand ``report`` to ``hook`` (None: log it at INFO); a hook's exception is logged, not raised."""
+def deliver(hook, report, *, background: bool = False) -> None:
+    """Hand ``report`` to ``hook`` (None: log it at INFO); a hook's exception is logged, not raised. On a
+    ``background`` thread (a save's writer) that includes SystemExit, KeyboardInterrupt and GeneratorExit,
+    which would otherwise end the thread that writes the saves queued behind; on the caller's own thread
+    those are raised (they are the caller's: an interrupt, an exit)."""
     if hook is None:
         LOGGER.info("%s", describe(report))
         return
     try:
         hook(report)
-    except Exception:
+    except Exception if not background else BaseException:
         LOGGER.exception("the on_report hook failed on: %s (the %s is not affected)", describe(report),
                          "restore" if isinstance(report, RestoreReport) else "save, which committed,")

@@ -26,6 +26,7 @@ from ..errors import InvalidArgument, MissingRows, VersionNotFound
 from ..types import VersionInfo
 from .optim_state import is_keyed, row_state_width
 from .payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
+from .restore_check import Outcome, check_names, check_optimizers, select
 from .tracking import ShardTable
 
 __all__ = ["StoredState", "read_shard", "read_version", "version_info"]
@@ -43,14 +44,10 @@ class StoredState(NamedTuple):
     extra: dict
 
 
-def version_info(store, version: int | None) -> VersionInfo:
-    """The ``VersionInfo`` of ``version`` (default newest); VersionNotFound, or InvalidArgument for an
-    empty store."""
+def version_info(store, version: int | None) -> VersionInfo | None:
+    """The ``VersionInfo`` of ``version`` (default newest: None for an empty store); VersionNotFound."""
     if version is None:
-        info = store.latest()
-        if info is None:
-            raise InvalidArgument("the store holds no version to restore; save() one first")
-        return info
+        return store.latest()
     for vi in store.versions():
         if vi.version == version:
             return vi
@@ -58,27 +55,67 @@ def version_info(store, version: int | None) -> VersionInfo:
 
 
 def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping, version: int | None, *,
-                 trust_pickle: bool = False) -> tuple[VersionInfo, StoredState]:
-    """Version ``version`` (default newest) of ``store`` for a Checkpointer whose live objects are
-    ``tables`` (``tracking.Table``s), ``dense`` ({state-dict key: tensor}), ``optimizers`` (the optimizers,
-    or how many) and ``extra`` ({name: object}); ``Checkpointer.restore`` gives the contract. Raises
-    InvalidArgument when the version does not fit them (a table's or a dense tensor's shape, a table or
-    state it lacks, another number of optimizers unless it holds none, ``extra`` state this Checkpointer
-    lacks), UnsafePayload for a pickled payload without ``trust_pickle``, CorruptionError for a damaged
-    record: each of them before any live object changes.
+                 trust_pickle: bool = False, only=None, strict: bool = True, param_names: Mapping | None = None,
+                 before_decode=None) -> tuple[VersionInfo, StoredState, Outcome] | None:
+    """Version ``version`` (default newest; None if the store holds none) of ``store`` for a Checkpointer
+    whose live objects are ``tables`` (``tracking.Table``s), ``dense`` ({state-dict key: tensor}),
+    ``optimizers`` (the optimizers, or how many) and ``extra`` ({name: object}); ``Checkpointer.restore``
+    gives the contract, ``only`` and ``strict`` what is loaded (restore_check.py), ``param_names``
+    ({id(parameter): its model name}) how optimizer state follows parameters by name with ``strict=False``.
+    Raises InvalidArgument when the version does not fit them (a table's or a dense tensor's shape, a table,
+    array, optimizer or ``extra`` state it lacks or holds beyond them, another kind of optimizer, other
+    parameter groups), UnsafePayload for a pickled payload without ``trust_pickle``, CorruptionError for a
+    damaged record: each of them before any live object changes.
 
-    Only its last step changes live objects: once every record of every table it reads has been verified
-    (``Store.read_tables``), the tables are decoded, in parallel, straight into the live fp32 CPU
-    weights and into the optimizers' existing row-wise state tensors of the stored shape and dtype (on a
-    CUDA device: into pinned buffers copied into them without blocking, then synchronized; these come
-    back in the ``StoredState`` as the live tensors themselves, which ``Checkpointer.load_state`` then
-    leaves as they are); other tables are decoded into new tensors (pinned host memory for a CUDA
-    weight) for ``load_state`` to copy."""
+    Only its last step changes live objects: ``before_decode()`` (if given) is called once everything is
+    checked, then, once every record of every table it reads has been verified (``Store.read_tables``), the
+    tables are decoded, in parallel, straight into the live fp32 CPU weights and into the optimizers'
+    existing row-wise state tensors of the stored shape and dtype (on a CUDA device: into pinned buffers
+    copied into them without blocking, then synchronized; these come back in the ``StoredState`` as the live
+    tensors themselves, which ``Checkpointer.load_state`` then leaves as they are); other tables are decoded
+    into new tensors (pinned host memory for a CUDA weight) for ``load_state`` to copy. A table not loaded
+    comes back as None in ``weights``; an optimizer not loaded as None in ``optimizer_states`` (an empty list:
+    none is)."""
     info = version_info(store, version)
+    if info is None:
+        return None
     v = info.version
     catalog = store.tables()
     live_opts = optimizers if not isinstance(optimizers, int) else None
     n_opts = optimizers if live_opts is None else len(live_opts)
+    payload = _payload.decode(store.read_dense(STATE_BLOB, v), v, trust_pickle=trust_pickle)
+    outcome = Outcome()
+    sel = select(only, [t.name for t in tables], list(dense), list(extra), bool(n_opts))
+    hint = "The model, optimizers or extra objects differ from the ones that saved it. "
+    plain = [t for t in tables if not isinstance(t, ShardTable)]
+    whole = only is None or "model" in ([only] if isinstance(only, str) else list(only))
+    if plain and len(plain) == len(tables):  # (a TorchRec plan's shards are named by the plan that saved them)
+        stored = set(payload["tables"])
+        keep = check_names("table(s)", {t.name for t in plain} & sel.tables, stored if whole else stored & sel.tables,
+                           v, strict, outcome, hint)
+    else:
+        keep = {t.name for t in plain} & sel.tables
+    stored_dense = set(payload["dense_dtypes"])
+    keep_dense = check_names("dense array(s)", set(dense) & sel.dense, stored_dense if whole else stored_dense & sel.dense,
+                             v, strict, outcome, hint)
+    whole_extra = only is None or "extra" in ([only] if isinstance(only, str) else list(only))
+    stored_extra = set(payload["extra"])
+    keep_extra = check_names("extra state", set(extra) & sel.extra, stored_extra if whole_extra else stored_extra & sel.extra,
+                             v, strict, outcome, hint)
+    stored_opts = payload["optimizers"] or []
+    whole_opts = only is None or "optimizers" in ([only] if isinstance(only, str) else list(only))
+    if sel.optimizers and live_opts is not None:
+        optim_sds = check_optimizers(payload, live_opts, param_names or {}, v, strict, outcome)
+    else:
+        optim_sds = None
+        if stored_opts and (whole_opts or sel.optimizers) and len(stored_opts) != n_opts:
+            if strict:  # (optimizer state the version holds, and nothing live to take it)
+                raise InvalidArgument(f"version {v} holds {len(stored_opts)} optimizer(s), this Checkpointer has "
+                                      f"{n_opts}. Nothing was changed; restore with only='model' to load the model "
+                                      "alone, or strict=False to leave the optimizer state out")
+            outcome.unexpected += [f"optimizer {i}" for i in range(len(stored_opts))]
+    all_tables = tables
+    tables = [t for t in tables if t.name in keep or (isinstance(t, ShardTable) and t.name in sel.tables)]
     for t in tables:
         if isinstance(t, ShardTable):
             continue  # read by rows and column slices, checked there (read_shard)
@@ -89,19 +126,13 @@ def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping
             raise InvalidArgument(
                 f"table {t.name!r}: the store has {ti.num_rows} rows x {ti.dim} dims, the model "
                 f"{t.num_rows} x {t.dim}; restore into a model of the stored shape")
-    payload = _payload.decode(store.read_dense(STATE_BLOB, v), v, trust_pickle=trust_pickle)
-    stored_dense = {key: _dense(store, key, target, v) for key, target in dense.items()}
-    if payload["optimizers"] and len(payload["optimizers"]) != n_opts:
-        raise InvalidArgument(f"version {v} holds {len(payload['optimizers'])} optimizer(s), this "
-                              f"Checkpointer has {n_opts}")
-    missing = [k for k in payload["extra"] if k not in extra]
-    if missing:
-        raise InvalidArgument(f"version {v} holds extra state {missing}, which this Checkpointer lacks")
+    read_dense = {key: _dense(store, key, target, v) for key, target in dense.items() if key in keep_dense}
     # every table read whole, in one read_tables call: {name: live tensor or a new host tensor}
     targets = {t.name: _weight_target(t.weight) for t in tables if not isinstance(t, ShardTable)}
     to_device: list = []  # (live CUDA state tensor, the pinned buffer its table is decoded into)
-    row_marks = [_row_marks(store, catalog, sd, None if live_opts is None else live_opts[i], v, targets, to_device)
-                 for i, sd in enumerate(payload["optimizers"])]
+    row_marks = [None if sd is None else _row_marks(store, catalog, sd, None if live_opts is None else live_opts[i],
+                                                    v, targets, to_device)
+                 for i, sd in enumerate(optim_sds or [])]
     # a shard (and its row-wise state) that one stored table holds, columns for columns, is read in the same
     # call, as a row range, into its live tensor in the TBE (or a pinned buffer); the others are assembled
     # from column slices now (new arrays, copied in by load_state)
@@ -110,18 +141,24 @@ def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping
               for t in tables if isinstance(t, ShardTable)}
     shard_states = [(state, _shard_read(store, catalog, t, f".optim.{key}", row_state_width(state), state, v, targets,
                                         ranges))
-                    for t in tables if isinstance(t, ShardTable) for key, state in t.states]
+                    for t in tables if isinstance(t, ShardTable) and optim_sds for key, state in t.states]
+    if before_decode is not None:
+        before_decode({k: payload["extra"][k] for k in keep_extra})
     outs = {name: None if target is None else target.numpy() for name, target in targets.items()}
     outs.update((name, (start, target.numpy())) for name, (start, target) in ranges.items())
     arrays = store.read_tables(outs, v)  # verifies every record, then decodes (in parallel) into the targets
     _copy_to_devices(to_device)
     read = {name: torch.from_numpy(arrays[name]) if target is None else target for name, target in targets.items()}
-    weights = [_live_or(shards[id(t)], t.weight) if isinstance(t, ShardTable) else _live_or(read[t.name], t.weight)
-               for t in tables]
+    loaded = {id(t) for t in tables}
+    weights = [None if id(t) not in loaded else
+               _live_or(shards[id(t)], t.weight) if isinstance(t, ShardTable) else _live_or(read[t.name], t.weight)
+               for t in all_tables]
     shard_states = [(state, _live_or(w, state)) for state, w in shard_states]
-    # a version without optimizer state (an import of model weights) leaves the optimizers as they are
-    optim_sds = [_with_row_state(sd, marks, read, v) for sd, marks in zip(payload["optimizers"], row_marks)]
-    return info, StoredState(weights, shard_states, stored_dense, optim_sds, payload["extra"])
+    optim_states = [] if optim_sds is None else [None if sd is None else _with_row_state(sd, marks, read, v)
+                                                 for sd, marks in zip(optim_sds, row_marks)]
+    outcome.restored = sorted({t.name for t in tables}) + sorted(read_dense) + sorted(keep_extra) + [
+        f"optimizer {i}" for i, sd in enumerate(optim_states) if sd is not None]
+    return info, StoredState(weights, shard_states, read_dense, optim_states, {}), outcome
 
 
 def _weight_target(weight: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,72 @@
+"""A user's trainer, run as a subprocess by tests/test_trainer_exit.py: nn.EmbeddingBag tables with sparse
+Adagrad, a dense MLP with Adam, a Checkpointer saving every ``--every`` steps; prints ``saved STEP`` once
+each ``save()`` has returned, and ``closed THREADS`` after ``close()`` (the threads still alive).
+
+    python trainer_worker.py STORE --rows 1000000,500000,100000 --steps 6 --every 2 [--on-sigterm save]
+                             [--slow-write S] [--forever]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+
+import torch
+from torch import nn
+
+from cnrstore.torch import Checkpointer, async_save
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("store")
+    p.add_argument("--rows", default="1000000,500000,100000")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--every", type=int, default=2)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--on-sigterm", default="finish")
+    p.add_argument("--slow-write", type=float, default=0.0, help="each background write first sleeps this long")
+    p.add_argument("--forever", action="store_true", help="train until a signal ends the process")
+    args = p.parse_args()
+    if args.slow_write:
+        write = async_save.write
+
+        def slow(*a, **k):
+            time.sleep(args.slow_write)  # a slow disk: saves that returned are still in flight at the signal
+            return write(*a, **k)
+
+        async_save.write = slow
+    torch.manual_seed(0)
+    rows = [int(r) for r in args.rows.split(",")]
+    tables = nn.ModuleList(nn.EmbeddingBag(n, args.dim, sparse=True, mode="sum") for n in rows)
+    top = nn.Sequential(nn.Linear(args.dim * len(rows), 64), nn.ReLU(), nn.Linear(64, 1))
+    model = nn.ModuleDict({"tables": tables, "top": top})
+    sparse_opt = torch.optim.Adagrad(list(tables.parameters()), lr=0.01)
+    dense_opt = torch.optim.Adam(top.parameters(), lr=1e-3)
+    on_sigterm = None if args.on_sigterm == "none" else args.on_sigterm
+    ckpt = Checkpointer(args.store, model, [sparse_opt, dense_opt], codec="fp32", mode="incremental",
+                        on_sigterm=on_sigterm)
+    step = 0
+    with ckpt:
+        while args.forever or step < args.steps:
+            step += 1
+            ids = [torch.randint(0, n, (args.batch, 4)) for n in rows]
+            logits = top(torch.cat([t(i) for t, i in zip(tables, ids)], 1)).squeeze(1)
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, torch.rand(args.batch))
+            sparse_opt.zero_grad()
+            dense_opt.zero_grad()
+            loss.backward()
+            sparse_opt.step()
+            dense_opt.step()
+            if step % args.every == 0:
+                ckpt.save(step)
+                print(f"saved {step}", flush=True)
+    print("closed", [t.name for t in threading.enumerate() if t.name.startswith("cnrstore")], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
