@@ -85,10 +85,16 @@ def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping
     n_opts = optimizers if live_opts is None else len(live_opts)
     payload = _payload.decode(store.read_dense(STATE_BLOB, v), v, trust_pickle=trust_pickle)
     outcome = Outcome()
+    if only is not None and not isinstance(only, str):
+        try:
+            only = list(only)  # (read twice below: a generator once)
+        except TypeError:
+            pass  # (select() says what to pass)
     sel = select(only, [t.name for t in tables], list(dense), list(extra), bool(n_opts))
     hint = "The model, optimizers or extra objects differ from the ones that saved it. "
     plain = [t for t in tables if not isinstance(t, ShardTable)]
-    whole = only is None or "model" in ([only] if isinstance(only, str) else list(only))
+    asked = None if only is None else ({only} if isinstance(only, str) else set(only))  # (select() checked it)
+    whole = asked is None or "model" in asked
     if plain and len(plain) == len(tables):  # (a TorchRec plan's shards are named by the plan that saved them)
         stored = set(payload["tables"])
         keep = check_names("table(s)", {t.name for t in plain} & sel.tables, stored if whole else stored & sel.tables,
@@ -98,22 +104,10 @@ def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping
     stored_dense = set(payload["dense_dtypes"])
     keep_dense = check_names("dense array(s)", set(dense) & sel.dense, stored_dense if whole else stored_dense & sel.dense,
                              v, strict, outcome, hint)
-    whole_extra = only is None or "extra" in ([only] if isinstance(only, str) else list(only))
+    whole_extra = asked is None or "extra" in asked
     stored_extra = set(payload["extra"])
     keep_extra = check_names("extra state", set(extra) & sel.extra, stored_extra if whole_extra else stored_extra & sel.extra,
                              v, strict, outcome, hint)
-    stored_opts = payload["optimizers"] or []
-    whole_opts = only is None or "optimizers" in ([only] if isinstance(only, str) else list(only))
-    if sel.optimizers and live_opts is not None:
-        optim_sds = check_optimizers(payload, live_opts, param_names or {}, v, strict, outcome)
-    else:
-        optim_sds = None
-        if stored_opts and (whole_opts or sel.optimizers) and len(stored_opts) != n_opts:
-            if strict:  # (optimizer state the version holds, and nothing live to take it)
-                raise InvalidArgument(f"version {v} holds {len(stored_opts)} optimizer(s), this Checkpointer has "
-                                      f"{n_opts}. Nothing was changed; restore with only='model' to load the model "
-                                      "alone, or strict=False to leave the optimizer state out")
-            outcome.unexpected += [f"optimizer {i}" for i in range(len(stored_opts))]
     all_tables = tables
     tables = [t for t in tables if t.name in keep or (isinstance(t, ShardTable) and t.name in sel.tables)]
     for t in tables:
@@ -127,6 +121,18 @@ def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping
                 f"table {t.name!r}: the store has {ti.num_rows} rows x {ti.dim} dims, the model "
                 f"{t.num_rows} x {t.dim}; restore into a model of the stored shape")
     read_dense = {key: _dense(store, key, target, v) for key, target in dense.items() if key in keep_dense}
+    stored_opts = payload["optimizers"] or []
+    whole_opts = asked is None or "optimizers" in asked
+    if sel.optimizers and live_opts is not None:
+        optim_sds = check_optimizers(payload, live_opts, param_names or {}, v, strict, outcome)
+    else:
+        optim_sds = None
+        if stored_opts and (whole_opts or sel.optimizers) and len(stored_opts) != n_opts:
+            if strict:  # (optimizer state the version holds, and nothing live to take it)
+                raise InvalidArgument(f"version {v} holds {len(stored_opts)} optimizer(s), this Checkpointer has "
+                                      f"{n_opts}. Nothing was changed; restore with only='model' to load the model "
+                                      "alone, or strict=False to leave the optimizer state out")
+            outcome.unexpected += [f"optimizer {i}" for i in range(len(stored_opts))]
     # every table read whole, in one read_tables call: {name: live tensor or a new host tensor}
     targets = {t.name: _weight_target(t.weight) for t in tables if not isinstance(t, ShardTable)}
     to_device: list = []  # (live CUDA state tensor, the pinned buffer its table is decoded into)
