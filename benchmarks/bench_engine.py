@@ -149,6 +149,30 @@ def machine_description() -> list[str]:
     ]
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak resident memory (VmHWM) to what it holds now (Linux: /proc/self/clear_refs)
+    and return that, in bytes: ``peak_rss()`` after some work, less this, is what the work added at most."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status_kib("VmRSS") << 10
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory since the last ``reset_peak_rss`` (or its start), in bytes."""
+    return _status_kib("VmHWM") << 10
+
+
 def load_average() -> str:
     try:
         with open("/proc/loadavg") as f:

@@ -71,7 +71,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 from bench_engine import (dir_bytes, fmt_bytes, free_port, load_average, load_peer_checkpoint,  # noqa: E402
-                          machine_description, median, publish)
+                          machine_description, median, peak_rss, publish, reset_peak_rss)
 import dlrm_model  # noqa: E402
 
 import cnrstore  # noqa: E402
@@ -97,6 +97,7 @@ class CnrConfig:
     def name(self) -> str:
         base = f"cnrstore, {SCHEME_LABELS[self.scheme]}"
         return base if self.optimizer_codec == "fp32" else f"{base}, optimizer {self.optimizer_codec}"
+
 
     @property
     def mode(self) -> str:
@@ -209,8 +210,9 @@ def run(args) -> tuple[str, dict]:
             os.makedirs(d)
         stores = {m: cnrstore.open(dirs[m], create=True, compaction=c.compaction(args.keep))
                   for m, c in cnr.items()}
-        ckpts = {m: Checkpointer(stores[m], model, opt, codec=WEIGHT_CODEC, mode=c.mode,
+        ckpts = {m: Checkpointer(stores[m], model, opt, codec=args.codec, mode=c.mode,
                                  optimizer_codec=c.optimizer_codec) for m, c in cnr.items()}
+        memory = {m: [] for m in methods}  # host memory a save held over the trainer's (its peak RSS - before)
         keepers = {m: PeerRetention(args.keep) for m in PEERS}
         stall = {m: [] for m in methods}
         durable = {m: [] for m in methods}
@@ -241,11 +243,13 @@ def run(args) -> tuple[str, dict]:
 
             # cnrstore: snapshot (the stall), then the background write until committed (durable).
             for m, ckpt in ckpts.items():
+                rss0 = reset_peak_rss()
                 t0 = time.perf_counter()
                 pending = ckpt.save(step)
                 stall[m].append(time.perf_counter() - t0)
                 pending.wait()
                 durable[m].append(time.perf_counter() - t0)
+                memory[m].append(peak_rss() - rss0)
                 trainer_baselines[m] += bool(pending.report.baseline)
                 trainer_bytes[m] += int(stores[m].latest().bytes)
                 b = int(stores[m].stats()["bytes_written"])  # the trainer's writes plus compaction's so far
@@ -258,6 +262,7 @@ def run(args) -> tuple[str, dict]:
             state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
             # torch.save: blocking, then fsync (file and directory).
             path = os.path.join(dirs["torch.save"], f"ckpt_{interval:03d}.pt")
+            rss0 = reset_peak_rss()
             t0 = time.perf_counter()
             with open(path, "wb") as f:
                 torch.save(state, f)
@@ -266,16 +271,19 @@ def run(args) -> tuple[str, dict]:
                 os.fsync(f.fileno())
             fsync_dir(dirs["torch.save"])
             durable["torch.save"].append(time.perf_counter() - t0)
+            memory["torch.save"].append(peak_rss() - rss0)
             written["torch.save"].append(os.path.getsize(path))
             keepers["torch.save"].written(path)
             method_s["torch.save"].append(time.perf_counter() - t0)
 
             # DCP save: blocking; returns once the files are written (no fsync of its own).
             d = os.path.join(dirs["DCP save"], f"step_{interval:03d}")
+            rss0 = reset_peak_rss()
             t0 = time.perf_counter()
             dcp.save(state, checkpoint_id=d)
             stall["DCP save"].append(time.perf_counter() - t0)
             durable["DCP save"].append(stall["DCP save"][-1])
+            memory["DCP save"].append(peak_rss() - rss0)
             written["DCP save"].append(dir_bytes(d))
             keepers["DCP save"].written(d)
             method_s["DCP save"].append(time.perf_counter() - t0)
@@ -283,11 +291,13 @@ def run(args) -> tuple[str, dict]:
             # DCP async_save: the stall is its staging (until it returns the future).
             if has_async:
                 d = os.path.join(dirs["DCP async_save"], f"step_{interval:03d}")
+                rss0 = reset_peak_rss()
                 t0 = time.perf_counter()
                 fut = dcp.async_save(state, checkpoint_id=d)
                 stall["DCP async_save"].append(time.perf_counter() - t0)
                 fut.result()
                 durable["DCP async_save"].append(time.perf_counter() - t0)
+                memory["DCP async_save"].append(peak_rss() - rss0)
                 written["DCP async_save"].append(dir_bytes(d))
                 keepers["DCP async_save"].written(d)
                 method_s["DCP async_save"].append(time.perf_counter() - t0)
@@ -339,7 +349,7 @@ def run(args) -> tuple[str, dict]:
                 t0 = time.perf_counter()
                 if m in cnr:
                     s2 = cnrstore.open(dirs[m])
-                    c2 = Checkpointer(s2, m2, o2, codec=WEIGHT_CODEC, mode=cnr[m].mode,
+                    c2 = Checkpointer(s2, m2, o2, codec=args.codec, mode=cnr[m].mode,
                                       optimizer_codec=cnr[m].optimizer_codec)
                     c2.restore()
                     restore[m].append(time.perf_counter() - t0)
@@ -370,7 +380,7 @@ def run(args) -> tuple[str, dict]:
     rows = []
     for m in methods:
         if not stall[m]:
-            rows.append((m, *["n/a"] * 10))
+            rows.append((m, *["n/a"] * 11))
             continue
         rows.append((m, fmt_bytes(median(written[m])), fmt_bytes(sum(written[m])),
                      f"{sum(written['torch.save']) / sum(written[m]):.1f}x",
@@ -378,7 +388,7 @@ def run(args) -> tuple[str, dict]:
                      fmt_s(median(restore[m])),
                      fmt_bytes(disk_all[m]) if disk_all[m] == disk_all[m] else "-",
                      fmt_bytes(disk_last[m]) if disk_last[m] == disk_last[m] else "-",
-                     fmt_bytes(max(disk_trace[m]))))
+                     fmt_bytes(max(disk_trace[m])), fmt_bytes(max(0, max(memory[m])))))
     res = dict(methods=methods, stall=stall, durable=durable, written=written, disk_trace=disk_trace,
                restore=restore, full_bytes=full)
 
@@ -407,7 +417,7 @@ def run(args) -> tuple[str, dict]:
             goals.append("  - trainer stall vs async_save staging: cannot be checked (async_save unavailable)")
 
     head = machine_description()
-    lines = ["## cnrstore against torch.save and torch.distributed.checkpoint", ""]
+    lines = [f"## {args.title}", ""]
     lines += [f"- {h}" for h in head]
     lines += [
         f"- load average (1/5/15 min) at start: {args.load_start}; at end: {load_average()}",
@@ -418,7 +428,7 @@ def run(args) -> tuple[str, dict]:
         f"touched per interval: median {median(touched_frac):.2%} (min {min(touched_frac):.2%}, max "
         f"{max(touched_frac):.2%}); training {median(train_s):.2f} s per interval (median, {args.train_threads} "
         f"thread(s)); checkpoints and restores measured with {args.threads} torch thread(s)",
-        f"- weights in {WEIGHT_CODEC}; intermittent + compaction: Checkpointer(mode=\"intermittent\") on "
+        f"- weights in {args.codec}{' (lossless)' if args.codec == 'fp32' else ' (quantized: lossy)'}; intermittent + compaction: Checkpointer(mode=\"intermittent\") on "
         "open(compaction=\"auto\"), every version kept; incremental + keep-last: Checkpointer(mode=\"incremental\") on "
         f"open(compaction=CompactionPolicy(retention=Retention(KeepLast({args.keep})), gc=True)) (read chains "
         "bounded by the writer's deltas, no background baselines)",
@@ -438,18 +448,22 @@ def run(args) -> tuple[str, dict]:
         "interval's save",
         "- DCP save and async_save do not fsync (their 'durable' is when the write returns); torch.save's "
         "includes fsync",
+        "- host memory: the most resident memory a save added over the trainer's while it ran, max over the "
+        "intervals (the process's peak RSS, reset before each method's save with /proc/self/clear_refs, less its "
+        "RSS then): what a checkpointing trainer needs on top of one that does not checkpoint",
         f"- restore: newest checkpoint into a freshly built model + optimizer (one per method; its later "
         f"restores overwrite the same tensors), median of {args.restores}; max |emb "
         "diff| to the trained weights / max error of Adagrad's accumulators relative to their largest value: "
         + ", ".join(f"{m} {v[0]:.3g} / {v[1]:.3g}" for m, v in check.items()),
         f"- whole benchmark {total_s:.0f} s (setup {setup_s:.0f} s); reproduce: "
         f"`python benchmarks/bench_peers.py{' --quick' if args.quick else ''}"
-        f"{f' --emb-mib {args.emb_mib}' if args.emb_mib != args.default_emb_mib else ''}`",
+        f"{f' --emb-mib {args.emb_mib}' if args.emb_mib != args.default_emb_mib else ''}"
+        f"{args.extra_args}`",
         "",
         "| method | bytes written / interval (median) | bytes written, total | full ckpts / all written "
         "| trainer stall (median) | stall (max) | until durable (median) | restore newest (median) "
-        f"| disk, all {args.intervals} kept | disk, last {args.keep} kept | disk peak |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| disk, all {args.intervals} kept | disk, last {args.keep} kept | disk peak | host memory held (max) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", "Targets, ratios from this run:", *goals]
@@ -657,7 +671,15 @@ def main(argv=None) -> int:
     p.add_argument("--stall-saves", type=int, default=None, help="saves in the trainer-stall run (default 30; --quick 12)")
     p.add_argument("--stall-every", type=int, default=1, help="training steps between saves in the stall run")
     p.add_argument("--stall-only", action="store_true", help="run only the trainer-stall run")
+    p.add_argument("--no-stall-run", action="store_true", help="skip the trainer-stall run")
+    p.add_argument("--codec", default=WEIGHT_CODEC,
+                   help=f"cnrstore's weight codec (default {WEIGHT_CODEC}; fp32 for the lossless comparison)")
+    p.add_argument("--title", default="cnrstore against torch.save and torch.distributed.checkpoint",
+                   help="the report's section heading")
     args = p.parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    keep_flags = ("--codec", "--steps", "--schemes", "--optimizer-codecs", "--intervals", "--batch-size")
+    args.extra_args = "".join(f" {raw[i]} {raw[i + 1]}" for i in range(len(raw) - 1) if raw[i] in keep_flags)
     defaults = dict(emb_mib=(16, 1024), intervals=(6, 7), steps=(2, 4), batch_size=(1024, 4096), keep=(3, 5),
                     stall_saves=(12, 30))
     for k, (quick, full) in defaults.items():
@@ -685,7 +707,8 @@ def main(argv=None) -> int:
                 args.out, None, None)
         return 0
     md, res = run(args)
-    md += "\n" + stall_run(args)
+    if not args.no_stall_run:
+        md += "\n" + stall_run(args)
     publish(md, args.out, args.plot, lambda path: plot(res, path))
     return 0
 

@@ -34,6 +34,17 @@ SECTIONS = [
      "optimizer state fp32 and int8) against a blocking torch.save and torch.distributed.checkpoint "
      "save/async_save on the reference DLRM: bytes written, trainer stall, time until durable, restore "
      "time, disk use.", ["--plot", "peers_intervals.png"], ["--quick"], "peers_intervals.png"),
+    ("bench_peers.py", "Lossless against the peers: the reference DLRM's touched share",
+     "The comparison a DCP user switching with the defaults gets: cnrstore lossless (fp32 tables, fp32 Adagrad "
+     "state; incremental + keep-last) against torch.save, DCP save and async_save on the 1 GiB reference DLRM, "
+     "with the worst stall (p100, the first baseline included) and the host memory each save holds.",
+     LOSSLESS := ["--codec", "fp32", "--schemes", "incremental", "--optimizer-codecs", "fp32", "--no-stall-run"],
+     ["--quick", *LOSSLESS], None),
+    ("bench_peers.py", "Lossless against the peers: a fifth of the rows touched per save",
+     "The same at about 20% of the rows touched per save (a user's own trainer saving every few dozen steps): a "
+     "256 MiB DLRM, 130 steps per interval.",
+     [*LOSSLESS, "--emb-mib", "256", "--steps", "130", "--intervals", "5"],
+     ["--quick", *LOSSLESS, "--steps", "20"], None),
     ("bench_accuracy.py", "Accuracy against the paper's bit-width table",
      "Every cell of the paper's table (1 restore -> 2-bit, 3 -> 3-bit, 20 -> 4-bit, more -> 8-bit), uniform, "
      "adaptive and k-means, on a DLRM that converges (learning rate decayed to 0): held-out logloss averaged "

@@ -32,7 +32,7 @@ def rows_of(md: str) -> dict[str, list[str]]:
 
 def test_ratios_are_dcp_over_cnrstore_from_the_sections_own_cells():
     rows = rows_of(verdict.verdict(PEERS))
-    assert rows["Training stall per save"][1:4] == ["1.00 s (async_save)", "20.0 ms (adaptive4)", "50.0x"]
+    assert rows["Training stall per save"][1:4] == ["1.00 s (async_save)", "20.0 ms (adaptive4; lossy)", "50.0x"]
     assert rows["Bytes written per save"][3] == "204.8x"
     assert rows["Restore the newest into a freshly built model"][3] == "2.0x"
     # a slower cnrstore says so rather than printing a ratio below 1 as a win
@@ -63,3 +63,18 @@ def test_the_committed_results_file_opens_with_its_own_verdict():
     with open(os.path.join(HERE, "..", "benchmarks", "RESULTS.md")) as f:
         md = f.read()
     assert verdict.put(md) == md, "RESULTS.md's verdict is stale: run python benchmarks/verdict.py benchmarks/RESULTS.md --write"
+
+
+def test_the_lossless_rows_come_first_from_their_own_sections_and_quantized_ones_say_they_are_lossy():
+    """The lossless comparisons (bench_peers --codec fp32) are read from their own sections (the same table
+    headers as the quantized run's), lead the table, and carry the worst stall and the host memory held."""
+    lossless = PEERS.replace("## Against the peers", f"## {verdict.LOSSLESS_LOW}").replace(
+        "cnrstore, incremental + keep-last |", "cnrstore, incremental + keep-last |", 1)
+    md = lossless + "\n" + PEERS
+    table = verdict.verdict(md)
+    rows = rows_of(table)
+    first = [line for line in table.splitlines() if line.startswith("| ")][2]
+    assert first.startswith("| Lossless, ~0.4% of rows changed: training stall per save")
+    assert rows["Lossless, ~0.4% of rows changed: training stall per save (median)"][2] == "20.0 ms (fp32)"
+    assert rows["Lossless, ~20% of rows changed: bytes written per save"][1] == verdict.MISSING
+    assert "lossy" in rows["Training stall per save"][2]
