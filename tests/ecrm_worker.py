@@ -198,6 +198,8 @@ def main(cfg: dict) -> int:
                 pending = ckpt.save(step, meta={"step": step})
                 pending.wait()
         except RuntimeError as exc:
+            if not cfg["victims"]:                # no rank was to fail: this is a fault of its own, not a death
+                raise
             if pending is not None:
                 try:
                     pending.wait()

@@ -405,28 +405,31 @@ class ECRM:
 
     def _dense_snapshot(self, current: list):
         """The dense state before a step: ``self._dense`` (taken again if ``current``, the dense half of
-        ``_current()``, shows a change) and one flat byte copy of it."""
+        ``_current()``, shows a change) and one flat byte copy of it per device the tensors are on (CUDA
+        parameters keep small state on the CPU: Adagrad's and Adam's ``step``)."""
         if current != self._guard[1]:
             self._dense = self._dense_tensors()
             self._guard = (self._guard[0], current)
         if self._dense is None:
             return self._dense_state()
         tensors, views = self._dense
+        parts: dict[torch.device, list] = {}
         with torch.no_grad():
-            return tensors, torch.cat([v if v is not None else t.detach().reshape(-1).view(torch.uint8)
-                                       for t, v in zip(tensors, views)])
+            for t, v in zip(tensors, views):
+                parts.setdefault(t.device, []).append(v if v is not None else t.detach().reshape(-1).view(torch.uint8))
+            return tensors, {device: torch.cat(p) for device, p in parts.items()}
 
     def _restore_dense(self, snapshot) -> None:
         if isinstance(snapshot, dict):
             self._load_dense_state(snapshot)
             return
-        tensors, snapshot = snapshot
-        off = 0
+        tensors, flats = snapshot
+        offsets = dict.fromkeys(flats, 0)
         with torch.no_grad():
             for t in tensors:
-                n = t.numel() * t.element_size()
-                t.copy_(snapshot[off:off + n].clone().view(t.dtype).view(t.shape))
-                off += n
+                n, off = t.numel() * t.element_size(), offsets[t.device]
+                t.copy_(flats[t.device][off:off + n].clone().view(t.dtype).view(t.shape))
+                offsets[t.device] = off + n
 
     def _load_dense_state(self, state: dict) -> None:
         named = dict(self.model.named_parameters())
