@@ -45,6 +45,11 @@ SECTIONS = [
      "256 MiB DLRM, 130 steps per interval.",
      [*LOSSLESS, "--emb-mib", "256", "--steps", "130", "--intervals", "5"],
      ["--quick", *LOSSLESS, "--steps", "20"], None),
+    ("bench_trainer.py", "A user's trainer: stalls, peak memory and lag",
+     "Issue 37's trainer shape (1.6M rows x 64 fp32, Adagrad; a save every 25 steps), each method in a process of "
+     "its own: cnrstore at its defaults (streamed baselines), with baselines copied, DCP async_save, and no "
+     "checkpoints: stall median and p100, peak RSS, the lag between save() and its commit, the step hooks' cost.",
+     [], ["--quick"], None),
     ("bench_accuracy.py", "Accuracy against the paper's bit-width table",
      "Every cell of the paper's table (1 restore -> 2-bit, 3 -> 3-bit, 20 -> 4-bit, more -> 8-bit), uniform, "
      "adaptive and k-means, on a DLRM that converges (learning rate decayed to 0): held-out logloss averaged "

@@ -37,11 +37,13 @@ WRITEV_BUFFERS = 512
 
 # Trainer saves (cnrstore.torch) -------------------------------------------------------------------
 #: A Checkpointer's saves queue (a save copies its rows and returns while earlier ones are still being
-#: written) as long as the host memory their snapshots hold stays within this many full snapshots of the
-#: model (every row of every table and of its row-wise optimizer state, and the dense state); a save that
-#: would pass the bound first waits for the oldest. 2: a baseline being written plus as much again queued.
+#: written) as long as the host memory their snapshots hold stays within this fraction of a full snapshot
+#: of the model (every row of every table and of its row-wise optimizer state, and the dense state); a save
+#: that would pass the bound first waits for the oldest (a snapshot alone over it is taken once the queue is
+#: empty). 0.25: increments queue freely, a baseline copied in full waits for the queue to drain, and a
+#: streamed baseline (cnrstore/torch/streamed.py) holds only the rows changed while it is written.
 #: ``Checkpointer(max_queue_bytes=...)`` sets the bound in bytes instead (0: one save at a time).
-SAVE_QUEUE_SNAPSHOTS = 2.0
+SAVE_QUEUE_STATE_FRACTION = 0.25
 
 # Compaction and GC ---------------------------------------------------------------------------------
 #: GC rewrites a sealed segment whose live records fill less than this fraction of it.

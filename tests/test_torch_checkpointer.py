@@ -370,7 +370,7 @@ def test_saves_queue_behind_a_write_in_flight_and_commit_in_save_order(store, mo
     torch.manual_seed(0)
     model = Table()
     # (a model this small is mostly payload: the default bound of two full snapshots would hold 3 saves)
-    ck = Checkpointer(store, model, codec="fp32", mode="incremental", max_queue_bytes=1 << 20)
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental", max_queue_bytes=1 << 20, max_lag=None)
     gate = Gate(store, monkeypatch)
     pendings, models = [], []
     for i in range(4):
@@ -406,14 +406,16 @@ def test_a_save_over_the_memory_bound_waits_and_only_then(store, monkeypatch):
         half.wait()
         assert base.report.host_bytes > half.report.host_bytes > 50 * 4 * 4
         gate = Gate(store, monkeypatch)
-        # room for the baseline and one increment of 50 rows beside it, not two
-        ck.max_queue_bytes = base.report.host_bytes + half.report.host_bytes + 100
+        # room for one increment of 50 rows beside a queued baseline (which does not count: its copy exists
+        # already), not two; max_lag off: the bytes alone decide here
+        ck.max_queue_bytes = half.report.host_bytes + half.report.host_bytes // 2
+        ck.max_lag = None
         ck.note_restore()
         first = ck.save(2)  # a baseline; an empty queue never waits
         touch(model, list(range(50)))
         second = ck.save(3)  # fits beside it: no wait
         assert not waits and not first.done()
-        assert ck.queued_bytes() == first.report.host_bytes + second.report.host_bytes <= ck.max_queue_bytes
+        assert ck.queued_bytes() == first.report.host_bytes + second.report.host_bytes
         touch(model, list(range(50, 100)))
         threading.Timer(0.3, gate.open).start()
         third = ck.save(4)  # would pass the bound: waits for the baseline's write
@@ -436,13 +438,14 @@ def test_a_save_over_the_memory_bound_waits_and_only_then(store, monkeypatch):
         Checkpointer(store, model, max_queue_bytes=-1)
 
 
-def test_default_bound_is_two_full_snapshots_and_a_knob(store, monkeypatch):
+def test_default_bound_is_a_quarter_of_a_full_snapshot_and_a_knob(store, monkeypatch):
     model = Table()
-    ck = Checkpointer(store, model, codec="fp32")
+    ck = Checkpointer(store, model, codec="fp32")  # (no optimizer: the baseline is copied in full)
     base = ck.save(0)
     base.wait()
-    assert base.report.baseline and ck.queue_bound() == 2 * base.report.host_bytes
-    monkeypatch.setattr(cnrstore.knobs, "SAVE_QUEUE_SNAPSHOTS", 0.5)
+    assert base.report.baseline and not base.report.streamed
+    assert ck.queue_bound() == int(0.25 * base.report.host_bytes)
+    monkeypatch.setattr(cnrstore.knobs, "SAVE_QUEUE_STATE_FRACTION", 0.5)
     assert ck.queue_bound() == base.report.host_bytes // 2
     ck.close()
 
@@ -451,7 +454,7 @@ def test_a_failed_queued_save_is_raised_by_the_next_save_and_the_increments_afte
         store, monkeypatch):
     torch.manual_seed(0)
     model = Table()
-    ck = Checkpointer(store, model, codec="fp32", mode="incremental", max_queue_bytes=1 << 20)
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental", max_queue_bytes=1 << 20, max_lag=None)
     ck.save(0).wait()
     gate = Gate(store, monkeypatch, fail_calls={1})
     touch(model, [1])
@@ -481,7 +484,7 @@ def test_a_baseline_queued_after_a_failure_still_commits(store, monkeypatch):
     """Only increments depend on the save before them: a baseline queued behind a failed save is written."""
     torch.manual_seed(0)
     model = Table()
-    ck = Checkpointer(store, model, codec="fp32", mode="incremental")
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental", max_queue_bytes=1 << 20, max_lag=None)
     gate = Gate(store, monkeypatch, fail_calls={1})
     failing = ck.save(0)  # the first save is a baseline; it fails
     with torch.no_grad():
@@ -500,7 +503,7 @@ def test_a_baseline_queued_after_a_failure_still_commits(store, monkeypatch):
 def test_close_and_restore_wait_for_every_queued_save(store, monkeypatch):
     torch.manual_seed(0)
     model = Table()
-    ck = Checkpointer(store, model, codec="fp32", mode="incremental", max_queue_bytes=1 << 20)
+    ck = Checkpointer(store, model, codec="fp32", mode="incremental", max_queue_bytes=1 << 20, max_lag=None)
     gate = Gate(store, monkeypatch)
     pendings = []
     for i in range(3):

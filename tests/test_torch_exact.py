@@ -205,7 +205,7 @@ def test_queued_saves_restore_bit_exactly(tmp_path, name, mode, monkeypatch):
             return real(*a, **k)
 
         monkeypatch.setattr(store, "checkpoint", held)
-        ck = Checkpointer(store, model, opt, codec="fp32", mode=mode, max_queue_bytes=1 << 24)
+        ck = Checkpointer(store, model, opt, codec="fp32", mode=mode, max_queue_bytes=1 << 24, max_lag=None)
         for i in range(6):
             _step(model, opt, i)
             pendings.append(ck.save(step=i))

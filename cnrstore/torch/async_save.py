@@ -17,9 +17,12 @@ import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from ..engine import fs
 from ..errors import SaveSkipped
 from .payload import DENSE_PREFIX, STATE_BLOB
+from .streamed import StreamedTable
 
 __all__ = ["PendingSave", "SaveQueue", "SaveReport", "WeakPendingWork", "write"]
 
@@ -29,10 +32,14 @@ class SaveReport:
     """What one save wrote: rows per table (weights and row-wise optimizer state), whether it was a
     baseline or a priority save (``save(top=...)``), how long ``save()`` held the trainer (``stall_s``,
     including any wait for room in the save queue) and the host bytes its snapshot holds until written
-    (``host_bytes``). Once the save has committed: its ``version``, how long the background write took
-    (``write_s``, from its start to the commit), the bytes the version appended to the store's log
-    (``bytes_written``, ``VersionInfo.bytes``) and the versions the Checkpointer's retention dropped after it
-    (``dropped``)."""
+    (``host_bytes``; a streamed baseline's rows preserved during its write are added once it has ended).
+    ``streamed``: the tables this baseline wrote from the live tensors (``streamed``), copying aside only the
+    rows training changed meanwhile (``preserved_bytes``: the most they held at once). Once the save has
+    committed: its ``version``, how long the background write took (``write_s``, from its start to the
+    commit), how long the save trailed ``save()`` (``lag_s``: from the end of its snapshot to its commit,
+    queueing behind earlier saves included; what a ``kill -9`` in that window loses), the bytes the version
+    appended to the store's log (``bytes_written``, ``VersionInfo.bytes``) and the versions the
+    Checkpointer's retention dropped after it (``dropped``)."""
 
     step: int | None
     baseline: bool
@@ -44,6 +51,9 @@ class SaveReport:
     write_s: float = 0.0
     bytes_written: int | None = None
     dropped: list[int] = field(default_factory=list)
+    streamed: list[str] = field(default_factory=list)
+    preserved_bytes: int = 0
+    lag_s: float = 0.0
 
 
 class PendingSave:
@@ -53,6 +63,7 @@ class PendingSave:
     def __init__(self, report: SaveReport, seq: int = 0):
         self.report = report
         self.seq = seq
+        self.created = time.perf_counter()  # the end of its snapshot (the lag is counted from here)
         self._done = threading.Event()
         self._version: int | None = None
         self._error: BaseException | None = None
@@ -148,6 +159,7 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
                                     "for it; nothing of it was committed")
 
     version, error = None, None
+    streams = [job for job in row_jobs if isinstance(job, StreamedTable)]
     try:
         if staged is not None:
             staged.wait()  # the device-to-host copies have landed: the buffers hold the snapshot
@@ -163,8 +175,12 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
         check()
         start = time.perf_counter()
         with store.checkpoint(step, meta) as ck:
-            for name, rows, values, codec in row_jobs:
+            for job in row_jobs:
                 check()
+                if isinstance(job, StreamedTable):
+                    _write_streamed(ck, job, check)
+                    continue
+                name, rows, values, codec = job
                 if rows.size:
                     ck.put_rows(name, rows, values.numpy(), codec=codec)
             for key, arr in dense.items():
@@ -174,6 +190,7 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
             check()
         version = pending.report.version = ck.version
         pending.report.write_s = time.perf_counter() - start
+        pending.report.lag_s = time.perf_counter() - pending.created
     except BaseException as exc:  # re-raised by wait() and the next save()
         if hasattr(exc, "add_note") and not isinstance(exc, SaveSkipped):
             exc.add_note(f"(cnrstore.torch: the background write of {pending.describe()} failed; the next "
@@ -181,11 +198,33 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
                          "a full baseline)")
         error = exc
     finally:
+        for s in streams:  # (committed or not: training stops preserving rows for it)
+            s.close()
+        if streams:
+            pending.report.preserved_bytes = sum(s.peak_bytes for s in streams)
+            pending.report.host_bytes += pending.report.preserved_bytes
         try:
             if version is not None:
                 _note_commit(store, pending.report, after_commit)
         finally:
             pending.finish(version, error)
+
+
+def _write_streamed(ck, stream: StreamedTable, check) -> None:
+    """Write a streamed baseline (``streamed``) into the open version ``ck``: chunk by chunk, in row order,
+    each source's rows as of the save (``StreamedTable.take``)."""
+    step = stream.chunk_rows
+    outs = [torch.empty((min(step, stream.num_rows), src.shape[1]), dtype=torch.float32)
+            for _n, src, _c in stream.sources]
+    for start in range(0, stream.num_rows, step):
+        stop = min(stream.num_rows, start + step)
+        chunk = [out[:stop - start] for out in outs]
+        stream.take(start, stop, chunk)
+        rows = np.arange(stream.offset + start, stream.offset + stop, dtype=np.int64)
+        for (name, _src, codec), values in zip(stream.sources, chunk):
+            ck.put_rows(name, rows, values.numpy(), codec=codec)  # (encoded and appended now: outs are reused)
+        fs.pause_point("streamed_chunk_written", stream, stop)  # (tests: training between two chunks)
+        check()
 
 
 def _note_commit(store, report: SaveReport, after_commit) -> None:
@@ -216,14 +255,25 @@ class SaveQueue:
         self._lock = threading.Condition()
         self._worker: threading.Thread | None = None
         self._stopping = False  # stop(): the worker ends as soon as no write is queued
+        self._writing: list = []  # the streamed baselines of the write in progress
 
     def __len__(self) -> int:
         return len(self._saves)
 
     @property
     def held_bytes(self) -> int:
-        """Host bytes the queued snapshots hold (counted until reaped)."""
-        return sum(n for _p, n, _h in self._saves)
+        """Host bytes the queued snapshots hold (counted until reaped), the rows streamed baselines have
+        preserved so far included."""
+        with self._lock:
+            streams = [job for j in self._jobs for job in j[4] if isinstance(job, StreamedTable)]
+            streams += self._writing
+        return sum(n for _p, n, _h in self._saves) + sum(s.preserved_bytes for s in streams)
+
+    @property
+    def held_bytes_beside_baselines(self) -> int:
+        """:attr:`held_bytes` less the snapshots of queued baselines (the rows streamed baselines preserved
+        still count): what the bound on the increments behind a baseline counts."""
+        return self.held_bytes - sum(n for p, n, _h in self._saves if p.report.baseline)
 
     @property
     def last(self) -> PendingSave | None:
@@ -259,11 +309,14 @@ class SaveQueue:
                     self._worker = None
                     return
                 job = self._jobs.popleft()
+                self._writing = [j for j in job[4] if isinstance(j, StreamedTable)]
             try:
                 write(*job)
             except BaseException as exc:  # (write raises nothing of its own: this escaped a hook, or the exit)
                 self._fail_queued(job[1], exc)
                 return
+            with self._lock:
+                self._writing = []
             del job  # (the snapshot's host copies go with the reaped save, not with this frame)
 
     def _fail_queued(self, pending: PendingSave, exc: BaseException) -> None:
@@ -274,6 +327,9 @@ class SaveQueue:
             jobs, self._jobs = list(self._jobs), collections.deque()
             self._worker = None
         for job in jobs:
+            for s in job[4]:
+                if isinstance(s, StreamedTable):
+                    s.close()
             job[1].finish(None, SaveSkipped(f"{job[1].describe()} was not written: the thread writing saves ended "
                                             f"while writing {pending.describe()} ({type(exc).__name__}: {exc}); "
                                             "the next save() writes a baseline"))

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple
@@ -79,6 +80,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import codecs, knobs
 from .. import store as _store
@@ -92,11 +94,14 @@ from ..errors import InvalidArgument, SaveSkipped
 from ..types import VersionInfo
 from ..engine.writer import pack_meta
 from .async_save import PendingSave, SaveQueue, SaveReport, WeakPendingWork
-from .optim_state import as_optimizer_list, create_lazy_state, row_state_width, table_drift, with_live_state
+from .optim_state import (as_optimizer_list, create_lazy_state, holds_weight, row_state_width, table_drift,
+                          with_live_state)
 from .payload import DENSE_PREFIX, STATE_BLOB
 from .reports import RestoreReport
 from .save_plan import MODES, SavePlanner
 from .staging import Stager
+from .streamed import StreamedTable
+from .streamed import chunk_rows as streamed_chunk_rows
 from .tracking import SSU_SEED, ShardTable, Table, tbe_tracker
 
 # STATE_BLOB, DENSE_PREFIX, table_drift, SaveReport, PendingSave and WeakPendingWork are importable from here as
@@ -172,8 +177,19 @@ class Checkpointer:
     existing table of another shape raises :class:`InvalidArgument`. Not thread-safe: call it from the training thread.
 
     ``max_queue_bytes`` bounds the host memory held by the snapshots of saves not yet written (see
-    :meth:`save`); None: ``knobs.SAVE_QUEUE_SNAPSHOTS`` times a full snapshot of the model (every row of
+    :meth:`save`); None: ``knobs.SAVE_QUEUE_STATE_FRACTION`` of a full snapshot of the model (every row of
     every table and of its row-wise optimizer state, and the dense state); 0: one save at a time.
+    ``max_lag``: the most saves that may be returned by ``save()`` and not yet committed (this one
+    included: 2, the default, means ``save()`` first waits for all but the newest earlier one); None: no
+    bound but the bytes. With saves every ``I`` seconds, a ``kill -9`` then loses at most the last
+    ``max_lag`` saves, about ``max_lag · I`` seconds of training (:attr:`durable_step` says where it stands).
+
+    ``stream_baselines`` (default True): a baseline of a table whose rows change only in optimizer steps
+    (CPU weight, no weight decay, plain SGD / Adagrad / SparseAdam, every optimizer holding it passed here)
+    is written from the live tensors while training goes on, copying a row aside only just before a step
+    changes it (``streamed``: copy-on-write by row; docs/DESIGN.md "Streamed baselines"): ``save()`` does not
+    copy the table, and host memory grows by the rows changed during the write. False: every baseline is
+    copied into host memory inside ``save()``. Either way the version holds the state at ``save()``.
 
     Retention: with ``keep_last=n`` and/or ``keep_every_n_steps=k``, after each save commits the store keeps
     the newest ``n`` versions and those whose step is a multiple of ``k`` (what either rule keeps, and always
@@ -198,7 +214,7 @@ class Checkpointer:
                  optimizer_codec: str = "fp32", extra=None, priority: str | None = None,
                  ssu_rate: float = 0.125, max_queue_bytes: int | None = None, keep_last: int | None = None,
                  keep_every_n_steps: int | None = None, on_report=None, stager: Stager | None = None,
-                 on_sigterm: str | None = "finish"):
+                 on_sigterm: str | None = "finish", max_lag: int | None = 2, stream_baselines: bool = True):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if priority is not None and priority not in PRIORITIES:
@@ -213,6 +229,14 @@ class Checkpointer:
                 max_queue_bytes, (int, np.integer)) or max_queue_bytes < 0):
             raise InvalidArgument(f"max_queue_bytes must be None (the default bound) or a number of bytes >= 0; "
                                   f"got {max_queue_bytes!r}")
+        if max_lag is not None and (isinstance(max_lag, bool) or not isinstance(max_lag, (int, np.integer))
+                                    or max_lag < 1):
+            raise InvalidArgument(f"max_lag must be None or the most saves not yet committed when save() returns "
+                                  f"(an int >= 1); got {max_lag!r}")
+        if not isinstance(stream_baselines, bool):
+            raise InvalidArgument(f"stream_baselines must be True or False, got {stream_baselines!r}")
+        self.max_lag = None if max_lag is None else int(max_lag)
+        self.stream_baselines = stream_baselines
         self.keep_last = _retention_arg(keep_last, "keep_last", "the number of newest versions to keep")
         self.keep_every_n_steps = _retention_arg(keep_every_n_steps, "keep_every_n_steps",
                                                  "keep the versions whose step is a multiple of it")
@@ -293,6 +317,7 @@ class Checkpointer:
         self._error: BaseException | None = None  # a background failure not yet re-raised by save()
         self._failed: PendingSave | None = None  # the save that failed with it
         self._closed = False
+        self._durable: tuple[int, int | None] | None = None  # (version, step) of the newest committed save
         #: the RestoreReport of the last restore() (None before one)
         self.last_restore: RestoreReport | None = None
         self._work = WeakPendingWork(self, Checkpointer._finish_saves, Checkpointer._cancel_saves,
@@ -301,6 +326,16 @@ class Checkpointer:
         if add_work is not None:  # store.close() and the interpreter's exit wait for our queued saves
             add_work(self._work)
         self._watch_sigterm()
+        me = weakref.ref(self)
+
+        def before_step(_optimizer, _args, _kwargs) -> None:  # (weak: the hook does not keep us alive)
+            ck = me()
+            if ck is not None:
+                for t in ck._tables:
+                    t.before_step()
+
+        # every optimizer's step, passed here or not: a streamed baseline must see each change coming
+        self._pre_step_hook = register_optimizer_step_pre_hook(before_step)
 
     # -- SIGTERM (preemption.py) ----------------------------------------------------------------------
     def _watch_sigterm(self) -> None:
@@ -387,6 +422,9 @@ class Checkpointer:
     def _remove_hooks(self) -> None:
         for t in self._tables:
             t.remove_hooks()
+        hook = getattr(self, "_pre_step_hook", None)
+        if hook is not None:
+            hook.remove()
 
     def _raise_pending_error(self) -> None:
         if self._error is not None:
@@ -402,6 +440,8 @@ class Checkpointer:
         for pending, holds in self._queue.reap():
             for t, name in holds:
                 t.release_buffer(name)
+            if pending.failure() is None:
+                self._durable = (pending.report.version, pending.report.step)
             err = pending.failure()
             if err is not None:
                 self._plan.force_full = True
@@ -447,19 +487,43 @@ class Checkpointer:
         """The bytes the snapshots of queued saves may hold (``max_queue_bytes``, or its default)."""
         if self.max_queue_bytes is not None:
             return self.max_queue_bytes
-        return int(knobs.SAVE_QUEUE_SNAPSHOTS * self._snapshot_bytes([None] * len(self._tables)))
+        return int(knobs.SAVE_QUEUE_STATE_FRACTION * self._snapshot_bytes([None] * len(self._tables), stream=False))
 
     def queued_bytes(self) -> int:
-        """Host bytes the snapshots of the saves not yet written hold now."""
+        """Host bytes the snapshots of the saves not yet written hold now (rows a streamed baseline has
+        preserved included)."""
         self._reap()
         return self._queue.held_bytes
 
-    def _snapshot_bytes(self, picks: list) -> int:
+    @property
+    def durable_step(self) -> int | None:
+        """The step of the newest save of this Checkpointer that has committed (None before one, or if it had
+        no step): what a ``kill -9`` now would resume from."""
+        self._reap()
+        return None if self._durable is None else self._durable[1]
+
+    @property
+    def durable_version(self) -> int | None:
+        """The version of the newest save of this Checkpointer that has committed (None before one)."""
+        self._reap()
+        return None if self._durable is None else self._durable[0]
+
+    def _streams(self, t: Table) -> bool:
+        """Whether a baseline of ``t`` is written from the live tensors (``streamed``'s condition 1)."""
+        return (self.stream_baselines and type(t) is Table and t.on_cpu and self.stager.backend(t.device) is None
+                and t.weight.dtype == torch.float32
+                and getattr(t.module, "max_norm", None) is None and holds_weight(self._optimizers, t.weight)
+                and self._plan.drift(t) is None
+                and all(s.device.type == "cpu" and s.dtype == torch.float32 for _k, s in self._plan.row_states(t)))
+
+    def _snapshot_bytes(self, picks: list, stream: bool = True) -> int:
         """Host bytes a snapshot of ``picks`` (per table: rows, or None for all) takes: the rows of each table
-        and of its row-wise state (in full the first time a state table is written in this session), the
-        dense arrays, and a payload the size of the last one."""
+        and of its row-wise state (in full the first time a state table is written in this session; none of a
+        streamed baseline's, with ``stream``), the dense arrays, and a payload the size of the last one."""
         total = self._blob_bytes + sum(v.nbytes for v in self._dense.values())
         for t, rows in zip(self._tables, picks):
+            if rows is None and stream and self._streams(t):
+                continue
             n = t.num_rows if rows is None else int(rows.numel())
             total += 4 * n * t.dim
             for key, state in self._plan.row_states(t):
@@ -469,12 +533,23 @@ class Checkpointer:
         return total
 
     def _wait_for_room(self, nbytes: int) -> None:
-        """Before a snapshot of ``nbytes``: wait for the oldest queued saves while the queue holds any and
-        the bound would be passed (a snapshot alone over the bound is taken once the queue is empty). A
-        failure found meanwhile is raised here, with no snapshot taken."""
+        """Before a snapshot of ``nbytes``: wait for the oldest queued saves
+        while the queue holds any and either the bytes bound would be passed or ``max_lag`` saves would be
+        uncommitted. A baseline queued before does not count against the bound for the saves behind it (its
+        copy exists already; they add only their own); a snapshot alone over the bound (a baseline copied in
+        full) is taken once the queue is empty. A failure found meanwhile is raised here, with no snapshot
+        taken."""
         self._reap()
         bound = self.queue_bound()
-        while len(self._queue) and self._queue.held_bytes + nbytes > bound:
+
+        def must_wait() -> bool:
+            if not len(self._queue):
+                return False
+            if self.max_lag is not None and len(self._queue) >= self.max_lag:
+                return True
+            return self._queue.held_bytes_beside_baselines + nbytes > bound
+
+        while must_wait():
             try:
                 fs.pause_point("checkpointer_waits_for_room")  # (tests: a save waiting on the bound)
                 self._queue.wait_oldest()
@@ -552,15 +627,19 @@ class Checkpointer:
             staging.finish().wait()  # (copies already enqueued land before their buffers are lent again)
             for t, name in holds:
                 t.release_buffer(name)
+            for t in self._tables:  # (a streamed baseline opened for this save: nothing will read it)
+                for s in t.streams:
+                    s.close()
             raise
         staged = staging.finish()
         self._plan.settle(picks, priority)
+        copied = [job for job in row_jobs if not isinstance(job, StreamedTable)]
+        written = {name for name, _, _, _ in copied} | {
+            name for job in row_jobs if isinstance(job, StreamedTable) for name, _s, _c in job.sources}
         for t in self._tables:
-            for name, _, _, _ in row_jobs:
-                if name.startswith(f"{t.name}.optim."):
-                    t.full_written.add(name)
+            t.full_written.update(n for n in written if n.startswith(f"{t.name}.optim."))
         self._blob_bytes = blob.nbytes
-        report.host_bytes = sum(values.nbytes for _n, _r, values, _c in row_jobs) + blob.nbytes + sum(
+        report.host_bytes = sum(values.nbytes for _n, _r, values, _c in copied) + blob.nbytes + sum(
             a.nbytes for a in dense.values())
         report.stall_s = time.perf_counter() - start
         self._seq += 1
@@ -606,6 +685,9 @@ class Checkpointer:
 
         with torch.no_grad():
             for t, rows in zip(self._tables, picks):
+                if rows is None and self._streams(t):
+                    row_jobs.append(self._stream(t, codec, existing, report))
+                    continue
                 n = t.num_rows if rows is None else int(rows.numel())
                 buf = buffer(t, t.name, n, t.dim)
                 staging.gather(t.weight, rows, buf)
@@ -635,6 +717,28 @@ class Checkpointer:
                     f"bytes, more than one dense array holds ({arguments.max_dense_bytes():,}); keep large "
                     "row-wise state on nn.Embedding weights (saved as tables) or split the dense layers")
         return row_jobs, dense, blob
+
+    def _stream(self, t: Table, codec: str, existing: dict, report: SaveReport) -> StreamedTable:
+        """A baseline of ``t`` written from the live tensors (``streamed``): nothing is copied now; from here
+        on each optimizer step first preserves the rows it will change that the writer has not read."""
+        self._ensure_table(existing, t.name, t.store_rows, t.dim, codec)
+        sources = [(t.name, t.weight.detach(), codec)]
+        for key, state in self._plan.row_states(t):
+            name = f"{t.name}.optim.{key}"
+            width = row_state_width(state)
+            self._ensure_table(existing, name, t.store_rows, width, self.optimizer_codec)
+            sources.append((name, state.detach().reshape(t.num_rows, width), None))
+        infos = self.store.tables()
+        chunk = streamed_chunk_rows([infos[name].block_rows for name, _s, _c in sources],
+                                    4 * sum(src.shape[1] for _n, src, _c in sources))
+        stream = StreamedTable(sources, t.num_rows, chunk, t.offset)
+        # rows looked up before this save whose step comes after it are preserved by that step's hook too
+        t.step_ids = [t.touched.rows().cpu()] if not t.streams else t.step_ids + [t.touched.rows().cpu()]
+        t.streams.append(stream)
+        for name, _src, _c in sources:
+            report.rows[name] = t.num_rows
+        report.streamed.append(t.name)
+        return stream
 
     def _state_blob(self) -> np.ndarray:
         """This save's trainer payload, encoded (``payload.build``, then ``payload.encode``)."""

@@ -23,7 +23,7 @@ import torch
 from ..errors import InvalidArgument
 from .payload import LIVE_MARK, is_sharded_value  # (is_sharded_value: importable from here too)
 
-__all__ = ["as_optimizer_list", "create_lazy_state", "is_keyed", "is_sharded_value", "nonzero_rows",
+__all__ = ["as_optimizer_list", "create_lazy_state", "holds_weight", "is_keyed", "is_sharded_value", "nonzero_rows",
            "row_state_width", "row_states", "table_drift", "with_live_state"]
 
 
@@ -111,6 +111,13 @@ def table_drift(optimizers, weight) -> str | None:
                 if _DRIFT_ORDER[d] > _DRIFT_ORDER[worst]:
                     worst = d
     return worst
+
+
+def holds_weight(optimizers, weight) -> bool:
+    """Whether a ``torch.optim.Optimizer`` among ``optimizers`` (torchrec's wrappers looked through) holds
+    ``weight`` in one of its param groups."""
+    return any(isinstance(opt, torch.optim.Optimizer) and any(p is weight for g in opt.param_groups for p in g["params"])
+               for o in optimizers for opt in _leaf_optimizers(o))
 
 
 def nonzero_rows(states: list, num_rows: int, device) -> torch.Tensor:

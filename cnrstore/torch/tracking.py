@@ -64,6 +64,10 @@ class Table:
         self.full_written: set[str] = set()  # row-state tables written in full in this session
         self.offset = 0                 # global id of local row 0 (a sharded table's shard: its row offset)
         self.store_rows = self.num_rows  # rows of the store table (a shard's table has the global count)
+        #: baselines of this table being written from the live tensors (``streamed.StreamedTable``), and the
+        #: ids looked up since the last optimizer step while any is open (the step pre-hook preserves them)
+        self.streams: list = []
+        self.step_ids: list[torch.Tensor] = []
         self.hooks = []
         if module is not None:
             self.track_module(module)
@@ -85,8 +89,24 @@ class Table:
     def note(self, ids: torch.Tensor) -> None:
         """Record a lookup of the local rows ``ids`` (any shape, duplicates allowed)."""
         self.touched.set(ids)
+        if self.streams:  # (a copy: the caller may reuse its id buffer before the step)
+            self.step_ids.append(ids.detach().reshape(-1).clone())
         if self.counts is not None:
             self._count(ids.reshape(-1))
+
+    def before_step(self) -> None:
+        """Before an optimizer step: preserve, in every baseline of this table still being written, the rows
+        looked up since the last step (``streamed``), and forget the baselines whose write has ended."""
+        if not self.streams:
+            return
+        ids, self.step_ids = self.step_ids, []
+        self.streams = [s for s in self.streams if not s.closed]
+        if ids and self.streams:
+            ids = ids[0] if len(ids) == 1 else torch.cat([i.to(torch.int64) for i in ids])
+            for s in self.streams:
+                s.preserve(ids)
+        if not self.streams:
+            self.step_ids = []
 
     def _count(self, ids: torch.Tensor) -> None:
         """Add one per id (duplicates too), or per id of a random sample of ``ssu_rate · len(ids)`` ids

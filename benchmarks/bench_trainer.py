@@ -1,0 +1,251 @@
+"""A user's own trainer, checkpointing as it trains: stalls, peak host memory and how far the store trails.
+
+The shape of issue 37's trainer: one ``nn.EmbeddingBag`` of 1.6M rows x 64 fp32 (410 MB) under Adagrad
+(another 410 MB of state) and a small MLP; a save every ``--every`` steps (25: about a fifth of the rows
+touched per save). Each method runs in a process of its own, so that its peak RSS (``ru_maxrss`` of that
+process, from ``wait4``) is its own:
+
+- ``no checkpoints``: the same training, nothing saved (the reference for memory and step time);
+- ``cnrstore``: ``Checkpointer(path, model, opt)`` at its defaults (fp32, incremental, streamed baselines,
+  ``max_lag=2``);
+- ``cnrstore, baselines copied``: the same with ``stream_baselines=False`` (what streaming changes);
+- ``DCP async_save``: ``torch.distributed.checkpoint.async_save`` of the model's and optimizer's state dicts
+  into a new directory per save, waiting for the previous save's future first (as DCP's docs do).
+
+Per method: the stall of each save (the call's time; the first save is a baseline), peak RSS against the
+no-checkpoint run's, the lag p100 (cnrstore: ``SaveReport.lag_s``; DCP: the future's completion, polled)
+in save intervals, and the cost per step of cnrstore's step pre-hooks (time inside
+``Table.before_step`` over the training time). In the cnrstore run, the physical reference for the
+snapshot of touched rows: ``np.take`` of one save's rows of the table into a buffer, GB/s, beside the
+increments' snapshot rate (``host_bytes / stall_s``).
+
+    .venv/bin/python benchmarks/bench_trainer.py [--quick] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+METHODS = ("no checkpoints", "cnrstore", "cnrstore, baselines copied", "DCP async_save")
+
+
+def child(method: str, rows: int, dim: int, steps: int, every: int, batch: int, path: str) -> dict:
+    """One method's training run (in its own process): what it measured."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"emb": nn.EmbeddingBag(rows, dim, mode="sum"),
+                           "mlp": nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, 1))})
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    rng = np.random.default_rng(0)
+    zipf = rng.permutation(rows)
+
+    def batch_ids():
+        ids = zipf[np.minimum(rng.zipf(1.05, batch * 8) - 1, rows - 1)]
+        return torch.from_numpy(ids).view(batch, 8)
+
+    def train_step():
+        ids = batch_ids()
+        opt.zero_grad()
+        out = model["mlp"](model["emb"](ids)).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(out, torch.ones_like(out))
+        loss.backward()
+        opt.step()
+
+    hook_s = [0.0]
+    ck = None
+    lags, reports = [], []
+    if method.startswith("cnrstore"):
+        from cnrstore.torch import Checkpointer, tracking
+        real = tracking.Table.before_step
+
+        def timed(self):
+            t0 = time.perf_counter()
+            real(self)
+            hook_s[0] += time.perf_counter() - t0
+
+        tracking.Table.before_step = timed
+        ck = Checkpointer(path, model, opt, stream_baselines=(method == "cnrstore"),
+                          on_report=lambda r: reports.append(r) if hasattr(r, "lag_s") else None)
+    elif method == "DCP async_save":
+        import torch.distributed.checkpoint as dcp
+    stalls, step_s, save_at = [], [], []
+    future, future_at, dcp_lags = None, 0.0, []
+    t_start = time.perf_counter()
+    for i in range(1, steps + 1):
+        t0 = time.perf_counter()
+        train_step()
+        step_s.append(time.perf_counter() - t0)
+        if future is not None and future.done():
+            dcp_lags.append(time.perf_counter() - future_at)
+            future = None
+        if i % every:
+            continue
+        t0 = time.perf_counter()
+        if ck is not None:
+            ck.save(i)
+        elif method == "DCP async_save":
+            if future is not None:
+                future.result()
+                dcp_lags.append(time.perf_counter() - future_at)
+            future = dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
+                                    checkpoint_id=os.path.join(path, f"step_{i:05d}"))
+            future_at = time.perf_counter()
+        if method != "no checkpoints":
+            stalls.append(time.perf_counter() - t0)
+            save_at.append(time.perf_counter())
+    train_s = time.perf_counter() - t_start
+    if ck is not None:
+        ck.close()
+        lags = [r.lag_s for r in reports]
+    elif future is not None:
+        future.result()
+        dcp_lags.append(time.perf_counter() - future_at)
+        lags = dcp_lags
+    out = {"stalls": stalls, "step_s": step_s, "lags": lags, "train_s": train_s,
+           "interval_s": float(np.median(np.diff(save_at))) if len(save_at) > 1 else None,
+           "hook_share": hook_s[0] / train_s}
+    if reports:
+        inc = [r for r in reports if not r.baseline]
+        out["increment_rate"] = float(np.median([r.host_bytes / r.stall_s for r in inc])) if inc else None
+        out["increment_bytes"] = float(np.median([r.host_bytes for r in inc])) if inc else None
+        out["preserved"] = max(r.preserved_bytes for r in reports)
+        out["streamed"] = sum(bool(r.streamed) for r in reports)
+        # the physical reference: a gather of one increment's share of the rows, same process, same table
+        share = int(np.median([r.rows.get("emb", 0) for r in inc])) if inc else rows // 5
+        src = model["emb"].weight.detach().numpy()
+        idx = np.sort(rng.choice(rows, share, replace=False))
+        state = opt.state[model["emb"].weight]["sum"].numpy()
+        buf, sbuf = np.empty((share, dim), np.float32), np.empty((share, dim), np.float32)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            np.take(src, idx, axis=0, out=buf, mode="clip")  # (numpy's fastest gather into a buffer)
+            np.take(state, idx, axis=0, out=sbuf, mode="clip")
+            times.append(time.perf_counter() - t0)
+        out["gather_rate"] = 2 * buf.nbytes / min(times)
+    return out
+
+
+def run_method(method: str, args, root: str) -> dict:
+    path = os.path.join(root, method.replace(" ", "_").replace(",", ""))
+    os.makedirs(path, exist_ok=True)
+    spec = json.dumps([method, args.rows, args.dim, args.steps, args.every, args.batch, path])
+    proc = subprocess.Popen([sys.executable, __file__, "--child", spec], stdout=subprocess.PIPE, text=True)
+    out_text = proc.stdout.read()
+    _pid, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise SystemExit(f"{method}: the child failed ({status})")
+    result = json.loads(out_text.strip().splitlines()[-1])
+    result["peak_rss"] = usage.ru_maxrss * 1024
+    shutil.rmtree(path, ignore_errors=True)
+    return result
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def report(results: dict, args, seconds: float) -> str:
+    from bench_engine import load_average, machine_description
+    base = results["no checkpoints"]
+    lines = [f"## {args.title}", "",
+             "A user's own trainer (issue 37's shape) checkpointing as it trains, each method in a process of its "
+             "own; peak RSS is that process's.", "",
+             f"Reproduce: `.venv/bin/python benchmarks/bench_trainer.py{' --quick' if args.quick else ''}` "
+             f"({seconds:.0f} s here).", ""]
+    lines += [f"- {m}" for m in machine_description()]
+    lines += [f"- load average at end: {load_average()}",
+              f"- model: EmbeddingBag {args.rows:,} x {args.dim} fp32 ({gib(args.rows * args.dim * 4)}) + "
+              f"Adagrad state of the same size + a 2-layer MLP; batch {args.batch} x 8 ids (Zipf 1.05); "
+              f"{args.steps} steps, a save every {args.every}",
+              f"- training without checkpoints: {np.median(base['step_s']) * 1e3:.1f} ms per step (median), "
+              f"peak RSS {gib(base['peak_rss'])}", ""]
+    lines += ["| method | stall median | stall max (p100) | max / median | peak RSS | RSS vs no checkpoints "
+              "| lag p100 (save intervals) | step median |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in METHODS:
+        r = results[m]
+        if m == "no checkpoints":
+            lines.append(f"| {m} | - | - | - | {gib(r['peak_rss'])} | 1.00x | - | "
+                         f"{np.median(r['step_s']) * 1e3:.1f} ms |")
+            continue
+        st = r["stalls"]
+        lag = max(r["lags"]) / r["interval_s"] if r["lags"] and r["interval_s"] else float("nan")
+        lines.append(f"| {m} | {np.median(st) * 1e3:.0f} ms | {max(st) * 1e3:.0f} ms | "
+                     f"{max(st) / np.median(st):.1f}x | {gib(r['peak_rss'])} | "
+                     f"{r['peak_rss'] / base['peak_rss']:.2f}x | {lag:.2f} | {np.median(r['step_s']) * 1e3:.1f} ms |")
+    c, d = results["cnrstore"], results["DCP async_save"]
+    lines += ["", "Targets, ratios from this run:"]
+
+    def goal(text, ok):
+        lines.append(f"- {text}: **{'met' if ok else 'not met'}**")
+
+    goal(f"cnrstore's worst stall / its median: {max(c['stalls']) / np.median(c['stalls']):.2f}x (goal <= 2x)",
+         max(c["stalls"]) <= 2 * np.median(c["stalls"]))
+    goal(f"cnrstore's worst stall / DCP async_save's median: {max(c['stalls']) / np.median(d['stalls']):.2f}x "
+         "(goal < 1x)", max(c["stalls"]) < np.median(d["stalls"]))
+    goal(f"peak RSS, cnrstore / no checkpoints: {c['peak_rss'] / base['peak_rss']:.2f}x (goal <= 1.25x; "
+         f"DCP async_save {d['peak_rss'] / base['peak_rss']:.2f}x)", c["peak_rss"] <= 1.25 * base["peak_rss"])
+    goal(f"peak RSS, cnrstore / DCP async_save: {c['peak_rss'] / d['peak_rss']:.2f}x (goal < 1x)",
+         c["peak_rss"] < d["peak_rss"])
+    lag = max(c["lags"]) / c["interval_s"]
+    goal(f"lag between save() and its commit, p100: {lag:.2f} save intervals (goal <= 2)", lag <= 2)
+    if c.get("increment_rate"):
+        goal(f"snapshot of touched rows: {c['increment_rate'] / 1e9:.2f} GB/s against a plain gather of as many "
+             f"rows (np.take, weights + Adagrad state) at {c['gather_rate'] / 1e9:.2f} GB/s: "
+             f"{c['increment_rate'] / c['gather_rate']:.0%} (goal >= 70%)",
+             c["increment_rate"] >= 0.7 * c["gather_rate"])
+    goal(f"median stall, cnrstore / DCP async_save: {np.median(c['stalls']) / np.median(d['stalls']):.2f}x "
+         "(goal <= 0.3x)", np.median(c["stalls"]) <= 0.3 * np.median(d["stalls"]))
+    goal(f"step pre-hooks' cost: {c['hook_share']:.3%} of training time (goal <= 1%)", c["hook_share"] <= 0.01)
+    lines.append(f"- rows copied aside by streamed baselines, at most {gib(c['preserved'])}; "
+                 f"{c['streamed']} streamed baseline(s)")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child")
+    p.add_argument("--quick", action="store_true", help="a small smoke run (< 60 s)")
+    p.add_argument("--rows", type=int, default=1_600_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--every", type=int, default=25)
+    p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--tmp", default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--title", default="A user's trainer: stalls, peak memory and lag")
+    args = p.parse_args(argv)
+    if args.child:
+        method, rows, dim, steps, every, batch, path = json.loads(args.child)
+        print(json.dumps(child(method, rows, dim, steps, every, batch, path)))
+        return 0
+    if args.quick:
+        args.rows, args.steps, args.every, args.batch = 100_000, 40, 10, 512
+    t0 = time.perf_counter()
+    root = tempfile.mkdtemp(dir=args.tmp, prefix="bench_trainer-")
+    try:
+        results = {m: run_method(m, args, root) for m in METHODS}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    from bench_engine import publish
+    publish(report(results, args, time.perf_counter() - t0), args.out, None, None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
