@@ -389,3 +389,36 @@ def test_a_reader_maps_a_segment_whose_uncommitted_tail_is_truncated_under_it(tm
     assert calls == [8192, 4096]
     assert len(mm) == 4096 and mm[:4096] == b"c" * 4096
     mm.close()
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RssFile is Linux's")
+@pytest.mark.parametrize("bound", [None, 8 << 20])
+def test_reads_drop_their_mapped_pages_past_the_bound(tmp_path, monkeypatch, bound):
+    """Reading a store touches its segments' pages through mmap; past MAPPED_READ_RELEASE_BYTES the reader
+    drops them from the resident set (issue 37: a trainer's peak RSS counted the store it merged), and the
+    bytes read stay right."""
+    import cnrstore
+    monkeypatch.setattr(knobs, "MAPPED_READ_RELEASE_BYTES", bound)
+    rows, dim = 1 << 17, 128  # 64 MiB of fp32
+    values = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        store.create_table("t", rows, dim, codec="fp32")
+        with store.checkpoint() as ck:
+            ck.put_rows("t", np.arange(rows), values)
+    with cnrstore.open(str(tmp_path / "s"), readonly=True) as store:
+        before = _rss_file_kib()
+        got = store.read_table("t")
+        grown_mib = (_rss_file_kib() - before) / 1024
+        np.testing.assert_array_equal(got, values)
+    if bound is None:
+        assert grown_mib > 48  # (the control: every page read stays resident)
+    else:
+        assert grown_mib < 24

@@ -411,6 +411,7 @@ class SegmentReader:
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._read_since_release = 0  # bytes read since the mapped pages were last dropped
         # segments are opened relative to the directory as it was at open: a store renamed while open
         # goes on reading its own files, never those of whatever the old path names now
         try:
@@ -427,7 +428,26 @@ class SegmentReader:
         entry = self._maps.get(seg)
         if entry is None or offset + length > entry[1].shape[0]:
             entry = self._map(seg, offset + length)
+        bound = knobs.MAPPED_READ_RELEASE_BYTES
+        if bound is not None:
+            self._read_since_release += length
+            if self._read_since_release > bound:
+                self.release_pages()
         return entry[1][offset : offset + length]
+
+    def release_pages(self) -> None:
+        """Drop the pages reads have touched from this process's resident set (``madvise(MADV_DONTNEED)`` on
+        every mapping): they stay in the page cache, and a view still in use faults them back in (the files'
+        bytes are unchanged: the mappings are read-only and segments are append-only)."""
+        self._read_since_release = 0
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is None:
+            return
+        for mm, _view in list(self._maps.values()):
+            try:
+                mm.madvise(advice)
+            except (ValueError, OSError):  # (closed meanwhile, or a platform that refuses: a cost, not a fault)
+                pass
 
     def path(self, seg: int) -> str:
         path = self._paths.get(seg)

@@ -86,6 +86,10 @@ class SegmentStorage(abc.ABC):
     def path(self, seg: int) -> str:
         """Where segment ``seg`` lives, for messages (a path, or a URL)."""
 
+    def release_pages(self) -> None:
+        """Drop from this process's resident set the pages reads have mapped (knobs.MAPPED_READ_RELEASE_BYTES);
+        the bytes stay readable. Default: nothing to drop."""
+
     @abc.abstractmethod
     def size(self, seg: int) -> int | None:
         """Bytes of segment ``seg`` as stored, or None if it does not exist."""
@@ -208,6 +212,9 @@ class LocalSegmentStorage(SegmentStorage):
 
     def read(self, seg: int, offset: int, length: int) -> np.ndarray:
         return self._reader.read(seg, offset, length)
+
+    def release_pages(self) -> None:
+        self._reader.release_pages()
 
     def path(self, seg: int) -> str:
         return self._reader.path(seg)

@@ -90,6 +90,14 @@ def read_tables(view: IndexView, segments: SegmentReader, jobs: Sequence[tuple[T
     ``progress(done, total)``, if given, is called on this thread as blocks are decoded: fp32 bytes of the
     destinations decoded so far, of their total (once with 0 before the first block, last with ``total``).
     """
+    try:
+        return _read_tables(view, segments, jobs, version, progress)
+    finally:  # a whole-table read maps much of the store: its pages leave the resident set with it
+        if knobs.MAPPED_READ_RELEASE_BYTES is not None:
+            segments.release_pages()
+
+
+def _read_tables(view, segments, jobs, version, progress) -> list[np.ndarray]:
     plans = [plan_table(view, segments, table, version, start, None if out is None else start + out.shape[0])
              for table, out, start in jobs]
     outs = [np.empty((t.num_rows, t.dim), dtype=np.float32) if out is None else out for t, out, _start in jobs]
