@@ -6,9 +6,9 @@ touched per save). Each method runs in a process of its own, so that its peak RS
 process, from ``wait4``) is its own:
 
 - ``no checkpoints``: the same training, nothing saved (the reference for memory and step time);
-- ``cnrstore``: ``Checkpointer(path, model, opt)`` at its defaults (fp32, incremental, streamed baselines,
+- ``cnrstore``: ``Checkpointer(path, model, opt)`` at its defaults (fp32, incremental, streamed saves,
   ``max_lag=2``);
-- ``cnrstore, baselines copied``: the same with ``stream_baselines=False`` (what streaming changes);
+- ``cnrstore, saves copied``: the same with ``stream_saves=False`` (what streaming changes);
 - ``DCP async_save``: ``torch.distributed.checkpoint.async_save`` of the model's and optimizer's state dicts
   into a new directory per save, waiting for the previous save's future first (as DCP's docs do).
 
@@ -38,7 +38,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-METHODS = ("no checkpoints", "cnrstore", "cnrstore, baselines copied", "DCP async_save")
+METHODS = ("no checkpoints", "cnrstore", "cnrstore, saves copied", "DCP async_save")
 
 
 def child(method: str, rows: int, dim: int, steps: int, every: int, batch: int, path: str) -> dict:
@@ -76,7 +76,7 @@ def child(method: str, rows: int, dim: int, steps: int, every: int, batch: int, 
             hook_s[0] += time.perf_counter() - t0
 
         tracking.Table.before_step = timed
-        ck = Checkpointer(path, model, opt, stream_baselines=(method == "cnrstore"),
+        ck = Checkpointer(path, model, opt, stream_saves=(method == "cnrstore"),
                           on_report=lambda r: reports.append(r) if hasattr(r, "lag_s") else None)
     elif method == "DCP async_save":
         import torch.distributed.checkpoint as dcp
@@ -213,8 +213,8 @@ def report(results: dict, args, seconds: float) -> str:
     goal(f"median stall, cnrstore / DCP async_save: {np.median(c['stalls']) / np.median(d['stalls']):.2f}x "
          "(goal <= 0.3x)", np.median(c["stalls"]) <= 0.3 * np.median(d["stalls"]))
     goal(f"step pre-hooks' cost: {c['hook_share']:.3%} of training time (goal <= 1%)", c["hook_share"] <= 0.01)
-    lines.append(f"- rows copied aside by streamed baselines, at most {gib(c['preserved'])}; "
-                 f"{c['streamed']} streamed baseline(s)")
+    lines.append(f"- rows copied aside by streamed saves, at most {gib(c['preserved'])}; "
+                 f"{c['streamed']} streamed save(s)")
     return "\n".join(lines) + "\n"
 
 

@@ -47,7 +47,7 @@ SECTIONS = [
      ["--quick", *LOSSLESS, "--steps", "20"], None),
     ("bench_trainer.py", "A user's trainer: stalls, peak memory and lag",
      "Issue 37's trainer shape (1.6M rows x 64 fp32, Adagrad; a save every 25 steps), each method in a process of "
-     "its own: cnrstore at its defaults (streamed baselines), with baselines copied, DCP async_save, and no "
+     "its own: cnrstore at its defaults (streamed saves), with saves copied, DCP async_save, and no "
      "checkpoints: stall median and p100, peak RSS, the lag between save() and its commit, the step hooks' cost.",
      [], ["--quick"], None),
     ("bench_accuracy.py", "Accuracy against the paper's bit-width table",

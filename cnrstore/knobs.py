@@ -41,7 +41,7 @@ WRITEV_BUFFERS = 512
 #: of the model (every row of every table and of its row-wise optimizer state, and the dense state); a save
 #: that would pass the bound first waits for the oldest (a snapshot alone over it is taken once the queue is
 #: empty). 0.25: increments queue freely, a baseline copied in full waits for the queue to drain, and a
-#: streamed baseline (cnrstore/torch/streamed.py) holds only the rows changed while it is written.
+#: streamed save (cnrstore/torch/streamed.py) holds only the rows changed while it is written.
 #: ``Checkpointer(max_queue_bytes=...)`` sets the bound in bytes instead (0: one save at a time).
 SAVE_QUEUE_STATE_FRACTION = 0.25
 

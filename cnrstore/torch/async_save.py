@@ -32,7 +32,7 @@ class SaveReport:
     """What one save wrote: rows per table (weights and row-wise optimizer state), whether it was a
     baseline or a priority save (``save(top=...)``), how long ``save()`` held the trainer (``stall_s``,
     including any wait for room in the save queue) and the host bytes its snapshot holds until written
-    (``host_bytes``; a streamed baseline's rows preserved during its write are added once it has ended).
+    (``host_bytes``; a streamed save's rows preserved during its write are added once it has ended).
     ``streamed``: the tables this baseline wrote from the live tensors (``streamed``), copying aside only the
     rows training changed meanwhile (``preserved_bytes``: the most they held at once). Once the save has
     committed: its ``version``, how long the background write took (``write_s``, from its start to the
@@ -211,18 +211,18 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
 
 
 def _write_streamed(ck, stream: StreamedTable, check) -> None:
-    """Write a streamed baseline (``streamed``) into the open version ``ck``: chunk by chunk, in row order,
-    each source's rows as of the save (``StreamedTable.take``)."""
-    step = stream.chunk_rows
-    outs = [torch.empty((min(step, stream.num_rows), src.shape[1]), dtype=torch.float32)
-            for _n, src, _c in stream.sources]
-    for start in range(0, stream.num_rows, step):
-        stop = min(stream.num_rows, start + step)
-        chunk = [out[:stop - start] for out in outs]
+    """Write a streamed save of one table (``streamed``) into the open version ``ck``: chunk by chunk, in row
+    order, each source's rows as of the save (``StreamedTable.take``)."""
+    bufs: list = []
+    for start, stop in stream.chunks():
+        n = stop - start
+        if not bufs or bufs[0].shape[0] < n:
+            bufs = [torch.empty((n, src.shape[1]), dtype=torch.float32) for _n, src, _c in stream.sources]
+        chunk = [b[:n] for b in bufs]
         stream.take(start, stop, chunk)
-        rows = np.arange(stream.offset + start, stream.offset + stop, dtype=np.int64)
+        rows = stream.row_ids(start, stop)
         for (name, _src, codec), values in zip(stream.sources, chunk):
-            ck.put_rows(name, rows, values.numpy(), codec=codec)  # (encoded and appended now: outs are reused)
+            ck.put_rows(name, rows, values.numpy(), codec=codec)  # (encoded and appended now: bufs are reused)
         fs.pause_point("streamed_chunk_written", stream, stop)  # (tests: training between two chunks)
         check()
 
@@ -255,14 +255,14 @@ class SaveQueue:
         self._lock = threading.Condition()
         self._worker: threading.Thread | None = None
         self._stopping = False  # stop(): the worker ends as soon as no write is queued
-        self._writing: list = []  # the streamed baselines of the write in progress
+        self._writing: list = []  # the streamed saves of the write in progress
 
     def __len__(self) -> int:
         return len(self._saves)
 
     @property
     def held_bytes(self) -> int:
-        """Host bytes the queued snapshots hold (counted until reaped), the rows streamed baselines have
+        """Host bytes the queued snapshots hold (counted until reaped), the rows streamed saves have
         preserved so far included."""
         with self._lock:
             streams = [job for j in self._jobs for job in j[4] if isinstance(job, StreamedTable)]
@@ -271,7 +271,7 @@ class SaveQueue:
 
     @property
     def held_bytes_beside_baselines(self) -> int:
-        """:attr:`held_bytes` less the snapshots of queued baselines (the rows streamed baselines preserved
+        """:attr:`held_bytes` less the snapshots of queued baselines (the rows streamed saves preserved
         still count): what the bound on the increments behind a baseline counts."""
         return self.held_bytes - sum(n for p, n, _h in self._saves if p.report.baseline)
 

@@ -100,8 +100,7 @@ from .payload import DENSE_PREFIX, STATE_BLOB
 from .reports import RestoreReport
 from .save_plan import MODES, SavePlanner
 from .staging import Stager
-from .streamed import StreamedTable
-from .streamed import chunk_rows as streamed_chunk_rows
+from .streamed import StreamedTable, block_multiple
 from .tracking import SSU_SEED, ShardTable, Table, tbe_tracker
 
 # STATE_BLOB, DENSE_PREFIX, table_drift, SaveReport, PendingSave and WeakPendingWork are importable from here as
@@ -184,12 +183,13 @@ class Checkpointer:
     bound but the bytes. With saves every ``I`` seconds, a ``kill -9`` then loses at most the last
     ``max_lag`` saves, about ``max_lag · I`` seconds of training (:attr:`durable_step` says where it stands).
 
-    ``stream_baselines`` (default True): a baseline of a table whose rows change only in optimizer steps
-    (CPU weight, no weight decay, plain SGD / Adagrad / SparseAdam, every optimizer holding it passed here)
-    is written from the live tensors while training goes on, copying a row aside only just before a step
-    changes it (``streamed``: copy-on-write by row; docs/DESIGN.md "Streamed baselines"): ``save()`` does not
-    copy the table, and host memory grows by the rows changed during the write. False: every baseline is
-    copied into host memory inside ``save()``. Either way the version holds the state at ``save()``.
+    ``stream_saves`` (default True): a save (baseline or increment) of a table whose rows change only in
+    optimizer steps (CPU float32 weight without ``max_norm``, no weight decay, plain SGD / Adagrad /
+    SparseAdam, held by an optimizer passed here) is written from the live tensors while training goes on,
+    copying a row aside only just before a step changes it (``streamed``: copy-on-write by row;
+    docs/DESIGN.md "Streamed saves"): ``save()`` copies none of the table's rows, and host memory grows by
+    the rows of the save changed during its write. False: every save copies its rows into host memory
+    inside ``save()``. Either way the version holds the state at ``save()``.
 
     Retention: with ``keep_last=n`` and/or ``keep_every_n_steps=k``, after each save commits the store keeps
     the newest ``n`` versions and those whose step is a multiple of ``k`` (what either rule keeps, and always
@@ -214,7 +214,7 @@ class Checkpointer:
                  optimizer_codec: str = "fp32", extra=None, priority: str | None = None,
                  ssu_rate: float = 0.125, max_queue_bytes: int | None = None, keep_last: int | None = None,
                  keep_every_n_steps: int | None = None, on_report=None, stager: Stager | None = None,
-                 on_sigterm: str | None = "finish", max_lag: int | None = 2, stream_baselines: bool = True):
+                 on_sigterm: str | None = "finish", max_lag: int | None = 2, stream_saves: bool = True):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if priority is not None and priority not in PRIORITIES:
@@ -233,10 +233,10 @@ class Checkpointer:
                                     or max_lag < 1):
             raise InvalidArgument(f"max_lag must be None or the most saves not yet committed when save() returns "
                                   f"(an int >= 1); got {max_lag!r}")
-        if not isinstance(stream_baselines, bool):
-            raise InvalidArgument(f"stream_baselines must be True or False, got {stream_baselines!r}")
+        if not isinstance(stream_saves, bool):
+            raise InvalidArgument(f"stream_saves must be True or False, got {stream_saves!r}")
         self.max_lag = None if max_lag is None else int(max_lag)
-        self.stream_baselines = stream_baselines
+        self.stream_saves = stream_saves
         self.keep_last = _retention_arg(keep_last, "keep_last", "the number of newest versions to keep")
         self.keep_every_n_steps = _retention_arg(keep_every_n_steps, "keep_every_n_steps",
                                                  "keep the versions whose step is a multiple of it")
@@ -334,7 +334,7 @@ class Checkpointer:
                 for t in ck._tables:
                     t.before_step()
 
-        # every optimizer's step, passed here or not: a streamed baseline must see each change coming
+        # every optimizer's step, passed here or not: a streamed save must see each change coming
         self._pre_step_hook = register_optimizer_step_pre_hook(before_step)
 
     # -- SIGTERM (preemption.py) ----------------------------------------------------------------------
@@ -490,7 +490,7 @@ class Checkpointer:
         return int(knobs.SAVE_QUEUE_STATE_FRACTION * self._snapshot_bytes([None] * len(self._tables), stream=False))
 
     def queued_bytes(self) -> int:
-        """Host bytes the snapshots of the saves not yet written hold now (rows a streamed baseline has
+        """Host bytes the snapshots of the saves not yet written hold now (rows a streamed save has
         preserved included)."""
         self._reap()
         return self._queue.held_bytes
@@ -508,9 +508,13 @@ class Checkpointer:
         self._reap()
         return None if self._durable is None else self._durable[0]
 
-    def _streams(self, t: Table) -> bool:
-        """Whether a baseline of ``t`` is written from the live tensors (``streamed``'s condition 1)."""
-        return (self.stream_baselines and type(t) is Table and t.on_cpu and self.stager.backend(t.device) is None
+    def _streams(self, t: Table, baseline: bool) -> bool:
+        """Whether a save of ``t`` (a ``baseline`` or not) is written from the live tensors (``streamed``'s
+        condition 1; an increment only once every row-wise state table of ``t`` was written in full in this
+        session: before, its state is written whole while its weight is not)."""
+        if not baseline and any(f"{t.name}.optim.{k}" not in t.full_written for k, _s in self._plan.row_states(t)):
+            return False
+        return (self.stream_saves and type(t) is Table and t.on_cpu and self.stager.backend(t.device) is None
                 and t.weight.dtype == torch.float32
                 and getattr(t.module, "max_norm", None) is None and holds_weight(self._optimizers, t.weight)
                 and self._plan.drift(t) is None
@@ -519,10 +523,10 @@ class Checkpointer:
     def _snapshot_bytes(self, picks: list, stream: bool = True) -> int:
         """Host bytes a snapshot of ``picks`` (per table: rows, or None for all) takes: the rows of each table
         and of its row-wise state (in full the first time a state table is written in this session; none of a
-        streamed baseline's, with ``stream``), the dense arrays, and a payload the size of the last one."""
+        streamed save's, with ``stream``), the dense arrays, and a payload the size of the last one."""
         total = self._blob_bytes + sum(v.nbytes for v in self._dense.values())
         for t, rows in zip(self._tables, picks):
-            if rows is None and stream and self._streams(t):
+            if stream and self._streams(t, rows is None):
                 continue
             n = t.num_rows if rows is None else int(rows.numel())
             total += 4 * n * t.dim
@@ -627,7 +631,7 @@ class Checkpointer:
             staging.finish().wait()  # (copies already enqueued land before their buffers are lent again)
             for t, name in holds:
                 t.release_buffer(name)
-            for t in self._tables:  # (a streamed baseline opened for this save: nothing will read it)
+            for t in self._tables:  # (a streamed save opened for this save: nothing will read it)
                 for s in t.streams:
                     s.close()
             raise
@@ -685,8 +689,8 @@ class Checkpointer:
 
         with torch.no_grad():
             for t, rows in zip(self._tables, picks):
-                if rows is None and self._streams(t):
-                    row_jobs.append(self._stream(t, codec, existing, report))
+                if self._streams(t, rows is None):
+                    row_jobs.append(self._stream(t, rows, codec, existing, report))
                     continue
                 n = t.num_rows if rows is None else int(rows.numel())
                 buf = buffer(t, t.name, n, t.dim)
@@ -718,9 +722,10 @@ class Checkpointer:
                     "row-wise state on nn.Embedding weights (saved as tables) or split the dense layers")
         return row_jobs, dense, blob
 
-    def _stream(self, t: Table, codec: str, existing: dict, report: SaveReport) -> StreamedTable:
-        """A baseline of ``t`` written from the live tensors (``streamed``): nothing is copied now; from here
-        on each optimizer step first preserves the rows it will change that the writer has not read."""
+    def _stream(self, t: Table, rows, codec: str, existing: dict, report: SaveReport) -> StreamedTable:
+        """A save of ``rows`` of ``t`` (a rows tensor, or None for all) written from the live tensors
+        (``streamed``): nothing is copied now; from here on each optimizer step first preserves the rows of
+        the save it will change that the writer has not read."""
         self._ensure_table(existing, t.name, t.store_rows, t.dim, codec)
         sources = [(t.name, t.weight.detach(), codec)]
         for key, state in self._plan.row_states(t):
@@ -729,14 +734,17 @@ class Checkpointer:
             self._ensure_table(existing, name, t.store_rows, width, self.optimizer_codec)
             sources.append((name, state.detach().reshape(t.num_rows, width), None))
         infos = self.store.tables()
-        chunk = streamed_chunk_rows([infos[name].block_rows for name, _s, _c in sources],
-                                    4 * sum(src.shape[1] for _n, src, _c in sources))
-        stream = StreamedTable(sources, t.num_rows, chunk, t.offset)
+        block = block_multiple([infos[name].block_rows for name, _s, _c in sources])
+        if rows is not None:
+            rows = rows.cpu().numpy().astype(np.int64, copy=False)
+            if rows.size > 1 and not (np.diff(rows) > 0).all():
+                rows = np.unique(rows)
+        stream = StreamedTable(sources, t.num_rows, block, rows, t.offset)
         # rows looked up before this save whose step comes after it are preserved by that step's hook too
         t.step_ids = [t.touched.rows().cpu()] if not t.streams else t.step_ids + [t.touched.rows().cpu()]
         t.streams.append(stream)
         for name, _src, _c in sources:
-            report.rows[name] = t.num_rows
+            report.rows[name] = stream.count
         report.streamed.append(t.name)
         return stream
 

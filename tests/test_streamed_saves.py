@@ -1,5 +1,5 @@
-"""Streamed baselines (issue 37): a baseline written from the live tables while training goes on, a row
-copied aside only just before an optimizer step changes it (cnrstore/torch/streamed.py).
+"""Streamed saves (issue 37): a save, baseline or increment, written from the live tables while training
+goes on, a row copied aside only just before an optimizer step changes it (cnrstore/torch/streamed.py).
 
 The saved version must equal the state at ``save()``, bit for bit:
 - with training in lockstep between every two chunks of the write (a schedule, the same every run), and
@@ -167,12 +167,19 @@ def test_a_baseline_holds_the_state_at_save_while_training_runs_between_its_chun
         assert pending.report.host_bytes < ROWS * DIM * 4  # less than one copy of the table
     else:
         assert pending.report.streamed == [] and lock.chunks == 0  # copied at save: drift "state"
-    # increments on top still follow the live state
+    # increments on top, also streamed (a chunk per block of their rows), training between their chunks
     for i in range(1, 3):
-        step(model, opt, spread_ids(rng))
-        p = ck.save(i)
-        saved[i] = state_of(model, opt)
+        step(model, opt, spread_ids(rng, n=512))
+        with Lockstep() as lock:
+            p = ck.save(i)
+            saved[i] = state_of(model, opt)
+            lock.train_between_chunks(p, lambda: [step(model, opt, spread_ids(rng)) for _ in range(2)])
         saved[p.wait()] = saved.pop(i)
+        if name in STREAMED:
+            assert p.report.streamed == ["emb"] and lock.chunks > 4
+            if not p.report.baseline:
+                # nothing copied at save(); aside, at most the save's rows (weights and state), as training reached them
+                assert p.report.rows["emb"] < ROWS and 0 < p.report.preserved_bytes <= p.report.rows["emb"] * 2 * DIM * 4
     ck.close()
     saved[v0] = saved.pop(0)
     for v, want in saved.items():
@@ -238,7 +245,7 @@ def test_streaming_off_copies_the_tables_at_save(tmp_path):
     model = Model()
     opt = OPTIMIZERS["adagrad"](model.parameters())
     with cnrstore.open(str(tmp_path / "s"), create=True) as store:
-        with Checkpointer(store, model, opt, stream_baselines=False) as ck:
+        with Checkpointer(store, model, opt, stream_saves=False) as ck:
             p = ck.save(0)
             p.wait()
         assert p.report.streamed == [] and p.report.host_bytes >= 2 * ROWS * DIM * 4
@@ -325,7 +332,8 @@ def test_max_lag_bounds_the_saves_not_yet_committed_when_save_returns(tmp_path, 
 # -- crashes ---------------------------------------------------------------------------------------------
 
 def test_every_crash_state_of_a_streamed_baseline_recovers(tmp_path, monkeypatch):
-    """The crash-state explorer over a streamed baseline written while training runs between its chunks:
+    """The crash-state explorer over a streamed baseline, then a streamed increment, each written while
+    training runs between its chunks:
     every prefix of its file effects, killed, powered off or torn, opens with the versions before it or
     after it, each reading bit for bit."""
     monkeypatch.setattr(knobs, "SEGMENT_BYTES", 4 << 10)
@@ -347,19 +355,23 @@ def test_every_crash_state_of_a_streamed_baseline_recovers(tmp_path, monkeypatch
         try:
             ck = Checkpointer(store, model, opt, codec="fp32")
             listed = lambda: frozenset(v.version for v in store.versions())  # noqa: E731
-            with Lockstep() as lock:
-                rec.op_start("streamed baseline", listed())
-                pending = ck.save(0)
-                weights = model.emb.weight.detach().numpy().copy()
-                state = opt.state_dict()["state"][0]["sum"].numpy().copy()
-                lock.train_between_chunks(pending, lambda: step(model, opt, spread_ids(rng, rows, 32)))
-                version = pending.wait()
-                rec.op_end(listed())
-            assert pending.report.streamed == ["emb"] and lock.chunks == rows // block
+            for i, what in enumerate(["streamed baseline", "streamed increment"]):
+                if i:
+                    step(model, opt, spread_ids(rng, rows, 200))  # (the increment's rows: about a third)
+                with Lockstep() as lock:
+                    rec.op_start(what, listed())
+                    pending = ck.save(i)
+                    weights = model.emb.weight.detach().numpy().copy()
+                    state = opt.state_dict()["state"][0]["sum"].numpy().copy()
+                    lock.train_between_chunks(pending, lambda: step(model, opt, spread_ids(rng, rows, 32)))
+                    version = pending.wait()
+                    rec.op_end(listed())
+                assert pending.report.streamed == ["emb"] and pending.report.baseline == (i == 0)
+                assert lock.chunks == rows // block  # (every block holds rows of the increment too)
+                content[version] = {"emb": weights, "emb.optim.sum": state}
             ck.close()
         finally:
             store.close()
-    content[version] = {"emb": weights, "emb.optim.sum": state}
 
     def write_more(s: Store) -> None:
         with s.checkpoint() as w:
@@ -369,9 +381,9 @@ def test_every_crash_state_of_a_streamed_baseline_recovers(tmp_path, monkeypatch
     work = str(tmp_path / "states")
     os.makedirs(work)
     sweep = cs.explore(base, rec.effects, content, work, write_more, initial=frozenset({1}))
-    print(f"\nstreamed baseline: {sweep.effects} effects, {sweep.states} distinct crash states {sweep.by_variant}")
+    print(f"\nstreamed saves: {sweep.effects} effects, {sweep.states} distinct crash states {sweep.by_variant}")
     assert not sweep.failures, "\n".join(sweep.failures)
-    assert sweep.states > 30  # (38 effects here: 8 chunks of two tables over 4 KiB segments)
+    assert sweep.states > 60  # (8 chunks of two tables per save, over 4 KiB segments)
 
 
 KILLED_TRAINER = r"""
