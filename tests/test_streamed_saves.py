@@ -440,3 +440,47 @@ def test_a_kill_in_the_middle_of_a_streamed_baseline_loses_nothing_committed(tmp
         assert store.verify().ok
         with store.checkpoint() as w:
             w.put_rows("0", np.array([5]), np.ones((1, 8), np.float32))
+
+
+@pytest.mark.parametrize("baseline", [True, False])
+def test_a_save_between_a_forward_pass_and_its_step_holds_the_state_before_the_step(tmp_path, small_chunks,
+                                                                                    baseline):
+    """The rows a forward pass looked up before save() change in the step after it: the step's hook must
+    preserve them though the lookup came before the save opened its stream."""
+    model = Model()
+    opt = OPTIMIZERS["adagrad"](model.parameters())
+    store = make_store(str(tmp_path / "s"))
+    ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental")
+    if not baseline:
+        step(model, opt, torch.arange(0, ROWS, 7))
+        ck.save(0).wait()
+        step(model, opt, torch.arange(0, ROWS, 7))  # (the increment then spans every block: many chunks)
+    ids = torch.arange(ROWS - 64, ROWS)  # rows in the last chunk: the writer reaches them last
+    with Lockstep() as lock:
+        opt.zero_grad()
+        (model(ids) ** 2).backward()  # the forward pass and its gradient ...
+        pending = ck.save(1)  # ... then the save ...
+        saved = state_of(model, opt)
+        stepped = []
+        lock.train_between_chunks(pending, lambda: stepped or stepped.append(opt.step()))  # ... then its step
+    version = pending.wait()
+    assert stepped and pending.report.streamed == ["emb"] and pending.report.baseline == baseline
+    assert not torch.equal(model.emb.weight[ids], saved[0]["emb.weight"][ids])  # the step did change them
+    ck.close()
+    assert_restores_to(store, version, saved, "adagrad", "incremental")
+    store.close()
+
+
+def test_lookups_without_optimizer_steps_keep_nothing_alive(tmp_path):
+    from cnrstore.torch import tracking
+    model = Model(rows=64)
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        ck = Checkpointer(store, model, torch.optim.Adagrad(model.parameters()))
+        table = ck._tables[0]
+        for _ in range(tracking.STEP_IDS_KEPT + 10):
+            model(torch.arange(8)).backward()  # (no step: gradient accumulation, or none at all)
+        assert len(table.step_ids) == tracking.STEP_IDS_KEPT and table.step_ids_dropped
+        p = ck.save(0)  # those lookups' step may come after: this save copies the table instead
+        assert p.report.streamed == []
+        p.wait()
+        ck.close()

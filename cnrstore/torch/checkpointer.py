@@ -514,7 +514,7 @@ class Checkpointer:
         session: before, its state is written whole while its weight is not)."""
         if not baseline and any(f"{t.name}.optim.{k}" not in t.full_written for k, _s in self._plan.row_states(t)):
             return False
-        return (self.stream_saves and type(t) is Table and t.on_cpu and self.stager.backend(t.device) is None
+        return (self.stream_saves and type(t) is Table and not t.step_ids_dropped and t.on_cpu and self.stager.backend(t.device) is None
                 and t.weight.dtype == torch.float32
                 and getattr(t.module, "max_norm", None) is None and holds_weight(self._optimizers, t.weight)
                 and self._plan.drift(t) is None
@@ -740,8 +740,9 @@ class Checkpointer:
             if rows.size > 1 and not (np.diff(rows) > 0).all():
                 rows = np.unique(rows)
         stream = StreamedTable(sources, t.num_rows, block, rows, t.offset)
-        # rows looked up before this save whose step comes after it are preserved by that step's hook too
-        t.step_ids = [t.touched.rows().cpu()] if not t.streams else t.step_ids + [t.touched.rows().cpu()]
+        # rows looked up since the last step (a forward pass before this save whose step comes after it) are
+        # preserved by that step's hook too: the ids it noted, copied now that a stream opens
+        t.step_ids = [ids.clone() for ids in t.step_ids]
         t.streams.append(stream)
         for name, _src, _c in sources:
             report.rows[name] = stream.count

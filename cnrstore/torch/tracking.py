@@ -21,6 +21,10 @@ from .rowbits import RowBits
 
 __all__ = ["SSU_SEED", "ShardTable", "Table", "tbe_tracker"]
 
+#: Lookups a table keeps between two optimizer steps while no save streams (gradient accumulation's
+#: micro-batches); past it a save between those lookups and their step copies the table's rows instead.
+STEP_IDS_KEPT = 256
+
 #: Seed of a table's SSU sampling streams: + the table's index, so each table's stream is reproducible.
 SSU_SEED = 0x5C5_0000
 
@@ -64,10 +68,12 @@ class Table:
         self.full_written: set[str] = set()  # row-state tables written in full in this session
         self.offset = 0                 # global id of local row 0 (a sharded table's shard: its row offset)
         self.store_rows = self.num_rows  # rows of the store table (a shard's table has the global count)
-        #: baselines of this table being written from the live tensors (``streamed.StreamedTable``), and the
-        #: ids looked up since the last optimizer step while any is open (the step pre-hook preserves them)
+        #: saves of this table being written from the live tensors (``streamed.StreamedTable``), and the ids
+        #: looked up since the last optimizer step (the step pre-hook preserves them in the open saves: a
+        #: save taken between a forward pass and its step must see that step's rows coming)
         self.streams: list = []
         self.step_ids: list[torch.Tensor] = []
+        self.step_ids_dropped = False  # more lookups than STEP_IDS_KEPT without a step: a save then copies
         self.hooks = []
         if module is not None:
             self.track_module(module)
@@ -89,24 +95,30 @@ class Table:
     def note(self, ids: torch.Tensor) -> None:
         """Record a lookup of the local rows ``ids`` (any shape, duplicates allowed)."""
         self.touched.set(ids)
-        if self.streams:  # (a copy: the caller may reuse its id buffer before the step)
+        # (while a save streams, a copy: the caller may reuse its id buffer before the step; otherwise the
+        # tensor itself, copied by the save that opens a stream; at most STEP_IDS_KEPT of them between two
+        # steps when none streams: a trainer without optimizer steps keeps nothing alive)
+        if self.streams:
             self.step_ids.append(ids.detach().reshape(-1).clone())
+        elif len(self.step_ids) < STEP_IDS_KEPT:
+            self.step_ids.append(ids.detach().reshape(-1))
+        else:
+            self.step_ids_dropped = True
         if self.counts is not None:
             self._count(ids.reshape(-1))
 
     def before_step(self) -> None:
-        """Before an optimizer step: preserve, in every baseline of this table still being written, the rows
-        looked up since the last step (``streamed``), and forget the baselines whose write has ended."""
+        """Before an optimizer step: preserve, in every save of this table still being written, the rows
+        looked up since the last step (``streamed``), and forget the saves whose write has ended."""
+        ids, self.step_ids = self.step_ids, []
+        self.step_ids_dropped = False
         if not self.streams:
             return
-        ids, self.step_ids = self.step_ids, []
         self.streams = [s for s in self.streams if not s.closed]
         if ids and self.streams:
             ids = ids[0] if len(ids) == 1 else torch.cat([i.to(torch.int64) for i in ids])
             for s in self.streams:
                 s.preserve(ids)
-        if not self.streams:
-            self.step_ids = []
 
     def _count(self, ids: torch.Tensor) -> None:
         """Add one per id (duplicates too), or per id of a random sample of ``ssu_rate · len(ids)`` ids
