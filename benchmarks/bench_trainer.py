@@ -211,7 +211,7 @@ def report(results: dict, args, seconds: float) -> str:
         goal(f"snapshot of touched rows where a save copies them (stream_saves=False; at the defaults this "
              f"trainer's saves copy nothing): {k['increment_rate'] / 1e9:.2f} GB/s against a plain gather of as "
              f"many rows (np.take, weights + Adagrad state) at {k['gather_rate'] / 1e9:.2f} GB/s, same process: "
-             f"{k['increment_rate'] / k['gather_rate']:.0%} (goal >= 70%)",
+             f"{k['increment_rate'] / k['gather_rate']:.1%} (goal >= 70%)",
              k["increment_rate"] >= 0.7 * k["gather_rate"])
     goal(f"median stall, cnrstore / DCP async_save: {np.median(c['stalls']) / np.median(d['stalls']):.2f}x "
          "(goal <= 0.3x)", np.median(c["stalls"]) <= 0.3 * np.median(d["stalls"]))

@@ -733,8 +733,7 @@ class Checkpointer:
             width = row_state_width(state)
             self._ensure_table(existing, name, t.store_rows, width, self.optimizer_codec)
             sources.append((name, state.detach().reshape(t.num_rows, width), None))
-        infos = self.store.tables()
-        block = block_multiple([infos[name].block_rows for name, _s, _c in sources])
+        block = block_multiple([existing[name].block_rows for name, _s, _c in sources])  # (_ensure_table: in it)
         if rows is not None:
             rows = rows.cpu().numpy().astype(np.int64, copy=False)
             if rows.size > 1 and not (np.diff(rows) > 0).all():

@@ -81,7 +81,9 @@ class StreamedTable:
         self.offset = offset
         self._lock = threading.Lock()
         self._cursor = 0  # positions below it are read by the writer: the trainer may change them freely
-        self._slot = np.full(self.count, -1, dtype=np.int64)  # position -> its index in the preserved buffers
+        # position -> its index in the preserved buffers (-1: not preserved); made at the first preserve, so
+        # that a save nothing changes during its write costs neither the stall nor the memory (4 B a row)
+        self._slot: np.ndarray | None = None
         self._kept = [np.empty((0, src.shape[1]), dtype=np.float32) for _n, src, _c in sources]
         self._n_kept = 0  # preserved rows
         self.peak_bytes = 0  # the most host bytes the preserved rows held at once
@@ -137,6 +139,8 @@ class StreamedTable:
             pos = self._positions(ids_np)
             if not pos.size:
                 return
+            if self._slot is None:
+                self._slot = np.full(self.count, -1, dtype=np.int32 if self.count < 2**31 else np.int64)
             pos = pos[self._slot[pos] < 0]
             if not pos.size:
                 return
@@ -173,6 +177,8 @@ class StreamedTable:
         fs.pause_point("streamed_chunk_read", start)  # (tests: a step between the read and the cursor)
         with self._lock:
             self._cursor = stop
+            if self._slot is None:
+                return
             slots = self._slot[start:stop]
             hit = np.flatnonzero(slots >= 0)
             if hit.size:
@@ -185,5 +191,5 @@ class StreamedTable:
             self.closed = True
             self._cursor = self.count
             self._kept = [k[:0] for k in self._kept]
-            self._slot = np.empty(0, dtype=np.int64)
+            self._slot = None
             self._n_kept = 0
