@@ -7,6 +7,7 @@ the torn tail of a crash or of an aborted checkpoint and are truncated by the wr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -412,6 +413,7 @@ class SegmentReader:
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
         self._read_since_release = 0  # bytes read since the mapped pages were last dropped
+        self._keeping = 0  # keep_pages() in progress: no drop until they end
         # segments are opened relative to the directory as it was at open: a store renamed while open
         # goes on reading its own files, never those of whatever the old path names now
         try:
@@ -431,9 +433,23 @@ class SegmentReader:
         bound = knobs.MAPPED_READ_RELEASE_BYTES
         if bound is not None:
             self._read_since_release += length
-            if self._read_since_release > bound:
+            if self._read_since_release > bound and not self._keeping:
                 self.release_pages()
         return entry[1][offset : offset + length]
+
+    @contextlib.contextmanager
+    def keep_pages(self):
+        """Within it, reads drop no mapped pages (a whole-table read plans every record, then decodes them:
+        dropped in between, each page would fault in twice); it drops them all at its end."""
+        with self._lock:
+            self._keeping += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._keeping -= 1
+            if knobs.MAPPED_READ_RELEASE_BYTES is not None:
+                self.release_pages()
 
     def release_pages(self) -> None:
         """Drop the pages reads have touched from this process's resident set (``madvise(MADV_DONTNEED)`` on

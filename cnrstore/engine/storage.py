@@ -90,6 +90,11 @@ class SegmentStorage(abc.ABC):
         """Drop from this process's resident set the pages reads have mapped (knobs.MAPPED_READ_RELEASE_BYTES);
         the bytes stay readable. Default: nothing to drop."""
 
+    def keep_pages(self):
+        """A context within which reads drop no mapped pages, which are dropped at its end (a whole-table
+        read). Default: nothing to keep."""
+        return contextlib.nullcontext()
+
     @abc.abstractmethod
     def size(self, seg: int) -> int | None:
         """Bytes of segment ``seg`` as stored, or None if it does not exist."""
@@ -215,6 +220,9 @@ class LocalSegmentStorage(SegmentStorage):
 
     def release_pages(self) -> None:
         self._reader.release_pages()
+
+    def keep_pages(self):
+        return self._reader.keep_pages()
 
     def path(self, seg: int) -> str:
         return self._reader.path(seg)

@@ -90,11 +90,10 @@ def read_tables(view: IndexView, segments: SegmentReader, jobs: Sequence[tuple[T
     ``progress(done, total)``, if given, is called on this thread as blocks are decoded: fp32 bytes of the
     destinations decoded so far, of their total (once with 0 before the first block, last with ``total``).
     """
-    try:
+    # a whole-table read maps much of the store: its pages stay mapped while it plans and decodes (dropped
+    # between the two, each would fault in twice), and leave the resident set with it
+    with segments.keep_pages():
         return _read_tables(view, segments, jobs, version, progress)
-    finally:  # a whole-table read maps much of the store: its pages leave the resident set with it
-        if knobs.MAPPED_READ_RELEASE_BYTES is not None:
-            segments.release_pages()
 
 
 def _read_tables(view, segments, jobs, version, progress) -> list[np.ndarray]:
