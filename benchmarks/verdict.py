@@ -165,9 +165,11 @@ def verdict(md: str) -> str:
             "are not: " + ("; ".join(accuracy) if accuracy else MISSING) + " against the same run without "
             "failures (Accuracy section; the bound the paper promises is 0.01%). The README's decision table says "
             "which codec to pick for how many restores you expect.",
-            "- **The worst save and host memory.** cnrstore's first save of a run (a baseline) copies every row "
-            "into host memory inside save(): in the lossless rows its worst stall and the host memory a save holds "
-            "are at or above DCP async_save's, although its median stall is far below.",
+            "- **Optimizers that move untouched rows, and GPU tables.** cnrstore writes a save of a CPU table "
+            "trained by Adagrad, SparseAdam or plain SGD from the live tensors (streamed saves: the worst stall and "
+            "host memory rows above). With Adam-like optimizers, weight decay, TorchRec's fused optimizers or CUDA "
+            "tables it copies the save's rows inside save(): its first save of a run (a baseline) then stalls for a "
+            "copy of every row and holds it in host memory, as DCP async_save's every save does.",
             "- **Dense models.** cnrstore saves dense layers whole at every save, as DCP does: its gain is in "
             "embedding tables of which a save touches a small share (at a fifth of the rows touched, a few times "
             "DCP's figures, not the hundreds at the reference DLRM's share).",
