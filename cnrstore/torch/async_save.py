@@ -33,7 +33,7 @@ class SaveReport:
     baseline or a priority save (``save(top=...)``), how long ``save()`` held the trainer (``stall_s``,
     including any wait for room in the save queue) and the host bytes its snapshot holds until written
     (``host_bytes``; a streamed save's rows preserved during its write are added once it has ended).
-    ``streamed``: the tables this baseline wrote from the live tensors (``streamed``), copying aside only the
+    ``streamed``: the tables this save wrote from the live tensors (``streamed``), copying aside only the
     rows training changed meanwhile (``preserved_bytes``: the most they held at once). Once the save has
     committed: its ``version``, how long the background write took (``write_s``, from its start to the
     commit), how long the save trailed ``save()`` (``lag_s``: from the end of its snapshot to its commit,
