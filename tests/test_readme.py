@@ -237,21 +237,32 @@ with cnrstore.open("ckpt", readonly=True) as s:
 }
 
 
-def _block(key: str) -> Block:
-    matches = [b for b in readme_blocks() if key in b.code]
-    assert len(matches) == 1, f"{len(matches)} README blocks contain {key!r}"
+def _only_block(blocks: list, key: str, doc: str) -> Block:
+    """The one block of ``blocks`` (of document ``doc``) whose code contains ``key``."""
+    matches = [b for b in blocks if key in b.code]
+    assert len(matches) == 1, f"{len(matches)} {doc} blocks contain {key!r}"
     return matches[0]
 
 
-def test_every_block_is_run_or_excused():
-    keys = list(SPECS) + list(NOT_RUN)
-    for block in readme_blocks():
+def _check_run_or_excused(blocks: list, specs: dict, not_run: dict, doc: str, python_must_run: bool) -> None:
+    """Every block of ``blocks`` is claimed by exactly one key of ``specs`` (run) or ``not_run`` (excused),
+    and every key claims one block; with ``python_must_run`` a python block may not be excused."""
+    keys = list(specs) + list(not_run)
+    for block in blocks:
         owners = [k for k in keys if k in block.code]
-        assert len(owners) == 1, f"README block at line {block.line} is matched by {owners} (needs exactly one)"
-        if block.lang == "python":
-            assert owners[0] in SPECS, f"python block at line {block.line} must run"
+        assert len(owners) == 1, f"{doc} block at line {block.line} is matched by {owners} (needs exactly one)"
+        if python_must_run and block.lang == "python":
+            assert owners[0] in specs, f"python block at line {block.line} must run"
     for key in keys:
-        _block(key)
+        _only_block(blocks, key, doc)
+
+
+def _block(key: str) -> Block:
+    return _only_block(readme_blocks(), key, "README")
+
+
+def test_every_block_is_run_or_excused():
+    _check_run_or_excused(readme_blocks(), SPECS, NOT_RUN, "README", python_must_run=True)
     assert len(NOT_RUN) <= 3, "keep the list of blocks not run short"
 
 
@@ -393,18 +404,11 @@ API_NOT_RUN = {
 
 
 def _api_block(key: str) -> Block:
-    matches = [b for b in api_blocks() if key in b.code]
-    assert len(matches) == 1, f"{len(matches)} API.md blocks contain {key!r}"
-    return matches[0]
+    return _only_block(api_blocks(), key, "API.md")
 
 
 def test_every_api_block_is_run_or_excused():
-    keys = list(API_SPECS) + list(API_NOT_RUN)
-    for block in api_blocks():
-        owners = [k for k in keys if k in block.code]
-        assert len(owners) == 1, f"API.md block at line {block.line} is matched by {owners} (needs exactly one)"
-    for key in keys:
-        _api_block(key)
+    _check_run_or_excused(api_blocks(), API_SPECS, API_NOT_RUN, "API.md", python_must_run=False)
 
 
 @pytest.mark.parametrize("key", sorted(API_SPECS))

@@ -94,10 +94,6 @@ class StreamedTable:
         """Host bytes the preserved rows hold now."""
         return sum(k.shape[0] * k.shape[1] * 4 for k in self._kept)
 
-    @property
-    def cursor(self) -> int:
-        return self._cursor
-
     def chunks(self):
         """(start, stop) positions of the chunks the writer takes, in order: about ``step`` positions each,
         ending on a block boundary."""
