@@ -12,14 +12,18 @@ process, from ``wait4``) is its own:
 - ``DCP async_save``: ``torch.distributed.checkpoint.async_save`` of the model's and optimizer's state dicts
   into a new directory per save, waiting for the previous save's future first (as DCP's docs do).
 
-Per method: the stall of each save (the call's time; the first save is a baseline), peak RSS against the
+Per method: the stall of each save (the call's time, plus, for cnrstore, what the step pre-hooks of the step
+after it copied aside; the first save is a baseline), peak RSS against the
 no-checkpoint run's, the lag p100 (cnrstore: ``SaveReport.lag_s``; DCP: the future's completion, polled)
 in save intervals, and the cost per step of cnrstore's step pre-hooks (time inside
 ``Table.before_step`` over the training time). In the cnrstore run, the physical reference for the
 snapshot of touched rows: ``np.take`` of one save's rows of the table into a buffer, GB/s, beside the
 increments' snapshot rate (``host_bytes / stall_s``).
 
-    .venv/bin/python benchmarks/bench_trainer.py [--quick] [--out FILE]
+``--optimizer adam``: Adam moves every row at each step, so each save is a whole streamed save (its rows
+copied aside by a copier thread while the trainer runs, the rest by the next step's pre-hook).
+
+    .venv/bin/python benchmarks/bench_trainer.py [--quick] [--optimizer adam] [--out FILE]
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 METHODS = ("no checkpoints", "cnrstore", "cnrstore, saves copied", "DCP async_save")
+OPTIMIZER_STATE = {"adagrad": "Adagrad state of the same size", "adam": "Adam state of twice the size"}
 
 
-def child(method: str, rows: int, dim: int, steps: int, every: int, batch: int, path: str) -> dict:
+def child(method: str, rows: int, dim: int, steps: int, every: int, batch: int, path: str,
+          optimizer: str = "adagrad") -> dict:
     """One method's training run (in its own process): what it measured."""
     import torch
     from torch import nn
@@ -49,7 +55,8 @@ def child(method: str, rows: int, dim: int, steps: int, every: int, batch: int, 
     torch.manual_seed(0)
     model = nn.ModuleDict({"emb": nn.EmbeddingBag(rows, dim, mode="sum"),
                            "mlp": nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, 1))})
-    opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    opt = (torch.optim.Adagrad(model.parameters(), lr=0.05) if optimizer == "adagrad"
+           else torch.optim.Adam(model.parameters(), lr=0.001))
     rng = np.random.default_rng(0)
 
     def batch_ids():  # uniform: 25 steps of 2048 x 8 ids touch about a fifth of the rows, as in the issue
@@ -84,9 +91,13 @@ def child(method: str, rows: int, dim: int, steps: int, every: int, batch: int, 
     future, future_at, dcp_lags = None, 0.0, []
     t_start = time.perf_counter()
     for i in range(1, steps + 1):
-        t0 = time.perf_counter()
+        t0, hooks_before = time.perf_counter(), hook_s[0]
         train_step()
         step_s.append(time.perf_counter() - t0)
+        if ck is not None and stalls and i == save_at_step + 1:
+            # the first step after a save: what its pre-hooks copied aside (all a whole streamed save had not
+            # copied yet: Adam) is part of that save's stall
+            stalls[-1] += hook_s[0] - hooks_before
         if future is not None and future.done():
             dcp_lags.append(time.perf_counter() - future_at)
             future = None
@@ -105,6 +116,7 @@ def child(method: str, rows: int, dim: int, steps: int, every: int, batch: int, 
         if method != "no checkpoints":
             stalls.append(time.perf_counter() - t0)
             save_at.append(time.perf_counter())
+            save_at_step = i
     train_s = time.perf_counter() - t_start
     if ck is not None:
         ck.close()
@@ -128,7 +140,7 @@ def child(method: str, rows: int, dim: int, steps: int, every: int, batch: int, 
         out["touched"] = share / rows
         src = model["emb"].weight.detach().numpy()
         idx = np.sort(rng.choice(rows, share, replace=False))
-        state = opt.state[model["emb"].weight]["sum"].numpy()
+        state = next(v for v in opt.state[model["emb"].weight].values() if v.shape == (rows, dim)).numpy()
         buf, sbuf = np.empty((share, dim), np.float32), np.empty((share, dim), np.float32)
         times = []
         for _ in range(5):
@@ -143,7 +155,7 @@ def child(method: str, rows: int, dim: int, steps: int, every: int, batch: int, 
 def run_method(method: str, args, root: str) -> dict:
     path = os.path.join(root, method.replace(" ", "_").replace(",", ""))
     os.makedirs(path, exist_ok=True)
-    spec = json.dumps([method, args.rows, args.dim, args.steps, args.every, args.batch, path])
+    spec = json.dumps([method, args.rows, args.dim, args.steps, args.every, args.batch, path, args.optimizer])
     proc = subprocess.Popen([sys.executable, __file__, "--child", spec], stdout=subprocess.PIPE, text=True)
     out_text = proc.stdout.read()
     _pid, status, usage = os.wait4(proc.pid, 0)
@@ -165,12 +177,13 @@ def report(results: dict, args, seconds: float) -> str:
     lines = [f"## {args.title}", "",
              "A user's own trainer (issue 37's shape) checkpointing as it trains, each method in a process of its "
              "own; peak RSS is that process's.", "",
-             f"Reproduce: `.venv/bin/python benchmarks/bench_trainer.py{' --quick' if args.quick else ''}` "
+             f"Reproduce: `.venv/bin/python benchmarks/bench_trainer.py{' --quick' if args.quick else ''}"
+             f"{' --optimizer adam' if args.optimizer == 'adam' else ''}` "
              f"({seconds:.0f} s here).", ""]
     lines += [f"- {m}" for m in machine_description()]
     lines += [f"- load average at end: {load_average()}",
               f"- model: EmbeddingBag {args.rows:,} x {args.dim} fp32 ({gib(args.rows * args.dim * 4)}) + "
-              f"Adagrad state of the same size + a 2-layer MLP (dense gradients, as a first trainer has them); batch "
+              f"{OPTIMIZER_STATE[args.optimizer]} + a 2-layer MLP (dense gradients, as a first trainer has them); batch "
               f"{args.batch} x 8 ids, uniform; "
               f"{args.steps} steps, a save every {args.every} (rows touched per increment: median "
               f"{results['cnrstore'].get('touched', 0):.1%})",
@@ -210,7 +223,7 @@ def report(results: dict, args, seconds: float) -> str:
     if k.get("increment_rate"):
         goal(f"snapshot of touched rows where a save copies them (stream_saves=False; at the defaults this "
              f"trainer's saves copy nothing): {k['increment_rate'] / 1e9:.2f} GB/s against a plain gather of as "
-             f"many rows (np.take, weights + Adagrad state) at {k['gather_rate'] / 1e9:.2f} GB/s, same process: "
+             f"many rows (np.take, weights + one state tensor) at {k['gather_rate'] / 1e9:.2f} GB/s, same process: "
              f"{k['increment_rate'] / k['gather_rate']:.1%} (goal >= 70%)",
              k["increment_rate"] >= 0.7 * k["gather_rate"])
     goal(f"median stall, cnrstore / DCP async_save: {np.median(c['stalls']) / np.median(d['stalls']):.2f}x "
@@ -230,13 +243,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--optimizer", choices=["adagrad", "adam"], default="adagrad",
+                   help="adam: every row of the table and its state moves at each step (a whole streamed save)")
     p.add_argument("--tmp", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--title", default="A user's trainer: stalls, peak memory and lag")
     args = p.parse_args(argv)
     if args.child:
-        method, rows, dim, steps, every, batch, path = json.loads(args.child)
-        print(json.dumps(child(method, rows, dim, steps, every, batch, path)))
+        print(json.dumps(child(*json.loads(args.child))))
         return 0
     if args.quick:
         args.rows, args.steps, args.every, args.batch = 100_000, 40, 10, 512
