@@ -1312,6 +1312,7 @@ def test_read_table_into_out_equals_read_table(tmp_path, monkeypatch, threads):
     from cnrstore import knobs
 
     monkeypatch.setattr(knobs, "DECODE_THREADS", threads)
+    monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", 0)  # (small reads: through the pool all the same)
     rng = np.random.default_rng(5)
     with cnrstore.open(str(tmp_path / "s"), create=True) as store:
         store.create_table("f", 300, 3, codec="fp32", block_rows=128)
@@ -1336,6 +1337,7 @@ def test_read_tables_row_ranges_equal_slices_of_read_table(tmp_path, monkeypatch
     from cnrstore import knobs
 
     monkeypatch.setattr(knobs, "DECODE_THREADS", threads)
+    monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", 0)  # (small reads: through the pool all the same)
     with cnrstore.open(str(tmp_path / "s"), create=True) as store:
         _int4_chain(store, np.random.default_rng(6))
         for version in (1, 4):
@@ -1345,6 +1347,25 @@ def test_read_tables_row_ranges_equal_slices_of_read_table(tmp_path, monkeypatch
                 got = store.read_tables({"w": (start, out)}, version)["w"]
                 assert np.shares_memory(got, out) or out.size == 0
                 assert np.array_equal(out.view(np.uint32), want[start:stop].view(np.uint32)), (start, stop)
+
+
+def test_a_small_read_decodes_on_the_callers_thread_and_reads_the_same(tmp_path, monkeypatch):
+    """Under ``knobs.DECODE_INLINE_BYTES`` of destinations no block goes to the decode pool (handing it
+    over costs more than the decode); the bits are the pool's."""
+    from cnrstore import knobs
+    from cnrstore.engine import table_decode
+
+    monkeypatch.setattr(knobs, "DECODE_THREADS", 3)
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        _int4_chain(store, np.random.default_rng(7))
+        monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", 0)
+        pooled = store.read_table("w")
+        monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", pooled.nbytes + 1)
+        monkeypatch.setattr(table_decode, "_executor", lambda workers: pytest.fail("a small read used the pool"))
+        assert np.array_equal(store.read_table("w").view(np.uint32), pooled.view(np.uint32))
+        monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", pooled.nbytes)
+        with pytest.raises(pytest.fail.Exception, match="used the pool"):
+            store.read_table("w")
 
 
 def test_read_tables_row_range_of_a_partly_written_table(tmp_path):

@@ -662,6 +662,7 @@ def test_restore_decodes_into_the_live_weights_and_optimizer_state(store, monkey
     ptrs = [w.data_ptr() for w in weights]
     sums = [opt.state[w]["sum"] for w in weights]
     monkeypatch.setattr(knobs, "DECODE_THREADS", threads)
+    monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", 0)  # (a small model: through the pool all the same)
     ck.restore()
     monkeypatch.setattr(knobs, "DECODE_THREADS", 1)
     for name, w, ptr, s in zip(["emb", "bag"], weights, ptrs, sums):

@@ -84,7 +84,8 @@ def read_tables(view: IndexView, segments: SegmentReader, jobs: Sequence[tuple[T
 
     Every job is planned first, so every record the read needs is verified (and every row found)
     before any destination is written: a CorruptionError or MissingRows leaves them all untouched. The
-    blocks are then decoded on :func:`decode_threads` threads; an error there (none is expected once the
+    blocks are then decoded on :func:`decode_threads` threads (on this one under
+    ``knobs.DECODE_INLINE_BYTES`` of destinations); an error there (none is expected once the
     records are verified, short of running out of memory) is raised after every block has finished.
 
     ``progress(done, total)``, if given, is called on this thread as blocks are decoded: fp32 bytes of the
@@ -106,7 +107,7 @@ def _read_tables(view, segments, jobs, version, progress) -> list[np.ndarray]:
     if progress is not None:
         progress(0, total)
     workers = decode_threads()
-    if min(workers, len(tasks)) <= 1:
+    if min(workers, len(tasks)) <= 1 or total < knobs.DECODE_INLINE_BYTES:
         for task in tasks:
             decode_block(*task)
             if progress is not None:
