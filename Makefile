@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 demo: $(STAMP)
 	$(PY) tools/train_dlrm.py
 
+# test workers (pytest-xdist): one per core of CI's 2-core machine; TEST_WORKERS=0 runs the suite in one process
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	CNRSTORE_REQUIRE_TORCHREC=1 $(PY) -m pytest -q
+	CNRSTORE_REQUIRE_TORCHREC=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 bench: $(STAMP)  # every benchmark, ~30 min on 2 cores: rewrites benchmarks/RESULTS.md and its PNGs
 	$(PY) -m pip install --quiet matplotlib  # for the plots only

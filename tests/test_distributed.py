@@ -11,10 +11,11 @@ import glob
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+import prespawn
 
 from cnrstore.distributed import Root, ShardingPlan, versions
 from cnrstore.errors import InvalidArgument, StoreNotFound
@@ -23,12 +24,12 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 TIMEOUT = 180
 
 
-def _spawn(cfg: dict, rank: int, env_extra=None) -> subprocess.Popen:
+def _spawn(cfg: dict, rank: int, env_extra=None):
+    """Rank ``rank`` of the job ``cfg`` (a worker forked from the preloaded server: prespawn.py)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("CNRSTORE_CRASH_AT", None)
     env.update(env_extra or {})
-    return subprocess.Popen([sys.executable, WORKER, json.dumps({**cfg, "rank": rank})], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return prespawn.spawn(WORKER, json.dumps({**cfg, "rank": rank}), env=env)
 
 
 def _finish(procs) -> list[tuple[int, str]]:

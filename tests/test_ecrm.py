@@ -13,10 +13,11 @@ import itertools
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+import prespawn
 
 from cnrstore.distributed import failures, gf256
 from cnrstore.distributed.stripes import StripeLayout
@@ -87,13 +88,12 @@ def test_bad_codes_are_refused():
 
 # -- spawned jobs -------------------------------------------------------------------------------------------
 
-def _spawn(cfg: dict, rank: int, crash: str | None = None, **extra) -> subprocess.Popen:
+def _spawn(cfg: dict, rank: int, crash: str | None = None, **extra):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("CNRSTORE_CRASH_AT", None)
     if crash:
         env["CNRSTORE_CRASH_AT"] = crash
-    return subprocess.Popen([sys.executable, WORKER, json.dumps({**cfg, "rank": rank, **extra})], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return prespawn.spawn(WORKER, json.dumps({**cfg, "rank": rank, **extra}), env=env)
 
 
 def _wait_all(procs) -> None:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -34,6 +32,7 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper  # noqa: E402
 
 from cnrstore.torch import Checkpointer  # noqa: E402
 from test_distributed import _finish  # noqa: E402  (waits for spawned ranks, killing one that hangs)
+import prespawn  # noqa: E402  (workers forked from a preloaded server)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "torchrec_worker.py")
@@ -47,9 +46,7 @@ def _run(tmp_path, scenario: str, world: int, plan: dict, seed: int, **cfg) -> N
     for rank in range(world):
         c = {"scenario": scenario, "rank": rank, "world": world, "init": str(out / f"init-{scenario}"),
              "out": str(out), "root": str(out / "root"), "plan": plan, "steps": 5, "seed": seed, **cfg}
-        procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(c)], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
-                                      env=dict(os.environ, OMP_NUM_THREADS="1")))
+        procs.append(prespawn.spawn(WORKER, json.dumps(c), env=dict(os.environ, OMP_NUM_THREADS="1")))
     bad = [(rc, text[-3000:]) for rc, text in _finish(procs) if rc != 0]
     assert not bad, bad
 
