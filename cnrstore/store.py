@@ -282,16 +282,6 @@ class Store:
         API.md's contract."""
         return self._engine
 
-    # the engine's parts under their old private names: nothing in the repository uses them any more (tests,
-    # benchmarks and cnrstore.distributed use Store.engine); kept for code written before the engine --------
-    _index = property(lambda self: self._engine.index)
-    _segments = property(lambda self: self._engine.segments)
-    _appender = property(lambda self: self._engine.appender)
-    _compaction_appender = property(lambda self: self._engine.compaction_appender)
-    _lock = property(lambda self: self._engine.lock)
-    _maintenance_lock = property(lambda self: self._engine.maintenance_lock)
-    _writer = property(lambda self: self._engine.writer)
-
     def _table_record(self, name: str, view: IndexView | None = None) -> TableRecord | None:
         return self._engine.table_record(name, view)
 
