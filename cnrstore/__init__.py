@@ -13,6 +13,8 @@ the FBGEMM-backed codecs do; see ``cnrstore/codecs/rowwise.py``).
 """
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 
 from . import codecs, errors
@@ -55,25 +57,47 @@ __version__ = "0.1.0"
 
 #: Module paths from before the layout by layer (issue 22) -> where each module lives now. The old path
 #: names the same module object (``import cnrstore.compaction``, ``from cnrstore import verify`` and
-#: ``monkeypatch.setattr("cnrstore.reader....")`` keep working); new code uses the new path.
+#: ``monkeypatch.setattr("cnrstore.reader....")`` keep working), imported on first use; new code uses the
+#: new path. ``cnrstore.repair`` is the function only (the module is ``cnrstore.maintenance.repair``).
 MOVED_MODULES = {
     **{m: f"engine.{m}" for m in ("record", "blocks", "segments", "storage", "fs", "lock", "marker",
                                    "filenames", "msgpack_safe", "index", "schema", "version_edit", "reader",
                                    "merge", "writer", "opening")},
     "rowrecords": "engine.block_records",
     "validate": "engine.arguments",
-    **{m: f"maintenance.{m}" for m in ("liveness", "compaction", "background", "repair", "verify")},
+    **{m: f"maintenance.{m}" for m in ("liveness", "compaction", "background", "verify")},
 }
 
 
-def _alias_moved_modules() -> None:
-    for old, new in MOVED_MODULES.items():
-        module = importlib.import_module(f"{__name__}.{new}")
-        sys.modules[f"{__name__}.{old}"] = module
-        globals().setdefault(old, module)  # ``cnrstore.repair`` stays the function
+class _MovedModule(importlib.abc.Loader):
+    """Loads an old module path as the moved module itself (the import system keeps what ``exec_module``
+    leaves in ``sys.modules`` under the name)."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def exec_module(self, module) -> None:
+        sys.modules[module.__name__] = importlib.import_module(self.target)
 
 
-_alias_moved_modules()
+class _MovedModules(importlib.abc.MetaPathFinder):
+    """``import cnrstore.<old path>`` (MOVED_MODULES) finds the moved module."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, old = fullname.rpartition(".")
+        if package != __name__ or old not in MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, _MovedModule(f"{__name__}.{MOVED_MODULES[old]}"))
+
+
+sys.meta_path.append(_MovedModules())
+
+
+def __getattr__(name: str):
+    """``cnrstore.<old path>`` as an attribute (``from cnrstore import verify``): the moved module."""
+    if name in MOVED_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "open", "repair", "RepairReport", "Store", "CheckpointWriter", "TableInfo", "VersionInfo", "Snapshot", "VerifyReport",

@@ -6,10 +6,12 @@ from __future__ import annotations
 import ast
 import contextlib
 import os
+import subprocess
 import sys
 import traceback
 
 import numpy as np
+import pytest
 
 import cnrstore
 from cnrstore.engine import fs, storage
@@ -397,16 +399,34 @@ def test_every_segment_file_access_goes_through_the_storage_seam(tmp_path, monke
 
 def test_old_module_paths_name_the_moved_modules():
     """Code written against the flat layout keeps working: each old path is the moved module itself (so a
-    monkeypatch through either path patches the one the engine uses); ``cnrstore.repair`` stays the
-    function."""
+    monkeypatch through either path patches the one the engine uses), imported on first use;
+    ``cnrstore.repair`` is the function, whatever was imported."""
     import importlib
 
-    assert len(cnrstore.MOVED_MODULES) == 23
+    assert len(cnrstore.MOVED_MODULES) == 22
     for old, new in cnrstore.MOVED_MODULES.items():
         moved = importlib.import_module(f"cnrstore.{new}")
         assert importlib.import_module(f"cnrstore.{old}") is moved, old
+        assert getattr(cnrstore, old) is moved, old
+        assert moved.__name__ == f"cnrstore.{new}" and moved.__spec__.name == f"cnrstore.{new}", old
         assert not os.path.exists(os.path.join(PACKAGE, old + ".py")), f"{old}.py is still in cnrstore/"
+    import cnrstore.reader as old_path
+    assert old_path is importlib.import_module("cnrstore.engine.reader")
     from cnrstore.maintenance.repair import repair
     assert cnrstore.repair is repair
+    importlib.import_module("cnrstore.maintenance.repair")
+    assert cnrstore.repair is repair
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("cnrstore.no_such_module")
+    with pytest.raises(AttributeError, match="no_such_name"):
+        cnrstore.no_such_name  # noqa: B018
     from cnrstore import verify
     assert verify.verify_store.__module__ == "cnrstore.maintenance.verify"
+
+
+def test_importing_cnrstore_imports_no_moved_module_under_its_old_path():
+    """The old paths cost nothing until used: a fresh ``import cnrstore`` registers none of them."""
+    code = ("import sys, cnrstore; print(sorted(m for m in sys.modules if m.split('.')[-1] in "
+            "cnrstore.MOVED_MODULES and m.count('.') == 1))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
