@@ -19,7 +19,7 @@ from .engine.core import Engine, version_info as _version_info
 from .engine.index import Index, IndexView
 from .engine.schema import TableRecord
 from .engine.storage import SegmentStorage
-from .engine.writer import CheckpointWriter, pack_meta
+from .engine.writer import CheckpointWriter
 from .errors import CompactionFailed, InvalidArgument, MissingRows, ReadOnlyError, TableNotFound, VersionNotFound
 from .maintenance import compaction
 from .maintenance.background import BackgroundCompactor
@@ -278,8 +278,8 @@ class Store:
 
     @property
     def engine(self) -> Engine:
-        """The storage engine beneath this store (engine.py), for tools such as the CLI; not part of
-        API.md's contract."""
+        """The storage engine beneath this store (``cnrstore.engine.Engine``, engine/core.py), for tools
+        such as the CLI; not part of API.md's contract."""
         return self._engine
 
     def _table_record(self, name: str, view: IndexView | None = None) -> TableRecord | None:
@@ -345,7 +345,7 @@ class Store:
     def checkpoint(self, step: int | None = None, meta: dict | None = None) -> CheckpointWriter:
         """Begin a new version; see API.md. Only one writer may be open at a time."""
         self._check_writable()
-        pack_meta(meta)
+        arguments.check_meta(meta)
         step = arguments.step_arg(step)
         step = None if step is None else int(step)
         engine = self._engine

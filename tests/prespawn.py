@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,20 @@ PRELOAD = ["numpy", "torch", "torch.distributed", "torch.nn", "torch.optim", "lm
 
 _context = None
 _lock = threading.Lock()
+_log_dir: str | None = None  # the workers' output files, removed when this process exits
+
+
+def _new_log() -> str:
+    """A file for one worker's output, in a directory of this process's own (removed at its exit: a test
+    that only ``wait()``s never reads it)."""
+    global _log_dir
+    with _lock:
+        if _log_dir is None:
+            _log_dir = tempfile.mkdtemp(prefix="cnrstore-workers-")
+            atexit.register(shutil.rmtree, _log_dir, True)
+    fd, path = tempfile.mkstemp(dir=_log_dir, suffix=".log")
+    os.close(fd)
+    return path
 
 
 def _fork_server():
@@ -105,8 +120,7 @@ class Worker:
     use (output: stdout and stderr together, read by :meth:`communicate`)."""
 
     def __init__(self, script: str, args: list, env: dict | None, cwd: str | None):
-        fd, self._log = tempfile.mkstemp(prefix="cnrstore-worker-", suffix=".log")
-        os.close(fd)
+        self._log = _new_log()
         self._process = _fork_server().Process(
             target=_run_script, args=(script, [str(a) for a in args], dict(os.environ if env is None else env),
                                       cwd or os.getcwd(), self._log))

@@ -12,7 +12,7 @@ import cnrstore
 from cnrstore import codecs, knobs
 from cnrstore.engine import record
 from cnrstore.errors import CheckpointInProgress, InvalidArgument, MissingRows, StoreClosed, TableNotFound
-from cnrstore.engine.writer import pack_meta
+from cnrstore.engine.arguments import check_meta
 
 DIM = 3
 FP32_ROW = 4 * DIM
@@ -167,14 +167,14 @@ def test_dense_arrays_are_put_once_and_only_numeric(store):
 
 
 @pytest.mark.parametrize("meta", [None, {}, {"pos": [1, 2], "name": "x", "b": b"\0"}])
-def test_pack_meta_accepts_msgpack_able_dicts(meta):
-    pack_meta(meta)
+def test_check_meta_accepts_msgpack_able_dicts(meta):
+    check_meta(meta)
 
 
 @pytest.mark.parametrize("meta,why", [([1], "must be a dict"), ({"f": object()}, "msgpack-able"),
                                       ({"n": 2**70}, "msgpack-able")])
-def test_pack_meta_refuses_anything_else(meta, why, store):
+def test_check_meta_refuses_anything_else(meta, why, store):
     with pytest.raises(InvalidArgument, match=why):
-        pack_meta(meta)
+        check_meta(meta)
     with pytest.raises(InvalidArgument, match=why):
         store.checkpoint(meta=meta)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import msgpack
 import numpy as np
 
 from . import blocks as blocks_math
@@ -191,3 +192,16 @@ def version_set(values, name: str) -> set[int]:
     if not ok:
         raise InvalidArgument(f"{name}= takes version numbers (ints >= 1); got {values!r}")
     return out
+
+
+def check_meta(meta) -> None:
+    """Raise InvalidArgument unless ``meta`` is None or a msgpack-able dict (what a version's meta
+    holds: it is packed with the version's record when the checkpoint commits)."""
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise InvalidArgument(f"meta must be a dict (or None), got {type(meta).__name__}")
+    try:
+        msgpack.packb(meta, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgument(f"meta must be msgpack-able (dicts, lists, str, bytes, numbers, bool, None): {exc}") from exc

@@ -10,8 +10,9 @@ access. ``LocalSegmentStorage`` is today's: files under ``<store>/segments/``, r
 What a storage can do is stated by a capability flag (``supports_appends``): a writable open refuses a
 storage without it, which never hands out an appender. An appender (``appender``) calls
 ``sealed(seg)`` once it will never append to ``seg`` again (it rolled over to a new segment, or GC sealed
-it): the hook where a remote implementation would upload the now immutable file (and could later serve
-reads of it from the object store), and where a local one has nothing to do.
+it): the hook where the remote tier (engine/remote.py, ``RemoteSegmentStorage``) uploads the now
+immutable file, whose reads it may later serve from the object store, and where a local one has nothing
+to do.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ import contextlib
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
-import msgpack
 import numpy as np
 
 from . import blocks as blocks_math
@@ -452,15 +451,3 @@ def _chunks(blocks: np.ndarray, target: int):
             stop = int(np.searchsorted(blocks, blocks[stop - 1], side="right"))
         yield start, stop
         start = stop
-
-
-def pack_meta(meta) -> None:
-    """Raise InvalidArgument unless ``meta`` is None or a msgpack-able dict."""
-    if meta is None:
-        return
-    if not isinstance(meta, dict):
-        raise InvalidArgument(f"meta must be a dict (or None), got {type(meta).__name__}")
-    try:
-        msgpack.packb(meta, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise InvalidArgument(f"meta must be msgpack-able (dicts, lists, str, bytes, numbers, bool, None): {exc}") from exc

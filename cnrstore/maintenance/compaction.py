@@ -325,9 +325,12 @@ def drop_versions(engine: "Engine", drop: set[int], *, allow_newest: bool = Fals
     The newest version is dropped only with ``allow_newest`` (cnrstore.distributed reclaims local versions
     that no global version refers to); version numbers are never reused either way.
 
-    An entry at version v of a block is read by a kept version k >= v only if no baseline of the block
-    lies in (v, k]; it suffices to look at the smallest kept k >= v. Dense entries are each a whole
-    array, so each is a baseline. Returns the dropped versions, oldest first.
+    An entry is kept while a kept version reads it: it lies on that version's read chain (back from the
+    block's newest entry at or before the version to a baseline, jumping from a cumulative delta to the
+    entry at its base: ``IndexView.row_chain``), decided inside the edit's transaction
+    (``version_edit._drop_versions``, by ``reader.unread_versions``), as are the bases an open checkpoint
+    pinned. Dense entries are each a whole array, so each is a baseline. Returns the dropped versions,
+    oldest first.
     """
     with engine.index.read() as view:
         present = view.version_numbers()

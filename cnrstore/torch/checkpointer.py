@@ -92,7 +92,6 @@ from . import restore as _restore
 from . import sharded
 from ..errors import InvalidArgument, SaveSkipped
 from ..types import VersionInfo
-from ..engine.writer import pack_meta
 from .async_save import PendingSave, SaveQueue, SaveReport, WeakPendingWork
 from .optim_state import (as_optimizer_list, create_lazy_state, holds_weight, row_state_width, table_drift,
                           with_live_state)
@@ -599,7 +598,7 @@ class Checkpointer:
                 raise InvalidArgument(f"top must be a fraction in (0, 1] of each table's rows; got {top!r}")
         self._reap()
         self._raise_pending_error()
-        pack_meta(meta)  # bad arguments fail here, not in the background
+        arguments.check_meta(meta)  # bad arguments fail here, not in the background
         step = arguments.step_arg(step)
         for key, v in self._dense.items():  # a dense array the format cannot hold: fail now, not in the background
             if v.nbytes > arguments.max_dense_bytes():

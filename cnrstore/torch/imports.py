@@ -94,7 +94,6 @@ from ..engine import filenames, fs
 from .. import store as _store
 from ..engine import arguments
 from ..errors import InvalidArgument
-from ..engine.writer import pack_meta
 from . import payload as _payload
 from .optim_state import as_optimizer_list
 from .payload import DENSE_PREFIX, PAYLOAD_FORMAT, ROW_MARK, STATE_BLOB, dense_copy
@@ -909,7 +908,7 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
     if src.scalars:  # (a trainer's "epoch" and such: into the version's meta, beside what meta= says)
         meta = {**src.scalars, **(meta or {})}
     arguments.step_arg(step)
-    pack_meta(meta)
+    arguments.check_meta(meta)
     payload = {"format": PAYLOAD_FORMAT, "mode": "imported", "tables": list(chosen),
                "dense_dtypes": {k: str(v.dtype).split(".")[-1] for k, v in dense.items()},
                "optimizers": optims, "extra": dict(src.extra), "param_names": param_names,
