@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from cnrstore import knobs
 from cnrstore.errors import CorruptionError
+from cnrstore.engine import record
 from cnrstore.engine.index import DenseLoc, Index, RowLoc
 from cnrstore.engine.schema import TableRecord
 
@@ -28,21 +29,29 @@ def index(tmp_path):
     ix.close()
 
 
-def loc_for(t, b, v) -> RowLoc:
-    """A distinct, recognisable location per key (fields within their on-disk widths)."""
+def loc_for(t, b, v, flags=None) -> RowLoc:
+    """A distinct, recognisable location per key (fields within their on-disk widths); its flags mix
+    baselines (record.FLAG_BASELINE, bit 0) with other records unless ``flags`` is given."""
     return RowLoc(segment=t % 1000, offset=b % 100_000, length=v % 1_000_000, count=(t + b + v) % 65536,
-                  flags=(t + v) % 8)
+                  flags=(t + v) % 8 if flags is None else flags)
 
 
-def put_rows(index, keys):
+def put_rows(index, keys, flags=None):
     def body(w):
         for t, b, v in keys:
-            w.put_row(t, b, v, loc_for(t, b, v))
+            w.put_row(t, b, v, loc_for(t, b, v, flags))
     index.write(body)
 
 
-def expected_chain(keys, t, b, v):
-    return sorted((kv for kt, kb, kv in keys if (kt, kb) == (t, b) and kv <= v), reverse=True)
+def expected_chain(keys, t, b, v, flags=None):
+    """The read chain the rule gives (engine/chain.py): every entry of the block at or before v, newest
+    first, up to and including the first baseline."""
+    chain = []
+    for kv in sorted((kv for kt, kb, kv in keys if (kt, kb) == (t, b) and kv <= v), reverse=True):
+        chain.append(kv)
+        if loc_for(t, b, kv, flags).flags & record.FLAG_BASELINE:
+            break
+    return chain
 
 
 # row_chain ------------------------------------------------------------------------------------------
@@ -84,7 +93,7 @@ def test_row_chain_on_empty_index(index):
 
 
 def test_row_chain_only_one_block_present(index):
-    put_rows(index, [(5, 9, 3), (5, 9, 8)])
+    put_rows(index, [(5, 9, 3), (5, 9, 8)], flags=0)
     with index.read() as view:
         assert [v for v, _ in view.row_chain(5, 9, 2)] == []
         assert [v for v, _ in view.row_chain(5, 9, 3)] == [3]
@@ -96,7 +105,7 @@ def test_row_chain_only_one_block_present(index):
 
 def test_row_chain_can_be_stopped_early_and_restarted(index):
     keys = [(1, 0, v) for v in range(10)] + [(1, 1, v) for v in range(10)]
-    put_rows(index, keys)
+    put_rows(index, keys, flags=0)
     with index.read() as view:
         it = view.row_chain(1, 1, 6)
         assert next(it)[0] == 6
@@ -230,7 +239,7 @@ def test_map_growth_retries_the_body(tmp_path, monkeypatch):
             assert view.meta("blob") == "x" * 100_000
         # later writes keep growing it as needed, and every earlier write survives
         for round_ in range(5):
-            ix.write(lambda w, r=round_: [w.put_row(2, r, i, loc_for(2, r, i)) for i in range(2000)])
+            ix.write(lambda w, r=round_: [w.put_row(2, r, i, loc_for(2, r, i, flags=0)) for i in range(2000)])
         with ix.read() as view:
             assert view.meta("counter") == 1
             assert len(list(view.row_entries(2))) == 10_000

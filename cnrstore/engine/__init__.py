@@ -6,8 +6,9 @@ Layers, lowest first (docs/ARCHITECTURE.md draws them):
 * the log — ``record`` (one record's bytes), ``blocks`` (row-to-block math), ``block_records`` (a
   block's ROWS records), ``segments`` (segment files), ``storage`` (the segment storage seam and
   ``fetch``, the one checked read of a record), ``remote`` (the object-store tier behind that seam);
-* the index — ``index`` (LMDB), ``schema`` (what its values hold), ``version_edit`` (what one commit
-  changes: its log record and its index update);
+* the index — ``chain`` (the read-chain rule: which entry a read of a block walks next), ``index``
+  (LMDB), ``schema`` (what its values hold), ``version_edit`` (what one commit changes: its log record
+  and its index update);
 * reads and writes — ``reader`` (read chains), ``table_decode`` (whole tables: every record verified,
   then decoded in parallel into place), ``merge`` (read cost and the merged deltas that bound it),
   ``chain_costs`` (each block's chain cost, remembered for the save path), ``arguments`` (the checks of

@@ -31,6 +31,7 @@ from typing import Callable, Iterator, NamedTuple, TypeVar
 import lmdb
 import msgpack
 
+from . import chain as chain_rule
 from . import filenames, fs, record
 from .. import knobs
 from .msgpack_safe import unpack_bounded
@@ -278,10 +279,9 @@ class IndexView:
 
     # row index ------------------------------------------------------------------------------------
     def row_chain(self, table_id: int, block: int, version: int) -> Iterator[tuple[int, RowLoc]]:
-        """The block's read chain at ``version``: (version, location) of the records a read walks, newest
-        first: every record at or before ``version``, except that after a cumulative delta (``loc.base``)
-        the walk goes on at the record at its base version, skipping those in between. Callers stop at
-        a baseline (record.FLAG_BASELINE). A delta whose base has no entry raises CorruptionError."""
+        """The block's read chain at ``version`` (engine/chain.py states the rule): (version, location) of
+        the records a read walks, newest first, the baseline that ends it included. A delta whose base
+        has no entry raises CorruptionError."""
         cur = self._txn.cursor(db=self._dbs[b"rows"])  # one per walk: walks may interleave
         ok = _seek_at_or_before(cur, ROW_KEY.pack(table_id, block, version))
         while ok:
@@ -290,14 +290,17 @@ class IndexView:
                 return
             loc = _row_loc(cur.value(), v)
             yield v, loc
-            if loc.base:
-                ok = cur.set_key(ROW_KEY.pack(table_id, block, loc.base))
-                if not ok:
-                    raise CorruptionError(f"the index entry of table {table_id} block {block} version {v} is a "
-                                          f"delta on version {loc.base}, which has no entry: the index is "
-                                          "damaged; run `cnrstore verify`, then `cnrstore repair`", None, None)
-            else:
+            nxt = chain_rule.step(loc.flags, loc.base)
+            if nxt == chain_rule.END:
+                return
+            if nxt == chain_rule.PREVIOUS:
                 ok = cur.prev()
+                continue
+            ok = cur.set_key(ROW_KEY.pack(table_id, block, nxt))
+            if not ok:
+                raise CorruptionError(f"the index entry of table {table_id} block {block} version {v} is a "
+                                      f"delta on version {nxt}, which has no entry: the index is "
+                                      "damaged; run `cnrstore verify`, then `cnrstore repair`", None, None)
 
     def row_entries(self, table_id: int | None = None) -> Iterator[tuple[int, int, int, RowLoc]]:
         """Every (table, block, version, location) of the row index, in key order."""

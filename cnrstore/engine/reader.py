@@ -16,6 +16,7 @@ import numpy as np
 
 from . import blocks as blocks_math
 from .. import codecs
+from . import chain as chain_rule
 from . import record
 from ..errors import CorruptionError, InvalidArgument, MissingRows
 from .index import IndexView
@@ -198,15 +199,14 @@ def unread_versions(entries: list[tuple], kept: list[int]) -> list[int]:
     versions = np.fromiter((e[0] for e in entries), dtype=np.int64, count=len(entries))
     starts = np.unique(np.searchsorted(versions, np.asarray(kept, dtype=np.int64), side="right") - 1)
     position = {int(v): i for i, v in enumerate(versions.tolist())}
+    flags = [record.FLAG_BASELINE if e[1] else 0 for e in entries]
+    bases = [e[2] if len(e) > 2 else 0 for e in entries]
     read = np.zeros(len(entries), dtype=bool)
-    for i in starts[starts >= 0].tolist():
-        while i is not None and not read[i]:
+    for start in starts[starts >= 0].tolist():
+        for i in chain_rule.walk(flags, bases, position, start):
+            if read[i]:
+                break  # the walk from here on is done already
             read[i] = True
-            entry = entries[i]
-            if entry[1]:
-                break  # a baseline ends the chain
-            base = entry[2] if len(entry) > 2 else 0
-            i = position.get(base) if base else (i - 1 if i else None)
     return versions[~read].tolist()
 
 

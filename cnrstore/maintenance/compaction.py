@@ -19,6 +19,7 @@ import numpy as np
 
 from ..engine import blocks as blocks_math
 from .. import codecs, knobs
+from ..engine import chain as chain_rule
 from ..engine import fs, merge, reader, record, schema
 from . import liveness
 from ..errors import InvalidArgument, StorageFull
@@ -47,11 +48,7 @@ def block_chains(view: IndexView, version: int) -> dict[tuple[int, int], list[tu
         for block, oldest in view.row_blocks(tid):
             if oldest > version:
                 continue
-            chain = chains[(tid, block)] = []
-            for v, loc in view.row_chain(tid, block, version):
-                chain.append((v, loc))
-                if loc.flags & record.FLAG_BASELINE:
-                    break  # a baseline shadows everything older
+            chains[(tid, block)] = list(view.row_chain(tid, block, version))  # (ends at a baseline)
     return chains
 
 
@@ -83,20 +80,20 @@ def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions
     has_next: list[bool] = []
     lengths: list[int] = []  # chain length from the entry on
     prev = None
-    run = 0
-    runs: dict[int, int] = {}  # the block's entries seen so far: version -> chain length from it
+    runs: list[int] = []  # the block's entries seen so far: the chain length from each
+    position: dict[int, int] = {}  # the block's entries seen so far: version -> index in runs
     for t, b, v, loc in entries:
         if (t, b) == prev:
             ends[-1], has_next[-1] = v, True
-            # a delta reads itself, then the chain from the entry at its base
-            run = 1 if loc.flags & record.FLAG_BASELINE else 1 + runs.get(loc.base, 1) if loc.base else run + 1
         else:
-            prev, run, runs = (t, b), 1, {}
-        runs[v] = run
+            prev, runs, position = (t, b), [], {}
+        position[v] = len(runs)
+        nxt = chain_rule.next_position(len(runs), loc.flags, loc.base, position)
+        runs.append(1 + (runs[nxt] if nxt is not None else 0))
         starts.append(v)
         ends.append(0)
         has_next.append(False)
-        lengths.append(run)
+        lengths.append(runs[-1])
     vers = np.asarray(versions, dtype=np.uint64)
     n = vers.size
     out = np.zeros(n, dtype=np.int64)

@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..engine import blocks as blocks_math
+from ..engine import chain as chain_rule
 from ..engine import merge, record
 from ..engine.index import IndexView, RowLoc
 from ..engine.reader import check_offsets
@@ -75,19 +76,13 @@ def _block(result: Liveness, info: TableRecord | None, key: tuple[int, int], ent
     starts = np.unique(np.searchsorted(versions, kept, side="right") - 1)
     starts = starts[starts >= 0].tolist()
     position = {v: i for i, v in enumerate(versions.tolist())}
-    chains = []
-    for i in starts:  # each distinct read chain of a kept version, newest record first
-        chain = []
-        while i is not None:
-            chain.append(i)
-            v, loc = entries[i]
-            if loc.flags & record.FLAG_BASELINE:
-                break
-            i = position.get(loc.base) if loc.base else (i - 1 if i else None)
-        chains.append(chain)
-    read = {i for chain in chains for i in chain}
+    flags = [loc.flags for _v, loc in entries]
+    bases = [loc.base for _v, loc in entries]
+    # each distinct read chain of a kept version, newest record first
+    chains = [list(chain_rule.walk(flags, bases, position, i)) for i in starts]
+    read = {i for walked in chains for i in walked}
     live: dict[int, np.ndarray | None] = {}  # entry -> live offsets, None = wholly live
-    heads = {chain[0] for chain in chains}
+    heads = {walked[0] for walked in chains}
     for i, (v, _loc) in enumerate(entries):
         if (tid, block, v) in pinned:
             read.add(i)
@@ -111,11 +106,11 @@ def _block(result: Liveness, info: TableRecord | None, key: tuple[int, int], ent
                 offsets[i] = rec.offsets()
             return offsets[i]
 
-        for chain in chains:
-            if all(live.get(i, 0) is None for i in chain):
+        for walked in chains:
+            if all(live.get(i, 0) is None for i in walked):
                 continue
             covered = np.zeros(block_len, dtype=bool)
-            for i in chain:
+            for i in walked:
                 rows = rows_of(i)
                 if live.get(i, 0) is not None:
                     fresh = rows[~covered[rows]]

@@ -53,6 +53,7 @@ from typing import Callable
 import msgpack
 import numpy as np
 
+from ..engine import chain as chain_rule
 from ..engine import filenames, fs, record, schema, segments, version_edit
 from ..engine import remote as remote_tier
 from .verify import LOST_SEGMENT, damaged_blocks, verify_store
@@ -581,10 +582,11 @@ class _LogProof:
         """The chain starting at ``link``: ``below`` is the state of the block just under it (what a
         plain increment is read with)."""
         v, loc, why = link
-        if why is not None or loc.flags & record.FLAG_BASELINE:
+        nxt = chain_rule.step(loc.flags, loc.base)
+        if why is not None or nxt == chain_rule.END:
             out = (link,)
-        elif loc.base:
-            out = self.base_chain(tid, block, loc.base, below)
+        elif nxt != chain_rule.PREVIOUS:
+            out = self.base_chain(tid, block, nxt, below)
             out = (link,) + out if not isinstance(out, str) else out
         elif isinstance(below, str):
             out = below
@@ -610,9 +612,7 @@ class _LogProof:
             loc = locs[-1] if locs else None
         if loc is None:
             return (self.lost(tid, block, base, 0, record.FLAG_BASELINE, 0, "base record"),)
-        if loc.flags & record.FLAG_BASELINE:
-            return self.chain_from(tid, block, (base, loc, None), None)
-        if loc.base:
+        if chain_rule.step(loc.flags, loc.base) != chain_rule.PREVIOUS:  # a baseline, or a delta on a base
             return self.chain_from(tid, block, (base, loc, None), None)
         return (f"the records of table {self.tname(tid)} block {block} under the delta base at version {base} "
                 "are not proven")
@@ -640,16 +640,17 @@ class _LogProof:
                 links.append(self.lost(tid, block, u, suspect.count, suspect.flags, suspect.base))
                 break
             links.append((u, loc, None))
-            if loc.flags & record.FLAG_BASELINE:
+            nxt = chain_rule.step(loc.flags, loc.base)
+            if nxt == chain_rule.END:
                 break
-            if loc.base:
-                j = bisect.bisect_left(versions, loc.base)
-                if j >= len(versions) or versions[j] != loc.base:
-                    links.append(self.lost(tid, block, loc.base, 0, record.FLAG_BASELINE, 0, "base record"))
-                    break
-                i = j
-            else:
+            if nxt == chain_rule.PREVIOUS:
                 i -= 1
+                continue
+            j = bisect.bisect_left(versions, nxt)
+            if j >= len(versions) or versions[j] != nxt:
+                links.append(self.lost(tid, block, nxt, 0, record.FLAG_BASELINE, 0, "base record"))
+                break
+            i = j
         return tuple(links)
 
     # states -------------------------------------------------------------------------------------------
@@ -679,9 +680,10 @@ class _LogProof:
         record is GC's rewrite of the checkpoint's own record at v, never a baseline."""
         for tid, block in sorted(self.found.compacted_at.get(v, ())):
             loc = self.found.row(tid, block, v, compacted=True)
-            if loc is not None and loc.flags & record.FLAG_BASELINE:
+            nxt = chain_rule.PREVIOUS if loc is None else chain_rule.step(loc.flags, loc.base)
+            if nxt == chain_rule.END:
                 st.blocks[(tid, block)] = self.chain_from(tid, block, (v, loc, None), None)
-            elif loc is not None and loc.base:
+            elif nxt != chain_rule.PREVIOUS:
                 # a merged delta (background merge, or GC's rewrite of a delta): the block's state at v is
                 # it and the chain at its base. Taken where that chain is proven whole; else what the
                 # commits proved stands (a merge only repeats rows the records it merged hold)
@@ -710,7 +712,7 @@ class _LogProof:
                     else:
                         link = self.own(tid, block, hv, count, flags)
                     links.append(link)
-                    if link[2] is not None or link[1].flags & record.FLAG_BASELINE:
+                    if link[2] is not None or chain_rule.step(link[1].flags, link[1].base) == chain_rule.END:
                         break
                 chain = tuple(links)
                 for i in range(len(chain)):  # every suffix is the chain from that entry
@@ -1020,16 +1022,16 @@ def _old_index_state(old: _OldIndex, v: int, found: _Found, tname, proof: _LogPr
             u, loc = entries[i]
             link = _checked_row(found, tid, block, u, loc, tname, why_damaged.get((tid, block)))
             links.append(link)
-            if link[2] is not None or loc.flags & record.FLAG_BASELINE:
+            nxt = chain_rule.step(loc.flags, loc.base)
+            if link[2] is not None or nxt == chain_rule.END:
                 break
-            if loc.base:
-                j = position.get(loc.base)
-                if j is None:
-                    links.append(proof.lost(tid, block, loc.base, 0, record.FLAG_BASELINE, 0, "base record"))
-                    break
-                i = j
-            else:
+            if nxt == chain_rule.PREVIOUS:
                 i = i - 1 if i else None
+                continue
+            i = position.get(nxt)
+            if i is None:
+                links.append(proof.lost(tid, block, nxt, 0, record.FLAG_BASELINE, 0, "base record"))
+                break
         chains[(tid, block)] = tuple(links)
     dense = {}
     for did, entries in old.dense.items():
@@ -1099,15 +1101,16 @@ def _entries(plan: _Plan, report: RepairReport) -> tuple[dict, dict, dict]:
                 if why is not None:
                     result = why
                     break
-                if loc.flags & record.FLAG_BASELINE:
+                nxt = chain_rule.step(loc.flags, loc.base)
+                if nxt == chain_rule.END:
                     break
-                if loc.base:
-                    i = position.get(loc.base)
-                    if i is None:
-                        result = f"the base record of table id {tid} block {block} at version {loc.base} is missing"
-                        break
-                else:
+                if nxt == chain_rule.PREVIOUS:
                     i = i - 1 if i else None
+                    continue
+                i = position.get(nxt)
+                if i is None:
+                    result = f"the base record of table id {tid} block {block} at version {nxt} is missing"
+                    break
             else:
                 if i is not None:
                     result = memo[i]
