@@ -32,7 +32,7 @@ from ..policy import compaction as compaction_policy
 from .schema import TableRecord
 from .storage import LocalSegmentStorage, SegmentStorage
 from ..types import GCReport, VersionInfo
-from .version_edit import VersionEdit
+from .version_edit import VersionEdit, crash_points
 
 W = TypeVar("W")
 _UNRECORDED = "the index could not record the deletion of freed segments"
@@ -335,8 +335,8 @@ class Engine:
         return report
 
     # the one commit path ----------------------------------------------------------------------------
-    def commit(self, appender, edit: VersionEdit, *, appended: bool, after_append: str, inside_index_commit: str,
-               after_fsync: Optional[str] = None, on_failure: Optional[Callable[[BaseException], None]] = None) -> None:
+    def commit(self, appender, edit: VersionEdit, *, appended: bool,
+               on_failure: Optional[Callable[[BaseException], None]] = None) -> None:
         """Log and apply ``edit`` (leveldb's ``VersionSet::LogAndApply``): make what ``appender`` appended
         durable, with the log records the edit encodes, and record it in one index transaction.
 
@@ -353,12 +353,14 @@ class Engine:
         (the caller then owns the rollback; a failed fsync is never retried: the caller must not commit
         the same bytes again).
 
-        Crash points (fs.crash_point), in order: ``after_append`` (before the fsync), ``after_fsync``
-        (after it; only if named), ``inside_index_commit`` (inside the transaction, after the edit).
+        Crash points (fs.crash_point), named by ``edit.operation`` (``version_edit.crash_points``), in
+        order: after the append (before the fsync), after the fsync (a checkpoint's only), inside the
+        transaction (after the edit).
 
         Call it with no read transaction of this thread open: a commit that must grow the index map
         waits for every transaction of the process to end.
         """
+        after_append, after_fsync, inside_index_commit = crash_points(edit.operation)
         try:
             for rec in edit.encode():
                 buffers, length = record.log_record(rec.kind, rec.version, rec.body)

@@ -104,6 +104,9 @@ class VersionEdit:
 
     #: the version a checkpoint commits: its entry in ``versions`` is encoded as its COMMIT record
     version: int | None = None
+    #: what makes the change ("checkpoint", or a maintenance step: "compact", "merge", "drop", "gc",
+    #: "gc_free", "replace_dense"): it names the change's crash points (``crash_points``)
+    operation: str = "checkpoint"
     #: catalog entries a COMMIT carries: the tables its version wrote (not put)
     catalog: list[TableRecord] = field(default_factory=list)
     anchor: AnchorLog | None = None
@@ -381,3 +384,14 @@ def prune_log(w: IndexWriter) -> None:
             dead.append((kind, u))
     for kind, u in dead:
         w.delete_log(kind, u)
+
+
+def crash_points(operation: str) -> tuple[str, str | None, str]:
+    """The crash points (``fs.crash_point``) ``Engine.commit`` passes for a change made by ``operation``:
+    (after its records are appended, after their fsync or None, inside its index transaction). A
+    checkpoint's are ``after_append``, ``after_fsync`` and ``inside_index_commit``; a maintenance step's
+    ``<operation>_after_append`` and ``<operation>_inside_index_commit`` (``CNRSTORE_CRASH_AT`` names
+    them)."""
+    if operation == "checkpoint":
+        return "after_append", "after_fsync", "inside_index_commit"
+    return f"{operation}_after_append", None, f"{operation}_inside_index_commit"

@@ -174,8 +174,7 @@ class CheckpointWriter:
             raise
         # append the COMMIT, fsync, StoreMoved check, one index transaction; on failure self._fail rolls
         # the version back
-        engine.commit(engine.appender, edit, appended=True, after_append="after_append", after_fsync="after_fsync",
-                      inside_index_commit="inside_index_commit", on_failure=self._fail)
+        engine.commit(engine.appender, edit, appended=True, on_failure=self._fail)
         self._state = "committed"
         self._extend_chain_costs()
         engine.writer_done(self)

@@ -294,11 +294,11 @@ def _commit_merges(engine: "Engine", version: int, rows: list, size: int) -> Non
 
 
 def _commit(engine: "Engine", appender, appended: bool, name: str, edit: VersionEdit) -> None:
-    """The engine's one commit path (LogAndApply of ``edit``) with compaction's crash points
-    ``<name>_after_append`` and ``<name>_inside_index_commit``; on any failure it throws the appended
-    bytes away."""
-    engine.commit(appender, edit, appended=appended, after_append=f"{name}_after_append",
-                  inside_index_commit=f"{name}_inside_index_commit")
+    """The engine's one commit path (LogAndApply of ``edit``) for the maintenance step ``name`` (its crash
+    points ``<name>_after_append`` and ``<name>_inside_index_commit``: ``version_edit.crash_points``); on
+    any failure it throws the appended bytes away."""
+    edit.operation = name
+    engine.commit(appender, edit, appended=appended)
 
 
 def _merge_pieces(pieces: list, base: int, dim: int):
