@@ -39,6 +39,13 @@ _lock = threading.Lock()
 _log_dir: str | None = None  # the workers' output files, removed when this process exits
 
 
+def _remove_logs(folder: str, owner: int) -> None:
+    """At exit: remove the workers' output files, in the process that made them only (a child forked from
+    it runs the same exit handlers, while its parent still writes there)."""
+    if os.getpid() == owner:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _new_log() -> str:
     """A file for one worker's output, in a directory of this process's own (removed at its exit: a test
     that only ``wait()``s never reads it)."""
@@ -46,7 +53,7 @@ def _new_log() -> str:
     with _lock:
         if _log_dir is None:
             _log_dir = tempfile.mkdtemp(prefix="cnrstore-workers-")
-            atexit.register(shutil.rmtree, _log_dir, True)
+            atexit.register(_remove_logs, _log_dir, os.getpid())
     fd, path = tempfile.mkstemp(dir=_log_dir, suffix=".log")
     os.close(fd)
     return path
