@@ -43,9 +43,9 @@ def embedding_rows(n, dim, seed=0):
     return x.astype(np.float32)
 
 
-# -- strategies (tests/codec_strategies.py) -----------------------------------------------------------
+# -- strategies (tests/support/codec_strategies.py) -----------------------------------------------------------
 
-from codec_strategies import raw_rows, row_batches  # noqa: E402  (shared strategies)
+from support.codec_strategies import raw_rows, row_batches  # noqa: E402  (shared strategies)
 
 
 # -- the documented layouts, decoded independently -----------------------------------------------------

@@ -60,9 +60,9 @@ def assert_within_bound(name, x):
     )
 
 
-# -- strategies (tests/codec_strategies.py) -----------------------------------------------------------
+# -- strategies (tests/support/codec_strategies.py) -----------------------------------------------------------
 
-from codec_strategies import dims, raw_rows, row_batches  # noqa: E402  (shared strategies)
+from support.codec_strategies import dims, raw_rows, row_batches  # noqa: E402  (shared strategies)
 
 
 def test_registered_with_their_on_disk_ids():

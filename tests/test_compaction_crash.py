@@ -1,6 +1,6 @@
 """I2 + I3 for maintenance: a crash at any point of compact, retain or gc loses no retained version.
 
-A maintainer subprocess (tests/crash_writer.py ``run_maintainer``, forked by the crash writer's fork
+A maintainer subprocess (tests/support/crash_writer.py ``run_maintainer``, forked by the crash writer's fork
 server) runs compact / retain / gc / checkpoints on a prepared store and dies by SIGKILL:
 
 - at each named crash point of compaction and GC (``compact_after_append``,
@@ -32,14 +32,14 @@ from cnrstore import knobs
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_{name}_for_compaction", os.path.join(HERE, f"{name}.py"))
+def _load(name: str, folder: str = HERE):
+    spec = importlib.util.spec_from_file_location(f"_{name}_for_compaction", os.path.join(folder, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-cw = _load("crash_writer")
+cw = _load("crash_writer", os.path.join(HERE, "support"))
 tc = _load("test_crash")  # its fork-server client (WriterServer, Run) and segment helpers
 
 SEGMENT_BYTES = 12 << 10  # a version of the workload is ~10-20 KiB: a store of 8 versions has ~15 segments

@@ -10,7 +10,7 @@ Three kinds of crash:
   drops every segment byte not yet fsynced (leveldb's fault_injection_test), in this process.
 
 After each crash the store is reopened; every acknowledged version must read back exactly (the
-workload of tests/crash_writer.py is a function of the version number, so the expected content is
+workload of tests/support/crash_writer.py is a function of the version number, so the expected content is
 recomputed here), the version in flight must be absent, torn segment tails must be truncated,
 ``verify()`` must pass and a new checkpoint must write and read back.
 """
@@ -36,7 +36,7 @@ from cnrstore.engine import filenames, fs
 from cnrstore import knobs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WRITER = os.path.join(HERE, "crash_writer.py")
+WRITER = os.path.join(HERE, "support", "crash_writer.py")
 _spec = importlib.util.spec_from_file_location("crash_writer", WRITER)
 cw = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cw)

@@ -1,7 +1,7 @@
 """Crash states enumerated, not sampled (issue 21): named deterministic workloads of checkpoints
 (increments and merged deltas), compact, retain, gc (freeing and cleaning segments) and repair, each
 recorded through the file-system seam and checked in every crash state of every prefix
-(tests/crash_states.py); for some workloads every crash state is also repaired from its log alone.
+(tests/support/crash_states.py); for some workloads every crash state is also repaired from its log alone.
 
 ``make test`` runs each named workload over every prefix and prints how many distinct crash states it
 checked. The deep sweep (``pytest --runslow tests/test_crash_states.py -k deep_sweep -s``) runs random
@@ -24,7 +24,7 @@ from cnrstore.maintenance.compaction import merge_chains
 from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention
 from cnrstore.store import Store
 
-import crash_states as cs
+from support import crash_states as cs
 
 ROWS, BLOCK = 512, 64
 TABLES = {"f": (4, "fp32"), "q": (8, "int4")}

@@ -1,9 +1,9 @@
-"""Crash states of a store with a remote tier, enumerated (tests/crash_states.py, section 4): checkpoints
+"""Crash states of a store with a remote tier, enumerated (tests/support/crash_states.py, section 4): checkpoints
 that roll, seal and upload segments, copy points after each commit, evictions (cache_bytes=0), retain and gc
 (remote deletes after the pointer moved) and the copy point at close, recorded with the object store's
 puts and deletes in the same log. Every prefix's state is checked by local recovery against the remote as
 of that prefix, and by recovery from the remote alone (exactly the last pointer's versions, bit for bit).
-Plus race schedules (tests/schedule.py): a seal's upload racing GC's removal, and a reader of a segment
+Plus race schedules (tests/support/schedule.py): a seal's upload racing GC's removal, and a reader of a segment
 being evicted."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from cnrstore.engine import filenames
 from cnrstore.errors import RemoteStorageError
 
-import crash_states as cs
-from schedule import Pause, run_in_thread
+from support import crash_states as cs
+from support.schedule import Pause, run_in_thread
 
 from test_crash_states import BLOCK, ROWS, TABLES, small_segments, write_more  # noqa: F401 (a fixture)
 from test_crash_states import Workload as LocalWorkload

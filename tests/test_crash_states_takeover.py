@@ -1,4 +1,4 @@
-"""Two writers on one prefix, enumerated: a takeover at every point of the old writer's work (tests/crash_states.py
+"""Two writers on one prefix, enumerated: a takeover at every point of the old writer's work (tests/support/crash_states.py
 section 4's object store, shared by both writers).
 
 Writer A runs a fixed workload (checkpoints whose writes roll over several segments, each sealed one uploaded;
@@ -32,7 +32,7 @@ from cnrstore.engine import filenames
 from cnrstore.engine import remote as remote_tier
 from cnrstore.errors import RemoteTakenOver, StoreNotFound
 
-import crash_states as cs
+from support import crash_states as cs
 
 ROWS, DIM, BLOCK = 512, 4, 64
 

@@ -1,4 +1,4 @@
-"""cnrstore.distributed on spawned gloo groups of 2-4 CPU processes (tests/dist_worker.py is one rank).
+"""cnrstore.distributed on spawned gloo groups of 2-4 CPU processes (tests/support/dist_worker.py is one rank).
 
 Each test starts real processes joined by a FileStore rendezvous, and compares the global tables that the
 ranks' dumps assemble to: bit-exact round trips (fp32), SIGKILL of one rank in a save, resharding 4 -> 2
@@ -15,12 +15,12 @@ import subprocess
 import numpy as np
 import pytest
 
-import prespawn
+from support import prespawn
 
 from cnrstore.distributed import Root, ShardingPlan, versions
 from cnrstore.errors import InvalidArgument, StoreNotFound
 
-WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "support", "dist_worker.py")
 TIMEOUT = 180
 
 

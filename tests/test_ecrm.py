@@ -1,4 +1,4 @@
-"""ECRM: the erasure code and recovery on spawned gloo jobs (tests/ecrm_worker.py); the parity layout and
+"""ECRM: the erasure code and recovery on spawned gloo jobs (tests/support/ecrm_worker.py); the parity layout and
 the fingerprints are test_distributed_stripes.py's.
 
 The code tests run in one process. The spawned tests kill ranks
@@ -17,13 +17,13 @@ import subprocess
 import numpy as np
 import pytest
 
-import prespawn
+from support import prespawn
 
 from cnrstore.distributed import failures, gf256
 from cnrstore.distributed.stripes import StripeLayout
 from cnrstore.errors import InvalidArgument
 
-WORKER = os.path.join(os.path.dirname(__file__), "ecrm_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "support", "ecrm_worker.py")
 TIMEOUT = 120
 STEPS = 6
 #: The process groups' timeout in the spawned jobs: far beyond TIMEOUT, so that a recovery that waited

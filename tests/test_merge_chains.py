@@ -19,7 +19,7 @@ from cnrstore.engine import merge, record
 from cnrstore.maintenance.compaction import merge_chains
 from cnrstore.maintenance.rate_limit import RateLimiter
 
-from schedule import Pause, run_in_thread
+from support.schedule import Pause, run_in_thread
 
 ROWS, DIM, BLOCK = 2048, 8, 256
 

@@ -1,6 +1,6 @@
 """Races by schedule: the writer, compaction, GC's deletes and readers interleaved in chosen orders.
 
-Each test stops one thread at a named pause point (cnrstore.engine.fs.pause_point; tests/schedule.py), runs
+Each test stops one thread at a named pause point (cnrstore.engine.fs.pause_point; tests/support/schedule.py), runs
 the competing work to completion in between, then lets the paused thread go on: the interleaving a
 random stress test hits once in many runs happens every time. After each, every committed version
 reads back exactly and ``verify()`` is clean.
@@ -13,7 +13,7 @@ import numpy as np
 import cnrstore
 from cnrstore import knobs
 
-from schedule import Pause, run_in_thread
+from support.schedule import Pause, run_in_thread
 
 ROWS, DIM = 512, 16  # fp32: a full put is 32 KiB of rows
 

@@ -140,7 +140,7 @@ class MyDLRM(nn.Module):  # stands for your model: an EmbeddingBag per shard thi
 TORCHREC = RANKS + '''
 import sys
 sys.path.insert(0, os.environ["TESTS_DIR"])
-from torchrec_worker import build, train   # a DMP-sharded EmbeddingBagCollection on CPU, as the tests build it
+from support.torchrec_worker import build, train   # a DMP-sharded EmbeddingBagCollection on CPU, as the tests build it
 
 model, optimizer = build({"plan": {"t0": "row_wise", "t1": "column_wise", "t2": "table_wise"}}, rank, world_size, 0)
 train(model, optimizer, range(3))

@@ -1,5 +1,5 @@
 """The object-store tier (engine/remote.py) against an S3 endpoint on localhost (moto's server, started by the
-session fixture in conftest.py), through a fault-injecting HTTP proxy (tests/s3_proxy.py): round trips,
+session fixture in conftest.py), through a fault-injecting HTTP proxy (tests/support/s3_proxy.py): round trips,
 reads of evicted segments by range, the cache bound, remote deletion only after the pointer moved, recovery
 from the remote alone, one writer per prefix, and the faults (a connection cut mid-upload, throttling, a
 missing object, an endpoint that is down): nothing committed is lost, every error is typed, and the store
@@ -21,7 +21,7 @@ from cnrstore.maintenance.repair import repair
 from cnrstore.errors import CorruptionError, InvalidArgument, RemoteObjectMissing, RemoteStorageError, StoreNotFound
 
 from conftest import s3_options
-from s3_proxy import FaultProxy
+from support.s3_proxy import FaultProxy
 
 ROWS, DIM = 2048, 16
 

@@ -374,7 +374,7 @@ def _as_format_1(root, bucket: dict) -> None:
 
 
 def test_a_prefix_written_by_pointer_format_1_is_read_recovered_and_written_on(tmp_path):
-    import crash_states as cs
+    from support import crash_states as cs
 
     bucket = cs.DictObjectStore()
     store = cs.remote_store(str(tmp_path / "a"), bucket, create=True, cache_bytes=0)

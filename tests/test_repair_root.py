@@ -1,7 +1,7 @@
 """Issue 21, fault 6 on a multi-rank root: repair, gc, repair of every rank store loses no version a
 global version names, so the newest global version still exports (bit for bit, fp32), as it did before.
 
-Real DistributedCheckpointer saves from 2 spawned gloo ranks (tests/dist_worker.py). Each rank store then
+Real DistributedCheckpointer saves from 2 spawned gloo ranks (tests/support/dist_worker.py). Each rank store then
 drops local versions in the middle of its history, as start-up and retention drop the local versions of
 failed global commits (orphans, DESIGN "Multi-rank jobs"): later local increments still read rows through
 them, so their COMMIT records are what repair proves the kept versions from."""

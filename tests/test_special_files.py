@@ -12,7 +12,7 @@ CnrError naming it, operations that never read the file still work, and `repair`
 or sets such a segment aside. `cnrstore import` of a FIFO, a link to /dev/zero, or a DCP directory holding
 one (or whose .metadata names a data file outside it) is InvalidArgument naming the file.
 
-Every operation runs in a subprocess (tests/special_files_worker.py) under a 2 GiB address-space limit and
+Every operation runs in a subprocess (tests/support/special_files_worker.py) under a 2 GiB address-space limit and
 a wall-clock limit, so a regression hangs or fails one worker, not the test run. One worker per shape runs
 every operation on every target (each in its own copy of one store built per module) and reports JSON;
 the parametrized tests below only read its report. The helpers themselves (fs.py) are tested last.
@@ -33,7 +33,7 @@ import cnrstore
 from cnrstore.engine import filenames
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "special_files_worker.py")
+WORKER = os.path.join(HERE, "support", "special_files_worker.py")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
 ADDRESS_SPACE = 2 << 30
 WORKER_TIMEOUT_S = 120  # a batch of ~70 operations (~1 s in all); each is also stopped after 10 s (worker)

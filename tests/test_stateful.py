@@ -43,7 +43,7 @@ from cnrstore.maintenance import compaction
 from cnrstore.engine import fs
 from cnrstore.store import Store
 
-import crash_states as cs
+from support import crash_states as cs
 from cnrstore.errors import (
     CheckpointInProgress,
     InvalidArgument,
@@ -204,7 +204,7 @@ class StoreMachine(RuleBasedStateMachine):
             fs.pause_at("index_committed", None)
             shutil.rmtree(self.tmp, ignore_errors=True)
 
-    # -- crash states (tests/crash_states.py) ---------------------------------------------------------
+    # -- crash states (tests/support/crash_states.py) ---------------------------------------------------------
 
     def _open(self, create: bool = False) -> None:
         """Open the store at ``self.path`` through a file system that records every effect, with the file
@@ -840,7 +840,7 @@ class StoreMachine(RuleBasedStateMachine):
         """The process dies (kill), or the machine loses power (power; torn: in the middle of an
         unsynced append), at a point drawn within the last commit, compact, retain or gc: the store
         recovers at open with the versions before that operation or after it, each reading as the model
-        says, and goes on (tests/crash_states.py rebuilds the state from the recorded effects)."""
+        says, and goes on (tests/support/crash_states.py rebuilds the state from the recorded effects)."""
         op = self.last_op
         k = data.draw(st.integers(op.start, op.end), label="effects applied")
         model = op.fmodel

@@ -34,8 +34,8 @@ from cnrstore.engine import fs
 from cnrstore.store import Store
 from cnrstore.torch import Checkpointer, streamed
 
-import crash_states as cs
-from schedule import Pause
+from support import crash_states as cs
+from support.schedule import Pause
 
 ROWS, DIM, BLOCK = 4096, 8, 256
 

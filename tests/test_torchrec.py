@@ -1,6 +1,6 @@
 """TorchRec models through cnrstore.torch.Checkpointer (cnrstore/torch/sharded.py).
 
-Sharded models run in spawned gloo processes (tests/torchrec_worker.py, CPU): a DMP-sharded
+Sharded models run in spawned gloo processes (tests/support/torchrec_worker.py, CPU): a DMP-sharded
 EmbeddingBagCollection with a fused row-wise Adagrad (or Adagrad) TBE optimizer and a name-keyed Adam
 (``KeyedOptimizerWrapper``) for the dense head. A job trains, saving every other step, and dumps its state;
 a fresh process (another init) restores the newest version, maybe into another sharding plan, and dumps
@@ -32,10 +32,10 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper  # noqa: E402
 
 from cnrstore.torch import Checkpointer  # noqa: E402
 from test_distributed import _finish  # noqa: E402  (waits for spawned ranks, killing one that hangs)
-import prespawn  # noqa: E402  (workers forked from a preloaded server)
+from support import prespawn  # noqa: E402  (workers forked from a preloaded server)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "torchrec_worker.py")
+WORKER = os.path.join(HERE, "support", "torchrec_worker.py")
 ALL_TW = {"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"}
 MIXED = {"t0": "row_wise", "t1": "column_wise", "t2": "table_wise"}
 
@@ -248,8 +248,8 @@ def test_unsharded_collection_with_a_keyed_optimizer(tmp_path):
 
 
 def _unsharded_model():
-    """The workers' model unsharded (tests/torchrec_worker.py: tables t0..t2 of dim 8, a linear head)."""
-    from torchrec_worker import DIM, ROWS
+    """The workers' model unsharded (tests/support/torchrec_worker.py: tables t0..t2 of dim 8, a linear head)."""
+    from support.torchrec_worker import DIM, ROWS
 
     return torch.nn.ModuleDict({
         "ebc": EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n,

@@ -2,7 +2,7 @@
 while the interpreter shuts down aborts the process: "terminate called without an active exception", exit
 134); a hook that raises anything never wedges the save queue; SIGTERM commits the saves ``save()`` returned
 (``on_sigterm="finish"``, the default) and saves the step in progress too (``"save"``), with real signals sent
-to a trainer subprocess (tests/trainer_worker.py)."""
+to a trainer subprocess (tests/support/trainer_worker.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from cnrstore.torch import Checkpointer
 from cnrstore.torch.preemption import EXIT_STATUS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "trainer_worker.py")
+WORKER = os.path.join(HERE, "support", "trainer_worker.py")
 
 
 def cnrstore_threads(before=()) -> list[str]:

@@ -47,7 +47,7 @@ def pause_point(name: str, *detail) -> None:
     """Run the hook a test installed for ``name`` (``pause_at``), if any: races by schedule, not by luck.
 
     The hook is called as ``hook(name, *detail)`` (``index_committed`` passes the environment's path)
-    and typically blocks the calling thread until the test releases it (tests/schedule.py). A point
+    and typically blocks the calling thread until the test releases it (tests/support/schedule.py). A point
     costs one dict lookup when no hook is installed."""
     if _PAUSE_HOOKS:
         hook = _PAUSE_HOOKS.get(name)

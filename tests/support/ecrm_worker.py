@@ -1,6 +1,6 @@
 """One rank of a spawned gloo job for tests/test_ecrm.py (ECRM recovery).
 
-    python tests/ecrm_worker.py '<json config>'
+    python tests/support/ecrm_worker.py '<json config>'
 
 A small sharded model (row-wise shards of three embedding tables, a replicated dense head, Adagrad) trains
 ``steps`` synchronous steps on data fixed by the step number, with ``ECRM`` protecting the shards. Victims
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 from cnrstore.engine import fs  # noqa: E402
 from cnrstore.distributed import ECRM, DistributedCheckpointer, ShardingPlan, exchange, failures  # noqa: E402

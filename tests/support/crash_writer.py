@@ -11,12 +11,12 @@ process. The writer prints, flushing each line::
 
 Run directly::
 
-    python tests/crash_writer.py write STORE [--count N] [--segment-bytes B] [--arm-after K]
+    python tests/support/crash_writer.py write STORE [--count N] [--segment-bytes B] [--arm-after K]
 
 ``--arm-after K`` keeps ``$CNRSTORE_CRASH_AT`` disarmed for the first K versions of this run and arms
 it for the next, so a named crash point fires with K acknowledged versions behind it.
 
-Or as a fork server (``python tests/crash_writer.py serve``), which imports cnrstore once and forks
+Or as a fork server (``python tests/support/crash_writer.py serve``), which imports cnrstore once and forks
 one writer child per JSON command read from stdin (``{"store": ..., "count": ..., "segment_bytes":
 ..., "crash_at": ..., "arm_after": ...}``, or ``{"mode": "maintain", "store": ..., "ops": ...,
 "segment_bytes": ..., "crash_at": ..., "seed": ...}`` for ``run_maintainer``); for each child the server prints ``pid <pid>`` (possibly

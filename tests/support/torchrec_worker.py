@@ -1,6 +1,6 @@
 """One rank of a spawned TorchRec job for tests/test_torchrec.py (CPU, gloo).
 
-    python tests/torchrec_worker.py '<json config>'
+    python tests/support/torchrec_worker.py '<json config>'
 
 Builds a small model of an ``EmbeddingBagCollection`` (tables t0, t1, t2, dims 8) and a linear head,
 sharded by ``DistributedModelParallel`` with the plan the config gives (``{"t0": "row_wise", ...}``; a
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 import cnrstore  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402

@@ -1,6 +1,6 @@
 """One rank of a spawned gloo job for tests/test_distributed.py.
 
-    python tests/dist_worker.py '<json config>'
+    python tests/support/dist_worker.py '<json config>'
 
 The config names the scenario, rank, world size, the FileStore path for init_process_group, the root, an
 output directory and scenario options (``device``: where the model lives, "cpu" unless tests/test_cuda.py
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 from cnrstore.distributed import DistributedCheckpointer, ShardingPlan  # noqa: E402
 from cnrstore.errors import GlobalCommitError  # noqa: E402
