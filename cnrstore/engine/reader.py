@@ -21,8 +21,7 @@ from . import record
 from ..errors import CorruptionError, InvalidArgument, MissingRows
 from .index import IndexView
 from .schema import TableRecord
-from .segments import SegmentReader
-from .storage import Expect, fetch
+from .storage import Expect, SegmentStorage, fetch
 
 
 @dataclass
@@ -53,7 +52,7 @@ class Piece:
 class BlockResolver:
     """Reads records of one table through a segment reader, within one index transaction."""
 
-    def __init__(self, view: IndexView, segments: SegmentReader, table: TableRecord):
+    def __init__(self, view: IndexView, segments: SegmentStorage, table: TableRecord):
         self.view = view
         self.segments = segments
         self.table = table
@@ -247,7 +246,7 @@ class _Missing:
         )
 
 
-def read_rows(view: IndexView, segments: SegmentReader, table: TableRecord, rows: np.ndarray, version: int) -> np.ndarray:
+def read_rows(view: IndexView, segments: SegmentStorage, table: TableRecord, rows: np.ndarray, version: int) -> np.ndarray:
     """float32 (len(rows), dim): ``rows`` (validated int64, may repeat) as of ``version``.
 
     Raises MissingRows (its exact count and the first ids) before allocating the output if any row
@@ -284,7 +283,7 @@ def read_rows(view: IndexView, segments: SegmentReader, table: TableRecord, rows
     return out_unique if unique_rows.size == rows.size and np.array_equal(unique_rows, rows) else out_unique[inverse]
 
 
-def plan_table(view: IndexView, segments: SegmentReader, table: TableRecord, version: int,
+def plan_table(view: IndexView, segments: SegmentStorage, table: TableRecord, version: int,
                start: int = 0, stop: int | None = None) -> list[tuple[int, list[Piece]]]:
     """(offset, pieces) of every block of rows ``start .. stop - 1`` of the table (default: the whole
     table; ``0 <= start <= stop <= num_rows``, checked by the caller) as of ``version``: the pieces hold
@@ -334,7 +333,7 @@ def plan_table(view: IndexView, segments: SegmentReader, table: TableRecord, ver
     return plans
 
 
-def read_table(view: IndexView, segments: SegmentReader, table: TableRecord, version: int,
+def read_table(view: IndexView, segments: SegmentStorage, table: TableRecord, version: int,
                out: np.ndarray | None = None) -> np.ndarray:
     """float32 (num_rows, dim): the whole table as of ``version``, decoded on this thread into ``out``
     (float32 C-contiguous (num_rows, dim)) if given, else a new array. Every row must have been written.
@@ -407,7 +406,7 @@ def decode_block(out: np.ndarray, base: int, pieces: list[Piece], dim: int) -> N
         out[base + p.dest] = codecs.by_id(p.codec_id).decode(p.encoded, dim)
 
 
-def read_dense(view: IndexView, segments: SegmentReader, dense_id: int, name: str, version: int):
+def read_dense(view: IndexView, segments: SegmentStorage, dense_id: int, name: str, version: int):
     """The dense array ``name`` as of ``version`` (exact dtype, shape and bytes), or None if never put."""
     found = view.dense_at(dense_id, version)
     if found is None:

@@ -21,7 +21,7 @@ from ..errors import InvalidArgument
 from .index import IndexView
 from .reader import decode_block, plan_table
 from .schema import TableRecord
-from .segments import SegmentReader
+from .storage import SegmentStorage
 
 __all__ = ["check_out", "decode_threads", "read_tables"]
 
@@ -76,7 +76,7 @@ def check_out(out, table: TableRecord, what: str, start: int | None = None) -> n
     return as_out(out, (n, table.dim), f"{name}, rows {start}..{int(start) + n - 1}")
 
 
-def read_tables(view: IndexView, segments: SegmentReader, jobs: Sequence[tuple[TableRecord, np.ndarray | None, int]],
+def read_tables(view: IndexView, segments: SegmentStorage, jobs: Sequence[tuple[TableRecord, np.ndarray | None, int]],
                 version: int, progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
     """Each job of ``jobs`` ((table, destination, first row)) as of ``version``: rows ``first .. first +
     len(destination) - 1`` of the table decoded into its destination (checked with :func:`check_out` by the
