@@ -60,7 +60,7 @@ import torch  # noqa: E402
 
 import dlrm_model as dm  # noqa: E402
 import train_dlrm as td  # noqa: E402
-from bench_engine import T80, T975, Z80, Z975, load_average, machine_description, publish, t_quantile  # noqa: E402
+from common import T80, T975, Z80, Z975, load_average, machine_description, publish, t_quantile  # noqa: E402
 
 import cnrstore  # noqa: E402
 

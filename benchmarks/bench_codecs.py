@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import load_average, machine_description, publish  # noqa: E402  (the shared report header and tail)
+from common import load_average, machine_description, publish  # noqa: E402  (the shared report header and tail)
 
 from cnrstore import codecs  # noqa: E402
 

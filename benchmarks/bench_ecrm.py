@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from bench_engine import load_average, machine_description, publish  # noqa: E402
+from common import load_average, machine_description, publish  # noqa: E402
 import dlrm_dist  # noqa: E402
 import train_dlrm  # noqa: E402
 

@@ -29,7 +29,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-from bench_engine import load_average, machine_description, publish  # noqa: E402
+from common import load_average, machine_description, publish  # noqa: E402
 
 from cnrstore.distributed import gf256  # noqa: E402
 

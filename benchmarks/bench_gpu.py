@@ -49,7 +49,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import cnrstore  # noqa: E402
-from bench_engine import (dir_bytes, fmt_bytes, free_port, load_average, load_peer_checkpoint,  # noqa: E402
+from common import (dir_bytes, fmt_bytes, free_port, load_average, load_peer_checkpoint,  # noqa: E402
                           machine_description, publish, zipf_rows)
 from cnrstore.torch import Checkpointer  # noqa: E402
 

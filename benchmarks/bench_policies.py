@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import load_average, machine_description, median, zipf_rows  # noqa: E402
+from common import load_average, machine_description, median, zipf_rows  # noqa: E402
 
 import cnrstore  # noqa: E402
 from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention  # noqa: E402

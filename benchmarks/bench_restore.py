@@ -50,7 +50,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import cnrstore  # noqa: E402
-from bench_engine import (dir_bytes, fmt_bytes, free_port, load_average, load_peer_checkpoint,  # noqa: E402
+from common import (dir_bytes, fmt_bytes, free_port, load_average, load_peer_checkpoint,  # noqa: E402
                           machine_description, publish, zipf_rows)
 from bench_gpu import Model, workload_args, zero_  # noqa: E402  (the same model and options)
 from cnrstore import codecs  # noqa: E402

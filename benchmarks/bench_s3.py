@@ -86,7 +86,7 @@ def main() -> None:
     model = {n: rng.standard_normal((args.rows, args.dim), dtype=np.float32) for n in names}
     state_bytes = sum(a.nbytes for a in model.values())
     touched = max(1, int(args.rows * args.touch))
-    from bench_engine import machine_description  # noqa: PLC0415  (benchmarks/: the machine header)
+    from common import machine_description  # noqa: PLC0415  (benchmarks/: the machine header)
     print("# Checkpoints on S3: cnrstore's remote tier against DCP's FsspecWriter\n")
     print("\n".join(f"- {line}" for line in machine_description()))
     print(f"- model: {args.tables} tables x {args.rows:,} x {args.dim} fp32 = {state_bytes / 2**20:.1f} MiB; "

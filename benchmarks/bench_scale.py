@@ -44,7 +44,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_engine import fmt_bytes, load_average, machine_description, median, publish  # noqa: E402
+from common import fmt_bytes, load_average, machine_description, median, publish  # noqa: E402
 
 import cnrstore  # noqa: E402
 from cnrstore import cli, knobs  # noqa: E402

@@ -46,7 +46,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
-from bench_engine import (knob_settings, load_average, machine_description, median, save_panels,  # noqa: E402
+from common import (knob_settings, load_average, machine_description, median, save_panels,  # noqa: E402
                           three_panels)
 
 import dlrm_model  # noqa: E402

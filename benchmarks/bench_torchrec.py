@@ -54,7 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench_engine import fmt_bytes, publish  # noqa: E402  (the shared report helpers)
+from common import fmt_bytes, publish  # noqa: E402  (the shared report helpers)
 
 METHODS = ("cnrstore, int4", "cnrstore, fp32", "DCP async_save")
 NONE = "no checkpoints"  # a pass of the same training without saves: the reference for the training wall
@@ -481,7 +481,7 @@ def summarize(args, results: list[dict]) -> dict:
 
 
 def report(args, s: dict, load_start: str, elapsed: float) -> tuple[str, dict]:
-    from bench_engine import load_average, machine_description
+    from common import load_average, machine_description
 
     total_rows = sum(args.rows)
     state_bytes = total_rows * (args.dim * 4 + 4)  # fp32 weights + row-wise Adagrad's one fp32 per row
@@ -652,7 +652,7 @@ def main(argv=None) -> int:
     args.rows = [max(16, int(n * args.scale)) for n in TABLE_ROWS]
     args.row_wise_min = max(16, int(ROW_WISE_MIN * args.scale))
     import torch
-    from bench_engine import load_average
+    from common import load_average
 
     torch.set_num_threads(args.threads)  # so that the header's "torch threads" is the ranks' own setting
     load_start = load_average()

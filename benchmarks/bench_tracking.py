@@ -41,7 +41,7 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from bench_engine import T975, Z975, fmt_bytes, load_average, machine_description, median, publish, t_quantile  # noqa: E402
+from common import T975, Z975, fmt_bytes, load_average, machine_description, median, publish, t_quantile  # noqa: E402
 import dlrm_model as dm  # noqa: E402
 
 import cnrstore  # noqa: E402

@@ -172,7 +172,7 @@ def gib(n: float) -> str:
 
 
 def report(results: dict, args, seconds: float) -> str:
-    from bench_engine import load_average, machine_description
+    from common import load_average, machine_description
     base = results["no checkpoints"]
     lines = [f"## {args.title}", "",
              "A user's own trainer (issue 37's shape) checkpointing as it trains, each method in a process of its "
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
         results = {m: run_method(m, args, root) for m in METHODS}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    from bench_engine import publish
+    from common import publish
     publish(report(results, args, time.perf_counter() - t0), args.out, None, None)
     return 0
 

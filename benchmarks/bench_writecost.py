@@ -47,7 +47,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import cnrstore  # noqa: E402
-from bench_engine import (T975, Z975, fmt_bytes, knob_settings, load_average, machine_description, publish,  # noqa: E402
+from common import (T975, Z975, fmt_bytes, knob_settings, load_average, machine_description, publish,  # noqa: E402
                           save_panels, t_quantile, three_panels, zipf_rows)
 from bench_restore import PeakSampler  # noqa: E402
 from cnrstore import codecs, knobs  # noqa: E402
