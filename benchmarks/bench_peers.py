@@ -316,8 +316,7 @@ def run(args) -> tuple[str, dict]:
         drain_s, versions, max_chain = {}, {}, {}
         for m, store in stores.items():
             t0 = time.perf_counter()
-            if store._compactor is not None:
-                store._compactor.wait_idle()
+            store.wait_for_compaction()
             drain_s[m] = time.perf_counter() - t0
             written[m][-1] += int(store.stats()["bytes_written"]) - prev_cnr_bytes[m]
             baselines_seen[m].add(store.engine.history().baseline_version)

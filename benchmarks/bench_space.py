@@ -82,8 +82,7 @@ def _run(name: str, compaction, args, root: str) -> dict:
     out = {"intervals": [], "written": [], "disk": [], "live": [], "chain": [], "amp": [], "save_s": []}
 
     def settle():
-        if store._compactor is not None:
-            store._compactor.wait_idle()
+        store.wait_for_compaction()
 
     t0 = time.perf_counter()
     ck.save(step=0).wait()

@@ -249,6 +249,13 @@ class Store:
         errors = self._compactor.errors if self._compactor is not None else ()
         return errors[-1] if errors else None
 
+    def wait_for_compaction(self, timeout: float | None = None) -> bool:
+        """Block until background compaction has no step pending or running, for good (None) or at most
+        ``timeout`` seconds (0: just ask); whether it is idle (always True without a compaction policy).
+        For programs that measure or copy the settled store; checkpoints never need it."""
+        self._check_open()
+        return self._compactor is None or self._compactor.wait_idle(timeout)
+
     def _raise_compaction_failure(self) -> None:
         compactor = self._compactor
         if compactor is None or compactor.failures <= compactor.reported:
@@ -577,6 +584,7 @@ class Store:
                 "tables": len(view.tables()),
                 "max_read_chain": max_chain,
                 "compaction_errors": self._compactor.failures if self._compactor is not None else 0,
+                "compaction_steps": self._compactor.steps if self._compactor is not None else 0,
             }
             increments = schema.INCREMENT_BYTES.get(view, stats["bytes_written"])
             stats["increment_bytes"] = increments

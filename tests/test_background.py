@@ -1,5 +1,7 @@
 """open(compaction=...): a background worker carries out a policy; reads never change."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -16,7 +18,7 @@ def _write(store, rng, versions, rows=4000, dim=8):
             ck.put_rows("e", ids, rng.standard_normal((ids.size, dim)).astype(np.float32))
             ck.put_dense("d", np.full(2, i))
         expected[ck.version] = (store.read_table("e", ck.version), np.full(2, i))
-        store._compactor.wait_idle(30)
+        assert store.wait_for_compaction(30)
     return expected
 
 
@@ -179,3 +181,40 @@ def test_a_compaction_failing_at_every_commit_keeps_few_exceptions_and_counts_al
     assert store.stats()["compaction_errors"] == 6 and len(store._compactor.errors) == 2
     with pytest.raises(CompactionFailed, match="failed 6 time"):
         store.close()
+
+
+def test_wait_for_compaction_says_whether_the_worker_is_idle(store_path, monkeypatch):
+    """``wait_for_compaction(0)`` asks; with no timeout it waits until no step is pending or running, after
+    which the steps it ran show in stats(); without a policy it is always idle."""
+    from cnrstore.maintenance import compaction
+
+    rng = np.random.default_rng(9)
+    started, release = threading.Event(), threading.Event()
+    materialize = compaction.materialize
+
+    def held(*args, **kwargs):  # the background step's baseline, held until the test lets it go
+        started.set()
+        assert release.wait(30)
+        return materialize(*args, **kwargs)
+
+    monkeypatch.setattr(compaction, "materialize", held)
+    with cnrstore.open(store_path, create=True, compaction=CompactionPolicy(materialize=MaxChain(1))) as store:
+        store.create_table("e", 4000, 8, codec="int4", block_rows=1024)
+        try:
+            _write_some(store, rng, 3)
+            assert started.wait(30)
+            assert store.wait_for_compaction(0) is False  # a step is running
+            assert store.wait_for_compaction(0.05) is False
+        finally:
+            release.set()
+        assert store.wait_for_compaction()
+        assert store.wait_for_compaction(0) and store.stats()["compaction_steps"] >= 1
+    with cnrstore.open(store_path) as store:
+        assert store.wait_for_compaction(0) and store.stats()["compaction_steps"] == 0
+
+
+def _write_some(store, rng, versions):
+    for i in range(versions):
+        ids = np.arange(4000) if i == 0 else np.unique(rng.integers(0, 4000, 1000))
+        with store.checkpoint(step=i) as ck:
+            ck.put_rows("e", ids, rng.standard_normal((ids.size, 8)).astype(np.float32))
