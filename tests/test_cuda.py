@@ -305,7 +305,7 @@ def test_watched_object_collectives_on_a_one_rank_nccl_group(tmp_path):
 # -- several ranks sharing the one GPU: a gloo default group (NCCL refuses two ranks on one device) ----------
 
 def test_two_cuda_ranks_save_and_a_cpu_job_restores_bit_exact(tmp_path):
-    from test_distributed import assemble, assert_ok, assert_same_state, run_job
+    from support.dist_jobs import assemble, assert_ok, assert_same_state, run_job
 
     assert_ok(run_job(tmp_path, "save", 2, train=[3, 2], device="cuda"))
     assert_ok(run_job(tmp_path, "restore", 2, tag="cpu", version=2, seed=99))

@@ -1,5 +1,5 @@
 """Merged export of a multi-rank root (cnrstore/distributed/export.py): real DistributedCheckpointer saves
-from 2 spawned gloo ranks (tests/support/dist_worker.py, via test_distributed's helpers), exported as one state dict
+from 2 spawned gloo ranks (tests/support/dist_worker.py, via support/dist_jobs.py), exported as one state dict
 of the unsharded model and compared with the ranks' own dumps of their shards."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cnrstore.errors import InvalidArgument, VersionNotFound
 from cnrstore.export import export, export_path
 from cnrstore.torch import Checkpointer, import_checkpoint
 from support.dist_worker import TABLES, Model
-from test_distributed import assemble, assert_ok, run_job
+from support.dist_jobs import assemble, assert_ok, run_job
 
 
 def unsharded(seed=123) -> Model:

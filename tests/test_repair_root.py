@@ -20,7 +20,7 @@ from cnrstore.maintenance import compaction
 from cnrstore.engine import filenames
 from cnrstore.distributed import versions
 from cnrstore.export import export_path
-from test_distributed import assemble, assert_ok, run_job
+from support.dist_jobs import assemble, assert_ok, run_job
 from test_export_merged import expected
 
 

@@ -31,7 +31,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.optim.keyed import KeyedOptimizerWrapper  # noqa: E402
 
 from cnrstore.torch import Checkpointer  # noqa: E402
-from test_distributed import _finish  # noqa: E402  (waits for spawned ranks, killing one that hangs)
+from support.dist_jobs import finish  # noqa: E402  (waits for spawned ranks, killing one that hangs)
 from support import prespawn  # noqa: E402  (workers forked from a preloaded server)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,7 +47,7 @@ def _run(tmp_path, scenario: str, world: int, plan: dict, seed: int, **cfg) -> N
         c = {"scenario": scenario, "rank": rank, "world": world, "init": str(out / f"init-{scenario}"),
              "out": str(out), "root": str(out / "root"), "plan": plan, "steps": 5, "seed": seed, **cfg}
         procs.append(prespawn.spawn(WORKER, json.dumps(c), env=dict(os.environ, OMP_NUM_THREADS="1")))
-    bad = [(rc, text[-3000:]) for rc, text in _finish(procs) if rc != 0]
+    bad = [(rc, text[-3000:]) for rc, text in finish(procs) if rc != 0]
     assert not bad, bad
 
 
