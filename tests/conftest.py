@@ -40,6 +40,19 @@ def store(store_path):
     s.close()
 
 
+@pytest.fixture
+def emb(store):
+    """A store with table 'emb' (fp32, 1000 x 8, block 64) fully written in version 1 (tests/test_store*.py)."""
+    import numpy as np
+
+    from support.store_helpers import BLOCK, DIM, ROWS, rand
+
+    store.create_table("emb", ROWS, DIM, codec="fp32", block_rows=BLOCK)
+    with store.checkpoint(step=1) as ck:
+        ck.put_rows("emb", np.arange(ROWS), rand(ROWS, seed=1))
+    return store
+
+
 @pytest.fixture(scope="module")
 def single_threaded_torch():
     """torch (FBGEMM) on one thread for a module that makes many small codec calls in the test process:

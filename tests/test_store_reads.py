@@ -1,0 +1,135 @@
+"""The Store API (API.md): whole-table reads into the caller's memory (read_table(out=)) and read_tables
+of several tables and row ranges, on one decode thread or several.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cnrstore
+from cnrstore import codecs, knobs
+
+
+# -- read_table(out=), read_tables ------------------------------------------------------------------------------
+
+def _int4_chain(store, rng, also=lambda v, ck: None) -> None:
+    """Table "w" (1000 x 6, int4, blocks of 64 rows): a baseline, then 3 increments of 150 rows, 3 rows of
+    each past int4's range (written with its fallback codec); ``also(v, ck)`` writes more in checkpoint v."""
+    store.create_table("w", 1000, 6, codec="int4", block_rows=64)
+    for v in range(4):
+        with store.checkpoint() as ck:
+            rows = np.arange(1000) if v == 0 else np.sort(rng.choice(1000, 150, replace=False))
+            vals = rng.standard_normal((rows.size, 6)).astype(np.float32)
+            vals[:3, 0] = 1e6
+            ck.put_rows("w", rows, vals)
+            also(v, ck)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_read_table_into_out_equals_read_table(tmp_path, monkeypatch, threads):
+    """Several blocks, a chain of increments in two codecs (int4 with int8 fallback rows): out= gives
+    read_table's bits, on one thread or several, and read_tables reads several tables at once."""
+    from cnrstore import knobs
+
+    monkeypatch.setattr(knobs, "DECODE_THREADS", threads)
+    monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", 0)  # (small reads: through the pool all the same)
+    rng = np.random.default_rng(5)
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        store.create_table("f", 300, 3, codec="fp32", block_rows=128)
+        _int4_chain(store, rng, lambda v, ck: v < 2 and ck.put_rows(
+            "f", np.arange(300), rng.standard_normal((300, 3)).astype(np.float32)))
+        for version in (1, 4):
+            want = store.read_table("w", version)
+            out = np.full((1000, 6), np.nan, dtype=np.float32)
+            got = store.read_table("w", version, out=out)
+            assert np.shares_memory(got, out) and np.array_equal(out.view(np.uint32), want.view(np.uint32))
+        both = store.read_tables({"w": None, "f": np.zeros((300, 3), np.float32)})
+        assert np.array_equal(both["w"], store.read_table("w")) and np.array_equal(both["f"], store.read_table("f"))
+        snap = store.restore()
+        assert np.array_equal(snap.tables["w"], both["w"]) and np.array_equal(snap.tables["f"], both["f"])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_read_tables_row_ranges_equal_slices_of_read_table(tmp_path, monkeypatch, threads):
+    """``(start, out)`` values read rows start .. start + len(out) - 1: ranges cut blocks at both ends, lie
+    inside one block, cover whole blocks, end at the table's short last block or are empty; a chain of
+    increments in two codecs (int4 and its int8 fallback). Bits equal read_table's slice."""
+    from cnrstore import knobs
+
+    monkeypatch.setattr(knobs, "DECODE_THREADS", threads)
+    monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", 0)  # (small reads: through the pool all the same)
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        _int4_chain(store, np.random.default_rng(6))
+        for version in (1, 4):
+            want = store.read_table("w", version)
+            for start, stop in ((0, 1000), (37, 999), (64, 128), (70, 90), (500, 1000), (999, 1000), (5, 5)):
+                out = np.full((stop - start, 6), np.nan, dtype=np.float32)
+                got = store.read_tables({"w": (start, out)}, version)["w"]
+                assert np.shares_memory(got, out) or out.size == 0
+                assert np.array_equal(out.view(np.uint32), want[start:stop].view(np.uint32)), (start, stop)
+
+
+def test_a_small_read_decodes_on_the_callers_thread_and_reads_the_same(tmp_path, monkeypatch):
+    """Under ``knobs.DECODE_INLINE_BYTES`` of destinations no block goes to the decode pool (handing it
+    over costs more than the decode); the bits are the pool's."""
+    from cnrstore import knobs
+    from cnrstore.engine import table_decode
+
+    monkeypatch.setattr(knobs, "DECODE_THREADS", 3)
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        _int4_chain(store, np.random.default_rng(7))
+        monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", 0)
+        pooled = store.read_table("w")
+        monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", pooled.nbytes + 1)
+        monkeypatch.setattr(table_decode, "_executor", lambda workers: pytest.fail("a small read used the pool"))
+        assert np.array_equal(store.read_table("w").view(np.uint32), pooled.view(np.uint32))
+        monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", pooled.nbytes)
+        with pytest.raises(pytest.fail.Exception, match="used the pool"):
+            store.read_table("w")
+
+
+def test_read_tables_row_range_of_a_partly_written_table(tmp_path):
+    """A range needs only its own rows written (a TorchRec shard's rows of a table stored under global ids);
+    a range reaching an unwritten row raises MissingRows (exact count) and leaves every out untouched."""
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        store.create_table("w", 1000, 4, codec="fp32", block_rows=64)
+        store.create_table("f", 10, 4, codec="fp32")
+        vals = np.arange(400 * 4, dtype=np.float32).reshape(400, 4)
+        with store.checkpoint() as ck:
+            ck.put_rows("w", np.arange(300, 700), vals)
+            ck.put_rows("f", np.arange(10), np.ones((10, 4), np.float32))
+        out = np.zeros((400, 4), np.float32)
+        store.read_tables({"w": (300, out)})
+        assert np.array_equal(out, vals)
+        with pytest.raises(cnrstore.MissingRows):
+            store.read_table("w")
+        outs = {"f": np.full((10, 4), 7, np.float32), "w": (290, np.full((420, 4), 7, np.float32))}
+        with pytest.raises(cnrstore.MissingRows, match=r"^20 row\(s\)"):
+            store.read_tables(outs)
+        assert (outs["f"] == 7).all() and (outs["w"][1] == 7).all()
+
+
+def test_read_tables_bad_row_range_raises(tmp_path):
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        store.create_table("w", 10, 4, codec="fp32")
+        with store.checkpoint() as ck:
+            ck.put_rows("w", np.arange(10), np.ones((10, 4), np.float32))
+        for bad in ((8, np.zeros((3, 4), np.float32)), (-1, np.zeros((3, 4), np.float32)),
+                    (1.0, np.zeros((3, 4), np.float32)), (0, np.zeros((3, 5), np.float32)),
+                    (0, np.zeros(3, np.float32)), (0, np.zeros((3, 4), np.float64)), (0, 1, 2)):
+            with pytest.raises(cnrstore.InvalidArgument):
+                store.read_tables({"w": bad})
+
+
+def test_read_table_out_of_the_wrong_shape_or_dtype_raises(tmp_path):
+    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
+        store.create_table("w", 10, 4, codec="fp32")
+        with store.checkpoint() as ck:
+            ck.put_rows("w", np.arange(10), np.ones((10, 4), np.float32))
+        for bad in (np.zeros((10, 5), np.float32), np.zeros((10, 4), np.float64), np.zeros((4, 10), np.float32).T,
+                    [[0.0] * 4] * 10):
+            with pytest.raises(cnrstore.InvalidArgument, match="out"):
+                store.read_table("w", out=bad)
+        with pytest.raises(cnrstore.TableNotFound):
+            store.read_tables({"w": None, "nope": None})
