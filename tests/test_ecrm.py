@@ -12,12 +12,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
 
 from support import prespawn
+from support.dist_jobs import finish
 
 from cnrstore.distributed import failures, gf256
 from cnrstore.distributed.stripes import StripeLayout
@@ -97,15 +97,7 @@ def _spawn(cfg: dict, rank: int, crash: str | None = None, **extra):
 
 
 def _wait_all(procs) -> None:
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        outs.append((p.returncode, out))
-    bad = [(i, rc, out[-3000:]) for i, (rc, out) in enumerate(outs) if rc != 0]
+    bad = [(i, rc, out[-3000:]) for i, (rc, out) in enumerate(finish(procs, TIMEOUT)) if rc != 0]
     assert not bad, bad
 
 

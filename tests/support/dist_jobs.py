@@ -25,11 +25,13 @@ def spawn(cfg: dict, rank: int, env_extra=None):
     return prespawn.spawn(WORKER, json.dumps({**cfg, "rank": rank}), env=env)
 
 
-def finish(procs) -> list[tuple[int, str]]:
+def finish(procs, timeout: float = TIMEOUT) -> list[tuple[int, str]]:
+    """(exit status, output) of each of ``procs``, waiting at most ``timeout`` seconds for each (one that
+    takes longer is killed)."""
     out = []
     for p in procs:
         try:
-            text, _ = p.communicate(timeout=TIMEOUT)
+            text, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             p.kill()
             text, _ = p.communicate()
