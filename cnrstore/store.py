@@ -5,13 +5,11 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import sys
 import time
-import weakref
 
 import numpy as np
 
-from . import codecs, knobs
+from . import codecs, knobs, lifecycle
 from .engine import arguments, filenames, fs, merge, reader, schema, table_decode
 from .engine import remote as remote_tier
 from .engine import blocks as blocks_math
@@ -24,6 +22,7 @@ from .errors import CompactionFailed, InvalidArgument, MissingRows, ReadOnlyErro
 from .maintenance import compaction
 from .maintenance.background import BackgroundCompactor
 from .policy import compaction as compaction_policy
+from .lifecycle import PendingWork
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 
 
@@ -63,8 +62,8 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None,
         remote_tier.check_local_only(path, "open")
     store = Store(path, create=create, readonly=readonly, filesystem=fs.DEFAULT, storage=storage)
     if policy is not None:
-        store._compactor = BackgroundCompactor(store._engine, policy)
-        store._engine.on_commit = store._compactor.notify
+        store._life.compactor = BackgroundCompactor(store._engine, policy)
+        store._engine.on_commit = store._life.compactor.notify
     return store
 
 
@@ -78,17 +77,15 @@ log = logging.getLogger("cnrstore.store")
 #: variable ``CNRSTORE_EXIT_WAIT_S`` sets it at import; assign it to change it later.
 EXIT_WAIT_S = float(os.environ.get("CNRSTORE_EXIT_WAIT_S", "300"))
 
-_open_stores: "weakref.WeakSet[Store]" = weakref.WeakSet()  # writable stores not closed yet
-
-
 def _close_at_exit() -> None:
-    """atexit: finish (within ``EXIT_WAIT_S``) and close every writable store this process left open."""
+    """atexit: finish (within ``EXIT_WAIT_S``) and close every writable store this process left open
+    (lifecycle.py)."""
     deadline = time.monotonic() + EXIT_WAIT_S
-    for store in sorted(_open_stores, key=lambda s: s.path):
+    for life in lifecycle.writable_open():
         try:
-            store._close_at_exit(deadline)
+            life.close_at_exit(deadline, EXIT_WAIT_S)
         except BaseException as exc:  # noqa: BLE001 - one store's trouble must not stop the others' close
-            log.warning("cnrstore: closing store %r at exit failed: %s: %s", store.path, type(exc).__name__, exc)
+            log.warning("cnrstore: closing store %r at exit failed: %s: %s", life.path, type(exc).__name__, exc)
 
 
 atexit.register(_close_at_exit)
@@ -96,23 +93,6 @@ atexit.register(_close_at_exit)
 
 #: How long ``open(create=True)`` waits for another process's creation of the same store to finish.
 CREATE_WAIT_S = 10.0
-
-
-class PendingWork:
-    """What ``Store.add_pending_work`` takes (for sibling packages): background work writing into a store,
-    which ``close()`` and the interpreter's exit wait for. Subclass it or provide the same three methods."""
-
-    def finish(self, timeout: float | None) -> bool:
-        """Wait for the work in flight, for good (None) or at most ``timeout`` seconds; whether none is left.
-        An interrupt while waiting may cancel the work (it then commits nothing) and is re-raised."""
-        raise NotImplementedError
-
-    def cancel(self) -> None:
-        """Tell the work in flight to stop at its next step, committing nothing (an exit that cannot wait)."""
-
-    def failure(self) -> BaseException | None:
-        """The failure of background work that nobody has reported yet (logged at exit), or None."""
-        return None
 
 
 class Store:
@@ -124,20 +104,12 @@ class Store:
         read and removed (storage.py); default the local files."""
         self.path = os.path.abspath(root)
         self.readonly = readonly
-        self._closed = True  # until the engine opens: nothing for close() or __del__ to do
-        self._compactor: BackgroundCompactor | None = None
-        self._abandoned = False  # an exit gave up on work in flight: nothing may close the engine under it
-        #: the PendingWork of background saves into this store (add_pending_work): close() and the exit
-        #: hook first wait for what they have in flight
-        self._savers: "weakref.WeakSet" = weakref.WeakSet()
         self._engine = Engine.open(self.path, filesystem, storage, readonly=readonly, create=create,
                                    create_wait_s=CREATE_WAIT_S)
-        self._closed = False
+        #: what close() and the interpreter's exit wait for, and how each ends (lifecycle.py)
+        self._life = lifecycle.StoreLifecycle(self.path, self._engine, writable=not readonly)
         #: what opening for writing recovered or repaired (API.md)
         self.recovery_notes: list[str] = self._engine.recovery_notes
-        if not readonly:
-            self._pid = os.getpid()  # a forked child's exit must not close (and unlock) its parent's store
-            _open_stores.add(self)
 
     # lifecycle --------------------------------------------------------------------------------------
     def close(self, *, finish_compaction: bool = True) -> None:
@@ -162,75 +134,14 @@ class Store:
         and then CompactionFailed is raised (once; ``__cause__`` is the newest failure). Every committed
         version is intact: a failed compaction step commits nothing.
         """
-        if self._closed:
-            return
-        self._finish_saves(None)
-        if self._compactor is not None:
-            self._compactor.close(finish=finish_compaction)  # the step in flight, then the one asked for
-        self._close_engine()
-        self._raise_compaction_failure()
-
-    def _finish_saves(self, deadline: float | None) -> bool:
-        """Wait for every registered saver's background save (until ``deadline``, a time.monotonic(),
-        or for good); returns whether all finished."""
-        for saver in list(self._savers):
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not saver.finish(timeout):
-                return False
-        return True
+        self._life.close(finish_compaction)
 
     def add_pending_work(self, work: "PendingWork") -> None:
         """*For sibling packages* (``cnrstore.torch``, ``cnrstore.distributed``), not for applications:
         register background work that writes into this store (a checkpointer's saves in flight), so that
         ``close()`` and the interpreter's exit wait for it (see :class:`PendingWork`). The store holds
         ``work`` weakly: its owner keeps it alive as long as it may have work in flight."""
-        self._savers.add(work)
-
-    def _close_engine(self) -> None:
-        self._closed = True
-        _open_stores.discard(self)
-        self._engine.close()
-
-    def _close_at_exit(self, deadline: float) -> None:
-        """The interpreter is exiting with this store open: finish its saves and compaction as close()
-        does, but give up at ``deadline`` or at an interrupt: then the store is abandoned as it is (as
-        ``kill -9`` would leave it: consistent), never closed under a thread still writing to it."""
-        if self._closed or self._abandoned or getattr(self, "_pid", None) != os.getpid():
-            return
-        what = "waiting"
-        try:
-            if not self._finish_saves(deadline):
-                return self._abandon("a checkpoint save still running")
-            if self._compactor is not None:
-                what = "compacting"
-                if not self._compactor.close(finish=True, timeout=max(0.0, deadline - time.monotonic())):
-                    return self._abandon("the background compaction step still running")
-            writer = self._engine.writer
-            if writer is not None:  # a thread of this program still writing: abort it from here would race it
-                return self._abandon(f"checkpoint {writer.version} still open")
-        except KeyboardInterrupt:
-            return self._abandon(f"interrupted while {what}")
-        for saver in list(self._savers):  # a save that failed while the exit waited: nobody else will say so
-            failed = saver.failure()
-            if failed is not None:
-                log.warning("cnrstore: a background save into store %r failed before the exit: %s: %s; the "
-                            "versions committed before it are intact", self.path, type(failed).__name__, failed)
-        self._close_engine()
-        try:
-            self._raise_compaction_failure()
-        except CompactionFailed as exc:  # nobody is left to catch it at exit: say it
-            log.warning("cnrstore: %s", exc)
-
-    def _abandon(self, why: str) -> None:
-        self._abandoned = True
-        _open_stores.discard(self)
-        if self._compactor is not None:
-            self._compactor.halt()
-        for saver in list(self._savers):
-            saver.cancel()
-        log.warning("cnrstore: exiting with store %r not closed (%s, after EXIT_WAIT_S=%gs or an interrupt): it "
-                    "is left as kill -9 would leave it; every committed version is intact, and the next "
-                    "writable open truncates what was not committed", self.path, why, EXIT_WAIT_S)
+        self._life.add_pending_work(work)
 
     def __enter__(self) -> "Store":
         return self
@@ -246,39 +157,32 @@ class Store:
     def compaction_error(self) -> BaseException | None:
         """The newest failure of background compaction since open (the exception a step raised), or None.
         A failure leaves the store intact and checkpoints working; the worker retries after the next commit."""
-        errors = self._compactor.errors if self._compactor is not None else ()
-        return errors[-1] if errors else None
+        return self._life.compaction_error
 
     def wait_for_compaction(self, timeout: float | None = None) -> bool:
         """Block until background compaction has no step pending or running, for good (None) or at most
         ``timeout`` seconds (0: just ask); whether it is idle (always True without a compaction policy).
         For programs that measure or copy the settled store; checkpoints never need it."""
         self._check_open()
-        return self._compactor is None or self._compactor.wait_idle(timeout)
+        return self._life.wait_for_compaction(timeout)
 
-    def _raise_compaction_failure(self) -> None:
-        compactor = self._compactor
-        if compactor is None or compactor.failures <= compactor.reported:
-            return
-        new = compactor.failures - compactor.reported
-        compactor.reported = compactor.failures
-        cause = compactor.errors[-1]
-        raise CompactionFailed(
-            f"background compaction of store {self.path!r} failed {new} time(s); the newest failure: "
-            f"{type(cause).__name__}: {cause}. Every committed version is intact (a failed step commits "
-            "nothing), but read chains may be longer and space not reclaimed: fix the cause (e.g. free "
-            "space), then run `cnrstore compact`/`cnrstore gc` or reopen with compaction on") from cause
+    @property
+    def _compactor(self):
+        """The background compactor, or None (tests and tools look at it)."""
+        return self._life.compactor
+
+    @_compactor.setter
+    def _compactor(self, compactor) -> None:
+        self._life.compactor = compactor
+
+    @property
+    def _closed(self) -> bool:
+        return self._life.closed
 
     def __del__(self):
-        # Not while the interpreter finalizes: background threads are frozen by then, and close() would
-        # wait for them forever (the atexit hook has closed or abandoned every writable store already)
-        if sys.is_finalizing() or getattr(self, "_abandoned", True):
-            return
-        try:
-            if not self._closed and getattr(self, "_engine", None) is not None:
-                self.close()
-        except Exception:
-            pass
+        life = getattr(self, "_life", None)  # (None: the open failed)
+        if life is not None:
+            life.collected()
 
     def _check_open(self) -> None:
         self._engine.check_open()
@@ -583,8 +487,8 @@ class Store:
                 "versions": len(versions),
                 "tables": len(view.tables()),
                 "max_read_chain": max_chain,
-                "compaction_errors": self._compactor.failures if self._compactor is not None else 0,
-                "compaction_steps": self._compactor.steps if self._compactor is not None else 0,
+                "compaction_errors": self._life.compactor.failures if self._life.compactor is not None else 0,
+                "compaction_steps": self._life.compactor.steps if self._life.compactor is not None else 0,
             }
             increments = schema.INCREMENT_BYTES.get(view, stats["bytes_written"])
             stats["increment_bytes"] = increments
