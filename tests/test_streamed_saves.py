@@ -36,6 +36,7 @@ from cnrstore.torch import Checkpointer, streamed
 
 from support import crash_states as cs
 from support.schedule import Pause
+from support.torch_state import assert_same_state
 
 ROWS, DIM, BLOCK = 4096, 8, 256
 
@@ -87,11 +88,6 @@ def state_of(model, opt):
     return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
 
 
-def bits(t):
-    t = t.detach().cpu()
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
-
-
 def assert_restores_to(store, version, saved, name, mode):
     saved_model, saved_opt = saved
     fresh = Model()
@@ -100,16 +96,7 @@ def assert_restores_to(store, version, saved, name, mode):
     fresh_opt = OPTIMIZERS[name](fresh.parameters())
     with Checkpointer(store, fresh, fresh_opt, codec="fp32", mode=mode) as ck:
         ck.restore(version)
-    for k, v in fresh.state_dict().items():
-        assert torch.equal(bits(v), bits(saved_model[k])), k
-    got, want = fresh_opt.state_dict()["state"], saved_opt["state"]
-    assert got.keys() == want.keys()
-    for idx in want:
-        for key, val in want[idx].items():
-            if torch.is_tensor(val):
-                assert torch.equal(bits(got[idx][key]), bits(val)), (idx, key)
-            else:
-                assert got[idx][key] == val, (idx, key)
+    assert_same_state(fresh, fresh_opt, saved_model, saved_opt)
 
 
 class Lockstep:

@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from support.torch_state import assert_same_state
+
 import cnrstore
 from cnrstore.torch import Checkpointer
 
@@ -47,26 +49,6 @@ def _step(model, opt, i):
     opt.step()
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu()
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
-
-
-def _assert_same_state(model, opt, saved_model, saved_opt):
-    for k, v in model.state_dict().items():
-        assert torch.equal(_bits(v), _bits(saved_model[k])), k
-    state, want = opt.state_dict()["state"], saved_opt["state"]
-    assert state.keys() == want.keys()
-    for idx in want:
-        assert state[idx].keys() == want[idx].keys()
-        for key, val in want[idx].items():
-            got = state[idx][key]
-            if torch.is_tensor(val):
-                assert torch.equal(_bits(got), _bits(val)), (idx, key)
-            else:
-                assert got == val, (idx, key)
-
-
 @pytest.mark.parametrize("mode", ["incremental", "one-shot", "intermittent"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_partial_saves_restore_weights_and_optimizer_state_bit_exactly(tmp_path, name, mode):
@@ -94,7 +76,7 @@ def test_partial_saves_restore_weights_and_optimizer_state_bit_exactly(tmp_path,
             fresh_opt = OPTIMIZERS[name](fresh.parameters())
             with Checkpointer(store, fresh, fresh_opt, codec="fp32", mode=mode) as ck2:
                 ck2.restore(v)
-            _assert_same_state(fresh, fresh_opt, saved_model, saved_opt)
+            assert_same_state(fresh, fresh_opt, saved_model, saved_opt)
     if name in EXACT_ALREADY and mode == "incremental":  # the controls stay incremental: 4 rows a save
         assert [r.rows["emb"] for r in reports if not r.baseline] == [4] * 5
 
@@ -223,4 +205,4 @@ def test_queued_saves_restore_bit_exactly(tmp_path, name, mode, monkeypatch):
             fresh_opt = OPTIMIZERS[name](fresh.parameters())
             with Checkpointer(store, fresh, fresh_opt, codec="fp32", mode=mode) as ck2:
                 ck2.restore(v)
-            _assert_same_state(fresh, fresh_opt, saved_model, saved_opt)
+            assert_same_state(fresh, fresh_opt, saved_model, saved_opt)
