@@ -123,12 +123,19 @@ def test_full_disk_aborts_checkpoint_and_keeps_committed_versions(store_path, mo
         assert s2.verify().ok
 
 
-def test_full_disk_without_with_block_then_abort(store_path):
+def _full_disk_store_of_one_version(store_path):
+    """(its FullDiskFS, a writable store on it, the writer of its one version: table 'emb', 256 x DIM fp32,
+    every row ``rand(256)``)."""
     fs = FullDiskFS()
     s = Store(store_path, create=True, readonly=False, filesystem=fs)
     s.create_table("emb", 256, DIM, codec="fp32", block_rows=64)
     with s.checkpoint() as ck1:
         ck1.put_rows("emb", np.arange(256), rand(256))
+    return fs, s, ck1
+
+
+def test_full_disk_without_with_block_then_abort(store_path):
+    fs, s, ck1 = _full_disk_store_of_one_version(store_path)
     fs.budget = fs.written + 100
     ck = s.checkpoint()
     with pytest.raises(cnrstore.StorageFull):
@@ -155,11 +162,7 @@ def test_full_disk_without_with_block_then_abort(store_path):
 
 
 def test_full_disk_while_readonly_reader_is_open(store_path):
-    fs = FullDiskFS()
-    s = Store(store_path, create=True, readonly=False, filesystem=fs)
-    s.create_table("emb", 256, DIM, codec="fp32", block_rows=64)
-    with s.checkpoint() as ck1:
-        ck1.put_rows("emb", np.arange(256), rand(256))
+    fs, s, ck1 = _full_disk_store_of_one_version(store_path)
     with cnrstore.open(store_path, readonly=True) as ro:
         fs.budget = fs.written + 1000
         fs.partial = True
