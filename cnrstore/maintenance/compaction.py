@@ -69,9 +69,8 @@ def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions
     entries come together, oldest first).
 
     A block's chain length is a step function of the version: from its i-th entry up to (not
-    including) its next one it is the number of entries since, and including, the newest baseline at
-    or before the i-th. Each entry thus raises the answer over one range of ``versions`` to its
-    length; the ranges are folded with a sparse table (a range of length 2^k is written at level k
+    including) its next one it is the length of the chain that starts at the i-th (``chain.lengths``).
+    Each entry thus raises the answer over one range of ``versions`` to its length; the ranges are folded with a sparse table (a range of length 2^k is written at level k
     as two overlapping halves, then levels are pushed down). O(entries log versions + versions log
     versions) time, vectorized after the pass; O(entries + versions) memory.
     """
@@ -80,20 +79,18 @@ def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions
     has_next: list[bool] = []
     lengths: list[int] = []  # chain length from the entry on
     prev = None
-    runs: list[int] = []  # the block's entries seen so far: the chain length from each
-    position: dict[int, int] = {}  # the block's entries seen so far: version -> index in runs
+    block: list[tuple[int, int, int]] = []  # the block's entries seen so far: (version, flags, base)
     for t, b, v, loc in entries:
         if (t, b) == prev:
             ends[-1], has_next[-1] = v, True
         else:
-            prev, runs, position = (t, b), [], {}
-        position[v] = len(runs)
-        nxt = chain_rule.next_position(len(runs), loc.flags, loc.base, position)
-        runs.append(1 + (runs[nxt] if nxt is not None else 0))
+            lengths += chain_rule.lengths(*zip(*block)) if block else []
+            prev, block = (t, b), []
+        block.append((v, loc.flags, loc.base))
         starts.append(v)
         ends.append(0)
         has_next.append(False)
-        lengths.append(runs[-1])
+    lengths += chain_rule.lengths(*zip(*block)) if block else []
     vers = np.asarray(versions, dtype=np.uint64)
     n = vers.size
     out = np.zeros(n, dtype=np.int64)
