@@ -204,14 +204,8 @@ class Bench:
         store = w["store"]
         stats = store.stats()
         rows_stored = w["rows_stored"]
-        env = store.engine.index._env  # the benchmark may look inside: only for page accounting
-        psize = env.stat()["psize"]
-        pages = lambda s: s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]  # noqa: E731
-        with store.engine.index.read() as view:
-            used = pages(env.stat()) + sum(pages(s) for s in view.stat().values())
-        used_bytes = (used + 2) * psize  # + the two meta pages
-        high_water = (env.info()["last_pgno"] + 1) * psize
-        data_mdb = os.path.getsize(os.path.join(store.engine.index.path, "data.mdb"))
+        space = store.engine.index_space()  # pages in use (+ the two meta pages), high-water mark, data.mdb
+        used_bytes, high_water, data_mdb = space["used_bytes"], space["high_water_bytes"], space["file_bytes"]
         data_per_row = stats["segment_bytes"] / rows_stored
         ref = f"{data_per_row:.1f} B/row of log data"
         self.add(f"d. index bytes per stored row, used B-tree pages ({used_bytes:,} B / {rows_stored:,} rows)",
@@ -260,12 +254,12 @@ class Bench:
                 open_ts.append(timed(open_close)[0])  # no other handle open: a real LMDB open
                 with cnrstore.open(path, readonly=True) as store:
                     ref_ts.append(timed(store.versions)[0])
-                    ls_ts.append(timed(lambda: cli._versions_rows(store))[0])
+                    ls_ts.append(timed(lambda: cli.versions_rows(store))[0])
                     stats_ts.append(timed(store.stats)[0])
             with cnrstore.open(path, readonly=True) as store:
                 entries = store.stats()["index_entries"]
                 # the old listing walked the whole row index once per version: time one such walk
-                with store.engine.index.read() as view:
+                with store.engine.read() as view:
                     walk = median([timed(lambda: compaction_block_chains(view, count))[0]
                                    for _ in range(self.args.repeat)])
             ref = median(ref_ts)

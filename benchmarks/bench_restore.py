@@ -113,7 +113,7 @@ class PeakSampler:
 
 def chain_bytes(store) -> int:
     """Bytes of every record the newest version's read chains hold (what a restore of it reads)."""
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         newest = view.latest()[0]
         return sum(loc.length for chain in block_chains(view, newest).values() for _v, loc in chain)
 

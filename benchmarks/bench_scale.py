@@ -151,13 +151,8 @@ def filesystem_of(path: str) -> str:
 
 def index_used_bytes(store) -> int:
     """Bytes of the LMDB B-tree pages in use (as bench_engine's d.): the index's real size, without the
-    file's free pages. Looks inside the engine: a benchmark may."""
-    env = store.engine.index._env
-    psize = env.stat()["psize"]
-    pages = lambda s: s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]  # noqa: E731
-    with store.engine.index.read() as view:
-        used = pages(env.stat()) + sum(pages(s) for s in view.stat().values())
-    return (used + 2) * psize  # + the two meta pages
+    file's free pages."""
+    return store.engine.index_space()["used_bytes"]
 
 
 def open_close(path: str) -> None:
@@ -270,7 +265,7 @@ def sweep_size(args, root: str, values_all: np.ndarray, rng) -> list[dict]:
         load = lambda: torch.load(pt, weights_only=True)  # noqa: E731
         t_open = best_time(lambda: open_close(path), args.repeat_fast)
         with cnrstore.open(path, readonly=True) as s:
-            t_ls = best_time(lambda: cli._versions_rows(s), args.repeat_fast)
+            t_ls = best_time(lambda: cli.versions_rows(s), args.repeat_fast)
             t_stats = best_time(s.stats, args.repeat_fast)
             # warm-up: page cache and mappings of both; the restore must match the input to int4 precision
             ref = load().numpy()
@@ -337,7 +332,7 @@ def sweep_versions(args, root: str, values_all: np.ndarray, rng) -> list[dict]:
         store.close()
         t_open = best_time(lambda: open_close(path), args.repeat_fast)
         with cnrstore.open(path, readonly=True) as s:
-            t_ls = best_time(lambda: cli._versions_rows(s), args.repeat_fast)
+            t_ls = best_time(lambda: cli.versions_rows(s), args.repeat_fast)
             t_stats = best_time(s.stats, args.repeat_fast)
             s.read_table(TABLE)  # warm-up
             t_read = med_time(lambda: s.read_table(TABLE), args.repeat)

@@ -3,7 +3,7 @@
 against the same model without one, and the memory its tracking state takes.
 
 A Checkpointer tracks rows with a forward pre-hook on every ``nn.EmbeddingBag`` (cnrstore/torch/
-tracking.py, ``Table._track``): while autograd is on, each lookup sets the looked-up ids in a bit set per
+tracking.py, ``Table.track``): while autograd is on, each lookup sets the looked-up ids in a bit set per
 table (``touched``, one bit per row: cnrstore/torch/rowbits.py); saves read and clear the sets. This benchmark times training steps with those
 hooks active and without them, on ONE model and optimizer (tools/train_dlrm.py's DLRM and Adagrad), so
 nothing but the hooks differs:
@@ -56,7 +56,7 @@ def tracking_bytes(ckpt: Checkpointer) -> tuple[int, int]:
         return 4 * ((bits.num_rows + 31) // 32)
 
     track = staging = 0
-    for t in ckpt._tables:  # noqa: SLF001  (the benchmark reads what it measures)
+    for t in ckpt.tables:
         track += full(t.touched) + (full(t.since_baseline) if ckpt.mode != "incremental" else 0)
         if t.counts is not None:
             track += t.counts.nbytes
@@ -109,11 +109,11 @@ def run(args) -> str:
         step()
         ckpt.save(0).wait()
         track_b, staging_b = tracking_bytes(ckpt)
-        n_tables = len(ckpt._tables)  # noqa: SLF001
+        n_tables = len(ckpt.tables)
         # the hooks' own work, timed directly: each table's hook called on the pool's batches as the
         # forward pass calls it (the ids of its feature, sliced outside the timing as the model slices
         # them), under autograd, no model around it
-        hooks = [(t._track, t.module) for t in ckpt._tables]  # noqa: SLF001
+        hooks = [(t.track, t.module) for t in ckpt.tables]
         # each hook gets what the forward pass gives it: its feature's (B, 1) slice, cut by the model
         sliced = [[ids[:, f:f + 1] for f in range(len(hooks))] for _dense, ids, _labels in pool]
         hook_t = []

@@ -110,9 +110,7 @@ def expected(codec, values: np.ndarray, dim: int) -> np.ndarray:
 
 # one policy ------------------------------------------------------------------------------------------
 def settle(store) -> None:
-    compactor = getattr(store, "_compactor", None)
-    if compactor is not None:
-        compactor.wait_idle()
+    store.wait_for_compaction()
 
 
 def run_policy(name: str, codec_name: str, args, root: str, base: list[np.ndarray], model: list[np.ndarray],

@@ -174,10 +174,10 @@ def _names(names: list[str], noun: str, width: int = 48) -> str:
     return f"{len(names)} {noun}: " + ", ".join(shown) + ", ..."
 
 
-def _versions_rows(store: Store) -> list[dict]:
+def versions_rows(store: Store) -> list[dict]:
     """One row per version; every version's read-chain length comes from one pass over the row index
     (``compaction.versions_with_read_chains``), so a listing is linear in versions and index entries."""
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         damaged = damaged_blocks(view)
         names = {info.id: name for name, info in view.tables().items()}
         dense = {did: name for name, did in view.dense_names().items()}
@@ -355,7 +355,7 @@ def cmd_ls(args) -> int:
     if _is_root(args.store):
         return cmd_ls_root(args)
     with _open(args, readonly=True) as store:
-        rows = _versions_rows(store)
+        rows = versions_rows(store)
     return _print_versions(args, rows, f"{'version':>8} {'step':>10} {'created (UTC)':<20} {'bytes':>14} {'chain':>6}  "
                                        "tables", "version(s)",
                            lambda r: f"{r['bytes']:>14,} {r['read_chain']:>6}  {_names(r['tables'], 'tables')}"

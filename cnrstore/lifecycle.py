@@ -108,7 +108,7 @@ class StoreLifecycle:
                 what = "compacting"
                 if not self.compactor.close(finish=True, timeout=max(0.0, deadline - time.monotonic())):
                     return self.abandon("the background compaction step still running", exit_wait_s)
-            writer = self.engine.writer
+            writer = self.engine.open_writer
             if writer is not None:  # a thread of this program still writing: abort it from here would race it
                 return self.abandon(f"checkpoint {writer.version} still open", exit_wait_s)
         except KeyboardInterrupt:

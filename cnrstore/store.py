@@ -14,7 +14,7 @@ from .engine import arguments, filenames, fs, merge, reader, schema, table_decod
 from .engine import remote as remote_tier
 from .engine import blocks as blocks_math
 from .engine.core import Engine, version_info as _version_info
-from .engine.index import Index, IndexView
+from .engine.index import IndexView
 from .engine.schema import TableRecord
 from .engine.storage import SegmentStorage
 from .engine.writer import CheckpointWriter
@@ -63,7 +63,7 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None,
     store = Store(path, create=create, readonly=readonly, filesystem=fs.DEFAULT, storage=storage)
     if policy is not None:
         store._life.compactor = BackgroundCompactor(store._engine, policy)
-        store._engine.on_commit = store._life.compactor.notify
+        store._engine.set_commit_listener(store._life.compactor.notify)
     return store
 
 
@@ -196,14 +196,11 @@ class Store:
     def _table_record(self, name: str, view: IndexView | None = None) -> TableRecord | None:
         return self._engine.table_record(name, view)
 
-    def _history(self) -> "compaction_policy.History":
-        return self._engine.history()
-
     def _check_writable(self) -> None:
         self._check_open()
         if self.readonly:
             raise ReadOnlyError(f"store {self.path!r} is open readonly; open it with readonly=False to write")
-        self._engine.lock.verify()  # StoreMoved once the directory was renamed away: paths would name another
+        self._engine.check_still_ours()  # StoreMoved once the directory was renamed away: paths would name another
 
     # tables -----------------------------------------------------------------------------------------
     def create_table(self, name: str, num_rows: int, dim: int, *, codec: str = "fp32",
@@ -242,14 +239,14 @@ class Store:
 
     def tables(self) -> dict[str, TableInfo]:
         self._check_open()
-        with self._engine.index.read() as view:
+        with self._engine.read() as view:
             return {name: table.info() for name, table in sorted(view.tables().items())}
 
     def dense_names(self) -> list[str]:
         """The names of every dense array any retained version holds or held, sorted (``read_dense`` says
         whether a given version holds one: MissingRows otherwise)."""
         self._check_open()
-        with self._engine.index.read() as view:
+        with self._engine.read() as view:
             return sorted(view.dense_names())
 
     # checkpoints ------------------------------------------------------------------------------------
@@ -260,17 +257,18 @@ class Store:
         step = arguments.step_arg(step)
         step = None if step is None else int(step)
         engine = self._engine
-        return engine.begin_writer(lambda version, parent: CheckpointWriter(engine, version, parent, step, meta))
+        return engine.begin_writer(lambda version, parent, parts: CheckpointWriter(engine, parts, version, parent, step,
+                                                                                  meta))
 
     # reads ------------------------------------------------------------------------------------------
     def versions(self) -> list[VersionInfo]:
         self._check_open()
-        with self._engine.index.read() as view:
+        with self._engine.read() as view:
             return [_version_info(v, info) for v, info in view.versions()]
 
     def latest(self) -> VersionInfo | None:
         self._check_open()
-        with self._engine.index.read() as view:
+        with self._engine.read() as view:
             found = view.latest()
         return None if found is None else _version_info(*found)
 
@@ -279,7 +277,7 @@ class Store:
         with self._read(version, table) as (view, v):
             info = self._table_or_raise(table, view)
             ids = arguments.row_ids(rows, info.num_rows, table)
-            return reader.read_rows(view, self._engine.segments, info, ids, v)
+            return reader.read_rows(view, self._engine.storage, info, ids, v)
 
     def read_table(self, table: str, version: int | None = None, *, out=None) -> np.ndarray:
         """float32 (num_rows, dim): the whole table as of ``version``, decoded in parallel over its blocks.
@@ -309,13 +307,13 @@ class Store:
                     jobs.append((info, table_decode.check_out(out, info, "out", start), int(start)))
                 else:
                     jobs.append((info, None if out is None else table_decode.check_out(out, info, "out"), 0))
-            return dict(zip(tables, table_decode.read_tables(view, self._engine.segments, jobs, v)))
+            return dict(zip(tables, table_decode.read_tables(view, self._engine.storage, jobs, v)))
 
     def read_dense(self, name: str, version: int | None = None) -> np.ndarray:
         """The dense array as put (dtype, shape, bytes), as of ``version``."""
         with self._read(version) as (view, v):
             dense_id = view.dense_id(name)
-            arr = None if dense_id is None else reader.read_dense(view, self._engine.segments, dense_id, name, v)
+            arr = None if dense_id is None else reader.read_dense(view, self._engine.storage, dense_id, name, v)
             if arr is None:
                 raise MissingRows(f"dense array {name!r} was never put at or before version {v}")
             return arr
@@ -337,11 +335,11 @@ class Store:
             table_bytes = sum(tinfo.num_rows * tinfo.dim * 4 for tinfo, _, _ in jobs)
             total = table_bytes + sum(length for _, _, length in dense)
             tables_progress = None if progress is None else (lambda done, _total: progress(done, total))
-            arrays = table_decode.read_tables(view, self._engine.segments, jobs, v, tables_progress)
+            arrays = table_decode.read_tables(view, self._engine.storage, jobs, v, tables_progress)
             snap.tables.update((tinfo.name, arr) for (tinfo, _, _), arr in zip(jobs, arrays))
             done = table_bytes
             for name, dense_id, length in dense:
-                arr = reader.read_dense(view, self._engine.segments, dense_id, name, v)
+                arr = reader.read_dense(view, self._engine.storage, dense_id, name, v)
                 if arr is not None:
                     snap.dense[name] = arr
                 if progress is not None:
@@ -362,7 +360,7 @@ class Store:
         version = arguments.version_arg(version)
         names = [table] if isinstance(table, str) else table
         check = None if not names else (lambda view: [self._table_or_raise(name, view) for name in names])
-        return _ReadContext(self._engine.index, version, check)
+        return _ReadContext(self._engine, version, check)
 
     def read_amplification(self, version: int | None = None) -> dict[str, np.ndarray]:
         """{table name: float64 array, one entry per block with a record at or before ``version`` (default:
@@ -385,10 +383,10 @@ class Store:
         is longer than one record. What every version reads is unchanged, bit for bit. May run while a
         checkpoint is being written."""
         self._check_writable()
-        with self._engine.maintenance_lock:
+        with self._engine.maintenance() as m:
             with self._read(version) as (_view, v):
                 pass
-            return compaction.materialize(self._engine, v, progress)
+            return compaction.materialize(m, v, progress)
 
     def retain(self, keep_last: int | None = None, *, keep_every_n_steps: int | None = None, keep=(),
                drop=()) -> list[int]:
@@ -417,8 +415,8 @@ class Store:
             raise InvalidArgument("retain needs a rule: keep_last=N, keep_every_n_steps=N, keep=[versions] (pinned) "
                                   "or drop=[versions]")
         self._check_writable()
-        with self._engine.maintenance_lock:
-            with self._engine.index.read() as view:
+        with self._engine.maintenance() as m:
+            with m.read() as view:
                 history = tuple(_version_info(v, info) for v, info in view.versions())
             present = {v.version for v in history}
             unknown = sorted((pinned | dropping) - present)
@@ -435,7 +433,7 @@ class Store:
             doomed = (set(present) - kept) | dropping
             if not doomed:
                 return []
-            return compaction.drop_versions(self._engine, doomed)
+            return compaction.drop_versions(m, doomed)
 
     def drop_versions(self, versions, *, allow_newest: bool = False) -> list[int]:
         """*For sibling packages* (``cnrstore.distributed``), not for applications: drop ``versions`` (those
@@ -444,22 +442,22 @@ class Store:
         no global version refers to); version numbers are never reused either way. Runs under the
         maintenance lock, one at a time with compact, retain and gc; ``gc`` then reclaims the space."""
         self._check_writable()
-        with self._engine.maintenance_lock:
-            return compaction.drop_versions(self._engine, set(versions), allow_newest=allow_newest)
+        with self._engine.maintenance() as m:
+            return compaction.drop_versions(m, set(versions), allow_newest=allow_newest)
 
     def replace_dense(self, name: str, version: int, array) -> None:
         """*For sibling packages* (``cnrstore.torch.migrate``), not for applications: rewrite dense array
         ``name`` of committed ``version`` as ``array`` (a new record; the old one is dead bytes for ``gc``),
         under the maintenance lock. InvalidArgument if the version holds no such array."""
         self._check_writable()
-        with self._engine.maintenance_lock:
-            compaction.replace_dense(self._engine, name, version, array)
+        with self._engine.maintenance() as m:
+            compaction.replace_dense(m, name, version, array)
 
     def gc(self, progress=None) -> "compaction.GCReport":
         """Reclaim the space of dropped and shadowed records (see compaction.collect)."""
         self._check_writable()
-        with self._engine.maintenance_lock:
-            return compaction.collect(self._engine, progress)
+        with self._engine.maintenance() as m:
+            return compaction.collect(m, progress)
 
     def verify(self, progress=None) -> VerifyReport:
         """Check every checksum of live data and the index against the log; never raises for damage."""
@@ -471,7 +469,7 @@ class Store:
     def stats(self) -> dict:
         """Sizes and shape of the store (API.md lists the keys)."""
         self._check_open()
-        with self._engine.index.read() as view:
+        with self._engine.read() as view:
             versions = view.versions()
             live, max_chain = _scan_row_index(view, [v for v, _info in versions])
             live += sum(loc.length for *_k, loc in view.dense_entries())
@@ -482,7 +480,7 @@ class Store:
                 "bytes_on_disk": self._disk_bytes(),
                 "live_bytes": live,
                 "segment_bytes": seg_bytes,
-                "index_bytes": self._engine.index.disk_bytes(),
+                "index_bytes": self._engine.index_bytes(),
                 "index_entries": entries,
                 "versions": len(versions),
                 "tables": len(view.tables()),
@@ -499,7 +497,7 @@ class Store:
         stats["write_amplification"] = stats["bytes_written"] / increments if increments else None
         stats["save_write_amplification"] = stats["save_bytes"] / increments if increments else None
         stats["space_amplification"] = stats["bytes_on_disk"] / live if live else None
-        remote = self._engine.segments.remote_status()
+        remote = self._engine.storage.remote_status()
         if remote is not None:
             stats["remote"] = remote
         return stats
@@ -509,27 +507,27 @@ class Store:
         uploaded, the index snapshot uploaded, the pointer replaced. RemoteStorageError if the object store
         fails (the remote then still reads at its previous copy point); InvalidArgument without a remote."""
         self._check_writable()
-        segments = self._engine.segments
+        segments = self._engine.storage
         if segments.remote_status() is None:
             raise InvalidArgument(f"store {self.path!r} has no remote tier: open it with remote=URL")
         segments.copy_point()
 
     def _disk_bytes(self) -> int:
-        return self._engine.segments.disk_bytes() + sum(
+        return self._engine.storage.disk_bytes() + sum(
             fs.allocated_bytes(d) for d in (self.path, filenames.index_dir(self.path)))
 
 
 class _ReadContext:
     """One read transaction and the version it reads (resolving None to the newest committed)."""
 
-    def __init__(self, index: Index, version: int | None, check=None):
-        self._index = index
+    def __init__(self, engine: Engine, version: int | None, check=None):
+        self._engine = engine
         self._version = version
         self._check = check
         self._cm = None
 
     def __enter__(self):
-        self._cm = self._index.read()
+        self._cm = self._engine.read()
         view = self._cm.__enter__()
         try:
             if self._check is not None:

@@ -498,7 +498,7 @@ def test_ls_names_few_tables_and_counts_many(tmp_path):
 def test_verify_names_the_table_of_a_damaged_record(made_store, tmp_path):
     path = _copy(made_store[0], tmp_path / "d")
     with cnrstore.open(path, readonly=True) as store:
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             tid, block, version, loc = next(iter(view.row_entries()))
     with open(filenames.segment_path(str(path), loc.segment), "r+b") as f:  # the record's last byte
         f.seek(loc.offset + loc.length - 1)

@@ -240,7 +240,7 @@ def segment_files(path: str) -> dict[int, int]:
 
 def index_state(store) -> tuple:
     """Every catalog and index entry: equal before and after means the operation changed nothing."""
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         return (view.versions(), view.segments(), list(view.row_entries()), list(view.dense_entries()),
                 view.meta("doomed_segments", {}), view.meta("bytes_written"))
 
@@ -249,7 +249,7 @@ def assert_consistent(store) -> None:
     """verify() passes, and segments/ holds exactly the index's segments plus doomed ones."""
     report = store.verify()
     assert report.ok, report.problems[:5]
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         committed = view.segments()
         doomed = {int(k) for k in view.meta("doomed_segments", {})}
     files = segment_files(store.path)
@@ -267,7 +267,7 @@ def reopen(store, workload: Workload):
 
 def expected_max_read_chain(store) -> int:
     """The longest read chain of any retained version, computed here from the index."""
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         return max((len(chain) for v in [i.version for i in store.versions()]
                     for chain in compaction.block_chains(view, v).values()), default=0)
 
@@ -415,9 +415,9 @@ def test_empty_store_maintenance(store):
 def _entry(store, table: str, block: int, version: int):
     """(version, RowLoc, parsed record) of the newest index entry of the block at or before ``version``."""
     tid = store.engine.table_record(table).id
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         v, loc = next(view.row_chain(tid, block, version))
-    rec = record.parse(store.engine.segments.read(loc.segment, loc.offset, loc.length), "", loc.offset)
+    rec = record.parse(store.engine.storage.read(loc.segment, loc.offset, loc.length), "", loc.offset)
     return v, loc, rec
 
 
@@ -575,11 +575,11 @@ def test_max_read_chain(store, monkeypatch):
              for v in range(1, 9)}
     assert store.stats()["max_read_chain"] == expected_max_read_chain(store) >= 5
     store.compact()
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         assert all(len(c) == 1 for c in compaction.block_chains(view, 8).values())
     assert store.stats()["max_read_chain"] == expected_max_read_chain(store)
     store.compact(4)
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         assert all(len(c) == 1 for c in compaction.block_chains(view, 4).values())
     assert store.stats()["max_read_chain"] == expected_max_read_chain(store)
     for v in range(1, 9):
@@ -621,7 +621,7 @@ def test_gc_reclaims_space_after_retain(store):
     # (plus the headers of segments the copies went to)
     assert 0 <= stats2["segment_bytes"] - (stats1["segment_bytes"] - report.bytes_reclaimed + report.bytes_copied) \
         <= 32 * len(segment_files(store.path))
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         assert set(segment_files(store.path)) == set(view.segments())
         assert not view.meta("doomed_segments", {})
     same_reads(before, w.check())
@@ -639,7 +639,7 @@ def test_gc_of_a_corrupted_live_record_changes_nothing(store):
     w = Workload(store, seed=6)
     w.commit(10)
     store.retain(keep_last=3)
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         committed = view.segments()
         live: dict[int, list] = {}
         for tid, block, v, loc in view.row_entries():
@@ -739,7 +739,7 @@ def test_maintenance_beside_an_open_checkpoint(store):
     ck.put_dense("step", np.array([v, 2 * v], dtype=np.int64))
     store.gc()
     assert ck.commit() == v
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         assert len({loc.segment for _t, _b, u, loc in view.row_entries() if u == v}) > 1
     assert store.versions()[-1].parent == 6
     i4, i2 = codecs.get("int4"), codecs.get("int2")
@@ -799,12 +799,12 @@ def test_compaction_grows_the_index_map(tmp_path):
             for v in (3, 4):
                 with s.checkpoint() as ck:
                     ck.put_dense("x", np.zeros(3))
-            size = s.engine.index.map_size()
+            size = s.engine._index.map_size()
             s.compact(3)  # a new index entry per block
             s.compact(4)
             s.retain(keep_last=1)
             s.gc()
-            assert s.engine.index.map_size() > size
+            assert s.engine._index.map_size() > size
             assert s.read_table("a").ravel().tolist() == list(range(n))
             assert s.verify().ok
         print("ok")
@@ -964,7 +964,7 @@ def test_reader_in_another_process_during_retain_and_gc(tmp_path, monkeypatch):
         for name in _ns["TABLES"]:
             assert store.read_table(name, version=u).tobytes() == states.at(u)[name].tobytes()
     store.gc()  # the reader is gone: nothing is pending any more
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         assert not view.meta("doomed_segments", {})
         assert set(segment_files(path)) == set(view.segments())
     assert store.verify().ok
@@ -986,22 +986,22 @@ def test_gc_keeps_segments_a_reader_transaction_can_see(store_path):
     old = w.check(versions=[1])
     tinfo = store.engine.table_record("full_i4")
     files_before = set(segment_files(store_path))
-    with store.engine.index.read() as view:  # held across retain and gc, like a reader in the middle of a read
+    with store.engine.read() as view:  # held across retain and gc, like a reader in the middle of a read
         dropped = store.retain(keep_last=1)
         assert 1 in dropped
         report = store.gc()
         assert report.bytes_pending > 0 and report.bytes_reclaimed == 0 and report.segments_deleted == 0
-        with store.engine.index.read() as now:
+        with store.engine.read() as now:
             doomed = {int(k) for k in now.meta("doomed_segments", {})}
             live = set(now.segments())
         assert doomed and doomed <= files_before and doomed.isdisjoint(live)
         assert doomed <= set(segment_files(store_path)), "freed segments stay on disk while read"
         # the old transaction still reads the dropped version 1, through the freed segments
-        got = reader.read_table(view, store.engine.segments, tinfo, 1)
+        got = reader.read_table(view, store.engine.storage, tinfo, 1)
         assert got.tobytes() == old[1, "full_i4"]
         sparse = store.engine.table_record("sparse_f16")
         rows = np.flatnonzero(w.states[1][0]["sparse_f16"][1])
-        assert reader.read_rows(view, store.engine.segments, sparse, rows, 1).tobytes() == old[1, "sparse_f16"]
+        assert reader.read_rows(view, store.engine.storage, sparse, rows, 1).tobytes() == old[1, "sparse_f16"]
         assert store.gc().segments_deleted == 0, "still read"
     report = store.gc()
     assert report.segments_deleted == len(doomed) and report.bytes_reclaimed > 0 and report.bytes_pending == 0
@@ -1014,7 +1014,7 @@ def test_gc_keeps_segments_a_reader_transaction_can_see(store_path):
 HOLDER = textwrap.dedent('''
     import sys, cnrstore
     with cnrstore.open(sys.argv[1], readonly=True) as store:
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             print("holding", view.latest()[0], flush=True)
             sys.stdin.readline()
     print("released", flush=True)
@@ -1038,7 +1038,7 @@ def test_freed_segments_wait_for_a_reader_in_another_process(store_path):
         store.retain(keep_last=1)
         report = store.gc()
         assert report.bytes_pending > 0 and report.segments_deleted == 0
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             doomed = {int(k) for k in view.meta("doomed_segments", {})}
         assert doomed and doomed <= set(segment_files(store_path))
         store.close()
@@ -1056,7 +1056,7 @@ def test_freed_segments_wait_for_a_reader_in_another_process(store_path):
             proc.wait()
     store = cnrstore.open(store_path)  # writable open: deletes what no reader needs
     w.store = store
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         assert not view.meta("doomed_segments", {})
         assert set(segment_files(store_path)) == set(view.segments())
     assert not doomed & set(segment_files(store_path))
@@ -1078,7 +1078,7 @@ def test_a_killed_reader_does_not_keep_segments_forever(store_path):
         proc.wait()
     report = store.gc()  # this process still has the environment open: the dead slot is still listed
     assert report.bytes_pending == 0 and report.segments_deleted > 0
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         assert not view.meta("doomed_segments", {})
         assert set(segment_files(store_path)) == set(view.segments())
     w.check()

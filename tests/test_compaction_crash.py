@@ -72,7 +72,7 @@ def prepare(path: str, versions: int = 8) -> list[int]:
 
 
 def index_meta(store) -> tuple[dict[int, int], set[int]]:
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         return view.segments(), {int(k) for k in view.meta("doomed_segments", {})}
 
 
@@ -186,7 +186,7 @@ def test_crash_in_gc_with_segments_still_doomed(server, tmp_path):
     before = prepare(path)
     holder = cnrstore.open(path, readonly=True)
     try:
-        with holder.engine.index.read():  # a reader in the middle of a read, from before both gcs
+        with holder.engine.read():  # a reader in the middle of a read, from before both gcs
             run = run_ops(server, path, [["retain", 4], ["gc", None], ["checkpoint", None], ["compact", None],
                                          ["retain", 2], ["arm", "gc_inside_index_commit"], ["gc", None]])
             assert run.killed, run.lines

@@ -211,7 +211,7 @@ def test_reader_threads_see_whole_committed_versions(tmp_path, monkeypatch):
         newest = max(expected)
         assert side.latest().version == newest == store.latest().version
         np.testing.assert_array_equal(side.read_table("t"), expected[newest])
-        assert store.engine.index.map_size() > 32 << 10, "the index map grew while the readers read"
+        assert store.engine._index.map_size() > 32 << 10, "the index map grew while the readers read"
     finally:
         side.close()
         store.close()

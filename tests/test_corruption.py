@@ -101,7 +101,7 @@ class Built:
 def locate(path: str):
     """{(table, block, version): RowLoc} and {(dense name, version): DenseLoc}, from the index."""
     with cnrstore.open(path, readonly=True) as store:
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             names = {info.id: name for name, info in view.tables().items()}
             rows = {(names[t], b, v): loc for t, b, v, loc in view.row_entries()}
             dense_names = {i: n for n, i in view.dense_names().items()}

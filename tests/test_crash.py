@@ -79,7 +79,7 @@ def segment_files(path: str) -> dict[int, int]:
 
 
 def committed_lengths(store) -> dict[int, int]:
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         return view.segments()
 
 

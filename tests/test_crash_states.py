@@ -47,7 +47,7 @@ class Workload:
         self.store = Store(path, create=False, readonly=False, filesystem=rec)
         if policy is not None:  # as cnrstore.open(compaction=policy) does
             self.store._compactor = BackgroundCompactor(self.store.engine, policy)
-            self.store.engine.on_commit = self.store._compactor.notify
+            self.store.engine.set_commit_listener(self.store._compactor.notify)
         self.model = {name: np.full((ROWS, dim), 0.5, np.float32) for name, (dim, _c) in TABLES.items()}
         self.content: dict[int, dict[str, np.ndarray]] = {}
 
@@ -100,8 +100,8 @@ class Workload:
         """A background merge step (issue 25) at the newest version, as the compactor runs it."""
         def run_merges():
             engine = self.store.engine
-            with engine.maintenance_lock:
-                return merge_chains(engine, self.store.latest().version)
+            with engine.maintenance() as m:
+                return merge_chains(m, self.store.latest().version)
         return self._op("merge", run_merges)
 
     def rewrite_dense(self, version: int):

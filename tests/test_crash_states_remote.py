@@ -134,7 +134,7 @@ def test_a_copy_point_upload_racing_gc_removal(tmp_path):
     with store:
         assert store.stats()["remote"]["last_error"]  # nothing reached the remote
         snapshot_versions = sorted(content)
-        old = {s for s in store.engine.segments.list()}
+        old = {s for s in store.engine.storage.list()}
         objects.failing = False
         with Pause("remote_upload") as paused:
             copy = run_in_thread(store.sync_remote)
@@ -163,7 +163,7 @@ def test_a_reader_of_a_segment_being_evicted(tmp_path):
     the record from the remote instead (never a CorruptionError for a segment the remote holds)."""
     store, content = _three_versions(str(tmp_path / "a"), FlakyObjectStore())
     with store:
-        storage = store.engine.segments
+        storage = store.engine.storage
         storage.cache_bytes = 1 << 40  # keep local copies for now
         v = max(content)
         _save(store, content, 9.0)  # local copies of the new segments, uploaded whole
@@ -185,7 +185,7 @@ def test_a_fetch_beside_an_eviction(tmp_path):
     before the read uses it (cache_bytes lowered meanwhile) never fails the read: it reads the fetched bytes."""
     store, content = _three_versions(str(tmp_path / "a"), FlakyObjectStore())
     with store:
-        storage = store.engine.segments
+        storage = store.engine.storage
         storage.cache_bytes = 1 << 20  # segments are fetched whole (each under a quarter of it)
         assert store.stats()["remote"]["evicted_segments"]  # (cache_bytes=0 until now: all evicted)
         v = min(content)
@@ -209,7 +209,7 @@ def test_a_readonly_reader_beside_uploads_and_evictions(tmp_path):
     objects = FlakyObjectStore()
     store, content = _three_versions(str(tmp_path / "a"), objects)
     with store:
-        store.engine.segments.cache_bytes = 1 << 40  # the next save's segments stay local for now
+        store.engine.storage.cache_bytes = 1 << 40  # the next save's segments stay local for now
         with cs.remote_store(str(tmp_path / "a"), objects, readonly=True) as reader:
             _save(store, content, 7.0)
             v = max(content)
@@ -217,7 +217,7 @@ def test_a_readonly_reader_beside_uploads_and_evictions(tmp_path):
             with Pause("remote_read_local") as paused:
                 read = run_in_thread(lambda: reader.read_table("f", version=v))
                 paused.wait_reached()
-                store.engine.segments.cache_bytes = 0
+                store.engine.storage.cache_bytes = 0
                 store.sync_remote()  # uploads (nothing new) and evicts what the last pointer names
                 assert set(os.listdir(filenames.segments_dir(store.path))) < local
                 paused.release()

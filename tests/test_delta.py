@@ -26,13 +26,13 @@ def _count_bound_only(monkeypatch):
 
 def _entries(store, table: str):
     """{(block, version): RowLoc} of a table's index entries."""
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         tid = view.table(table).id
         return {(b, v): loc for t, b, v, loc in view.row_entries(tid)}
 
 
 def _record(store, loc) -> record.Record:
-    return record.parse(store.engine.segments.read(loc.segment, loc.offset, loc.length), "seg", loc.offset)
+    return record.parse(store.engine.storage.read(loc.segment, loc.offset, loc.length), "seg", loc.offset)
 
 
 class Model:
@@ -111,7 +111,7 @@ def test_a_delta_copies_the_stored_bytes_of_the_rows_it_carries(tmp_path):
         assert body[1].tobytes() == inc2.body.reshape(2, row_bytes)[1].tobytes()  # row 2, from version 2
         assert body[2].tobytes() == inc3.body.tobytes()  # row 3, from version 3
         assert store.stats()["max_read_chain"] == 3
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             assert [v for v, _loc in view.row_chain(1, 0, 4)] == [4, 1]
 
 
@@ -134,7 +134,7 @@ def test_a_delta_on_a_delta_copies_only_the_rows_above_it(tmp_path, monkeypatch)
         assert d.flags & record.FLAG_DELTA and d.base == 1 and d.count == 20
         top = entries[(0, 6)]  # versions 5-6 merged: a delta on version 4's delta
         assert top.flags & record.FLAG_DELTA and top.base == 4 and top.count == 4
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             assert [v for v, _loc in view.row_chain(1, 0, 6)] == [6, 4, 1]
         assert store.stats()["max_read_chain"] == 3
         assert store.read_table("t").tobytes() == state.tobytes()
@@ -201,7 +201,7 @@ def test_a_delta_whose_base_entry_is_gone_raises_corruption(tmp_path):
         for rows in (np.arange(64), [1], [2], [3]):
             with store.checkpoint() as ck:
                 ck.put_rows("t", rows, np.ones((len(rows), 4), np.float32))
-        store.engine.index.write(lambda w: w.delete_row(1, 0, 1))
+        store.engine._index.write(lambda w: w.delete_row(1, 0, 1))
         with pytest.raises(CorruptionError, match="delta on version 1"):
             store.read_table("t")
         assert store.read_rows("t", [1], version=2).tolist() == [[1.0] * 4]  # no delta on its way
@@ -216,7 +216,7 @@ def test_a_flipped_byte_of_a_delta_is_reported(tmp_path):
                 ck.put_rows("t", rows, np.ones((len(rows), 4), np.float32))
         loc = _entries(store, "t")[(0, 4)]
         assert loc.flags & record.FLAG_DELTA
-        path = store.engine.segments.path(loc.segment)
+        path = store.engine.storage.path(loc.segment)
     with open(path, "r+b") as f:  # the base version field, first in the aux
         f.seek(loc.offset + record.HEADER_BYTES)
         byte = f.read(1)

@@ -242,15 +242,15 @@ def test_reader_slots_held_elsewhere_are_waited_for(store_path, monkeypatch):
                 raise lmdb.ReadersFullError("mdb_txn_begin")
             return self._env.begin(write=write, buffers=buffers)
 
-    s.engine.index._env = Env(s.engine.index._env)
+    s.engine._index._env = Env(s.engine._index._env)
     assert s.read_rows("emb", [0], version=1).shape == (1, DIM)
     assert calls["n"] == 4
     monkeypatch.setattr(index_mod, "_READER_WAIT_S", 0.05)
-    s.engine.index._env = Env(s.engine.index._env._env)
+    s.engine._index._env = Env(s.engine._index._env._env)
     calls["n"] = -10**9  # always full now
     with pytest.raises(errors.IndexBusy, match="fewer threads"):
         s.read_rows("emb", [0], version=1)
-    s.engine.index._env = s.engine.index._env._env
+    s.engine._index._env = s.engine._index._env._env
     assert real_begin is lmdb.Environment.begin
     s.close()
 
@@ -278,7 +278,7 @@ def test_deleted_segment_file_fails_its_reads_but_not_later_checkpoints(store_pa
             ck.put_rows("emb", np.arange(512), new)
         assert s.read_rows("emb", np.arange(512), version=ck.version).tobytes() == \
             s.read_table("emb", version=ck.version).tobytes()
-    assert any("missing" in note for note in s.engine.appender.notes)
+    assert any("missing" in note for note in s.engine._appender.notes)
     last = ck.version
     last_read = s.read_table("emb", version=last).tobytes()
     s.close()
@@ -330,7 +330,7 @@ def _gc_layout(s):
 
 def _segment_census(s):
     """(wholly dead segments, under-full segments) as GC will see them."""
-    with s.engine.index.read() as view:
+    with s.engine.read() as view:
         committed = view.segments()
         live = {}
         for *_k, loc in view.row_entries():
@@ -339,7 +339,7 @@ def _segment_census(s):
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
         for *_k, loc in view.log_entries():  # COMMIT / ANCHOR / DROP records repair needs
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
-    busy = s.engine.appender.busy() | {s.engine.compaction_appender.active}
+    busy = s.engine._appender.busy() | {s.engine._compaction_appender.active}
     dead = [g for g in committed if g not in busy and not live.get(g)]
     under = [g for g in committed if g not in busy and live.get(g) and
              live[g] / (committed[g] - 32) < knobs.GC_LIVE_FRACTION]
@@ -466,12 +466,12 @@ def test_full_disk_when_gc_records_deleted_segments_loses_nothing(store_path, mo
     monkeypatch.setattr(index_mod.Index, "_begin", real_begin)
     assert report.segments_deleted >= len(dead) and report.incomplete and "gc again" in report.incomplete
     assert not any(os.path.exists(filenames.segment_path(store_path, g)) for g in dead)
-    with s.engine.index.read() as view:
+    with s.engine.read() as view:
         assert set(dead) <= {int(k) for k in view.meta("doomed_segments", {})}  # ids stay reserved
     assert state(s) == before and s.verify().ok
     report = s.gc()
     assert report.incomplete is None
-    with s.engine.index.read() as view:
+    with s.engine.read() as view:
         assert view.meta("doomed_segments", {}) == {} and view.meta("max_deleted_segment") >= max(dead)
     s.close()
     with cnrstore.open(store_path) as s2:

@@ -213,7 +213,7 @@ def test_the_engine_reads_removes_and_seals_segments_through_the_storage_seam(tm
             ck.put_rows("t", np.arange(256) if v == 0 else np.arange(v, 256, 7), np.full((256 if v == 0 else len(range(v, 256, 7)), 4), v, np.float32))
     assert any(c[0] == "sealed" for c in recorder.calls), "rolled-over segments were announced as sealed"
     sealed = {c[1] for c in recorder.calls if c[0] == "sealed"}
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         assert sealed <= set(view.segments()), "only committed segments are sealed"
     recorder.calls.clear()
     assert store.read_table("t")[3, 0] == 3.0

@@ -427,7 +427,7 @@ def test_a_delta_entry_based_on_itself_is_damage_not_an_endless_read_chain(tmp_p
         shutil.copytree(base, path)
         _rewrite_index_value(path, b"rows", key, index_mod._row_loc_bytes(index_mod._row_loc(raw)._replace(base=based_on)))
         with cnrstore.open(path, readonly=True) as s:
-            with s.engine.index.read() as view, pytest.raises(IndexDamaged, match="base"):
+            with s.engine.read() as view, pytest.raises(IndexDamaged, match="base"):
                 list(itertools.islice(view.row_chain(table, block, version), 20))
             with pytest.raises(CorruptionError):
                 s.read_table("emb", version)

@@ -31,7 +31,7 @@ def test_golden_store_reads_as_written(fmt, tmp_path):
             assert np.array_equal(got.view(np.uint8), expected[key].view(np.uint8)), key
         assert store.verify().ok
         if fmt not in ("format1", "format2"):  # format 3: version 4 is read through cumulative deltas
-            with store.engine.index.read() as view:
+            with store.engine.read() as view:
                 flags = [loc.flags for _t, _b, v, loc in view.row_entries() if v == 4]
             assert any(f & cnrstore.engine.record.FLAG_DELTA for f in flags)
 

@@ -26,7 +26,7 @@ PACKAGE = os.path.dirname(cnrstore.__file__)
 ROOT = os.path.dirname(PACKAGE)
 
 #: Paths (relative to the repository root) held to zero private reaches.
-SCOPE = ("cnrstore",)
+SCOPE = ("cnrstore", "benchmarks", "tools")
 
 NAMEDTUPLE_API = {"_replace", "_make", "_fields", "_asdict", "_field_defaults"}
 
@@ -42,6 +42,11 @@ OUTSIDE = {
     ("cnrstore/torch/imports.py", "_Unpickler"):
         "pickle's pure-Python unpickler reads only the bytes a DCP .metadata holds; the C one (pickle.Unpickler) "
         "allocates whatever length a bytes opcode claims (512 MiB for a 111-byte file)",
+    ("tools/dlrm_dist.py", "_INITIALIZED"):
+        "torchrec's DMP broadcasts a setting on its first construction in a process only (a module flag): a "
+        "replacement rank's first model and a survivor's second must make the same collectives",
+    ("tools/dlrm_dist.py", "_exit"):
+        "os._exit is the standard library's exit without cleanup (a killed rank must not flush or join)",
     ("cnrstore/codecs/rowwise.py", "_initializing"):
         "importlib's module spec says whether torch is still importing (._initializing): no public flag",
 }

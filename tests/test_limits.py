@@ -90,7 +90,7 @@ def test_step_beyond_what_a_version_stores_is_invalid_argument(store, step):
 
 
 def test_table_ids_beyond_u32_are_invalid_argument(store):
-    store.engine.index.write(lambda w: w.put_meta("next_table_id", 2**32))
+    store.engine._index.write(lambda w: w.put_meta("next_table_id", 2**32))
     with pytest.raises(cnrstore.InvalidArgument, match="table ids"):
         store.create_table("t", 10, 4)
     assert store.tables() == {}
@@ -104,7 +104,7 @@ def test_appends_past_the_u32_offset_limit_go_on_in_a_new_segment(store, monkeyp
     values = np.random.default_rng(0).standard_normal((640, 8)).astype(np.float32)
     with store.checkpoint() as ck:
         ck.put_rows("t", np.arange(640), values)  # one batch of 10 records of 2104 bytes each
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         locs = [loc for *_key, loc in view.row_entries()]
     assert len({loc.segment for loc in locs}) >= 5
     assert max(loc.offset for loc in locs) <= 3000

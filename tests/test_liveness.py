@@ -36,11 +36,11 @@ def put(store, rows) -> None:
 
 def liveness(store, kept, pinned=frozenset()):
     """(Liveness, {(block, version): RowLoc}, table id)."""
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         entries = {(b, v): loc for _t, b, v, loc in view.row_entries()}
         tid = next(view.row_entries())[0]
         pinned = {(tid, b, v) for b, v in pinned}
-        result = row_liveness(view, lambda loc: fetch(store.engine.segments, loc), kept, pinned)
+        result = row_liveness(view, lambda loc: fetch(store.engine.storage, loc), kept, pinned)
     return result, entries, tid
 
 

@@ -170,7 +170,7 @@ def test_a_chain_within_the_bound_needs_no_merge(tmp_path, monkeypatch):
         for v in range(3):
             with store.checkpoint() as ck:
                 ck.put_rows("t", [v], np.ones((1, DIM), np.float32))
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             info = view.table("t")
             assert merge.chain_merge(view, info, 0, None, 0) is None        # a first version has no chain
             assert merge.chain_merge(view, info, 0, 2, 0) is None           # 2 records + this one = 3

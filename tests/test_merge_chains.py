@@ -70,7 +70,7 @@ def test_background_merges_bound_reads_and_saves_write_their_own_rows(tmp_path, 
         for info in store.versions():
             amp = store.read_amplification(info.version)["t"]
             assert amp.size == ROWS // BLOCK and amp.min() >= 1.0 and amp.max() <= knobs.READ_AMP_BOUND
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             merged = [loc for *_k, loc in view.row_entries() if loc.flags & record.FLAG_COMPACTED]
         assert merged, "merged records sit under the keys of the versions they merged at"
         _check(store, model)
@@ -94,7 +94,7 @@ def _walked_costs(store) -> dict:
     info = store.engine.table_record("t")
     newest = store.versions()[-1].version
     found = {}
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         for block in range(ROWS // BLOCK):
             chain = merge.walk_chain(view, info.id, block, newest)
             found[(info.id, block)] = (merge.chain_head(view, info.id, block, newest),
@@ -116,7 +116,7 @@ def test_the_remembered_chain_costs_match_the_chains_or_overstate_them(tmp_path,
             if compaction:
                 store._compactor.wait_idle()
             for key, (head, records, cost) in _walked_costs(store).items():
-                known = store.engine.chain_costs.get(key, head)
+                known = store.engine._chain_costs.get(key, head)
                 if known is None:
                     continue  # a merged or new head: the next save walks the chain
                 used += 1
@@ -163,8 +163,8 @@ def test_a_merge_beside_a_save_that_merges_the_same_chain(tmp_path, low_trigger,
         newest = store.latest().version
         with Pause("merge_appended") as appended:
             def merge():
-                with store.engine.maintenance_lock:
-                    return merge_chains(store.engine, newest)
+                with store.engine.maintenance() as m:
+                    return merge_chains(m, newest)
             merging = run_in_thread(merge)
             appended.wait_reached()
             with monkeypatch.context() as m:
@@ -200,8 +200,8 @@ def test_a_save_merging_an_entry_that_a_background_merge_replaces(tmp_path, low_
         with Pause("after_delta_merge") as merged:
             saving = run_in_thread(_save, store, rng, model, 0.05)
             merged.wait_reached()
-            with store.engine.maintenance_lock:
-                assert merge_chains(store.engine, newest).blocks_merged > 0
+            with store.engine.maintenance() as m:
+                assert merge_chains(m, newest).blocks_merged > 0
             store.gc()
             merged.release()
             saving.result(timeout=60)

@@ -46,7 +46,7 @@ def _commit(store, i, nbytes=4):
 def _full_history(store) -> History:
     """What _history must equal: every version read from the index, as before the cache."""
     versions = tuple(store.versions())
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         baseline = view.meta("last_baseline")
     if baseline is not None:
         return History(versions, baseline["version"], baseline["bytes"])
@@ -78,12 +78,10 @@ def test_history_is_read_afresh_after_versions_are_dropped(store_path, count_ver
     with cnrstore.open(store_path, create=True) as store:
         for i in range(12):
             _commit(store, i)
-        with store.engine.maintenance_lock:
-            store.engine.history()
+        store.engine.history()
         store.retain(5)
         count_version_records[0] = 0
-        with store.engine.maintenance_lock:
-            history = store.engine.history()
+        history = store.engine.history()
         assert count_version_records[0] == 5  # the cache no longer matched the index: one full read
         assert [v.version for v in history.versions] == [8, 9, 10, 11, 12]
         assert history == _full_history(store)
@@ -106,13 +104,12 @@ def test_incremental_history_and_policy_decisions_equal_those_from_a_full_histor
             elif op < 0.8:
                 store.compact(rng.choice(versions))  # moves last_baseline (or not, if older)
             elif op < 0.9:
-                with store.engine.maintenance_lock:
-                    compaction.drop_versions(store.engine, set(rng.sample(versions[:-1], rng.randint(1, len(versions) - 1))))
+                with store.engine.maintenance() as m:
+                    compaction.drop_versions(m, set(rng.sample(versions[:-1], rng.randint(1, len(versions) - 1))))
             else:
                 store.retain(rng.randint(1, len(versions)))
             if rng.random() < 0.6:  # not after every change: the cache must catch up over several
-                with store.engine.maintenance_lock:
-                    history = store.engine.history()
+                history = store.engine.history()
                 full = _full_history(store)
                 assert history == full
                 for policy in policies:
@@ -236,9 +233,9 @@ def _msgpack_records_read(store_path, versions, monkeypatch):
             return real(data)
 
         monkeypatch.setattr(index_module, "_unpack", counting)
-        with store.engine.maintenance_lock:
-            compaction.materialize(store.engine, versions)
-            compaction.drop_versions(store.engine, {2, 3})
+        with store.engine.maintenance() as m:
+            compaction.materialize(m, versions)
+            compaction.drop_versions(m, {2, 3})
         monkeypatch.setattr(index_module, "_unpack", real)
         return calls[0]
 
@@ -275,7 +272,7 @@ def _chain_entries_read(store_path, versions, monkeypatch):
 
         monkeypatch.setattr(IndexView, "row_chain", counted(chain))
         monkeypatch.setattr(IndexView, "row_entries", counted(entries))
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             chains = compaction.block_chains(view, versions)
         monkeypatch.setattr(IndexView, "row_chain", chain)
         monkeypatch.setattr(IndexView, "row_entries", entries)

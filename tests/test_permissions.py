@@ -234,7 +234,7 @@ def test_refused_segment_append_is_permission_denied_and_keeps_committed_version
     v1 = make_store(store_path)
     store = Store(store_path, create=False, readonly=False, filesystem=_Refusing(code))
     try:
-        store.engine.appender.seal()  # the next append opens a new segment file: refused
+        store.engine._appender.seal()  # the next append opens a new segment file: refused
         with pytest.raises(cnrstore.PermissionDenied) as ei:
             with store.checkpoint(step=2) as ck:
                 ck.put_rows("emb", [0], [[1.0] * 4])

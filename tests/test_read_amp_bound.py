@@ -105,7 +105,7 @@ def saves(tmp_path):
 def _merging_saves(s: Saves) -> set[int]:
     """Versions after the first whose save merged a block with its chain (a delta or a baseline), in a
     history whose saves after the first never put a whole block."""
-    with s.store.engine.index.read() as view:
+    with s.store.engine.read() as view:
         return {v for _t, _b, v, loc in view.row_entries()
                 if v > 1 and loc.flags & (record.FLAG_DELTA | record.FLAG_BASELINE)}
 
@@ -258,8 +258,8 @@ def _step(s: Saves, step: tuple) -> None:
     elif kind == "gc":
         store.gc()
     else:  # a background compactor's merge step
-        with store.engine.maintenance_lock:
-            compaction.merge_chains(store.engine, store.versions()[-1].version)
+        with store.engine.maintenance() as m:
+            compaction.merge_chains(m, store.versions()[-1].version)
 
 
 @given(table_codec=st.sampled_from(["int4", "fp16", "int8", "fp32"]), dim=st.sampled_from([4, 16]),

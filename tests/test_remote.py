@@ -175,7 +175,7 @@ def test_gc_deletes_remote_segments_only_after_the_pointer_moved(tmp_path, remot
         store.sync_remote()  # the pointer moves: now the freed ones go
         after = segment_ids(objects(s3_endpoint, s3_bucket))
         assert before - after  # the freed segments are gone from the remote
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             assert set(view.segments()) <= after  # and every one the index reads is still there
         assert len(snapshots(objects(s3_endpoint, s3_bucket))) == 1  # older snapshots deleted
         t.content = {v: t.content[v] for v in kept}

@@ -74,13 +74,13 @@ def test_unknown_segment_that_is_not_a_leftover_refuses_open_and_deletes_nothing
     seg_dir = filenames.segments_dir(str(path))
     # a committed segment the index no longer lists (e.g. an index restored from an older copy)
     with cnrstore.open(path) as s:
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             committed = view.segments()
         first = min(committed)
 
         def forget(w):
             w.delete_segment(first)
-        s.engine.index.write(forget)
+        s.engine._index.write(forget)
     before = _segment_digests(path)
     with pytest.raises(IndexDamaged, match="cnrstore repair"):
         cnrstore.open(path)
@@ -92,7 +92,7 @@ def test_leftover_segment_of_an_uncommitted_checkpoint_is_still_removed(tmp_path
     path = tmp_path / "s"
     _make_store(path, versions=1)
     with cnrstore.open(path) as s:
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             high = max(view.segments())
     leftover = filenames.segment_path(str(path), high + 5)
     with open(leftover, "wb") as f:
@@ -172,7 +172,7 @@ def _everything(path) -> dict:
     out = {}
     with cnrstore.open(path, readonly=True) as s:
         tables = s.tables()
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             dense_names = sorted(view.dense_names())
         for info in s.versions():
             out[info.version] = (info, _read_all(s, info.version, tables, dense_names, damage=False))
@@ -184,7 +184,7 @@ def _everything_or_damage(path) -> dict:
     """Per version: every table's bytes, "CorruptionError" where the read raises it, dense arrays."""
     with cnrstore.open(path, readonly=True) as s:
         tables = s.tables()
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             dense_names = sorted(view.dense_names())
         return {info.version: _read_all(s, info.version, tables, dense_names, damage=True) for info in s.versions()}
 
@@ -329,7 +329,7 @@ def _linear_store(path, monkeypatch) -> None:
 
 def _record_location(path, kind, version, block=0):
     with cnrstore.open(path, readonly=True) as s:
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             if kind == "rows":
                 return next(loc for t, b, v, loc in view.row_entries() if b == block and v == version)
             return next(loc for k, v, loc in view.log_entries() if k == cnrstore.engine.record.KIND_COMMIT and v == version)

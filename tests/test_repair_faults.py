@@ -57,7 +57,7 @@ def _reads(path, tables=None) -> dict:
     out, infos = {}, {}
     with cnrstore.open(path, readonly=True) as s:
         all_tables = s.tables()
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             dense_names = sorted(view.dense_names())
         for info in s.versions():
             v = info.version
@@ -84,14 +84,14 @@ def _reads(path, tables=None) -> dict:
 
 def _log_loc(path, kind: int, version: int | None = None):
     with cnrstore.open(path, readonly=True) as s:
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             entries = [(v, loc) for k, v, loc in view.log_entries(kind)]
     return entries[-1][1] if version is None else dict(entries)[version]
 
 
 def _row_loc(path, table: str, block: int, version: int):
     with cnrstore.open(path, readonly=True) as s:
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             tid = view.table(table).id
             return dict(((b, v), loc) for t, b, v, loc in view.row_entries(tid))[(block, version)]
 
@@ -162,10 +162,10 @@ def test_repair_fault4_gc_rewritten_increment_is_not_a_baseline(tmp_path, monkey
         for v in range(1, 5):
             with s.checkpoint(step=v) as ck:
                 ck.put_rows("t", list(puts[v]), np.full((len(puts[v]), 2), float(v), np.float32))
-        with s.engine.maintenance_lock:
-            assert compaction.drop_versions(s.engine, {2, 3}) == [2, 3]
+        with s.engine.maintenance() as m:
+            assert compaction.drop_versions(m, {2, 3}) == [2, 3]
         s.gc()
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             flags = {v: loc.flags for _t, _b, v, loc in view.row_entries()}
         assert flags[3] & record.FLAG_COMPACTED and not flags[3] & record.FLAG_BASELINE  # v3's rewrite
         with s.checkpoint(step=5) as ck:
@@ -200,15 +200,15 @@ def test_repair_fault5_delta_base_found_in_the_anchor(tmp_path, monkeypatch):
         for v, rows in enumerate(puts, 1):
             with s.checkpoint(step=v) as ck:
                 ck.put_rows("t", rows, np.full((len(rows), 4), float(v), np.float32))
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             entries = {v: loc for _t, _b, v, loc in view.row_entries()}
         assert entries[9].base == 7 and entries[7].base == 4 and entries[4].flags & record.FLAG_BASELINE
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             _seg_of_commit4 = dict((v, loc) for _k, v, loc in view.log_entries(record.KIND_COMMIT))[4].segment
         assert s.retain(keep_last=3) == [1, 2, 3, 4, 5, 6]
         s.gc()
         s.compact(8)
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             assert 4 not in [v for _k, v, _loc in view.log_entries(record.KIND_COMMIT)]
             entries = {v: loc for _t, _b, v, loc in view.row_entries()}
         assert not entries[4].flags & record.FLAG_COMPACTED  # the checkpoint's own baseline, listed by the ANCHOR at 7
@@ -236,8 +236,8 @@ def _small_history(s, versions: int, dense: bool) -> None:
 def _middle_drop_store(path):
     with cnrstore.open(path, create=True) as s:
         _small_history(s, 6, dense=True)
-        with s.engine.maintenance_lock:
-            assert compaction.drop_versions(s.engine, {3, 4}) == [3, 4]
+        with s.engine.maintenance() as m:
+            assert compaction.drop_versions(m, {3, 4}) == [3, 4]
 
 
 @pytest.mark.parametrize("lose_first", [True, False], ids=["index-lost", "index-intact"])
@@ -257,7 +257,7 @@ def test_repair_fault6_repair_gc_repair_loses_nothing(tmp_path, monkeypatch, los
     assert first.ok and first.versions_recovered == [1, 2, 5, 6]
     with cnrstore.open(path) as s:
         s.gc()
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             commits = [v for _k, v, _loc in view.log_entries(record.KIND_COMMIT)]
         assert {3, 4} <= set(commits)  # still needed to prove 5 and 6
     assert _reads(path) == before
@@ -445,7 +445,7 @@ def test_a_repair_killed_while_installing_its_index_loses_nothing(tmp_path, poin
     path = tmp_path / "s"
     with cnrstore.open(path, create=True) as s:
         _small_history(s, 4, dense=False)
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             commit4 = next(loc for _k, v, loc in view.log_entries(record.KIND_COMMIT) if v == 4)
     _flip(path, commit4)  # v4's step and meta now live only in the (intact) index
     before = _reads(path)

@@ -38,8 +38,8 @@ def test_repair_fault6_repair_gc_repair_of_every_rank_store_keeps_the_newest_glo
     want = expected(assemble(tmp_path / "out", f"g{newest.version}"))
     for rank, store in enumerate(_rank_stores(root)):
         orphans = {g.local_versions[rank] for g in globals_[1:3]}  # as if global versions 2, 3 had failed
-        with cnrstore.open(store) as s, s.engine.maintenance_lock:
-            assert sorted(compaction.drop_versions(s.engine, orphans)) == sorted(orphans)
+        with cnrstore.open(store) as s, s.engine.maintenance() as m:
+            assert sorted(compaction.drop_versions(m, orphans)) == sorted(orphans)
         for round_ in range(2):
             shutil.rmtree(filenames.index_dir(store))
             report = cnrstore.repair(store)

@@ -155,11 +155,12 @@ def test_ls_and_stats_chain_lengths_match_block_chains_on_random_histories(tmp_p
             elif op == "retain":
                 store.retain(keep_last=arg)
             elif op == "drop" and len(versions) > 1:
-                compaction.drop_versions(store.engine, {versions[arg % (len(versions) - 1)]})
+                with store.engine.maintenance() as m:
+                    compaction.drop_versions(m, {versions[arg % (len(versions) - 1)]})
         versions = [vi.version for vi in store.versions()]
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             expected = chains_by_definition(view, versions)
-        assert [r["read_chain"] for r in cli._versions_rows(store)] == expected
+        assert [r["read_chain"] for r in cli.versions_rows(store)] == expected
         assert store.stats()["max_read_chain"] == max(expected, default=0)
 
 
@@ -168,11 +169,11 @@ def test_ls_walks_the_row_index_once_however_many_versions(tmp_path, monkeypatch
     try:
         entries = store.stats()["index_entries"]
         assert entries > 60
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             expected = chains_by_definition(view, [vi.version for vi in store.versions()])
         assert max(expected) > 1 and min(expected) >= 1
         visits = Visits(monkeypatch)
-        rows = cli._versions_rows(store)
+        rows = cli.versions_rows(store)
         assert [r["read_chain"] for r in rows] == expected
         assert len(rows) == 60
         assert visits.block_chains == 0
@@ -188,7 +189,7 @@ def test_stats_and_verify_visit_each_row_index_entry_a_bounded_number_of_times(t
         visits = Visits(monkeypatch)
         stats = store.stats()
         assert (visits.walks, visits.entries, visits.block_chains) == (1, entries, 0)
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             assert stats["max_read_chain"] == max(chains_by_definition(view, [v.version for v in store.versions()]))
         visits.reset()
         assert store.verify().ok
@@ -222,7 +223,7 @@ def test_row_blocks_seeks_only_blocks_with_entries(tmp_path):
                 w.put_rows("t", np.array(rows), np.ones((2, 2), np.float32))
                 w.put_rows("next", np.array([0]), np.ones((1, 2), np.float32))
         tid = store.engine.table_record("t").id
-        with store.engine.index.read() as view:
+        with store.engine.read() as view:
             assert list(view.row_blocks(tid)) == [(0, 1), (700, 1), (999, 2)]
             assert list(view.row_blocks(tid + 5)) == []
 

@@ -760,7 +760,7 @@ class StoreMachine(RuleBasedStateMachine):
         note(f"compact({version}): {report.blocks_materialized} blocks")
         if report.blocks_materialized:
             event("compact: materialized baselines")
-        with self.store.engine.index.read() as view:
+        with self.store.engine.read() as view:
             assert all(len(chain) == 1 for chain in compaction.block_chains(view, v).values())
         self.dirty = self.dirty or report.blocks_materialized > 0  # (the invariant reads every version)
 
@@ -896,7 +896,7 @@ class StoreMachine(RuleBasedStateMachine):
         self._open()
         self._recreate_unwritten_tables()
         # an aborted checkpoint newer than every record left no trace: its number may come again
-        with self.store.engine.index.read() as view:
+        with self.store.engine.read() as view:
             next_version = view.meta("next_version")
         self.dead_versions = [v for v in self.dead_versions if v < next_version]
         self.max_version = next_version - 1

@@ -21,7 +21,7 @@ def two_versions(tmp_path):
             with s.checkpoint() as ck:
                 ck.put_rows("t", np.arange(128), np.full((128, 4), v, np.float32))
                 ck.put_dense("d", np.arange(5) + v)
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             rows = {(t, b, v): loc for t, b, v, loc in view.row_entries()}
             dense = {(d, v): loc for d, v, loc in view.dense_entries()}
     return path, rows, dense
@@ -57,19 +57,19 @@ def test_gc_never_copies_a_record_other_than_the_one_its_entry_names(two_version
     path = two_versions[0]
     with cnrstore.open(path) as s:
         s.retain(keep_last=2)
-        with s.engine.index.read() as view:
+        with s.engine.read() as view:
             entries = sorted(view.row_entries())
         (t1, b1, v1), (t2, b2, v2, loc2) = entries[0][:3], entries[-1]
         assert (t1, b1) != (t2, b2) or v1 != v2
 
         def swap(w):
             w.put_row(t1, b1, v1, loc2)  # block b1 of v1 now names the record of (b2, v2)
-        s.engine.index.write(swap)
+        s.engine._index.write(swap)
         with pytest.raises(CorruptionError, match="not the one the index names"):
             s.read_table("t", version=v1)
         from cnrstore.maintenance import compaction
-        with pytest.raises(CorruptionError, match="not the one the index names"):
-            compaction._verified_bytes(s.engine, loc2, storage.Expect(record.KIND_ROWS, t1, v1, b1))
+        with pytest.raises(CorruptionError, match="not the one the index names"), s.engine.maintenance() as m:
+            compaction._verified_bytes(m, loc2, storage.Expect(record.KIND_ROWS, t1, v1, b1))
 
 
 def test_the_seam_is_an_abc_and_a_storage_without_appends_serves_readonly_stores_only(two_versions):

@@ -281,7 +281,7 @@ def test_readonly_in_other_process_sees_later_versions_across_map_growth(store_p
         try:
             first = _reply(proc)
             assert first["versions"] == [ck.version]
-            map0 = s.engine.index.map_size()
+            map0 = s.engine._index.map_size()
             versions = [ck.version]
             for i in range(1, 13):  # every block every time: many index entries, several map doublings
                 with s.checkpoint() as ck:
@@ -293,7 +293,7 @@ def test_readonly_in_other_process_sees_later_versions_across_map_growth(store_p
                     got = _reply(proc)
                     assert got["versions"] == versions
                     assert got["sum"] == i * N and got["row"] == [float(i)] and got["ok"]
-            assert s.engine.index.map_size() >= 4 * map0  # the test did exercise growth
+            assert s.engine._index.map_size() >= 4 * map0  # the test did exercise growth
             proc.stdin.write(f"{versions[3]}\n")
             proc.stdin.flush()
             got = _reply(proc)

@@ -182,7 +182,7 @@ def test_full_disk_while_readonly_reader_is_open(store_path):
 def test_index_map_growth_is_invisible(store_path, monkeypatch):
     monkeypatch.setattr(knobs, "INDEX_MAP_BYTES", 64 << 10)
     with cnrstore.open(store_path, create=True) as s:
-        map0 = s.engine.index.map_size()
+        map0 = s.engine._index.map_size()
         ro = cnrstore.open(store_path, readonly=True)  # opened before any growth
         expect = {}
         for i in range(24):
@@ -194,7 +194,7 @@ def test_index_map_growth_is_invisible(store_path, monkeypatch):
                 ck.put_rows(name, rows, np.full((rows.size, 1), i, np.float32))
                 ck.put_dense(f"d{i}", np.full(3, i))
             expect[ck.version] = (name, rows, i)
-        assert s.engine.index.map_size() >= 16 * map0, "the test should grow the map several times"
+        assert s.engine._index.map_size() >= 16 * map0, "the test should grow the map several times"
         for reader in (s, ro):
             infos = reader.versions()
             assert [v.version for v in infos] == list(expect)
@@ -213,10 +213,10 @@ def test_index_map_growth_is_invisible(store_path, monkeypatch):
 def test_index_map_growth_during_create_table(store_path, monkeypatch):
     monkeypatch.setattr(knobs, "INDEX_MAP_BYTES", 64 << 10)
     with cnrstore.open(store_path, create=True) as s:
-        map0 = s.engine.index.map_size()
+        map0 = s.engine._index.map_size()
         for i in range(150):
             s.create_table(f"table_{i:04d}_" + "x" * 380, 10, 2)
-        assert s.engine.index.map_size() > map0
+        assert s.engine._index.map_size() > map0
         assert len(s.tables()) == 150
     with cnrstore.open(store_path) as s:
         assert len(s.tables()) == 150

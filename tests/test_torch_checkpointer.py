@@ -682,7 +682,7 @@ def test_restore_of_a_corrupt_store_leaves_model_and_optimizer_unchanged(store):
     ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental")
     train_step(model, opt, batch(0))
     ck.save(0).wait()
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         ids = {info.id: name for name, info in view.tables().items()}
         loc = next(loc for t, _b, _v, loc in view.row_entries() if ids[t] == "bag.optim.sum")
     with open(filenames.segment_path(store.path, loc.segment), "r+b") as f:

@@ -16,9 +16,9 @@ from cnrstore.engine.version_edit import Move, VersionEdit
 def _log_records(store, kind):
     """(version or seq, body bytes, decoded body) of every live log record of ``kind``."""
     out = []
-    with store.engine.index.read() as view:
+    with store.engine.read() as view:
         for _k, key, loc in view.log_entries(kind):
-            rec = record.parse(store.engine.segments.read(loc.segment, loc.offset, loc.length), "seg", loc.offset)
+            rec = record.parse(store.engine.storage.read(loc.segment, loc.offset, loc.length), "seg", loc.offset)
             out.append((key, rec, record.log_body(rec)))
     return out
 
@@ -40,7 +40,7 @@ def written(store):
 def test_a_commit_record_decodes_into_the_edit_whose_entries_the_index_holds(written):
     """What the COMMIT says (rows with count and flags, version entry, dense names) is what the commit put
     in the index, and encoding the decoded edit gives the record's body back byte for byte."""
-    with written.engine.index.read() as view:
+    with written.engine.read() as view:
         entries = {(t, b, v): loc for t, b, v, loc in view.row_entries()}
         versions = dict(view.versions())
         names = view.dense_names()
@@ -77,37 +77,37 @@ def test_anchor_and_drop_records_round_trip(written):
 
 
 def test_a_move_applies_only_while_its_entry_still_names_the_copied_record(written):
-    with written.engine.index.read() as view:
+    with written.engine.read() as view:
         did = view.dense_id("d1")
         loc = view.dense_loc(did, 3)
     elsewhere = DenseLoc(loc.segment, loc.offset + 1, loc.length)
     stale = VersionEdit(moves=[Move("dense", (did, 3), elsewhere, DenseLoc(77, 0, loc.length))])
-    written.engine.index.write(stale.apply)  # planned on an entry that moved since: skipped
-    with written.engine.index.read() as view:
+    written.engine._index.write(stale.apply)  # planned on an entry that moved since: skipped
+    with written.engine.read() as view:
         assert view.dense_loc(did, 3) == loc
     strict = VersionEdit(moves=[Move("dense", (did, 3), elsewhere, DenseLoc(77, 0, loc.length), "it changed")])
     with pytest.raises(InvalidArgument, match="it changed"):
-        written.engine.index.write(strict.apply)
-    with written.engine.index.read() as view:
+        written.engine._index.write(strict.apply)
+    with written.engine.read() as view:
         assert view.dense_loc(did, 3) == loc
 
 
 def test_a_segment_is_freed_only_at_the_length_it_was_judged_at(written):
-    with written.engine.index.read() as view:
+    with written.engine.read() as view:
         (seg, length), = view.segments().items()
     grown = VersionEdit(free_segments={seg: length - 1})
-    written.engine.index.write(grown.apply)
+    written.engine._index.write(grown.apply)
     assert grown.freed == []
-    with written.engine.index.read() as view:
+    with written.engine.read() as view:
         assert view.segment_length(seg) == length
 
 
 def test_the_newest_version_is_dropped_only_when_allowed(written):
     with pytest.raises(CnrError, match="newest version cannot be dropped"):
-        written.engine.index.write(VersionEdit(drop_versions=frozenset({4})).apply)
+        written.engine._index.write(VersionEdit(drop_versions=frozenset({4})).apply)
     assert [v.version for v in written.versions()] == [1, 2, 3, 4]
     edit = VersionEdit(drop_versions=frozenset({3, 4, 9}), allow_newest=True)
-    written.engine.index.write(edit.apply)
+    written.engine._index.write(edit.apply)
     assert edit.dropped == [3, 4]
     assert [v.version for v in written.versions()] == [1, 2]
     assert np.array_equal(written.read_dense("d0", 2), np.arange(2))

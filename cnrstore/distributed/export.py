@@ -145,7 +145,7 @@ def _check_claims(r: Root, gv: GlobalVersion) -> dict[str, int]:
         path = _rank_path(r, gv, rank)
         with _store.open(path, readonly=True) as st:
             catalog = st.tables()
-            segments = st.engine.segments  # (through the storage seam: the sizes of the segments stored)
+            segments = st.engine.storage  # (through the storage seam: the sizes of the segments stored)
             have = sum(segments.size(seg) or 0 for seg in segments.list())
         need = 0
         for name, shard in plan.shards_of(rank).items():

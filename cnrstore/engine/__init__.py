@@ -13,8 +13,10 @@ Layers, lowest first (docs/ARCHITECTURE.md draws them):
   then decoded in parallel into place), ``merge`` (read cost and the merged deltas that bound it),
   ``chain_costs`` (each block's chain cost, remembered for the save path), ``arguments`` (the checks of
   a caller's arguments), ``writer`` (a checkpoint);
-* the engine — ``opening`` (finding and making a store's files) and ``core`` (``Engine``: the lock, the
-  index, recovery, the appenders and the writer slot).
+* the engine — ``opening`` (finding and making a store's files), ``core`` (``Engine``: the lock, the
+  index, recovery, the appenders and the writer slot, all private), ``parts`` (what the writer and the
+  maintenance handle are handed) and ``handle`` (the maintenance handle: ``with engine.maintenance() as
+  m``).
 
 Nothing here imports ``cnrstore.maintenance``, ``cnrstore.store`` or a wing (tests/test_engine.py).
 """

@@ -1,15 +1,21 @@
 """The storage engine beneath a Store: what the writer, compaction, GC, verify and the background worker
 work on.
 
-``Engine.open`` (leveldb's ``DB::Open``) opens a store, or creates it, and the engine then owns its parts:
+``Engine.open`` (leveldb's ``DB::Open``) opens a store, or creates it, and the engine then owns its parts,
+all private:
 the process lock, the index (rolling forward a repair killed between its renames), the segment storage
 (storage.py: reads, sizes, listing, removal), crash recovery of the segments, the two appenders (the
 checkpoint writer's and compaction's, sharing one segment-id allocator), the writer slot (the one open
 checkpoint, ``begin_writer`` / ``writer_done``) and the bases its deltas pin, the maintenance lock
 (compact, retain and gc run one at a time), the table catalog cache, the version history background
-compaction plans on, the deletion of freed segments (``delete_doomed``), and the one commit path
-(``Engine.commit``: leveldb's LogAndApply of a ``VersionEdit``, version_edit.py). ``Store`` (store.py)
+compaction plans on, the deletion of freed segments (``_delete_doomed``), and the one commit path
+(``_commit``: leveldb's LogAndApply of a ``VersionEdit``, version_edit.py). ``Store`` (store.py)
 validates each call's arguments and delegates to it: the thin API façade of API.md.
+
+Outside ``cnrstore/engine/``, code uses the public methods below and, for compaction, retention, GC and
+merges, the maintenance handle (``with engine.maintenance() as m:``, handle.py), which holds the
+maintenance lock. The checkpoint writer and the handle get the parts they work on handed to them
+(``EngineParts``, parts.py); no other module touches them.
 
 Nothing here imports the writer, compaction, background or verify modules, nor store.py: they import
 this module (for types only), so the package has no import circle.
@@ -19,12 +25,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional, TypeVar
+from contextlib import contextmanager
+from typing import Callable, ContextManager, Iterator, Optional, TypeVar
 
 from . import filenames, fs, opening, record, schema, segments
 from ..errors import CheckpointInProgress, IndexDamaged, InvalidArgument, ReadOnlyError, StorageFull, StoreClosed
 from .index import DenseLoc, Index, IndexView, IndexWriter, RowLoc, damage_hint, finish_interrupted_install
 from .chain_costs import ChainCosts
+from .handle import MaintenanceHandle
+from .parts import EngineParts
 from .lock import ProcessLock
 from .marker import FORMAT_VERSION, marker_bytes
 from .reader import BlockResolver
@@ -43,30 +52,37 @@ class Engine:
 
     def __init__(self, path: str, filesystem, readonly: bool):
         self.path = path
-        self.fs = filesystem
+        self._fs = filesystem
         self.readonly = readonly
-        self.closed = False
+        self._closed = False
         #: what opening for writing recovered or repaired (torn tails truncated, leftovers removed, ...)
         self.recovery_notes: list[str] = []
-        self.lock: ProcessLock | None = None  # of a writable store
-        self.index: Index | None = None
-        self.segments: SegmentStorage | None = None
-        self.appender = None  # segments.SegmentAppender of the checkpoint writer
-        self.compaction_appender = None  # ... of compaction and GC
-        self.maintenance_lock = threading.Lock()  # compact, retain, gc: one at a time
-        self.writer_mutex = threading.Lock()  # guards ``writer``
-        self.pin_lock = threading.Lock()  # a writer's delta pins against retention (writer._chain_merges)
-        self.writer = None  # the open CheckpointWriter, if any
+        self._lock: ProcessLock | None = None  # of a writable store
+        self._index: Index | None = None
+        self._segments: SegmentStorage | None = None
+        self._appender = None  # segments.SegmentAppender of the checkpoint writer
+        self._compaction_appender = None  # ... of compaction and GC
+        self._maintenance_lock = threading.Lock()  # compact, retain, gc: one at a time
+        self._writer_mutex = threading.Lock()  # guards ``writer``
+        self._pin_lock = threading.Lock()  # a writer's delta pins against retention (writer._chain_merges)
+        self._writer = None  # the open CheckpointWriter, if any
         #: Called after each committed checkpoint (the background compactor's ``notify``).
-        self.on_commit: Optional[Callable[[], None]] = None
+        self._on_commit: Optional[Callable[[], None]] = None
         #: (table id, block) pairs committed checkpoints wrote since the background merges last looked
         #: (None: look at every block: nothing was looked at in this process yet); see take_written_blocks
         self._written_blocks: set | None = None
         #: what each block's read chain costs, for the save path's bound check (chain_costs.py)
-        self.chain_costs = ChainCosts()
+        self._chain_costs = ChainCosts()
         self._tables: dict[str, TableRecord] = {}
         self._next_dense_id: int | None = None
         self._history: tuple[VersionInfo, ...] | None = None  # see history()
+
+    def _parts(self) -> EngineParts:
+        """The parts the checkpoint writer and the maintenance handle work on (parts.py)."""
+        return EngineParts(self._index.read, self._segments, self._appender, self._compaction_appender,
+                           self._pin_lock, self._pinned, self._commit, self._chain_costs,
+                           self._versions_and_baseline, self._seal_idle_writer_segment, self._delete_doomed,
+                           self._take_written_blocks, self._look_at_every_block)
 
     # open -------------------------------------------------------------------------------------------
     @classmethod
@@ -90,63 +106,118 @@ class Engine:
             if not opening.find(path, readonly):
                 if not create or readonly:
                     raise opening.not_found(path, readonly)
-                engine.lock = opening.create(path, filesystem, create_wait_s)  # held for writing from here
+                engine._lock = opening.create(path, filesystem, create_wait_s)  # held for writing from here
             fmt = opening.check_format(path, readonly)
-            if not readonly and engine.lock is None:
-                engine.lock = ProcessLock(path)
-                engine.lock.acquire()
+            if not readonly and engine._lock is None:
+                engine._lock = ProcessLock(path)
+                engine._lock.acquire()
             engine._open_index(storage)
             if not readonly:
                 engine._recover(fmt)
-            engine.segments.attach(engine.index, engine.seal_idle_writer_segment)
+            engine._segments.attach(engine._index, engine._seal_idle_writer_segment)
         except BaseException:
             engine.close()
             raise
         return engine
 
     def _open_index(self, storage: SegmentStorage | None) -> None:
-        if not self.readonly and finish_interrupted_install(self.path, self.fs):
+        if not self.readonly and finish_interrupted_install(self.path, self._fs):
             self.recovery_notes.append("installed the index an interrupted `cnrstore repair` had built "
                                        "(index.repair-tmp/)")
-        self.index = Index(filenames.index_dir(self.path), readonly=self.readonly)
-        self.segments = storage if storage is not None else LocalSegmentStorage(self.path, self.fs)
+        self._index = Index(filenames.index_dir(self.path), readonly=self.readonly)
+        self._segments = storage if storage is not None else LocalSegmentStorage(self.path, self._fs)
         if not self.readonly:  # a store this process may only read fails here, not at its first checkpoint
-            if not self.segments.supports_appends:
-                raise ReadOnlyError(f"{type(self.segments).__name__} takes no appends: open store {self.path!r} "
+            if not self._segments.supports_appends:
+                raise ReadOnlyError(f"{type(self._segments).__name__} takes no appends: open store {self.path!r} "
                                     "readonly=True")
-            self.segments.check_writable(opening.opening(self.path, False))
-        with self.index.read() as view:
+            self._segments.check_writable(opening.opening(self.path, False))
+        with self._index.read() as view:
             if schema.FORMAT.get(view) is None:  # an empty environment LMDB made in place of a lost one
                 raise IndexDamaged(f"the index of store {self.path!r} holds no catalog (was index/data.mdb "
-                                   f"replaced?); {damage_hint(self.index.path)}", self.index.path, None)
+                                   f"replaced?); {damage_hint(self._index.path)}", self._index.path, None)
 
     def _recover(self, fmt: int) -> None:
         """Crash recovery of a writable open: the segments back to their committed lengths, the appenders,
         the freed segments no reader needs deleted, the marker brought to this format."""
-        with self.index.read() as view:
+        with self._index.read() as view:
             committed = view.segments()
             doomed = set(schema.DOOMED_SEGMENTS.get(view))
             deleted = schema.MAX_DELETED_SEGMENT.get(view)
             seg_ids = schema.SEGMENT_IDS.get(view)
-        self.recovery_notes += self.segments.recover(committed, doomed, max_deleted=deleted, ids=seg_ids)
+        self.recovery_notes += self._segments.recover(committed, doomed, max_deleted=deleted, ids=seg_ids)
         # never reuse the id of a deleted segment: a long-lived reader may still map the old file
         high, _pending = segments.leftover_rule(committed, doomed, deleted, seg_ids)
-        ids = segments.SegmentIds(self.segments.segment_ids_from(high))
+        ids = segments.SegmentIds(self._segments.segment_ids_from(high))
         # the checkpoint writer and compaction append to active segments of their own
-        storage = self.segments
-        self.appender = storage.appender(committed, FORMAT_VERSION, ids, resume=True, on_sealed=storage.sealed)
-        self.compaction_appender = storage.appender({}, FORMAT_VERSION, ids, active=None, on_sealed=storage.sealed)
+        storage = self._segments
+        self._appender = storage.appender(committed, FORMAT_VERSION, ids, resume=True, on_sealed=storage.sealed)
+        self._compaction_appender = storage.appender({}, FORMAT_VERSION, ids, active=None, on_sealed=storage.sealed)
         if doomed:  # segments GC freed before a restart: delete those no reader needs now
-            self.delete_doomed(GCReport())
+            self._delete_doomed(GCReport())
         if fmt < FORMAT_VERSION:  # from now on it holds format-2 records an older GC would drop
-            self.fs.write_file_atomic(filenames.marker_path(self.path), filenames.marker_tmp_path(self.path),
+            self._fs.write_file_atomic(filenames.marker_path(self.path), filenames.marker_tmp_path(self.path),
                                       marker_bytes())
             self.recovery_notes.append(f"upgraded the store's format from {fmt} to {FORMAT_VERSION}")
 
-    # state ------------------------------------------------------------------------------------------
+    # what outside code may use -------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def check_open(self) -> None:
-        if self.closed:
+        if self._closed:
             raise StoreClosed(f"store {self.path!r} is closed")
+
+    def read(self) -> ContextManager[IndexView]:
+        """A read transaction of the index: ``with engine.read() as view:`` sees one committed state
+        (an LMDB snapshot) until the block ends, whatever commits meanwhile."""
+        return self._index.read()
+
+    @property
+    def storage(self) -> SegmentStorage:
+        """Where the segments live (storage.py): what reads of the index's locations go through."""
+        return self._segments
+
+    def index_bytes(self) -> int:
+        """The bytes the index's files take on disk."""
+        return self._index.disk_bytes()
+
+    def index_space(self) -> dict[str, int]:
+        """The index's pages in use, its high-water mark and its file size, in bytes (Index.space)."""
+        return self._index.space()
+
+    def check_still_ours(self) -> None:
+        """StoreMoved once the store's directory was renamed away (our paths may name another store's
+        files); nothing for a readonly store, which holds no lock."""
+        if self._lock is not None:
+            self._lock.verify()
+
+    def set_commit_listener(self, listener: Optional[Callable[[], None]]) -> None:
+        """Call ``listener()`` after each committed checkpoint (the background compactor's ``notify``)."""
+        self._on_commit = listener
+
+    @property
+    def open_writer(self):
+        """The open CheckpointWriter, or None."""
+        return self._writer
+
+    def pinned(self) -> frozenset:
+        """(table id, block, version) of the baselines the open checkpoint's cumulative deltas read, at
+        this moment (the pin lock is held while they are read)."""
+        with self._pin_lock:
+            return self._pinned()
+
+    @contextmanager
+    def maintenance(self) -> Iterator["MaintenanceHandle"]:
+        """Hold the maintenance lock (compact, retain, gc, merges and dense rewrites run one at a time)
+        and hand out what maintenance works on: ``with engine.maintenance() as m:`` (handle.py). The
+        handle is dead once the block ends."""
+        with self._maintenance_lock:
+            handle = MaintenanceHandle(self._parts())
+            try:
+                yield handle
+            finally:
+                handle.release()
 
     def table_record(self, name: str, view: IndexView | None = None) -> TableRecord | None:
         """The catalog record of table ``name`` (None if absent); cached, since tables never change."""
@@ -155,7 +226,7 @@ class Engine:
             if view is not None:
                 info = view.table(name)
             else:
-                with self.index.read() as v:
+                with self._index.read() as v:
                     info = v.table(name)
             if info is not None:
                 self._tables[name] = info
@@ -181,13 +252,13 @@ class Engine:
             w.put_table(table)
             return table
 
-        table = self.index.write(body)
+        table = self._index.write(body)
         self.remember_table(table)
         return table
 
     def dense_id_for(self, name: str) -> int:
         """The id of dense array ``name``: its existing one, or a new one (recorded at commit)."""
-        with self.index.read() as view:
+        with self._index.read() as view:
             existing = view.dense_id(name)
             if existing is not None:
                 return existing
@@ -199,9 +270,14 @@ class Engine:
 
     def load_pending(self, loc: RowLoc, info: TableRecord) -> record.Record:
         """A record this process appended but may not have committed yet (checksum-verified)."""
-        return BlockResolver(None, self.segments, info).load(loc)
+        return BlockResolver(None, self._segments, info).load(loc)
 
     def history(self) -> "compaction_policy.History":
+        """``MaintenanceHandle.history()``, taking the maintenance lock for it."""
+        with self.maintenance() as m:
+            return m.history()
+
+    def _versions_and_baseline(self) -> "compaction_policy.History":
         """Committed versions and the newest baseline, for compaction policies. Until the first
         compaction, the first version (a trainer's full checkpoint) counts as the baseline.
 
@@ -209,9 +285,9 @@ class Engine:
         of versions: the versions are kept in memory and only those newer than the last one seen are
         read from the index. Versions only ever appear newest-last (commits) or disappear (drops):
         when the index holds fewer than the cache plus the new ones, something dropped versions, and
-        the list is read afresh. Callers hold ``maintenance_lock``.
+        the list is read afresh. Callers hold ``_maintenance_lock``.
         """
-        with self.index.read() as view:
+        with self._index.read() as view:
             cached = self._history
             if cached is None:
                 versions = tuple(version_info(v, info) for v, info in view.versions())
@@ -228,29 +304,29 @@ class Engine:
             return compaction_policy.History(versions, versions[0].version, versions[0].bytes)
         return compaction_policy.History(versions, None, 0)
 
-    def seal_idle_writer_segment(self) -> None:
+    def _seal_idle_writer_segment(self) -> None:
         """Seal the checkpoint writer's active segment when no checkpoint is open, so that GC may clean it
         like a sealed one (the next checkpoint starts a new segment). A small store lives in that one
         segment: without this, GC could never reclaim any of its space."""
-        with self.writer_mutex:  # no checkpoint can open meanwhile
-            if self.writer is None and self.appender is not None and not self.appender.dirty():
-                self.appender.seal()
+        with self._writer_mutex:  # no checkpoint can open meanwhile
+            if self._writer is None and self._appender is not None and not self._appender.dirty():
+                self._appender.seal()
 
-    def pinned(self) -> set:
-        """(table id, block, version) of the baselines the open checkpoint's cumulative deltas read.
-        Call with ``pin_lock`` held."""
-        writer = self.writer
-        return set(writer.pins) if writer is not None else set()
+    def _pinned(self) -> frozenset:
+        """``pinned()``, for a caller holding ``_pin_lock``."""
+        writer = self._writer
+        return frozenset(writer.pins) if writer is not None else frozenset()
 
-    def begin_writer(self, make: Callable[[int, int | None], W]) -> W:
-        """Put ``make(version, parent)`` (a CheckpointWriter) in the writer slot and return it: ``version``
+    def begin_writer(self, make: Callable[[int, int | None, EngineParts], W]) -> W:
+        """Put ``make(version, parent, parts)`` (a CheckpointWriter) in the writer slot and return it: ``version``
         the next version number, allocated in a synced transaction so that it is never handed out twice
-        (even to a checkpoint that aborts or is lost in a crash), ``parent`` the newest committed version.
+        (even to a checkpoint that aborts or is lost in a crash), ``parent`` the newest committed version,
+        ``parts`` what the writer appends and commits through (parts.py).
         CheckpointInProgress while the slot holds another; ``writer_done`` empties it."""
-        self.segments.before_checkpoint()
-        with self.writer_mutex:
-            if self.writer is not None:
-                raise CheckpointInProgress(f"checkpoint {self.writer.version} is still open; commit or abort it "
+        self._segments.before_checkpoint()
+        with self._writer_mutex:
+            if self._writer is not None:
+                raise CheckpointInProgress(f"checkpoint {self._writer.version} is still open; commit or abort it "
                                            "before starting another")
 
             def allocate(w: IndexWriter) -> tuple[int, int | None]:
@@ -262,47 +338,47 @@ class Engine:
                 latest = w.latest()
                 return v, (latest[0] if latest else None)
 
-            self.writer = make(*self.index.write(allocate))
-            return self.writer
+            self._writer = make(*self._index.write(allocate), self._parts())
+            return self._writer
 
     def writer_done(self, writer) -> None:
         """The open checkpoint committed, aborted or failed: another may open."""
-        with self.writer_mutex:
-            if self.writer is writer:
-                self.writer = None
+        with self._writer_mutex:
+            if self._writer is writer:
+                self._writer = None
             if writer.committed and self._written_blocks is not None:
                 self._written_blocks.update(writer.blocks_written())
         if writer.committed:
             try:
-                self.segments.after_commit()  # a remote storage's copy point (storage.py)
+                self._segments.after_commit()  # a remote storage's copy point (storage.py)
             finally:
-                if self.on_commit is not None:
-                    self.on_commit()
+                if self._on_commit is not None:
+                    self._on_commit()
 
-    def take_written_blocks(self) -> set | None:
+    def _take_written_blocks(self) -> set | None:
         """The (table id, block) pairs checkpoints committed since the last call (None on the first call of
         this process: every block may need a look), and start collecting afresh."""
-        with self.writer_mutex:
+        with self._writer_mutex:
             written, self._written_blocks = self._written_blocks, set()
         return written
 
-    def look_at_every_block(self) -> None:
+    def _look_at_every_block(self) -> None:
         """Make the next ``take_written_blocks`` return None (a merge step failed, or was cut short)."""
-        with self.writer_mutex:
+        with self._writer_mutex:
             self._written_blocks = None
 
-    def delete_doomed(self, report: GCReport) -> GCReport:
+    def _delete_doomed(self, report: GCReport) -> GCReport:
         """Delete the freed segment files (meta ``doomed_segments``) no reader of any process can need any
         more (LMDB's reader table), adding to ``report``; the rest wait for a later call (gc, or open)."""
-        if self.lock is not None:
-            self.lock.verify()  # never delete files under a path that no longer names this store
-        with self.index.read() as view:
+        if self._lock is not None:
+            self._lock.verify()  # never delete files under a path that no longer names this store
+        with self._index.read() as view:
             doomed = schema.DOOMED_SEGMENTS.get(view)
         if not doomed:
             return report
-        oldest = self.index.oldest_reader_txn()
+        oldest = self._index.oldest_reader_txn()
         deletable = [seg for seg, freed_by in doomed.items() if oldest is None or oldest >= freed_by]
-        storage = self.segments
+        storage = self._segments
         for seg in deletable:
             size = storage.size(seg) or 0
             try:
@@ -324,7 +400,7 @@ class Engine:
                 schema.MAX_DELETED_SEGMENT.put(w, max(schema.MAX_DELETED_SEGMENT.get(w), *deletable))
 
             try:
-                self.index.write(body)
+                self._index.write(body)
             except StorageFull as exc:
                 # the files are gone (their space is free); doomed_segments still lists them, which keeps
                 # their ids from being reused, and the next gc or open drops them from it
@@ -335,7 +411,7 @@ class Engine:
         return report
 
     # the one commit path ----------------------------------------------------------------------------
-    def commit(self, appender, edit: VersionEdit, *, appended: bool,
+    def _commit(self, appender, edit: VersionEdit, *, appended: bool,
                on_failure: Optional[Callable[[BaseException], None]] = None) -> None:
         """Log and apply ``edit`` (leveldb's ``VersionSet::LogAndApply``): make what ``appender`` appended
         durable, with the log records the edit encodes, and record it in one index transaction.
@@ -377,9 +453,9 @@ class Engine:
                 edit.apply(w)
                 fs.crash_point(inside_index_commit)
 
-            if self.lock is not None:
-                self.lock.verify()
-            self.index.write(body)
+            if self._lock is not None:
+                self._lock.verify()
+            self._index.write(body)
         except BaseException as exc:
             if on_failure is None:
                 appender.rollback()
@@ -388,28 +464,28 @@ class Engine:
             raise
         appender.mark_committed(lengths)
         if edit.rewrites_chains:
-            self.chain_costs.clear()
+            self._chain_costs.clear()
 
     def close(self) -> None:
         """Abort the open checkpoint writer, if any, then close every part (idempotent)."""
-        if self.writer is not None:
-            self.writer.abort()
+        if self._writer is not None:
+            self._writer.abort()
         flush_error = None
-        if not self.closed and not self.readonly and self.appender is not None:
+        if not self._closed and not self.readonly and self._appender is not None:
             try:
-                self.segments.flush()  # a remote storage's last copy point
+                self._segments.flush()  # a remote storage's last copy point
             except Exception as exc:  # noqa: BLE001 - close everything first, then report it
                 flush_error = exc
-        self.closed = True
-        for appender in (self.appender, self.compaction_appender):
+        self._closed = True
+        for appender in (self._appender, self._compaction_appender):
             if appender is not None:
                 appender.close()
-        if self.segments is not None:
-            self.segments.close()
-        if self.index is not None:
-            self.index.close()
-        if self.lock is not None:
-            self.lock.release()
+        if self._segments is not None:
+            self._segments.close()
+        if self._index is not None:
+            self._index.close()
+        if self._lock is not None:
+            self._lock.release()
         if flush_error is not None:
             raise flush_error
 

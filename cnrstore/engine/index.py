@@ -568,6 +568,17 @@ class Index:
     def map_size(self) -> int:
         return self._env.info()["map_size"]
 
+    def space(self) -> dict[str, int]:
+        """Where the index's bytes go: ``used_bytes`` (the B-tree pages in use, every sub-database and
+        the two meta pages: the index's real size), ``high_water_bytes`` (LMDB's last page used) and
+        ``file_bytes`` (data.mdb, with its free pages)."""
+        psize = self._env.stat()["psize"]
+        pages = lambda s: s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]  # noqa: E731
+        with self.read() as view:
+            used = pages(self._env.stat()) + sum(pages(s) for s in view.stat().values())
+        return {"used_bytes": (used + 2) * psize, "high_water_bytes": (self._env.info()["last_pgno"] + 1) * psize,
+                "file_bytes": os.path.getsize(os.path.join(self.path, "data.mdb"))}
+
     def copy_to(self, dest_dir: str, view: IndexView) -> None:
         """Write a compact copy of the index, as ``view`` (a read of this index) sees it, to
         ``dest_dir``/data.mdb: an existing directory with no data.mdb. The copy is an index of its own

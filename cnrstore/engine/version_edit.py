@@ -7,7 +7,7 @@ An edit has two outputs, and the code that writes a store has no other:
 * ``encode()`` -- the log records the change appends: the msgpack bodies of its COMMIT, DROP and ANCHOR
   records (docs/FORMAT.md), appended after the change's data records and fsynced with them;
 * ``apply(w)`` -- its effect on the index, inside the one synced write transaction of
-  ``Engine.commit`` (leveldb's ``VersionSet::LogAndApply``, which also fills in where the encoded
+  ``Engine._commit`` (leveldb's ``VersionSet::LogAndApply``, which also fills in where the encoded
   records were appended and the segments' committed lengths).
 
 ``decode(kind, version, body)`` turns a log record back into the edit that wrote it, so that repair
@@ -100,7 +100,7 @@ class Encoded(NamedTuple):
 
 @dataclass
 class VersionEdit:
-    """What one change does to a store (see the module docstring). Build one, then ``Engine.commit`` it."""
+    """What one change does to a store (see the module docstring). Build one, then ``Engine._commit`` it."""
 
     #: the version a checkpoint commits: its entry in ``versions`` is encoded as its COMMIT record
     version: int | None = None
@@ -387,7 +387,7 @@ def prune_log(w: IndexWriter) -> None:
 
 
 def crash_points(operation: str) -> tuple[str, str | None, str]:
-    """The crash points (``fs.crash_point``) ``Engine.commit`` passes for a change made by ``operation``:
+    """The crash points (``fs.crash_point``) ``Engine._commit`` passes for a change made by ``operation``:
     (after its records are appended, after their fsync or None, inside its index transaction). A
     checkpoint's are ``after_append``, ``after_fsync`` and ``inside_index_commit``; a maintenance step's
     ``<operation>_after_append`` and ``<operation>_inside_index_commit`` (``CNRSTORE_CRASH_AT`` names

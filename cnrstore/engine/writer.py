@@ -1,7 +1,7 @@
 """CheckpointWriter: stream one version's records into the log, then commit it atomically.
 
 Durability protocol (DESIGN.md): (1) append the version's records, then commit its ``VersionEdit``
-(version_edit.py) through the one commit path, Engine.commit: (2) its COMMIT record (what repair rebuilds
+(version_edit.py) through the one commit path, Engine._commit: (2) its COMMIT record (what repair rebuilds
 the index from) is appended and everything fsynced, (3) one synced LMDB transaction applies the edit: the
 index entries, the version record and the segments' committed lengths. The version exists exactly when
 (3) has committed. Abort (or any failure) truncates what was appended.
@@ -27,6 +27,7 @@ from .index import DenseLoc, RowLoc
 from .block_records import block_records
 from .chain_costs import Head
 from .schema import TableRecord
+from .parts import EngineParts
 from .version_edit import VersionEdit
 
 if TYPE_CHECKING:
@@ -36,8 +37,10 @@ if TYPE_CHECKING:
 class CheckpointWriter:
     """Writes one version. Use as a context manager: normal exit commits, an exception aborts."""
 
-    def __init__(self, engine: "Engine", version: int, parent: int | None, step: int | None, meta: dict | None):
+    def __init__(self, engine: "Engine", parts: EngineParts, version: int, parent: int | None, step: int | None,
+                 meta: dict | None):
         self._engine = engine
+        self._parts = parts  # what it appends and commits through (parts.py)
         self.version = version
         self._parent = parent
         self._step = step
@@ -150,7 +153,7 @@ class CheckpointWriter:
         dense_id = self._engine.dense_id_for(name)
         buffers, length = record.dense_record(dense_id, self.version, arr)
         try:
-            seg, off = self._engine.appender.append(buffers, length)
+            seg, off = self._parts.writer_appender.append(buffers, length)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -174,7 +177,7 @@ class CheckpointWriter:
             raise
         # append the COMMIT, fsync, StoreMoved check, one index transaction; on failure self._fail rolls
         # the version back
-        engine.commit(engine.appender, edit, appended=True, on_failure=self._fail)
+        self._parts.commit(self._parts.writer_appender, edit, appended=True, on_failure=self._fail)
         self._state = "committed"
         self._extend_chain_costs()
         engine.writer_done(self)
@@ -187,7 +190,7 @@ class CheckpointWriter:
         failed = self._state == "failed"
         self._state = "aborted"
         if not failed:  # a failed writer rolled back already; a newer writer may be appending now
-            self._engine.appender.rollback()
+            self._parts.writer_appender.rollback()
         self._engine.writer_done(self)
 
     # internals --------------------------------------------------------------------------------------
@@ -223,7 +226,7 @@ class CheckpointWriter:
             if loc is None or loc.flags & (record.FLAG_DELTA | record.FLAG_BASELINE):
                 continue  # merged, or a new baseline: the next save walks the chain afresh
             info = engine.table_record(table)
-            engine.chain_costs.extend((info.id, block), below, Head(self.version, loc.segment, loc.offset),
+            self._parts.chain_costs.extend((info.id, block), below, Head(self.version, loc.segment, loc.offset),
                                       merge.read_cost([loc], merge.record_fixed_cost(info)))
 
     def _check_open(self) -> None:
@@ -240,13 +243,13 @@ class CheckpointWriter:
         self._failure = exc
         if self._state == "open":
             self._state = "failed"
-            self._engine.appender.rollback()
+            self._parts.writer_appender.rollback()
             self._engine.writer_done(self)  # the store may start a new checkpoint at once
 
     def _append(self, table: str, records: list, base: int = 0) -> None:
         """Append records (one gathered write per batch) and note where each lies (``base``: of the
         cumulative deltas among them)."""
-        locations = self._engine.appender.append_many([(buffers, length) for _key, buffers, length in records])
+        locations = self._parts.writer_appender.append_many([(buffers, length) for _key, buffers, length in records])
         blocks = self._rows.setdefault(table, {})
         for ((block, count, flags), _buffers, length), (seg, off) in zip(records, locations):
             blocks[block] = RowLoc(seg, off, length, count, flags, base if flags & record.FLAG_DELTA else 0)
@@ -279,7 +282,6 @@ class CheckpointWriter:
         a concurrent retention cannot drop the entries this version's deltas will read."""
         if knobs.READ_CHAIN_BOUND is None or self._parent is None or not (groups or again):
             return {}, None
-        engine = self._engine
         shift = blocks_math.shift(info.block_rows)
         below: dict[int, tuple[int, int]] = {}  # block -> (its record's bytes, the version of the chain below)
         for group_codec, g_rows, _values in groups:
@@ -291,11 +293,12 @@ class CheckpointWriter:
                 size = int(_record_bytes(p.rows.size, p.codec.row_bytes(info.dim))) + (record.BASE.size if p.base else 0)
                 below[p.block] = (size, p.base or self._parent)
         found = {}
-        with engine.pin_lock:
-            view = stack.enter_context(engine.index.read())
+        parts = self._parts
+        with parts.pin_lock:
+            view = stack.enter_context(parts.read())
             for block, (size, at) in below.items():
                 head = merge.chain_head(view, info.id, block, at)
-                costs = engine.chain_costs if at == self._parent else None  # (kept for the parent's heads)
+                costs = parts.chain_costs if at == self._parent else None  # (kept for the parent's heads)
                 plan = merge.chain_merge(view, info, block, at, size, costs, head)
                 if plan is None and head is not None and at == self._parent:
                     self._below[(info.name, block)] = head
@@ -303,7 +306,7 @@ class CheckpointWriter:
                     found[block] = plan
                     for v, _loc in plan.records + ([plan.baseline] if plan.baseline is not None else []):
                         self.pins.add((info.id, block, v))
-        return found, reader.BlockResolver(view, engine.segments, info)
+        return found, reader.BlockResolver(view, parts.storage, info)
 
     def _append_fresh(self, table: str, info: TableRecord, codec, rows: np.ndarray, encoded: np.ndarray,
                       chain_merges: dict, resolver) -> None:

@@ -6,6 +6,6 @@
 * ``verify`` — fsck: every checksum of live data and the index against the log;
 * ``repair`` — rebuilding a damaged store's index from its log.
 
-Each commits through the engine's one path (``Engine.commit`` with a ``VersionEdit``); nothing here
+Each commits through the engine's one path (the maintenance handle's ``m.commit`` of a ``VersionEdit``); nothing here
 imports ``cnrstore.store`` or a wing (tests/test_engine.py).
 """

@@ -134,17 +134,16 @@ class BackgroundCompactor:
                     self._wake.notify_all()
 
     def _step(self) -> None:
-        engine = self._engine
-        with engine.maintenance_lock:
-            written = engine.take_written_blocks()  # before the history: a later commit's blocks wait for the next step
-            history = engine.history()
+        with self._engine.maintenance() as m:
+            written = m.take_written_blocks()  # before the history: a later commit's blocks wait for the next step
+            history = m.history()
             if history.versions and knobs.MERGE_TRIGGER is not None and not self._halt:
                 # merges first: they keep the newest version's reads bounded (merge.py)
                 try:
-                    report = compaction.merge_chains(engine, history.versions[-1].version, written,
+                    report = compaction.merge_chains(m, history.versions[-1].version, written,
                                                      limiter=self._limiter(), halted=lambda: self._halt)
                 except BaseException:
-                    engine.look_at_every_block()  # the next step looks again at what this one could not merge
+                    m.look_at_every_block()  # the next step looks again at what this one could not merge
                     raise
                 if report.blocks_merged:
                     self.merges.append(report)
@@ -154,12 +153,12 @@ class BackgroundCompactor:
                 return
             # each phase commits on its own: a halt between them leaves the rest to the next open
             if plan.materialize and not self._halt:
-                compaction.materialize(engine, history.versions[-1].version)
+                compaction.materialize(m, history.versions[-1].version)
             if plan.drop and not self._halt:
-                compaction.drop_versions(engine, set(plan.drop))
+                compaction.drop_versions(m, set(plan.drop))
             if plan.collect and not self._halt:
                 fs.pause_point("background_before_collect")
-                report = compaction.collect(engine)
+                report = compaction.collect(m)
                 if report.incomplete:  # a full disk stopped the copies: surface it like a failed step
                     raise StorageFull(f"background gc: {report.incomplete}")
             self.steps += 1

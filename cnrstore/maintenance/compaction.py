@@ -1,5 +1,8 @@
 """Layer 6 — compaction: baseline materialization, retention and garbage collection.
 
+Each operation works through a maintenance handle (``with engine.maintenance() as m:``, engine/handle.py),
+which holds the maintenance lock: compact, retain, gc, merges and dense rewrites run one at a time.
+
 None of these changes what a retained version reads, bit for bit (invariant I2): a materialized
 baseline holds the *encoded bytes* of the rows it gathers (a block whose chain mixes codecs is stored
 as fp32 of each row's decoded value, which decodes identically), and GC copies records byte for byte.
@@ -32,6 +35,7 @@ from ..engine.version_edit import DropLog, Move, VersionEdit, anchor_at
 
 if TYPE_CHECKING:
     from ..engine.core import Engine
+    from ..engine.handle import MaintenanceHandle
 
 Progress = Callable[[int, int], None]
 
@@ -56,7 +60,7 @@ def versions_with_read_chains(engine: "Engine") -> list[tuple[int, dict, int]]:
     """(version, version info, longest read chain) for every version of the store, oldest first, from
     one read transaction and one pass over the row index (``read_chain_lengths``): linear in versions
     and index entries. What ``cnrstore ls`` lists."""
-    with engine.index.read() as view:
+    with engine.read() as view:
         versions = view.versions()
         chain_lengths = read_chain_lengths(view.row_entries(), [v for v, _info in versions])
     return [(v, info, chain) for (v, info), chain in zip(versions, chain_lengths.tolist())]
@@ -118,20 +122,20 @@ def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions
     return row
 
 
-def materialize(engine: "Engine", version: int, progress: Progress | None = None, *,
+def materialize(m: "MaintenanceHandle", version: int, progress: Progress | None = None, *,
                 drop_below: int | None = None) -> CompactReport:
     """Write a baseline at ``version`` for every block whose read chain there is longer than one record,
     then an ANCHOR record: the head of every block's (now one-record) read chain at ``version``, the dense
     heads and the whole catalog, so that repair can prove versions from there on without older COMMIT
     records. ``drop_below`` (retain) records in it that every version older than that is being dropped.
 
-    The caller holds the store's maintenance lock; a checkpoint may be in progress meanwhile (compaction
+    ``m``: the engine's maintenance handle (engine/handle.py). A checkpoint may be in progress meanwhile (compaction
     appends to a segment of its own). Reads of every version are unchanged.
     """
     report = CompactReport(version)
-    appender = engine.compaction_appender
+    appender = m.appender
     new_entries: list[tuple[int, int, RowLoc]] = []
-    with engine.index.read() as view:
+    with m.read() as view:
         tables = {info.id: info for info in view.tables().values()}
         all_chains = block_chains(view, version)
         chains = {key: chain for key, chain in all_chains.items() if len(chain) > 1}
@@ -141,7 +145,7 @@ def materialize(engine: "Engine", version: int, progress: Progress | None = None
         try:
             for (tid, block), chain in sorted(chains.items()):
                 info = tables[tid]
-                resolver = reader.BlockResolver(view, engine.segments, info)
+                resolver = reader.BlockResolver(view, m.storage, info)
                 pieces, _never_written = resolver.resolve(block, None, version)
                 codec, rows, encoded = _merge_pieces(pieces, blocks_math.base(block, info.block_rows), info.dim)
                 records = block_records(info, codec, rows, encoded, version, compacted=True)
@@ -165,31 +169,29 @@ def materialize(engine: "Engine", version: int, progress: Progress | None = None
             raise
     # the new baselines replace the entries this version may have had; entries of dropped versions they
     # shadow for every kept version are garbage now
-    edit = VersionEdit(anchor=anchor, rows=[(tid, blk, version, loc) for tid, blk, loc in new_entries],
+    edit = VersionEdit(operation="compact", anchor=anchor, rows=[(tid, blk, version, loc) for tid, blk, loc in new_entries],
                        shadowed=[(tid, blk) for tid, blk, _loc in new_entries], bytes_written=report.bytes_written,
                        last_baseline={"version": version, "bytes": baseline_bytes}, meta={schema.DROPPED_BELOW: floor},
                        prune_log_records=True)
-    with engine.pin_lock:  # as in drop_versions: never delete the base of an open checkpoint's delta
-        edit.pinned = frozenset(engine.pinned())
-        _commit(engine, appender, True, "compact", edit)
-    _merge_past_the_bound(engine, version, {(tid, blk) for tid, blk, _loc in new_entries})
+    m.commit(edit, pin=True)  # as in drop_versions: never delete the base of an open checkpoint's delta
+    _merge_past_the_bound(m, version, {(tid, blk) for tid, blk, _loc in new_entries})
     return report
 
 
-def _merge_past_the_bound(engine: "Engine", version: int, blocks: set[tuple[int, int]]) -> None:
+def _merge_past_the_bound(m: "MaintenanceHandle", version: int, blocks: set[tuple[int, int]]) -> None:
     """After baselines were written at ``version`` for ``blocks``: if a newer version exists, merge there
     each of these blocks whose read amplification now passes ``knobs.READ_AMP_BOUND``. (A baseline of a
     chain mixing codecs is fp32 of its rows, which may cost more than the chain it replaces; the newer
     versions' chains read it.)"""
     if knobs.READ_AMP_BOUND is None or not blocks:
         return
-    with engine.index.read() as view:
+    with m.read() as view:
         newest = max(view.version_numbers(), default=version)
     if newest > version:
-        merge_chains(engine, newest, blocks, bound=knobs.READ_AMP_BOUND)
+        merge_chains(m, newest, blocks, bound=knobs.READ_AMP_BOUND)
 
 
-def merge_chains(engine: "Engine", version: int, blocks: set[tuple[int, int]] | None = None, *,
+def merge_chains(m: "MaintenanceHandle", version: int, blocks: set[tuple[int, int]] | None = None, *,
                  limiter=None, halted: Callable[[], bool] = lambda: False, bound: float | None = None) -> MergeReport:
     """Merge every block (of ``blocks``, (table id, block) pairs; None: all) whose read amplification at
     ``version`` passes ``knobs.MERGE_TRIGGER`` and whose chain holds two or more records above its
@@ -202,14 +204,14 @@ def merge_chains(engine: "Engine", version: int, blocks: set[tuple[int, int]] | 
 
     Commits in batches of about ``knobs.MERGE_BATCH_BYTES`` (crash points ``merge_after_append`` and
     ``merge_inside_index_commit``), asks ``limiter`` (a RateLimiter) before each block, and stops early,
-    between blocks, once ``halted()``; what it leaves is only not merged yet. The caller holds the
-    maintenance lock; a checkpoint may be written meanwhile.
+    between blocks, once ``halted()``; what it leaves is only not merged yet. A checkpoint may be
+    written meanwhile.
     """
     report = MergeReport(version)
     trigger = knobs.MERGE_TRIGGER if bound is None else bound
     if trigger is None or knobs.READ_CHAIN_BOUND is None:
         return report
-    with engine.index.read() as view:
+    with m.read() as view:
         tables = {info.id: info for info in view.tables().values()}
         if blocks is None:
             blocks = {(tid, block) for tid in tables for block, oldest in view.row_blocks(tid) if oldest <= version}
@@ -229,73 +231,63 @@ def merge_chains(engine: "Engine", version: int, blocks: set[tuple[int, int]] | 
         for info, block, chain in due:
             if halted():
                 break
-            size = _append_merge(engine, version, info, block, chain, batch, limiter, halted, trigger)
+            size = _append_merge(m, version, info, block, chain, batch, limiter, halted, trigger)
             if size is None:
                 continue
             batch_bytes += size
             report.blocks_merged += 1
             report.baselines += bool(batch[-1][2].flags & record.FLAG_BASELINE)
             if batch_bytes >= knobs.MERGE_BATCH_BYTES:
-                _commit_merges(engine, version, batch, batch_bytes)  # (rolls back itself on failure)
+                _commit_merges(m, version, batch, batch_bytes)  # (rolls back itself on failure)
                 report.bytes_written += batch_bytes
                 batch, batch_bytes = [], 0
     except BaseException:
         if batch:
-            engine.compaction_appender.rollback()  # merged records appended, not committed: thrown away
+            m.appender.rollback()  # merged records appended, not committed: thrown away
         raise
     if batch:
-        _commit_merges(engine, version, batch, batch_bytes)
+        _commit_merges(m, version, batch, batch_bytes)
         report.bytes_written += batch_bytes
     report.waited_s = limiter.waited - waited_before if limiter is not None else 0.0
     return report
 
 
-def _append_merge(engine: "Engine", version: int, info, block: int, chain, batch: list, limiter, halted,
+def _append_merge(m: "MaintenanceHandle", version: int, info, block: int, chain, batch: list, limiter, halted,
                   trigger: float) -> int | None:
     """Append the merged record of ``block`` (its read ``chain`` at ``version``, merged within the budget of
     ``trigger``) to the compaction appender, noting its entry in ``batch``; returns its bytes. None (nothing
     appended) if the merge would leave the block's read amplification higher than the chain's: a save
     beside this merge checked its bound against the chain (chain_costs.py), and may rely on it."""
-    with engine.index.read() as view:
-        resolver = reader.BlockResolver(view, engine.segments, info)
+    with m.read() as view:
+        resolver = reader.BlockResolver(view, m.storage, info)
         block_len = blocks_math.length(block, info.block_rows, info.num_rows)
         codec = codecs.get(info.codec)
-        m = merge.merge_block(resolver, block, block_len, chain, codec, np.empty(0, dtype=np.int64),
+        merged = merge.merge_block(resolver, block, block_len, chain, codec, np.empty(0, dtype=np.int64),
                               np.empty((0, codec.row_bytes(info.dim)), dtype=np.uint8),
                               merge.merge_budget(trigger, info, block, chain))
     first = blocks_math.base(block, info.block_rows)
-    records = block_records(info, m.codec, m.offsets + first, m.encoded, version, base=m.base, copied=m.copied,
-                            baseline=not m.base, merged=True)
+    records = block_records(info, merged.codec, merged.offsets + first, merged.encoded, version, base=merged.base, copied=merged.copied,
+                            baseline=not merged.base, merged=True)
     ((_blk, count, flags), _buffers, length), = records
-    after = merge.merged_chain(chain, version, RowLoc(0, 0, length, count, flags, m.base))
+    after = merge.merged_chain(chain, version, RowLoc(0, 0, length, count, flags, merged.base))
     if merge.read_amplification(info, block, after) > merge.read_amplification(info, block, chain):
         return None
     size = sum(length for _key, _buffers, length in records)
     if limiter is not None:
         limiter.acquire(size, halted)
-    locations = engine.compaction_appender.append_many([(buffers, n) for _key, buffers, n in records])
+    locations = m.appender.append_many([(buffers, n) for _key, buffers, n in records])
     for ((blk, count, flags), _buffers, length), (seg, off) in zip(records, locations):
-        batch.append((info.id, blk, RowLoc(seg, off, length, count, flags, m.base if flags & record.FLAG_DELTA else 0)))
+        batch.append((info.id, blk, RowLoc(seg, off, length, count, flags, merged.base if flags & record.FLAG_DELTA else 0)))
     fs.crash_point("merge_appended")  # a merged record appended, not committed
     return size
 
 
-def _commit_merges(engine: "Engine", version: int, rows: list, size: int) -> None:
+def _commit_merges(m: "MaintenanceHandle", version: int, rows: list, size: int) -> None:
     """Commit merged records of ``version``: they replace its entries of their blocks; entries of dropped
     versions no kept version reads any more are pruned (never a pinned one)."""
-    edit = VersionEdit(rows=[(tid, blk, version, loc) for tid, blk, loc in rows],
+    edit = VersionEdit(operation="merge", rows=[(tid, blk, version, loc) for tid, blk, loc in rows],
                        shadowed=[(tid, blk) for tid, blk, _loc in rows], bytes_written=size, merge_bytes=size)
-    with engine.pin_lock:  # as in drop_versions: never delete the base of an open checkpoint's delta
-        edit.pinned = frozenset(engine.pinned())
-        _commit(engine, engine.compaction_appender, True, "merge", edit)
-
-
-def _commit(engine: "Engine", appender, appended: bool, name: str, edit: VersionEdit) -> None:
-    """The engine's one commit path (LogAndApply of ``edit``) for the maintenance step ``name`` (its crash
-    points ``<name>_after_append`` and ``<name>_inside_index_commit``: ``version_edit.crash_points``); on
-    any failure it throws the appended bytes away."""
-    edit.operation = name
-    engine.commit(appender, edit, appended=appended)
+    m.commit(edit, pin=True)  # as in drop_versions: never delete the base of an open checkpoint's delta
 
 
 def _merge_pieces(pieces: list, base: int, dim: int):
@@ -313,7 +305,7 @@ def _merge_pieces(pieces: list, base: int, dim: int):
     return codec, rows[order], np.ascontiguousarray(encoded[order])
 
 
-def drop_versions(engine: "Engine", drop: set[int], *, allow_newest: bool = False) -> list[int]:
+def drop_versions(m: "MaintenanceHandle", drop: set[int], *, allow_newest: bool = False) -> list[int]:
     """Drop the versions in ``drop`` and every index entry no kept version reads.
 
     The newest version is dropped only with ``allow_newest`` (cnrstore.distributed reclaims local versions
@@ -326,7 +318,7 @@ def drop_versions(engine: "Engine", drop: set[int], *, allow_newest: bool = Fals
     pinned. Dense entries are each a whole array, so each is a baseline. Returns the dropped versions,
     oldest first.
     """
-    with engine.index.read() as view:
+    with m.read() as view:
         present = view.version_numbers()
         seq = schema.DROP_SEQ.get(view) + 1
         if not set(present) & set(drop):
@@ -341,16 +333,15 @@ def drop_versions(engine: "Engine", drop: set[int], *, allow_newest: bool = Fals
                       for key, chain in block_chains(view, oldest).items()}
             anchor = anchor_at(view, oldest, chains, schema.DROPPED_BELOW.get(view))
     # the log records the drop, so that repair leaves these versions dropped (docs/FORMAT.md, DROP)
-    edit = VersionEdit(drop=DropLog(seq, present[-1], kept_now), anchor=anchor, drop_versions=frozenset(drop),
+    edit = VersionEdit(operation="drop", drop=DropLog(seq, present[-1], kept_now), anchor=anchor, drop_versions=frozenset(drop),
                        allow_newest=allow_newest, meta={schema.DROP_SEQ: seq}, prune_log_records=True)
-    with engine.pin_lock:  # a checkpoint cannot pin a base while the drop decides (writer._chain_merges)
-        edit.pinned = frozenset(engine.pinned())  # the bases of deltas the open checkpoint writes
-        _commit(engine, engine.compaction_appender, True, "drop", edit)
+    m.commit(edit, pin=True)  # pins the bases of deltas the open checkpoint writes: a checkpoint cannot pin
+    # one while the drop decides (writer._chain_merges)
     return edit.dropped
 
 
-def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
-    """Reclaim the space of dead records and dead rows. The caller holds the maintenance lock.
+def collect(m: "MaintenanceHandle", progress: Progress | None = None) -> GCReport:
+    """Reclaim the space of dead records and dead rows, through the maintenance handle ``m``.
 
     Liveness is per row (cnrstore/maintenance/liveness.py): a row record some retained version reads only partly is
     live for those rows only. A segment with nothing live is freed; the others are *cleaned* (their live
@@ -370,15 +361,14 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
     index transaction raises StorageFull with the store unchanged.
     """
     report = GCReport()
-    appender = engine.compaction_appender
-    engine.seal_idle_writer_segment()  # a small store's one segment can then be cleaned too
-    with engine.pin_lock:
-        pinned = engine.pinned()
-    with engine.index.read() as view:
+    appender = m.appender
+    m.seal_idle_writer_segment()  # a small store's one segment can then be cleaned too
+    pinned = m.pinned()
+    with m.read() as view:
         committed = view.segments()
         kept = view.version_numbers()
         newest = kept[-1] if kept else 0
-        alive = liveness.row_liveness(view, lambda loc: fetch(engine.segments, loc), kept, pinned)
+        alive = liveness.row_liveness(view, lambda loc: fetch(m.storage, loc), kept, pinned)
         live = dict(alive.live_bytes)
         age: dict[int, int] = {}  # segment -> newest version of a live record in it
         row_users: dict[int, list] = {}
@@ -395,7 +385,7 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
             log_users.setdefault(loc.segment, []).append((kind, v, loc))
     fs.pause_point("gc_planned")  # liveness judged on the snapshot above; commits may land meanwhile
-    busy = engine.appender.busy()  # the checkpoint writer's segments: possibly uncommitted bytes
+    busy = m.writer_segments()  # the checkpoint writer's segments: possibly uncommitted bytes
     dead: list[int] = []
     scored = []
     for seg, length in sorted(committed.items()):
@@ -423,10 +413,10 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
 
     # 1. free the wholly dead segments: no segment bytes to write (LMDB may need a page or two)
     if dead:
-        free = VersionEdit(free_segments={seg: committed[seg] for seg in dead})
-        _commit(engine, appender, False, "gc_free", free)  # StorageFull here: nothing changed
+        free = VersionEdit(operation="gc_free", free_segments={seg: committed[seg] for seg in dead})
+        m.commit(free, appended=False)  # StorageFull here: nothing changed
         appender.forget(free.freed)
-    engine.delete_doomed(report)  # the space the copies below may need
+    m.delete_doomed(report)  # the space the copies below may need
 
     # 2. clean the chosen segments, one committed batch at a time
     batches: list[list[int]] = []
@@ -448,16 +438,16 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
                 for tid, block, v, loc in row_users.get(seg, []):
                     rows = alive.partial.get((tid, block, v))
                     if rows is None:
-                        buffers = [_verified_bytes(engine, loc, Expect(record.KIND_ROWS, tid, v, block))]
+                        buffers = [_verified_bytes(m, loc, Expect(record.KIND_ROWS, tid, v, block))]
                         copies.append(("row", (tid, block, v), loc, loc, buffers))
                     else:  # partly live: rewritten with its live rows only
-                        new_loc, buffers, _length = _live_rows_record(engine, loc, rows, tid, block)
+                        new_loc, buffers, _length = _live_rows_record(m, loc, rows, tid, block)
                         copies.append(("row", (tid, block, v), loc, new_loc, buffers))
                 for dense_id, v, loc in dense_users.get(seg, []):
-                    buffers = [_verified_bytes(engine, loc, Expect(record.KIND_DENSE, dense_id, v))]
+                    buffers = [_verified_bytes(m, loc, Expect(record.KIND_DENSE, dense_id, v))]
                     copies.append(("dense", (dense_id, v), loc, loc, buffers))
                 for kind, v, loc in log_users.get(seg, []):
-                    copies.append(("log", (kind, v), loc, loc, [_verified_bytes(engine, loc, Expect(kind))]))
+                    copies.append(("log", (kind, v), loc, loc, [_verified_bytes(m, loc, Expect(kind))]))
                 locations = appender.append_many([(buffers, new.length) for _k, _key, _old, new, buffers in copies])
                 fs.crash_point("gc_cleaned_segment")
                 for (kind, key, old, new, _buffers), (new_seg, off) in zip(copies, locations):
@@ -473,9 +463,9 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
 
         # The copies were planned on an older snapshot: each replaces its entry only if the entry is still
         # the one copied, and a segment is freed only if no commit has grown it since (VersionEdit).
-        edit = VersionEdit(moves=moves, free_segments={seg: committed[seg] for seg in batch}, bytes_written=copied)
+        edit = VersionEdit(operation="gc", moves=moves, free_segments={seg: committed[seg] for seg in batch}, bytes_written=copied)
         try:
-            _commit(engine, appender, bool(moves), "gc", edit)  # rolls back on failure
+            m.commit(edit, appended=bool(moves))  # rolls back on failure
         except StorageFull as exc:
             report.incomplete = _incomplete(candidates, done, exc)
             break
@@ -486,15 +476,15 @@ def collect(engine: "Engine", progress: Progress | None = None) -> GCReport:
         done += len(batch)
         if progress is not None:
             progress(done, len(candidates))
-        engine.delete_doomed(report)  # each batch's sources, as soon as no reader needs them
-    return engine.delete_doomed(report)
+        m.delete_doomed(report)  # each batch's sources, as soon as no reader needs them
+    return m.delete_doomed(report)
 
 
-def _live_rows_record(engine: "Engine", loc: RowLoc, rows: np.ndarray, tid: int, block: int):
+def _live_rows_record(m: "MaintenanceHandle", loc: RowLoc, rows: np.ndarray, tid: int, block: int):
     """(new RowLoc without its place, buffers, length) of the record at ``loc`` holding only the block
     offsets ``rows`` (sorted, a subset of its rows): encoded bytes copied, flags kept (FULL recomputed),
     marked COMPACTED (written by maintenance: repair reads it as the block's record at its version)."""
-    rec = fetch(engine.segments, loc, Expect(record.KIND_ROWS, tid, None, block))
+    rec = fetch(m.storage, loc, Expect(record.KIND_ROWS, tid, None, block))
     offsets = rec.offsets()
     take = np.searchsorted(offsets, rows)
     body = rec.body.reshape(rec.count, -1)[take]
@@ -514,26 +504,26 @@ def _incomplete(candidates: list[int], done: int, exc: BaseException) -> str:
             "free disk space and run gc again to reclaim them")
 
 
-def _verified_bytes(engine: "Engine", loc, expect: Expect) -> np.ndarray:
+def _verified_bytes(m: "MaintenanceHandle", loc, expect: Expect) -> np.ndarray:
     """A record's bytes, checksum-verified and checked against the index entry that names it: GC never
     copies damage, nor a record other than the one the entry names, into a new segment."""
-    fetch(engine.segments, loc, expect)
-    return engine.segments.read(loc.segment, loc.offset, loc.length)
+    fetch(m.storage, loc, expect)
+    return m.storage.read(loc.segment, loc.offset, loc.length)
 
 
-def replace_dense(engine: "Engine", name: str, version: int, array: np.ndarray) -> DenseLoc:
+def replace_dense(m: "MaintenanceHandle", name: str, version: int, array: np.ndarray) -> DenseLoc:
     """Rewrite dense array ``name`` of committed ``version`` as ``array``: a new DENSE record (same dense id
     and version) appended by compaction's appender, then one index transaction points the entry at it. The
     old record becomes dead bytes that ``gc`` reclaims. Used once per version by ``cnrstore migrate-payload``
     (docs/DESIGN.md "Security"); nothing else rewrites a committed version's data.
 
-    The caller holds the maintenance lock. InvalidArgument if the version holds no such array (now)."""
-    with engine.index.read() as view:
+    InvalidArgument if the version holds no such array (now)."""
+    with m.read() as view:
         dense_id = view.dense_id(name)
         old = None if dense_id is None else view.dense_loc(dense_id, version)
     if old is None:
         raise InvalidArgument(f"version {version} holds no dense array {name!r}")
-    appender = engine.compaction_appender
+    appender = m.appender
     buffers, length = record.dense_record(dense_id, version, array)
     try:
         loc = DenseLoc(*appender.append(buffers, length), length)
@@ -543,6 +533,6 @@ def replace_dense(engine: "Engine", name: str, version: int, array: np.ndarray) 
 
     conflict = (f"dense array {name!r} of version {version} changed (dropped or moved) while it was rewritten; "
                 "run the command again")
-    edit = VersionEdit(moves=[Move("dense", (dense_id, version), old, loc, conflict)], bytes_written=length)
-    _commit(engine, appender, True, "replace_dense", edit)
+    edit = VersionEdit(operation="replace_dense", moves=[Move("dense", (dense_id, version), old, loc, conflict)], bytes_written=length)
+    m.commit(edit)
     return loc

@@ -226,7 +226,7 @@ def _store_is_healthy(root: str, make_storage, report: RepairReport, progress=No
         verified = verify_store(engine, progress)
         if not verified.ok:
             return False
-        with engine.index.read() as view:
+        with engine.read() as view:
             report.versions_recovered = view.version_numbers()
             report.tables_recovered = sorted(view.tables())
     except CnrError:

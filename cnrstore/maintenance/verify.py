@@ -50,14 +50,13 @@ def verify_store(engine: "Engine", progress: Callable[[int, int], None] | None =
     names its table by name (and id), its dense array by name, its block and its version.
     """
     report = VerifyReport()
-    seg_reader = engine.segments
+    seg_reader = engine.storage
 
     def add(problem: str, advice: str) -> None:
         report.problems.append(f"{problem} -- what to do: {advice}")
 
-    with engine.pin_lock:  # entries an open checkpoint's deltas will read (writer.pins) are not leftovers
-        pinned = engine.pinned()
-    with engine.index.read() as view:
+    pinned = engine.pinned()  # entries an open checkpoint's deltas will read (writer.pins) are not leftovers
+    with engine.read() as view:
         committed = view.segments()
         for seg, length in sorted(committed.items()):
             path = seg_reader.path(seg)

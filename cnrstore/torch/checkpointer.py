@@ -495,6 +495,12 @@ class Checkpointer:
         return self._queue.held_bytes
 
     @property
+    def tables(self) -> tuple:
+        """The embedding tables this Checkpointer tracks (tracking.Table: their touched-row bit sets and
+        forward pre-hooks), for diagnostics and benchmarks; read-only."""
+        return tuple(self._tables)
+
+    @property
     def durable_step(self) -> int | None:
         """The step of the newest save of this Checkpointer that has committed (None before one, or if it had
         no step): what a ``kill -9`` now would resume from."""

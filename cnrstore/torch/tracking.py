@@ -81,14 +81,14 @@ class Table:
     def track_module(self, module: nn.Module) -> None:
         """Track the lookups of ``module`` (an embedding module using this table's weight; a weight shared
         by several modules is one table tracked through each of them)."""
-        self.hooks.append(module.register_forward_pre_hook(self._track, with_kwargs=True))
+        self.hooks.append(module.register_forward_pre_hook(self.track, with_kwargs=True))
 
     def remove_hooks(self) -> None:
         """Stop tracking: remove every hook this table put on a module."""
         for h in self.hooks:
             h.remove()
 
-    def _track(self, module, args, kwargs) -> None:
+    def track(self, module, args, kwargs) -> None:
         if torch.is_grad_enabled():
             self.note(args[0] if args else kwargs["input"])
 
