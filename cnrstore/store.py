@@ -16,6 +16,7 @@ from .engine import blocks as blocks_math
 from .engine.core import Engine, version_info as _version_info
 from .engine.index import IndexView
 from .engine.schema import TableRecord
+from .engine.replication import Replicator
 from .engine.storage import SegmentStorage
 from .engine.writer import CheckpointWriter
 from .errors import CompactionFailed, InvalidArgument, MissingRows, ReadOnlyError, TableNotFound, VersionNotFound
@@ -60,7 +61,8 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None,
                               "object store's URL)")
     else:
         remote_tier.check_local_only(path, "open")
-    store = Store(path, create=create, readonly=readonly, filesystem=fs.DEFAULT, storage=storage)
+    store = Store(path, create=create, readonly=readonly, filesystem=fs.DEFAULT, storage=storage,
+                  replicator=storage if remote is not None else None)
     if policy is not None:
         store._life.compactor = BackgroundCompactor(store._engine, policy)
         store._engine.set_commit_listener(store._life.compactor.notify)
@@ -99,13 +101,14 @@ class Store:
     """An open checkpoint store. Thread-safe for reads; one checkpoint writer at a time."""
 
     def __init__(self, root: str, *, create: bool, readonly: bool, filesystem: fs.FileSystem,
-                 storage: SegmentStorage | None = None):
+                 storage: SegmentStorage | None = None, replicator: Replicator | None = None):
         """Open (``create``: or make) the store at ``root`` (``Engine.open``). ``storage``: where segments are
-        read and removed (storage.py); default the local files."""
+        read and removed (storage.py); default the local files. ``replicator``: what keeps a remote copy
+        current (replication.py; the remote tier's storage is both)."""
         self.path = os.path.abspath(root)
         self.readonly = readonly
         self._engine = Engine.open(self.path, filesystem, storage, readonly=readonly, create=create,
-                                   create_wait_s=CREATE_WAIT_S)
+                                   create_wait_s=CREATE_WAIT_S, replicator=replicator)
         #: what close() and the interpreter's exit wait for, and how each ends (lifecycle.py)
         self._life = lifecycle.StoreLifecycle(self.path, self._engine, writable=not readonly)
         #: what opening for writing recovered or repaired (API.md)
@@ -497,7 +500,7 @@ class Store:
         stats["write_amplification"] = stats["bytes_written"] / increments if increments else None
         stats["save_write_amplification"] = stats["save_bytes"] / increments if increments else None
         stats["space_amplification"] = stats["bytes_on_disk"] / live if live else None
-        remote = self._engine.storage.remote_status()
+        remote = self._engine.replication_status()
         if remote is not None:
             stats["remote"] = remote
         return stats
@@ -507,10 +510,7 @@ class Store:
         uploaded, the index snapshot uploaded, the pointer replaced. RemoteStorageError if the object store
         fails (the remote then still reads at its previous copy point); InvalidArgument without a remote."""
         self._check_writable()
-        segments = self._engine.storage
-        if segments.remote_status() is None:
-            raise InvalidArgument(f"store {self.path!r} has no remote tier: open it with remote=URL")
-        segments.copy_point()
+        self._engine.copy_point()
 
     def _disk_bytes(self) -> int:
         return self._engine.storage.disk_bytes() + sum(

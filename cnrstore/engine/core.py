@@ -34,6 +34,7 @@ from .index import DenseLoc, Index, IndexView, IndexWriter, RowLoc, damage_hint,
 from .chain_costs import ChainCosts
 from .handle import MaintenanceHandle
 from .parts import EngineParts
+from .replication import Replicator
 from .lock import ProcessLock
 from .marker import FORMAT_VERSION, marker_bytes
 from .reader import BlockResolver
@@ -60,6 +61,7 @@ class Engine:
         self._lock: ProcessLock | None = None  # of a writable store
         self._index: Index | None = None
         self._segments: SegmentStorage | None = None
+        self._replicator: Replicator | None = None  # what keeps a copy elsewhere current (replication.py)
         self._appender = None  # segments.SegmentAppender of the checkpoint writer
         self._compaction_appender = None  # ... of compaction and GC
         self._maintenance_lock = threading.Lock()  # compact, retain, gc: one at a time
@@ -87,11 +89,13 @@ class Engine:
     # open -------------------------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str, filesystem: fs.FileSystem, storage: SegmentStorage | None = None, *,
-             readonly: bool, create: bool = False, create_wait_s: float = 10.0) -> "Engine":
+             readonly: bool, create: bool = False, create_wait_s: float = 10.0,
+             replicator: Replicator | None = None) -> "Engine":
         """Open the store at ``path`` (an absolute path): with ``create``, make it first if it has no
         marker (``opening.create``; another process creating it meanwhile is waited for up to
         ``create_wait_s``). ``storage``: where segments live (default: the local files, written through
-        ``filesystem``).
+        ``filesystem``); ``replicator``: what keeps a copy of the store elsewhere current (replication.py;
+        None: no copy), told when the engine opened, before each checkpoint, after each commit and at close.
 
         A writable open takes the store's lock, installs the index a repair killed between its renames
         had built (``index.finish_interrupted_install``), checks the storage takes appends and that this
@@ -102,6 +106,7 @@ class Engine:
         ReadOnlyError or IndexDamaged, having released whatever it took.
         """
         engine = cls(path, filesystem, readonly)
+        engine._replicator = replicator
         try:
             if not opening.find(path, readonly):
                 if not create or readonly:
@@ -114,7 +119,8 @@ class Engine:
             engine._open_index(storage)
             if not readonly:
                 engine._recover(fmt)
-            engine._segments.attach(engine._index, engine._seal_idle_writer_segment)
+            if replicator is not None:
+                replicator.attach(engine._index, engine._seal_idle_writer_segment)
         except BaseException:
             engine.close()
             raise
@@ -191,6 +197,17 @@ class Engine:
         files); nothing for a readonly store, which holds no lock."""
         if self._lock is not None:
             self._lock.verify()
+
+    def copy_point(self) -> None:
+        """Make a copy point now (replication.py): InvalidArgument for a store without a remote copy;
+        RemoteStorageError if the object store fails (the copy then still reads at its previous one)."""
+        if self._replicator is None:
+            raise InvalidArgument(f"store {self.path!r} has no remote tier: open it with remote=URL")
+        self._replicator.copy_point()
+
+    def replication_status(self) -> dict | None:
+        """The remote copy's state and counters (``Store.stats()["remote"]``); None without one."""
+        return None if self._replicator is None else self._replicator.status()
 
     def set_commit_listener(self, listener: Optional[Callable[[], None]]) -> None:
         """Call ``listener()`` after each committed checkpoint (the background compactor's ``notify``)."""
@@ -323,7 +340,8 @@ class Engine:
         (even to a checkpoint that aborts or is lost in a crash), ``parent`` the newest committed version,
         ``parts`` what the writer appends and commits through (parts.py).
         CheckpointInProgress while the slot holds another; ``writer_done`` empties it."""
-        self._segments.before_checkpoint()
+        if self._replicator is not None:
+            self._replicator.before_checkpoint()
         with self._writer_mutex:
             if self._writer is not None:
                 raise CheckpointInProgress(f"checkpoint {self._writer.version} is still open; commit or abort it "
@@ -350,7 +368,8 @@ class Engine:
                 self._written_blocks.update(writer.blocks_written())
         if writer.committed:
             try:
-                self._segments.after_commit()  # a remote storage's copy point (storage.py)
+                if self._replicator is not None:
+                    self._replicator.after_commit()  # a copy point, if one is due (replication.py)
             finally:
                 if self._on_commit is not None:
                     self._on_commit()
@@ -471,9 +490,9 @@ class Engine:
         if self._writer is not None:
             self._writer.abort()
         flush_error = None
-        if not self._closed and not self.readonly and self._appender is not None:
+        if not self._closed and not self.readonly and self._appender is not None and self._replicator is not None:
             try:
-                self._segments.flush()  # a remote storage's last copy point
+                self._replicator.flush()  # the last copy point
             except Exception as exc:  # noqa: BLE001 - close everything first, then report it
                 flush_error = exc
         self._closed = True

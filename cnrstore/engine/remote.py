@@ -45,6 +45,7 @@ from . import remote_layout
 from .remote_layout import (CACHE, LEGACY_WRITERS, WRITER, Identity, Pointer, Writers, decode_identity,
                             decode_pointer, encode_pointer)
 from .segments import leftover_rule
+from .replication import Replicator
 from .storage import LocalSegmentStorage
 from ..errors import (CnrError, CorruptionError, InvalidArgument, RemoteConflict, RemoteObjectMissing,
                       RemoteStorageError, RemoteTakenOver, StoreLocked, StoreNotFound)
@@ -490,7 +491,7 @@ def reinstall_cache(root: str, url: str, options: dict | None, filesystem: fs.Fi
 
 # -- the storage --------------------------------------------------------------------------------------------
 
-class RemoteSegmentStorage(LocalSegmentStorage):
+class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
     """Segments under ``<root>/segments/`` while active or cached, and under the remote prefix once sealed.
 
     Reads go to the local copy when there is one and to the object store otherwise (whole, for a segment
@@ -498,7 +499,10 @@ class RemoteSegmentStorage(LocalSegmentStorage):
     segment is evictable once a pointer it wrote names the segment at its full length; ``cache_bytes``
     bounds the evictable copies (active segments, and those not yet named by a pointer, come on top: then
     ``stats()["remote"]["over_bound_bytes"]`` says by how much). A failed upload or copy point is logged and
-    retried at a later copy point; the commit it followed stands."""
+    retried at a later copy point; the commit it followed stands.
+
+    It is both a segment storage (storage.py: the I/O) and the store's ``Replicator`` (replication.py: the
+    copy points the engine asks for)."""
 
     def __init__(self, root: str, filesystem: fs.FileSystem, objects: ObjectStore, prepared: Prepared, *,
                  readonly: bool, cache_bytes: int = DEFAULT_CACHE_BYTES, every: int = DEFAULT_EVERY):
@@ -556,7 +560,7 @@ class RemoteSegmentStorage(LocalSegmentStorage):
     def _key(self, seg: int) -> str:
         return self.writers.segment_key(seg)
 
-    # the engine's hooks --------------------------------------------------------------------------------
+    # the engine's hooks (segment ids; the Replicator's attach, before_checkpoint, after_commit, flush) --------------------------------------------------------------------------------
     def segment_ids_from(self, high: int) -> int:
         """The first segment id the engine may hand out (``high``: the largest id its index used): a writer
         taking the prefix over starts past every id of the snapshot it took over from, and past every
@@ -1080,7 +1084,7 @@ class RemoteSegmentStorage(LocalSegmentStorage):
         with self._lock:
             return sum(self._cache.values())
 
-    def remote_status(self) -> dict:
+    def status(self) -> dict:
         """What ``Store.stats()["remote"]`` reports."""
         with self._lock:
             cached = sum(self._cache.values())

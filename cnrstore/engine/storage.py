@@ -12,7 +12,9 @@ storage without it, which never hands out an appender. An appender (``appender``
 ``sealed(seg)`` once it will never append to ``seg`` again (it rolled over to a new segment, or GC sealed
 it): the hook where the remote tier (engine/remote.py, ``RemoteSegmentStorage``) uploads the now
 immutable file, whose reads it may later serve from the object store, and where a local one has nothing
-to do.
+to do. Copy points (what keeps a remote copy current) are not this seam's: the engine drives them through
+a ``Replicator`` (replication.py). tests/support/storage_conformance.py runs the same contract tests
+against every implementation.
 """
 
 from __future__ import annotations
@@ -156,31 +158,10 @@ class SegmentStorage(abc.ABC):
     def sealed(self, seg: int) -> None:
         """Segment ``seg`` will never be appended to again (its committed bytes are final)."""
 
-    def attach(self, index, seal_writer) -> None:
-        """The engine opened (after crash recovery): ``index`` is its Index and ``seal_writer()`` seals the
-        checkpoint writer's active segment if no checkpoint is open. A remote storage's copy points use both."""
-
-    def after_commit(self) -> None:
-        """A checkpoint committed (the writer slot is free again): where a remote storage makes its copy
-        point. Never raises for a remote fault (that is logged and retried at the next one), except
-        RemoteTakenOver once: another writer took the prefix over (the commit stands locally)."""
-
-    def before_checkpoint(self) -> None:
-        """A checkpoint is about to begin: a storage that may no longer take checkpoints raises (a remote
-        storage that lost its prefix: RemoteTakenOver)."""
-
     def segment_ids_from(self, high: int) -> int:
         """The first segment id the engine may hand out, ``high`` being the largest its index used (a
         remote writer that took a prefix over starts past the ids the writers before it used)."""
         return high + 1
-
-    def remote_status(self) -> dict | None:
-        """What a storage with a remote side reports of it (``Store.stats()["remote"]``); None: none."""
-        return None
-
-    def flush(self) -> None:
-        """A writable store is closing: make the copy kept elsewhere current (a last copy point). May raise
-        RemoteStorageError; the store closes all the same."""
 
     def forget(self, seg: int) -> None:
         """Drop what is cached of segment ``seg`` (it left the index)."""
