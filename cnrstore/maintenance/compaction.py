@@ -16,6 +16,7 @@ meta ``doomed_segments`` with the id of the transaction that freed it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
@@ -363,29 +364,86 @@ def collect(m: "MaintenanceHandle", progress: Progress | None = None) -> GCRepor
     report = GCReport()
     appender = m.appender
     m.seal_idle_writer_segment()  # a small store's one segment can then be cleaned too
+    survey = _survey(m)
+    fs.pause_point("gc_planned")  # liveness judged on the snapshot above; commits may land meanwhile
+    dead, candidates = _choose(survey, m.writer_segments())  # (the writer's: possibly uncommitted bytes)
+    if appender.active is not None and (appender.active in candidates or appender.active in dead):
+        appender.seal()  # compaction's own segment is worth cleaning: copies go to a new one
+    _free_dead(m, survey, dead)  # StorageFull here: nothing changed
+    m.delete_doomed(report)  # the space the copies below may need
+    done = 0
+    for batch in _batches(survey, candidates):
+        try:
+            moves, copied = _copy_live_records(m, survey, batch)
+        except StorageFull as exc:
+            appender.rollback()
+            report.incomplete = _incomplete(candidates, done, exc)
+            break
+        except BaseException:
+            appender.rollback()
+            raise
+        # The copies were planned on an older snapshot: each replaces its entry only if the entry is still
+        # the one copied, and a segment is freed only if no commit has grown it since (VersionEdit).
+        edit = VersionEdit(operation="gc", moves=moves, free_segments={seg: survey.committed[seg] for seg in batch},
+                           bytes_written=copied)
+        try:
+            m.commit(edit, appended=bool(moves))  # rolls back on failure
+        except StorageFull as exc:
+            report.incomplete = _incomplete(candidates, done, exc)
+            break
+        appender.forget(edit.freed)
+        report.bytes_copied += copied
+        report.segments_rewritten += len(edit.freed)
+        done += len(batch)
+        if progress is not None:
+            progress(done, len(candidates))
+        m.delete_doomed(report)  # each batch's sources, as soon as no reader needs them
+    return m.delete_doomed(report)
+
+
+@dataclass
+class _Survey:
+    """What GC judged on one index snapshot: each committed segment's length, live bytes, age (the newest
+    version of a record in it) and the index entries that point into it, and which row records are
+    only partly live (``partial``: (table id, block, version) -> the live block offsets)."""
+
+    committed: dict[int, int]
+    newest: int
+    live: dict[int, int]
+    age: dict[int, int] = field(default_factory=dict)
+    row_users: dict[int, list] = field(default_factory=dict)
+    dense_users: dict[int, list] = field(default_factory=dict)
+    log_users: dict[int, list] = field(default_factory=dict)
+    partial: dict = field(default_factory=dict)
+
+
+def _survey(m: "MaintenanceHandle") -> _Survey:
+    """Liveness (per row: liveness.row_liveness, the open checkpoint's pinned bases kept) and the users of
+    every segment, on one read transaction."""
     pinned = m.pinned()
     with m.read() as view:
-        committed = view.segments()
         kept = view.version_numbers()
-        newest = kept[-1] if kept else 0
         alive = liveness.row_liveness(view, lambda loc: fetch(m.storage, loc), kept, pinned)
-        live = dict(alive.live_bytes)
-        age: dict[int, int] = {}  # segment -> newest version of a live record in it
-        row_users: dict[int, list] = {}
-        dense_users: dict[int, list] = {}
-        log_users: dict[int, list] = {}
+        survey = _Survey(view.segments(), kept[-1] if kept else 0, dict(alive.live_bytes), partial=alive.partial)
+        live, age = survey.live, survey.age
         for tid, block, v, loc in view.row_entries():
-            row_users.setdefault(loc.segment, []).append((tid, block, v, loc))
+            survey.row_users.setdefault(loc.segment, []).append((tid, block, v, loc))
             age[loc.segment] = max(age.get(loc.segment, 0), v)
         for dense_id, v, loc in view.dense_entries():
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
-            dense_users.setdefault(loc.segment, []).append((dense_id, v, loc))
+            survey.dense_users.setdefault(loc.segment, []).append((dense_id, v, loc))
             age[loc.segment] = max(age.get(loc.segment, 0), v)
         for kind, v, loc in view.log_entries():  # COMMIT / ANCHOR records repair needs
             live[loc.segment] = live.get(loc.segment, 0) + loc.length
-            log_users.setdefault(loc.segment, []).append((kind, v, loc))
-    fs.pause_point("gc_planned")  # liveness judged on the snapshot above; commits may land meanwhile
-    busy = m.writer_segments()  # the checkpoint writer's segments: possibly uncommitted bytes
+            survey.log_users.setdefault(loc.segment, []).append((kind, v, loc))
+    return survey
+
+
+def _choose(survey: _Survey, busy: set) -> tuple[list[int], list[int]]:
+    """(the wholly dead segments, the segments to clean, best first): those under ``GC_LIVE_FRACTION`` live,
+    then more by the cost-benefit score while the disk would hold more than ``GC_SPACE_BOUND`` times the
+    live bytes (never one over ``GC_CLEAN_MAX_LIVE`` live). Segments in ``busy`` are skipped."""
+    committed, live, age = survey.committed, survey.live, survey.age
     dead: list[int] = []
     scored = []
     for seg, length in sorted(committed.items()):
@@ -396,29 +454,32 @@ def collect(m: "MaintenanceHandle", progress: Progress | None = None) -> GCRepor
             dead.append(seg)
         else:
             u = min(1.0, live[seg] / payload)
-            scored.append(((1 - u) * (newest - age.get(seg, 0) + 1) / (1 + u), seg, u, payload))
-    candidates = [seg for _score, seg, u, _p in sorted(scored, reverse=True) if u < knobs.GC_LIVE_FRACTION]
+            scored.append(((1 - u) * (survey.newest - age.get(seg, 0) + 1) / (1 + u), seg, u, payload))
+    scored.sort(reverse=True)
+    candidates = [seg for _score, seg, u, _p in scored if u < knobs.GC_LIVE_FRACTION]
     disk = sum(max(1, length - SEGMENT_HEADER_BYTES) for seg, length in committed.items() if seg not in dead)
     total_live = sum(live.get(seg, 0) for seg in committed)
     disk -= sum(p - live.get(seg, 0) for _s, seg, _u, p in scored if seg in candidates)
-    for score, seg, u, payload in sorted(scored, reverse=True):  # best first, while the disk is over the bound
+    for _score, seg, u, payload in scored:  # best first, while the disk is over the bound
         if disk <= knobs.GC_SPACE_BOUND * total_live:
             break
         if seg not in candidates and u < knobs.GC_CLEAN_MAX_LIVE:
             candidates.append(seg)
             disk -= payload - live.get(seg, 0)
+    return dead, candidates
 
-    if appender.active is not None and (appender.active in candidates or appender.active in dead):
-        appender.seal()  # compaction's own segment is worth cleaning: copies go to a new one
 
-    # 1. free the wholly dead segments: no segment bytes to write (LMDB may need a page or two)
+def _free_dead(m: "MaintenanceHandle", survey: _Survey, dead: list[int]) -> None:
+    """Free the wholly dead segments in one commit that writes no segment bytes (LMDB may need a page or
+    two): StorageFull leaves the store unchanged."""
     if dead:
-        free = VersionEdit(operation="gc_free", free_segments={seg: committed[seg] for seg in dead})
-        m.commit(free, appended=False)  # StorageFull here: nothing changed
-        appender.forget(free.freed)
-    m.delete_doomed(report)  # the space the copies below may need
+        free = VersionEdit(operation="gc_free", free_segments={seg: survey.committed[seg] for seg in dead})
+        m.commit(free, appended=False)
+        m.appender.forget(free.freed)
 
-    # 2. clean the chosen segments, one committed batch at a time
+
+def _batches(survey: _Survey, candidates: list[int]) -> list[list[int]]:
+    """``candidates`` in order, cut into batches of about ``_GC_BATCH_BYTES`` live bytes (one commit each)."""
     batches: list[list[int]] = []
     size = _GC_BATCH_BYTES
     for seg in candidates:
@@ -426,58 +487,38 @@ def collect(m: "MaintenanceHandle", progress: Progress | None = None) -> GCRepor
             batches.append([])
             size = 0
         batches[-1].append(seg)
-        size += live.get(seg, 0)
-    done = 0
-    for batch in batches:
-        moves: list[Move] = []
-        copied = 0
-        try:
-            for seg in batch:
-                # (kind, index key, the entry's record, the copy's location but for its place, buffers)
-                copies: list[tuple[str, tuple, object, object, list]] = []
-                for tid, block, v, loc in row_users.get(seg, []):
-                    rows = alive.partial.get((tid, block, v))
-                    if rows is None:
-                        buffers = [_verified_bytes(m, loc, Expect(record.KIND_ROWS, tid, v, block))]
-                        copies.append(("row", (tid, block, v), loc, loc, buffers))
-                    else:  # partly live: rewritten with its live rows only
-                        new_loc, buffers, _length = _live_rows_record(m, loc, rows, tid, block)
-                        copies.append(("row", (tid, block, v), loc, new_loc, buffers))
-                for dense_id, v, loc in dense_users.get(seg, []):
-                    buffers = [_verified_bytes(m, loc, Expect(record.KIND_DENSE, dense_id, v))]
-                    copies.append(("dense", (dense_id, v), loc, loc, buffers))
-                for kind, v, loc in log_users.get(seg, []):
-                    copies.append(("log", (kind, v), loc, loc, [_verified_bytes(m, loc, Expect(kind))]))
-                locations = appender.append_many([(buffers, new.length) for _k, _key, _old, new, buffers in copies])
-                fs.crash_point("gc_cleaned_segment")
-                for (kind, key, old, new, _buffers), (new_seg, off) in zip(copies, locations):
-                    moves.append(Move(kind, key, old, new._replace(segment=new_seg, offset=off)))
-                    copied += new.length
-        except StorageFull as exc:
-            appender.rollback()
-            report.incomplete = _incomplete(candidates, done, exc)
-            break
-        except BaseException:
-            appender.rollback()
-            raise
+        size += survey.live.get(seg, 0)
+    return batches
 
-        # The copies were planned on an older snapshot: each replaces its entry only if the entry is still
-        # the one copied, and a segment is freed only if no commit has grown it since (VersionEdit).
-        edit = VersionEdit(operation="gc", moves=moves, free_segments={seg: committed[seg] for seg in batch}, bytes_written=copied)
-        try:
-            m.commit(edit, appended=bool(moves))  # rolls back on failure
-        except StorageFull as exc:
-            report.incomplete = _incomplete(candidates, done, exc)
-            break
-        cleaned = edit.freed
-        appender.forget(cleaned)
-        report.bytes_copied += copied
-        report.segments_rewritten += len(cleaned)
-        done += len(batch)
-        if progress is not None:
-            progress(done, len(candidates))
-        m.delete_doomed(report)  # each batch's sources, as soon as no reader needs them
-    return m.delete_doomed(report)
+
+def _copy_live_records(m: "MaintenanceHandle", survey: _Survey, batch: list[int]) -> tuple[list[Move], int]:
+    """Append the live records of the segments in ``batch`` to compaction's appender (each checksum-verified
+    and checked against its entry; a partly live row record rewritten with its live rows only); returns
+    the index moves to commit and the bytes copied. The caller rolls back on failure."""
+    moves: list[Move] = []
+    copied = 0
+    for seg in batch:
+        # (kind, index key, the entry's record, the copy's location but for its place, buffers)
+        copies: list[tuple[str, tuple, object, object, list]] = []
+        for tid, block, v, loc in survey.row_users.get(seg, []):
+            rows = survey.partial.get((tid, block, v))
+            if rows is None:
+                buffers = [_verified_bytes(m, loc, Expect(record.KIND_ROWS, tid, v, block))]
+                copies.append(("row", (tid, block, v), loc, loc, buffers))
+            else:  # partly live: rewritten with its live rows only
+                new_loc, buffers, _length = _live_rows_record(m, loc, rows, tid, block)
+                copies.append(("row", (tid, block, v), loc, new_loc, buffers))
+        for dense_id, v, loc in survey.dense_users.get(seg, []):
+            buffers = [_verified_bytes(m, loc, Expect(record.KIND_DENSE, dense_id, v))]
+            copies.append(("dense", (dense_id, v), loc, loc, buffers))
+        for kind, v, loc in survey.log_users.get(seg, []):
+            copies.append(("log", (kind, v), loc, loc, [_verified_bytes(m, loc, Expect(kind))]))
+        locations = m.appender.append_many([(buffers, new.length) for _k, _key, _old, new, buffers in copies])
+        fs.crash_point("gc_cleaned_segment")
+        for (kind, key, old, new, _buffers), (new_seg, off) in zip(copies, locations):
+            moves.append(Move(kind, key, old, new._replace(segment=new_seg, offset=off)))
+            copied += new.length
+    return moves, copied
 
 
 def _live_rows_record(m: "MaintenanceHandle", loc: RowLoc, rows: np.ndarray, tid: int, block: int):
