@@ -60,7 +60,7 @@ class Engine:
         self.recovery_notes: list[str] = []
         self._lock: ProcessLock | None = None  # of a writable store
         self._index: Index | None = None
-        self._segments: SegmentStorage | None = None
+        self._storage: SegmentStorage | None = None
         self._replicator: Replicator | None = None  # what keeps a copy elsewhere current (replication.py)
         self._appender = None  # segments.SegmentAppender of the checkpoint writer
         self._compaction_appender = None  # ... of compaction and GC
@@ -81,7 +81,7 @@ class Engine:
 
     def _parts(self) -> EngineParts:
         """The parts the checkpoint writer and the maintenance handle work on (parts.py)."""
-        return EngineParts(self._index.read, self._segments, self._appender, self._compaction_appender,
+        return EngineParts(self._index.read, self._storage, self._appender, self._compaction_appender,
                            self._pin_lock, self._pinned, self._commit, self._chain_costs,
                            self._versions_and_baseline, self._seal_idle_writer_segment, self._delete_doomed,
                            self._take_written_blocks, self._look_at_every_block)
@@ -131,12 +131,12 @@ class Engine:
             self.recovery_notes.append("installed the index an interrupted `cnrstore repair` had built "
                                        "(index.repair-tmp/)")
         self._index = Index(filenames.index_dir(self.path), readonly=self.readonly)
-        self._segments = storage if storage is not None else LocalSegmentStorage(self.path, self._fs)
+        self._storage = storage if storage is not None else LocalSegmentStorage(self.path, self._fs)
         if not self.readonly:  # a store this process may only read fails here, not at its first checkpoint
-            if not self._segments.supports_appends:
-                raise ReadOnlyError(f"{type(self._segments).__name__} takes no appends: open store {self.path!r} "
+            if not self._storage.supports_appends:
+                raise ReadOnlyError(f"{type(self._storage).__name__} takes no appends: open store {self.path!r} "
                                     "readonly=True")
-            self._segments.check_writable(opening.opening(self.path, False))
+            self._storage.check_writable(opening.opening(self.path, False))
         with self._index.read() as view:
             if schema.FORMAT.get(view) is None:  # an empty environment LMDB made in place of a lost one
                 raise IndexDamaged(f"the index of store {self.path!r} holds no catalog (was index/data.mdb "
@@ -150,12 +150,12 @@ class Engine:
             doomed = set(schema.DOOMED_SEGMENTS.get(view))
             deleted = schema.MAX_DELETED_SEGMENT.get(view)
             seg_ids = schema.SEGMENT_IDS.get(view)
-        self.recovery_notes += self._segments.recover(committed, doomed, max_deleted=deleted, ids=seg_ids)
+        self.recovery_notes += self._storage.recover(committed, doomed, max_deleted=deleted, ids=seg_ids)
         # never reuse the id of a deleted segment: a long-lived reader may still map the old file
         high, _pending = segments.leftover_rule(committed, doomed, deleted, seg_ids)
-        ids = segments.SegmentIds(self._segments.segment_ids_from(high))
+        ids = segments.SegmentIds(self._storage.segment_ids_from(high))
         # the checkpoint writer and compaction append to active segments of their own
-        storage = self._segments
+        storage = self._storage
         self._appender = storage.appender(committed, FORMAT_VERSION, ids, resume=True, on_sealed=storage.sealed)
         self._compaction_appender = storage.appender({}, FORMAT_VERSION, ids, active=None, on_sealed=storage.sealed)
         if doomed:  # segments GC freed before a restart: delete those no reader needs now
@@ -182,7 +182,7 @@ class Engine:
     @property
     def storage(self) -> SegmentStorage:
         """Where the segments live (storage.py): what reads of the index's locations go through."""
-        return self._segments
+        return self._storage
 
     def index_bytes(self) -> int:
         """The bytes the index's files take on disk."""
@@ -287,7 +287,7 @@ class Engine:
 
     def load_pending(self, loc: RowLoc, info: TableRecord) -> record.Record:
         """A record this process appended but may not have committed yet (checksum-verified)."""
-        return BlockResolver(None, self._segments, info).load(loc)
+        return BlockResolver(None, self._storage, info).load(loc)
 
     def history(self) -> "compaction_policy.History":
         """``MaintenanceHandle.history()``, taking the maintenance lock for it."""
@@ -397,7 +397,7 @@ class Engine:
             return report
         oldest = self._index.oldest_reader_txn()
         deletable = [seg for seg, freed_by in doomed.items() if oldest is None or oldest >= freed_by]
-        storage = self._segments
+        storage = self._storage
         for seg in deletable:
             size = storage.size(seg) or 0
             try:
@@ -499,8 +499,8 @@ class Engine:
         for appender in (self._appender, self._compaction_appender):
             if appender is not None:
                 appender.close()
-        if self._segments is not None:
-            self._segments.close()
+        if self._storage is not None:
+            self._storage.close()
         if self._index is not None:
             self._index.close()
         if self._lock is not None:
