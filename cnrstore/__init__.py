@@ -55,7 +55,7 @@ from .engine.writer import CheckpointWriter
 
 __version__ = "0.1.0"
 
-#: Module paths from before the layout by layer (issue 22) -> where each module lives now. The old path
+#: Module paths from before the layout by layer -> where each module lives now. The old path
 #: names the same module object (``import cnrstore.compaction``, ``from cnrstore import verify`` and
 #: ``monkeypatch.setattr("cnrstore.reader....")`` keep working), imported on first use; new code uses the
 #: new path. ``cnrstore.repair`` is the function only (the module is ``cnrstore.maintenance.repair``).

@@ -82,7 +82,7 @@ READ_AMP_BOUND = 3.0
 #: The most records a read of any version walks for one block (a backstop against many tiny records),
 #: enforced on the save path as READ_AMP_BOUND is; background merges start at MERGE_TRIGGER / READ_AMP_BOUND
 #: of it. None: plain increments only, and no merges at all (chains grow until compaction materializes).
-#: The engine before issue 25 merged on every save at 3 (READ_CHAIN_BOUND = 3, READ_AMP_BOUND = None,
+#: Earlier engines merged on every save at 3 (READ_CHAIN_BOUND = 3, READ_AMP_BOUND = None,
 #: MERGE_TRIGGER = None): flat reads, but a save's bytes grew 4.7x over 20 versions.
 READ_CHAIN_BOUND = 64
 #: Background merges write at most this many bytes per second (a token bucket, RocksDB's RateLimiter in
@@ -114,6 +114,6 @@ DECODE_INLINE_BYTES = 1 << 20
 #: file-backed memory, RssFile) until the mapping goes. After this many bytes read, the reader drops its
 #: mapped pages (``madvise(MADV_DONTNEED)``: the page cache keeps them, a later read faults them back in),
 #: so a trainer whose saves merge read chains, or that restores a large store, does not count the store's
-#: bytes in its peak RSS (issue 37: a 1.8 GiB trainer peaked at 3.9 GiB, 1.9 GiB of it mapped segments).
+#: bytes in its peak RSS (without it, a 1.8 GiB trainer peaked at 3.9 GiB, 1.9 GiB of it mapped segments).
 #: None: never drop.
 MAPPED_READ_RELEASE_BYTES = 64 << 20

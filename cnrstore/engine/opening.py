@@ -1,4 +1,4 @@
-"""Finding and making a store's files, before its engine opens them (``Engine.open``, engine.py).
+"""Finding and making a store's files, before its engine opens them (``Engine.open``, core.py).
 
 A store exists exactly when its marker does (docs/DESIGN.md "File kinds"). ``find`` says whether it
 does (and names the directory this process may not search, if that is why it cannot tell), ``create``

@@ -37,7 +37,7 @@ read of the paper was its abstract (MLSys 2021 proceedings page; first page of a
 readkong.com), which says CPR selects "an appropriate checkpoint saving interval" to keep the desired
 model accuracy, and a reading note (github.com/jasperzhong/read-papers-and-code/issues/151: production
 MTBF 14-30 h). The section stating CPR's interval rule was not reachable, so
-``τ = 2 · PLS_target · M · N`` is the derivation from the project's brief (issue 7), checked here for
+``τ = 2 · PLS_target · M · N`` is the derivation from the project's brief, checked here for
 consistency only and not quoted from the paper; if the paper's rule differs (e.g. in whether ``M`` is
 per node or per job), this is the place to change. CPR's benefit estimate (whether partial recovery
 pays at all) is left to the caller: build both policies and compare ``expected_overhead().total``.

@@ -29,7 +29,7 @@ from ..errors import InvalidArgument, UnsafePayload
 __all__ = ["DENSE_PREFIX", "LIVE_MARK", "PAYLOAD_FORMAT", "ROW_MARK", "STATE_BLOB", "build", "check_structure",
            "decode", "dense_copy", "dense_view", "encode", "is_sharded_value", "torch_dtype", "unsafe_globals"]
 
-#: Format of the payload (docs/FORMAT.md): 1 = any pickle (before issue 26), 2 = data only (weights_only).
+#: Format of the payload (docs/FORMAT.md): 1 = any pickle (older stores), 2 = data only (weights_only).
 PAYLOAD_FORMAT = 2
 #: The dense array holding the payload.
 STATE_BLOB = "torch.state"
