@@ -1,0 +1,169 @@
+"""The segment storage seam's conformance suite (tests/support/storage_conformance.py, ``StorageTests``) run
+against each implementation: the local files, a recording stand-in that delegates to the local files, and a
+storage without appends. Then: each test of the suite fails against a storage that breaks the rule it states."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import numpy as np
+import pytest
+
+import cnrstore
+from cnrstore.engine import filenames, fs
+from cnrstore.engine.storage import LocalSegmentStorage, SegmentStorage
+
+from support.recording_storage import NOT_IN_SEAM, SEAM, RecordingStorage
+from support.storage_conformance import StorageTests
+
+
+@pytest.fixture
+def root(tmp_path):
+    """A directory with an empty segments/ (what a store's storage reads and appends to)."""
+    path = str(tmp_path / "store")
+    os.mkdir(path)
+    LocalSegmentStorage.create(path)
+    return path
+
+
+class TestLocalSegmentStorage(StorageTests):
+    @pytest.fixture
+    def storage(self, root):
+        local = LocalSegmentStorage(root)
+        yield local
+        local.close()
+
+
+class TestRecordingStorage(StorageTests):
+    """The recording stand-in over the local files: it passes what they pass, and calls nothing else."""
+
+    @pytest.fixture
+    def storage(self, root):
+        recording = RecordingStorage(LocalSegmentStorage(root))
+        yield recording
+        recording.close()
+        assert recording.calls and recording.names() <= SEAM
+
+
+class TestStorageWithoutAppends(StorageTests):
+    """A storage without appends (a reader of segments another storage wrote): appender raises ReadOnlyError,
+    the rest of the contract holds."""
+
+    @pytest.fixture
+    def storage(self, root):
+        readonly = RecordingStorage(LocalSegmentStorage(root), appends=False)
+        yield readonly
+        readonly.close()
+
+    def writer(self, storage):
+        return storage.inner
+
+
+# -- each test of the suite can fail ------------------------------------------------------------------
+
+class _Broken(RecordingStorage):
+    """The recording stand-in over the local files, with one rule of the seam broken (``how``)."""
+
+    def __init__(self, root, how):
+        super().__init__(LocalSegmentStorage(root))
+        self.how = how
+
+    def read(self, seg, offset, length):
+        if self.how == "read-wrong-bytes":
+            return np.zeros(length, np.uint8)
+        if self.how == "read-missing-quietly":
+            with contextlib.suppress(cnrstore.CorruptionError):
+                return super().read(seg, offset, length)
+            return np.zeros(length, np.uint8)
+        if self.how == "read-racy":  # one shared request slot: another thread's request may replace it
+            self.slot = (seg, offset, length)
+            time.sleep(0.0005)
+            return super().read(*self.slot)
+        return super().read(seg, offset, length)
+
+    def size(self, seg):
+        got = super().size(seg)
+        return 0 if self.how == "size-zero-when-missing" and got is None else got
+
+    def list(self):
+        got = super().list()
+        return got[::-1] if self.how == "list-descending" else got
+
+    def remove(self, seg):
+        if self.how == "remove-nothing":
+            return None
+        if self.how == "remove-quietly":
+            with contextlib.suppress(FileNotFoundError):
+                return super().remove(seg)
+            return None
+        return super().remove(seg)
+
+    def appender(self, committed, format_version, ids, **kwargs):
+        app = super().appender(committed, format_version, ids, **kwargs)
+        if self.how == "rollback-nothing":
+            app.rollback = lambda: None
+        return app
+
+    def recover(self, committed, doomed=(), **kwargs):
+        return ["did nothing"] if self.how == "recover-nothing" else super().recover(committed, doomed, **kwargs)
+
+    @contextlib.contextmanager
+    def scan(self, seg):
+        with super().scan(seg) as data:
+            yield data[:-1] if self.how == "scan-short" else data
+
+    def disk_bytes(self):
+        return 0 if self.how == "disk-bytes-zero" else super().disk_bytes()
+
+    def path(self, seg):
+        return "segment" if self.how == "path-anonymous" else super().path(seg)
+
+
+class _NoAppendsClaimed(_Broken):
+    """Says it takes no appends, yet hands out an appender."""
+
+    def appender(self, committed, format_version, ids, **kwargs):
+        return self.inner.appender(committed, format_version, ids, **kwargs)
+
+
+BREAKS = {
+    "test_appended_bytes_read_back_exactly": "read-wrong-bytes",
+    "test_read_of_a_missing_segment_raises_corruption_error": "read-missing-quietly",
+    "test_read_past_the_end_raises_corruption_error": "read-missing-quietly",
+    "test_size_is_none_for_a_missing_segment_and_the_stored_length_otherwise": "size-zero-when-missing",
+    "test_list_is_ascending_and_exactly_the_stored_ids": "list-descending",
+    "test_remove_then_sync_removals_makes_it_gone": "remove-nothing",
+    "test_removing_a_segment_again_raises_file_not_found": "remove-quietly",
+    "test_rollback_throws_away_uncommitted_appends": "rollback-nothing",
+    "test_recover_truncates_a_torn_tail_past_the_committed_length": "recover-nothing",
+    "test_scan_yields_the_whole_segment": "scan-short",
+    "test_disk_bytes_is_at_least_the_stored_sizes": "disk-bytes-zero",
+    "test_path_names_the_segment": "path-anonymous",
+    "test_concurrent_reads_of_different_ranges_give_the_right_bytes": "read-racy",
+    "test_appender_is_given_exactly_when_appends_are_supported": "claims-no-appends",
+}
+
+
+def test_every_test_of_the_suite_is_broken_by_some_storage():
+    tests = {name for name in vars(StorageTests) if name.startswith("test_")}
+    assert tests == set(BREAKS), "each test of the suite has a storage that breaks it"
+
+
+@pytest.mark.parametrize("name", sorted(BREAKS))
+def test_each_test_of_the_suite_fails_against_a_storage_that_breaks_its_rule(name, root):
+    how = BREAKS[name]
+    broken = _NoAppendsClaimed(root, how) if how == "claims-no-appends" else _Broken(root, how)
+    if how == "claims-no-appends":
+        broken.supports_appends = False
+    suite = StorageTests()
+    try:
+        with pytest.raises((AssertionError, pytest.fail.Exception)):
+            getattr(suite, name)(broken)
+    finally:
+        broken.close()
+
+
+def test_the_seam_s_abstract_methods_are_the_ones_every_storage_must_give():
+    assert SegmentStorage.__abstractmethods__ == {"read", "path", "size", "list", "remove"}
