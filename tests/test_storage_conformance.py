@@ -1,6 +1,8 @@
 """The segment storage seam's conformance suite (tests/support/storage_conformance.py, ``StorageTests``) run
-against each implementation: the local files, a recording stand-in that delegates to the local files, and a
-storage without appends. Then: each test of the suite fails against a storage that breaks the rule it states."""
+against each implementation: the local files, a recording stand-in that delegates to
+the local files, and a storage without appends. Then: the engine reaches segments only through the seam (a
+store whose storage records every call), and each test of the suite fails against a storage that breaks the
+rule it states."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import cnrstore
 from cnrstore.engine import filenames, fs
 from cnrstore.engine.storage import LocalSegmentStorage, SegmentStorage
+from cnrstore.store import Store
 
 from support.recording_storage import NOT_IN_SEAM, SEAM, RecordingStorage
 from support.storage_conformance import StorageTests
@@ -59,6 +62,43 @@ class TestStorageWithoutAppends(StorageTests):
 
     def writer(self, storage):
         return storage.inner
+
+
+# -- the engine goes through the seam -----------------------------------------------------------------
+
+def test_a_store_reaches_its_segments_only_through_the_seam(tmp_path, monkeypatch):
+    """Checkpoints (rolling over segments), reads, retain, gc, verify, stats and close of a store whose storage
+    records every call: each is a method of the seam, the engine never asks for anything else of it, and
+    what it did shows in the calls (segments sealed, read, removed)."""
+    assert {"read", "path", "size", "list", "remove", "appender", "recover", "sealed", "supports_appends"} <= SEAM
+    assert SEAM - {"supports_appends"} <= set(vars(RecordingStorage)), "the stand-in delegates every method"
+    monkeypatch.setattr(cnrstore.knobs, "SEGMENT_BYTES", 2048)  # appenders roll over: segments are sealed
+    path = str(tmp_path / "s")
+    cnrstore.open(path, create=True).close()
+    recording = RecordingStorage(LocalSegmentStorage(path))
+    store = Store(path, create=False, readonly=False, filesystem=fs.DEFAULT, storage=recording)
+    try:
+        store.create_table("t", 256, 4, codec="fp32", block_rows=64)
+        for v in range(4):
+            rows = np.arange(256) if v == 0 else np.arange(v, 256, 7)
+            with store.checkpoint() as ck:
+                ck.put_rows("t", rows, np.full((len(rows), 4), v, np.float32))
+        assert store.read_table("t")[3, 0] == 3.0
+        store.retain(keep_last=1)
+        report = store.gc()
+        assert store.verify().ok
+        store.stats()
+    finally:
+        store.close()
+    names = recording.names()
+    assert NOT_IN_SEAM not in names, [c for c in recording.calls if c[0] == NOT_IN_SEAM]
+    assert names <= SEAM
+    assert {"check_writable", "recover", "segment_ids_from", "appender", "attach", "before_checkpoint",
+            "after_commit", "sealed", "read", "size", "remove", "sync_removals", "disk_bytes", "flush",
+            "close"} <= names, sorted(names)
+    removed = [c[1][0] for c in recording.calls if c[0] == "remove"]
+    assert report.segments_deleted == len(removed) > 0
+    assert not any(os.path.exists(filenames.segment_path(path, seg)) for seg in removed)
 
 
 # -- each test of the suite can fail ------------------------------------------------------------------
