@@ -492,6 +492,7 @@ def reinstall_cache(root: str, url: str, options: dict | None, filesystem: fs.Fi
 # -- the storage --------------------------------------------------------------------------------------------
 
 class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
+
     """Segments under ``<root>/segments/`` while active or cached, and under the remote prefix once sealed.
 
     Reads go to the local copy when there is one and to the object store otherwise (whole, for a segment
@@ -503,6 +504,10 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
 
     It is both a segment storage (storage.py: the I/O) and the store's ``Replicator`` (replication.py: the
     copy points the engine asks for)."""
+
+    #: GC's ``remove`` deletes the local copy; the object goes at a later copy point, once the pointer names
+    #: an index that no longer needs it (a reader at the previous copy point may still read it)
+    removes_at_once = False
 
     def __init__(self, root: str, filesystem: fs.FileSystem, objects: ObjectStore, prepared: Prepared, *,
                  readonly: bool, cache_bytes: int = DEFAULT_CACHE_BYTES, every: int = DEFAULT_EVERY):
@@ -720,6 +725,10 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
                                       f"index needs ({len(data)} < {offset + length})", self.path(seg), len(data))
             return np.frombuffer(data, dtype=np.uint8, count=length, offset=offset)
         key = self._key(seg)
+        size = self._remote_size(seg)  # (known: _fetch_whole asked)
+        if size is not None and offset + length > size:  # a range past the object's end: damage, not a fault
+            raise CorruptionError(f"remote segment {self.objects.where(key)} holds fewer bytes than the index needs "
+                                  f"({size} < {offset + length})", self.objects.where(key), size)
         got = self._get(seg, offset, offset + length)
         if len(got) != length:
             raise CorruptionError(f"remote segment {self.objects.where(key)} holds fewer bytes than the index needs "

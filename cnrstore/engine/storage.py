@@ -79,6 +79,10 @@ class SegmentStorage(abc.ABC):
 
     #: hands out appenders (``appender``): a writable open refuses a storage without it (ReadOnlyError)
     supports_appends: bool = False
+    #: ``remove`` + ``sync_removals`` make the segment gone at once (``size`` None, not in ``list``, a second
+    #: ``remove`` FileNotFoundError). False: a copy kept elsewhere (the remote tier's object) stays, and is
+    #: still served, until a later copy point no longer needs it; only the local copy goes at once.
+    removes_at_once: bool = True
 
     @abc.abstractmethod
     def read(self, seg: int, offset: int, length: int) -> np.ndarray:
@@ -109,13 +113,15 @@ class SegmentStorage(abc.ABC):
     @abc.abstractmethod
     def remove(self, seg: int) -> None:
         """Delete segment ``seg`` (GC freed it and no reader can need it any more). FileNotFoundError if
-        it is already gone. Durable once ``sync_removals`` returns."""
+        it is already gone. Durable once ``sync_removals`` returns (see ``removes_at_once``)."""
 
     def sync_removals(self) -> None:
         """Make the removals so far durable."""
 
     def disk_bytes(self) -> int:
-        """Bytes the stored segments occupy (allocated, where the storage knows; else their sizes)."""
+        """Bytes the segments occupy on this machine's disk (allocated, where the storage knows; else their
+        sizes): what ``Store.stats()["bytes_on_disk"]`` counts. A storage with a remote side counts its local
+        copies only; at least the sizes of the segments stored locally."""
         return sum(self.size(seg) or 0 for seg in self.list())
 
     def appender(self, committed: dict[int, int], format_version: int, ids: SegmentIds, *,

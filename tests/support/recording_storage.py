@@ -22,6 +22,7 @@ class RecordingStorage(SegmentStorage):
     def __init__(self, inner: SegmentStorage, *, appends: bool | None = None):
         self.inner = inner
         self.supports_appends = inner.supports_appends if appends is None else appends
+        self.removes_at_once = inner.removes_at_once
         self.calls: list[tuple] = []
         self._calls_lock = threading.Lock()
 
@@ -98,23 +99,8 @@ class RecordingStorage(SegmentStorage):
     def sealed(self, seg):
         return self._call("sealed", seg)
 
-    def attach(self, index, seal_writer):
-        return self._call("attach", index, seal_writer)
-
-    def after_commit(self):
-        return self._call("after_commit")
-
-    def before_checkpoint(self):
-        return self._call("before_checkpoint")
-
     def segment_ids_from(self, high):
         return self._call("segment_ids_from", high)
-
-    def remote_status(self):
-        return self._call("remote_status")
-
-    def flush(self):
-        return self._call("flush")
 
     def forget(self, seg):
         return self._call("forget", seg)
