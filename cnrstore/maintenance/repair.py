@@ -542,6 +542,7 @@ class _LogProof:
         self.report = report
         self.tname = tname
         self.entry: dict[tuple[int, int, int], tuple] = {}  # (tid, block, version) -> chain from that entry
+        self._history_entries: dict[tuple[int, int], tuple] = {}  # (tid, block) -> history_entries()
         skipped = []  # versions a COMMIT's parent pointer jumps over: never part of the history
         for v, (edit, _loc) in found.commits.items():
             p = edit.info["parent"]
@@ -619,14 +620,13 @@ class _LogProof:
 
     def header_chain(self, tid, block, v) -> tuple | str:
         """The chain at ``v`` as the index would walk it over every record present (their headers)."""
-        versions = self.found.by_block().get((tid, block), [])
-        i = bisect.bisect_right(versions, v) - 1
+        versions, kept, position = self.history_entries(tid, block)
+        i = bisect.bisect_right(kept, v) - 1
+        if i < 0:
+            return ()
         links = []
-        while i >= 0:
-            u = versions[i]
-            if not self.in_history(u):
-                i -= 1
-                continue
+        while i is not None:
+            u = kept[i]
             known = self.entry.get((tid, block, u))
             if known is not None:
                 links.extend(known)
@@ -640,18 +640,30 @@ class _LogProof:
                 links.append(self.lost(tid, block, u, suspect.count, suspect.flags, suspect.base))
                 break
             links.append((u, loc, None))
-            nxt = chain_rule.step(loc.flags, loc.base)
-            if nxt == chain_rule.END:
-                break
-            if nxt == chain_rule.PREVIOUS:
-                i -= 1
-                continue
-            j = bisect.bisect_left(versions, nxt)
-            if j >= len(versions) or versions[j] != nxt:
-                links.append(self.lost(tid, block, nxt, 0, record.FLAG_BASELINE, 0, "base record"))
-                break
-            i = j
+            i = chain_rule.next_position(i, loc.flags, loc.base, position)
+        else:
+            missing = chain_rule.missing_base(loc.flags, loc.base, versions)
+            if missing is not None:
+                links.append(self.lost(tid, block, missing, 0, record.FLAG_BASELINE, 0, "base record"))
         return tuple(links)
+
+    def history_entries(self, tid, block) -> tuple[set[int], list[int], dict[int, int]]:
+        """A block's entries for :meth:`header_chain`'s walk: the versions with a present or suspect
+        record, those of them in the history (ascending: the entries walked), and each version's position
+        among those: a version the history skips takes that of the history's entry before it (a delta on
+        it goes on there), or none when there is none (a walk that reaches it ends, its base not missing)."""
+        got = self._history_entries.get((tid, block))
+        if got is None:
+            versions = self.found.by_block().get((tid, block), [])
+            kept: list[int] = []
+            position: dict[int, int] = {}
+            for u in versions:
+                if self.in_history(u):
+                    kept.append(u)
+                if kept:
+                    position[u] = len(kept) - 1
+            got = self._history_entries[(tid, block)] = (set(versions), kept, position)
+        return got
 
     # states -------------------------------------------------------------------------------------------
     def apply_commit(self, st: _State, v: int, edit: VersionEdit) -> None:
@@ -1017,21 +1029,17 @@ def _old_index_state(old: _OldIndex, v: int, found: _Found, tname, proof: _LogPr
         if i < 0:
             continue
         position = {u: j for j, u in enumerate(versions)}
+        locs = [loc for _u, loc in entries]
         links = []
-        while i is not None:
-            u, loc = entries[i]
-            link = _checked_row(found, tid, block, u, loc, tname, why_damaged.get((tid, block)))
+        for j in chain_rule.walk([loc.flags for loc in locs], [loc.base for loc in locs], position, i):
+            link = _checked_row(found, tid, block, versions[j], locs[j], tname, why_damaged.get((tid, block)))
             links.append(link)
-            nxt = chain_rule.step(loc.flags, loc.base)
-            if link[2] is not None or nxt == chain_rule.END:
+            if link[2] is not None:
                 break
-            if nxt == chain_rule.PREVIOUS:
-                i = i - 1 if i else None
-                continue
-            i = position.get(nxt)
-            if i is None:
-                links.append(proof.lost(tid, block, nxt, 0, record.FLAG_BASELINE, 0, "base record"))
-                break
+        else:
+            missing = chain_rule.missing_base(locs[j].flags, locs[j].base, position)
+            if missing is not None:
+                links.append(proof.lost(tid, block, missing, 0, record.FLAG_BASELINE, 0, "base record"))
         chains[(tid, block)] = tuple(links)
     dense = {}
     for did, entries in old.dense.items():
@@ -1090,30 +1098,26 @@ def _entries(plan: _Plan, report: RepairReport) -> tuple[dict, dict, dict]:
     damaged: dict[int, list] = {}
     for (tid, block), entries in by_block.items():
         position = {u: i for i, (u, _l, _w) in enumerate(entries)}
+        flags = [loc.flags for _u, loc, _w in entries]
+        bases = [loc.base for _u, loc, _w in entries]
         memo: dict[int, str | None] = {}
 
         def bad(i):
             path = []
             result = None
-            while i is not None and i not in memo:
-                path.append(i)
-                u, loc, why = entries[i]
+            for j in chain_rule.walk(flags, bases, position, i):
+                if j in memo:
+                    result = memo[j]
+                    break
+                path.append(j)
+                why = entries[j][2]
                 if why is not None:
                     result = why
                     break
-                nxt = chain_rule.step(loc.flags, loc.base)
-                if nxt == chain_rule.END:
-                    break
-                if nxt == chain_rule.PREVIOUS:
-                    i = i - 1 if i else None
-                    continue
-                i = position.get(nxt)
-                if i is None:
-                    result = f"the base record of table id {tid} block {block} at version {nxt} is missing"
-                    break
             else:
-                if i is not None:
-                    result = memo[i]
+                missing = chain_rule.missing_base(flags[j], bases[j], position)
+                if missing is not None:
+                    result = f"the base record of table id {tid} block {block} at version {missing} is missing"
             for j in path:
                 memo[j] = result
             return result
