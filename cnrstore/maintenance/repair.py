@@ -48,7 +48,7 @@ import bisect
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import msgpack
 import numpy as np
@@ -486,14 +486,55 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
 
 
 # proof ------------------------------------------------------------------------------------------------
-# A chain is a tuple of links (version, loc, why), newest first: ``why`` is None for a present record, or
-# says why the record is damaged or lost (then ``loc`` points at its damaged bytes, or at LOST_SEGMENT)
-# and the link is the chain's last. A block's state is a chain, or a str when not even the key of the
-# record that is missing is known (the version's ancestry is not proven).
+class Link(NamedTuple):
+    """One record a read visits: its ``version`` and location ``loc`` (a ``RowLoc`` in a block's chain, a
+    ``DenseLoc`` as a dense array's head), and ``why`` it is damaged or lost (None: present, the record
+    history wrote there). A damaged or lost link ends its chain; its ``loc`` points at the damaged bytes,
+    or at ``LOST_SEGMENT``, so that a read of it raises."""
+
+    version: int
+    loc: RowLoc | DenseLoc
+    why: str | None = None
 
 
-def _healthy(chain) -> bool:
-    return not isinstance(chain, str) and (not chain or chain[-1][2] is None)
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """A block's read chain as repair proves it: its ``links``, newest first, the last one possibly
+    damaged; or, when not even the key of a record the chain needs is known (the version's ancestry is
+    not proven), no links and why (``unproven``). No links and no reason: the block was never written."""
+
+    links: tuple[Link, ...] = ()
+    unproven: str | None = None
+
+    @property
+    def proven(self) -> bool:
+        return self.unproven is None
+
+    @property
+    def healthy(self) -> bool:
+        """Proven, and every record of it present (a never-written block's empty chain is healthy)."""
+        return self.unproven is None and (not self.links or self.links[-1].why is None)
+
+    def after(self, link: Link) -> Chain:
+        """The chain that reads ``link`` and then this one: an unproven chain stays unproven (and
+        ``link`` is dropped with it)."""
+        return self if self.unproven is not None else Chain((link,) + self.links)
+
+    def suffixes(self) -> list[Chain]:
+        """The chain from each of its links, newest first: the chain from an index entry does not depend
+        on where a walk began."""
+        return [Chain(self.links[i:]) for i in range(len(self.links))]
+
+    def from_version(self, version: int) -> Chain | None:
+        """The chain from this chain's link at ``version`` (a suffix), or None where it has none."""
+        for i, link in enumerate(self.links):
+            if link.version == version:
+                return Chain(self.links[i:])
+        return None
+
+
+#: The chain of a block never written.
+_EMPTY = Chain()
 
 
 _KNOWN_FLAGS = record.FLAG_BASELINE | record.FLAG_FULL | record.FLAG_COMPACTED | record.FLAG_DELTA
@@ -501,20 +542,28 @@ _SHAPE = record.FLAG_BASELINE | record.FLAG_DELTA  # what a GC rewrite keeps of 
 
 
 class _State:
+    """The proof's state at one version: per block its chain, per dense id its head."""
+
     __slots__ = ("unknown", "blocks", "dense")
 
-    def __init__(self, unknown, blocks, dense):
+    def __init__(self, unknown: str | None, blocks: dict[tuple[int, int], Chain], dense: dict[int, Link]):
         self.unknown = unknown  # why blocks not listed may be unreadable (None: never written)
-        self.blocks = blocks  # (tid, block) -> chain or str
-        self.dense = dense  # dense id -> (version, loc, why) or str
+        self.blocks = blocks  # (tid, block) -> chain
+        self.dense = dense  # dense id -> head
+
+    def chain(self, key: tuple[int, int]) -> Chain:
+        """The chain of block ``key``: listed, else empty (never written) or unproven (``unknown``)."""
+        if key in self.blocks:
+            return self.blocks[key]
+        return _EMPTY if self.unknown is None else Chain(unproven=self.unknown)
 
 
 @dataclass
 class _Plan:
     versions: dict[int, dict] = field(default_factory=dict)  # recovered version -> version info
     #: per recovered version: (tid, block) -> chain, dense id -> link
-    chains: dict[int, dict] = field(default_factory=dict)
-    dense: dict[int, dict] = field(default_factory=dict)
+    chains: dict[int, dict[tuple[int, int], Chain]] = field(default_factory=dict)
+    dense: dict[int, dict[int, Link]] = field(default_factory=dict)
     tables: dict[int, dict] = field(default_factory=dict)  # table id -> catalog entry
     dense_names: dict[str, int] = field(default_factory=dict)
     log: dict[tuple[int, int], DenseLoc] = field(default_factory=dict)
@@ -541,7 +590,7 @@ class _LogProof:
         self.plan = plan
         self.report = report
         self.tname = tname
-        self.entry: dict[tuple[int, int, int], tuple] = {}  # (tid, block, version) -> chain from that entry
+        self.entry: dict[tuple[int, int, int], Chain] = {}  # (tid, block, version) -> chain from that entry
         self._history_entries: dict[tuple[int, int], tuple] = {}  # (tid, block) -> history_entries()
         skipped = []  # versions a COMMIT's parent pointer jumps over: never part of the history
         for v, (edit, _loc) in found.commits.items():
@@ -554,82 +603,77 @@ class _LogProof:
         return not any(p < u < v for p, v in self.skipped)
 
     # links --------------------------------------------------------------------------------------------
-    def lost(self, tid, block, v, count, flags, base, what="record") -> tuple:
+    def lost(self, tid, block, v, count, flags, base, what="record") -> Link:
         suspect = self.found.suspect_rows.get((tid, block, v))
         where = f"the {what} of table {self.tname(tid)} block {block} at version {v}"
         if suspect is not None:
-            return (v, suspect, f"{where} is damaged (checksum mismatch at segment {suspect.segment} offset "
-                                f"{suspect.offset})")
-        return (v, RowLoc(LOST_SEGMENT, 0, 0, count, flags, base), f"{where} is missing")
+            return Link(v, suspect, f"{where} is damaged (checksum mismatch at segment {suspect.segment} "
+                                    f"offset {suspect.offset})")
+        return Link(v, RowLoc(LOST_SEGMENT, 0, 0, count, flags, base), f"{where} is missing")
 
-    def own(self, tid, block, v, count, flags, version_of=None) -> tuple:
+    def own(self, tid, block, v, count, flags, version_of=None) -> Link:
         """The link of the record (tid, block, v) that history wrote with ``count`` and ``flags``: the
         checkpoint's record, or its rewrite by GC (COMPACTED, its live rows only)."""
         loc = self.found.row(tid, block, v, count, flags)
         if loc is not None:
-            return (v, loc, None)
+            return Link(v, loc)
         loc = self.found.row(tid, block, v, compacted=True)
         if loc is not None and (loc.flags & _SHAPE) == (flags & _SHAPE):
             if loc.count < count and version_of is not None:
                 self.plan.partial.add(version_of)
-            return (v, loc, None)
+            return Link(v, loc)
         base = 0
         if flags & record.FLAG_DELTA:
             cand = self.found.suspect_rows.get((tid, block, v))
             base = cand.base if cand is not None else 0
         return self.lost(tid, block, v, count, flags, base)
 
-    def chain_from(self, tid, block, link, below) -> tuple | str:
-        """The chain starting at ``link``: ``below`` is the state of the block just under it (what a
-        plain increment is read with)."""
-        v, loc, why = link
-        nxt = chain_rule.step(loc.flags, loc.base)
-        if why is not None or nxt == chain_rule.END:
-            out = (link,)
+    def chain_from(self, tid, block, link: Link, below: Chain = _EMPTY) -> Chain:
+        """The chain starting at ``link``: ``below`` is the chain of the block just under it (what a
+        plain increment is read with). A proven one is remembered as the chain from that entry."""
+        nxt = chain_rule.step(link.loc.flags, link.loc.base)
+        if link.why is not None or nxt == chain_rule.END:
+            out = Chain((link,))
         elif nxt != chain_rule.PREVIOUS:
-            out = self.base_chain(tid, block, nxt, below)
-            out = (link,) + out if not isinstance(out, str) else out
-        elif isinstance(below, str):
-            out = below
+            out = self.base_chain(tid, block, nxt, below).after(link)
         else:
-            out = (link,) + (below or ())
-        if not isinstance(out, str):
-            self.entry[(tid, block, v)] = out
+            out = below.after(link)
+        if out.proven:
+            self.entry[(tid, block, link.version)] = out
         return out
 
-    def base_chain(self, tid, block, base, below) -> tuple | str:
+    def base_chain(self, tid, block, base, below: Chain) -> Chain:
         """The chain from the entry at a delta's ``base``: remembered from wherever it was proven, else
         found in ``below`` (the chain the delta was written over), else the record at ``base``."""
         known = self.entry.get((tid, block, base))
         if known is not None:
             return known
-        if not isinstance(below, str) and below:
-            for i, link in enumerate(below):
-                if link[0] == base:
-                    return below[i:]
+        known = below.from_version(base)
+        if known is not None:
+            return known
         loc = self.found.row(tid, block, base, compacted=True)
         if loc is None:
             locs = [loc for loc, comp in self.found.rows.get((tid, block, base), ()) if not comp]
             loc = locs[-1] if locs else None
         if loc is None:
-            return (self.lost(tid, block, base, 0, record.FLAG_BASELINE, 0, "base record"),)
+            return Chain((self.lost(tid, block, base, 0, record.FLAG_BASELINE, 0, "base record"),))
         if chain_rule.step(loc.flags, loc.base) != chain_rule.PREVIOUS:  # a baseline, or a delta on a base
-            return self.chain_from(tid, block, (base, loc, None), None)
-        return (f"the records of table {self.tname(tid)} block {block} under the delta base at version {base} "
-                "are not proven")
+            return self.chain_from(tid, block, Link(base, loc))
+        return Chain(unproven=f"the records of table {self.tname(tid)} block {block} under the delta base at "
+                              f"version {base} are not proven")
 
-    def header_chain(self, tid, block, v) -> tuple | str:
+    def header_chain(self, tid, block, v) -> Chain:
         """The chain at ``v`` as the index would walk it over every record present (their headers)."""
         versions, kept, position = self.history_entries(tid, block)
         i = bisect.bisect_right(kept, v) - 1
         if i < 0:
-            return ()
-        links = []
+            return _EMPTY
+        links: list[Link] = []
         while i is not None:
             u = kept[i]
             known = self.entry.get((tid, block, u))
             if known is not None:
-                links.extend(known)
+                links.extend(known.links)
                 break
             loc = self.found.row(tid, block, u, compacted=True)
             if loc is None or not loc.flags & record.FLAG_BASELINE:
@@ -639,13 +683,13 @@ class _LogProof:
                 suspect = self.found.suspect_rows[(tid, block, u)]
                 links.append(self.lost(tid, block, u, suspect.count, suspect.flags, suspect.base))
                 break
-            links.append((u, loc, None))
+            links.append(Link(u, loc))
             i = chain_rule.next_position(i, loc.flags, loc.base, position)
         else:
             missing = chain_rule.missing_base(loc.flags, loc.base, versions)
             if missing is not None:
                 links.append(self.lost(tid, block, missing, 0, record.FLAG_BASELINE, 0, "base record"))
-        return tuple(links)
+        return Chain(tuple(links))
 
     def history_entries(self, tid, block) -> tuple[set[int], list[int], dict[int, int]]:
         """A block's entries for :meth:`header_chain`'s walk: the versions with a present or suspect
@@ -672,16 +716,16 @@ class _LogProof:
         for tid, block, _v, loc in edit.rows:
             key = (tid, block)
             link = self.own(tid, block, v, loc.count, loc.flags, version_of=v)
-            st.blocks[key] = self.chain_from(tid, block, link, st.blocks.get(key, st.unknown))
+            st.blocks[key] = self.chain_from(tid, block, link, st.chain(key))
         for _name, did in edit.dense_names.items():
             loc = self.found.dense.get((did, v))
             if loc is not None:
-                st.dense[did] = (v, loc, None)
+                st.dense[did] = Link(v, loc)
             else:
                 suspect = self.found.suspect_dense.get((did, v))
-                st.dense[did] = (v, suspect or DenseLoc(LOST_SEGMENT, 0, 0),
-                                 f"the record of dense array {self._dname(did)} at version {v} is "
-                                 + ("damaged" if suspect else "missing"))
+                st.dense[did] = Link(v, suspect or DenseLoc(LOST_SEGMENT, 0, 0),
+                                     f"the record of dense array {self._dname(did)} at version {v} is "
+                                     + ("damaged" if suspect else "missing"))
 
     def _dname(self, did):
         return repr({i: n for n, i in self.plan.dense_names.items()}.get(did, f"id {did}"))
@@ -694,15 +738,15 @@ class _LogProof:
             loc = self.found.row(tid, block, v, compacted=True)
             nxt = chain_rule.PREVIOUS if loc is None else chain_rule.step(loc.flags, loc.base)
             if nxt == chain_rule.END:
-                st.blocks[(tid, block)] = self.chain_from(tid, block, (v, loc, None), None)
+                st.blocks[(tid, block)] = self.chain_from(tid, block, Link(v, loc))
             elif nxt != chain_rule.PREVIOUS:
                 # a merged delta (background merge, or GC's rewrite of a delta): the block's state at v is
                 # it and the chain at its base. Taken where that chain is proven whole; else what the
                 # commits proved stands (a merge only repeats rows the records it merged hold)
                 key = (tid, block)
                 remembered = self.entry.get((tid, block, v))
-                chain = self.chain_from(tid, block, (v, loc, None), st.blocks.get(key, st.unknown))
-                if _healthy(chain):
+                chain = self.chain_from(tid, block, Link(v, loc), st.chain(key))
+                if chain.healthy:
                     st.blocks[key] = chain
                 elif remembered is not None:
                     self.entry[(tid, block, v)] = remembered
@@ -710,36 +754,36 @@ class _LogProof:
                     self.entry.pop((tid, block, v), None)
 
     def apply_anchor(self, st: _State, v: int) -> _State:
-        heads: dict[tuple[int, int], tuple | None] = {}
-        dense_heads: dict[int, tuple | None] = {}
+        heads: dict[tuple[int, int], Chain] = {}
+        dense_heads: dict[int, Link] = {}
         for anchor, _loc in self.found.anchors[v]:
             for (tid, block), entries in anchor.heads.items():  # a block's read chain at v, newest first
-                if heads.get((tid, block)) is not None and _healthy(heads[(tid, block)]):
+                if (tid, block) in heads and heads[(tid, block)].healthy:
                     continue
                 links = []
                 for hv, count, flags in entries:
                     if flags & record.FLAG_COMPACTED:
                         loc = self.found.row(tid, block, hv, compacted=True)
-                        link = (hv, loc, None) if loc is not None else self.lost(tid, block, hv, count, flags, 0)
+                        link = Link(hv, loc) if loc is not None else self.lost(tid, block, hv, count, flags, 0)
                     else:
                         link = self.own(tid, block, hv, count, flags)
                     links.append(link)
-                    if link[2] is not None or chain_rule.step(link[1].flags, link[1].base) == chain_rule.END:
+                    if link.why is not None or chain_rule.step(link.loc.flags, link.loc.base) == chain_rule.END:
                         break
-                chain = tuple(links)
-                for i in range(len(chain)):  # every suffix is the chain from that entry
-                    if _healthy(chain[i:]):
-                        self.entry.setdefault((tid, block, chain[i][0]), chain[i:])
+                chain = Chain(tuple(links))
+                for suffix in chain.suffixes():  # every suffix is the chain from that entry
+                    if suffix.healthy:
+                        self.entry.setdefault((tid, block, suffix.links[0].version), suffix)
                 heads[(tid, block)] = chain
             for did, hv in anchor.dense.items():
                 loc = self.found.dense.get((did, hv))
                 if loc is not None:
-                    dense_heads[did] = (hv, loc, None)
-                elif dense_heads.get(did) is None:
+                    dense_heads[did] = Link(hv, loc)
+                elif did not in dense_heads:
                     suspect = self.found.suspect_dense.get((did, hv))
-                    dense_heads[did] = (hv, suspect or DenseLoc(LOST_SEGMENT, 0, 0),
-                                        f"the record of dense array {self._dname(did)} at version {hv} "
-                                        f"(anchor at {v}) is " + ("damaged" if suspect else "missing"))
+                    dense_heads[did] = Link(hv, suspect or DenseLoc(LOST_SEGMENT, 0, 0),
+                                            f"the record of dense array {self._dname(did)} at version {hv} "
+                                            f"(anchor at {v}) is " + ("damaged" if suspect else "missing"))
         return _State(None, heads, dense_heads)
 
     def header_state(self, v: int) -> _State:
@@ -748,12 +792,12 @@ class _LogProof:
         for (tid, block), versions in self.found.by_block().items():
             if versions[0] <= v:
                 chain = self.header_chain(tid, block, v)
-                if chain:
+                if chain.links:
                     blocks[(tid, block)] = chain
         dense = {}
         for (did, u), loc in sorted(self.found.dense.items()):
             if u <= v and self.in_history(u):
-                dense[did] = (u, loc, None)
+                dense[did] = Link(u, loc)
         return _State(None, blocks, dense)
 
 
@@ -838,11 +882,10 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
         if v in found.anchors:
             anchored = proof.apply_anchor(st, v)
             for key, chain in anchored.blocks.items():  # a damaged listing: what the commits proved
-                if not _healthy(chain) and _healthy(st.blocks.get(key, st.unknown)) and key in st.blocks:
+                if not chain.healthy and key in st.blocks and st.blocks[key].healthy:
                     anchored.blocks[key] = st.blocks[key]
             for did, link in anchored.dense.items():
-                if link[2] is not None and did in st.dense and not isinstance(st.dense[did], str) \
-                        and st.dense[did][2] is None:
+                if link.why is not None and did in st.dense and st.dense[did].why is None:
                     anchored.dense[did] = st.dense[did]
             st = anchored
         if waiting.get(v):
@@ -875,12 +918,11 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
             if v in log_chains:  # cross-check: where the log proves a block the index cannot read
                 _body, _loc, st = log_chains[v]
                 for key, chain in st.blocks.items():
-                    if _healthy(chain) and not _healthy(chains.get(key, ())):
+                    if chain.healthy and not chains.get(key, _EMPTY).healthy:
                         chains[key] = chain
         else:
             body, _loc, st = log_chains[v]
-            unproven = [chain for chain in st.blocks.values() if isinstance(chain, str)]
-            unproven += [link for link in st.dense.values() if isinstance(link, str)]
+            unproven = [chain.unproven for chain in st.blocks.values() if not chain.proven]
             if st.unknown is not None:
                 unproven.append(st.unknown)
             if unproven:
@@ -897,7 +939,7 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
         plan.chains[v] = chains
         plan.dense[v] = dense
         if v in found.anchors:
-            plan.last_baseline = {"version": v, "bytes": sum(c[0][1].length for c in chains.values() if c)}
+            plan.last_baseline = {"version": v, "bytes": sum(c.links[0].loc.length for c in chains.values() if c.links)}
     if rebuilt:
         report.notes.extend(rebuilt)
 
@@ -1034,13 +1076,13 @@ def _old_index_state(old: _OldIndex, v: int, found: _Found, tname, proof: _LogPr
         for j in chain_rule.walk([loc.flags for loc in locs], [loc.base for loc in locs], position, i):
             link = _checked_row(found, tid, block, versions[j], locs[j], tname, why_damaged.get((tid, block)))
             links.append(link)
-            if link[2] is not None:
+            if link.why is not None:
                 break
         else:
             missing = chain_rule.missing_base(locs[j].flags, locs[j].base, position)
             if missing is not None:
                 links.append(proof.lost(tid, block, missing, 0, record.FLAG_BASELINE, 0, "base record"))
-        chains[(tid, block)] = tuple(links)
+        chains[(tid, block)] = Chain(tuple(links))
     dense = {}
     for did, entries in old.dense.items():
         versions = [u for u, _loc in entries]
@@ -1050,27 +1092,30 @@ def _old_index_state(old: _OldIndex, v: int, found: _Found, tname, proof: _LogPr
         u, loc = entries[i]
         got = found.valid.get((loc.segment, loc.offset))
         if got is not None and got[0] == loc.length and got[1] == record.KIND_DENSE and got[2] == did and got[4] == u:
-            dense[did] = (u, loc, None)
+            dense[did] = Link(u, loc)
         elif (did, u) in found.dense:
-            dense[did] = (u, found.dense[(did, u)], None)
+            dense[did] = Link(u, found.dense[(did, u)])
         else:
-            dense[did] = (u, loc, f"the record of dense array id {did} at version {u} is damaged or missing")
+            dense[did] = Link(u, loc, f"the record of dense array id {did} at version {u} is damaged or missing")
     return chains, dense
 
 
-def _checked_row(found: _Found, tid, block, u, loc: RowLoc, tname, old_why) -> tuple:
+def _checked_row(found: _Found, tid, block, u, loc: RowLoc, tname, old_why) -> Link:
+    """The link of the old index's entry (tid, block, u) at ``loc``: present where the scan found that
+    record there or elsewhere (a GC copy: same count, flags and base), else damaged (``old_why``: why the
+    old index said it is)."""
     got = found.valid.get((loc.segment, loc.offset))
     if got is not None and got[:8] == (loc.length, record.KIND_ROWS, tid, block, u, loc.count, loc.flags, loc.base):
-        return (u, loc, None)
+        return Link(u, loc)
     for other, _comp in found.rows.get((tid, block, u), ()):  # the same record elsewhere (a GC copy)
         if other.count == loc.count and other.flags == loc.flags and other.base == loc.base:
-            return (u, other, None)
+            return Link(u, other)
     if loc.segment == LOST_SEGMENT:
         why = old_why or f"the record of table {tname(tid)} block {block} at version {u} is missing"
     else:
         why = (f"the record of table {tname(tid)} block {block} at version {u} (segment {loc.segment} offset "
                f"{loc.offset}) is " + ("damaged (checksum mismatch)" if got is None else "not the one the index names"))
-    return (u, loc, why)
+    return Link(u, loc, why)
 
 
 # install ----------------------------------------------------------------------------------------------
@@ -1082,7 +1127,7 @@ def _entries(plan: _Plan, report: RepairReport) -> tuple[dict, dict, dict]:
     dense: dict[tuple[int, int], tuple] = {}
     for v in plan.versions:
         for (tid, block), chain in plan.chains[v].items():
-            for u, loc, why in chain:
+            for u, loc, why in chain.links:
                 have = rows.get((tid, block, u))
                 if have is None or (have[1] is not None and why is None):
                     rows[(tid, block, u)] = (loc, why)
@@ -1093,7 +1138,7 @@ def _entries(plan: _Plan, report: RepairReport) -> tuple[dict, dict, dict]:
     # walk each block's entries as a read does: damage of an entry's chain is that of its first bad link
     by_block: dict[tuple[int, int], list] = {}
     for (tid, block, u), (loc, why) in sorted(rows.items()):
-        by_block.setdefault((tid, block), []).append((u, loc, why))
+        by_block.setdefault((tid, block), []).append(Link(u, loc, why))
     recovered = sorted(plan.versions)
     damaged: dict[int, list] = {}
     for (tid, block), entries in by_block.items():
@@ -1110,7 +1155,7 @@ def _entries(plan: _Plan, report: RepairReport) -> tuple[dict, dict, dict]:
                     result = memo[j]
                     break
                 path.append(j)
-                why = entries[j][2]
+                why = entries[j].why
                 if why is not None:
                     result = why
                     break
