@@ -802,7 +802,47 @@ class _LogProof:
 
 
 def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
+    """The plan of the new index (its versions, their chains and dense heads, the catalog, the log
+    records to index) from what the scan ``found`` and the ``old`` index, if it opened; what could not
+    be recovered, and why, goes into ``report``. The steps, in order: the catalog; the damaged COMMITs
+    rebuilt (index lost only); each version's state proven from the log; the log records indexed; each
+    version decided; what the report says of the rest."""
+    plan = _catalog(found, report, old)
+    proof = _LogProof(found, plan, report, _table_namer(plan))
+    commits = dict(found.commits)
+    # with an intact index the index holds every committed version's info: nothing to rebuild
+    rebuilt = _rebuild_damaged_commits(found, commits, proof, report) if old is None else []
+    logged = _log_states(found, commits, proof, old)
+    _index_log_records(plan, found)
+    _decide_versions(plan, found, logged, old, proof)
+    report.notes.extend(rebuilt)
+    _report_uncommitted(plan, found, commits, report)
+    _report_recovered(plan, found, report, old)
+    return plan
+
+
+# the catalog ------------------------------------------------------------------------------------------
+def _catalog(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
+    """A plan holding the catalog (tables, dense names), the drop floor and the newest DROP record: from
+    the COMMITs and ANCHORs, then the intact old index (the truth where it opened), else, as a last
+    resort, what damaged COMMITs and ANCHORs still decode to."""
     plan = _Plan()
+    _catalog_from_log(plan, found)
+    if old is not None:
+        _catalog_from_old_index(plan, old)
+    else:
+        _dense_names_from_damaged(plan, found)
+        _tables_from_damaged(plan, found, report)
+    if found.drop is not None:
+        plan.drop = found.drop[0]
+        plan.log[(record.KIND_DROP, plan.drop.seq)] = found.drop[1]
+    return plan
+
+
+def _catalog_from_log(plan: _Plan, found: _Found) -> None:
+    """Every table a whole COMMIT or ANCHOR defines (a later definition of an id wins over an earlier),
+    every dense name (the first id found for a name stays), and the highest ``dropped_below`` an ANCHOR
+    says."""
     facts = [(e.catalog, e.dense_names, 0) for e, _loc in found.commits.values()]
     facts += [(a.catalog, a.dense_names, a.dropped_below) for lst in found.anchors.values() for a, _loc in lst]
     for catalog, names, dropped_below in facts:
@@ -811,19 +851,33 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
         for name, did in names.items():
             plan.dense_names.setdefault(name, did)
         plan.floor = max(plan.floor, dropped_below)
-    for (kind, _v), (_loc, body) in (found.suspect_log.items() if old is None else ()):
+
+
+def _catalog_from_old_index(plan: _Plan, old: _OldIndex) -> None:
+    """The intact index's catalog and drop floor are the truth: they override the log's."""
+    for tid, info in old.tables.items():
+        plan.tables[tid] = info
+    for name, did in old.dense_names.items():
+        plan.dense_names[name] = did
+    plan.floor = max(plan.floor, old.meta[schema.DROPPED_BELOW])
+
+
+def _dense_names_from_damaged(plan: _Plan, found: _Found) -> None:
+    """Dense names a damaged log record's body still decodes to (name -> id, well typed), where neither
+    the name nor the id is known yet."""
+    for _key, (_loc, body) in found.suspect_log.items():
         names = (body or {}).get("dense_ids") or (body or {}).get("dense_names")
         if isinstance(names, dict):
             for name, did in names.items():
                 if isinstance(name, str) and isinstance(did, int) and did not in plan.dense_names.values():
                     plan.dense_names.setdefault(name, did)
-    if old is not None:  # the intact index's catalog and drops are the truth
-        for tid, info in old.tables.items():
-            plan.tables[tid] = info
-        for name, did in old.dense_names.items():
-            plan.dense_names[name] = did
-        plan.floor = max(plan.floor, old.meta[schema.DROPPED_BELOW])
-    for (kind, _v), (_loc, body) in (found.suspect_log.items() if old is None else ()):  # last resort
+
+
+def _tables_from_damaged(plan: _Plan, found: _Found, report: RepairReport) -> None:
+    """Tables a damaged log record's catalog still decodes to, where neither the id nor the name is
+    known yet and the definition agrees with the table's row records (``_plausible_table``); each one
+    taken is noted."""
+    for _key, (_loc, body) in found.suspect_log.items():
         for info in (body or {}).get("catalog", ()) if isinstance((body or {}).get("catalog"), list) else ():
             known_names = {t.name for t in plan.tables.values()}
             if isinstance(info, dict) and isinstance(info.get("id"), int) and info["id"] not in plan.tables \
@@ -833,117 +887,203 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
                     plan.tables[table.id] = table
                     report.notes.append(f"table {info.get('name')!r}: its definition comes from a damaged "
                                         "record (checked against the table's row records)")
-    if found.drop is not None:
-        plan.drop = found.drop[0]
-        plan.log[(record.KIND_DROP, plan.drop.seq)] = found.drop[1]
+
+
+def _table_namer(plan: _Plan) -> Callable[[int], str]:
+    """How the report names a table id: its name in the catalog as it stands now, else ``id N``."""
     table_name = {tid: info.name for tid, info in plan.tables.items()}
 
     def tname(tid):
         return repr(table_name.get(tid, f"id {tid}"))
 
-    proof = _LogProof(found, plan, report, tname)
-    commits = dict(found.commits)
-    # with an intact index the index holds every committed version's info: nothing to rebuild
-    rebuilt = _rebuild_damaged_commits(found, commits, proof, report) if old is None else []
-    nodes = sorted(set(commits) | set(found.anchors))
-    states: dict[int, _State] = {}
-    waiting: dict[int, int] = {}
-    for edit, _loc in commits.values():
-        if edit.info["parent"] is not None:
-            waiting[edit.info["parent"]] = waiting.get(edit.info["parent"], 0) + 1
-    empty = _State(None, {}, {})
-    log_chains: dict[int, tuple[dict, dict, _State]] = {}
-    for v in nodes:
+    return tname
+
+
+# the states from the log ------------------------------------------------------------------------------
+#: Per version the log may decide: its COMMIT's edit, the COMMIT's location (None for a rebuilt one) and
+#: its proven state.
+_Logged = tuple[VersionEdit, DenseLoc | None, _State]
+
+
+class _ParentStates:
+    """The proven states a later version still derives its own from: a version's state is kept while a
+    COMMIT not yet replayed names it as parent, and let go once the last such one has taken it."""
+
+    def __init__(self, commits: dict[int, tuple[VersionEdit, DenseLoc | None]]):
+        self.states: dict[int, _State] = {}
+        self.waiting: dict[int, int] = {}  # version -> how many COMMITs not yet replayed name it as parent
+        for edit, _loc in commits.values():
+            if edit.info["parent"] is not None:
+                self.waiting[edit.info["parent"]] = self.waiting.get(edit.info["parent"], 0) + 1
+
+    def keep(self, v: int, st: _State) -> None:
+        """Remember version v's state if a version still to come derives from it."""
+        if self.waiting.get(v):
+            self.states[v] = st
+
+    def parent_of(self, v: int, edit: VersionEdit | None) -> _State:
+        """The state version v's COMMIT (``edit``; None: missing) is replayed over: its parent's, empty
+        for a version with no parent, or one whose every block is unknown (saying which COMMIT is
+        missing) where the parent's state was never proven."""
+        if edit is None:
+            return _State(f"the commit record of version {v} is missing", {}, {})
+        parent = edit.info["parent"]
+        if parent is None:
+            return _State(None, {}, {})
+        if parent not in self.states:
+            return _State(f"the commit record of version {parent} (an ancestor) is missing", {}, {})
+        st = self.states[parent]
+        self.waiting[parent] -= 1
+        if not self.waiting[parent]:
+            del self.states[parent]  # memory: only the states still needed are kept
+        return st
+
+
+def _log_states(found: _Found, commits: dict, proof: _LogProof, old: _OldIndex | None) -> dict[int, _Logged]:
+    """Every version with a COMMIT or ANCHOR, ascending, proven from its parent's state (``_state_at``);
+    those with a COMMIT that the log decides or cross-checks (``_logged_version``) are returned."""
+    parents = _ParentStates(commits)
+    logged: dict[int, _Logged] = {}
+    for v in sorted(set(commits) | set(found.anchors)):
         commit = commits.get(v)
-        if commit is None:
-            base = _State(f"the commit record of version {v} is missing", {}, {})
-        else:
-            parent = commit[0].info["parent"]
-            if parent is None:
-                base = empty
-            elif parent in states:
-                base = states[parent]
-                waiting[parent] -= 1
-                if not waiting[parent]:
-                    del states[parent]  # memory: only the states still needed are kept
-            else:
-                base = _State(f"the commit record of version {parent} (an ancestor) is missing", {}, {})
+        base = parents.parent_of(v, commit[0] if commit is not None else None)
         if base.unknown is not None and v not in found.anchors and commit is not None and not found.unattributed:
-            # the ancestry is not proven (a COMMIT or the ANCHOR that covered it is damaged or gone) and
-            # the scan accounted for every damaged byte: the chains the records' own headers give
-            parent = commit[0].info["parent"]
-            base = proof.header_state(parent) if parent is not None else empty
-            report.notes.append(f"version {v}: {_why_base(commits, found, v)}; its read chains below it were "
-                                "taken from the row records' own headers")
-        st = _State(base.unknown, dict(base.blocks), dict(base.dense))
-        if commit is not None:
-            proof.apply_commit(st, v, commit[0])
-        proof.apply_compacted(st, v)
-        if v in found.anchors:
-            anchored = proof.apply_anchor(st, v)
-            for key, chain in anchored.blocks.items():  # a damaged listing: what the commits proved
-                if not chain.healthy and key in st.blocks and st.blocks[key].healthy:
-                    anchored.blocks[key] = st.blocks[key]
-            for did, link in anchored.dense.items():
-                if link.why is not None and did in st.dense and st.dense[did].why is None:
-                    anchored.dense[did] = st.dense[did]
-            st = anchored
-        if waiting.get(v):
-            states[v] = st
-        if commit is None:
-            continue
-        if old is not None and v in old.versions:
-            log_chains[v] = (commit[0], commit[1], st)  # the intact index decides; the log cross-checks
-            continue
-        if plan.dropped(v) or (old is not None and v not in old.versions and v <= max(old.versions, default=0)):
-            report.versions_dropped.append(v)
-            continue
-        if v in plan.partial and not plan.known_kept(v) and (old is None or v not in old.versions):
-            report.versions_dropped.append(v)
-            report.notes.append(f"version {v}: GC rewrote records it reads for the versions kept (it was "
-                                "dropped; the DROP record that says so is damaged or gone): left dropped")
-            continue
-        log_chains[v] = (commit[0], commit[1], st)
+            base = _header_base(proof, v, commit[0])
+        st = _state_at(proof, base, v, commit[0] if commit is not None else None)
+        parents.keep(v, st)
+        if commit is not None and _logged_version(proof.plan, v, old, proof.report):
+            logged[v] = (commit[0], commit[1], st)
+    return logged
+
+
+def _header_base(proof: _LogProof, v: int, edit: VersionEdit) -> _State:
+    """Where version v's ancestry is not proven (a COMMIT or the ANCHOR that covered it is damaged or
+    gone) and the scan accounted for every damaged byte: its parent's state from the records' own
+    headers (``_LogProof.header_state``), noted in the report."""
+    parent = edit.info["parent"]
+    base = proof.header_state(parent) if parent is not None else _State(None, {}, {})
+    proof.report.notes.append(
+        f"version {v}: the commit record of version {parent} (an ancestor) and any anchor covering it are "
+        "missing or damaged; its read chains below it were taken from the row records' own headers")
+    return base
+
+
+def _state_at(proof: _LogProof, base: _State, v: int, edit: VersionEdit | None) -> _State:
+    """Version v's state: ``base`` (its parent's, left unchanged) with its COMMIT (``edit``, if any)
+    replayed, its COMPACTED records applied, and its ANCHORs' listings taking over where whole."""
+    st = _State(base.unknown, dict(base.blocks), dict(base.dense))
+    if edit is not None:
+        proof.apply_commit(st, v, edit)
+    proof.apply_compacted(st, v)
+    if v in proof.found.anchors:
+        st = _anchored(proof.apply_anchor(st, v), st)
+    return st
+
+
+def _anchored(anchored: _State, st: _State) -> _State:
+    """The state an ANCHOR lists (``anchored``), except where its listing is damaged and the state the
+    commits proved (``st``) reads the block or dense array whole: that one is kept."""
+    for key, chain in anchored.blocks.items():
+        if not chain.healthy and key in st.blocks and st.blocks[key].healthy:
+            anchored.blocks[key] = st.blocks[key]
+    for did, link in anchored.dense.items():
+        if link.why is not None and did in st.dense and st.dense[did].why is None:
+            anchored.dense[did] = st.dense[did]
+    return anchored
+
+
+def _logged_version(plan: _Plan, v: int, old: _OldIndex | None, report: RepairReport) -> bool:
+    """Whether committed version v's proven state is kept for deciding it: always where the intact old
+    index holds v (the index decides, the log cross-checks); else not where v was dropped (retain, a
+    retention policy, or absent from the old index below its newest version) or where GC rewrote records
+    it reads and no DROP says it was kept (it was dropped): those are reported dropped."""
+    if old is not None and v in old.versions:
+        return True
+    if plan.dropped(v) or (old is not None and v <= max(old.versions, default=0)):
+        report.versions_dropped.append(v)
+        return False
+    if v in plan.partial and not plan.known_kept(v):
+        report.versions_dropped.append(v)
+        report.notes.append(f"version {v}: GC rewrote records it reads for the versions kept (it was "
+                            "dropped; the DROP record that says so is damaged or gone): left dropped")
+        return False
+    return True
+
+
+def _index_log_records(plan: _Plan, found: _Found) -> None:
+    """Index every ANCHOR (the last copy found of each) and every COMMIT found: the liveness rule
+    (``prune_log``) keeps what later repairs need."""
     for a, lst in found.anchors.items():
         plan.log[(record.KIND_ANCHOR, a)] = lst[-1][1]
     for v, (_body, loc) in found.commits.items():
-        plan.log[(record.KIND_COMMIT, v)] = loc  # prune_log keeps what later repairs need
+        plan.log[(record.KIND_COMMIT, v)] = loc
 
-    # decide each version: from the old index where it holds it, else from the log proof
-    candidates = set(log_chains) | (set(old.versions) if old is not None else set())
+
+# deciding each version --------------------------------------------------------------------------------
+def _decide_versions(plan: _Plan, found: _Found, logged: dict[int, _Logged], old: _OldIndex | None,
+                     proof: _LogProof) -> None:
+    """Each version, ascending, into the plan or the report's lost versions: from the old index where it
+    holds the version (``_old_index_version``), else from the log's proof where every chain is proven
+    (``_unproven``)."""
+    candidates = set(logged) | (set(old.versions) if old is not None else set())
     for v in sorted(candidates):
         if old is not None and v in old.versions:
-            info = dict(old.versions[v])
-            chains, dense = _old_index_state(old, v, found, tname, proof)
-            if v in log_chains:  # cross-check: where the log proves a block the index cannot read
-                _body, _loc, st = log_chains[v]
-                for key, chain in st.blocks.items():
-                    if chain.healthy and not chains.get(key, _EMPTY).healthy:
-                        chains[key] = chain
+            got = logged.get(v)
+            info, chains, dense = _old_index_version(old, v, found, proof, got[2] if got is not None else None)
         else:
-            body, _loc, st = log_chains[v]
-            unproven = [chain.unproven for chain in st.blocks.values() if not chain.proven]
-            if st.unknown is not None:
-                unproven.append(st.unknown)
-            if unproven:
-                report.versions_lost[v] = unproven[0] if unproven[0].startswith("version") else \
-                    f"version {v}: {unproven[0]}"
+            edit, _loc, st = logged[v]
+            why = _unproven(v, st)
+            if why is not None:
+                proof.report.versions_lost[v] = why
                 continue
-            info = dict(body.info)
-            chains, dense = st.blocks, st.dense
-        missing_tables = sorted({tid for tid, _b in chains} - set(plan.tables))
-        if missing_tables:
-            report.versions_lost[v] = f"version {v}: the definition of table {tname(missing_tables[0])} is missing"
-            continue
-        plan.versions[v] = info
-        plan.chains[v] = chains
-        plan.dense[v] = dense
-        if v in found.anchors:
-            plan.last_baseline = {"version": v, "bytes": sum(c.links[0].loc.length for c in chains.values() if c.links)}
-    if rebuilt:
-        report.notes.extend(rebuilt)
+            info, chains, dense = dict(edit.info), st.blocks, st.dense
+        _admit(plan, found, v, info, chains, dense, proof)
 
-    # versions seen in records without a commit record: uncommitted checkpoints, or lost commit records
+
+def _old_index_version(old: _OldIndex, v: int, found: _Found, proof: _LogProof,
+                       st: _State | None) -> tuple[dict, dict[tuple[int, int], Chain], dict[int, Link]]:
+    """Version v as the old index reads it (``_old_index_state``): its info, chains and dense heads;
+    where the log proves a block whole (``st``: v's state from the log, if any) that the index cannot
+    read, the log's chain."""
+    chains, dense = _old_index_state(old, v, found, proof.tname, proof)
+    if st is not None:
+        for key, chain in st.blocks.items():
+            if chain.healthy and not chains.get(key, _EMPTY).healthy:
+                chains[key] = chain
+    return dict(old.versions[v]), chains, dense
+
+
+def _unproven(v: int, st: _State) -> str | None:
+    """Why version v, whose state from the log is ``st``, cannot be recovered (as the report says it:
+    naming the version): the first block whose chain is not proven, else the blocks not listed being
+    unknown; None when every chain is proven."""
+    reasons = [chain.unproven for chain in st.blocks.values() if not chain.proven]
+    if st.unknown is not None:
+        reasons.append(st.unknown)
+    if not reasons:
+        return None
+    return reasons[0] if reasons[0].startswith("version") else f"version {v}: {reasons[0]}"
+
+
+def _admit(plan: _Plan, found: _Found, v: int, info: dict, chains: dict[tuple[int, int], Chain],
+           dense: dict[int, Link], proof: _LogProof) -> None:
+    """Place version v in the plan (its info, chains and dense heads; an anchored version is the last
+    baseline), unless a table its chains read has no definition: then it is lost."""
+    missing_tables = sorted({tid for tid, _b in chains} - set(plan.tables))
+    if missing_tables:
+        proof.report.versions_lost[v] = (f"version {v}: the definition of table {proof.tname(missing_tables[0])} "
+                                         "is missing")
+        return
+    plan.versions[v] = info
+    plan.chains[v] = chains
+    plan.dense[v] = dense
+    if v in found.anchors:
+        plan.last_baseline = {"version": v, "bytes": sum(c.links[0].loc.length for c in chains.values() if c.links)}
+
+
+def _report_uncommitted(plan: _Plan, found: _Found, commits: dict, report: RepairReport) -> None:
+    """Versions not recovered nor dropped that have no COMMIT: seen in records (a checkpoint that never
+    committed, a pre-format-2 version, a lost COMMIT) or named as a parent (a lost COMMIT) are lost."""
     parents = {e.info["parent"] for e, _l in commits.values()}
     for v in sorted(found.seen_versions - set(commits)):
         if plan.dropped(v) or v in plan.versions:
@@ -956,6 +1096,12 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     for v in sorted(parents - set(commits) - found.seen_versions - {None}):
         if not plan.dropped(v) and v not in found.anchors and v not in plan.versions:
             report.versions_lost[v] = f"version {v}: its commit record is missing (a later version names it as parent)"
+
+
+def _report_recovered(plan: _Plan, found: _Found, report: RepairReport, old: _OldIndex | None) -> None:
+    """The report's recovered versions and tables (a recovered version is never also lost), and notes of
+    what the catalog cannot give back: tables with rows but no definition, and, with the index lost,
+    tables never written."""
     for v in list(report.versions_lost):
         if v in plan.versions:
             del report.versions_lost[v]
@@ -968,7 +1114,6 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     if old is None:
         report.notes.append("tables created but never written by a committed version are not in the log and "
                             "cannot be recovered")
-    return plan
 
 
 def _plausible_table(found: _Found, info: dict) -> TableRecord | None:
@@ -998,11 +1143,6 @@ def _plausible_table(found: _Found, info: dict) -> TableRecord | None:
         return table
     except CnrError:  # (a CorruptionError from the entry's check, or an unknown codec id)
         return None
-
-
-def _why_base(commits, found, v) -> str:
-    parent = commits[v][0].info["parent"]
-    return f"the commit record of version {parent} (an ancestor) and any anchor covering it are missing or damaged"
 
 
 def _rebuild_damaged_commits(found: _Found, commits: dict, proof: _LogProof, report: RepairReport) -> list[str]:
