@@ -24,15 +24,19 @@ Scan: every segment record by record; a bad stretch is skipped (the scan resumes
 magic whose checksum holds) and, when the stretch is exactly one record whose header still names it,
 *attributed* to that record (a "suspect": its key is known, its bytes are not trustworthy).
 
-Proof, per version, ascending (``_LogProof``): the state (per block its read chain) is derived from the
-parent's state and the version's COMMIT; a materialized baseline (a COMPACTED record with BASELINE)
-resets a block; an ANCHOR resets every block. The chain *from an index entry* does not depend on where
-a walk began, so every entry's chain is remembered: a delta's base is looked up there (whether it came
-from a COMMIT, a compacted baseline or an ANCHOR listing). Where a version's ancestry is not proven (an
-ancestor's COMMIT or the ANCHOR that covered it is damaged), and the scan found no damage it could not
-attribute, the chain is taken from the row records' own headers (the walk the index would do over every
-record present). A damaged COMMIT's version is rebuilt from its records' headers and what its damaged
-body still decodes to.
+Proof (``_prove``, in named steps: the catalog, the states from the log, each version decided, the
+report): per version, ascending (``_log_states``, ``_LogProof``), the state (per block its read chain, a
+``Chain`` of ``Link``s newest first, or a chain not proven, with why) is derived from the parent's state
+and the version's COMMIT; a materialized baseline (a COMPACTED record with BASELINE) resets a block; an
+ANCHOR resets every block. The chain *from an index entry* does not depend on where a walk began, so
+every entry's chain is remembered: a delta's base is looked up there (whether it came from a COMMIT, a
+compacted baseline or an ANCHOR listing). Where a version's ancestry is not proven (an ancestor's COMMIT
+or the ANCHOR that covered it is damaged), and the scan found no damage it could not attribute, the chain
+is taken from the row records' own headers (the walk the index would do over every record present). A
+damaged COMMIT's version is rebuilt from its records' headers and what its damaged body still decodes
+to. Every walk over a block's entries (the headers', the old index's, the damage of each new entry)
+asks the one read-chain rule, ``engine/chain.py``; a delta whose base has no entry ends its chain in a
+lost link (``chain.missing_base``), never skipped.
 
 The new index is built in ``index.repair-tmp/`` beside ``index/``, synced, and swapped in: the old
 ``index/`` is renamed ``index.damaged-<time>/`` (never deleted). Segment files are not changed, except
