@@ -81,6 +81,41 @@ def test_step_names_each_case():
     assert chain.next_position(3, record.FLAG_DELTA, 9, {}) is None  # a base without an entry
 
 
+def test_missing_base_names_only_a_delta_base_without_an_entry():
+    assert chain.missing_base(record.FLAG_DELTA, 9, {}) == 9
+    assert chain.missing_base(record.FLAG_DELTA, 9, {9: 0}) is None
+    assert chain.missing_base(record.FLAG_BASELINE | record.FLAG_FULL, 0, {}) is None
+    assert chain.missing_base(0, 0, {}) is None  # a plain increment's chain ends after the oldest entry
+
+
+@given(histories(), st.data())
+def test_a_walk_that_lost_an_entry_ends_at_the_missing_base_it_names(entries, data):
+    """With one entry gone (a record repair found damaged), the walk from each entry is the rule's over
+    the entries left, and :func:`chain.missing_base` names the gone entry exactly where the rule would
+    jump to it."""
+    gone = data.draw(st.integers(0, len(entries) - 1))
+    left = entries[:gone] + entries[gone + 1:]
+    flags = [flags_of(k) for _v, k, _b in left]
+    bases = [b for _v, _k, b in left]
+    position = {v: i for i, (v, _k, _b) in enumerate(left)}
+    for start in range(len(left)):
+        want, i, missing = [], start, None
+        while i is not None:  # the rule in its own words, stopping at a jump to the gone entry
+            want.append(i)
+            _v, kind, base = left[i]
+            if kind == BASELINE:
+                i = None
+            elif kind == DELTA:
+                i = position.get(base)
+                missing = base if i is None else None
+            else:
+                i = i - 1 if i else None
+        walked = list(chain.walk(flags, bases, position, start))
+        assert walked == want
+        assert chain.missing_base(flags[walked[-1]], bases[walked[-1]], position) == missing
+        assert missing in (None, entries[gone][0])
+
+
 @given(histories(), st.lists(st.integers(0, 40), max_size=6))
 def test_retention_prunes_exactly_the_entries_no_kept_version_reads(entries, kept):
     kept = sorted(set(kept))

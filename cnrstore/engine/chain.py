@@ -11,16 +11,18 @@ A block's *read chain* at version V is the index entries a read of the block at 
 
 :func:`step` is that rule; every walk of a chain asks it: ``IndexView.row_chain`` over an LMDB cursor, and,
 over a block's entries held in a list (oldest first), :func:`next_position`, :func:`walk` and
-:func:`lengths` (liveness and GC, retention's pruning, ``cnrstore ls``, repair's proof from the log).
+:func:`lengths` (liveness and GC, retention's pruning, ``cnrstore ls``, repair's proof from the log);
+:func:`missing_base` tells a walk that ended at a delta whose base has no entry (a record repair must
+report lost, never skip) from one that ended with its chain.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 
 from . import record
 
-__all__ = ["END", "PREVIOUS", "step", "next_position", "walk", "lengths"]
+__all__ = ["END", "PREVIOUS", "step", "next_position", "missing_base", "walk", "lengths"]
 
 #: :func:`step`'s answer after a baseline: the chain ends.
 END = -1
@@ -46,6 +48,15 @@ def next_position(i: int, flags: int, base: int, position: Mapping[int, int]) ->
     if nxt == PREVIOUS:
         return i - 1 if i else None
     return position.get(nxt)
+
+
+def missing_base(flags: int, base: int, versions: Container[int]) -> int | None:
+    """The base version the chain goes on at after an entry whose record has ``flags`` and delta
+    ``base``, where the block has no entry at that version (``versions``: those it has entries at, e.g.
+    :func:`next_position`'s ``position``); else None. :func:`next_position` ends such a walk although the
+    chain does not."""
+    nxt = step(flags, base)
+    return nxt if nxt > 0 and nxt not in versions else None
 
 
 def walk(flags: Sequence[int], bases: Sequence[int], position: Mapping[int, int], start: int) -> Iterator[int]:

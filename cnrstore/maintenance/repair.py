@@ -24,15 +24,19 @@ Scan: every segment record by record; a bad stretch is skipped (the scan resumes
 magic whose checksum holds) and, when the stretch is exactly one record whose header still names it,
 *attributed* to that record (a "suspect": its key is known, its bytes are not trustworthy).
 
-Proof, per version, ascending (``_LogProof``): the state (per block its read chain) is derived from the
-parent's state and the version's COMMIT; a materialized baseline (a COMPACTED record with BASELINE)
-resets a block; an ANCHOR resets every block. The chain *from an index entry* does not depend on where
-a walk began, so every entry's chain is remembered: a delta's base is looked up there (whether it came
-from a COMMIT, a compacted baseline or an ANCHOR listing). Where a version's ancestry is not proven (an
-ancestor's COMMIT or the ANCHOR that covered it is damaged), and the scan found no damage it could not
-attribute, the chain is taken from the row records' own headers (the walk the index would do over every
-record present). A damaged COMMIT's version is rebuilt from its records' headers and what its damaged
-body still decodes to.
+Proof (``_prove``, in named steps: the catalog, the states from the log, each version decided, the
+report): per version, ascending (``_log_states``, ``_LogProof``), the state (per block its read chain, a
+``Chain`` of ``Link``s newest first, or a chain not proven, with why) is derived from the parent's state
+and the version's COMMIT; a materialized baseline (a COMPACTED record with BASELINE) resets a block; an
+ANCHOR resets every block. The chain *from an index entry* does not depend on where a walk began, so
+every entry's chain is remembered: a delta's base is looked up there (whether it came from a COMMIT, a
+compacted baseline or an ANCHOR listing). Where a version's ancestry is not proven (an ancestor's COMMIT
+or the ANCHOR that covered it is damaged), and the scan found no damage it could not attribute, the chain
+is taken from the row records' own headers (the walk the index would do over every record present). A
+damaged COMMIT's version is rebuilt from its records' headers and what its damaged body still decodes
+to. Every walk over a block's entries (the headers', the old index's, the damage of each new entry)
+asks the one read-chain rule, ``engine/chain.py``; a delta whose base has no entry ends its chain in a
+lost link (``chain.missing_base``), never skipped.
 
 The new index is built in ``index.repair-tmp/`` beside ``index/``, synced, and swapped in: the old
 ``index/`` is renamed ``index.damaged-<time>/`` (never deleted). Segment files are not changed, except
@@ -48,7 +52,7 @@ import bisect
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import msgpack
 import numpy as np
@@ -489,14 +493,55 @@ def _note(found: _Found, rec: record.Record, seg: int, pos: int, length: int, re
 
 
 # proof ------------------------------------------------------------------------------------------------
-# A chain is a tuple of links (version, loc, why), newest first: ``why`` is None for a present record, or
-# says why the record is damaged or lost (then ``loc`` points at its damaged bytes, or at LOST_SEGMENT)
-# and the link is the chain's last. A block's state is a chain, or a str when not even the key of the
-# record that is missing is known (the version's ancestry is not proven).
+class Link(NamedTuple):
+    """One record a read visits: its ``version`` and location ``loc`` (a ``RowLoc`` in a block's chain, a
+    ``DenseLoc`` as a dense array's head), and ``why`` it is damaged or lost (None: present, the record
+    history wrote there). A damaged or lost link ends its chain; its ``loc`` points at the damaged bytes,
+    or at ``LOST_SEGMENT``, so that a read of it raises."""
+
+    version: int
+    loc: RowLoc | DenseLoc
+    why: str | None = None
 
 
-def _healthy(chain) -> bool:
-    return not isinstance(chain, str) and (not chain or chain[-1][2] is None)
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """A block's read chain as repair proves it: its ``links``, newest first, the last one possibly
+    damaged; or, when not even the key of a record the chain needs is known (the version's ancestry is
+    not proven), no links and why (``unproven``). No links and no reason: the block was never written."""
+
+    links: tuple[Link, ...] = ()
+    unproven: str | None = None
+
+    @property
+    def proven(self) -> bool:
+        return self.unproven is None
+
+    @property
+    def healthy(self) -> bool:
+        """Proven, and every record of it present (a never-written block's empty chain is healthy)."""
+        return self.unproven is None and (not self.links or self.links[-1].why is None)
+
+    def after(self, link: Link) -> Chain:
+        """The chain that reads ``link`` and then this one: an unproven chain stays unproven (and
+        ``link`` is dropped with it)."""
+        return self if self.unproven is not None else Chain((link,) + self.links)
+
+    def suffixes(self) -> list[Chain]:
+        """The chain from each of its links, newest first: the chain from an index entry does not depend
+        on where a walk began."""
+        return [Chain(self.links[i:]) for i in range(len(self.links))]
+
+    def from_version(self, version: int) -> Chain | None:
+        """The chain from this chain's link at ``version`` (a suffix), or None where it has none."""
+        for i, link in enumerate(self.links):
+            if link.version == version:
+                return Chain(self.links[i:])
+        return None
+
+
+#: The chain of a block never written.
+_EMPTY = Chain()
 
 
 _KNOWN_FLAGS = record.FLAG_BASELINE | record.FLAG_FULL | record.FLAG_COMPACTED | record.FLAG_DELTA
@@ -504,20 +549,28 @@ _SHAPE = record.FLAG_BASELINE | record.FLAG_DELTA  # what a GC rewrite keeps of 
 
 
 class _State:
+    """The proof's state at one version: per block its chain, per dense id its head."""
+
     __slots__ = ("unknown", "blocks", "dense")
 
-    def __init__(self, unknown, blocks, dense):
+    def __init__(self, unknown: str | None, blocks: dict[tuple[int, int], Chain], dense: dict[int, Link]):
         self.unknown = unknown  # why blocks not listed may be unreadable (None: never written)
-        self.blocks = blocks  # (tid, block) -> chain or str
-        self.dense = dense  # dense id -> (version, loc, why) or str
+        self.blocks = blocks  # (tid, block) -> chain
+        self.dense = dense  # dense id -> head
+
+    def chain(self, key: tuple[int, int]) -> Chain:
+        """The chain of block ``key``: listed, else empty (never written) or unproven (``unknown``)."""
+        if key in self.blocks:
+            return self.blocks[key]
+        return _EMPTY if self.unknown is None else Chain(unproven=self.unknown)
 
 
 @dataclass
 class _Plan:
     versions: dict[int, dict] = field(default_factory=dict)  # recovered version -> version info
     #: per recovered version: (tid, block) -> chain, dense id -> link
-    chains: dict[int, dict] = field(default_factory=dict)
-    dense: dict[int, dict] = field(default_factory=dict)
+    chains: dict[int, dict[tuple[int, int], Chain]] = field(default_factory=dict)
+    dense: dict[int, dict[int, Link]] = field(default_factory=dict)
     tables: dict[int, dict] = field(default_factory=dict)  # table id -> catalog entry
     dense_names: dict[str, int] = field(default_factory=dict)
     log: dict[tuple[int, int], DenseLoc] = field(default_factory=dict)
@@ -544,7 +597,8 @@ class _LogProof:
         self.plan = plan
         self.report = report
         self.tname = tname
-        self.entry: dict[tuple[int, int, int], tuple] = {}  # (tid, block, version) -> chain from that entry
+        self.entry: dict[tuple[int, int, int], Chain] = {}  # (tid, block, version) -> chain from that entry
+        self._history_entries: dict[tuple[int, int], tuple] = {}  # (tid, block) -> history_entries()
         skipped = []  # versions a COMMIT's parent pointer jumps over: never part of the history
         for v, (edit, _loc) in found.commits.items():
             p = edit.info["parent"]
@@ -556,83 +610,77 @@ class _LogProof:
         return not any(p < u < v for p, v in self.skipped)
 
     # links --------------------------------------------------------------------------------------------
-    def lost(self, tid, block, v, count, flags, base, what="record") -> tuple:
+    def lost(self, tid, block, v, count, flags, base, what="record") -> Link:
         suspect = self.found.suspect_rows.get((tid, block, v))
         where = f"the {what} of table {self.tname(tid)} block {block} at version {v}"
         if suspect is not None:
-            return (v, suspect, f"{where} is damaged (checksum mismatch at segment {suspect.segment} offset "
-                                f"{suspect.offset})")
-        return (v, RowLoc(LOST_SEGMENT, 0, 0, count, flags, base), f"{where} is missing")
+            return Link(v, suspect, f"{where} is damaged (checksum mismatch at segment {suspect.segment} "
+                                    f"offset {suspect.offset})")
+        return Link(v, RowLoc(LOST_SEGMENT, 0, 0, count, flags, base), f"{where} is missing")
 
-    def own(self, tid, block, v, count, flags, version_of=None) -> tuple:
+    def own(self, tid, block, v, count, flags, version_of=None) -> Link:
         """The link of the record (tid, block, v) that history wrote with ``count`` and ``flags``: the
         checkpoint's record, or its rewrite by GC (COMPACTED, its live rows only)."""
         loc = self.found.row(tid, block, v, count, flags)
         if loc is not None:
-            return (v, loc, None)
+            return Link(v, loc)
         loc = self.found.row(tid, block, v, compacted=True)
         if loc is not None and (loc.flags & _SHAPE) == (flags & _SHAPE):
             if loc.count < count and version_of is not None:
                 self.plan.partial.add(version_of)
-            return (v, loc, None)
+            return Link(v, loc)
         base = 0
         if flags & record.FLAG_DELTA:
             cand = self.found.suspect_rows.get((tid, block, v))
             base = cand.base if cand is not None else 0
         return self.lost(tid, block, v, count, flags, base)
 
-    def chain_from(self, tid, block, link, below) -> tuple | str:
-        """The chain starting at ``link``: ``below`` is the state of the block just under it (what a
-        plain increment is read with)."""
-        v, loc, why = link
-        nxt = chain_rule.step(loc.flags, loc.base)
-        if why is not None or nxt == chain_rule.END:
-            out = (link,)
+    def chain_from(self, tid, block, link: Link, below: Chain = _EMPTY) -> Chain:
+        """The chain starting at ``link``: ``below`` is the chain of the block just under it (what a
+        plain increment is read with). A proven one is remembered as the chain from that entry."""
+        nxt = chain_rule.step(link.loc.flags, link.loc.base)
+        if link.why is not None or nxt == chain_rule.END:
+            out = Chain((link,))
         elif nxt != chain_rule.PREVIOUS:
-            out = self.base_chain(tid, block, nxt, below)
-            out = (link,) + out if not isinstance(out, str) else out
-        elif isinstance(below, str):
-            out = below
+            out = self.base_chain(tid, block, nxt, below).after(link)
         else:
-            out = (link,) + (below or ())
-        if not isinstance(out, str):
-            self.entry[(tid, block, v)] = out
+            out = below.after(link)
+        if out.proven:
+            self.entry[(tid, block, link.version)] = out
         return out
 
-    def base_chain(self, tid, block, base, below) -> tuple | str:
+    def base_chain(self, tid, block, base, below: Chain) -> Chain:
         """The chain from the entry at a delta's ``base``: remembered from wherever it was proven, else
         found in ``below`` (the chain the delta was written over), else the record at ``base``."""
         known = self.entry.get((tid, block, base))
         if known is not None:
             return known
-        if not isinstance(below, str) and below:
-            for i, link in enumerate(below):
-                if link[0] == base:
-                    return below[i:]
+        known = below.from_version(base)
+        if known is not None:
+            return known
         loc = self.found.row(tid, block, base, compacted=True)
         if loc is None:
             locs = [loc for loc, comp in self.found.rows.get((tid, block, base), ()) if not comp]
             loc = locs[-1] if locs else None
         if loc is None:
-            return (self.lost(tid, block, base, 0, record.FLAG_BASELINE, 0, "base record"),)
+            return Chain((self.lost(tid, block, base, 0, record.FLAG_BASELINE, 0, "base record"),))
         if chain_rule.step(loc.flags, loc.base) != chain_rule.PREVIOUS:  # a baseline, or a delta on a base
-            return self.chain_from(tid, block, (base, loc, None), None)
-        return (f"the records of table {self.tname(tid)} block {block} under the delta base at version {base} "
-                "are not proven")
+            return self.chain_from(tid, block, Link(base, loc))
+        return Chain(unproven=f"the records of table {self.tname(tid)} block {block} under the delta base at "
+                              f"version {base} are not proven")
 
-    def header_chain(self, tid, block, v) -> tuple | str:
+    def header_chain(self, tid, block, v) -> Chain:
         """The chain at ``v`` as the index would walk it over every record present (their headers)."""
-        versions = self.found.by_block().get((tid, block), [])
-        i = bisect.bisect_right(versions, v) - 1
-        links = []
-        while i >= 0:
-            u = versions[i]
-            if not self.in_history(u):
-                i -= 1
-                continue
+        versions, kept, position = self.history_entries(tid, block)
+        i = bisect.bisect_right(kept, v) - 1
+        if i < 0:
+            return _EMPTY
+        links: list[Link] = []
+        while i is not None:
+            u = kept[i]
             known = self.entry.get((tid, block, u))
             if known is not None:
-                links.extend(known)
+                links.extend(known.links)
                 break
             loc = self.found.row(tid, block, u, compacted=True)
             if loc is None or not loc.flags & record.FLAG_BASELINE:
@@ -642,19 +690,31 @@ class _LogProof:
                 suspect = self.found.suspect_rows[(tid, block, u)]
                 links.append(self.lost(tid, block, u, suspect.count, suspect.flags, suspect.base))
                 break
-            links.append((u, loc, None))
-            nxt = chain_rule.step(loc.flags, loc.base)
-            if nxt == chain_rule.END:
-                break
-            if nxt == chain_rule.PREVIOUS:
-                i -= 1
-                continue
-            j = bisect.bisect_left(versions, nxt)
-            if j >= len(versions) or versions[j] != nxt:
-                links.append(self.lost(tid, block, nxt, 0, record.FLAG_BASELINE, 0, "base record"))
-                break
-            i = j
-        return tuple(links)
+            links.append(Link(u, loc))
+            i = chain_rule.next_position(i, loc.flags, loc.base, position)
+        else:
+            missing = chain_rule.missing_base(loc.flags, loc.base, versions)
+            if missing is not None:
+                links.append(self.lost(tid, block, missing, 0, record.FLAG_BASELINE, 0, "base record"))
+        return Chain(tuple(links))
+
+    def history_entries(self, tid, block) -> tuple[set[int], list[int], dict[int, int]]:
+        """A block's entries for :meth:`header_chain`'s walk: the versions with a present or suspect
+        record, those of them in the history (ascending: the entries walked), and each version's position
+        among those: a version the history skips takes that of the history's entry before it (a delta on
+        it goes on there), or none when there is none (a walk that reaches it ends, its base not missing)."""
+        got = self._history_entries.get((tid, block))
+        if got is None:
+            versions = self.found.by_block().get((tid, block), [])
+            kept: list[int] = []
+            position: dict[int, int] = {}
+            for u in versions:
+                if self.in_history(u):
+                    kept.append(u)
+                if kept:
+                    position[u] = len(kept) - 1
+            got = self._history_entries[(tid, block)] = (set(versions), kept, position)
+        return got
 
     # states -------------------------------------------------------------------------------------------
     def apply_commit(self, st: _State, v: int, edit: VersionEdit) -> None:
@@ -663,16 +723,16 @@ class _LogProof:
         for tid, block, _v, loc in edit.rows:
             key = (tid, block)
             link = self.own(tid, block, v, loc.count, loc.flags, version_of=v)
-            st.blocks[key] = self.chain_from(tid, block, link, st.blocks.get(key, st.unknown))
+            st.blocks[key] = self.chain_from(tid, block, link, st.chain(key))
         for _name, did in edit.dense_names.items():
             loc = self.found.dense.get((did, v))
             if loc is not None:
-                st.dense[did] = (v, loc, None)
+                st.dense[did] = Link(v, loc)
             else:
                 suspect = self.found.suspect_dense.get((did, v))
-                st.dense[did] = (v, suspect or DenseLoc(LOST_SEGMENT, 0, 0),
-                                 f"the record of dense array {self._dname(did)} at version {v} is "
-                                 + ("damaged" if suspect else "missing"))
+                st.dense[did] = Link(v, suspect or DenseLoc(LOST_SEGMENT, 0, 0),
+                                     f"the record of dense array {self._dname(did)} at version {v} is "
+                                     + ("damaged" if suspect else "missing"))
 
     def _dname(self, did):
         return repr({i: n for n, i in self.plan.dense_names.items()}.get(did, f"id {did}"))
@@ -685,15 +745,15 @@ class _LogProof:
             loc = self.found.row(tid, block, v, compacted=True)
             nxt = chain_rule.PREVIOUS if loc is None else chain_rule.step(loc.flags, loc.base)
             if nxt == chain_rule.END:
-                st.blocks[(tid, block)] = self.chain_from(tid, block, (v, loc, None), None)
+                st.blocks[(tid, block)] = self.chain_from(tid, block, Link(v, loc))
             elif nxt != chain_rule.PREVIOUS:
                 # a merged delta (background merge, or GC's rewrite of a delta): the block's state at v is
                 # it and the chain at its base. Taken where that chain is proven whole; else what the
                 # commits proved stands (a merge only repeats rows the records it merged hold)
                 key = (tid, block)
                 remembered = self.entry.get((tid, block, v))
-                chain = self.chain_from(tid, block, (v, loc, None), st.blocks.get(key, st.unknown))
-                if _healthy(chain):
+                chain = self.chain_from(tid, block, Link(v, loc), st.chain(key))
+                if chain.healthy:
                     st.blocks[key] = chain
                 elif remembered is not None:
                     self.entry[(tid, block, v)] = remembered
@@ -701,36 +761,36 @@ class _LogProof:
                     self.entry.pop((tid, block, v), None)
 
     def apply_anchor(self, st: _State, v: int) -> _State:
-        heads: dict[tuple[int, int], tuple | None] = {}
-        dense_heads: dict[int, tuple | None] = {}
+        heads: dict[tuple[int, int], Chain] = {}
+        dense_heads: dict[int, Link] = {}
         for anchor, _loc in self.found.anchors[v]:
             for (tid, block), entries in anchor.heads.items():  # a block's read chain at v, newest first
-                if heads.get((tid, block)) is not None and _healthy(heads[(tid, block)]):
+                if (tid, block) in heads and heads[(tid, block)].healthy:
                     continue
                 links = []
                 for hv, count, flags in entries:
                     if flags & record.FLAG_COMPACTED:
                         loc = self.found.row(tid, block, hv, compacted=True)
-                        link = (hv, loc, None) if loc is not None else self.lost(tid, block, hv, count, flags, 0)
+                        link = Link(hv, loc) if loc is not None else self.lost(tid, block, hv, count, flags, 0)
                     else:
                         link = self.own(tid, block, hv, count, flags)
                     links.append(link)
-                    if link[2] is not None or chain_rule.step(link[1].flags, link[1].base) == chain_rule.END:
+                    if link.why is not None or chain_rule.step(link.loc.flags, link.loc.base) == chain_rule.END:
                         break
-                chain = tuple(links)
-                for i in range(len(chain)):  # every suffix is the chain from that entry
-                    if _healthy(chain[i:]):
-                        self.entry.setdefault((tid, block, chain[i][0]), chain[i:])
+                chain = Chain(tuple(links))
+                for suffix in chain.suffixes():  # every suffix is the chain from that entry
+                    if suffix.healthy:
+                        self.entry.setdefault((tid, block, suffix.links[0].version), suffix)
                 heads[(tid, block)] = chain
             for did, hv in anchor.dense.items():
                 loc = self.found.dense.get((did, hv))
                 if loc is not None:
-                    dense_heads[did] = (hv, loc, None)
-                elif dense_heads.get(did) is None:
+                    dense_heads[did] = Link(hv, loc)
+                elif did not in dense_heads:
                     suspect = self.found.suspect_dense.get((did, hv))
-                    dense_heads[did] = (hv, suspect or DenseLoc(LOST_SEGMENT, 0, 0),
-                                        f"the record of dense array {self._dname(did)} at version {hv} "
-                                        f"(anchor at {v}) is " + ("damaged" if suspect else "missing"))
+                    dense_heads[did] = Link(hv, suspect or DenseLoc(LOST_SEGMENT, 0, 0),
+                                            f"the record of dense array {self._dname(did)} at version {hv} "
+                                            f"(anchor at {v}) is " + ("damaged" if suspect else "missing"))
         return _State(None, heads, dense_heads)
 
     def header_state(self, v: int) -> _State:
@@ -739,17 +799,57 @@ class _LogProof:
         for (tid, block), versions in self.found.by_block().items():
             if versions[0] <= v:
                 chain = self.header_chain(tid, block, v)
-                if chain:
+                if chain.links:
                     blocks[(tid, block)] = chain
         dense = {}
         for (did, u), loc in sorted(self.found.dense.items()):
             if u <= v and self.in_history(u):
-                dense[did] = (u, loc, None)
+                dense[did] = Link(u, loc)
         return _State(None, blocks, dense)
 
 
 def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
+    """The plan of the new index (its versions, their chains and dense heads, the catalog, the log
+    records to index) from what the scan ``found`` and the ``old`` index, if it opened; what could not
+    be recovered, and why, goes into ``report``. The steps, in order: the catalog; the damaged COMMITs
+    rebuilt (index lost only); each version's state proven from the log; the log records indexed; each
+    version decided; what the report says of the rest."""
+    plan = _catalog(found, report, old)
+    proof = _LogProof(found, plan, report, _table_namer(plan))
+    commits = dict(found.commits)
+    # with an intact index the index holds every committed version's info: nothing to rebuild
+    rebuilt = _rebuild_damaged_commits(found, commits, proof, report) if old is None else []
+    logged = _log_states(found, commits, proof, old)
+    _index_log_records(plan, found)
+    _decide_versions(plan, found, logged, old, proof)
+    report.notes.extend(rebuilt)
+    _report_uncommitted(plan, found, commits, report)
+    _report_recovered(plan, found, report, old)
+    return plan
+
+
+# the catalog ------------------------------------------------------------------------------------------
+def _catalog(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
+    """A plan holding the catalog (tables, dense names), the drop floor and the newest DROP record: from
+    the COMMITs and ANCHORs, then the intact old index (the truth where it opened), else, as a last
+    resort, what damaged COMMITs and ANCHORs still decode to."""
     plan = _Plan()
+    _catalog_from_log(plan, found)
+    if old is not None:
+        _catalog_from_old_index(plan, old)
+    else:
+        _dense_names_from_damaged(plan, found)
+        _tables_from_damaged(plan, found, report)
+    if found.drop is not None:
+        plan.drop = found.drop[0]
+        plan.log[(record.KIND_DROP, plan.drop.seq)] = found.drop[1]
+    return plan
+
+
+def _catalog_from_log(plan: _Plan, found: _Found) -> None:
+    """Every table a whole COMMIT or ANCHOR defines (a later definition of an id wins over an earlier),
+    every dense name (the first id found for a name stays), and the highest ``dropped_below`` an ANCHOR
+    says."""
     facts = [(e.catalog, e.dense_names, 0) for e, _loc in found.commits.values()]
     facts += [(a.catalog, a.dense_names, a.dropped_below) for lst in found.anchors.values() for a, _loc in lst]
     for catalog, names, dropped_below in facts:
@@ -758,19 +858,33 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
         for name, did in names.items():
             plan.dense_names.setdefault(name, did)
         plan.floor = max(plan.floor, dropped_below)
-    for (kind, _v), (_loc, body) in (found.suspect_log.items() if old is None else ()):
+
+
+def _catalog_from_old_index(plan: _Plan, old: _OldIndex) -> None:
+    """The intact index's catalog and drop floor are the truth: they override the log's."""
+    for tid, info in old.tables.items():
+        plan.tables[tid] = info
+    for name, did in old.dense_names.items():
+        plan.dense_names[name] = did
+    plan.floor = max(plan.floor, old.meta[schema.DROPPED_BELOW])
+
+
+def _dense_names_from_damaged(plan: _Plan, found: _Found) -> None:
+    """Dense names a damaged log record's body still decodes to (name -> id, well typed), where neither
+    the name nor the id is known yet."""
+    for _key, (_loc, body) in found.suspect_log.items():
         names = (body or {}).get("dense_ids") or (body or {}).get("dense_names")
         if isinstance(names, dict):
             for name, did in names.items():
                 if isinstance(name, str) and isinstance(did, int) and did not in plan.dense_names.values():
                     plan.dense_names.setdefault(name, did)
-    if old is not None:  # the intact index's catalog and drops are the truth
-        for tid, info in old.tables.items():
-            plan.tables[tid] = info
-        for name, did in old.dense_names.items():
-            plan.dense_names[name] = did
-        plan.floor = max(plan.floor, old.meta[schema.DROPPED_BELOW])
-    for (kind, _v), (_loc, body) in (found.suspect_log.items() if old is None else ()):  # last resort
+
+
+def _tables_from_damaged(plan: _Plan, found: _Found, report: RepairReport) -> None:
+    """Tables a damaged log record's catalog still decodes to, where neither the id nor the name is
+    known yet and the definition agrees with the table's row records (``_plausible_table``); each one
+    taken is noted."""
+    for _key, (_loc, body) in found.suspect_log.items():
         for info in (body or {}).get("catalog", ()) if isinstance((body or {}).get("catalog"), list) else ():
             known_names = {t.name for t in plan.tables.values()}
             if isinstance(info, dict) and isinstance(info.get("id"), int) and info["id"] not in plan.tables \
@@ -780,119 +894,203 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
                     plan.tables[table.id] = table
                     report.notes.append(f"table {info.get('name')!r}: its definition comes from a damaged "
                                         "record (checked against the table's row records)")
-    if found.drop is not None:
-        plan.drop = found.drop[0]
-        plan.log[(record.KIND_DROP, plan.drop.seq)] = found.drop[1]
+
+
+def _table_namer(plan: _Plan) -> Callable[[int], str]:
+    """How the report names a table id: its name in the catalog as it stands now, else ``id N``."""
     table_name = {tid: info.name for tid, info in plan.tables.items()}
 
     def tname(tid):
         return repr(table_name.get(tid, f"id {tid}"))
 
-    proof = _LogProof(found, plan, report, tname)
-    commits = dict(found.commits)
-    # with an intact index the index holds every committed version's info: nothing to rebuild
-    rebuilt = _rebuild_damaged_commits(found, commits, proof, report) if old is None else []
-    nodes = sorted(set(commits) | set(found.anchors))
-    states: dict[int, _State] = {}
-    waiting: dict[int, int] = {}
-    for edit, _loc in commits.values():
-        if edit.info["parent"] is not None:
-            waiting[edit.info["parent"]] = waiting.get(edit.info["parent"], 0) + 1
-    empty = _State(None, {}, {})
-    log_chains: dict[int, tuple[dict, dict, _State]] = {}
-    for v in nodes:
+    return tname
+
+
+# the states from the log ------------------------------------------------------------------------------
+#: Per version the log may decide: its COMMIT's edit, the COMMIT's location (None for a rebuilt one) and
+#: its proven state.
+_Logged = tuple[VersionEdit, DenseLoc | None, _State]
+
+
+class _ParentStates:
+    """The proven states a later version still derives its own from: a version's state is kept while a
+    COMMIT not yet replayed names it as parent, and let go once the last such one has taken it."""
+
+    def __init__(self, commits: dict[int, tuple[VersionEdit, DenseLoc | None]]):
+        self.states: dict[int, _State] = {}
+        self.waiting: dict[int, int] = {}  # version -> how many COMMITs not yet replayed name it as parent
+        for edit, _loc in commits.values():
+            if edit.info["parent"] is not None:
+                self.waiting[edit.info["parent"]] = self.waiting.get(edit.info["parent"], 0) + 1
+
+    def keep(self, v: int, st: _State) -> None:
+        """Remember version v's state if a version still to come derives from it."""
+        if self.waiting.get(v):
+            self.states[v] = st
+
+    def parent_of(self, v: int, edit: VersionEdit | None) -> _State:
+        """The state version v's COMMIT (``edit``; None: missing) is replayed over: its parent's, empty
+        for a version with no parent, or one whose every block is unknown (saying which COMMIT is
+        missing) where the parent's state was never proven."""
+        if edit is None:
+            return _State(f"the commit record of version {v} is missing", {}, {})
+        parent = edit.info["parent"]
+        if parent is None:
+            return _State(None, {}, {})
+        if parent not in self.states:
+            return _State(f"the commit record of version {parent} (an ancestor) is missing", {}, {})
+        st = self.states[parent]
+        self.waiting[parent] -= 1
+        if not self.waiting[parent]:
+            del self.states[parent]  # memory: only the states still needed are kept
+        return st
+
+
+def _log_states(found: _Found, commits: dict, proof: _LogProof, old: _OldIndex | None) -> dict[int, _Logged]:
+    """Every version with a COMMIT or ANCHOR, ascending, proven from its parent's state (``_state_at``);
+    those with a COMMIT that the log decides or cross-checks (``_logged_version``) are returned."""
+    parents = _ParentStates(commits)
+    logged: dict[int, _Logged] = {}
+    for v in sorted(set(commits) | set(found.anchors)):
         commit = commits.get(v)
-        if commit is None:
-            base = _State(f"the commit record of version {v} is missing", {}, {})
-        else:
-            parent = commit[0].info["parent"]
-            if parent is None:
-                base = empty
-            elif parent in states:
-                base = states[parent]
-                waiting[parent] -= 1
-                if not waiting[parent]:
-                    del states[parent]  # memory: only the states still needed are kept
-            else:
-                base = _State(f"the commit record of version {parent} (an ancestor) is missing", {}, {})
+        base = parents.parent_of(v, commit[0] if commit is not None else None)
         if base.unknown is not None and v not in found.anchors and commit is not None and not found.unattributed:
-            # the ancestry is not proven (a COMMIT or the ANCHOR that covered it is damaged or gone) and
-            # the scan accounted for every damaged byte: the chains the records' own headers give
-            parent = commit[0].info["parent"]
-            base = proof.header_state(parent) if parent is not None else empty
-            report.notes.append(f"version {v}: {_why_base(commits, found, v)}; its read chains below it were "
-                                "taken from the row records' own headers")
-        st = _State(base.unknown, dict(base.blocks), dict(base.dense))
-        if commit is not None:
-            proof.apply_commit(st, v, commit[0])
-        proof.apply_compacted(st, v)
-        if v in found.anchors:
-            anchored = proof.apply_anchor(st, v)
-            for key, chain in anchored.blocks.items():  # a damaged listing: what the commits proved
-                if not _healthy(chain) and _healthy(st.blocks.get(key, st.unknown)) and key in st.blocks:
-                    anchored.blocks[key] = st.blocks[key]
-            for did, link in anchored.dense.items():
-                if link[2] is not None and did in st.dense and not isinstance(st.dense[did], str) \
-                        and st.dense[did][2] is None:
-                    anchored.dense[did] = st.dense[did]
-            st = anchored
-        if waiting.get(v):
-            states[v] = st
-        if commit is None:
-            continue
-        if old is not None and v in old.versions:
-            log_chains[v] = (commit[0], commit[1], st)  # the intact index decides; the log cross-checks
-            continue
-        if plan.dropped(v) or (old is not None and v not in old.versions and v <= max(old.versions, default=0)):
-            report.versions_dropped.append(v)
-            continue
-        if v in plan.partial and not plan.known_kept(v) and (old is None or v not in old.versions):
-            report.versions_dropped.append(v)
-            report.notes.append(f"version {v}: GC rewrote records it reads for the versions kept (it was "
-                                "dropped; the DROP record that says so is damaged or gone): left dropped")
-            continue
-        log_chains[v] = (commit[0], commit[1], st)
+            base = _header_base(proof, v, commit[0])
+        st = _state_at(proof, base, v, commit[0] if commit is not None else None)
+        parents.keep(v, st)
+        if commit is not None and _logged_version(proof.plan, v, old, proof.report):
+            logged[v] = (commit[0], commit[1], st)
+    return logged
+
+
+def _header_base(proof: _LogProof, v: int, edit: VersionEdit) -> _State:
+    """Where version v's ancestry is not proven (a COMMIT or the ANCHOR that covered it is damaged or
+    gone) and the scan accounted for every damaged byte: its parent's state from the records' own
+    headers (``_LogProof.header_state``), noted in the report."""
+    parent = edit.info["parent"]
+    base = proof.header_state(parent) if parent is not None else _State(None, {}, {})
+    proof.report.notes.append(
+        f"version {v}: the commit record of version {parent} (an ancestor) and any anchor covering it are "
+        "missing or damaged; its read chains below it were taken from the row records' own headers")
+    return base
+
+
+def _state_at(proof: _LogProof, base: _State, v: int, edit: VersionEdit | None) -> _State:
+    """Version v's state: ``base`` (its parent's, left unchanged) with its COMMIT (``edit``, if any)
+    replayed, its COMPACTED records applied, and its ANCHORs' listings taking over where whole."""
+    st = _State(base.unknown, dict(base.blocks), dict(base.dense))
+    if edit is not None:
+        proof.apply_commit(st, v, edit)
+    proof.apply_compacted(st, v)
+    if v in proof.found.anchors:
+        st = _anchored(proof.apply_anchor(st, v), st)
+    return st
+
+
+def _anchored(anchored: _State, st: _State) -> _State:
+    """The state an ANCHOR lists (``anchored``), except where its listing is damaged and the state the
+    commits proved (``st``) reads the block or dense array whole: that one is kept."""
+    for key, chain in anchored.blocks.items():
+        if not chain.healthy and key in st.blocks and st.blocks[key].healthy:
+            anchored.blocks[key] = st.blocks[key]
+    for did, link in anchored.dense.items():
+        if link.why is not None and did in st.dense and st.dense[did].why is None:
+            anchored.dense[did] = st.dense[did]
+    return anchored
+
+
+def _logged_version(plan: _Plan, v: int, old: _OldIndex | None, report: RepairReport) -> bool:
+    """Whether committed version v's proven state is kept for deciding it: always where the intact old
+    index holds v (the index decides, the log cross-checks); else not where v was dropped (retain, a
+    retention policy, or absent from the old index below its newest version) or where GC rewrote records
+    it reads and no DROP says it was kept (it was dropped): those are reported dropped."""
+    if old is not None and v in old.versions:
+        return True
+    if plan.dropped(v) or (old is not None and v <= max(old.versions, default=0)):
+        report.versions_dropped.append(v)
+        return False
+    if v in plan.partial and not plan.known_kept(v):
+        report.versions_dropped.append(v)
+        report.notes.append(f"version {v}: GC rewrote records it reads for the versions kept (it was "
+                            "dropped; the DROP record that says so is damaged or gone): left dropped")
+        return False
+    return True
+
+
+def _index_log_records(plan: _Plan, found: _Found) -> None:
+    """Index every ANCHOR (the last copy found of each) and every COMMIT found: the liveness rule
+    (``prune_log``) keeps what later repairs need."""
     for a, lst in found.anchors.items():
         plan.log[(record.KIND_ANCHOR, a)] = lst[-1][1]
     for v, (_body, loc) in found.commits.items():
-        plan.log[(record.KIND_COMMIT, v)] = loc  # prune_log keeps what later repairs need
+        plan.log[(record.KIND_COMMIT, v)] = loc
 
-    # decide each version: from the old index where it holds it, else from the log proof
-    candidates = set(log_chains) | (set(old.versions) if old is not None else set())
+
+# deciding each version --------------------------------------------------------------------------------
+def _decide_versions(plan: _Plan, found: _Found, logged: dict[int, _Logged], old: _OldIndex | None,
+                     proof: _LogProof) -> None:
+    """Each version, ascending, into the plan or the report's lost versions: from the old index where it
+    holds the version (``_old_index_version``), else from the log's proof where every chain is proven
+    (``_unproven``)."""
+    candidates = set(logged) | (set(old.versions) if old is not None else set())
     for v in sorted(candidates):
         if old is not None and v in old.versions:
-            info = dict(old.versions[v])
-            chains, dense = _old_index_state(old, v, found, tname, proof)
-            if v in log_chains:  # cross-check: where the log proves a block the index cannot read
-                _body, _loc, st = log_chains[v]
-                for key, chain in st.blocks.items():
-                    if _healthy(chain) and not _healthy(chains.get(key, ())):
-                        chains[key] = chain
+            got = logged.get(v)
+            info, chains, dense = _old_index_version(old, v, found, proof, got[2] if got is not None else None)
         else:
-            body, _loc, st = log_chains[v]
-            unproven = [chain for chain in st.blocks.values() if isinstance(chain, str)]
-            unproven += [link for link in st.dense.values() if isinstance(link, str)]
-            if st.unknown is not None:
-                unproven.append(st.unknown)
-            if unproven:
-                report.versions_lost[v] = unproven[0] if unproven[0].startswith("version") else \
-                    f"version {v}: {unproven[0]}"
+            edit, _loc, st = logged[v]
+            why = _unproven(v, st)
+            if why is not None:
+                proof.report.versions_lost[v] = why
                 continue
-            info = dict(body.info)
-            chains, dense = st.blocks, st.dense
-        missing_tables = sorted({tid for tid, _b in chains} - set(plan.tables))
-        if missing_tables:
-            report.versions_lost[v] = f"version {v}: the definition of table {tname(missing_tables[0])} is missing"
-            continue
-        plan.versions[v] = info
-        plan.chains[v] = chains
-        plan.dense[v] = dense
-        if v in found.anchors:
-            plan.last_baseline = {"version": v, "bytes": sum(c[0][1].length for c in chains.values() if c)}
-    if rebuilt:
-        report.notes.extend(rebuilt)
+            info, chains, dense = dict(edit.info), st.blocks, st.dense
+        _admit(plan, found, v, info, chains, dense, proof)
 
-    # versions seen in records without a commit record: uncommitted checkpoints, or lost commit records
+
+def _old_index_version(old: _OldIndex, v: int, found: _Found, proof: _LogProof,
+                       st: _State | None) -> tuple[dict, dict[tuple[int, int], Chain], dict[int, Link]]:
+    """Version v as the old index reads it (``_old_index_state``): its info, chains and dense heads;
+    where the log proves a block whole (``st``: v's state from the log, if any) that the index cannot
+    read, the log's chain."""
+    chains, dense = _old_index_state(old, v, found, proof.tname, proof)
+    if st is not None:
+        for key, chain in st.blocks.items():
+            if chain.healthy and not chains.get(key, _EMPTY).healthy:
+                chains[key] = chain
+    return dict(old.versions[v]), chains, dense
+
+
+def _unproven(v: int, st: _State) -> str | None:
+    """Why version v, whose state from the log is ``st``, cannot be recovered (as the report says it:
+    naming the version): the first block whose chain is not proven, else the blocks not listed being
+    unknown; None when every chain is proven."""
+    reasons = [chain.unproven for chain in st.blocks.values() if not chain.proven]
+    if st.unknown is not None:
+        reasons.append(st.unknown)
+    if not reasons:
+        return None
+    return reasons[0] if reasons[0].startswith("version") else f"version {v}: {reasons[0]}"
+
+
+def _admit(plan: _Plan, found: _Found, v: int, info: dict, chains: dict[tuple[int, int], Chain],
+           dense: dict[int, Link], proof: _LogProof) -> None:
+    """Place version v in the plan (its info, chains and dense heads; an anchored version is the last
+    baseline), unless a table its chains read has no definition: then it is lost."""
+    missing_tables = sorted({tid for tid, _b in chains} - set(plan.tables))
+    if missing_tables:
+        proof.report.versions_lost[v] = (f"version {v}: the definition of table {proof.tname(missing_tables[0])} "
+                                         "is missing")
+        return
+    plan.versions[v] = info
+    plan.chains[v] = chains
+    plan.dense[v] = dense
+    if v in found.anchors:
+        plan.last_baseline = {"version": v, "bytes": sum(c.links[0].loc.length for c in chains.values() if c.links)}
+
+
+def _report_uncommitted(plan: _Plan, found: _Found, commits: dict, report: RepairReport) -> None:
+    """Versions not recovered nor dropped that have no COMMIT: seen in records (a checkpoint that never
+    committed, a pre-format-2 version, a lost COMMIT) or named as a parent (a lost COMMIT) are lost."""
     parents = {e.info["parent"] for e, _l in commits.values()}
     for v in sorted(found.seen_versions - set(commits)):
         if plan.dropped(v) or v in plan.versions:
@@ -905,6 +1103,12 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     for v in sorted(parents - set(commits) - found.seen_versions - {None}):
         if not plan.dropped(v) and v not in found.anchors and v not in plan.versions:
             report.versions_lost[v] = f"version {v}: its commit record is missing (a later version names it as parent)"
+
+
+def _report_recovered(plan: _Plan, found: _Found, report: RepairReport, old: _OldIndex | None) -> None:
+    """The report's recovered versions and tables (a recovered version is never also lost), and notes of
+    what the catalog cannot give back: tables with rows but no definition, and, with the index lost,
+    tables never written."""
     for v in list(report.versions_lost):
         if v in plan.versions:
             del report.versions_lost[v]
@@ -917,7 +1121,6 @@ def _prove(found: _Found, report: RepairReport, old: _OldIndex | None) -> _Plan:
     if old is None:
         report.notes.append("tables created but never written by a committed version are not in the log and "
                             "cannot be recovered")
-    return plan
 
 
 def _plausible_table(found: _Found, info: dict) -> TableRecord | None:
@@ -947,11 +1150,6 @@ def _plausible_table(found: _Found, info: dict) -> TableRecord | None:
         return table
     except CnrError:  # (a CorruptionError from the entry's check, or an unknown codec id)
         return None
-
-
-def _why_base(commits, found, v) -> str:
-    parent = commits[v][0].info["parent"]
-    return f"the commit record of version {parent} (an ancestor) and any anchor covering it are missing or damaged"
 
 
 def _rebuild_damaged_commits(found: _Found, commits: dict, proof: _LogProof, report: RepairReport) -> list[str]:
@@ -1020,22 +1218,18 @@ def _old_index_state(old: _OldIndex, v: int, found: _Found, tname, proof: _LogPr
         if i < 0:
             continue
         position = {u: j for j, u in enumerate(versions)}
+        locs = [loc for _u, loc in entries]
         links = []
-        while i is not None:
-            u, loc = entries[i]
-            link = _checked_row(found, tid, block, u, loc, tname, why_damaged.get((tid, block)))
+        for j in chain_rule.walk([loc.flags for loc in locs], [loc.base for loc in locs], position, i):
+            link = _checked_row(found, tid, block, versions[j], locs[j], tname, why_damaged.get((tid, block)))
             links.append(link)
-            nxt = chain_rule.step(loc.flags, loc.base)
-            if link[2] is not None or nxt == chain_rule.END:
+            if link.why is not None:
                 break
-            if nxt == chain_rule.PREVIOUS:
-                i = i - 1 if i else None
-                continue
-            i = position.get(nxt)
-            if i is None:
-                links.append(proof.lost(tid, block, nxt, 0, record.FLAG_BASELINE, 0, "base record"))
-                break
-        chains[(tid, block)] = tuple(links)
+        else:
+            missing = chain_rule.missing_base(locs[j].flags, locs[j].base, position)
+            if missing is not None:
+                links.append(proof.lost(tid, block, missing, 0, record.FLAG_BASELINE, 0, "base record"))
+        chains[(tid, block)] = Chain(tuple(links))
     dense = {}
     for did, entries in old.dense.items():
         versions = [u for u, _loc in entries]
@@ -1045,27 +1239,30 @@ def _old_index_state(old: _OldIndex, v: int, found: _Found, tname, proof: _LogPr
         u, loc = entries[i]
         got = found.valid.get((loc.segment, loc.offset))
         if got is not None and got[0] == loc.length and got[1] == record.KIND_DENSE and got[2] == did and got[4] == u:
-            dense[did] = (u, loc, None)
+            dense[did] = Link(u, loc)
         elif (did, u) in found.dense:
-            dense[did] = (u, found.dense[(did, u)], None)
+            dense[did] = Link(u, found.dense[(did, u)])
         else:
-            dense[did] = (u, loc, f"the record of dense array id {did} at version {u} is damaged or missing")
+            dense[did] = Link(u, loc, f"the record of dense array id {did} at version {u} is damaged or missing")
     return chains, dense
 
 
-def _checked_row(found: _Found, tid, block, u, loc: RowLoc, tname, old_why) -> tuple:
+def _checked_row(found: _Found, tid, block, u, loc: RowLoc, tname, old_why) -> Link:
+    """The link of the old index's entry (tid, block, u) at ``loc``: present where the scan found that
+    record there or elsewhere (a GC copy: same count, flags and base), else damaged (``old_why``: why the
+    old index said it is)."""
     got = found.valid.get((loc.segment, loc.offset))
     if got is not None and got[:8] == (loc.length, record.KIND_ROWS, tid, block, u, loc.count, loc.flags, loc.base):
-        return (u, loc, None)
+        return Link(u, loc)
     for other, _comp in found.rows.get((tid, block, u), ()):  # the same record elsewhere (a GC copy)
         if other.count == loc.count and other.flags == loc.flags and other.base == loc.base:
-            return (u, other, None)
+            return Link(u, other)
     if loc.segment == LOST_SEGMENT:
         why = old_why or f"the record of table {tname(tid)} block {block} at version {u} is missing"
     else:
         why = (f"the record of table {tname(tid)} block {block} at version {u} (segment {loc.segment} offset "
                f"{loc.offset}) is " + ("damaged (checksum mismatch)" if got is None else "not the one the index names"))
-    return (u, loc, why)
+    return Link(u, loc, why)
 
 
 # install ----------------------------------------------------------------------------------------------
@@ -1077,7 +1274,7 @@ def _entries(plan: _Plan, report: RepairReport) -> tuple[dict, dict, dict]:
     dense: dict[tuple[int, int], tuple] = {}
     for v in plan.versions:
         for (tid, block), chain in plan.chains[v].items():
-            for u, loc, why in chain:
+            for u, loc, why in chain.links:
                 have = rows.get((tid, block, u))
                 if have is None or (have[1] is not None and why is None):
                     rows[(tid, block, u)] = (loc, why)
@@ -1088,35 +1285,31 @@ def _entries(plan: _Plan, report: RepairReport) -> tuple[dict, dict, dict]:
     # walk each block's entries as a read does: damage of an entry's chain is that of its first bad link
     by_block: dict[tuple[int, int], list] = {}
     for (tid, block, u), (loc, why) in sorted(rows.items()):
-        by_block.setdefault((tid, block), []).append((u, loc, why))
+        by_block.setdefault((tid, block), []).append(Link(u, loc, why))
     recovered = sorted(plan.versions)
     damaged: dict[int, list] = {}
     for (tid, block), entries in by_block.items():
         position = {u: i for i, (u, _l, _w) in enumerate(entries)}
+        flags = [loc.flags for _u, loc, _w in entries]
+        bases = [loc.base for _u, loc, _w in entries]
         memo: dict[int, str | None] = {}
 
         def bad(i):
             path = []
             result = None
-            while i is not None and i not in memo:
-                path.append(i)
-                u, loc, why = entries[i]
+            for j in chain_rule.walk(flags, bases, position, i):
+                if j in memo:
+                    result = memo[j]
+                    break
+                path.append(j)
+                why = entries[j].why
                 if why is not None:
                     result = why
                     break
-                nxt = chain_rule.step(loc.flags, loc.base)
-                if nxt == chain_rule.END:
-                    break
-                if nxt == chain_rule.PREVIOUS:
-                    i = i - 1 if i else None
-                    continue
-                i = position.get(nxt)
-                if i is None:
-                    result = f"the base record of table id {tid} block {block} at version {nxt} is missing"
-                    break
             else:
-                if i is not None:
-                    result = memo[i]
+                missing = chain_rule.missing_base(flags[j], bases[j], position)
+                if missing is not None:
+                    result = f"the base record of table id {tid} block {block} at version {missing} is missing"
             for j in path:
                 memo[j] = result
             return result
