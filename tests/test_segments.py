@@ -13,7 +13,7 @@ from cnrstore.engine import filenames
 from cnrstore import knobs
 from cnrstore.errors import CorruptionError, StorageFull
 from cnrstore.engine.fs import FileSystem
-from cnrstore.engine.storage import (
+from cnrstore.engine.segments import (
     SEGMENT_HEADER_BYTES, SegmentAppender, SegmentReader, check_segment_header, recover, segment_header,
 )
 
