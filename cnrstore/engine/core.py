@@ -23,6 +23,7 @@ from typing import Callable, Optional, TypeVar
 
 from . import filenames, fs, opening, record, schema, segments
 from ..errors import CheckpointInProgress, IndexDamaged, InvalidArgument, ReadOnlyError, StorageFull, StoreClosed
+from ..options import Options
 from .index import DenseLoc, Index, IndexView, IndexWriter, RowLoc, damage_hint, finish_interrupted_install
 from .chain_costs import ChainCosts
 from .lock import ProcessLock
@@ -41,8 +42,10 @@ _UNRECORDED = "the index could not record the deletion of freed segments"
 class Engine:
     """One open store's engine (see the module docstring). Open one with ``Engine.open``."""
 
-    def __init__(self, path: str, filesystem, readonly: bool):
+    def __init__(self, path: str, filesystem, readonly: bool, options: Options | None = None):
         self.path = path
+        #: this store's tunables (cnrstore.Options): what its parts read, never the process's knobs
+        self.options = options if options is not None else Options()
         self.fs = filesystem
         self.readonly = readonly
         self.closed = False
@@ -71,11 +74,12 @@ class Engine:
     # open -------------------------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str, filesystem: fs.FileSystem, storage: SegmentStorage | None = None, *,
-             readonly: bool, create: bool = False, create_wait_s: float = 10.0) -> "Engine":
+             readonly: bool, create: bool = False, create_wait_s: float = 10.0,
+             options: Options | None = None) -> "Engine":
         """Open the store at ``path`` (an absolute path): with ``create``, make it first if it has no
         marker (``opening.create``; another process creating it meanwhile is waited for up to
         ``create_wait_s``). ``storage``: where segments live (default: the local files, written through
-        ``filesystem``).
+        ``filesystem``). ``options``: the store's tunables (None: ``Options()``).
 
         A writable open takes the store's lock, installs the index a repair killed between its renames
         had built (``index.finish_interrupted_install``), checks the storage takes appends and that this
@@ -85,7 +89,7 @@ class Engine:
         open changes nothing. Raises StoreNotFound, FormatVersionError, StoreLocked, PermissionDenied,
         ReadOnlyError or IndexDamaged, having released whatever it took.
         """
-        engine = cls(path, filesystem, readonly)
+        engine = cls(path, filesystem, readonly, options)
         try:
             if not opening.find(path, readonly):
                 if not create or readonly:
@@ -108,8 +112,10 @@ class Engine:
         if not self.readonly and finish_interrupted_install(self.path, self.fs):
             self.recovery_notes.append("installed the index an interrupted `cnrstore repair` had built "
                                        "(index.repair-tmp/)")
-        self.index = Index(filenames.index_dir(self.path), readonly=self.readonly)
+        self.index = Index(filenames.index_dir(self.path), readonly=self.readonly,
+                           map_bytes=self.options.index_map_bytes)
         self.segments = storage if storage is not None else LocalSegmentStorage(self.path, self.fs)
+        self.segments.use_options(self.options)
         if not self.readonly:  # a store this process may only read fails here, not at its first checkpoint
             if not self.segments.supports_appends:
                 raise ReadOnlyError(f"{type(self.segments).__name__} takes no appends: open store {self.path!r} "
