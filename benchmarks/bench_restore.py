@@ -229,7 +229,7 @@ def run_size(args, gib: float) -> dict:
                 now = _tensors(model, opt)
                 check[m] = (max(float((a - b).abs().max()) for a, b in zip(now[:args.tables], final)),
                             max(float((a - b).abs().max()) for a, b in zip(now[args.tables:], final[args.tables:])))
-        threads = decode_threads()
+        threads = decode_threads(stores["cnrstore fp32"].options.decode_threads)
         bw = page_cache_bandwidth(pt, threads)
         read = {m: chain_bytes(stores[m]) for m in CNR}
         decode_s = int4_decode_seconds(rows, args.dim, args.tables, threads)

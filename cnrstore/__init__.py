@@ -48,6 +48,7 @@ from .errors import (
     VersionNotFound,
 )
 from .engine.marker import FORMAT_VERSION
+from .options import Options
 from .store import Store, open
 from .maintenance.repair import RepairReport, repair
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
@@ -100,7 +101,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "open", "repair", "RepairReport", "Store", "CheckpointWriter", "TableInfo", "VersionInfo", "Snapshot", "VerifyReport",
+    "open", "Options", "repair", "RepairReport", "Store", "CheckpointWriter", "TableInfo", "VersionInfo", "Snapshot", "VerifyReport",
     "FORMAT_VERSION", "codecs", "errors",
     "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "TableNotFound",
     "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",

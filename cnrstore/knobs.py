@@ -1,7 +1,11 @@
 """Defaults and tunables, in one place so tests (and experts) can override them.
 
-Modules read these at call time (``knobs.SEGMENT_BYTES``, never ``from knobs import ...``), so
-``monkeypatch.setattr(cnrstore.knobs, "SEGMENT_BYTES", 4096)`` takes effect on the next operation.
+Most of these are the defaults of a store's options (``cnrstore.Options``, cnrstore/options.py: the
+lower-case field of each name): an ``Options()`` reads them as it is made, and ``cnrstore.open(path)``
+makes one, so ``monkeypatch.setattr(cnrstore.knobs, "SEGMENT_BYTES", 4096)`` changes every store opened
+after it; a store already open keeps its own values (``open(path, options=Options(segment_bytes=4096))``
+gives one store its own). The bounds of the on-disk format (``MAX_RECORD_BYTES``, ``MAX_SEGMENT_OFFSET``,
+``MAX_BLOCK_ROWS``) and ``INDEX_MAX_READERS`` are no options: modules read them here, at call time.
 """
 
 # Segment log -------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from . import codecs, knobs, lifecycle
+from .options import Options, resolve as resolve_options
 from .engine import arguments, filenames, fs, merge, reader, schema, table_decode
 from .engine import remote as remote_tier
 from .engine import blocks as blocks_math
@@ -29,7 +30,8 @@ from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 
 def open(path, *, create: bool = False, readonly: bool = False, compaction=None, remote: str | None = None,  # noqa: A001
          remote_options: dict | None = None, cache_bytes: int | None = None,
-         remote_every: int | None = None, remote_timeout_s: float | None = None) -> "Store":
+         remote_every: int | None = None, remote_timeout_s: float | None = None,
+         options: Options | None = None) -> "Store":
     """Open the store at ``path`` (see API.md). ``create=True`` makes it if absent.
 
     ``remote`` (an fsspec URL such as ``s3://bucket/prefix``; ``remote_options`` go to its file system) keeps
@@ -46,8 +48,13 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None,
     rule) or a ``CompactionPolicy``: a background thread then carries it out after each commit, and
     catches up at once on what the history asks for (versions an earlier process committed and did not
     get to apply the policy to, e.g. a job that saves once per process); ``close()`` finishes it.
+
+    ``options`` (a ``cnrstore.Options``) are this store's tunables: segment size, merge trigger and read
+    bounds, GC thresholds, decode threads, ...; None: ``Options()``, the ``cnrstore.knobs`` values as they
+    are now. The store keeps them (``Store.options``) and reads nothing else.
     """
-    policy = compaction_policy.resolve(compaction)
+    options = resolve_options(options)
+    policy = compaction_policy.resolve(compaction, options)
     if policy is not None and readonly:
         raise InvalidArgument("compaction= needs a writable store; open with readonly=False")
     path = os.path.abspath(os.fspath(path))
@@ -62,7 +69,7 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None,
     else:
         remote_tier.check_local_only(path, "open")
     store = Store(path, create=create, readonly=readonly, filesystem=fs.DEFAULT, storage=storage,
-                  replicator=storage if remote is not None else None)
+                  replicator=storage if remote is not None else None, options=options)
     if policy is not None:
         store._life.compactor = BackgroundCompactor(store._engine, policy)
         store._engine.set_commit_listener(store._life.compactor.notify)
@@ -101,14 +108,17 @@ class Store:
     """An open checkpoint store. Thread-safe for reads; one checkpoint writer at a time."""
 
     def __init__(self, root: str, *, create: bool, readonly: bool, filesystem: fs.FileSystem,
-                 storage: SegmentStorage | None = None, replicator: Replicator | None = None):
+                 storage: SegmentStorage | None = None, replicator: Replicator | None = None,
+                 options: Options | None = None):
         """Open (``create``: or make) the store at ``root`` (``Engine.open``). ``storage``: where segments are
         read and removed (storage.py); default the local files. ``replicator``: what keeps a remote copy
-        current (replication.py; the remote tier's storage is both)."""
+        current (replication.py; the remote tier's storage is both). ``options``: its tunables (None:
+        ``Options()``)."""
         self.path = os.path.abspath(root)
         self.readonly = readonly
         self._engine = Engine.open(self.path, filesystem, storage, readonly=readonly, create=create,
-                                   create_wait_s=CREATE_WAIT_S, replicator=replicator)
+                                   create_wait_s=CREATE_WAIT_S, replicator=replicator,
+                                   options=resolve_options(options))
         #: what close() and the interpreter's exit wait for, and how each ends (lifecycle.py)
         self._life = lifecycle.StoreLifecycle(self.path, self._engine, writable=not readonly)
         #: what opening for writing recovered or repaired (API.md)
@@ -191,6 +201,11 @@ class Store:
         self._engine.check_open()
 
     @property
+    def options(self) -> Options:
+        """The tunables this store was opened with (``cnrstore.Options``, frozen)."""
+        return self._engine.options
+
+    @property
     def engine(self) -> Engine:
         """The storage engine beneath this store (``cnrstore.engine.Engine``, engine/core.py), for tools
         such as the CLI; not part of API.md's contract."""
@@ -227,7 +242,8 @@ class Store:
         c = codecs.get(codec)
         most = arguments.max_block_rows(dim)  # a block's record must fit its u32 length in every codec
         if block_rows is None:
-            block_rows = blocks_math.default_block_rows(c.row_bytes(dim), most)
+            block_rows = blocks_math.default_block_rows(c.row_bytes(dim), most, self.options.block_target_bytes,
+                                                        self.options.min_block_rows)
         else:
             block_rows = arguments.positive_int(block_rows, "block_rows")
             if block_rows & (block_rows - 1) or block_rows > knobs.MAX_BLOCK_ROWS:
@@ -310,7 +326,8 @@ class Store:
                     jobs.append((info, table_decode.check_out(out, info, "out", start), int(start)))
                 else:
                     jobs.append((info, None if out is None else table_decode.check_out(out, info, "out"), 0))
-            return dict(zip(tables, table_decode.read_tables(view, self._engine.storage, jobs, v)))
+            return dict(zip(tables, table_decode.read_tables(view, self._engine.storage, jobs, v,
+                                                             options=self.options)))
 
     def read_dense(self, name: str, version: int | None = None) -> np.ndarray:
         """The dense array as put (dtype, shape, bytes), as of ``version``."""
@@ -338,7 +355,8 @@ class Store:
             table_bytes = sum(tinfo.num_rows * tinfo.dim * 4 for tinfo, _, _ in jobs)
             total = table_bytes + sum(length for _, _, length in dense)
             tables_progress = None if progress is None else (lambda done, _total: progress(done, total))
-            arrays = table_decode.read_tables(view, self._engine.storage, jobs, v, tables_progress)
+            arrays = table_decode.read_tables(view, self._engine.storage, jobs, v, tables_progress,
+                                              options=self.options)
             snap.tables.update((tinfo.name, arr) for (tinfo, _, _), arr in zip(jobs, arrays))
             done = table_bytes
             for name, dense_id, length in dense:
@@ -370,12 +388,12 @@ class Store:
         newest), in block order}: what reading that block's chain at ``version`` costs over what one baseline
         of the block costs (engine/merge.py ``read_amplification``; 1.0 for a lone baseline): each record at
         its own bytes whatever its codec, one baseline every row in the table's codec or the block's
-        baseline record if larger. The arrays' maximum is what ``knobs.READ_AMP_BOUND`` bounds and
-        ``knobs.MERGE_TRIGGER`` aims below."""
+        baseline record if larger. The arrays' maximum is what the store's ``Options.read_amp_bound`` bounds
+        and ``Options.merge_trigger`` aims below."""
         with self._read(version) as (view, v):
             out = {}
             for name, info in sorted(view.tables().items()):
-                amps = [merge.read_amplification(info, block, merge.walk_chain(view, info.id, block, v))
+                amps = [merge.read_amplification(info, block, merge.walk_chain(view, info.id, block, v), self.options)
                         for block, oldest in view.row_blocks(info.id) if oldest <= v]
                 out[name] = np.asarray(amps, dtype=np.float64)
             return out

@@ -74,7 +74,7 @@ class CompactReport:
 class MergeReport:
     """What a background merge step did (compaction.merge_chains): blocks whose read chain at ``version``
     it merged (``baselines`` of them into new baselines), the bytes written, and the seconds it waited on
-    the rate limit (``knobs.MERGE_RATE_BYTES``)."""
+    the rate limit (the store's ``Options.merge_rate_bytes``)."""
 
     version: int
     blocks_merged: int = 0

@@ -52,7 +52,8 @@ def test_created_table_gets_the_default_block_rows(tmp_path, codec, dim):
     while expected > fit and expected > knobs.MIN_BLOCK_ROWS:
         expected //= 2
     expected = min(expected, arguments.max_block_rows(dim))
-    assert blocks.default_block_rows(row_bytes, arguments.max_block_rows(dim)) == expected
+    assert blocks.default_block_rows(row_bytes, arguments.max_block_rows(dim), knobs.BLOCK_TARGET_BYTES,
+                                     knobs.MIN_BLOCK_ROWS) == expected
     with cnrstore.open(str(tmp_path / "s"), create=True) as store:
         assert store.create_table("t", 10, dim, codec=codec).block_rows == expected
 

@@ -421,10 +421,17 @@ def _entry(store, table: str, block: int, version: int):
     return v, loc, rec
 
 
-def test_compacted_baselines_copy_encoded_bytes(store, monkeypatch):
+@pytest.fixture
+def plain_store(store_path):
+    """A store that writes plain increments (no read-chain bound: chains of any length, no merges)."""
+    with cnrstore.open(store_path, create=True, options=cnrstore.Options(read_chain_bound=None)) as store:
+        yield store
+
+
+def test_compacted_baselines_copy_encoded_bytes(plain_store):
     """A chain of one codec is materialized as that codec's stored bytes (never quantized again); a chain
     mixing codecs (overrides, and a record merging two codecs) as fp32 of each row's decoded value."""
-    monkeypatch.setattr(knobs, "READ_CHAIN_BOUND", None)  # plain increments: the chains compaction merges
+    store = plain_store  # plain increments: the chains compaction merges
     dim = 8
     store.create_table("one", 16, dim, codec="int4", block_rows=16)
     store.create_table("mix", 16, dim, codec="int4", block_rows=16)
@@ -555,10 +562,10 @@ def test_dense_only_store(store):
     assert_consistent(store)
 
 
-def test_max_read_chain(store, monkeypatch):
+def test_max_read_chain(plain_store):
     """stats()["max_read_chain"] is the longest chain a read of any retained version walks; compact(v)
     makes every chain at v one record long; after retaining only the newest, it is 1."""
-    monkeypatch.setattr(knobs, "READ_CHAIN_BOUND", None)  # plain increments: chains of any length
+    store = plain_store  # plain increments: chains of any length
     store.create_table("t", 256, 4, codec="int8", block_rows=32)
     store.create_table("u", 64, 4, codec="fp32", block_rows=64)
     rng = np.random.default_rng(9)

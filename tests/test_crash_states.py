@@ -10,7 +10,6 @@ workloads over many seeds; its count is recorded in docs/DESIGN.md.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 
@@ -25,6 +24,7 @@ from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention
 from cnrstore.store import Store
 
 from support import crash_states as cs
+from support.options import options_changed
 
 ROWS, BLOCK = 512, 64
 TABLES = {"f": (4, "fp32"), "q": (8, "int4")}
@@ -195,22 +195,12 @@ def clean_after_drop(w: Workload) -> None:
     w.checkpoint(10)
 
 
-@contextlib.contextmanager
-def _knobs(**values):
-    old = {name: getattr(knobs, name) for name in values}
-    for name, value in values.items():
-        setattr(knobs, name, value)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            setattr(knobs, name, value)
 
 
 def deltas_then_compact(w: Workload) -> None:
     """Long read chains turned into merged deltas by the writer (the count bound alone, at 3: the engine
     before issue 25), then a baseline, a drop and a gc."""
-    with _knobs(READ_CHAIN_BOUND=3, READ_AMP_BOUND=None, MERGE_TRIGGER=None):
+    with options_changed(w.store, read_chain_bound=3, read_amp_bound=None, merge_trigger=None):
         for _ in range(7):
             w.checkpoint(25)
         w.compact()
@@ -224,10 +214,10 @@ def merges_then_gc(w: Workload) -> None:
     bound themselves, then a drop that leaves the merged records' old inputs unread, gc's cleaning, and
     merges again."""
     merged = 0
-    with _knobs(READ_AMP_BOUND=1.2, READ_RECORD_COST_S=0):  # the save path merges past the hard bound
+    with options_changed(w.store, read_amp_bound=1.2, read_record_cost_s=0):  # the save path merges past the hard bound
         for _ in range(4):
             w.checkpoint(40)
-    with _knobs(MERGE_TRIGGER=1.1, READ_AMP_BOUND=None, READ_RECORD_COST_S=0):
+    with options_changed(w.store, merge_trigger=1.1, read_amp_bound=None, read_record_cost_s=0):
         for i in range(4):
             w.checkpoint(40)
             if i % 2:

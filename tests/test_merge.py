@@ -64,7 +64,7 @@ class Chain:
             records.append((v, loc))
         offsets = np.asarray(offsets, dtype=np.int64)
         return merge.merge_block(self, 0, BLOCK_LEN, merge.ChainMerge(records, baseline), codec, offsets,
-                                 codec.encode(self.values(version, offsets)))
+                                 codec.encode(self.values(version, offsets)), cnrstore.Options())
 
 
 def _read(m: merge.Merged) -> dict[int, int]:
@@ -161,10 +161,8 @@ def test_many_rows_above_a_delta_merge_everything_since_the_baseline():
     assert m.base == 1 and _read(m) == {0: 2, 1: 2, 5: 3, 6: 3, 7: 4}
 
 
-def test_a_chain_within_the_bound_needs_no_merge(tmp_path, monkeypatch):
-    monkeypatch.setattr(knobs, "READ_CHAIN_BOUND", None)
-    assert merge.chain_merge(None, None, 0, 5, 0) is None      # merging is off
-    monkeypatch.setattr(knobs, "READ_CHAIN_BOUND", 3)
+def test_a_chain_within_the_bound_needs_no_merge(tmp_path):
+    assert merge.chain_merge(None, None, 0, 5, 0, cnrstore.Options(read_chain_bound=None)) is None  # merging is off
     with cnrstore.open(tmp_path / "s", create=True) as store:
         store.create_table("t", 16, DIM, codec="fp32", block_rows=16)
         for v in range(3):
@@ -172,7 +170,8 @@ def test_a_chain_within_the_bound_needs_no_merge(tmp_path, monkeypatch):
                 ck.put_rows("t", [v], np.ones((1, DIM), np.float32))
         with store.engine.read() as view:
             info = view.table("t")
-            assert merge.chain_merge(view, info, 0, None, 0) is None        # a first version has no chain
-            assert merge.chain_merge(view, info, 0, 2, 0) is None           # 2 records + this one = 3
-            plan = merge.chain_merge(view, info, 0, 3, 0)                   # 3 records + this one > 3
+            options = store.options  # (READ_CHAIN_BOUND 3: the fixture's)
+            assert merge.chain_merge(view, info, 0, None, 0, options) is None  # a first version has no chain
+            assert merge.chain_merge(view, info, 0, 2, 0, options) is None     # 2 records + this one = 3
+            plan = merge.chain_merge(view, info, 0, 3, 0, options)             # 3 records + this one > 3
     assert plan is not None and plan.baseline is None and [v for v, _loc in plan.records] == [3, 2, 1]

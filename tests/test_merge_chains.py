@@ -19,6 +19,7 @@ from cnrstore.engine import merge, record
 from cnrstore.maintenance.compaction import merge_chains
 from cnrstore.maintenance.rate_limit import RateLimiter
 
+from support.options import options_changed
 from support.schedule import Pause, run_in_thread
 
 ROWS, DIM, BLOCK = 2048, 8, 256
@@ -99,7 +100,7 @@ def _walked_costs(store) -> dict:
             chain = merge.walk_chain(view, info.id, block, newest)
             found[(info.id, block)] = (merge.chain_head(view, info.id, block, newest),
                                        len(chain.records) + (chain.baseline is not None),
-                                       merge.chain_cost(info, block, chain)[0])
+                                       merge.chain_cost(info, block, chain, store.options)[0])
     return found
 
 
@@ -128,7 +129,7 @@ def test_the_remembered_chain_costs_match_the_chains_or_overstate_them(tmp_path,
         _check(store, model)
 
 
-def test_merged_stores_repair_from_the_log_alone(tmp_path, low_trigger, monkeypatch):
+def test_merged_stores_repair_from_the_log_alone(tmp_path, low_trigger):
     """After merges, a drop and gc's cleaning (the merged records' old inputs reclaimed), the index is
     lost: repair proves every kept version from the log, merged deltas included."""
     path = tmp_path / "s"
@@ -138,8 +139,8 @@ def test_merged_stores_repair_from_the_log_alone(tmp_path, low_trigger, monkeypa
             _save(store, rng, model, 0.03)
             store._compactor.wait_idle()
         store.retain(keep_last=6)
-        monkeypatch.setattr(knobs, "GC_LIVE_FRACTION", 0.99)
-        store.gc()
+        with options_changed(store, gc_live_fraction=0.99):
+            store.gc()
         kept = [info.version for info in store.versions()]
     shutil.rmtree(os.path.join(path, "index"))
     report = cnrstore.repair(path)
@@ -149,15 +150,14 @@ def test_merged_stores_repair_from_the_log_alone(tmp_path, low_trigger, monkeypa
         assert ro.verify().ok
 
 
-def test_a_merge_beside_a_save_that_merges_the_same_chain(tmp_path, low_trigger, monkeypatch):
+def test_a_merge_beside_a_save_that_merges_the_same_chain(tmp_path, low_trigger):
     """By schedule: a background merge at v has appended its records (not committed) when a save on
     parent v merges the same chain past the hard bound itself and commits; then the merge commits, and a
     drop and gc follow. Every version reads exactly, before and after repair from the log."""
     path = tmp_path / "s"
     store, rng, model = _new(path, compaction=None)
     with store:
-        with monkeypatch.context() as m:
-            m.setattr(knobs, "READ_AMP_BOUND", None)
+        with options_changed(store, read_amp_bound=None):
             for _ in range(8):
                 _save(store, rng, model, 0.03)  # a long chain: plain increments
         newest = store.latest().version
@@ -167,8 +167,7 @@ def test_a_merge_beside_a_save_that_merges_the_same_chain(tmp_path, low_trigger,
                     return merge_chains(m, newest)
             merging = run_in_thread(merge)
             appended.wait_reached()
-            with monkeypatch.context() as m:
-                m.setattr(knobs, "READ_AMP_BOUND", 1.2)  # past it: the save merges itself, reading v's chain
+            with options_changed(store, read_amp_bound=1.2):  # past it: the save merges itself, reading v's chain
                 _save(store, rng, model, 0.05)
             appended.release()
             assert merging.result(timeout=60).blocks_merged > 0
@@ -185,19 +184,17 @@ def test_a_merge_beside_a_save_that_merges_the_same_chain(tmp_path, low_trigger,
         _check(ro, model)
 
 
-def test_a_save_merging_an_entry_that_a_background_merge_replaces(tmp_path, low_trigger, monkeypatch):
+def test_a_save_merging_an_entry_that_a_background_merge_replaces(tmp_path, low_trigger):
     """By schedule: a save's merge has read and appended (crash point after_delta_merge) from the chain at
     its parent v when a background merge replaces v's entries and a gc runs; the save then commits. Its
     pinned bases survive, and every version reads exactly."""
     store, rng, model = _new(tmp_path / "s", compaction=None)
     with store:
-        with monkeypatch.context() as m:
-            m.setattr(knobs, "READ_AMP_BOUND", None)
+        with options_changed(store, read_amp_bound=None):
             for _ in range(8):
                 _save(store, rng, model, 0.03)
         newest = store.latest().version
-        monkeypatch.setattr(knobs, "READ_AMP_BOUND", 1.2)  # the save merges itself
-        with Pause("after_delta_merge") as merged:
+        with options_changed(store, read_amp_bound=1.2), Pause("after_delta_merge") as merged:  # the save merges
             saving = run_in_thread(_save, store, rng, model, 0.05)
             merged.wait_reached()
             with store.engine.maintenance() as m:

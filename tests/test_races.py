@@ -8,6 +8,8 @@ reads back exactly and ``verify()`` is clean.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 import cnrstore
@@ -74,7 +76,9 @@ def test_background_gc_beside_the_next_checkpoint_loses_no_version_across_a_rest
     issue) it raised "segment ... is missing" and verify named an entry into a segment the catalog lacks."""
     from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention
 
-    monkeypatch.setattr(knobs, "SEGMENT_BYTES", 3 * ROWS * DIM * 4 + 4096)
+    # 40 KiB: each step's gc seals the writer's idle segment, so v3's half put (16 KiB) starts one; v4's full
+    # put (32 KiB) joins it, and "b" then rolls over to a new one
+    monkeypatch.setattr(knobs, "SEGMENT_BYTES", 40 << 10)
     path = str(tmp_path / "s")
     policy = CompactionPolicy(materialize=MaxChain(1), retention=Retention(KeepLast(1)), gc=True)
     expected = {}
@@ -94,8 +98,9 @@ def test_background_gc_beside_the_next_checkpoint_loses_no_version_across_a_rest
             ck.put_rows("a", np.arange(ROWS), full(4))  # into the writer's active segment, uncommitted
             materializing.release()
             planned.wait_reached()  # collect found the writer busy and planned on its snapshot
-            monkeypatch.setattr(knobs, "SEGMENT_BYTES", 4096)
+            segments = set(os.listdir(os.path.join(path, "segments")))
             ck.put_rows("b", np.arange(ROWS), full(40))  # rolls over
+            assert len(set(os.listdir(os.path.join(path, "segments"))) - segments) == 1, "a new segment"
             ck.commit()
             planned.release()
             assert store._compactor.wait_idle(60)

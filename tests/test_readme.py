@@ -394,6 +394,8 @@ API_SPECS = {
                                                         'path, path2 = "out.npz", "out2.npz"; source = store',
                                                         "import os; assert os.path.exists(path) and os.path.exists(path2)"),
     "from cnrstore.torch import Checkpointer\nckpt = Checkpointer(store_or_path": (API_MODEL, "assert info is not None"),
+    "options = cnrstore.Options(segment_bytes=64 << 20": ('import dataclasses\nimport cnrstore\npath = "s"',
+                                                         "assert store.options.merge_trigger == 2.0; store.close()"),
 }
 #: API.md blocks not run, and why: reference listings of collectives over several ranks (the README's torchrun
 #: and ECRM blocks, and tests/test_distributed*.py / test_ecrm.py, run those calls)

@@ -60,7 +60,7 @@ def _segment_bytes(path):
 
 
 @pytest.mark.parametrize("where", ["put_rows", "put_rows_partial", "put_dense", "new_segment", "fsync"])
-def test_full_disk_aborts_checkpoint_and_keeps_committed_versions(store_path, monkeypatch, where):
+def test_full_disk_aborts_checkpoint_and_keeps_committed_versions(store_path, where):
     fs = FullDiskFS()
     s = Store(store_path, create=True, readonly=False, filesystem=fs)
     s.create_table("emb", 512, DIM, codec="int8", block_rows=64)
@@ -74,13 +74,15 @@ def test_full_disk_aborts_checkpoint_and_keeps_committed_versions(store_path, mo
     committed = snapshot_state(s)
     dense_before = s.read_dense("d")
     seg_before = _segment_bytes(store_path)
+    if where == "new_segment":  # reopened with 4 KiB segments, its active one is full: the next append starts one
+        assert max(seg_before.values()) > 4096
+        s.close()
+        s = Store(store_path, create=False, readonly=False, filesystem=fs,
+                  options=cnrstore.Options(segment_bytes=4096))
     fs.partial = where == "put_rows_partial"
     fs.fail_fsync = where == "fsync"
     if where != "fsync":
         fs.budget = fs.written + (0 if where == "new_segment" else 3000)
-    if where == "new_segment":  # the active segment is full now: the next append starts a new one
-        assert max(seg_before.values()) > 4096
-        monkeypatch.setattr(knobs, "SEGMENT_BYTES", 4096)
 
     with pytest.raises(cnrstore.StorageFull) as ei:
         with s.checkpoint(step=3) as ck:

@@ -10,6 +10,7 @@ import pytest
 import cnrstore
 from cnrstore import codecs, knobs
 
+from support.options import options_changed
 
 # -- read_table(out=), read_tables ------------------------------------------------------------------------------
 
@@ -71,7 +72,7 @@ def test_read_tables_row_ranges_equal_slices_of_read_table(tmp_path, monkeypatch
 
 
 def test_a_small_read_decodes_on_the_callers_thread_and_reads_the_same(tmp_path, monkeypatch):
-    """Under ``knobs.DECODE_INLINE_BYTES`` of destinations no block goes to the decode pool (handing it
+    """Under ``Options.decode_inline_bytes`` of destinations no block goes to the decode pool (handing it
     over costs more than the decode); the bits are the pool's."""
     from cnrstore import knobs
     from cnrstore.engine import table_decode
@@ -79,14 +80,14 @@ def test_a_small_read_decodes_on_the_callers_thread_and_reads_the_same(tmp_path,
     monkeypatch.setattr(knobs, "DECODE_THREADS", 3)
     with cnrstore.open(str(tmp_path / "s"), create=True) as store:
         _int4_chain(store, np.random.default_rng(7))
-        monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", 0)
-        pooled = store.read_table("w")
-        monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", pooled.nbytes + 1)
+        with options_changed(store, decode_inline_bytes=0):
+            pooled = store.read_table("w")
         monkeypatch.setattr(table_decode, "_executor", lambda workers: pytest.fail("a small read used the pool"))
-        assert np.array_equal(store.read_table("w").view(np.uint32), pooled.view(np.uint32))
-        monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", pooled.nbytes)
-        with pytest.raises(pytest.fail.Exception, match="used the pool"):
-            store.read_table("w")
+        with options_changed(store, decode_inline_bytes=pooled.nbytes + 1):
+            assert np.array_equal(store.read_table("w").view(np.uint32), pooled.view(np.uint32))
+        with options_changed(store, decode_inline_bytes=pooled.nbytes):
+            with pytest.raises(pytest.fail.Exception, match="used the pool"):
+                store.read_table("w")
 
 
 def test_read_tables_row_range_of_a_partly_written_table(tmp_path):

@@ -16,10 +16,10 @@ from support.store_helpers import rand
 
 # 9. stats -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bound", [None, 3])
-def test_stats(store, monkeypatch, bound):
-    """With plain increments (bound None) read chains grow by one per version; with the default bound of
-    3 a checkpoint writes a cumulative delta once a block's chain would outgrow it (merge.py)."""
-    monkeypatch.setattr(knobs, "READ_CHAIN_BOUND", bound)
+def test_stats(store_path, bound):
+    """With plain increments (bound None) read chains grow by one per version; with a bound of 3 a
+    checkpoint writes a cumulative delta once a block's chain would outgrow it (merge.py)."""
+    store = cnrstore.open(store_path, create=True, options=cnrstore.Options(read_chain_bound=bound))
     st = store.stats()
     for key in ("bytes_written", "bytes_on_disk", "live_bytes", "versions", "max_read_chain"):
         assert key in st

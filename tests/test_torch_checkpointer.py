@@ -14,6 +14,8 @@ from cnrstore.policy import BitWidthPolicy
 from cnrstore.policy.bitwidth import PAPER_TABLE
 from cnrstore.torch import Checkpointer
 
+from support.options import options_changed
+
 
 class TinyDLRM(nn.Module):
     def __init__(self, rows=(50, 40), dim=4, hidden=8):
@@ -438,15 +440,15 @@ def test_a_save_over_the_memory_bound_waits_and_only_then(store, monkeypatch):
         Checkpointer(store, model, max_queue_bytes=-1)
 
 
-def test_default_bound_is_a_quarter_of_a_full_snapshot_and_a_knob(store, monkeypatch):
+def test_default_bound_is_a_quarter_of_a_full_snapshot_and_a_store_option(store):
     model = Table()
     ck = Checkpointer(store, model, codec="fp32")  # (no optimizer: the baseline is copied in full)
     base = ck.save(0)
     base.wait()
     assert base.report.baseline and not base.report.streamed
     assert ck.queue_bound() == int(0.25 * base.report.host_bytes)
-    monkeypatch.setattr(cnrstore.knobs, "SAVE_QUEUE_STATE_FRACTION", 0.5)
-    assert ck.queue_bound() == base.report.host_bytes // 2
+    with options_changed(store, save_queue_state_fraction=0.5):  # (the store's option: its knob at open)
+        assert ck.queue_bound() == base.report.host_bytes // 2
     ck.close()
 
 
@@ -646,11 +648,9 @@ def test_bit_width_policy_picks_codec_and_counts_restores(store):
 
 @pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("codec", ["fp32", "int4"])
-def test_restore_decodes_into_the_live_weights_and_optimizer_state(store, monkeypatch, threads, codec):
+def test_restore_decodes_into_the_live_weights_and_optimizer_state(store, threads, codec):
     """The weights and Adagrad's ``sum`` tensors are written in place (same tensors, same memory) and hold
     what the plain reads give (store.read_table on one thread): the parallel path equals the old one."""
-    from cnrstore import knobs
-
     model, opt = make(0)
     ck = Checkpointer(store, model, opt, codec=codec, mode="incremental")
     for i in range(2):
@@ -661,10 +661,8 @@ def test_restore_decodes_into_the_live_weights_and_optimizer_state(store, monkey
     weights = [model.emb.weight, model.bag.weight]
     ptrs = [w.data_ptr() for w in weights]
     sums = [opt.state[w]["sum"] for w in weights]
-    monkeypatch.setattr(knobs, "DECODE_THREADS", threads)
-    monkeypatch.setattr(knobs, "DECODE_INLINE_BYTES", 0)  # (a small model: through the pool all the same)
-    ck.restore()
-    monkeypatch.setattr(knobs, "DECODE_THREADS", 1)
+    with options_changed(store, decode_threads=threads, decode_inline_bytes=0):  # (small: the pool all the same)
+        ck.restore()
     for name, w, ptr, s in zip(["emb", "bag"], weights, ptrs, sums):
         assert w.data_ptr() == ptr and opt.state[w]["sum"] is s
         assert np.array_equal(w.detach().numpy(), store.read_table(name))

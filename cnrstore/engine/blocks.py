@@ -64,9 +64,10 @@ def runs(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return starts, np.r_[starts, blocks.size]
 
 
-def default_block_rows(row_bytes: int, most: int) -> int:
+def default_block_rows(row_bytes: int, most: int, target_bytes: int, min_rows: int) -> int:
     """The block_rows a table gets when its creator names none: the largest power of two of rows whose
-    block of ``row_bytes``-byte encoded rows stays within ``knobs.BLOCK_TARGET_BYTES``, clamped to
-    [``knobs.MIN_BLOCK_ROWS``, ``knobs.MAX_BLOCK_ROWS``] and to ``most`` (the most rows a record holds)."""
-    fit = floor_pow2(knobs.BLOCK_TARGET_BYTES // row_bytes)
-    return min(most, max(knobs.MIN_BLOCK_ROWS, min(knobs.MAX_BLOCK_ROWS, fit)))
+    block of ``row_bytes``-byte encoded rows stays within ``target_bytes`` (the store's
+    ``Options.block_target_bytes``), clamped to [``min_rows`` (``Options.min_block_rows``),
+    ``knobs.MAX_BLOCK_ROWS``] and to ``most`` (the most rows a record holds)."""
+    fit = floor_pow2(target_bytes // row_bytes)
+    return min(most, max(min_rows, min(knobs.MAX_BLOCK_ROWS, fit)))

@@ -30,6 +30,7 @@ from typing import Callable, ContextManager, Iterator, Optional, TypeVar
 
 from . import filenames, fs, opening, record, schema, segments
 from ..errors import CheckpointInProgress, IndexDamaged, InvalidArgument, ReadOnlyError, StorageFull, StoreClosed
+from ..options import Options
 from .index import DenseLoc, Index, IndexView, IndexWriter, RowLoc, damage_hint, finish_interrupted_install
 from .chain_costs import ChainCosts
 from .handle import MaintenanceHandle
@@ -51,8 +52,10 @@ _UNRECORDED = "the index could not record the deletion of freed segments"
 class Engine:
     """One open store's engine (see the module docstring). Open one with ``Engine.open``."""
 
-    def __init__(self, path: str, filesystem, readonly: bool):
+    def __init__(self, path: str, filesystem, readonly: bool, options: Options | None = None):
         self.path = path
+        #: this store's tunables (cnrstore.Options): what its parts read, never the process's knobs
+        self._options = options if options is not None else Options()
         self._fs = filesystem
         self.readonly = readonly
         self._closed = False
@@ -82,7 +85,7 @@ class Engine:
     def _parts(self) -> EngineParts:
         """The parts the checkpoint writer and the maintenance handle work on (parts.py)."""
         return EngineParts(self._index.read, self._storage, self._appender, self._compaction_appender,
-                           self._pin_lock, self._pinned, self._commit, self._chain_costs,
+                           self._pin_lock, self._pinned, self._commit, self._chain_costs, self._options,
                            self._versions_and_baseline, self._seal_idle_writer_segment, self._delete_doomed,
                            self._take_written_blocks, self._look_at_every_block)
 
@@ -90,12 +93,13 @@ class Engine:
     @classmethod
     def open(cls, path: str, filesystem: fs.FileSystem, storage: SegmentStorage | None = None, *,
              readonly: bool, create: bool = False, create_wait_s: float = 10.0,
-             replicator: Replicator | None = None) -> "Engine":
+             replicator: Replicator | None = None, options: Options | None = None) -> "Engine":
         """Open the store at ``path`` (an absolute path): with ``create``, make it first if it has no
         marker (``opening.create``; another process creating it meanwhile is waited for up to
         ``create_wait_s``). ``storage``: where segments live (default: the local files, written through
         ``filesystem``); ``replicator``: what keeps a copy of the store elsewhere current (replication.py;
-        None: no copy), told when the engine opened, before each checkpoint, after each commit and at close.
+        None: no copy), told when the engine opened, before each checkpoint, after each commit and at close;
+        ``options``: the store's tunables (None: ``Options()``).
 
         A writable open takes the store's lock, installs the index a repair killed between its renames
         had built (``index.finish_interrupted_install``), checks the storage takes appends and that this
@@ -105,7 +109,7 @@ class Engine:
         open changes nothing. Raises StoreNotFound, FormatVersionError, StoreLocked, PermissionDenied,
         ReadOnlyError or IndexDamaged, having released whatever it took.
         """
-        engine = cls(path, filesystem, readonly)
+        engine = cls(path, filesystem, readonly, options)
         engine._replicator = replicator
         try:
             if not opening.find(path, readonly):
@@ -130,8 +134,10 @@ class Engine:
         if not self.readonly and finish_interrupted_install(self.path, self._fs):
             self.recovery_notes.append("installed the index an interrupted `cnrstore repair` had built "
                                        "(index.repair-tmp/)")
-        self._index = Index(filenames.index_dir(self.path), readonly=self.readonly)
+        self._index = Index(filenames.index_dir(self.path), readonly=self.readonly,
+                            map_bytes=self._options.index_map_bytes)
         self._storage = storage if storage is not None else LocalSegmentStorage(self.path, self._fs)
+        self._storage.use_options(self._options)
         if not self.readonly:  # a store this process may only read fails here, not at its first checkpoint
             if not self._storage.supports_appends:
                 raise ReadOnlyError(f"{type(self._storage).__name__} takes no appends: open store {self.path!r} "
@@ -169,6 +175,11 @@ class Engine:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def options(self) -> Options:
+        """This store's tunables (cnrstore.Options), fixed at open."""
+        return self._options
 
     def check_open(self) -> None:
         if self._closed:

@@ -24,6 +24,7 @@ from ..errors import CnrError
 from .parts import EngineParts
 
 if TYPE_CHECKING:
+    from ..options import Options
     from ..policy.compaction import History
     from ..types import GCReport
     from .index import IndexView
@@ -63,6 +64,11 @@ class MaintenanceHandle:
         """Compaction's appender (segments.SegmentAppender): maintenance appends its records here, to a
         segment of its own, and ``commit`` makes them durable; on a failure before the commit, ``rollback``."""
         return self._live().compaction_appender
+
+    @property
+    def options(self) -> "Options":
+        """The store's tunables (cnrstore.Options)."""
+        return self._live().options
 
     def pinned(self) -> frozenset:
         """The (table id, block, version) bases the open checkpoint's deltas read, at this moment."""

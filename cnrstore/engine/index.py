@@ -34,6 +34,7 @@ import msgpack
 from . import chain as chain_rule
 from . import filenames, fs, record
 from .. import knobs
+from ..options import Options
 from .msgpack_safe import unpack_bounded
 from ..errors import CorruptionError, IndexBusy, IndexDamaged, PermissionDenied, StorageFull, StorageIOError
 from .schema import MAX_ROW_COUNT, TableRecord, check_meta, check_segment, check_table, check_version, damaged
@@ -456,10 +457,14 @@ class IndexWriter(IndexView):
 class Index:
     """The LMDB environment of a store. Thread-safe; one write transaction at a time."""
 
-    def __init__(self, path: str, *, readonly: bool, create: bool = False):
+    def __init__(self, path: str, *, readonly: bool, create: bool = False, map_bytes: int | None = None):
+        """``map_bytes``: the map size to open the environment with, if no Index of this process has it
+        open already (it doubles on demand); None: ``Options().index_map_bytes``."""
         self.path = path
         self.readonly = readonly
-        self._shared = _SharedEnv.acquire(path, readonly=readonly, create=create)
+        if map_bytes is None:
+            map_bytes = Options().index_map_bytes
+        self._shared = _SharedEnv.acquire(path, readonly=readonly, create=create, map_bytes=map_bytes)
         self._env = self._shared.env
         self._dbs = self._shared.dbs
         self._resize = self._shared.resize  # set_mapsize needs no active txn in the whole process
@@ -784,7 +789,7 @@ class _SharedEnv:
         self.users = 0
 
     @classmethod
-    def acquire(cls, path: str, *, readonly: bool, create: bool) -> "_SharedEnv":
+    def acquire(cls, path: str, *, readonly: bool, create: bool, map_bytes: int) -> "_SharedEnv":
         with cls._registry_lock:
             try:
                 st = os.stat(path)
@@ -815,7 +820,7 @@ class _SharedEnv:
                         subdir=True,
                         create=create,
                         readonly=not writable,
-                        map_size=max(knobs.INDEX_MAP_BYTES, _MIN_MAP_BYTES),
+                        map_size=max(map_bytes, _MIN_MAP_BYTES),
                         max_dbs=len(_DBS),
                         max_readers=knobs.INDEX_MAX_READERS,
                         sync=True,

@@ -13,6 +13,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, NamedTuple
 
 if TYPE_CHECKING:
+    from ..options import Options
     from .chain_costs import ChainCosts
     from .index import IndexView
     from .storage import SegmentStorage
@@ -37,6 +38,8 @@ class EngineParts(NamedTuple):
     commit: Callable[..., None]
     #: what each block's read chain costs, for the save path's bound check (chain_costs.py)
     chain_costs: "ChainCosts"
+    #: the store's tunables (cnrstore.Options)
+    options: "Options"
     #: maintenance's: the cached version history (policy.compaction.History), the sealing of the idle
     #: writer's segment, the deletion of freed segments, and the feed of blocks checkpoints wrote
     history: Callable[[], Any]

@@ -20,6 +20,7 @@ import xxhash
 from . import filenames, fs
 from .. import knobs
 from ..errors import CorruptionError, IndexDamaged, InvalidArgument
+from ..options import Options
 
 log = logging.getLogger("cnrstore.engine.segments")
 # On disk: never change. magic, segment id u64, format version u32, reserved u32 (0), xxh3-64 of the
@@ -49,6 +50,7 @@ def check_segment_header(buf, segment_id: int, path: str) -> None:
 
 
 _NEWEST = object()
+_OMITTED = object()
 
 
 class SegmentIds:
@@ -96,18 +98,24 @@ class SegmentAppender:
     """
 
     def __init__(self, root: str, committed: dict[int, int], format_version: int, filesystem: fs.FileSystem,
-                 ids: SegmentIds | None = None, active: int | None | object = _NEWEST, on_sealed=None):
+                 ids: SegmentIds | None = None, active: int | None | object = _NEWEST, on_sealed=None,
+                 options: Options | None = None):
         """``ids`` defaults to an allocator of its own past ``committed``; ``active`` (the segment appends
         go to first) to the newest committed segment, None meaning a new segment on the first append.
         ``on_sealed(seg)`` is called once the appender will never append to ``seg`` again and its bytes
-        are committed (the storage seam's ``sealed`` hook, storage.py)."""
+        are committed (the storage seam's ``sealed`` hook, storage.py). ``options`` (the store's; None:
+        ``Options()``): a segment is sealed once it holds ``segment_bytes``; a write hands at most
+        ``writev_buffers`` buffers to one writev call."""
         if ids is None:
             ids = SegmentIds(max(committed, default=0) + 1)
         if active is _NEWEST:
             active = max(committed) if committed else None
+        options = options if options is not None else Options()
         self.root = root
         self.fs = filesystem
         self.format_version = format_version
+        self._segment_bytes = options.segment_bytes
+        self._writev_buffers = options.writev_buffers
         self.committed = dict(committed)
         self._sizes = dict(committed)  # current (possibly uncommitted) length of each segment
         self._fds: dict[int, int] = {}  # open fds of segments written since the last sync/rollback
@@ -143,7 +151,7 @@ class SegmentAppender:
             self._abandon(seg)
             seg = None
         if seg is None or (self._sizes[seg] > SEGMENT_HEADER_BYTES and (
-                self._sizes[seg] >= knobs.SEGMENT_BYTES or self._sizes[seg] > knobs.MAX_SEGMENT_OFFSET)):
+                self._sizes[seg] >= self._segment_bytes or self._sizes[seg] > knobs.MAX_SEGMENT_OFFSET)):
             seg = self._new_segment()
         locations, batch, start = [], [], self._sizes[seg]
         pos = start
@@ -161,8 +169,8 @@ class SegmentAppender:
     def _write_batch(self, seg: int, batch: list, start: int, pos: int) -> None:
         fd = self._fd(seg)
         try:
-            for i in range(0, len(batch), knobs.WRITEV_BUFFERS):
-                chunk = batch[i : i + knobs.WRITEV_BUFFERS]
+            for i in range(0, len(batch), self._writev_buffers):
+                chunk = batch[i : i + self._writev_buffers]
                 start += self.fs.pwritev(fd, chunk, start)
         except OSError as exc:
             raise fs.wrap_os_error(exc, f"appending to {filenames.segment_path(self.root, seg)}") from exc
@@ -407,8 +415,11 @@ def _map_whole(fd: int, need: int, path: str) -> mmap.mmap:
 class SegmentReader:
     """Thread-safe mmap access to segment bytes. Mappings grow as segments do."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, release_bytes: int | None | object = _OMITTED):
+        """``release_bytes``: drop the mapped pages after this many bytes read (None: never; omitted:
+        ``Options().mapped_read_release_bytes``). Settable: a storage hands on its store's (``use_options``)."""
         self.root = root
+        self.release_bytes = Options().mapped_read_release_bytes if release_bytes is _OMITTED else release_bytes
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -430,7 +441,7 @@ class SegmentReader:
         entry = self._maps.get(seg)
         if entry is None or offset + length > entry[1].shape[0]:
             entry = self._map(seg, offset + length)
-        bound = knobs.MAPPED_READ_RELEASE_BYTES
+        bound = self.release_bytes
         if bound is not None:
             self._read_since_release += length
             if self._read_since_release > bound and not self._keeping:
@@ -448,7 +459,7 @@ class SegmentReader:
         finally:
             with self._lock:
                 self._keeping -= 1
-            if knobs.MAPPED_READ_RELEASE_BYTES is not None:
+            if self.release_bytes is not None:
                 self.release_pages()
 
     def release_pages(self) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 from .. import errors
 from . import filenames, fs, record
 from .index import RowLoc
+from ..options import Options
 from .segments import SEGMENT_FIX, SegmentAppender, SegmentIds, SegmentReader, recover
 
 #: suffix repair gives a segment whose header is damaged (kept as evidence, never read or reused)
@@ -93,9 +94,14 @@ class SegmentStorage(abc.ABC):
     def path(self, seg: int) -> str:
         """Where segment ``seg`` lives, for messages (a path, or a URL)."""
 
+    def use_options(self, options: Options) -> None:
+        """The store's options (cnrstore.Options), given by the engine as it opens, before any append: the
+        local storage's appenders roll segments at ``options.segment_bytes`` and its reads drop their mapped
+        pages past ``options.mapped_read_release_bytes``. Default: nothing to configure."""
+
     def release_pages(self) -> None:
-        """Drop from this process's resident set the pages reads have mapped (knobs.MAPPED_READ_RELEASE_BYTES);
-        the bytes stay readable. Default: nothing to drop."""
+        """Drop from this process's resident set the pages reads have mapped (past the store's
+        ``Options.mapped_read_release_bytes``); the bytes stay readable. Default: nothing to drop."""
 
     def keep_pages(self):
         """A context within which reads drop no mapped pages, which are dropped at its end (a whole-table
@@ -187,7 +193,8 @@ class LocalSegmentStorage(SegmentStorage):
         self.root = root
         self.fs = filesystem
         self.check_directory(root)
-        self._reader = SegmentReader(root)
+        self._options = Options()  # until the engine gives its own (use_options)
+        self._reader = SegmentReader(root, self._options.mapped_read_release_bytes)
 
     @staticmethod
     def check_directory(root: str) -> None:
@@ -202,6 +209,10 @@ class LocalSegmentStorage(SegmentStorage):
         """Make ``<root>/segments/`` for a new store (nothing if it exists: a creation is retried)."""
         if not os.path.isdir(filenames.segments_dir(root)):
             filesystem.mkdir(filenames.segments_dir(root))
+
+    def use_options(self, options: Options) -> None:
+        self._options = options
+        self._reader.release_bytes = options.mapped_read_release_bytes
 
     def read(self, seg: int, offset: int, length: int) -> np.ndarray:
         return self._reader.read(seg, offset, length)
@@ -243,7 +254,8 @@ class LocalSegmentStorage(SegmentStorage):
                  active=None, resume: bool = False, on_sealed=None) -> SegmentAppender:
         if resume:
             active = max(committed) if committed else None
-        return SegmentAppender(self.root, committed, format_version, self.fs, ids, active=active, on_sealed=on_sealed)
+        return SegmentAppender(self.root, committed, format_version, self.fs, ids, active=active, on_sealed=on_sealed,
+                               options=self._options)
 
     def recover(self, committed: dict[int, int], doomed=(), *, max_deleted: int = 0, ids=None) -> list[str]:
         return recover(self.root, committed, self.fs, doomed, max_deleted=max_deleted, ids=ids)

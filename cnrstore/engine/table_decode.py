@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
-from .. import knobs
 from ..codecs.base import as_out
 from ..errors import InvalidArgument
+from ..options import Options
 from .index import IndexView
 from .reader import decode_block, plan_table
 from .schema import TableRecord
@@ -26,32 +26,30 @@ from .storage import SegmentStorage
 __all__ = ["check_out", "decode_threads", "read_tables"]
 
 _pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_pools: dict[int, ThreadPoolExecutor] = {}  # by size: stores of one process may ask for different sizes
 
 
-def decode_threads() -> int:
-    """Threads a parallel decode uses: ``knobs.DECODE_THREADS``, or every core this process may run on."""
-    if knobs.DECODE_THREADS:
-        return max(1, int(knobs.DECODE_THREADS))
+def decode_threads(configured: int | None = None) -> int:
+    """Threads a parallel decode uses: ``configured`` (a store's ``Options.decode_threads``), or, for
+    None, every core this process may run on."""
+    if configured:
+        return max(1, int(configured))
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
-    """The process's decode pool, (re)made with ``threads`` workers; shared by every store."""
-    global _pool, _pool_size
+    """The process's decode pool of ``threads`` workers, made on first use; shared by every store that
+    decodes on that many."""
     with _pool_lock:
-        if _pool is None or _pool_size != threads:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool, _pool_size = ThreadPoolExecutor(threads, thread_name_prefix="cnrstore-decode"), threads
-        return _pool
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="cnrstore-decode")
+        return pool
 
 
 def _forget_pool_after_fork() -> None:
-    # a forked child has none of the parent's threads: it makes its own pool on first use
-    global _pool, _pool_size
-    _pool, _pool_size = None, 0
+    # a forked child has none of the parent's threads: it makes its own pools on first use
+    _pools.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -77,16 +75,17 @@ def check_out(out, table: TableRecord, what: str, start: int | None = None) -> n
 
 
 def read_tables(view: IndexView, segments: SegmentStorage, jobs: Sequence[tuple[TableRecord, np.ndarray | None, int]],
-                version: int, progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
+                version: int, progress: Callable[[int, int], None] | None = None, *,
+                options: Options) -> list[np.ndarray]:
     """Each job of ``jobs`` ((table, destination, first row)) as of ``version``: rows ``first .. first +
     len(destination) - 1`` of the table decoded into its destination (checked with :func:`check_out` by the
     caller), or, for a destination None (first row 0), the whole table into a new array; in ``jobs`` order.
 
     Every job is planned first, so every record the read needs is verified (and every row found)
     before any destination is written: a CorruptionError or MissingRows leaves them all untouched. The
-    blocks are then decoded on :func:`decode_threads` threads (on this one under
-    ``knobs.DECODE_INLINE_BYTES`` of destinations); an error there (none is expected once the
-    records are verified, short of running out of memory) is raised after every block has finished.
+    blocks are then decoded on ``options.decode_threads`` threads (the store's Options; :func:`decode_threads`),
+    on this one under ``options.decode_inline_bytes`` of destinations; an error there (none is expected once
+    the records are verified, short of running out of memory) is raised after every block has finished.
 
     ``progress(done, total)``, if given, is called on this thread as blocks are decoded: fp32 bytes of the
     destinations decoded so far, of their total (once with 0 before the first block, last with ``total``).
@@ -94,10 +93,10 @@ def read_tables(view: IndexView, segments: SegmentStorage, jobs: Sequence[tuple[
     # a whole-table read maps much of the store: its pages stay mapped while it plans and decodes (dropped
     # between the two, each would fault in twice), and leave the resident set with it
     with segments.keep_pages():
-        return _read_tables(view, segments, jobs, version, progress)
+        return _read_tables(view, segments, jobs, version, progress, options)
 
 
-def _read_tables(view, segments, jobs, version, progress) -> list[np.ndarray]:
+def _read_tables(view, segments, jobs, version, progress, options: Options) -> list[np.ndarray]:
     plans = [plan_table(view, segments, table, version, start, None if out is None else start + out.shape[0])
              for table, out, start in jobs]
     outs = [np.empty((t.num_rows, t.dim), dtype=np.float32) if out is None else out for t, out, _start in jobs]
@@ -106,8 +105,8 @@ def _read_tables(view, segments, jobs, version, progress) -> list[np.ndarray]:
     total, done = sum(out.nbytes for out in outs), 0
     if progress is not None:
         progress(0, total)
-    workers = decode_threads()
-    if min(workers, len(tasks)) <= 1 or total < knobs.DECODE_INLINE_BYTES:
+    workers = decode_threads(options.decode_threads)
+    if min(workers, len(tasks)) <= 1 or total < options.decode_inline_bytes:
         for task in tasks:
             decode_block(*task)
             if progress is not None:

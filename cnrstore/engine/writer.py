@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from . import blocks as blocks_math
-from .. import codecs, knobs
+from .. import codecs
 from . import fs, merge, reader, record, arguments
 from ..errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
 from .index import DenseLoc, RowLoc
@@ -116,7 +116,7 @@ class CheckpointWriter:
                 # blocks whose record would pass the hard read bounds: a merged delta (merge.py)
                 chain_merges, resolver = self._chain_merges(stack, info, groups, merge_plans)
                 for group_codec, g_rows, g_values in groups:
-                    for start, stop in _chunks(g_rows >> shift, knobs.ENCODE_CHUNK_ROWS):
+                    for start, stop in _chunks(g_rows >> shift, self._engine.options.encode_chunk_rows):
                         encoded = group_codec.encode(g_values[start:stop], check=False)
                         self._append_fresh(table, info, group_codec, g_rows[start:stop], encoded, chain_merges,
                                            resolver)
@@ -227,7 +227,7 @@ class CheckpointWriter:
                 continue  # merged, or a new baseline: the next save walks the chain afresh
             info = engine.table_record(table)
             self._parts.chain_costs.extend((info.id, block), below, Head(self.version, loc.segment, loc.offset),
-                                      merge.read_cost([loc], merge.record_fixed_cost(info)))
+                                           merge.read_cost([loc], merge.record_fixed_cost(info, engine.options)))
 
     def _check_open(self) -> None:
         if self._state == "failed":
@@ -280,7 +280,7 @@ class CheckpointWriter:
 
         The delta bases are pinned (``pins``) in the same critical section as the chain is read, so that
         a concurrent retention cannot drop the entries this version's deltas will read."""
-        if knobs.READ_CHAIN_BOUND is None or self._parent is None or not (groups or again):
+        if self._engine.options.read_chain_bound is None or self._parent is None or not (groups or again):
             return {}, None
         shift = blocks_math.shift(info.block_rows)
         below: dict[int, tuple[int, int]] = {}  # block -> (its record's bytes, the version of the chain below)
@@ -299,7 +299,7 @@ class CheckpointWriter:
             for block, (size, at) in below.items():
                 head = merge.chain_head(view, info.id, block, at)
                 costs = parts.chain_costs if at == self._parent else None  # (kept for the parent's heads)
-                plan = merge.chain_merge(view, info, block, at, size, costs, head)
+                plan = merge.chain_merge(view, info, block, at, size, self._engine.options, costs, head)
                 if plan is None and head is not None and at == self._parent:
                     self._below[(info.name, block)] = head
                 if plan is not None:  # (every entry the merged record might read; narrowed after the merge)
@@ -333,11 +333,13 @@ class CheckpointWriter:
                             encoded: np.ndarray, plan: merge.ChainMerge, resolver) -> None:
         """Append this version's record of ``block``: its ``rows`` (global, sorted; ``encoded`` by ``codec``)
         merged with the chain ``plan`` (merge.merge_block, within the read budget of
-        ``knobs.READ_AMP_BOUND``), and keep pinned exactly the entries the merged record reads."""
+        the store's ``Options.read_amp_bound``), and keep pinned exactly the entries the merged record reads."""
+        options = self._engine.options
         first = blocks_math.base(block, info.block_rows)
         block_len = blocks_math.length(block, info.block_rows, info.num_rows)
-        budget = None if knobs.READ_AMP_BOUND is None else merge.merge_budget(knobs.READ_AMP_BOUND, info, block, plan)
-        m = merge.merge_block(resolver, block, block_len, plan, codec, rows - first, encoded, budget)
+        bound = options.read_amp_bound
+        budget = None if bound is None else merge.merge_budget(bound, info, block, plan, options)
+        m = merge.merge_block(resolver, block, block_len, plan, codec, rows - first, encoded, options, budget)
         self._append(table, block_records(info, m.codec, m.offsets + first, m.encoded, self.version,
                                           base=m.base, copied=m.copied, baseline=not m.base), m.base)
         fs.crash_point("after_delta_merge")  # a merged record appended, the version not committed

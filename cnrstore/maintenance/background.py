@@ -20,7 +20,6 @@ import threading
 from typing import TYPE_CHECKING
 
 from . import compaction
-from .. import knobs
 from ..engine import fs
 from .rate_limit import RateLimiter
 from ..errors import StorageFull
@@ -106,9 +105,9 @@ class BackgroundCompactor:
             self._wake.notify_all()
 
     def _limiter(self) -> RateLimiter:
-        """The merges' rate limiter, kept across steps (a fresh one if knobs.MERGE_RATE_BYTES changed)."""
-        if self._rate is None or self._rate.rate != knobs.MERGE_RATE_BYTES:
-            self._rate = RateLimiter(knobs.MERGE_RATE_BYTES)
+        """The merges' rate limiter (the store's ``Options.merge_rate_bytes``), kept across steps."""
+        if self._rate is None:
+            self._rate = RateLimiter(self._engine.options.merge_rate_bytes)
         return self._rate
 
     def _run(self) -> None:
@@ -137,7 +136,7 @@ class BackgroundCompactor:
         with self._engine.maintenance() as m:
             written = m.take_written_blocks()  # before the history: a later commit's blocks wait for the next step
             history = m.history()
-            if history.versions and knobs.MERGE_TRIGGER is not None and not self._halt:
+            if history.versions and m.options.merge_trigger is not None and not self._halt:
                 # merges first: they keep the newest version's reads bounded (merge.py)
                 try:
                     report = compaction.merge_chains(m, history.versions[-1].version, written,

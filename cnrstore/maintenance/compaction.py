@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import numpy as np
 
 from ..engine import blocks as blocks_math
-from .. import codecs, knobs
+from .. import codecs
 from ..engine import chain as chain_rule
 from ..engine import fs, merge, reader, record, schema
 from . import liveness
@@ -37,6 +37,7 @@ from ..engine.version_edit import DropLog, Move, VersionEdit, anchor_at
 if TYPE_CHECKING:
     from ..engine.core import Engine
     from ..engine.handle import MaintenanceHandle
+    from ..options import Options
 
 Progress = Callable[[int, int], None]
 
@@ -181,21 +182,22 @@ def materialize(m: "MaintenanceHandle", version: int, progress: Progress | None 
 
 def _merge_past_the_bound(m: "MaintenanceHandle", version: int, blocks: set[tuple[int, int]]) -> None:
     """After baselines were written at ``version`` for ``blocks``: if a newer version exists, merge there
-    each of these blocks whose read amplification now passes ``knobs.READ_AMP_BOUND``. (A baseline of a
+    each of these blocks whose read amplification now passes ``Options.read_amp_bound``. (A baseline of a
     chain mixing codecs is fp32 of its rows, which may cost more than the chain it replaces; the newer
     versions' chains read it.)"""
-    if knobs.READ_AMP_BOUND is None or not blocks:
+    bound = m.options.read_amp_bound
+    if bound is None or not blocks:
         return
     with m.read() as view:
         newest = max(view.version_numbers(), default=version)
     if newest > version:
-        merge_chains(m, newest, blocks, bound=knobs.READ_AMP_BOUND)
+        merge_chains(m, newest, blocks, bound=bound)
 
 
 def merge_chains(m: "MaintenanceHandle", version: int, blocks: set[tuple[int, int]] | None = None, *,
                  limiter=None, halted: Callable[[], bool] = lambda: False, bound: float | None = None) -> MergeReport:
     """Merge every block (of ``blocks``, (table id, block) pairs; None: all) whose read amplification at
-    ``version`` passes ``knobs.MERGE_TRIGGER`` and whose chain holds two or more records above its
+    ``version`` passes the store's ``Options.merge_trigger`` and whose chain holds two or more records above its
     baseline (``merge.merge_due``) — with ``bound``, instead every block whose read amplification there
     passes ``bound``, one record above its baseline sufficing: one delta (or new baseline:
     merge.merge_block) per block, flagged COMPACTED, written at ``version`` under the block's key there, so
@@ -203,14 +205,15 @@ def merge_chains(m: "MaintenanceHandle", version: int, blocks: set[tuple[int, in
     the block's read amplification higher than it was (a chain mixing codecs, stored as fp32) is not
     written. Reads of every version are unchanged bit for bit.
 
-    Commits in batches of about ``knobs.MERGE_BATCH_BYTES`` (crash points ``merge_after_append`` and
+    Commits in batches of about ``Options.merge_batch_bytes`` (crash points ``merge_after_append`` and
     ``merge_inside_index_commit``), asks ``limiter`` (a RateLimiter) before each block, and stops early,
     between blocks, once ``halted()``; what it leaves is only not merged yet. A checkpoint may be
     written meanwhile.
     """
     report = MergeReport(version)
-    trigger = knobs.MERGE_TRIGGER if bound is None else bound
-    if trigger is None or knobs.READ_CHAIN_BOUND is None:
+    options = m.options
+    trigger = options.merge_trigger if bound is None else bound
+    if trigger is None or options.read_chain_bound is None:
         return report
     with m.read() as view:
         tables = {info.id: info for info in view.tables().values()}
@@ -222,8 +225,8 @@ def merge_chains(m: "MaintenanceHandle", version: int, blocks: set[tuple[int, in
             if info is None:
                 continue
             chain = merge.walk_chain(view, tid, block, version)
-            if (len(chain.records) >= 2 and merge.merge_due(info, block, chain, trigger) if bound is None else
-                    chain.records and merge.read_amplification(info, block, chain) > bound):
+            if (len(chain.records) >= 2 and merge.merge_due(info, block, chain, trigger, options) if bound is None
+                    else chain.records and merge.read_amplification(info, block, chain, options) > bound):
                 due.append((info, block, chain))
     batch: list[tuple[int, int, RowLoc]] = []
     batch_bytes = 0
@@ -238,7 +241,7 @@ def merge_chains(m: "MaintenanceHandle", version: int, blocks: set[tuple[int, in
             batch_bytes += size
             report.blocks_merged += 1
             report.baselines += bool(batch[-1][2].flags & record.FLAG_BASELINE)
-            if batch_bytes >= knobs.MERGE_BATCH_BYTES:
+            if batch_bytes >= options.merge_batch_bytes:
                 _commit_merges(m, version, batch, batch_bytes)  # (rolls back itself on failure)
                 report.bytes_written += batch_bytes
                 batch, batch_bytes = [], 0
@@ -264,14 +267,15 @@ def _append_merge(m: "MaintenanceHandle", version: int, info, block: int, chain,
         block_len = blocks_math.length(block, info.block_rows, info.num_rows)
         codec = codecs.get(info.codec)
         merged = merge.merge_block(resolver, block, block_len, chain, codec, np.empty(0, dtype=np.int64),
-                              np.empty((0, codec.row_bytes(info.dim)), dtype=np.uint8),
-                              merge.merge_budget(trigger, info, block, chain))
+                                   np.empty((0, codec.row_bytes(info.dim)), dtype=np.uint8), m.options,
+                                   merge.merge_budget(trigger, info, block, chain, m.options))
     first = blocks_math.base(block, info.block_rows)
     records = block_records(info, merged.codec, merged.offsets + first, merged.encoded, version, base=merged.base, copied=merged.copied,
                             baseline=not merged.base, merged=True)
     ((_blk, count, flags), _buffers, length), = records
     after = merge.merged_chain(chain, version, RowLoc(0, 0, length, count, flags, merged.base))
-    if merge.read_amplification(info, block, after) > merge.read_amplification(info, block, chain):
+    options = m.options
+    if merge.read_amplification(info, block, after, options) > merge.read_amplification(info, block, chain, options):
         return None
     size = sum(length for _key, _buffers, length in records)
     if limiter is not None:
@@ -348,9 +352,9 @@ def collect(m: "MaintenanceHandle", progress: Progress | None = None) -> GCRepor
     live for those rows only. A segment with nothing live is freed; the others are *cleaned* (their live
     records copied to the compaction appender's segment, byte for byte and checksum-verified, a partly
     live record rewritten with its live rows only under the same index key) when their live fraction is
-    under ``knobs.GC_LIVE_FRACTION``, and further, best first by the log-structured file system's
+    under ``Options.gc_live_fraction``, and further, best first by the log-structured file system's
     cost-benefit score ``(1 - u) * age / (1 + u)`` (u the live fraction, age in versions since the
-    segment's newest record), while the disk would hold more than ``knobs.GC_SPACE_BOUND`` times the live
+    segment's newest record), while the disk would hold more than ``Options.gc_space_bound`` times the live
     bytes. The checkpoint writer's active segment is sealed first, and cleaned like any other, when no
     checkpoint is open. Freed segments are deleted once no reader can need them.
 
@@ -366,7 +370,7 @@ def collect(m: "MaintenanceHandle", progress: Progress | None = None) -> GCRepor
     m.seal_idle_writer_segment()  # a small store's one segment can then be cleaned too
     survey = _survey(m)
     fs.pause_point("gc_planned")  # liveness judged on the snapshot above; commits may land meanwhile
-    dead, candidates = _choose(survey, m.writer_segments())  # (the writer's: possibly uncommitted bytes)
+    dead, candidates = _choose(survey, m.writer_segments(), m.options)  # (the writer's: possibly uncommitted bytes)
     if appender.active is not None and (appender.active in candidates or appender.active in dead):
         appender.seal()  # compaction's own segment is worth cleaning: copies go to a new one
     _free_dead(m, survey, dead)  # StorageFull here: nothing changed
@@ -439,10 +443,10 @@ def _survey(m: "MaintenanceHandle") -> _Survey:
     return survey
 
 
-def _choose(survey: _Survey, busy: set) -> tuple[list[int], list[int]]:
-    """(the wholly dead segments, the segments to clean, best first): those under ``GC_LIVE_FRACTION`` live,
-    then more by the cost-benefit score while the disk would hold more than ``GC_SPACE_BOUND`` times the
-    live bytes (never one over ``GC_CLEAN_MAX_LIVE`` live). Segments in ``busy`` are skipped."""
+def _choose(survey: _Survey, busy: set, options: "Options") -> tuple[list[int], list[int]]:
+    """(the wholly dead segments, the segments to clean, best first): those under ``gc_live_fraction`` live,
+    then more by the cost-benefit score while the disk would hold more than ``gc_space_bound`` times the
+    live bytes (never one over ``gc_clean_max_live`` live). Segments in ``busy`` are skipped."""
     committed, live, age = survey.committed, survey.live, survey.age
     dead: list[int] = []
     scored = []
@@ -456,14 +460,14 @@ def _choose(survey: _Survey, busy: set) -> tuple[list[int], list[int]]:
             u = min(1.0, live[seg] / payload)
             scored.append(((1 - u) * (survey.newest - age.get(seg, 0) + 1) / (1 + u), seg, u, payload))
     scored.sort(reverse=True)
-    candidates = [seg for _score, seg, u, _p in scored if u < knobs.GC_LIVE_FRACTION]
+    candidates = [seg for _score, seg, u, _p in scored if u < options.gc_live_fraction]
     disk = sum(max(1, length - SEGMENT_HEADER_BYTES) for seg, length in committed.items() if seg not in dead)
     total_live = sum(live.get(seg, 0) for seg in committed)
     disk -= sum(p - live.get(seg, 0) for _s, seg, _u, p in scored if seg in candidates)
     for _score, seg, u, payload in scored:  # best first, while the disk is over the bound
-        if disk <= knobs.GC_SPACE_BOUND * total_live:
+        if disk <= options.gc_space_bound * total_live:
             break
-        if seg not in candidates and u < knobs.GC_CLEAN_MAX_LIVE:
+        if seg not in candidates and u < options.gc_clean_max_live:
             candidates.append(seg)
             disk -= payload - live.get(seg, 0)
     return dead, candidates

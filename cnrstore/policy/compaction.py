@@ -164,14 +164,17 @@ class Plan:
     collect: bool = False
 
 
-def default_materialize() -> MaterializeRule | None:
-    """The materialize rule of ``CompactionPolicy()``: none while the writer bounds read chains
-    (``knobs.READ_CHAIN_BOUND``, the default: it applies Check-N-Run's reset rule itself, per block, on the
-    real union of changed rows — cnrstore/engine/merge.py — so background baselines would only add writes);
-    ``IntermittentRule()`` on the log's growth when the bound is off (None)."""
-    from .. import knobs
+def default_materialize(options=None) -> MaterializeRule | None:
+    """The materialize rule of ``CompactionPolicy()`` and ``compaction="auto"``: none while the writer bounds
+    read chains (``options.read_chain_bound``, a store's Options; without ``options``, ``Options()``'s, which
+    follows ``knobs.READ_CHAIN_BOUND``): the writer then applies Check-N-Run's reset rule itself, per block,
+    on the real union of changed rows (cnrstore/engine/merge.py), so background baselines would only add
+    writes. ``IntermittentRule()`` on the log's growth when the bound is off (None)."""
+    if options is None:
+        from ..options import Options
 
-    return None if knobs.READ_CHAIN_BOUND is not None else IntermittentRule()
+        options = Options()
+    return None if options.read_chain_bound is not None else IntermittentRule()
 
 
 @dataclass(frozen=True)
@@ -191,12 +194,13 @@ class CompactionPolicy:
         return Plan(materialize, drop, self.gc and (materialize or bool(drop)))
 
 
-def resolve(policy) -> CompactionPolicy | None:
-    """The policy ``open(compaction=...)`` names: None (off), "auto", or a CompactionPolicy."""
+def resolve(policy, options=None) -> CompactionPolicy | None:
+    """The policy ``open(compaction=...)`` names: None (off), "auto" (``CompactionPolicy()``, its materialize
+    rule chosen by the store's ``options``: ``default_materialize``), or a CompactionPolicy."""
     if policy is None:
         return None
     if policy == "auto":
-        return CompactionPolicy()
+        return CompactionPolicy(materialize=default_materialize(options))
     if isinstance(policy, CompactionPolicy):
         return policy
     raise InvalidArgument(f"compaction= takes None, 'auto' or a cnrstore.policy.CompactionPolicy, got {policy!r}")

@@ -82,7 +82,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .. import codecs, knobs
+from .. import codecs
 from .. import store as _store
 from ..engine import fs, arguments
 from ..policy.compaction import KeepEveryNSteps, KeepLast, Retention
@@ -175,8 +175,8 @@ class Checkpointer:
     existing table of another shape raises :class:`InvalidArgument`. Not thread-safe: call it from the training thread.
 
     ``max_queue_bytes`` bounds the host memory held by the snapshots of saves not yet written (see
-    :meth:`save`); None: ``knobs.SAVE_QUEUE_STATE_FRACTION`` of a full snapshot of the model (every row of
-    every table and of its row-wise optimizer state, and the dense state); 0: one save at a time.
+    :meth:`save`); None: the store's ``Options.save_queue_state_fraction`` of a full snapshot of the model
+    (every row of every table and of its row-wise optimizer state, and the dense state); 0: one save at a time.
     ``max_lag``: the most saves that may be returned by ``save()`` and not yet committed (this one
     included: 2, the default, means ``save()`` first waits for all but the newest earlier one); None: no
     bound but the bytes. With saves every ``I`` seconds, a ``kill -9`` then loses at most the last
@@ -486,7 +486,8 @@ class Checkpointer:
         """The bytes the snapshots of queued saves may hold (``max_queue_bytes``, or its default)."""
         if self.max_queue_bytes is not None:
             return self.max_queue_bytes
-        return int(knobs.SAVE_QUEUE_STATE_FRACTION * self._snapshot_bytes([None] * len(self._tables), stream=False))
+        fraction = self.store.options.save_queue_state_fraction
+        return int(fraction * self._snapshot_bytes([None] * len(self._tables), stream=False))
 
     def queued_bytes(self) -> int:
         """Host bytes the snapshots of the saves not yet written hold now (rows a streamed save has

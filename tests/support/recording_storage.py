@@ -102,6 +102,9 @@ class RecordingStorage(SegmentStorage):
     def segment_ids_from(self, high):
         return self._call("segment_ids_from", high)
 
+    def use_options(self, options):
+        return self._call("use_options", options)
+
     def forget(self, seg):
         return self._call("forget", seg)
 
