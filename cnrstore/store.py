@@ -69,7 +69,7 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None,
     else:
         remote_tier.check_local_only(path, "open")
     store = Store(path, create=create, readonly=readonly, filesystem=fs.DEFAULT, storage=storage,
-                  replicator=storage if remote is not None else None, options=options)
+                  options=options)
     if policy is not None:
         store._life.compactor = BackgroundCompactor(store._engine, policy)
         store._engine.set_commit_listener(store._life.compactor.notify)
@@ -112,7 +112,7 @@ class Store:
                  options: Options | None = None):
         """Open (``create``: or make) the store at ``root`` (``Engine.open``). ``storage``: where segments are
         read and removed (storage.py); default the local files. ``replicator``: what keeps a remote copy
-        current (replication.py; the remote tier's storage is both). ``options``: its tunables (None:
+        current (replication.py; None: the storage, if it is one, as the remote tier's storage is). ``options``: its tunables (None:
         ``Options()``)."""
         self.path = os.path.abspath(root)
         self.readonly = readonly

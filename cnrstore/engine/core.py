@@ -97,8 +97,9 @@ class Engine:
         """Open the store at ``path`` (an absolute path): with ``create``, make it first if it has no
         marker (``opening.create``; another process creating it meanwhile is waited for up to
         ``create_wait_s``). ``storage``: where segments live (default: the local files, written through
-        ``filesystem``); ``replicator``: what keeps a copy of the store elsewhere current (replication.py;
-        None: no copy), told when the engine opened, before each checkpoint, after each commit and at close;
+        ``filesystem``); ``replicator``: what keeps a copy of the store elsewhere current (replication.py),
+        told when the engine opened, before each checkpoint, after each commit and at close (None: the
+        storage itself if it is a Replicator, as the remote tier's is; else no copy);
         ``options``: the store's tunables (None: ``Options()``).
 
         A writable open takes the store's lock, installs the index a repair killed between its renames
@@ -110,6 +111,8 @@ class Engine:
         ReadOnlyError or IndexDamaged, having released whatever it took.
         """
         engine = cls(path, filesystem, readonly, options)
+        if replicator is None and isinstance(storage, Replicator):
+            replicator = storage  # (a remote tier's storage makes its own copy points)
         engine._replicator = replicator
         try:
             if not opening.find(path, readonly):

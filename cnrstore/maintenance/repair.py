@@ -66,7 +66,6 @@ from ..engine.core import Engine
 from ..engine.index import DenseLoc, Index, RowLoc, finish_interrupted_install, install_built_index
 from ..engine.msgpack_safe import unpack_bounded
 from ..engine.lock import ProcessLock
-from ..engine.replication import Replicator
 from ..engine.storage import LocalSegmentStorage
 from ..engine.marker import FORMAT_VERSION, read_marker
 from ..engine.schema import TableRecord, table_from_log
@@ -224,9 +223,7 @@ def _store_is_healthy(root: str, make_storage, report: RepairReport, progress=No
     if not os.path.isdir(filenames.index_dir(root)):
         return False
     try:
-        storage = make_storage()
-        engine = Engine.open(root, fs.DEFAULT, storage, readonly=True,
-                             replicator=storage if isinstance(storage, Replicator) else None)
+        engine = Engine.open(root, fs.DEFAULT, make_storage(), readonly=True)
     except CnrError:
         return False
     try:
