@@ -105,14 +105,6 @@ def s3_endpoint():
     server.stop()
 
 
-def s3_options(endpoint: str, **config) -> dict:
-    """remote_options for s3fs against ``endpoint``: fake credentials, few retries (tests stay fast)."""
-    key, secret = os.environ.get("CNRSTORE_TEST_S3_KEY", "testing"), os.environ.get("CNRSTORE_TEST_S3_SECRET", "testing")
-    return {"key": key, "secret": secret, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-            "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5,
-                              "read_timeout": 10, **config}}
-
-
 @pytest.fixture
 def s3_bucket(s3_endpoint, request):
     """A new, empty bucket on the session's endpoint; its name."""
@@ -120,6 +112,8 @@ def s3_bucket(s3_endpoint, request):
     import uuid
 
     import boto3
+
+    from support.s3_remote import s3_options
 
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
     opts = s3_options(s3_endpoint)

@@ -20,15 +20,15 @@ from cnrstore.errors import RemoteStorageError
 from support import crash_states as cs
 from support.schedule import Pause, run_in_thread
 
-from test_crash_states import BLOCK, ROWS, TABLES, small_segments, write_more  # noqa: F401 (a fixture)
-from test_crash_states import Workload as LocalWorkload
+from support.crash_workload import BLOCK, ROWS, TABLES, small_segments, write_more  # noqa: F401 (a fixture)
+from support.crash_workload import Workload as LocalWorkload
 
 pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
 
 class Workload(LocalWorkload):
-    """test_crash_states' workload on a store whose segments go to a recording object store (cache_bytes=0:
-    every sealed segment is evicted once uploaded)."""
+    """test_crash_states' workload (support/crash_workload.py) on a store whose segments go to a recording object
+    store (cache_bytes=0: every sealed segment is evicted once uploaded)."""
 
     def __init__(self, path: str, rec: cs.RecordingFileSystem, objects: dict, seed: int, *, every: int = 1,
                  cache_bytes: int = 0):  # (not super().__init__: it opens the store without its remote)
