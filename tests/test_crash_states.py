@@ -166,11 +166,11 @@ REPAIRED_FROM_LOG = {"maintenance_mix", "clean_after_drop", "deltas_then_compact
 @pytest.mark.parametrize("script", [maintenance_mix, clean_after_drop, deltas_then_compact, merges_then_gc,
                                     rewrite_dense_then_gc, repair_amid_maintenance],
                          ids=lambda s: s.__name__)
-def test_every_crash_state_of_a_named_workload_recovers(tmp_path, script):
+def test_every_crash_state_of_a_named_workload_recovers(ram_tmp_path, script):
     """Every crash state opens with the versions before or after the operation in flight, bit for bit;
     for the REPAIRED_FROM_LOG workloads each state, its index lost, also repairs from the segment log
     alone to the same (issue 21: "repair's index never reads differently from the committed history")."""
-    sweep = run(tmp_path, 0, script, repair_from_log=script.__name__ in REPAIRED_FROM_LOG)
+    sweep = run(ram_tmp_path, 0, script, repair_from_log=script.__name__ in REPAIRED_FROM_LOG)
     assert sweep.states > 50  # the workload did record effects to explore
 
 
@@ -180,9 +180,9 @@ def background_policy(w: Workload) -> None:
     _checkpoints_with_maintenance(w, 12, keep_last=8)
 
 
-def test_every_crash_state_of_background_maintenance_recovers(tmp_path):
+def test_every_crash_state_of_background_maintenance_recovers(ram_tmp_path):
     policy = CompactionPolicy(materialize=MaxChain(3), retention=Retention(KeepLast(6)), gc=True)
-    run(tmp_path, 0, background_policy, policy=policy, keep_last=6)
+    run(ram_tmp_path, 0, background_policy, policy=policy, keep_last=6)
 
 
 def random_workload(seed: int):
@@ -205,14 +205,14 @@ def random_workload(seed: int):
 
 
 @pytest.mark.slow
-def test_deep_sweep_random_workloads(tmp_path):
+def test_deep_sweep_random_workloads(ram_tmp_path):
     """The opt-in sweep (``pytest --runslow -k deep_sweep``): random workloads of 14 operations (repair
     among them) over ``CNRSTORE_CRASH_SEEDS`` seeds (default 40), every prefix of each; with an odd seed
     every state is also repaired from its log alone."""
     total = repaired = 0
     for seed in range(int(os.environ.get("CNRSTORE_CRASH_SEEDS", "40"))):
-        states = run(tmp_path / f"seed{seed}", seed, random_workload(seed), repair_from_log=seed % 2 == 1).states
+        states = run(ram_tmp_path / f"seed{seed}", seed, random_workload(seed), repair_from_log=seed % 2 == 1).states
         total += states
         repaired += states if seed % 2 else 0
-        shutil.rmtree(tmp_path / f"seed{seed}")
+        shutil.rmtree(ram_tmp_path / f"seed{seed}")
     print(f"\ndeep sweep: {total} distinct crash states checked ({repaired} also repaired from the log), 0 failures")
