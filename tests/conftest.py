@@ -17,7 +17,18 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run long soak/stress tests")
 
 
+#: Modules whose tests take longest (several seconds to a minute each: subprocess trainers, spawned jobs,
+#: crash-state sweeps), longest first. Their tests are run first: pytest-xdist's worksteal then gives the other
+#: worker the short tests and has it steal from the long queue, so that the run ends on short tests, not on one
+#: worker busy with a long one while the other idles.
+HEAVY_FIRST = ("test_train_dlrm_dist", "test_crash_states", "test_train_dlrm", "test_trainer_exit", "test_readme",
+               "test_crash_states_remote", "test_crash_states_takeover", "test_distributed", "test_remote_ownership",
+               "test_ecrm", "test_lifecycle", "test_remote", "test_crash")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: opt in with --runslow")
