@@ -2,8 +2,8 @@
 
 What tests share -- helpers, models, workloads, fixtures -- lives in tests/support/ (or, for fixtures every
 module may use, in conftest.py, which pytest loads itself). A test module imported by another ties the importer
-to names the other file may rename or drop, runs the other's imports and module-level set-up for it, and
-works only under pytest's prepend import mode; support modules import no test module either.
+to names the other file may rename or drop, and runs the other's imports and module-level set-up for it;
+support modules import no test module either.
 """
 
 from __future__ import annotations
