@@ -23,7 +23,7 @@ def pytest_addoption(parser):
 #: worker busy with a long one while the other idles.
 HEAVY_FIRST = ("test_train_dlrm_dist", "test_crash_states", "test_train_dlrm", "test_trainer_exit", "test_readme",
                "test_crash_states_remote", "test_crash_states_takeover", "test_distributed", "test_remote_ownership",
-               "test_ecrm", "test_lifecycle", "test_remote", "test_crash")
+               "test_ecrm", "test_lifecycle", "test_remote")
 
 
 def pytest_collection_modifyitems(config, items):
