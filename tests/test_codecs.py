@@ -14,6 +14,8 @@ from hypothesis.extra import numpy as hnp
 from cnrstore import codecs
 from cnrstore.errors import InvalidArgument
 
+from support.codec_bounds import roundtrip, u16, uniform_error_bound
+
 ALL = ["fp32", "fp16", "int8", "int4", "int2"]
 LOSSY = ["fp16", "int8", "int4", "int2"]
 NBIT = {"int4": 4, "int2": 2}
@@ -28,30 +30,18 @@ prop = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 
 # -- the documented error bounds, transcribed from the codecs' docstrings ----------------------------
 
-def u16(t):
-    """Largest fp16 rounding error at t (|t| <= 65504)."""
-    return np.maximum(np.abs(t) * 2.0**-11, 2.0**-25)
-
-
 def error_bound(name: str, x: np.ndarray) -> np.ndarray:
     """Per-value bound on |x - decode(encode(x))|, broadcastable to x's shape (float64)."""
-    x = x.astype(np.float64)
-    m, M = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
-    d = M - m
-    slop = 2.0**-20 * (np.abs(m) + np.abs(M))
     if name == "fp32":
-        return np.zeros_like(x)
+        return np.zeros_like(x, dtype=np.float64)
     if name == "fp16":
-        return u16(x)
+        return u16(x.astype(np.float64))
     if name == "int8":
-        return d / 510 + np.minimum(d, 1e-8) + slop
-    L = (1 << NBIT[name]) - 1
-    return d / (2 * L) + (1 + 1 / (2 * L)) * u16(m) + (L + 1) * u16(d / L + u16(m)) + slop
-
-
-def roundtrip(name, x):
-    c = codecs.get(name)
-    return c.decode(c.encode(x), x.shape[1])
+        x = x.astype(np.float64)
+        m, M = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+        d = M - m
+        return d / 510 + np.minimum(d, 1e-8) + 2.0**-20 * (np.abs(m) + np.abs(M))
+    return uniform_error_bound(NBIT[name], x)
 
 
 def assert_within_bound(name, x):

@@ -1,6 +1,6 @@
 """Searched-range uniform codecs (adaptive2/3/4) and per-row codebook codecs (kmeans2/3/4): layout,
 error (against the uniform codecs and FBGEMM's greedy search), determinism, row independence, input
-validation. Helpers follow test_codecs.py (tests/ is not a package)."""
+validation. The round trip is test_codecs.py's (tests/support/codec_bounds.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, example, given, settings
 from cnrstore import codecs
 from cnrstore.codecs import adaptive, kmeans, nbit
 from cnrstore.errors import InvalidArgument
-from test_codecs import roundtrip  # shared helpers (tests/ is on sys.path)
+
+from support.codec_bounds import roundtrip
 
 BITS = {"adaptive2": 2, "adaptive3": 3, "adaptive4": 4, "kmeans2": 2, "kmeans3": 3, "kmeans4": 4}
 IDS = {"adaptive2": 11, "adaptive3": 12, "adaptive4": 13, "kmeans2": 14, "kmeans3": 15, "kmeans4": 16}

@@ -1,6 +1,6 @@
 """n-bit uniform codecs (int1, int3, int5, int6, int7): layout, FBGEMM equivalence, error bounds,
-determinism, row independence, input validation. Helpers are copied from test_codecs.py (tests/ is not a
-package)."""
+determinism, row independence, input validation. The error bound and the round trip are test_codecs.py's
+(tests/support/codec_bounds.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from cnrstore import codecs
 from cnrstore.codecs import nbit
 from cnrstore.errors import InvalidArgument
-from test_codecs import roundtrip, u16  # shared helpers (tests/ is on sys.path)
+
+from support.codec_bounds import roundtrip, uniform_error_bound
 
 BITS = {"int1": 1, "int3": 3, "int5": 5, "int6": 6, "int7": 7}
 NAMES = list(BITS)
@@ -25,15 +26,6 @@ prop = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 
 
 # -- the documented error bound and representable range, transcribed from the docstrings ---------------
-
-def error_bound(bits: int, x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m, M = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
-    d = M - m
-    L = (1 << bits) - 1
-    slop = 2.0**-20 * (np.abs(m) + np.abs(M))
-    return d / (2 * L) + (1 + 1 / (2 * L)) * u16(m) + (L + 1) * u16(d / L + u16(m)) + slop
-
 
 def flagged_by_definition(bits: int, x: np.ndarray) -> np.ndarray:
     """Rows past fp16's range, or whose fp16 scale would overflow (reachable at 1 bit only)."""
@@ -52,7 +44,7 @@ def assert_within_bound(name, x):
     assert y.dtype == np.float32 and y.shape == x.shape
     assert np.isfinite(y).all()
     err = np.abs(y.astype(np.float64) - x.astype(np.float64))
-    bound = error_bound(BITS[name], x)
+    bound = uniform_error_bound(BITS[name], x)
     over = err > bound
     assert not over.any(), (
         f"{name}: error {err[over][:3]} over bound {np.broadcast_to(bound, x.shape)[over][:3]} "

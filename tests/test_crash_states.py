@@ -17,124 +17,14 @@ import numpy as np
 import pytest
 
 from cnrstore import knobs
-from cnrstore.maintenance.repair import repair
-from cnrstore.maintenance.background import BackgroundCompactor
-from cnrstore.maintenance.compaction import merge_chains
 from cnrstore.policy import CompactionPolicy, KeepLast, MaxChain, Retention
 from cnrstore.store import Store
 
 from support import crash_states as cs
 from support.options import options_changed
-
-ROWS, BLOCK = 512, 64
-TABLES = {"f": (4, "fp32"), "q": (8, "int4")}
+from support.crash_workload import TABLES, Workload, make_base, small_segments, write_more  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("single_threaded_torch")
-
-
-@pytest.fixture(autouse=True)
-def small_segments(monkeypatch):
-    """4 KiB segments: a version spans one to three, so GC frees and cleans many, and writers roll over."""
-    monkeypatch.setattr(knobs, "SEGMENT_BYTES", 4 << 10)
-
-
-class Workload:
-    """Drives a store through the recording file system and keeps the model: what every version reads."""
-
-    def __init__(self, path: str, rec: cs.RecordingFileSystem, seed: int, policy=None):
-        self.rec = rec
-        self.rng = np.random.default_rng(seed)
-        self.store = Store(path, create=False, readonly=False, filesystem=rec)
-        if policy is not None:  # as cnrstore.open(compaction=policy) does
-            self.store._compactor = BackgroundCompactor(self.store.engine, policy)
-            self.store.engine.set_commit_listener(self.store._compactor.notify)
-        self.model = {name: np.full((ROWS, dim), 0.5, np.float32) for name, (dim, _c) in TABLES.items()}
-        self.content: dict[int, dict[str, np.ndarray]] = {}
-
-    def listed(self) -> frozenset:
-        return frozenset(v.version for v in self.store.versions())
-
-    def _op(self, name: str, fn):
-        self.rec.op_start(name, self.listed())
-        result = fn()
-        self.rec.op_end(self.listed())
-        return result
-
-    def checkpoint(self, rows_per_table: int) -> int:
-        def write():
-            with self.store.checkpoint() as ck:
-                for name, (dim, _codec) in TABLES.items():
-                    rows = np.sort(self.rng.choice(ROWS, size=rows_per_table, replace=False))
-                    values = self.rng.standard_normal((rows.size, dim)).astype(np.float32)
-                    ck.put_rows(name, rows, values)
-                    self.model[name][rows] = values
-                ck.put_dense("d", np.arange(ck.version, ck.version + 40, dtype=np.int64))
-            return ck.version
-
-        v = self._op("checkpoint", write)
-        self.content[v] = {name: self.store.read_table(name, version=v) for name in TABLES}
-        self.content[v][cs.DENSE + "d"] = np.arange(v, v + 40, dtype=np.int64)
-        np.testing.assert_array_equal(self.content[v]["f"], self.model["f"])  # fp32 is exact
-        return v
-
-    def compact(self):
-        return self._op("compact", self.store.compact)
-
-    def retain(self, keep_last: int):
-        return self._op("retain", lambda: self.store.retain(keep_last=keep_last))
-
-    def gc(self):
-        return self._op("gc", self.store.gc)
-
-    def repair(self):
-        """``cnrstore repair`` of the store with its index intact (closed first, reopened after): the
-        new index is built beside the old one, the old one moved aside and the new one renamed in."""
-        def run_repair():
-            self.store.close()
-            report = repair(self.store.path, filesystem=self.rec)
-            assert report.ok, report.versions_lost
-            self.store = Store(self.store.path, create=False, readonly=False, filesystem=self.rec)
-        return self._op("repair", run_repair)
-
-    def merge(self):
-        """A background merge step (issue 25) at the newest version, as the compactor runs it."""
-        def run_merges():
-            engine = self.store.engine
-            with engine.maintenance() as m:
-                return merge_chains(m, self.store.latest().version)
-        return self._op("merge", run_merges)
-
-    def rewrite_dense(self, version: int):
-        """``Store.replace_dense`` (what ``cnrstore migrate-payload`` does to a trainer payload): the array of
-        ``version`` rewritten, here with the same values, so every version reads the same."""
-        def rewrite():
-            self.store.replace_dense("d", version, self.content[version][cs.DENSE + "d"])
-        return self._op("rewrite_dense", rewrite)
-
-
-def make_base(path: str) -> None:
-    """The store before the recorded workload: tables, and version 1 writing every row."""
-    store = Store(path, create=True, readonly=False, filesystem=cs.fs.DEFAULT)
-    try:
-        for name, (dim, codec) in TABLES.items():
-            store.create_table(name, ROWS, dim, codec=codec, block_rows=BLOCK)
-        with store.checkpoint() as ck:
-            for name, (dim, _codec) in TABLES.items():
-                ck.put_rows(name, np.arange(ROWS), np.full((ROWS, dim), 0.5, np.float32))
-    finally:
-        store.close()
-
-
-def write_more(store: Store) -> None:
-    """After recovery the store takes a new checkpoint (read back), and gc and compact run."""
-    rows = np.array([1, 70, 300])
-    values = np.full((3, 4), 7.25, np.float32)
-    with store.checkpoint() as ck:
-        ck.put_rows("f", rows, values)
-    np.testing.assert_array_equal(store.read_rows("f", rows), values)
-    store.gc()
-    store.compact()
-    store.gc()
 
 
 def run(tmp_path, seed: int, script, policy=None, keep_last=None, repair_from_log=False) -> cs.Sweep:
@@ -266,11 +156,11 @@ REPAIRED_FROM_LOG = {"maintenance_mix", "clean_after_drop", "deltas_then_compact
 @pytest.mark.parametrize("script", [maintenance_mix, clean_after_drop, deltas_then_compact, merges_then_gc,
                                     rewrite_dense_then_gc, repair_amid_maintenance],
                          ids=lambda s: s.__name__)
-def test_every_crash_state_of_a_named_workload_recovers(tmp_path, script):
+def test_every_crash_state_of_a_named_workload_recovers(ram_tmp_path, script):
     """Every crash state opens with the versions before or after the operation in flight, bit for bit;
     for the REPAIRED_FROM_LOG workloads each state, its index lost, also repairs from the segment log
     alone to the same (issue 21: "repair's index never reads differently from the committed history")."""
-    sweep = run(tmp_path, 0, script, repair_from_log=script.__name__ in REPAIRED_FROM_LOG)
+    sweep = run(ram_tmp_path, 0, script, repair_from_log=script.__name__ in REPAIRED_FROM_LOG)
     assert sweep.states > 50  # the workload did record effects to explore
 
 
@@ -280,9 +170,9 @@ def background_policy(w: Workload) -> None:
     _checkpoints_with_maintenance(w, 12, keep_last=8)
 
 
-def test_every_crash_state_of_background_maintenance_recovers(tmp_path):
+def test_every_crash_state_of_background_maintenance_recovers(ram_tmp_path):
     policy = CompactionPolicy(materialize=MaxChain(3), retention=Retention(KeepLast(6)), gc=True)
-    run(tmp_path, 0, background_policy, policy=policy, keep_last=6)
+    run(ram_tmp_path, 0, background_policy, policy=policy, keep_last=6)
 
 
 def random_workload(seed: int):
@@ -305,14 +195,14 @@ def random_workload(seed: int):
 
 
 @pytest.mark.slow
-def test_deep_sweep_random_workloads(tmp_path):
+def test_deep_sweep_random_workloads(ram_tmp_path):
     """The opt-in sweep (``pytest --runslow -k deep_sweep``): random workloads of 14 operations (repair
     among them) over ``CNRSTORE_CRASH_SEEDS`` seeds (default 40), every prefix of each; with an odd seed
     every state is also repaired from its log alone."""
     total = repaired = 0
     for seed in range(int(os.environ.get("CNRSTORE_CRASH_SEEDS", "40"))):
-        states = run(tmp_path / f"seed{seed}", seed, random_workload(seed), repair_from_log=seed % 2 == 1).states
+        states = run(ram_tmp_path / f"seed{seed}", seed, random_workload(seed), repair_from_log=seed % 2 == 1).states
         total += states
         repaired += states if seed % 2 else 0
-        shutil.rmtree(tmp_path / f"seed{seed}")
+        shutil.rmtree(ram_tmp_path / f"seed{seed}")
     print(f"\ndeep sweep: {total} distinct crash states checked ({repaired} also repaired from the log), 0 failures")

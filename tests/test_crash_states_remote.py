@@ -20,15 +20,15 @@ from cnrstore.errors import RemoteStorageError
 from support import crash_states as cs
 from support.schedule import Pause, run_in_thread
 
-from test_crash_states import BLOCK, ROWS, TABLES, small_segments, write_more  # noqa: F401 (a fixture)
-from test_crash_states import Workload as LocalWorkload
+from support.crash_workload import BLOCK, ROWS, TABLES, small_segments, write_more  # noqa: F401 (a fixture)
+from support.crash_workload import Workload as LocalWorkload
 
 pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
 
 class Workload(LocalWorkload):
-    """test_crash_states' workload on a store whose segments go to a recording object store (cache_bytes=0:
-    every sealed segment is evicted once uploaded)."""
+    """test_crash_states' workload (support/crash_workload.py) on a store whose segments go to a recording object
+    store (cache_bytes=0: every sealed segment is evicted once uploaded)."""
 
     def __init__(self, path: str, rec: cs.RecordingFileSystem, objects: dict, seed: int, *, every: int = 1,
                  cache_bytes: int = 0):  # (not super().__init__: it opens the store without its remote)
@@ -65,12 +65,12 @@ def make_base(path: str) -> tuple[dict, dict, frozenset]:
 
 @pytest.mark.parametrize("every, cache_bytes", [(1, 0), (2, 1 << 20)], ids=["copy-each-commit-evict-all",
                                                                          "copy-every-2nd-cache-all"])
-def test_every_crash_state_of_a_remote_workload(tmp_path, every, cache_bytes):
+def test_every_crash_state_of_a_remote_workload(ram_tmp_path, every, cache_bytes):
     """Copy points after every commit with every sealed segment evicted (reads go remote); and after every
     second commit with everything cached (the writer appends on between copy points: torn appends too)."""
-    base = str(tmp_path / "base")
+    base = str(ram_tmp_path / "base")
     objects, content, initial = make_base(base)
-    live = str(tmp_path / "live")
+    live = str(ram_tmp_path / "live")
     shutil.copytree(base, live)
     with cs.RecordingFileSystem(live) as rec:
         w = Workload(live, rec, objects, seed=3, every=every, cache_bytes=cache_bytes)
@@ -85,7 +85,7 @@ def test_every_crash_state_of_a_remote_workload(tmp_path, every, cache_bytes):
     kinds = [e.kind for e in rec.effects]
     assert kinds.count("put") > 5 and "delete" in kinds  # uploads, and the remote GC after the pointer moved
     assert (evicted > 0) == (cache_bytes == 0)
-    work = tmp_path / "states"
+    work = ram_tmp_path / "states"
     work.mkdir()
     sweep = cs.explore_remote(base, objects, rec.effects, w.content, str(work), write_more, initial=initial,
                               initial_pointer=initial)
@@ -263,14 +263,14 @@ def test_processes_recovering_into_one_directory_at_once_lay_it_out_once(tmp_pat
     assert sorted(os.listdir(tmp_path / "cache")) == sorted(["CNRSTORE", "REMOTE", "index", "segments"])
 
 
-def test_every_crash_state_of_a_read_cache_installing_a_newer_snapshot(tmp_path):
+def test_every_crash_state_of_a_read_cache_installing_a_newer_snapshot(ram_tmp_path):
     """A read cache opened again while the bucket moved on (saves, retain, gc) installs the newest snapshot: the
     snapshot and INSTALLED into index.repair-tmp/, READY, the old index moved aside, the new renamed in, stale
     cached segments deleted. Every prefix of those effects, in every crash variant: the cache opened again
     follows the bucket (the newest versions, bit for bit, verify clean), and nothing is left behind."""
     objects = FlakyObjectStore()
-    store, content = _three_versions(str(tmp_path / "a"), objects)
-    base = str(tmp_path / "base")
+    store, content = _three_versions(str(ram_tmp_path / "a"), objects)
+    base = str(ram_tmp_path / "base")
     with cs.remote_store(base, objects, readonly=True, cache_bytes=1 << 30) as cache:
         for v in content:
             cache.read_table("f", version=v)  # segments fetched into the cache (some to be dropped as stale)
@@ -280,7 +280,7 @@ def test_every_crash_state_of_a_read_cache_installing_a_newer_snapshot(tmp_path)
         store.gc()
         _save(store, content, 6.0)
         content = {v.version: content[v.version] for v in store.versions()}
-    live = str(tmp_path / "live")
+    live = str(ram_tmp_path / "live")
     shutil.copytree(base, live)
     with cs.RecordingFileSystem(live) as rec:
         cs.remote_store(live, objects, rec, readonly=True).close()
@@ -288,7 +288,7 @@ def test_every_crash_state_of_a_read_cache_installing_a_newer_snapshot(tmp_path)
     assert "rename" in kinds and "remove" in kinds, kinds  # the swap, and a stale cached segment deleted
     model = cs.FileModel.of_directory(base)
     sweep, seen = cs.Sweep(effects=len(rec.effects)), set()
-    work = tmp_path / "states"
+    work = ram_tmp_path / "states"
     work.mkdir()
 
     def check(root, _files):

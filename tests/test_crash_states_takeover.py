@@ -198,17 +198,17 @@ def run_a(a: Writer) -> list[str]:
     return done
 
 
-def test_a_takeover_at_every_request_of_the_old_writer(tmp_path):
-    objects0 = base(str(tmp_path / "base"))
+def test_a_takeover_at_every_request_of_the_old_writer(ram_tmp_path):
+    objects0 = base(str(ram_tmp_path / "base"))
     # a dry run: how many requests A's workload makes
-    shutil.copytree(tmp_path / "base", tmp_path / "dry")
-    dry = Writer(str(tmp_path / "dry"), Bucket(objects0), seed=1)
+    shutil.copytree(ram_tmp_path / "base", ram_tmp_path / "dry")
+    dry = Writer(str(ram_tmp_path / "dry"), Bucket(objects0), seed=1)
     run_a(dry)
     requests = dry.client.count
     seen, states, scenarios, takeovers_seen = set(), 0, 0, set()
     for k in range(requests + 1):
-        work = tmp_path / f"k{k}"
-        shutil.copytree(tmp_path / "base", work / "a")
+        work = ram_tmp_path / f"k{k}"
+        shutil.copytree(ram_tmp_path / "base", work / "a")
         bucket = Bucket(objects0)
         bucket.expect = (frozenset({1}), {1: np.full((ROWS, DIM), 0.5, np.float32)})
         cache = cs.remote_store(str(work / "cache"), cs.DictObjectStore(bucket.objects), readonly=True)

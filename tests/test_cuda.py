@@ -20,7 +20,9 @@ from torch import nn
 
 import cnrstore
 from cnrstore.torch import Checkpointer
-from test_torch_checkpointer import Loader, assert_state_equal, batch, check_int4_restore, make, train_step
+
+from support.torch_models import Loader, batch, check_int4_restore, make, train_step
+from support.torch_state import assert_state_equal
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -315,13 +317,13 @@ def test_two_cuda_ranks_save_and_a_cpu_job_restores_bit_exact(tmp_path):
 
 
 def test_cuda_partial_recovery_restores_only_the_failed_rank(tmp_path):
-    from test_distributed import check_partial_recovery
+    from support.dist_jobs import check_partial_recovery
 
     check_partial_recovery(tmp_path, device="cuda")
 
 
 def test_cuda_ecrm_recovers_one_killed_rank_bit_exactly(tmp_path, tmp_path_factory):
-    from test_ecrm import assert_bit_equal, run_job
+    from support.ecrm_jobs import assert_bit_equal, run_job
 
     ref, _ = run_job(tmp_path_factory.mktemp("ref"), "ref", 3, 2, 1, device="cuda")
     states, reports = run_job(tmp_path, "kill", 3, 2, 1, victims=[1], crash="kill", device="cuda")

@@ -7,12 +7,9 @@ and 2 -> 4 ranks, row-wise <-> table-wise, and partial recovery of one replaced 
 
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import pytest
 
-from support.dist_jobs import TIMEOUT, assemble, assert_ok, assert_same_state, finish, run_job, spawn
+from support.dist_jobs import assemble, assert_ok, assert_same_state, check_partial_recovery, run_job
 
 from cnrstore.distributed import Root, ShardingPlan, versions
 from cnrstore.errors import InvalidArgument, StoreNotFound
@@ -95,37 +92,3 @@ def test_sigkill_of_one_rank_in_a_save_leaves_the_previous_global_version_whole(
 
 def test_partial_recovery_restores_only_the_failed_rank(tmp_path):
     check_partial_recovery(tmp_path)
-
-
-def check_partial_recovery(tmp_path, **extra) -> None:
-    """Rank 1 of 3 is SIGKILLed after a checkpoint; a replacement restores its shards from the checkpoint and
-    the survivors' dense replicas, the survivors keep their live state (``extra``: more worker config)."""
-    cfg = {"scenario": "partial", "world": 3, "init": str(tmp_path / "rdzv1"), "init2": str(tmp_path / "rdzv2"),
-           "root": str(tmp_path / "root"), "out": str(tmp_path / "out"), "fail_rank": 1, **extra}
-    os.makedirs(cfg["out"])
-    procs = [spawn(cfg, r) for r in range(3)]
-    procs[1].wait(timeout=TIMEOUT)
-    assert procs[1].returncode == -9
-    replacement = spawn({**cfg, "init": cfg["init2"], "replacement": True, "seed": 1234}, 1)
-    results = finish([procs[0], replacement, procs[2]])
-    assert_ok(results)
-    assert "lost_update_fraction=" in results[0][1]
-    out = tmp_path / "out"
-    for r in (0, 2):  # survivors kept their live state
-        live = dict(np.load(out / f"live-rank{r}.npz"))
-        rec = dict(np.load(out / f"recovered-rank{r}.npz"))
-        assert live.keys() == rec.keys()
-        for k in live:
-            np.testing.assert_array_equal(live[k], rec[k], err_msg=k)
-    # the replaced rank holds the checkpoint's shards and the survivors' dense replicas
-    ck = dict(np.load(out / "g1-rank1.npz"))
-    rec = dict(np.load(out / "recovered-rank1.npz"))
-    live0 = dict(np.load(out / "live-rank0.npz"))
-    for k in rec:
-        if k.startswith("mlp/"):
-            np.testing.assert_array_equal(rec[k], live0[k], err_msg=k)
-        elif k != "position":
-            np.testing.assert_array_equal(rec[k], ck[k], err_msg=k)
-    # and the survivors' state moved on from the checkpoint (so the comparison above means something)
-    assert not np.array_equal(dict(np.load(out / "g1-rank0.npz"))["emb.t0/weight"], live0["emb.t0/weight"])
-    assert [g.version for g in versions(tmp_path / "root")] == [1, 2]

@@ -18,22 +18,11 @@ from cnrstore.errors import InvalidArgument, VersionNotFound
 from cnrstore.export import export, export_path
 from cnrstore.torch import Checkpointer, import_checkpoint
 from support.dist_worker import TABLES, Model
-from support.dist_jobs import assemble, assert_ok, run_job
+from support.dist_jobs import assemble, assert_ok, run_job, unsharded_state
 
 
 def unsharded(seed=123) -> Model:
     return Model(ShardingPlan.row_wise(TABLES, 1), 0, seed)
-
-
-def expected(dumps: dict) -> dict:
-    """The unsharded model's state dict from the ranks' dumps (``emb.t0/weight``, ``mlp/0.weight``)."""
-    out = {}
-    for key, arr in dumps.items():
-        if key.endswith("/weight") and key.startswith("emb."):
-            out[key.replace("/weight", ".weight")] = arr
-        elif key.startswith("mlp/") and not key.endswith("/sum"):
-            out["mlp." + key[4:]] = arr
-    return out
 
 
 def assert_model_is(model, want: dict) -> None:
@@ -49,7 +38,7 @@ def test_a_root_exports_as_the_unsharded_model(tmp_path, plan):
     root = tmp_path / "root"
     assert is_root(root) and [g.version for g in versions(root)] == [1, 2]
     for g in (1, 2):
-        want = expected(assemble(tmp_path / "out", f"g{g}"))
+        want = unsharded_state(assemble(tmp_path / "out", f"g{g}"))
         report = export_path(root, "torch", tmp_path / f"g{g}.pt", version=g if g == 1 else None)
         assert report.merged and report.version == g and report.layout == "state_dict"
         model = unsharded()
@@ -61,14 +50,14 @@ def test_a_root_exports_as_the_unsharded_model(tmp_path, plan):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(model.state_dict(), checkpoint_id=tmp_path / "m.dcp")
-    assert_model_is(model, expected(assemble(tmp_path / "out", "g2")))
+    assert_model_is(model, unsharded_state(assemble(tmp_path / "out", "g2")))
     # the command line: `cnrstore export ROOT` writes the same merged model; a checkpoint layout is refused
     from cnrstore import cli
     from safetensors.torch import load_file
 
     assert cli.main(["export", str(root), "--format", "safetensors", str(tmp_path / "m.st"), "--version", "1"]) == 0
     got = {k: v.numpy() for k, v in load_file(tmp_path / "m.st").items()}
-    want1 = expected(assemble(tmp_path / "out", "g1"))
+    want1 = unsharded_state(assemble(tmp_path / "out", "g1"))
     assert set(got) == set(want1) and all(np.array_equal(got[k], want1[k]) for k in want1)
     assert cli.main(["export", str(root), "--format", "torch", str(tmp_path / "c.pt"), "--layout", "checkpoint"]) == 2
     assert not (tmp_path / "c.pt").exists()
@@ -91,4 +80,4 @@ def test_a_root_exports_as_the_unsharded_model(tmp_path, plan):
         fresh = unsharded(seed=99)
         with cnrstore.open(tmp_path / "single") as store:
             Checkpointer(store, fresh).restore()
-        assert_model_is(fresh, expected(dumps))
+        assert_model_is(fresh, unsharded_state(dumps))

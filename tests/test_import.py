@@ -21,6 +21,8 @@ from cnrstore.export import export_path
 from cnrstore.torch import Checkpointer, import_checkpoint
 from cnrstore.torch.imports import parse_table_codecs, select_tables
 
+from support.torch_models import Position
+
 
 class DLRM(nn.Module):
     """Embedding tables named like DLRM's (emb_l), a bfloat16 bottom MLP and BatchNorm buffers."""
@@ -338,19 +340,6 @@ def test_parse_table_codecs_for_the_cli():
 
 
 # --- issue 21, fault 8: a checkpoint-layout file imports with its optimizer and extra state -----------------
-class Position:
-    """An `extra` object: a data loader's position."""
-
-    def __init__(self, pos=0):
-        self.pos = pos
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, sd):
-        self.pos = sd["pos"]
-
-
 def _restore_all(path):
     """Model state, Adagrad state (per parameter name) and extra state after a Checkpointer restore of the
     store at ``path`` into fresh objects."""

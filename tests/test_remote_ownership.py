@@ -1,6 +1,6 @@
 """The bucket never serves another writer's bytes, and never calls an intact store damaged: one named test per
 fault found by trying (issue "The bucket never serves another writer's bytes"), against moto's S3 server
-through the fault proxy (tests/test_remote.py's fixtures).
+through the fault proxy (the fixtures test_remote.py uses: tests/support/s3_remote.py).
 
 - a stale writer that commits after another machine took the prefix over: its bytes never reach the new
   writer's versions, from any directory or from the bucket; it learns at that commit (RemoteTakenOver);
@@ -32,8 +32,8 @@ from cnrstore.engine.remote_layout import CACHE, WRITER, decode_identity, decode
 from cnrstore.errors import (CorruptionError, InvalidArgument, RemoteObjectMissing, RemoteStorageError,
                              RemoteTakenOver)
 
-from conftest import s3_options
-from test_remote import ROWS, Trainer, objects, open_remote, proxy, remote, small_segments  # noqa: F401 (fixtures)
+from support.s3_remote import (ROWS, Trainer, open_remote, proxy, remote, s3_options,  # noqa: F401
+                               small_segments)  # (proxy, remote, small_segments: fixtures)
 
 
 def ident(path) -> dict:

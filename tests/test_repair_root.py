@@ -20,8 +20,7 @@ from cnrstore.maintenance import compaction
 from cnrstore.engine import filenames
 from cnrstore.distributed import versions
 from cnrstore.export import export_path
-from support.dist_jobs import assemble, assert_ok, run_job
-from test_export_merged import expected
+from support.dist_jobs import assemble, assert_ok, run_job, unsharded_state
 
 
 def _rank_stores(root) -> list[str]:
@@ -35,7 +34,7 @@ def test_repair_fault6_repair_gc_repair_of_every_rank_store_keeps_the_newest_glo
     root = tmp_path / "root"
     globals_ = versions(root)
     newest = globals_[-1]
-    want = expected(assemble(tmp_path / "out", f"g{newest.version}"))
+    want = unsharded_state(assemble(tmp_path / "out", f"g{newest.version}"))
     for rank, store in enumerate(_rank_stores(root)):
         orphans = {g.local_versions[rank] for g in globals_[1:3]}  # as if global versions 2, 3 had failed
         with cnrstore.open(store) as s, s.engine.maintenance() as m:

@@ -25,7 +25,8 @@ from cnrstore.errors import CorruptionError, InvalidArgument, UnsafePayload
 from cnrstore.torch import Checkpointer
 from cnrstore.torch import payload as payload_mod
 from cnrstore.torch.checkpointer import STATE_BLOB
-from test_import import Position
+
+from support.torch_models import Position
 
 
 class Boom:

@@ -20,7 +20,7 @@ from cnrstore.engine.storage import LocalSegmentStorage, SegmentStorage
 from cnrstore.errors import CorruptionError
 from cnrstore.store import Store
 
-from conftest import s3_options
+from support.s3_remote import s3_options
 from support.recording_storage import NOT_IN_SEAM, SEAM, RecordingStorage
 from support.storage_conformance import StorageTests, payloads
 

@@ -15,84 +15,8 @@ from cnrstore.policy.bitwidth import PAPER_TABLE
 from cnrstore.torch import Checkpointer
 
 from support.options import options_changed
-
-
-class TinyDLRM(nn.Module):
-    def __init__(self, rows=(50, 40), dim=4, hidden=8):
-        super().__init__()
-        self.emb = nn.Embedding(rows[0], dim)
-        self.bag = nn.EmbeddingBag(rows[1], dim, mode="sum")
-        self.bottom = nn.Linear(3, dim)
-        self.norm = nn.BatchNorm1d(dim)  # buffers: running stats, num_batches_tracked
-        self.top = nn.Sequential(nn.Linear(3 * dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
-
-    def forward(self, dense, ids, bag_ids, offsets):
-        x = self.norm(self.bottom(dense))
-        return self.top(torch.cat([x, self.emb(ids), self.bag(bag_ids, offsets)], dim=1)).squeeze(1)
-
-
-def batch(i, n=8):
-    g = torch.Generator().manual_seed(1000 + i)
-    dense = torch.randn(n, 3, generator=g)
-    ids = torch.randint(0, 50, (n,), generator=g)
-    bag_ids = torch.randint(0, 40, (2 * n,), generator=g)
-    offsets = torch.arange(0, 2 * n, 2)
-    y = torch.randint(0, 2, (n,), generator=g).float()
-    return dense, ids, bag_ids, offsets, y
-
-
-class Loader:
-    """A data position with state_dict/load_state_dict, saved as `extra`."""
-
-    def __init__(self):
-        self.position = 0
-
-    def next(self):
-        b = batch(self.position)
-        self.position += 1
-        return b
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
-
-
-def train_step(model, opt, b):
-    device = next(model.parameters()).device  # (tests/test_cuda.py trains on a GPU)
-    dense, ids, bag_ids, offsets, y = (x.to(device) for x in b)
-    opt.zero_grad()
-    loss = nn.functional.binary_cross_entropy_with_logits(model(dense, ids, bag_ids, offsets), y)
-    loss.backward()
-    opt.step()
-
-
-def make(seed, optim="adagrad", device="cpu"):
-    torch.manual_seed(seed)
-    model = TinyDLRM().to(device)
-    if optim == "adagrad":
-        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
-    elif optim == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return model, opt
-
-
-def assert_state_equal(a, b):
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_state_equal(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_state_equal(x, y)
-    else:
-        assert a == b
+from support.torch_models import Loader, Table, TinyDLRM, batch, check_int4_restore, make, train_step
+from support.torch_state import assert_state_equal
 
 
 # -- exact round trip ----------------------------------------------------------------------------------
@@ -177,15 +101,6 @@ def test_failed_and_restored_run_matches_uninterrupted_run(tmp_path, mode):
 
 
 # -- modes write exactly their rows --------------------------------------------------------------------
-
-class Table(nn.Module):
-    def __init__(self, rows=100, dim=3):
-        super().__init__()
-        self.emb = nn.Embedding(rows, dim)
-
-    def forward(self, ids):
-        return self.emb(ids)
-
 
 def touch(model, ids):
     model(torch.tensor(ids)).sum().backward()
@@ -599,27 +514,6 @@ def test_bad_arguments(store):
 
 def test_int4_restore_gives_decoded_saved_rows(store):
     check_int4_restore(store)
-
-
-def check_int4_restore(store, device="cpu") -> None:
-    """An int4 save restores as the codec decodes the saved rows; dense parameters stay exact (tests/test_cuda.py
-    runs it on a GPU)."""
-    torch.manual_seed(0)
-    model = TinyDLRM().to(device)
-    ck = Checkpointer(store, model, codec="int4")
-    saved = model.emb.weight.detach().cpu().numpy().copy()
-    saved_bag = model.bag.weight.detach().cpu().numpy().copy()
-    saved_dense = model.bottom.weight.detach().clone()
-    ck.save(0).wait()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    ck.restore()
-    codec = cnrstore.codecs.get("int4")
-    np.testing.assert_array_equal(model.emb.weight.detach().cpu().numpy(), codec.decode(codec.encode(saved), 4))
-    np.testing.assert_array_equal(model.bag.weight.detach().cpu().numpy(), codec.decode(codec.encode(saved_bag), 4))
-    assert torch.equal(model.bottom.weight, saved_dense)  # dense parameters stay exact
-    ck.close()
 
 
 def test_bit_width_policy_picks_codec_and_counts_restores(store):

@@ -12,7 +12,8 @@ from torch import nn
 from cnrstore.errors import InvalidArgument
 from cnrstore.torch import Checkpointer
 from cnrstore.torch.checkpointer import STATE_BLOB
-from test_torch_checkpointer import Table  # the one-embedding model both files train
+
+from support.torch_models import Table  # the one-embedding model test_torch_checkpointer trains too
 
 
 class Lookups(nn.Module):

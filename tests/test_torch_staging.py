@@ -19,7 +19,9 @@ import torch
 from cnrstore.errors import InvalidArgument
 from cnrstore.torch import Checkpointer
 from cnrstore.torch.staging import Staged, Stager
-from test_torch_checkpointer import Loader, assert_state_equal, make, train_step
+
+from support.torch_models import Loader, make, train_step
+from support.torch_state import assert_state_equal
 
 POISON_INT = -0x5A5A
 

@@ -1,6 +1,6 @@
 """Jobs of spawned gloo ranks (support/dist_worker.py), for the tests of ``cnrstore.distributed``: start the
 ranks of a scenario, wait for them (killing one that hangs), check their exits, and assemble the global
-state their dumps describe."""
+state their dumps describe; the partial-recovery scenario that test_distributed and test_cuda run."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import os
 import subprocess
 
 import numpy as np
+
+from cnrstore.distributed import versions
 
 from . import prespawn
 
@@ -81,3 +83,48 @@ def assert_same_state(a: dict, b: dict, skip=("position",)) -> None:
     for k in sorted(keys):
         assert k in a and k in b, f"{k} missing from one state"
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def unsharded_state(dumps: dict) -> dict:
+    """The unsharded model's state dict from the ranks' assembled dumps (``emb.t0/weight``, ``mlp/0.weight``)."""
+    out = {}
+    for key, arr in dumps.items():
+        if key.endswith("/weight") and key.startswith("emb."):
+            out[key.replace("/weight", ".weight")] = arr
+        elif key.startswith("mlp/") and not key.endswith("/sum"):
+            out["mlp." + key[4:]] = arr
+    return out
+
+
+def check_partial_recovery(tmp_path, **extra) -> None:
+    """Rank 1 of 3 is SIGKILLed after a checkpoint; a replacement restores its shards from the checkpoint and
+    the survivors' dense replicas, the survivors keep their live state (``extra``: more worker config)."""
+    cfg = {"scenario": "partial", "world": 3, "init": str(tmp_path / "rdzv1"), "init2": str(tmp_path / "rdzv2"),
+           "root": str(tmp_path / "root"), "out": str(tmp_path / "out"), "fail_rank": 1, **extra}
+    os.makedirs(cfg["out"])
+    procs = [spawn(cfg, r) for r in range(3)]
+    procs[1].wait(timeout=TIMEOUT)
+    assert procs[1].returncode == -9
+    replacement = spawn({**cfg, "init": cfg["init2"], "replacement": True, "seed": 1234}, 1)
+    results = finish([procs[0], replacement, procs[2]])
+    assert_ok(results)
+    assert "lost_update_fraction=" in results[0][1]
+    out = tmp_path / "out"
+    for r in (0, 2):  # survivors kept their live state
+        live = dict(np.load(out / f"live-rank{r}.npz"))
+        rec = dict(np.load(out / f"recovered-rank{r}.npz"))
+        assert live.keys() == rec.keys()
+        for k in live:
+            np.testing.assert_array_equal(live[k], rec[k], err_msg=k)
+    # the replaced rank holds the checkpoint's shards and the survivors' dense replicas
+    ck = dict(np.load(out / "g1-rank1.npz"))
+    rec = dict(np.load(out / "recovered-rank1.npz"))
+    live0 = dict(np.load(out / "live-rank0.npz"))
+    for k in rec:
+        if k.startswith("mlp/"):
+            np.testing.assert_array_equal(rec[k], live0[k], err_msg=k)
+        elif k != "position":
+            np.testing.assert_array_equal(rec[k], ck[k], err_msg=k)
+    # and the survivors' state moved on from the checkpoint (so the comparison above means something)
+    assert not np.array_equal(dict(np.load(out / "g1-rank0.npz"))["emb.t0/weight"], live0["emb.t0/weight"])
+    assert [g.version for g in versions(tmp_path / "root")] == [1, 2]

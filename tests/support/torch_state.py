@@ -1,5 +1,6 @@
 """Bit-exact comparison of a model's and an optimizer's state, for the tests of restores (test_torch_exact,
-test_streamed_saves)."""
+test_streamed_saves); and the recursive equality of two state dicts (test_torch_checkpointer, test_torch_staging,
+test_cuda)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,20 @@ def assert_same_state(model, opt, saved_model: dict, saved_opt: dict) -> None:
                 assert torch.equal(bits(got), bits(val)), (idx, key)
             else:
                 assert got == val, (idx, key)
+
+
+def assert_state_equal(a, b):
+    """``a`` and ``b`` (state dicts, nested) are equal: the same keys and lengths, tensors of the same dtype,
+    shape and values."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_state_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_state_equal(x, y)
+    else:
+        assert a == b
