@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install --quiet --no-compile -c constraints-cpu.txt --no-deps "torchrec==1.8.0"
 	# bytecode for every installed module, on every core (16 s here): each test process imports torch from it
 	# (PYTHONDONTWRITEBYTECODE=1, as on these machines, would otherwise compile it again in every process).
-	# A file some package ships that does not compile (a template, old syntax) is left as source: not an error.
-	-$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null
+	# A file some package ships for another Python (torch's testing/_internal/py312_intrinsics.py) does not
+	# compile and is left as source: compileall then exits 1, which is not a failed set-up.
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
 demo: $(STAMP)
