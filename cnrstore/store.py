@@ -112,8 +112,8 @@ class Store:
                  options: Options | None = None):
         """Open (``create``: or make) the store at ``root`` (``Engine.open``). ``storage``: where segments are
         read and removed (storage.py); default the local files. ``replicator``: what keeps a remote copy
-        current (replication.py; None: the storage, if it is one, as the remote tier's storage is). ``options``: its tunables (None:
-        ``Options()``)."""
+        current (replication.py; None: the storage, if it is one, as the remote tier's storage is).
+        ``options``: its tunables (None: ``Options()``)."""
         self.path = os.path.abspath(root)
         self.readonly = readonly
         self._engine = Engine.open(self.path, filesystem, storage, readonly=readonly, create=create,

@@ -62,7 +62,7 @@ class MaintenanceHandle:
     @property
     def appender(self):
         """Compaction's appender (segments.SegmentAppender): maintenance appends its records here, to a
-        segment of its own, and ``commit`` makes them durable; on a failure before the commit, ``rollback``."""
+        segment of its own, and ``commit`` makes them durable; on a failure before the commit, its ``rollback()``."""
         return self._live().compaction_appender
 
     @property
@@ -95,10 +95,6 @@ class MaintenanceHandle:
         with parts.pin_lock:
             edit.pinned = parts.pinned()
             parts.commit(parts.compaction_appender, edit, appended=appended)
-
-    def rollback(self) -> None:
-        """Throw away what ``appender`` appended since its last commit."""
-        self.appender.rollback()
 
     # GC ---------------------------------------------------------------------------------------------
     def writer_segments(self) -> set:

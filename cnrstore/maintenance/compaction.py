@@ -76,7 +76,8 @@ def read_chain_lengths(entries: Iterable[tuple[int, int, int, RowLoc]], versions
 
     A block's chain length is a step function of the version: from its i-th entry up to (not
     including) its next one it is the length of the chain that starts at the i-th (``chain.lengths``).
-    Each entry thus raises the answer over one range of ``versions`` to its length; the ranges are folded with a sparse table (a range of length 2^k is written at level k
+    Each entry thus raises the answer over one range of ``versions`` to its length; the ranges are
+    folded with a sparse table (a range of length 2^k is written at level k
     as two overlapping halves, then levels are pushed down). O(entries log versions + versions log
     versions) time, vectorized after the pass; O(entries + versions) memory.
     """
@@ -171,7 +172,8 @@ def materialize(m: "MaintenanceHandle", version: int, progress: Progress | None 
             raise
     # the new baselines replace the entries this version may have had; entries of dropped versions they
     # shadow for every kept version are garbage now
-    edit = VersionEdit(operation="compact", anchor=anchor, rows=[(tid, blk, version, loc) for tid, blk, loc in new_entries],
+    edit = VersionEdit(operation="compact", anchor=anchor,
+                       rows=[(tid, blk, version, loc) for tid, blk, loc in new_entries],
                        shadowed=[(tid, blk) for tid, blk, _loc in new_entries], bytes_written=report.bytes_written,
                        last_baseline={"version": version, "bytes": baseline_bytes}, meta={schema.DROPPED_BELOW: floor},
                        prune_log_records=True)
@@ -270,8 +272,8 @@ def _append_merge(m: "MaintenanceHandle", version: int, info, block: int, chain,
                                    np.empty((0, codec.row_bytes(info.dim)), dtype=np.uint8), m.options,
                                    merge.merge_budget(trigger, info, block, chain, m.options))
     first = blocks_math.base(block, info.block_rows)
-    records = block_records(info, merged.codec, merged.offsets + first, merged.encoded, version, base=merged.base, copied=merged.copied,
-                            baseline=not merged.base, merged=True)
+    records = block_records(info, merged.codec, merged.offsets + first, merged.encoded, version, base=merged.base,
+                            copied=merged.copied, baseline=not merged.base, merged=True)
     ((_blk, count, flags), _buffers, length), = records
     after = merge.merged_chain(chain, version, RowLoc(0, 0, length, count, flags, merged.base))
     options = m.options
@@ -282,7 +284,8 @@ def _append_merge(m: "MaintenanceHandle", version: int, info, block: int, chain,
         limiter.acquire(size, halted)
     locations = m.appender.append_many([(buffers, n) for _key, buffers, n in records])
     for ((blk, count, flags), _buffers, length), (seg, off) in zip(records, locations):
-        batch.append((info.id, blk, RowLoc(seg, off, length, count, flags, merged.base if flags & record.FLAG_DELTA else 0)))
+        base = merged.base if flags & record.FLAG_DELTA else 0
+        batch.append((info.id, blk, RowLoc(seg, off, length, count, flags, base)))
     fs.crash_point("merge_appended")  # a merged record appended, not committed
     return size
 
@@ -338,7 +341,8 @@ def drop_versions(m: "MaintenanceHandle", drop: set[int], *, allow_newest: bool 
                       for key, chain in block_chains(view, oldest).items()}
             anchor = anchor_at(view, oldest, chains, schema.DROPPED_BELOW.get(view))
     # the log records the drop, so that repair leaves these versions dropped (docs/FORMAT.md, DROP)
-    edit = VersionEdit(operation="drop", drop=DropLog(seq, present[-1], kept_now), anchor=anchor, drop_versions=frozenset(drop),
+    edit = VersionEdit(operation="drop", drop=DropLog(seq, present[-1], kept_now), anchor=anchor,
+                       drop_versions=frozenset(drop),
                        allow_newest=allow_newest, meta={schema.DROP_SEQ: seq}, prune_log_records=True)
     m.commit(edit, pin=True)  # pins the bases of deltas the open checkpoint writes: a checkpoint cannot pin
     # one while the drop decides (writer._chain_merges)
@@ -578,6 +582,7 @@ def replace_dense(m: "MaintenanceHandle", name: str, version: int, array: np.nda
 
     conflict = (f"dense array {name!r} of version {version} changed (dropped or moved) while it was rewritten; "
                 "run the command again")
-    edit = VersionEdit(operation="replace_dense", moves=[Move("dense", (dense_id, version), old, loc, conflict)], bytes_written=length)
+    edit = VersionEdit(operation="replace_dense", moves=[Move("dense", (dense_id, version), old, loc, conflict)],
+                       bytes_written=length)
     m.commit(edit)
     return loc
