@@ -349,11 +349,11 @@ class Engine:
         return frozenset(writer.pins) if writer is not None else frozenset()
 
     def begin_writer(self, make: Callable[[int, int | None, EngineParts], W]) -> W:
-        """Put ``make(version, parent, parts)`` (a CheckpointWriter) in the writer slot and return it: ``version``
-        the next version number, allocated in a synced transaction so that it is never handed out twice
-        (even to a checkpoint that aborts or is lost in a crash), ``parent`` the newest committed version,
-        ``parts`` what the writer appends and commits through (parts.py).
-        CheckpointInProgress while the slot holds another; ``writer_done`` empties it."""
+        """Put ``make(version, parent, parts)`` (a CheckpointWriter) in the writer slot and return it:
+        ``version`` the next version number, allocated in a synced transaction so that it is never handed
+        out twice (even to a checkpoint that aborts or is lost in a crash), ``parent`` the newest committed
+        version, ``parts`` what the writer appends and commits through (parts.py). CheckpointInProgress
+        while the slot holds another; ``writer_done`` empties it."""
         if self._replicator is not None:
             self._replicator.before_checkpoint()
         with self._writer_mutex:
@@ -403,8 +403,7 @@ class Engine:
     def _delete_doomed(self, report: GCReport) -> GCReport:
         """Delete the freed segment files (meta ``doomed_segments``) no reader of any process can need any
         more (LMDB's reader table), adding to ``report``; the rest wait for a later call (gc, or open)."""
-        if self._lock is not None:
-            self._lock.verify()  # never delete files under a path that no longer names this store
+        self.check_still_ours()  # never delete files under a path that no longer names this store
         with self._index.read() as view:
             doomed = schema.DOOMED_SEGMENTS.get(view)
         if not doomed:
@@ -486,8 +485,7 @@ class Engine:
                 edit.apply(w)
                 fs.crash_point(inside_index_commit)
 
-            if self._lock is not None:
-                self._lock.verify()
+            self.check_still_ours()
             self._index.write(body)
         except BaseException as exc:
             if on_failure is None:
