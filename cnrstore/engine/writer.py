@@ -116,7 +116,7 @@ class CheckpointWriter:
                 # blocks whose record would pass the hard read bounds: a merged delta (merge.py)
                 chain_merges, resolver = self._chain_merges(stack, info, groups, merge_plans)
                 for group_codec, g_rows, g_values in groups:
-                    for start, stop in _chunks(g_rows >> shift, self._engine.options.encode_chunk_rows):
+                    for start, stop in _chunks(g_rows >> shift, self._parts.options.encode_chunk_rows):
                         encoded = group_codec.encode(g_values[start:stop], check=False)
                         self._append_fresh(table, info, group_codec, g_rows[start:stop], encoded, chain_merges,
                                            resolver)
@@ -227,7 +227,7 @@ class CheckpointWriter:
                 continue  # merged, or a new baseline: the next save walks the chain afresh
             info = engine.table_record(table)
             self._parts.chain_costs.extend((info.id, block), below, Head(self.version, loc.segment, loc.offset),
-                                           merge.read_cost([loc], merge.record_fixed_cost(info, engine.options)))
+                                           merge.read_cost([loc], merge.record_fixed_cost(info, self._parts.options)))
 
     def _check_open(self) -> None:
         if self._state == "failed":
@@ -280,7 +280,7 @@ class CheckpointWriter:
 
         The delta bases are pinned (``pins``) in the same critical section as the chain is read, so that
         a concurrent retention cannot drop the entries this version's deltas will read."""
-        if self._engine.options.read_chain_bound is None or self._parent is None or not (groups or again):
+        if self._parts.options.read_chain_bound is None or self._parent is None or not (groups or again):
             return {}, None
         shift = blocks_math.shift(info.block_rows)
         below: dict[int, tuple[int, int]] = {}  # block -> (its record's bytes, the version of the chain below)
@@ -299,7 +299,7 @@ class CheckpointWriter:
             for block, (size, at) in below.items():
                 head = merge.chain_head(view, info.id, block, at)
                 costs = parts.chain_costs if at == self._parent else None  # (kept for the parent's heads)
-                plan = merge.chain_merge(view, info, block, at, size, self._engine.options, costs, head)
+                plan = merge.chain_merge(view, info, block, at, size, self._parts.options, costs, head)
                 if plan is None and head is not None and at == self._parent:
                     self._below[(info.name, block)] = head
                 if plan is not None:  # (every entry the merged record might read; narrowed after the merge)
@@ -334,7 +334,7 @@ class CheckpointWriter:
         """Append this version's record of ``block``: its ``rows`` (global, sorted; ``encoded`` by ``codec``)
         merged with the chain ``plan`` (merge.merge_block, within the read budget of
         the store's ``Options.read_amp_bound``), and keep pinned exactly the entries the merged record reads."""
-        options = self._engine.options
+        options = self._parts.options
         first = blocks_math.base(block, info.block_rows)
         block_len = blocks_math.length(block, info.block_rows, info.num_rows)
         bound = options.read_amp_bound
