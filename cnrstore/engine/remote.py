@@ -565,7 +565,7 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
     def _key(self, seg: int) -> str:
         return self.writers.segment_key(seg)
 
-    # the engine's hooks (segment ids; the Replicator's attach, before_checkpoint, after_commit, flush) ------------------------------------------------------
+    # the engine's hooks (segment ids; the Replicator's attach, before_checkpoint, after_commit, flush) ----------------
     def segment_ids_from(self, high: int) -> int:
         """The first segment id the engine may hand out (``high``: the largest id its index used): a writer
         taking the prefix over starts past every id of the snapshot it took over from, and past every
