@@ -16,6 +16,8 @@ import cnrstore
 from cnrstore.errors import CorruptionError, InvalidArgument
 from cnrstore.torch import Checkpointer
 
+from support.torch_state import assert_state_equal
+
 
 class Model(nn.Module):
     def __init__(self, tables=("e1", "e2"), rows=300, dim=8, dense=True):
@@ -83,23 +85,6 @@ def live_state(model, opts, extra):
             {k: copy.deepcopy(v.state_dict()) for k, v in extra.items()})
 
 
-def assert_same(a, b):
-    def eq(x, y):
-        if torch.is_tensor(x):
-            assert torch.is_tensor(y) and x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
-        elif isinstance(x, dict):
-            assert set(x) == set(y)
-            for k in x:
-                eq(x[k], y[k])
-        elif isinstance(x, (list, tuple)):
-            assert len(x) == len(y)
-            for p, q in zip(x, y):
-                eq(p, q)
-        else:
-            assert x == y
-    eq(a, b)
-
-
 def fresh(model_kwargs=None, sparse="adagrad", groups=1, extra=None, seed=7):
     torch.manual_seed(seed)
     model = Model(**(model_kwargs or {}))
@@ -131,7 +116,7 @@ def test_a_mismatch_raises_naming_it_and_changes_nothing(tmp_path, case):
     with Checkpointer(tmp_path / "store", model, opts, codec="fp32", mode="incremental", extra=extra) as ck:
         with pytest.raises(InvalidArgument, match=words):
             ck.restore()
-    assert_same(before, live_state(model, opts, extra))
+    assert_state_equal(before, live_state(model, opts, extra))
 
 
 def test_a_damaged_record_changes_nothing(tmp_path):
@@ -148,7 +133,7 @@ def test_a_damaged_record_changes_nothing(tmp_path):
                       extra=extra) as ck:
         with pytest.raises(CorruptionError):
             ck.restore()
-    assert_same(before, live_state(model, opts, extra))
+    assert_state_equal(before, live_state(model, opts, extra))
 
 
 def test_only_the_model(tmp_path):
@@ -158,8 +143,8 @@ def test_only_the_model(tmp_path):
     with Checkpointer(tmp_path / "store", model, opts, codec="fp32", extra=extra) as ck:
         info = ck.restore(only="model")
         assert info.version == 2 and ck.last_restore.restored == ["emb.e1", "emb.e2", "top.bias", "top.weight"]
-    assert_same(model0.state_dict(), model.state_dict())
-    assert_same(opt_before, [o.state_dict() for o in opts])  # the optimizers as they were
+    assert_state_equal(model0.state_dict(), model.state_dict())
+    assert_state_equal(opt_before, [o.state_dict() for o in opts])  # the optimizers as they were
 
 
 def test_only_named_tables_and_extra(tmp_path):
@@ -197,4 +182,4 @@ def test_an_empty_store_restores_nothing(tmp_path):
     before = live_state(model, opts, extra)
     with Checkpointer(tmp_path / "store", model, opts, codec="fp32", extra=extra) as ck:
         assert ck.restore() is None
-    assert_same(before, live_state(model, opts, extra))
+    assert_state_equal(before, live_state(model, opts, extra))
