@@ -28,7 +28,7 @@ from .lifecycle import PendingWork
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 
 
-def open(path, *, create: bool = False, readonly: bool = False, compaction=None, remote: str | None = None,  # noqa: A001
+def open(path, *, create: bool = False, readonly: bool = False, compaction=None, remote=None,  # noqa: A001
          remote_options: dict | None = None, cache_bytes: int | None = None,
          remote_every: int | None = None, remote_timeout_s: float | None = None,
          options: Options | None = None) -> "Store":
@@ -39,7 +39,8 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None,
     copy of the index there as of every ``remote_every``-th commit (default 1) and of close (API.md, "The
     remote tier"); every request to it finishes within ``remote_timeout_s`` (default 60) plus a second per
     8 MiB it moves. On an empty ``path`` it recovers the store from the remote's last copy point (a read
-    cache; opened writable, it takes the prefix over).
+    cache; opened writable, it takes the prefix over). ``remote`` may also be a connected
+    ``cnrstore.engine.objects.ObjectStore`` (a multi-rank root hands each rank store its sub-prefix).
 
     Processes racing ``create=True`` on one path create it once; the others open it, or get StoreLocked
     while another holds it for writing. A file the process may not read or write raises PermissionDenied.

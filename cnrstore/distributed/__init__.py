@@ -17,9 +17,10 @@ import importlib
 
 from .manifest import GlobalVersion, Root
 from .plan import Shard, ShardingPlan
+from .remote_root import RemoteRoot, open_root
 
 __all__ = ["ECRM", "ECRMReport", "DistributedCheckpointer", "DistributedPendingSave", "RecoveryReport", "GlobalVersion", "Root",
-           "Shard", "ShardingPlan", "versions"]
+           "RemoteRoot", "Shard", "ShardingPlan", "open_root", "versions"]
 
 #: Names whose modules import torch: loaded on first use, so that reading a root's manifests (the CLI's
 #: ``ls ROOT`` / ``verify ROOT``) does not pay torch's import.
@@ -35,8 +36,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def versions(root) -> list[GlobalVersion]:
-    """The committed global versions under ``root``, oldest first (no process group needed)."""
-    r = Root(root)
+def versions(root, *, remote=None, remote_options: dict | None = None) -> list[GlobalVersion]:
+    """The committed global versions under ``root``, oldest first (no process group needed); with
+    ``remote``, of the root in that bucket prefix (``root``: this machine's directory for its rank stores)."""
+    r = open_root(root, remote=remote, remote_options=remote_options)
     r.check()
     return r.versions()

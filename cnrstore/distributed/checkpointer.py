@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import store as _store
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
 from ..torch import payload as _payload
@@ -43,8 +42,9 @@ from ..torch.optim_state import is_keyed, row_state_width
 from ..torch.payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
 from ..torch.tracking import ShardTable
 from . import failures
-from .manifest import GlobalVersion, Root
+from .manifest import GlobalVersion
 from .plan import ShardingPlan
+from .remote_root import open_root
 
 __all__ = ["DistributedCheckpointer", "DistributedPendingSave", "RecoveryReport"]
 
@@ -107,6 +107,15 @@ class DistributedCheckpointer:
     ``keep_last``, never by one rank alone). ``keep_last`` keeps that many newest global versions
     (None: all). ``timeout_s`` bounds how long a commit waits for the slowest rank.
 
+    ``remote`` (``"s3://bucket/prefix"``, any fsspec URL) keeps the root in an object store: its marker,
+    plans and global-version manifests under the prefix, and each rank's store with its index and active
+    segment under ``root`` on this node's disk (``root`` need not be shared), its sealed segments under the
+    prefix (remote_root.py; docs/DESIGN.md, "Multi-node jobs on a bucket"). Each save's global commit then
+    makes every rank's copy point (in the commit thread, beside training) before rank 0 lists the version.
+    ``remote_options``, ``remote_timeout_s`` and ``cache_bytes`` are ``cnrstore.open``'s, for every rank store.
+    A job that starts on the prefix takes it over: the job that wrote it before fails at its next save
+    (``GlobalCommitError`` caused by ``RemoteTakenOver``).
+
     ``on_report`` (as ``Checkpointer``'s): a callable given, on every rank, each save's ``SaveReport`` once
     it is a global version (``version`` is the global version; on the commit thread, before ``wait()``
     returns) and each restore's ``RestoreReport``; None: logged at INFO on the ``cnrstore.torch`` logger.
@@ -115,7 +124,8 @@ class DistributedCheckpointer:
     def __init__(self, root, model: nn.Module, optimizer=None, *, plan: ShardingPlan | None = None, codec="fp32",
                  mode: str = "incremental", optimizer_codec: str = "fp32", extra=None, priority=None,
                  ssu_rate: float | None = None, compaction=None, keep_last: int | None = None,
-                 timeout_s: float = 600.0, on_report=None):
+                 timeout_s: float = 600.0, on_report=None, remote=None, remote_options: dict | None = None,
+                 remote_timeout_s: float | None = None, cache_bytes: int | None = None):
         self._on_report = reports.check_hook(on_report, "DistributedCheckpointer")
         self.rank, self.world_size = _check_dist()
         if not timeout_s > 0:
@@ -125,13 +135,15 @@ class DistributedCheckpointer:
         self._world = None
         self._new_group()  # (collective) every collective of this checkpointer runs on it, whatever the backend
         try:
-            self._setup(root, model, optimizer, plan, codec, mode, optimizer_codec, extra, priority, ssu_rate,
+            self.root = open_root(root, remote=remote, remote_options=remote_options,
+                                  remote_timeout_s=remote_timeout_s, cache_bytes=cache_bytes)
+            self._setup(model, optimizer, plan, codec, mode, optimizer_codec, extra, priority, ssu_rate,
                         compaction, keep_last)
         except BaseException:
             self._release_group()
             raise
 
-    def _setup(self, root, model, optimizer, plan, codec, mode, optimizer_codec, extra, priority, ssu_rate,
+    def _setup(self, model, optimizer, plan, codec, mode, optimizer_codec, extra, priority, ssu_rate,
                compaction, keep_last) -> None:
         """The rest of ``__init__``, once this checkpointer's gloo group exists."""
         self._plan_from_model = plan is None
@@ -153,10 +165,9 @@ class DistributedCheckpointer:
         self.keep_last = keep_last
         self._shards = plan.shards_of(self.rank)
         self._check_model(model)
-        self.root = Root(root)
         self.generation = self._join()
-        self.store = _store.open(self.root.store_path(self.root.store_rel(self.generation, self.rank)),
-                                 create=True, compaction=policy)
+        self.store = self.root.open_store(self.root.store_rel(self.generation, self.rank), create=True,
+                                          compaction=policy)
         try:
             self._reclaim_local(startup=True)
             kwargs = {}
@@ -372,6 +383,8 @@ class DistributedCheckpointer:
         ok, version, reason = True, None, ""
         try:
             version = local.wait()
+            if self.root.remote is not None:  # the local version uploaded before any manifest names it
+                self.store.sync_remote()
         except BaseException as exc:
             ok, reason = False, f"{type(exc).__name__}: {exc}"
             local_error = exc
@@ -588,8 +601,8 @@ class _Resharder:
 
     def _store(self, rank: int):
         if rank not in self._stores:
-            self._stores[rank] = _store.open(self.owner.root.store_path(self.owner.root.rank_stores(self.gv)[rank]),
-                                              readonly=True)
+            self._stores[rank] = self.owner.root.open_store(self.owner.root.rank_stores(self.gv)[rank],
+                                                            readonly=True)
         return self._stores[rank]
 
     def _payload(self, rank: int) -> dict:

@@ -30,18 +30,20 @@ from dataclasses import dataclass, field
 import msgpack
 import xxhash
 
+from .. import store as _store
 from ..engine import fs
 from ..engine.msgpack_safe import unpack_bounded
 from ..errors import CorruptionError, FormatVersionError, InvalidArgument, StoreNotFound, VersionNotFound
 from .plan import ShardingPlan
 
-__all__ = ["GlobalVersion", "Root", "DIST_FORMAT_VERSION"]
+__all__ = ["GlobalVersion", "Root", "DIST_FORMAT_VERSION", "seal", "unseal_bytes"]
 
 DIST_FORMAT_VERSION = 1
 MARKER = "CNRSTORE-DIST"
 GLOBAL_DIR = "global"
 PLAN_FILE = "PLAN"
-_MAGIC = {MARKER: b"CNRDIST\0", PLAN_FILE: b"CNRPLAN\0", "manifest": b"CNRGLOB\0"}
+ROOT_POINTER = "ROOT"  # a bucket root's pointer (remote_root.py)
+_MAGIC = {MARKER: b"CNRDIST\0", PLAN_FILE: b"CNRPLAN\0", "manifest": b"CNRGLOB\0", ROOT_POINTER: b"CNRROOT\0"}
 _MANIFEST_RE = re.compile(r"^g-(\d{12})\.cnrg$")
 _GEN_RE = re.compile(r"^gen-(\d{6})$")
 _STORE_RE = re.compile(r"^gen-(\d{6})/rank-(\d{5})$")  # a manifest's store paths: inside the root, nothing else
@@ -133,6 +135,20 @@ def _unseal(kind: str, path: str) -> dict:
     except PermissionError as exc:
         raise fs.permission_denied(exc, f"cannot read {kind} file {path}", path, needs="read", writing=False) \
             from None
+    return unseal_bytes(kind, data, path)
+
+
+def seal(kind: str, payload: dict) -> bytes:
+    """The bytes of a root file of ``kind`` (``CNRSTORE-DIST``, ``PLAN``, ``manifest``): magic, msgpack body,
+    XXH3-64 of what precedes it (docs/FORMAT.md, "Distributed root")."""
+    return _seal(kind, payload)
+
+
+def unseal_bytes(kind: str, data: bytes, path: str) -> dict:
+    """The body of the root file ``data`` of ``kind`` (read from ``path``): CorruptionError unless its magic
+    and checksum verify and its body is a map (bounded msgpack: never trusted)."""
+    if len(data) > _MAX_FILE_BYTES:
+        raise CorruptionError(f"{path} is corrupt: {len(data)} bytes is no {kind} file", path, 0)
     magic = _MAGIC[kind]
     if len(data) < len(magic) + 8 or not data.startswith(magic) or \
             struct.unpack_from("<Q", data, len(data) - 8)[0] != xxhash.xxh3_64_intdigest(data[:-8]):
@@ -146,6 +162,9 @@ def _unseal(kind: str, path: str) -> dict:
 class Root:
     """The files of a distributed root. Every rank may read; writes are rank 0's (the marker, plans,
     manifests, removal of unreferenced generations), except each rank's own store."""
+
+    #: the bucket prefix of a root kept in an object store (remote_root.RemoteRoot); None: a directory
+    remote: str | None = None
 
     def __init__(self, path: str, filesystem: fs.FileSystem = fs.DEFAULT):
         self.path = os.fspath(path)
@@ -175,6 +194,10 @@ class Root:
         """The rank store ``rel`` (``gen-GGGGGG/rank-RRRRR``, as ``store_rel`` and manifests name it): a
         directory of the root, never followed through a link (``_subdir``)."""
         return self._subdir(*rel.split("/"))
+
+    def open_store(self, rel: str, *, readonly: bool = False, create: bool = False, compaction=None):
+        """The rank store ``rel`` (``store_path``), opened: ``cnrstore.open``'s arguments."""
+        return _store.open(self.store_path(rel), readonly=readonly, create=create, compaction=compaction)
 
     def rank_stores(self, gv: "GlobalVersion") -> list[str]:
         """The store of each rank that global version ``gv`` reads, by rank, relative to the root: the

@@ -111,6 +111,59 @@ class ObjectStore:
         """Whether the prefix's bucket exists (None: this store cannot tell)."""
         return None
 
+    def list_tree(self, folder: str) -> dict[str, int]:
+        """{key relative to ``folder``: size} of every object under ``folder``, at any depth."""
+        raise NotImplementedError
+
+    def sub(self, folder: str) -> "ObjectStore":
+        """The objects under ``folder`` as an object store of their own (keys relative to it), sharing this
+        one's connection, deadlines and compare-and-swap (a multi-rank root's rank stores)."""
+        return PrefixedObjectStore(self, folder)
+
+
+class PrefixedObjectStore(ObjectStore):
+    """The objects of ``parent`` under ``folder`` (``ObjectStore.sub``): every call goes to the parent with
+    the key prefixed."""
+
+    def __init__(self, parent: ObjectStore, folder: str):
+        super().__init__()
+        folder = folder.strip("/")
+        if not folder or any(part in ("", ".", "..") for part in folder.split("/")):
+            raise InvalidArgument(f"sub-prefix {folder!r} is not a relative folder name")
+        self.parent, self.folder = parent, folder
+        self.url = f"{parent.url.rstrip('/')}/{folder}"
+        self.conditional_writes = parent.conditional_writes
+
+    def _key(self, key: str) -> str:
+        return f"{self.folder}/{key}" if key else self.folder
+
+    def put(self, key: str, data) -> None:
+        self.parent.put(self._key(key), data)
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.parent.get(self._key(key), start, end)
+
+    def size(self, key: str) -> int | None:
+        return self.parent.size(self._key(key))
+
+    def list(self, folder: str) -> dict[str, int]:
+        return self.parent.list(self._key(folder))
+
+    def list_tree(self, folder: str) -> dict[str, int]:
+        return self.parent.list_tree(self._key(folder))
+
+    def delete(self, key: str) -> None:
+        self.parent.delete(self._key(key))
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        return self.parent.get_tagged(self._key(key))
+
+    def put_if(self, key: str, data, tag: str | None) -> None:
+        self.parent.put_if(self._key(key), data, tag)
+
+    def bucket_exists(self) -> bool | None:
+        return self.parent.bucket_exists()
+
 
 class FsspecObjectStore(ObjectStore):
     """Objects under a prefix of an fsspec URL (``s3://bucket/prefix``, ``file:///dir``, ``memory://x``)."""
@@ -236,6 +289,16 @@ class FsspecObjectStore(ObjectStore):
             return {}
         return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries
                 if e.get("type") != "directory"}
+
+    def list_tree(self, folder: str) -> dict[str, int]:
+        path = self._path(folder)
+        self.fs.invalidate_cache(path)
+        try:
+            found = self._call("find", path, detail=True, what="listing", key=folder)
+        except RemoteObjectMissing:
+            return {}
+        return {name[len(path) + 1:]: int(e.get("size") or 0) for name, e in found.items()
+                if e.get("type") != "directory" and name.startswith(path + "/")}
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(RemoteObjectMissing):

@@ -434,11 +434,12 @@ def _drop_stale_cache(root: str, filesystem: fs.FileSystem) -> None:
 
 # -- opening ------------------------------------------------------------------------------------------------
 
-def open_storage(root: str, url: str, options: dict | None, filesystem: fs.FileSystem, *, readonly: bool,
-                 create: bool, cache_bytes: int | None = None, every: int | None = None,
+def open_storage(root: str, url: "str | ObjectStore", options: dict | None, filesystem: fs.FileSystem, *,
+                 readonly: bool, create: bool, cache_bytes: int | None = None, every: int | None = None,
                  timeout_s: float | None = None) -> "RemoteSegmentStorage":
-    """The storage of the store at ``root`` (an absolute path) with its remote at ``url``: ``prepare``s the
-    directory (recovering the store from the remote into an empty one), then connects."""
+    """The storage of the store at ``root`` (an absolute path) with its remote at ``url`` (or in the object
+    store ``url``, connected already: a multi-rank root's rank store): ``prepare``s the directory (recovering
+    the store from the remote into an empty one), then connects."""
     if cache_bytes is None:
         cache_bytes = DEFAULT_CACHE_BYTES
     if every is None:
@@ -447,7 +448,13 @@ def open_storage(root: str, url: str, options: dict | None, filesystem: fs.FileS
         raise InvalidArgument(f"cache_bytes={cache_bytes!r}: pass a byte count >= 0")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise InvalidArgument(f"remote_every={every!r}: pass a commit count >= 1")
-    objects = FsspecObjectStore(url, options, timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    if isinstance(url, ObjectStore):
+        if options is not None or timeout_s is not None:
+            raise InvalidArgument("remote_options and remote_timeout_s belong to a remote URL; an ObjectStore "
+                                  "given as remote= is connected already")
+        objects = url
+    else:
+        objects = FsspecObjectStore(url, options, timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     return storage_for(root, objects, filesystem, readonly=readonly, create=create, cache_bytes=cache_bytes,
                        every=every)
 

@@ -512,6 +512,9 @@ class DictObjectStore(ObjectStore):
         with self._lock:
             return {k[len(folder) + 1:]: len(v) for k, v in self.objects.items() if k.startswith(folder + "/")}
 
+    def list_tree(self, folder: str) -> dict[str, int]:
+        return self.list(folder)
+
     def delete(self, key: str) -> None:
         with self._lock:
             self.objects.pop(key, None)

@@ -105,7 +105,8 @@ def check_partial_recovery(tmp_path, **extra) -> None:
     procs = [spawn(cfg, r) for r in range(3)]
     procs[1].wait(timeout=TIMEOUT)
     assert procs[1].returncode == -9
-    replacement = spawn({**cfg, "init": cfg["init2"], "replacement": True, "seed": 1234}, 1)
+    # (on a bucket root the replacement runs on a fresh machine: a node directory of its own, empty)
+    replacement = spawn({**cfg, "init": cfg["init2"], "replacement": True, "seed": 1234, "node": "fresh"}, 1)
     results = finish([procs[0], replacement, procs[2]])
     assert_ok(results)
     assert "lost_update_fraction=" in results[0][1]
@@ -127,4 +128,5 @@ def check_partial_recovery(tmp_path, **extra) -> None:
             np.testing.assert_array_equal(rec[k], ck[k], err_msg=k)
     # and the survivors' state moved on from the checkpoint (so the comparison above means something)
     assert not np.array_equal(dict(np.load(out / "g1-rank0.npz"))["emb.t0/weight"], live0["emb.t0/weight"])
-    assert [g.version for g in versions(tmp_path / "root")] == [1, 2]
+    remote = {"remote": extra["remote"], "remote_options": extra["remote_options"]} if extra.get("remote") else {}
+    assert [g.version for g in versions(tmp_path / "root", **remote)] == [1, 2]

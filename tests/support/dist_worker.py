@@ -115,7 +115,11 @@ def main() -> int:
                   extra={"loader": loader}, timeout_s=cfg.get("timeout", 60), keep_last=cfg.get("keep_last"))
     out = lambda tag: os.path.join(cfg["out"], f"{tag}-rank{rank}.npz")  # noqa: E731
     scenario = cfg["scenario"]
-    ck = DistributedCheckpointer(cfg["root"], model, opt, **kwargs)
+    root = cfg["root"]
+    if cfg.get("remote"):  # a root in a bucket: each rank's "node" has a local directory of its own
+        kwargs.update(remote=cfg["remote"], remote_options=cfg["remote_options"], cache_bytes=cfg.get("cache_bytes"))
+        root = os.path.join(root, f"node-{cfg.get('node', 'a')}{rank}")
+    ck = DistributedCheckpointer(root, model, opt, **kwargs)
     if scenario == "save":
         for i, steps in enumerate(cfg["train"]):
             train(model, opt, loader, steps, rank)

@@ -1,0 +1,224 @@
+"""Multi-rank roots in a bucket (``DistributedCheckpointer(local_dir, ..., remote=URL)``, remote_root.py).
+
+Multi-node, simulated on this machine: each rank has a "node disk" of its own (a directory no other rank
+reads) and every rank reaches one S3 endpoint (moto). Spawned gloo jobs (support/dist_worker.py): a 2-rank
+job saves, then fresh machines restore at another world size and at the same one, bit for bit; a rank
+SIGKILLed between its manifest's put and the pointer's swap; partial recovery (CPR) with the replacement on
+an empty node. In the test process (a one-rank group over an in-memory object store): ownership (a second
+job takes the root over, the first fails at its next save and lists nothing), a node's stale directory,
+retention of manifests and generations in the bucket, damaged root objects, and faults of the endpoint.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from support.crash_states import DictObjectStore
+from support.dist_jobs import assemble, assert_ok, assert_same_state, check_partial_recovery, run_job
+from support.s3_remote import proxy, s3_options  # noqa: F401 (a fixture)
+
+from cnrstore.distributed import DistributedCheckpointer, RemoteRoot, ShardingPlan, versions
+from cnrstore.distributed.remote_root import RootPointer
+from cnrstore.errors import CorruptionError, RemoteStorageError, RemoteTakenOver, StoreNotFound
+
+TABLES = {"emb.a": (50, 4), "emb.b": (30, 2)}
+
+
+# -- spawned jobs on the session's S3 endpoint ------------------------------------------------------------
+
+@pytest.fixture
+def bucket_root(s3_endpoint, s3_bucket):
+    """Worker config of a root in a fresh bucket."""
+    return {"remote": f"s3://{s3_bucket}/job", "remote_options": s3_options(s3_endpoint)}
+
+
+def test_a_job_on_a_bucket_restores_on_fresh_machines_at_another_world_size(tmp_path, bucket_root):
+    assert_ok(run_job(tmp_path, "save", 2, tag="a", train=[3, 2], **bucket_root))
+    saved = assemble(tmp_path / "out", "g2")
+    # three fresh machines (empty node directories): reshard 2 -> 3 from the bucket, then save under 3 ranks
+    assert_ok(run_job(tmp_path, "restore", 3, tag="b", seed=7, then_save=True, node="fresh", **bucket_root))
+    assert_same_state(saved, assemble(tmp_path / "out", "restored-g2"), skip=())
+    gvs = versions(tmp_path / "nowhere", **bucket_root)
+    assert [g.world_size for g in gvs] == [2, 2, 3]
+    # two more fresh machines: the 3-rank version, resharded 3 -> 2
+    assert_ok(run_job(tmp_path, "restore", 2, tag="c", seed=3, node="other", **bucket_root))
+    assert_same_state(assemble(tmp_path / "out", "g3"), assemble(tmp_path / "out", "restored-g3"), skip=())
+    # nothing of a global version is on a shared file system: the node directories were never shared
+    assert not (tmp_path / "root" / "CNRSTORE-DIST").exists()
+
+
+def test_a_crash_between_the_manifest_and_the_pointer_leaves_the_previous_global_version(tmp_path, bucket_root):
+    results = run_job(tmp_path, "crash", 2, crash_rank=0, crash_at="dist_manifest_put", timeout=20, **bucket_root)
+    assert results[0][0] == -9, results[0][1][-2000:]
+    assert results[1][0] == 0, results[1][1][-3000:]
+    assert [g.version for g in versions(tmp_path / "x", **bucket_root)] == [1]
+    assert_ok(run_job(tmp_path, "restore", 2, tag="again", seed=11, **bucket_root))
+    assert_same_state(assemble(tmp_path / "out", "g1"), assemble(tmp_path / "out", "restored-g1"), skip=())
+    # the restarted job's claim deleted the manifest no pointer listed
+    root = RemoteRoot(tmp_path / "x", bucket_root["remote"], bucket_root["remote_options"])
+    assert sorted(root.objects.list("global")) == [f"g-000000000001-{root.pointer().versions[0][1]}.cnrg"]
+
+
+def test_partial_recovery_from_a_bucket_on_a_fresh_node(tmp_path, bucket_root):
+    check_partial_recovery(tmp_path, **bucket_root)
+
+
+# -- one rank in the test process, an in-memory bucket -------------------------------------------------------
+
+class Model(nn.Module):
+    def __init__(self, seed=0, tables=TABLES):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.ModuleDict({k.split(".")[1]: nn.EmbeddingBag(n, d, mode="sum") for k, (n, d) in tables.items()})
+        self.lin = nn.Linear(3, 1)
+
+
+def train(model, opt, i):
+    loss = model.lin(torch.ones(2, 3)).sum()
+    for bag in model.emb.values():
+        loss = loss + bag(torch.tensor([i % 10, (i + 7) % 10]), torch.tensor([0])).pow(2).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def job(node, objects, seed=0, tables=TABLES, **kw):
+    model = Model(seed, tables)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    ck = DistributedCheckpointer(node, model, opt, plan=ShardingPlan.row_wise(tables, 1), codec="fp32",
+                                 remote=objects, **kw)
+    return ck, model, opt
+
+
+def state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_state(model, want):
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_a_second_job_takes_the_root_over_and_the_first_lists_nothing_more(tmp_path, group):
+    objects = DictObjectStore()
+    first, m1, o1 = job(tmp_path / "node1", objects)
+    train(m1, o1, 0)
+    first.save(step=0).wait()
+    want = state(m1)
+    second, m2, o2 = job(tmp_path / "node2", objects, seed=5)  # another machine: recovers rank 0's store
+    assert second.restore().version == 1
+    assert_state(m2, want)
+    train(m1, o1, 1)
+    with pytest.raises(RemoteTakenOver):  # the stale job fails before anything of it is listed
+        first.save(step=1).wait()
+    train(m2, o2, 2)
+    assert second.save(step=2).wait() == 2
+    assert [(g.version, g.step) for g in second.versions()] == [(1, 0), (2, 2)]
+    for attempt in range(2):  # (the failure is raised again at the next save; then the store refuses)
+        with pytest.raises(RemoteTakenOver):
+            first.save(step=3 + attempt).wait()
+    assert [g.version for g in second.versions()] == [1, 2]
+    first.close()
+    want = state(m2)
+    second.close()
+    # the first node's stale directory: a job back on it discards it and goes on from the bucket
+    third, m3, _ = job(tmp_path / "node1", objects, seed=9)
+    assert third.restore().version == 2
+    assert_state(m3, want)
+    third.close()
+
+
+def test_retention_deletes_manifests_and_unreferenced_generations_from_the_bucket(tmp_path, group):
+    objects = DictObjectStore()
+    ck, model, opt = job(tmp_path / "n", objects, keep_last=2)
+    for i in range(3):
+        train(model, opt, i)
+        ck.save(step=i).wait()
+    ck.close()
+    gen1 = {k for k in objects.objects if k.startswith("gen-000001/")}
+    assert gen1 and len([k for k in objects.objects if k.startswith("global/")]) == 2
+    # a model with one more table: another plan, a new generation; once no kept version reads generation 1,
+    # its objects go
+    ck, model, opt = job(tmp_path / "n", objects, keep_last=1, tables=dict(TABLES, **{"emb.c": (10, 3)}))
+    assert ck.generation == 2
+    train(model, opt, 5)
+    ck.save(step=5).wait()
+    assert [g.generation for g in ck.versions()] == [2]
+    ck.close()
+    assert not {k for k in objects.objects if k.startswith("gen-000001/")}
+    assert len([k for k in objects.objects if k.startswith("global/")]) == 1
+    root = RemoteRoot(tmp_path / "n", objects=objects)
+    assert root.pointer().generations == (2,) and root.pointer().doomed == ()
+
+
+def test_damaged_or_missing_root_objects_are_typed_errors(tmp_path, group):
+    objects = DictObjectStore()
+    with pytest.raises(StoreNotFound):
+        versions(tmp_path, remote=objects)
+    ck, model, opt = job(tmp_path / "n", objects)
+    train(model, opt, 0)
+    ck.save(step=0).wait()
+    ck.close()
+    good = dict(objects.objects)
+    for key in ("ROOT", "CNRSTORE-DIST", next(k for k in good if k.startswith("global/"))):
+        objects.objects[key] = good[key][:-1] + bytes([good[key][-1] ^ 1])
+        with pytest.raises(CorruptionError):
+            versions(tmp_path, remote=objects)
+        objects.objects[key] = good[key]
+    objects.objects.pop(next(k for k in good if k.startswith("global/")))
+    with pytest.raises(CorruptionError):  # a listed manifest that is gone is damage, not "no version"
+        versions(tmp_path, remote=objects)
+
+
+def test_the_root_pointer_decoder_refuses_crafted_fields():
+    from cnrstore.distributed.remote_root import decode_pointer
+
+    good = RootPointer("ab" * 16, (1, 2), (), 3, ((1, "cd" * 16),))
+    assert decode_pointer(good.encode(), "ROOT", "t")._replace(tag=None) == good
+    for bad in (good._replace(owner="../x"), good._replace(next_generation=2), good._replace(generations=(0,)),
+                good._replace(versions=((2, "ab"), (1, "ab"))), good._replace(versions=((1, "x/y"),))):
+        with pytest.raises(CorruptionError):
+            decode_pointer(bad.encode(), "ROOT", "t")
+
+
+def test_a_failed_upload_fails_the_global_commit_and_the_next_save_succeeds(tmp_path, group, s3_bucket, proxy):
+    url, opts = f"s3://{s3_bucket}/job", s3_options(proxy.url)
+    ck, model, opt = job(tmp_path / "n", url, remote_options=opts)
+    train(model, opt, 0)
+    assert ck.save(step=0).wait() == 1
+    want = state(model)
+    train(model, opt, 1)
+    proxy.fail_puts(10_000)
+    with pytest.raises(RemoteStorageError):  # (the rank whose upload failed raises its own error)
+        ck.save(step=1).wait()
+    proxy.heal()
+    assert [g.version for g in ck.versions()] == [1]
+    train(model, opt, 2)
+    with pytest.raises(RemoteStorageError):  # the failure is raised once more, at the next save
+        ck.save(step=2)
+    assert ck.save(step=2).wait() == 2
+    after = state(model)
+    ck.close()
+    fresh, m2, _ = job(tmp_path / "fresh", url, seed=3, remote_options=opts)
+    fresh.restore(1)
+    assert_state(m2, want)
+    fresh.restore()
+    assert_state(m2, after)
+    fresh.close()
+
+
+def test_a_sub_prefix_and_a_tree_listing_on_s3(s3_endpoint, s3_bucket):
+    from cnrstore.engine.objects import FsspecObjectStore
+
+    objects = FsspecObjectStore(f"s3://{s3_bucket}/job", s3_options(s3_endpoint))
+    rank = objects.sub("gen-000001/rank-00000")
+    rank.put("CURRENT", b"p")
+    rank.put("w/abc/segments/1.seg", b"xyz")
+    objects.put("gen-000002/PLAN", b"q")
+    assert rank.url == f"s3://{s3_bucket}/job/gen-000001/rank-00000"
+    assert objects.list_tree("gen-000001") == {"rank-00000/CURRENT": 1, "rank-00000/w/abc/segments/1.seg": 3}
+    assert rank.list("w/abc/segments") == {"1.seg": 3} and objects.list_tree("gen-000009") == {}
+    rank.put_if("CURRENT", b"r", rank.get_tagged("CURRENT")[1])
+    assert objects.get("gen-000001/rank-00000/CURRENT") == b"r"
