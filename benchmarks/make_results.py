@@ -144,6 +144,12 @@ SECTIONS = [
      "cnrstore with its remote tier (copy point after every commit) against torch.distributed.checkpoint with "
      "FsspecWriter: seconds and bytes uploaded per save, the copy point's cost against a local store, restore of "
      "the newest save on a fresh machine.", [], ["--quick"], None),
+    ("bench_dist_s3.py", "Many nodes, one bucket: a 2-rank job on S3 against DCP's FsspecWriter",
+     "2 gloo ranks, each a process with a node directory of its own, 2 fp32 tables of 262,144 x 64 row-wise with "
+     "Adagrad, 5 saves each after a step touching 5% of the rows, to one S3 endpoint (moto in a process of its "
+     "own): DistributedCheckpointer(remote=) against dcp.save with FsspecWriter: stall, commit and bytes uploaded "
+     "per save, the bucket's cost against a root on local disk, and restore after rank 1's node is lost (rank 1 "
+     "on an empty directory) against dcp.load.", [], ["--quick"], None),
 ]
 
 

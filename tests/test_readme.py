@@ -146,8 +146,9 @@ model, optimizer = build({"plan": {"t0": "row_wise", "t1": "column_wise", "t2": 
 train(model, optimizer, range(3))
 '''
 
-S3 = TRAINER + '''
+S3_ENDPOINT = '''
 import logging
+import os
 from moto.server import ThreadedMotoServer   # stands for S3: an endpoint on localhost, named by the environment
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 _s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -156,6 +157,24 @@ os.environ.update(AWS_ENDPOINT_URL="http://%s:%d" % _s3.get_host_and_port(), AWS
                   AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
 import boto3
 boto3.client("s3").create_bucket(Bucket="my-bucket")
+'''
+S3 = TRAINER + S3_ENDPOINT
+#: one rank of a job on a bucket: a one-rank gloo group, the README's MyDLRM and plan
+BUCKET_RANK = S3_ENDPOINT + '''
+import torch
+import torch.distributed as dist
+from torch import nn
+from cnrstore.distributed import ShardingPlan
+dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rdzv"), rank=0, world_size=1)
+rank, world_size, step = 0, 1, 1000
+class MyDLRM(nn.Module):  # stands for your model: an EmbeddingBag per shard this rank holds
+    def __init__(self, shards):
+        super().__init__()
+        self.emb = nn.ModuleDict({name.split(".")[1]: nn.EmbeddingBag(s.num_rows, 64) for name, s in shards.items()})
+        self.top = nn.Linear(64, 1)
+plan = ShardingPlan.row_wise({"emb.0": (100_000, 64), "emb.1": (5_000, 64)}, world_size)
+model = MyDLRM(plan.shards_of(rank))
+optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01)
 '''
 
 USE = 'with cnrstore.open("ckpt", create=True) as store:\n    store.create_table("user_emb"'
@@ -203,6 +222,18 @@ assert os.environ["RUN"] == "1" and start == 128 and steps == [128, 192, 256], (
 assert info.step == 2000, info
 with cnrstore.open("ckpt-fresh", readonly=True, remote="s3://my-bucket/dlrm/run-7") as s:
     assert [v.step for v in s.versions()] == [1000, 2000] and s.verify().ok
+'''),
+    'remote="s3://my-bucket/dlrm/job-3"': Spec(prelude=BUCKET_RANK, check='''
+import cnrstore.distributed
+assert [g.step for g in cnrstore.distributed.versions("elsewhere", remote="s3://my-bucket/dlrm/job-3")] == [1000]
+ckpt.close()
+model2 = MyDLRM(plan.shards_of(rank))  # another machine: an empty directory, a model built afresh
+fresh = DistributedCheckpointer("empty-dir", model2, torch.optim.Adagrad(model2.parameters(), lr=0.01), plan=plan,
+                                remote="s3://my-bucket/dlrm/job-3")
+assert fresh.restore().step == 1000
+for (k, a), (_, b) in zip(fresh.model.state_dict().items(), model.state_dict().items()):
+    assert torch.equal(a, b), k
+fresh.close()
 '''),
     "# train.py": Spec(covered_by="torchrun --standalone", file="train.py"),
     "torchrun --standalone": Spec(after="# train.py", stdout=("rank 0: ckpt/gen-000001/rank-00000",
