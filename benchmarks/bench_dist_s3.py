@@ -235,12 +235,14 @@ def main() -> None:
     md.append("# Many nodes, one bucket: a 2-rank job on S3, cnrstore's bucket root against DCP's FsspecWriter\n")
     md.append("\n".join(f"- {line}" for line in machine_description()))
     md.append(f"- model: {args.tables} tables x {args.rows:,} x {args.dim} fp32, row-wise over {WORLD} ranks "
-          f"({weights / 2**20:.0f} MiB of weights, as much Adagrad state); {args.saves} saves, each after a "
-          f"step touching {args.touch:.0%} of every shard's rows; endpoint {endpoint} (moto, a process of its "
-          "own); each rank a process with a node directory of its own\n")
+              f"({weights / 2**20:.0f} MiB of weights, as much Adagrad state); {args.saves} saves, each after a "
+              f"step touching {args.touch:.0%} of every shard's rows; endpoint {endpoint} (moto, a process of its "
+              "own); each rank a process with a node directory of its own\n")
+    restore = {"cnrstore -> S3": f"{results[1]['restore cnrstore']:.3f} s",
+               "DCP FsspecWriter -> S3": f"{results[1]['restore DCP']:.3f} s"}
     md.append("| method | save 0 stall | later stall (median) | later commit (median) | save 0 uploaded | "
-          "later uploaded (median) |")
-    md.append("|---|---:|---:|---:|---:|---:|")
+              "later uploaded (median) | restore, node lost (rank 1) |")
+    md.append("|---|---:|---:|---:|---:|---:|---:|")
     figures = {}
     for label in ("cnrstore -> S3", "cnrstore -> local disk", "DCP FsspecWriter -> S3"):
         stall = [max(r[label]["stall"][i] for r in results) for i in range(args.saves)]
@@ -253,18 +255,19 @@ def main() -> None:
         figures[label] = (stall[0], later(stall), later(commit), nbytes[0], later(nbytes))
         b0 = f"{nbytes[0] / 2**20:.2f} MiB" if label != "cnrstore -> local disk" else "-"
         bi = f"{later(nbytes) / 2**20:.2f} MiB" if label != "cnrstore -> local disk" else "-"
-        md.append(f"| {label} | {stall[0]:.3f} s | {later(stall):.3f} s | {later(commit):.3f} s | {b0} | {bi} |")
+        md.append(f"| {label} | {stall[0]:.3f} s | {later(stall):.3f} s | {later(commit):.3f} s | {b0} | {bi} | "
+                  f"{restore.get(label, '-')} |")
     cs, cl, dc = figures["cnrstore -> S3"], figures["cnrstore -> local disk"], figures["DCP FsspecWriter -> S3"]
     md.append(f"\n- later saves: cnrstore uploads {cs[4] / dc[4]:.3f}x DCP's bytes ({dc[4] / cs[4]:.1f}x fewer); its "
-          f"stall is {cs[1] / dc[1]:.3f}x DCP's blocking save ({dc[1] / cs[1]:.0f}x shorter)")
+              f"stall is {cs[1] / dc[1]:.3f}x DCP's blocking save ({dc[1] / cs[1]:.0f}x shorter)")
     md.append(f"- the bucket's cost: stall {cs[1]:.3f} s against {cl[1]:.3f} s into a local root "
-          f"({(cs[1] / cl[1] - 1) * 100:+.0f}%); commit (in the background) {cs[2]:.3f} s against {cl[2]:.3f} s")
+              f"({(cs[1] / cl[1] - 1) * 100:+.0f}%); commit (in the background) {cs[2]:.3f} s against {cl[2]:.3f} s")
     rc = [r["restore cnrstore"] for r in results]
     rd = [r["restore DCP"] for r in results]
     exact = all(r["restore cnrstore exact"] and r["restore DCP exact"] for r in results)
     md.append(f"- rank 1's node lost, a new job (rank 1 on an empty directory): restore of the newest version, "
-          f"rank 0 {rc[0]:.3f} s / rank 1 {rc[1]:.3f} s (cnrstore) against {rd[0]:.3f} s / {rd[1]:.3f} s "
-          f"(dcp.load); rank 1: {rd[1] / rc[1]:.2f}x faster; bit for bit: {'yes' if exact else 'NO'}")
+              f"rank 0 {rc[0]:.3f} s / rank 1 {rc[1]:.3f} s (cnrstore) against {rd[0]:.3f} s / {rd[1]:.3f} s "
+              f"(dcp.load); rank 1: {rd[1] / rc[1]:.2f}x faster; bit for bit: {'yes' if exact else 'NO'}")
     publish("\n".join(md) + "\n", args.out, None, None)
     if not exact:
         raise SystemExit("a restore differs from the state saved")

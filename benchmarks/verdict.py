@@ -35,6 +35,7 @@ SOURCES = {
     "peers": (("method", "bytes written / interval (median)"), "Against the peers (1 GiB DLRM, 1 process)"),
     "torchrec": (("method", "trainer stall / save (median)"), "TorchRec (DMP, 2 ranks)"),
     "s3": (("method", "save 0"), "Checkpoints on S3 (fp32, moto on localhost)"),
+    "dist_s3": (("method", "save 0 stall"), "Many nodes, one bucket"),
 }
 #: (question, source, DCP's row, its label, cnrstore's row, its label, the column both are read from)
 LOSSLESS_ROWS = [
@@ -74,6 +75,12 @@ ROWS = [
      "fp32, remote tier", "later save uploaded (median)"),
     ("S3: restore on a fresh machine", "s3", "DCP FsspecWriter -> S3", "dcp.load", "cnrstore -> S3",
      "fp32, remote tier", "restore newest, fresh machine"),
+    ("Bucket, 2 ranks: stall per save (median)", "dist_s3", "DCP FsspecWriter -> S3", "FsspecWriter, blocking",
+     "cnrstore -> S3", "fp32, bucket root", "later stall (median)"),
+    ("Bucket, 2 ranks: bytes uploaded per save", "dist_s3", "DCP FsspecWriter -> S3", "FsspecWriter",
+     "cnrstore -> S3", "fp32, bucket root", "later uploaded (median)"),
+    ("Bucket, 2 ranks: a lost node's replacement restores", "dist_s3", "DCP FsspecWriter -> S3", "dcp.load",
+     "cnrstore -> S3", "fp32, empty directory", "restore, node lost (rank 1)"),
 ]
 
 
