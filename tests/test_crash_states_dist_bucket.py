@@ -1,0 +1,184 @@
+"""Crash states and races of a multi-rank root in a bucket (cnrstore/distributed/remote_root.py), without
+torch.distributed: one process drives the distributed protocol (tests/support/dist_bucket_states.py) with
+two rank stores, and every object put and delete of the bucket is recorded.
+
+Enumerated: for **every** prefix of the recorded puts and deletes (the root's and the rank stores' alike), the
+bucket as of that prefix is recovered on empty local directories: the global versions listed are exactly
+those of the last ``ROOT`` put, and each restores bit for bit (each rank store's readonly recovery, read at
+the local version the manifest names; a rank store's state recovered once per distinct set of its objects).
+At every prefix a new job's claim keeps those versions and finishes the clean-up (unlisted manifests and
+doomed generations deleted). A new job starting there and saving (the resume check: claim, generation, rank
+stores taken over, start-up reclaim, a save) runs at every prefix right after a root-level effect (marker,
+``ROOT``, ``PLAN``, manifest) and at every 4th prefix besides. Workloads: one job's saves with ``keep_last``
+retention and a plan change (a new generation, the old one doomed and deleted); and two jobs on one root,
+the second claiming it and taking the rank stores over while the first keeps trying to save.
+
+Races by schedule (tests/support/schedule.py): a commit paused between the manifest's put and the pointer
+swap (or before the put) while another job claims; readers racing ``drop``; a doomed generation's deletion
+stopped half-way, finished by the next claim.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from cnrstore.distributed import RemoteRoot, ShardingPlan
+from cnrstore.distributed.manifest import GLOBAL_DIR, ROOT_POINTER
+from cnrstore.distributed.remote_root import manifest_key
+from cnrstore.engine import fs
+from cnrstore.errors import RemoteConflict, RemoteTakenOver, VersionNotFound
+
+from support import dist_bucket_states as db
+from support.crash_states import DictObjectStore
+from support.schedule import Pause, run_in_thread
+
+PLAN = ShardingPlan.row_wise(db.table_shapes(), db.WORLD)
+PLAN2 = ShardingPlan.row_wise(db.table_shapes(extra=True), db.WORLD)
+TAKEN = (RemoteTakenOver, RemoteConflict)
+
+ROOT_LEVEL = ("CNRSTORE-DIST", ROOT_POINTER, GLOBAL_DIR + "/")
+
+
+def _root_level(key: str) -> bool:
+    return key.startswith(ROOT_LEVEL) or key.endswith("/PLAN")
+
+
+def _explore(effects, content, workdir, *, resume_plan=None, extra_check=None) -> dict:
+    """Check every prefix of ``effects`` (module docstring); returns counts of what was checked."""
+    cache = db.RankCache(str(workdir / "ranks"))
+    counts = {"prefixes": 0, "listed": 0, "resumed": 0}
+    objects: dict = {}
+    for k in range(len(effects) + 1):
+        if k:
+            e = effects[k - 1]
+            if e.kind == "put":
+                objects[e.key] = e.data
+            else:
+                objects.pop(e.key, None)
+        what = f"after effect {k} ({effects[k - 1].kind} {effects[k - 1].key})" if k else "at the start"
+        listed = db.check_bucket(objects, content, cache, str(workdir / f"p{k}"), what)
+        db.check_claim(dict(objects), str(workdir / f"c{k}"), what)
+        if extra_check is not None:
+            extra_check(k, objects, listed, what)
+        counts["prefixes"] += 1
+        counts["listed"] += len(listed)
+        if resume_plan is not None and (k == len(effects) or (k and _root_level(effects[k - 1].key)) or k % 4 == 0):
+            _resume(dict(objects), content, workdir / f"r{k}", cache, resume_plan, k, what)
+            counts["resumed"] += 1
+    counts["rank_store_states"] = cache.opens
+    return counts
+
+
+def _resume(objects, content, workdir, cache, plan, seed, what) -> None:
+    """A new job on fresh machines starts on the bucket (with the plan of its newest generation, else
+    ``plan``), saves, and lists what was listed plus its new version, all restoring bit for bit."""
+    bucket = DictObjectStore(objects)
+    before = db.check_bucket(objects, content, cache, str(workdir / "before"), what, restore=False)
+    job = db.Job(str(workdir / "node"), bucket, content=dict(content), seed=seed)
+    p = job.root.pointer()
+    job.start(job.root.plan_of(p.generations[-1]) if p is not None and p.generations else plan)
+    try:
+        number = job.save()
+    finally:
+        job.close()
+    after = db.check_bucket(bucket.objects, job.content, cache, str(workdir / "after"), f"{what}, resumed")
+    assert after == before + [manifest_key(number, job.root.job)], f"{what}: resumed job lists {after}"
+
+
+# -- 1. one job: saves, retention, a plan change -------------------------------------------------------------
+
+def test_every_prefix_of_a_two_rank_workload_lists_exactly_the_last_pointers_versions(ram_tmp_path):
+    """Three saves under keep_last=2, a plan change (generation 2), two saves under keep_last=1 (generation 1
+    doomed and deleted once no kept version reads it), close."""
+    bucket = db.RecordingBucket()
+    job = db.Job(str(ram_tmp_path / "node"), bucket, seed=1)
+    job.start(PLAN)
+    for _ in range(3):
+        job.save()
+        job.retain(2)
+    job.change_plan(PLAN2)
+    for _ in range(2):
+        job.save()
+        job.retain(1)
+    job.close()
+    effects = bucket.effects
+    keys = [e.key for e in effects]
+    assert any(e.kind == "delete" and e.key.startswith(GLOBAL_DIR) for e in effects)  # drop
+    assert any(e.kind == "delete" and e.key.startswith("gen-000001/rank") and "/segments/" in e.key
+               for e in effects)  # rank GC at a copy point, and the doomed generation's deletion
+    assert "gen-000002/PLAN" in keys and not any(k.startswith("gen-000001/") for k in bucket.objects)
+    assert [gv.version for gv in job.root.versions()] == [5]
+    start = time.perf_counter()
+    counts = _explore(effects, job.content, ram_tmp_path / "states", resume_plan=PLAN)
+    print(f"\n2-rank bucket workload: {len(effects)} object effects, {counts} "
+          f"in {time.perf_counter() - start:.1f} s")
+    assert counts["prefixes"] == len(effects) + 1 and counts["rank_store_states"] > 40
+
+
+# -- 2. two jobs on one root -------------------------------------------------------------------------------------
+
+def _stale_save(job: db.Job, *, copy_points_fail: bool) -> None:
+    """The stale job ``job`` tries a save: its local checkpoints may commit (or be refused once its store knows
+    it lost the prefix); its ranks' copy points fail when the new job has taken their stores over, and its
+    root commit always fails: it puts nothing that could be listed."""
+    failed = 0
+    written = []
+    for rank, store in enumerate(job.stores):
+        try:
+            written.append(job.write_local_rank(rank))
+            store.sync_remote()
+        except TAKEN:
+            failed += 1
+    assert failed == (db.WORLD if copy_points_fail else 0)
+    written += [(1, {})] * (db.WORLD - len(written))  # (a rank that failed: its version does not matter)
+    with pytest.raises(TAKEN):
+        job.commit(written)
+
+
+def test_two_jobs_on_one_root_list_only_the_first_jobs_versions_before_the_claim_and_the_seconds(ram_tmp_path):
+    """Job A saves twice; job B (fresh machines) claims the root; A saves again (its ranks' copy points still
+    succeed: B has not opened the rank stores; its commit fails); B opens the rank stores (taking them over
+    from the bucket) and drops A's unlisted local versions; A tries again (copy points and commit fail); B
+    saves with retention; A tries once more. Every prefix: only A's versions from before the claim and B's
+    are listed, each bit for bit; A lists nothing after the claim."""
+    bucket = db.RecordingBucket()
+    content: dict = {}
+    a = db.Job(str(ram_tmp_path / "node-a"), bucket, content=content, seed=1)
+    a.start(PLAN)
+    a.save()
+    a.save()
+    before_claim = set(content)
+    b = db.Job(str(ram_tmp_path / "node-b"), bucket, content=content, seed=2)
+    claim_at = len(bucket.effects)
+    b.root.create()
+    _stale_save(a, copy_points_fail=False)
+    b.join(PLAN)
+    _stale_save(a, copy_points_fail=True)
+    b.save()
+    b.save()
+    b.retain(2)
+    _stale_save(a, copy_points_fail=True)
+    b.save()
+    a.close()
+    b.close()
+    assert {k for k in content if a.root.job in k} == before_claim
+    assert [manifest_key(gv.version, b.root.job) for gv in b.root.versions()][-1] in content
+    effects = bucket.effects
+    a_puts_after = [e.key for e in effects[claim_at:] if e.kind == "put" and
+                    (e.key.startswith(GLOBAL_DIR) or e.key == ROOT_POINTER) and a.root.job in e.key]
+    assert not a_puts_after, a_puts_after
+
+    def only_a_before_and_b(k, objects, listed, what):
+        assert {key for key in listed if a.root.job in key} <= before_claim, what
+        assert all(a.root.job in key or b.root.job in key for key in listed), what
+        if k > claim_at:
+            assert db.pointer_of(objects).owner == b.root.job, f"{what}: the pointer left job B"
+
+    start = time.perf_counter()
+    counts = _explore(effects, content, ram_tmp_path / "states", resume_plan=PLAN, extra_check=only_a_before_and_b)
+    print(f"\ntwo jobs on a 2-rank root: {len(effects)} object effects, {counts} "
+          f"in {time.perf_counter() - start:.1f} s")
+    assert counts["prefixes"] == len(effects) + 1
