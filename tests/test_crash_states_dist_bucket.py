@@ -182,3 +182,147 @@ def test_two_jobs_on_one_root_list_only_the_first_jobs_versions_before_the_claim
     print(f"\ntwo jobs on a 2-rank root: {len(effects)} object effects, {counts} "
           f"in {time.perf_counter() - start:.1f} s")
     assert counts["prefixes"] == len(effects) + 1
+
+
+# -- 3. races by schedule ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("point", ["dist_manifest_put", "dist_before_manifest"])
+def test_a_commit_paused_around_its_manifest_put_while_another_job_claims(tmp_path, point):
+    """Job A's commit paused after its manifest's put (or before it) while job B claims the root: A's swap fails
+    (RemoteTakenOver) and A's manifest is never listed: B's claim deleted it (paused after the put), or it is
+    left unlisted (put after the claim) and the next claim deletes it."""
+    bucket = DictObjectStore()
+    a = db.Job(str(tmp_path / "node-a"), bucket, seed=1)
+    a.start(PLAN)
+    a.save()
+    written = a.write_local()
+    a.copy_points()
+    key = manifest_key(2, a.root.job)
+    with Pause(point) as paused:
+        commit = run_in_thread(a.commit, written)
+        paused.wait_reached()
+        assert (key in bucket.objects) == (point == "dist_manifest_put")
+        b = db.Job(str(tmp_path / "node-b"), bucket, content=a.content, seed=2)
+        b.root.create()
+        assert key not in bucket.objects
+        paused.release()
+        with pytest.raises(RemoteTakenOver):
+            commit.result()
+    assert (key in bucket.objects) == (point == "dist_before_manifest")  # (put after the claim: unlisted)
+    assert [manifest_key(gv.version, a.root.job) for gv in b.root.versions()] == [manifest_key(1, a.root.job)]
+    b.join(PLAN)
+    b.save()
+    b.close()
+    a.close()
+    assert [gv.version for gv in RemoteRoot(str(tmp_path / "r"), objects=bucket).versions()] == [1, 2]
+    db.RemoteRoot(str(tmp_path / "c"), objects=bucket).create()  # the next claim
+    assert key not in bucket.objects
+    db.check_bucket(bucket.objects, a.content, db.RankCache(str(tmp_path / "ranks")), str(tmp_path / "x"), point)
+
+
+class PausingBucket(DictObjectStore):
+    """Gets of manifests pass pause point ``manifest_get`` (a reader between the pointer and the manifest)."""
+
+    def get(self, key, start=None, end=None):
+        if key.startswith(GLOBAL_DIR + "/"):
+            fs.pause_point("manifest_get", key)
+        return super().get(key, start, end)
+
+
+def _three_versions(tmp_path):
+    bucket = PausingBucket()
+    job = db.Job(str(tmp_path / "node"), bucket, seed=1)
+    job.start(PLAN)
+    for _ in range(3):
+        job.save()
+    return bucket, job
+
+
+def _reader(tmp_path, bucket):
+    return RemoteRoot(str(tmp_path / "reader"), objects=bucket)  # (another process: nothing cached)
+
+
+def test_versions_racing_drop_skips_the_dropped_version(tmp_path):
+    """A reader listing versions read the pointer (1, 2, 3) and is paused before manifest 1; the writer drops 1
+    (pointer swapped, manifest deleted): the reader lists 2 and 3, never raising for 1."""
+    bucket, job = _three_versions(tmp_path)
+    with Pause("manifest_get") as paused:
+        listing = run_in_thread(_reader(tmp_path, bucket).versions)
+        paused.wait_reached()
+        job.root.drop([1])
+        assert manifest_key(1, job.root.job) not in bucket.objects
+        paused.release()
+        assert [gv.version for gv in listing.result()] == [2, 3]
+    job.close()
+
+
+def test_read_racing_drop_is_version_not_found(tmp_path):
+    """A reader of version 1 read the pointer listing it and is paused before its manifest; the writer drops it:
+    the read raises VersionNotFound (the version is gone), not a CorruptionError for a missing object."""
+    bucket, job = _three_versions(tmp_path)
+    reader = _reader(tmp_path, bucket)
+    with Pause("manifest_get") as paused:
+        read = run_in_thread(reader.read, 1)
+        paused.wait_reached()
+        job.root.drop([1])
+        paused.release()
+        with pytest.raises(VersionNotFound):
+            read.result()
+    assert reader.read(2).version == 2
+    job.close()
+
+
+def test_latest_racing_a_commit_and_drop_reads_the_newest_listed(tmp_path):
+    """A reader of the newest version (3) is paused before its manifest; the writer commits 4 and drops 3 (as
+    keep_last=1 does): the reader returns a version still listed (4), never raising for the dropped 3."""
+    bucket, job = _three_versions(tmp_path)
+    reader = _reader(tmp_path, bucket)
+    with Pause("manifest_get") as paused:
+        latest = run_in_thread(reader.latest)
+        paused.wait_reached()
+        job.save()
+        job.retain(1)
+        assert [gv.version for gv in job.root.versions()] == [4]
+        paused.release()
+        assert latest.result().version == 4
+    job.close()
+
+
+def test_a_doomed_generations_deletion_stopped_half_way_is_finished_by_the_next_claim(tmp_path):
+    """Generations 1 and 2 doomed (retention, generation 3 current); the deletion stops after generation 1's
+    objects (the process "crashes" there: abandoned at the pause point). The pointer still names both doomed,
+    version 3 restores; the next job's claim deletes generation 2's objects and takes both off the pointer;
+    the abandoned process, woken, fails (RemoteTakenOver) and changes nothing."""
+    bucket = DictObjectStore()
+    a = db.Job(str(tmp_path / "node-a"), bucket, seed=1)
+    a.start(PLAN)
+    a.save()
+    a.change_plan(PLAN2)
+    a.save()
+    a.change_plan(ShardingPlan.table_wise(db.table_shapes(), db.WORLD))
+    a.save()
+    with Pause("root_generation_deleted") as paused:
+        retain = run_in_thread(a.retain, 1)
+        paused.wait_reached()
+        p = a.root.pointer()
+        assert p.doomed == (1, 2) and p.generations == (3,)
+        assert not [k for k in bucket.objects if k.startswith("gen-000001/")]
+        assert [k for k in bucket.objects if k.startswith("gen-000002/")]
+        cache = db.RankCache(str(tmp_path / "ranks"))
+        assert db.check_bucket(dict(bucket.objects), a.content, cache, str(tmp_path / "x"), "half-way") == \
+            [manifest_key(3, a.root.job)]
+        b = db.Job(str(tmp_path / "node-b"), bucket, content=a.content, seed=2)
+        b.start(ShardingPlan.table_wise(db.table_shapes(), db.WORLD))
+        p = b.root.pointer()
+        assert p.doomed == () and p.generations == (3,) and p.owner == b.root.job
+        assert not [k for k in bucket.objects if k.startswith(("gen-000001/", "gen-000002/"))]
+        objects = dict(bucket.objects)
+        paused.release()
+        with pytest.raises(RemoteTakenOver):
+            retain.result()
+    assert bucket.objects.keys() == objects.keys()
+    b.save()
+    b.close()
+    a.close()
+    assert db.check_bucket(dict(bucket.objects), a.content, cache, str(tmp_path / "y"), "after the claim") == \
+        [manifest_key(3, a.root.job), manifest_key(4, b.root.job)]

@@ -282,7 +282,15 @@ class RemoteRoot(Root):
         if known is not None:
             return known
         where = self.objects.where(key)
-        d = unseal_bytes("manifest", self.objects.get(key), where)
+        try:
+            data = self.objects.get(key)
+        except RemoteObjectMissing:
+            now = self.pointer()  # dropped since ``p`` was read: gone, not damaged (still listed: damage)
+            if now is None or key not in {manifest_key(v, job) for v, job in now.versions}:
+                raise VersionNotFound(f"global version {version} was dropped from {self.remote} while it was "
+                                      "being read (retention)") from None
+            raise
+        d = unseal_bytes("manifest", data, where)
         if d.get("format") != DIST_FORMAT_VERSION:
             raise FormatVersionError(f"{where} has format {d.get('format')}, expected {DIST_FORMAT_VERSION}")
         gv = GlobalVersion.parse(d, where, version)
@@ -294,10 +302,8 @@ class RemoteRoot(Root):
         for v in ([] if p is None else p.numbers()):
             try:
                 out.append(self._load(p, v))
-            except RemoteObjectMissing:
-                now = self.pointer()  # dropped since the pointer was read: skipped, as a local root skips it
-                if now is not None and v in now.numbers():
-                    raise
+            except VersionNotFound:
+                pass  # dropped since the pointer was read: skipped, as a local root skips it
         return out
 
     def read(self, version: int) -> GlobalVersion:
@@ -310,8 +316,14 @@ class RemoteRoot(Root):
         return self._load_all(self.pointer())
 
     def latest(self) -> GlobalVersion | None:
-        p = self.pointer()
-        return None if p is None or not p.versions else self._load(p, p.versions[-1][0])
+        while True:
+            p = self.pointer()
+            if p is None or not p.versions:
+                return None
+            try:
+                return self._load(p, p.versions[-1][0])
+            except VersionNotFound:
+                continue  # dropped since the pointer was read (a newer one was listed first): read it again
 
     def commit(self, gv: GlobalVersion) -> None:
         """Make ``gv`` a global version: its manifest put, then the pointer swapped to list it (only if this
