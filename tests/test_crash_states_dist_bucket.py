@@ -14,19 +14,19 @@ retention and a plan change (a new generation, the old one doomed and deleted); 
 the second claiming it and taking the rank stores over while the first keeps trying to save.
 
 Races by schedule (tests/support/schedule.py): a commit paused between the manifest's put and the pointer
-swap (or before the put) while another job claims; readers racing ``drop``; a doomed generation's deletion
-stopped half-way, finished by the next claim.
+swap (or before the put) while another job claims; readers (``versions``, ``read``, ``latest``) racing
+``drop``; a doomed generation's deletion stopped half-way, finished by the next claim; a stale job's new
+generation racing the new owner's (and a PLAN a crash left before the swap).
 """
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from cnrstore.distributed import RemoteRoot, ShardingPlan
-from cnrstore.distributed.manifest import GLOBAL_DIR, ROOT_POINTER
+from cnrstore.distributed.manifest import GLOBAL_DIR, PLAN_FILE, ROOT_POINTER, seal
 from cnrstore.distributed.remote_root import manifest_key
 from cnrstore.engine import fs
 from cnrstore.errors import RemoteConflict, RemoteTakenOver, VersionNotFound
@@ -215,7 +215,7 @@ def test_a_commit_paused_around_its_manifest_put_while_another_job_claims(tmp_pa
     b.close()
     a.close()
     assert [gv.version for gv in RemoteRoot(str(tmp_path / "r"), objects=bucket).versions()] == [1, 2]
-    db.RemoteRoot(str(tmp_path / "c"), objects=bucket).create()  # the next claim
+    RemoteRoot(str(tmp_path / "c"), objects=bucket).create()  # the next claim
     assert key not in bucket.objects
     db.check_bucket(bucket.objects, a.content, db.RankCache(str(tmp_path / "ranks")), str(tmp_path / "x"), point)
 
@@ -326,3 +326,74 @@ def test_a_doomed_generations_deletion_stopped_half_way_is_finished_by_the_next_
     a.close()
     assert db.check_bucket(dict(bucket.objects), a.content, cache, str(tmp_path / "y"), "after the claim") == \
         [manifest_key(3, a.root.job), manifest_key(4, b.root.job)]
+
+
+class PausingPlanBucket(DictObjectStore):
+    """Puts of a generation's PLAN (plain or conditional) pass pause point ``plan_put`` first (outside the
+    bucket's lock)."""
+
+    def put(self, key, data):
+        if key.endswith("/PLAN"):
+            fs.pause_point("plan_put", key)
+        super().put(key, data)
+
+    def put_if(self, key, data, tag):
+        if key.endswith("/PLAN"):
+            fs.pause_point("plan_put", key)
+        super().put_if(key, data, tag)
+
+
+def test_a_stale_jobs_new_generation_never_replaces_the_new_owners_plan(tmp_path):
+    """Job A starts a new generation (another plan) and is paused before its PLAN's put; job B claims the root
+    and starts that same generation number under its own plan. A's put and swap then fail and B's PLAN stays
+    (a PLAN a job puts never replaces another's): a job restarted with B's plan goes on in B's generation."""
+    bucket = PausingPlanBucket()
+    a = db.Job(str(tmp_path / "node-a"), bucket, seed=1)
+    a.start(PLAN)
+    a.save()
+    plan_b = ShardingPlan.table_wise(db.table_shapes(), db.WORLD)
+    with Pause("plan_put") as paused:
+        new_generation = run_in_thread(a.root.generation_for, PLAN2)
+        paused.wait_reached()
+        b = db.Job(str(tmp_path / "node-b"), bucket, content=a.content, seed=2)
+        b.start(plan_b)
+        assert b.generation == 2
+        paused.release()
+        with pytest.raises(TAKEN):
+            new_generation.result()
+    assert RemoteRoot(str(tmp_path / "r"), objects=bucket).plan_of(2) == plan_b
+    b.save()
+    b.close()
+    a.close()
+    c = db.Job(str(tmp_path / "node-c"), bucket, content=a.content, seed=3)
+    c.start(plan_b)
+    assert c.generation == 2
+    c.save()
+    c.close()
+    assert len(db.check_bucket(dict(bucket.objects), a.content, db.RankCache(str(tmp_path / "ranks")),
+                               str(tmp_path / "x"), "after")) == 3
+
+
+@pytest.mark.parametrize("same_plan", [True, False], ids=["restarted-with-its-plan", "restarted-with-another"])
+def test_a_plan_left_by_a_crash_before_the_swap(tmp_path, same_plan):
+    """A job crashed between a new generation's PLAN put and the pointer swap. Restarted with that plan, the
+    next job takes the generation; with another, it skips the number (doomed: deleted with the next
+    deletion of generations) and takes the next one."""
+    bucket = DictObjectStore()
+    a = db.Job(str(tmp_path / "node-a"), bucket, seed=1)
+    a.start(PLAN)
+    a.save()
+    a.close()
+    bucket.put("gen-000002/PLAN", seal(PLAN_FILE, {"plan": PLAN2.to_dict()}))  # (what the crash left)
+    b = db.Job(str(tmp_path / "node-b"), bucket, content=a.content, seed=2)
+    b.start(PLAN2 if same_plan else ShardingPlan.table_wise(db.table_shapes(), db.WORLD))
+    p = b.root.pointer()
+    assert (b.generation, p.generations, p.doomed) == ((2, (1, 2), ()) if same_plan else (3, (1, 3), (2,)))
+    b.save()
+    b.retain(1)
+    b.close()
+    p = b.root.pointer()
+    assert p.generations == (b.generation,) and p.doomed == ()
+    assert sorted({k.split("/")[0] for k in bucket.objects if k.startswith("gen-")}) == [f"gen-{b.generation:06d}"]
+    assert len(db.check_bucket(dict(bucket.objects), a.content, db.RankCache(str(tmp_path / "ranks")),
+                               str(tmp_path / "x"), "after")) == 1

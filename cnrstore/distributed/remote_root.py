@@ -244,9 +244,17 @@ class RemoteRoot(Root):
         p = self._owned()
         if p.generations and self.plan_of(p.generations[-1]) == plan:
             return p.generations[-1]
-        gen = p.next_generation
-        self.objects.put(f"gen-{gen:06d}/{PLAN_FILE}", seal(PLAN_FILE, {"plan": plan.to_dict()}))
-        self._swap(p, p._replace(generations=p.generations + (gen,), next_generation=gen + 1))
+        gen, skipped = p.next_generation, ()
+        while True:  # a PLAN is put only where there is none: a stale job's never replaces the owner's
+            try:
+                self.objects.put_if(f"gen-{gen:06d}/{PLAN_FILE}", seal(PLAN_FILE, {"plan": plan.to_dict()}), None)
+                break
+            except RemoteConflict:  # left by a job that crashed or lost the root before listing it
+                if self.plan_of(gen) == plan:
+                    break
+                skipped, gen = skipped + (gen,), gen + 1  # (doomed: its objects go with the next deletion)
+        self._swap(p, p._replace(generations=p.generations + (gen,), doomed=p.doomed + skipped,
+                                 next_generation=gen + 1))
         return gen
 
     def remove_unreferenced_generations(self, keep: int) -> list[int]:
