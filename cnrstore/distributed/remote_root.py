@@ -244,9 +244,17 @@ class RemoteRoot(Root):
         p = self._owned()
         if p.generations and self.plan_of(p.generations[-1]) == plan:
             return p.generations[-1]
-        gen = p.next_generation
-        self.objects.put(f"gen-{gen:06d}/{PLAN_FILE}", seal(PLAN_FILE, {"plan": plan.to_dict()}))
-        self._swap(p, p._replace(generations=p.generations + (gen,), next_generation=gen + 1))
+        gen, skipped = p.next_generation, ()
+        while True:  # a PLAN is put only where there is none: a stale job's never replaces the owner's
+            try:
+                self.objects.put_if(f"gen-{gen:06d}/{PLAN_FILE}", seal(PLAN_FILE, {"plan": plan.to_dict()}), None)
+                break
+            except RemoteConflict:  # left by a job that crashed or lost the root before listing it
+                if self.plan_of(gen) == plan:
+                    break
+                skipped, gen = skipped + (gen,), gen + 1  # (doomed: its objects go with the next deletion)
+        self._swap(p, p._replace(generations=p.generations + (gen,), doomed=p.doomed + skipped,
+                                 next_generation=gen + 1))
         return gen
 
     def remove_unreferenced_generations(self, keep: int) -> list[int]:
@@ -282,7 +290,15 @@ class RemoteRoot(Root):
         if known is not None:
             return known
         where = self.objects.where(key)
-        d = unseal_bytes("manifest", self.objects.get(key), where)
+        try:
+            data = self.objects.get(key)
+        except RemoteObjectMissing:
+            now = self.pointer()  # dropped since ``p`` was read: gone, not damaged (still listed: damage)
+            if now is None or key not in {manifest_key(v, job) for v, job in now.versions}:
+                raise VersionNotFound(f"global version {version} was dropped from {self.remote} while it was "
+                                      "being read (retention)") from None
+            raise
+        d = unseal_bytes("manifest", data, where)
         if d.get("format") != DIST_FORMAT_VERSION:
             raise FormatVersionError(f"{where} has format {d.get('format')}, expected {DIST_FORMAT_VERSION}")
         gv = GlobalVersion.parse(d, where, version)
@@ -294,10 +310,8 @@ class RemoteRoot(Root):
         for v in ([] if p is None else p.numbers()):
             try:
                 out.append(self._load(p, v))
-            except RemoteObjectMissing:
-                now = self.pointer()  # dropped since the pointer was read: skipped, as a local root skips it
-                if now is not None and v in now.numbers():
-                    raise
+            except VersionNotFound:
+                pass  # dropped since the pointer was read: skipped, as a local root skips it
         return out
 
     def read(self, version: int) -> GlobalVersion:
@@ -310,8 +324,14 @@ class RemoteRoot(Root):
         return self._load_all(self.pointer())
 
     def latest(self) -> GlobalVersion | None:
-        p = self.pointer()
-        return None if p is None or not p.versions else self._load(p, p.versions[-1][0])
+        while True:
+            p = self.pointer()
+            if p is None or not p.versions:
+                return None
+            try:
+                return self._load(p, p.versions[-1][0])
+            except VersionNotFound:
+                continue  # dropped since the pointer was read (a newer one was listed first): read it again
 
     def commit(self, gv: GlobalVersion) -> None:
         """Make ``gv`` a global version: its manifest put, then the pointer swapped to list it (only if this
