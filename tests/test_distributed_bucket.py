@@ -148,6 +148,9 @@ def test_retention_deletes_manifests_and_unreferenced_generations_from_the_bucke
     assert [g.generation for g in ck.versions()] == [2]
     ck.close()
     assert not {k for k in objects.objects if k.startswith("gen-000001/")}
+    assert (tmp_path / "n" / "gen-000001").exists()  # this node's directory goes at the next start
+    job(tmp_path / "n", objects, tables=dict(TABLES, **{"emb.c": (10, 3)}))[0].close()
+    assert not (tmp_path / "n" / "gen-000001").exists() and (tmp_path / "n" / "gen-000002").exists()
     assert len([k for k in objects.objects if k.startswith("global/")]) == 1
     root = RemoteRoot(tmp_path / "n", objects=objects)
     assert root.pointer().generations == (2,) and root.pointer().doomed == ()
@@ -183,14 +186,16 @@ def test_the_root_pointer_decoder_refuses_crafted_fields():
             decode_pointer(bad.encode(), "ROOT", "t")
 
 
-def test_a_failed_upload_fails_the_global_commit_and_the_next_save_succeeds(tmp_path, group, s3_bucket, proxy):
+@pytest.mark.parametrize("fault", ["500", "503 SlowDown", "cut uploads"])
+def test_a_failed_upload_fails_the_global_commit_and_the_next_save_succeeds(tmp_path, group, s3_bucket, proxy,
+                                                                              fault):
     url, opts = f"s3://{s3_bucket}/job", s3_options(proxy.url)
     ck, model, opt = job(tmp_path / "n", url, remote_options=opts)
     train(model, opt, 0)
     assert ck.save(step=0).wait() == 1
     want = state(model)
     train(model, opt, 1)
-    proxy.fail_puts(10_000)
+    {"500": proxy.fail_puts, "503 SlowDown": proxy.slow_down, "cut uploads": proxy.drop_puts}[fault](10_000)
     with pytest.raises(RemoteStorageError):  # (the rank whose upload failed raises its own error)
         ck.save(step=1).wait()
     proxy.heal()
@@ -206,6 +211,24 @@ def test_a_failed_upload_fails_the_global_commit_and_the_next_save_succeeds(tmp_
     assert_state(m2, want)
     fresh.restore()
     assert_state(m2, after)
+    fresh.close()
+
+
+def test_a_manifest_the_endpoint_cannot_find_is_damage(tmp_path, group, s3_bucket, proxy):
+    url, opts = f"s3://{s3_bucket}/job", s3_options(proxy.url)
+    ck, model, opt = job(tmp_path / "n", url, remote_options=opts)
+    train(model, opt, 0)
+    ck.save(step=0).wait()
+    ck.close()
+    proxy.hide("/global/g-")  # (404 to every GET and HEAD of a manifest)
+    # (a job cannot start: which local versions it may drop depends on every listed manifest)
+    with pytest.raises(CorruptionError, match="global/g-000000000001"):
+        job(tmp_path / "fresh", url, seed=3, remote_options=opts)
+    with pytest.raises(CorruptionError, match="global/g-000000000001"):
+        versions(tmp_path / "fresh", remote=url, remote_options=opts)
+    proxy.heal()
+    fresh, m2, _ = job(tmp_path / "fresh", url, seed=3, remote_options=opts)
+    assert fresh.restore().version == 1
     fresh.close()
 
 

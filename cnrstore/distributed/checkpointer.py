@@ -166,6 +166,7 @@ class DistributedCheckpointer:
         self._shards = plan.shards_of(self.rank)
         self._check_model(model)
         self.generation = self._join()
+        self.root.remove_local_leftovers()
         self.store = self.root.open_store(self.root.store_rel(self.generation, self.rank), create=True,
                                           compaction=policy)
         try:

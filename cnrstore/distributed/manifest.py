@@ -195,6 +195,11 @@ class Root:
         directory of the root, never followed through a link (``_subdir``)."""
         return self._subdir(*rel.split("/"))
 
+    def remove_local_leftovers(self) -> list[int]:
+        """A bucket root's rank directories of unlisted generations on this node (remote_root.RemoteRoot); a
+        shared directory's are removed with their generation (``remove_unreferenced_generations``)."""
+        return []
+
     def open_store(self, rel: str, *, readonly: bool = False, create: bool = False, compaction=None):
         """The rank store ``rel`` (``store_path``), opened: ``cnrstore.open``'s arguments."""
         return _store.open(self.store_path(rel), readonly=readonly, create=create, compaction=compaction)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -55,6 +56,7 @@ log = logging.getLogger("cnrstore.distributed")
 #: before the manifest) and at close, never on its own after a commit: its ``remote_every``.
 EXPLICIT_COPY_POINTS = 1 << 62
 _JOB_CHARS = set("0123456789abcdef")
+_GEN_DIR = re.compile(r"^gen-(\d{6})$")
 _MAX_POINTER_BYTES = 64 << 20
 
 
@@ -367,6 +369,20 @@ class RemoteRoot(Root):
         if len(parts) != 2 or not all(p.startswith(("gen-", "rank-")) for p in parts):
             raise InvalidArgument(f"{rel!r} is not a rank store's name (gen-GGGGGG/rank-RRRRR)")
         return os.path.join(self.local, *parts)
+
+    def remove_local_leftovers(self) -> list[int]:
+        """Delete this node's directories of generations the root no longer lists (their objects were
+        deleted by retention, or they were never listed); returns their numbers. Every rank of a job calls it
+        at start-up, after rank 0's claim: nothing of this job reads an unlisted generation."""
+        listed = set(self.generations())
+        removed = []
+        for name in os.listdir(self.local) if os.path.isdir(self.local) else []:
+            m = _GEN_DIR.match(name)
+            if m and int(m.group(1)) not in listed:
+                # (ranks sharing this node's directory may remove it at the same time)
+                shutil.rmtree(os.path.join(self.local, name), ignore_errors=True)
+                removed.append(int(m.group(1)))
+        return sorted(removed)
 
     def open_store(self, rel: str, *, readonly: bool = False, create: bool = False, compaction=None):
         """Rank store ``rel``: its local directory on this node, its remote under the prefix. A writable open
