@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from support import ecrm_jobs
 from support.crash_states import DictObjectStore
 from support.dist_jobs import assemble, assert_ok, assert_same_state, check_partial_recovery, run_job
 from support.s3_remote import proxy, s3_options  # noqa: F401 (a fixture)
@@ -63,6 +64,15 @@ def test_a_crash_between_the_manifest_and_the_pointer_leaves_the_previous_global
 
 def test_partial_recovery_from_a_bucket_on_a_fresh_node(tmp_path, bucket_root):
     check_partial_recovery(tmp_path, **bucket_root)
+
+
+def test_ecrm_falls_back_to_the_bucket_when_more_than_r_ranks_fail(tmp_path, bucket_root):
+    _states, reports = ecrm_jobs.run_job(tmp_path, "many", 3, 2, 1, victims=[1, 2], crash="kill", fail_step=3,
+                                         ckpt_every=2, **bucket_root)
+    for rep in reports.values():
+        rec = rep["recoveries"][-1]
+        assert rec["mode"] == "fallback-partial" and rec["step"] == 3, rec
+    assert [g.step for g in versions(tmp_path / "x", **bucket_root)][:1] == [2]
 
 
 # -- one rank in the test process, an in-memory bucket -------------------------------------------------------

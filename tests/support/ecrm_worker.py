@@ -150,7 +150,11 @@ def main(cfg: dict) -> int:
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
     ckpt = None
     if cfg.get("ckpt_every"):
-        ckpt = DistributedCheckpointer(cfg["root"], model, optimizer, plan=plan, codec="fp32", timeout_s=timeout)
+        root, bucket = cfg["root"], {}
+        if cfg.get("remote"):  # a root in a bucket: each rank's node a directory of its own, a replacement's empty
+            bucket = {"remote": cfg["remote"], "remote_options": cfg["remote_options"]}
+            root = os.path.join(root, f"node{rank}-epoch{epoch if replacement else 0}")
+        ckpt = DistributedCheckpointer(root, model, optimizer, plan=plan, codec="fp32", timeout_s=timeout, **bucket)
     ecrm = ECRM(model, optimizer, k=cfg["k"], r=cfg["r"], checkpointer=ckpt, fallback=cfg.get("fallback", "partial"),
                 replacement=replacement, timeout_s=timeout, overlap=cfg.get("overlap", True))
     step = 0
