@@ -1,15 +1,17 @@
 """The ``cnrstore`` command: inspect, verify and maintain a store offline.
 
-    cnrstore ls STORE [--long] [--json]                  versions: step, time, bytes, read chain, tables
+    cnrstore ls STORE|ROOT [--long] [--json]             versions: step, time, bytes, read chain, tables
                                  (--long: each version's meta too)
-    cnrstore info STORE [--json]                         tables, codecs, disk use, live ratio, amplification
-    cnrstore verify STORE [--json] [--progress]          every checksum and the index (exit 1 on problems)
+    cnrstore info STORE|ROOT [--json]                    tables, codecs, disk use, live ratio, amplification;
+                                 of a root: owner job, generations and their plans, global versions
+    cnrstore verify STORE|ROOT [--json] [--progress]     every checksum and the index (exit 1 on problems)
     cnrstore rows STORE TABLE ROW... [--version V] [--json]   print rows as the store reads them
     cnrstore compact STORE [--version V] [--json] [--progress]   materialize baselines (default: newest)
-    cnrstore retain STORE [--keep-last N] [--keep-every-n-steps N] [--keep V]... [--drop V]... [--json] [--progress]
-                                 drop the versions no rule keeps (the newest is always kept)
-    cnrstore gc STORE [--json] [--progress]              reclaim space of dropped and shadowed data
-    cnrstore export STORE --format F OUT [--version V] [--layout L] [--force] [--trust-pickle] [--json] [--progress]
+    cnrstore retain STORE|ROOT [--keep-last N] [--keep-every-n-steps N] [--keep V]... [--drop V]... [--take-over]
+                                 [--json] [--progress]
+                                 drop the versions no rule keeps (the newest is always kept); a root: --keep-last
+    cnrstore gc STORE|ROOT [--take-over] [--json] [--progress]   reclaim space of dropped and shadowed data
+    cnrstore export STORE|ROOT --format F OUT [--version V] [--layout L] [--force] [--trust-pickle] [--json] [--progress]
                                  F: torch|safetensors|dcp|npz (cnrstore.export.FORMATS; dcp writes a directory);
                                  L: auto (a Checkpointer's version as the model's state dict, any other as its
                                  fp32 tables and dense arrays), state_dict, checkpoint, nested (cnrstore/export.py);
@@ -36,10 +38,23 @@ which installs the newest one each time a command opens it again; ``repair`` doe
 lost index from the local and the remote segments. Maintenance commands (compact, retain, gc) on a read cache
 open it writable, which takes the prefix over from its writer: run them where the writer is.
 
-``ls``, ``verify`` and ``export`` also take the root of a multi-rank job (``cnrstore.distributed``): they
-list its global versions and the rank stores they read, verify its manifests and every rank store they
-name, and export a global version as one merged model. The other commands take one rank's store
-(``ROOT/gen-G/rank-R``, as ``ls ROOT`` prints them).
+``ls``, ``info``, ``verify``, ``export``, ``retain`` and ``gc`` also take the root of a multi-rank job
+(``cnrstore.distributed``; cnrstore/distributed/maintenance.py): they list its global versions and the rank
+stores they read; show its owner job (a bucket root's), generations with their plans (ranks, tables) and the
+newest global version; verify its manifests and every rank store they name; export a global version as one
+merged model; ``retain --keep-last N`` drops the older global versions, then the generations none reads any
+more; ``gc`` drops every rank store's local versions no global version names and reclaims their space (bytes
+freed per rank store). The other commands take one rank's store (``ROOT/gen-G/rank-R``, as ``ls ROOT`` prints
+them).
+
+A root kept in a bucket (``DistributedCheckpointer(..., remote=URL)``) is named by ``--remote URL`` (the prefix
+holding its ``CNRSTORE-DIST`` object; a prefix holding neither a root nor a store is an InvalidArgument), and
+ROOT is then this machine's directory for its rank stores, created if absent: each rank store read is
+recovered there as a read cache (``cnrstore --remote s3://bucket/job ls ./job-cache``). ``retain`` and ``gc``
+on such a root claim it (and ``gc`` takes every rank store over into that directory), which fences the job
+that writes it: its next save fails. So they refuse unless ``--take-over`` is given: stop the job first (a
+job started later claims the root back and goes on from the newest global version). On a local root they
+need every rank store's lock, as the maintenance commands on a store do.
 
 Output: a human-readable summary on stdout; with ``--json``, one JSON object on stdout instead (for
 ``ls``, a JSON list of versions). ``ls`` names a version's tables when they are few and counts them
@@ -220,6 +235,20 @@ def _print_versions(args, rows: list[dict], header: str, noun: str, rest) -> int
     return 0
 
 
+def _remote_options(args) -> dict | None:
+    """--remote-options as a dict (None without it)."""
+    if args.remote_options is None:
+        return None
+    try:
+        options = json.loads(args.remote_options)
+    except ValueError as exc:
+        raise InvalidArgument(f"--remote-options is not JSON ({exc}): pass e.g. "
+                              "'{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}'") from None
+    if not isinstance(options, dict):
+        raise InvalidArgument("--remote-options must be a JSON object")
+    return options
+
+
 def _remote_args(args) -> dict:
     """open()'s remote= and remote_options= from --remote and --remote-options; without --remote, the remote
     a store's REMOTE file names (a store with an object-store tier needs no --remote to be opened)."""
@@ -233,16 +262,7 @@ def _remote_args(args) -> dict:
             if getattr(args, "remote_options", None) is not None:
                 raise InvalidArgument("--remote-options needs --remote URL (or a store whose REMOTE file names one)")
             return {}
-    options = None
-    if args.remote_options is not None:
-        try:
-            options = json.loads(args.remote_options)
-        except ValueError as exc:
-            raise InvalidArgument(f"--remote-options is not JSON ({exc}): pass e.g. "
-                                  "'{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}'") from None
-        if not isinstance(options, dict):
-            raise InvalidArgument("--remote-options must be a JSON object")
-    return {"remote": args.remote, "remote_options": options}
+    return {"remote": args.remote, "remote_options": _remote_options(args)}
 
 
 def _open(args, *, readonly: bool = False) -> Store:
@@ -304,22 +324,81 @@ def _is_root(path: str) -> bool:
     return Root(path).exists()
 
 
+def _root(args):
+    """The multi-rank root the command names (a ``cnrstore.distributed.Root``), or None for a store (decided
+    once per command, then kept). Without --remote: STORE holding a root's marker. With --remote: the prefix
+    holding one (its ``CNRSTORE-DIST`` object); STORE is then this machine's directory for the rank stores
+    (created if absent: read caches of them). InvalidArgument if the prefix holds neither a root nor a store and
+    STORE holds no store."""
+    if hasattr(args, "root"):
+        return args.root
+    args.root = None
+    if getattr(args, "remote", None) is None:
+        if _is_root(args.store):
+            from .distributed.manifest import Root
+
+            args.root = Root(args.store)
+        return args.root
+    if os.path.exists(filenames.marker_path(args.store)):
+        return None  # a store's own directory: --remote is its object-store tier
+    from .distributed.manifest import MARKER as ROOT_MARKER
+    from .distributed.remote_root import RemoteRoot
+
+    root = RemoteRoot(args.store, args.remote, _remote_options(args))
+    if root.exists():
+        os.makedirs(args.store, exist_ok=True)
+        args.root = root
+    elif root.objects.size(filenames.REMOTE_POINTER) is None and root.objects.bucket_exists() is not False:
+        raise InvalidArgument(f"{args.remote} holds neither a cnrstore store (no {filenames.REMOTE_POINTER}) nor "
+                              f"a multi-rank root (no {ROOT_MARKER}), and {args.store!r} holds no store: check the "
+                              "URL (a multi-rank root's prefix is the remote= its DistributedCheckpointer was given)")
+    return args.root
+
+
+def _rank_store_hint(args, root) -> str:
+    if root.remote is None:
+        return f"{args.store}/gen-GGGGGG/rank-RRRRR (see `cnrstore ls {args.store}`)"
+    return (f"`cnrstore --remote {root.remote}/gen-GGGGGG/rank-RRRRR ... {args.store}/gen-GGGGGG/rank-RRRRR` (see "
+            f"`cnrstore --remote {root.remote} ls {args.store}`)")
+
+
 def _refuse_root(args) -> None:
-    if _is_root(args.store):
-        raise InvalidArgument(f"{args.store} is the root of a multi-rank job; `cnrstore {args.command}` works on "
-                              f"one rank's store: {args.store}/gen-GGGGGG/rank-RRRRR (see `cnrstore ls {args.store}`)")
+    root = _root(args)
+    if root is not None:
+        raise InvalidArgument(f"{root.remote or args.store} is the root of a multi-rank job; `cnrstore {args.command}` "
+                              f"works on one rank's store: {_rank_store_hint(args, root)}")
 
 
-def cmd_ls_root(args) -> int:
+def _refuse_take_over(args) -> None:
+    """--take-over names a bucket root's maintenance; on a store it would be a flag that does nothing."""
+    if getattr(args, "take_over", False) and getattr(_root(args), "remote", None) is None:
+        raise InvalidArgument("--take-over is for a multi-rank root in a bucket (`cnrstore --remote URL "
+                              f"{args.command} DIR`); a store's maintenance runs on its writer's directory")
+
+
+def _claim_root(args, root) -> None:
+    """A bucket root's retain and gc claim the root (and gc each rank store): only with --take-over."""
+    if root.remote is not None and not args.take_over:
+        raise InvalidArgument(
+            f"`cnrstore {args.command}` on the multi-rank root {root.remote} takes the root over from the job that "
+            "writes it (and, for gc, every rank store): a job still running on it would fail at its next save with "
+            "RemoteTakenOver. Stop the job first, then run the command again with --take-over (a job started "
+            "later claims the root back and goes on from its newest global version)")
+
+
+def cmd_ls_root(args, root) -> int:
     """The root's global versions, then the rank stores they read (the paths ``info``, ``rows`` and the
-    maintenance commands take), once per distinct set of stores; ``--json`` gives each version's
-    ``stores`` (relative to the root) instead."""
-    from .distributed.manifest import Root
-
-    root = Root(args.store)
-    rows = [{"version": g.version, "step": g.step, "created": g.created, "world_size": g.world_size,
-             "generation": g.generation, "local_versions": list(g.local_versions), "stores": root.rank_stores(g),
-             "meta": g.meta} for g in root.versions()]
+    maintenance commands take; of a bucket root, each rank store's name and remote prefix), once per
+    distinct set of stores; ``--json`` gives each version's ``stores`` (relative to the root; of a bucket
+    root, ``store_remotes`` too) instead."""
+    rows = []
+    for g in root.versions():
+        row = {"version": g.version, "step": g.step, "created": g.created, "world_size": g.world_size,
+               "generation": g.generation, "local_versions": list(g.local_versions), "stores": root.rank_stores(g),
+               "meta": g.meta}
+        if root.remote is not None:
+            row["store_remotes"] = [f"{root.remote.rstrip('/')}/{rel}" for rel in row["stores"]]
+        rows.append(row)
     status = _print_versions(args, rows, f"{'global':>8} {'step':>10} {'created (UTC)':<20} {'ranks':>5} {'gen':>4}  "
                                          "local versions", "global version(s)",
                              lambda r: f"{r['world_size']:>5} {r['generation']:>4}  "
@@ -330,16 +409,49 @@ def cmd_ls_root(args) -> int:
             by_stores.setdefault(tuple(r["stores"]), []).append(r["version"])
         for stores, versions in by_stores.items():
             span = f"{versions[0]}" if len(versions) == 1 else f"{versions[0]}-{versions[-1]}"
-            print(f"rank stores of global version(s) {span} (`cnrstore info`, `rows`, `compact`, ... take one):")
-            for rank, rel in enumerate(stores):
-                print(f"  rank {rank}: {os.path.join(args.store, rel)}")
+            if root.remote is None:
+                print(f"rank stores of global version(s) {span} (`cnrstore info`, `rows`, `compact`, ... take one):")
+                for rank, rel in enumerate(stores):
+                    print(f"  rank {rank}: {os.path.join(args.store, rel)}")
+            else:
+                print(f"rank stores of global version(s) {span} (local directory under {args.store}, remote "
+                      "prefix; `cnrstore --remote PREFIX info DIR/gen-G/rank-R` reads one):")
+                for rank, rel in enumerate(stores):
+                    print(f"  rank {rank}: {rel}  {root.remote.rstrip('/')}/{rel}")
     return status
 
 
-def cmd_verify_root(args) -> int:
+def cmd_info_root(args, root) -> int:
+    """The root's owner job (a bucket root's), generations with their plans, global versions."""
+    from .distributed.maintenance import describe
+
+    info = describe(root)
+    if args.json:
+        print(_meta_json(info, indent=2))
+        return 0
+    print(f"multi-rank root {info['root']}" + (f" (rank stores' local directory {info['local']})"
+                                              if info["remote"] else ""))
+    if info["remote"] is not None:
+        print(f"owner job        {info['owner'] or '-'}")
+    print(f"global versions  {info['global_versions']}")
+    newest = info["newest"]
+    if newest is not None:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(newest["created"]))
+        step = "-" if newest["step"] is None else newest["step"]
+        print(f"newest           {newest['version']} (step {step}, {created} UTC, generation {newest['generation']})")
+    print(f"{'generation':>10} {'ranks':>5} {'row ids':<7} {'global versions':<16}  tables")
+    for g in info["generations"]:
+        gvs = g["global_versions"]
+        span = "-" if not gvs else str(gvs[0]) if len(gvs) == 1 else f"{gvs[0]}-{gvs[-1]} ({len(gvs)})"
+        tables = [f"{name} {n:,}x{d}" for name, (n, d) in g["tables"].items()]
+        print(f"{g['generation']:>10} {g['world_size']:>5} {g['row_ids']:<7} {span:<16}  {_names(tables, 'tables', 60)}")
+    return 0
+
+
+def cmd_verify_root(args, root) -> int:
     from .distributed.verify import verify_root
 
-    report = verify_root(args.store, progress=_progress(args, "verify"))
+    report = verify_root(root, progress=_progress(args, "verify"))
     if args.json:
         print(json.dumps(report.__dict__, indent=2))
     else:
@@ -351,9 +463,51 @@ def cmd_verify_root(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_retain_root(args, root) -> int:
+    """``retain --keep-last N`` on a root: drop the oldest global versions' manifests, then the generations no
+    global version reads (cnrstore.distributed.maintenance.retain)."""
+    from .distributed.maintenance import retain
+
+    if args.keep_every_n_steps is not None or args.keep or args.drop or args.keep_last is None:
+        raise InvalidArgument("on a multi-rank root, retain takes --keep-last N only (the newest N global versions "
+                              "are kept)")
+    _claim_root(args, root)
+    report = retain(root, args.keep_last, progress=_progress(args, "retain"))
+    _emit(args, dataclasses.asdict(report),
+          f"dropped {len(report.dropped)} global version(s)"
+          + (f": {', '.join(map(str, report.dropped))}" if report.dropped else "")
+          + f"; kept {len(report.kept)}"
+          + (f"; removed generation(s) {', '.join(map(str, report.generations_removed))}"
+             if report.generations_removed else "")
+          + "; run `cnrstore gc` on the root to reclaim the rank stores' space")
+    return 0
+
+
+def cmd_gc_root(args, root) -> int:
+    """``gc`` on a root: every rank store's versions no global version names dropped and collected
+    (cnrstore.distributed.maintenance.collect); bytes freed per rank store."""
+    from .distributed.maintenance import collect
+
+    _claim_root(args, root)
+    report = collect(root, progress=_progress(args, "gc"))
+    lines = []
+    for s in report.stores:
+        bucket = "" if s.bucket_bytes_freed is None else f", {s.bucket_bytes_freed:,} bytes freed in the bucket"
+        lines.append(f"{s.store}: dropped {len(s.versions_dropped)} local version(s), reclaimed "
+                     f"{s.bytes_reclaimed:,} bytes ({s.segments_deleted} segment(s) deleted){bucket}")
+    bucket = "" if report.bucket_bytes_freed is None else f", {report.bucket_bytes_freed:,} bytes in the bucket"
+    lines.append(f"reclaimed {report.bytes_reclaimed:,} bytes{bucket} over {len(report.stores)} rank store(s)")
+    _emit(args, report.to_json(), "\n".join(lines))
+    if report.incomplete:
+        print(f"cnrstore gc: incomplete: {report.incomplete}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_ls(args) -> int:
-    if _is_root(args.store):
-        return cmd_ls_root(args)
+    root = _root(args)
+    if root is not None:
+        return cmd_ls_root(args, root)
     with _open(args, readonly=True) as store:
         rows = versions_rows(store)
     return _print_versions(args, rows, f"{'version':>8} {'step':>10} {'created (UTC)':<20} {'bytes':>14} {'chain':>6}  "
@@ -363,7 +517,9 @@ def cmd_ls(args) -> int:
 
 
 def cmd_info(args) -> int:
-    _refuse_root(args)
+    root = _root(args)
+    if root is not None:
+        return cmd_info_root(args, root)
     with _open(args, readonly=True) as store:
         tables = store.tables()
         stats = store.stats()
@@ -411,8 +567,9 @@ def cmd_verify(args) -> int:
     """Exit 1 whenever the store is damaged, including damage that keeps it from opening (a corrupt
     marker, a missing or damaged index: CorruptionError) and a missing marker beside store files;
     exit 2 (via main) only when the path is not a store at all, or for usage and OS errors."""
-    if _is_root(args.store):
-        return cmd_verify_root(args)
+    root = _root(args)
+    if root is not None:
+        return cmd_verify_root(args, root)
     try:
         store = _open(args, readonly=True)
     except CorruptionError as exc:
@@ -444,11 +601,15 @@ def cmd_compact(args) -> int:
 
 def cmd_retain(args) -> int:
     """``Store.retain`` with the Checkpointer's rules (and pins and drops); one index transaction with no
-    progress of its own: the progress line says what it is doing and, at the end, that it is done."""
-    _refuse_root(args)
+    progress of its own: the progress line says what it is doing and, at the end, that it is done. On a
+    multi-rank root: ``cmd_retain_root``."""
+    _refuse_take_over(args)
     for option, value in (("--keep-last", args.keep_last), ("--keep-every-n-steps", args.keep_every_n_steps)):
         if value is not None and value < 1:  # here, so that the message names the option
             raise InvalidArgument(f"{option} must be a positive integer, got {value}")
+    root = _root(args)
+    if root is not None:
+        return cmd_retain_root(args, root)
     if args.keep_last is None and args.keep_every_n_steps is None and not args.keep and not args.drop:
         raise InvalidArgument("retain needs --keep-last N, --keep-every-n-steps N, --keep V (pin) or --drop V")
     progress = _progress(args, "retain")
@@ -470,7 +631,10 @@ def cmd_retain(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    _refuse_root(args)
+    _refuse_take_over(args)
+    root = _root(args)
+    if root is not None:
+        return cmd_gc_root(args, root)
     with _open(args) as store:
         report = store.gc(progress=_progress(args, "gc"))
     _emit(args, dataclasses.asdict(report),
@@ -488,12 +652,13 @@ def _export_snapshot(args, progress: Progress) -> tuple[Snapshot, bool]:
     ``args.version`` (default: the newest) of the store at ``args.store``, or global version
     ``args.version`` of a multi-rank root, every table assembled from all ranks' shards. (The one place
     that decides what an export reads.)"""
-    if _is_root(args.store):
+    root = _root(args)
+    if root is not None:
         from .distributed.export import merged_snapshot
 
         progress.phase("assembling " + ("the newest global version" if args.version is None
                                         else f"global version {args.version}") + " from every rank")
-        return merged_snapshot(args.store, args.version, trust_pickle=args.trust_pickle, progress=progress), True
+        return merged_snapshot(root, args.version, trust_pickle=args.trust_pickle, progress=progress), True
     with _open(args, readonly=True) as store:
         progress.phase("reading " + ("the newest version" if args.version is None else f"version {args.version}"))
         return store.restore(args.version, progress=progress), False
@@ -637,12 +802,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    root_help = "path of the store, or of a multi-rank job's root"
+    root_help = ("path of the store, or of a multi-rank job's root; with --remote naming a multi-rank root in a "
+                 "bucket, this machine's directory for its rank stores (created if absent; read caches)")
+    take_over = ("on a multi-rank root in a bucket: claim the root for this command (and for gc, take every rank "
+                 "store over into STORE); a job still running on it would fail at its next save, so stop the job "
+                 "first (a job started later claims the root back)")
     add("ls", cmd_ls, "list versions: step, creation time, bytes appended, read-chain length, tables (named "
         "when few, else counted); of a multi-rank root, its global versions and the rank stores they read",
         store_help=root_help).add_argument("--long", action="store_true",
                                            help="also print each version's meta (the dict saved with it)")
-    add("info", cmd_info, "tables, codecs, disk use, live ratio, write and space amplification")
+    add("info", cmd_info, "tables, codecs, disk use, live ratio, write and space amplification; of a multi-rank "
+        "root, its owner job (in a bucket), generations with their plans (ranks, tables) and global versions",
+        store_help=root_help)
     add("verify", cmd_verify, "check every checksum and the index against the log (exit 1 on problems)",
         progress=True, store_help=root_help)
     p = add("rows", cmd_rows, "print rows of a table as the store reads them")
@@ -652,14 +823,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("compact", cmd_compact, "materialize baselines at a version (default: the newest)", progress=True
         ).add_argument("--version", type=int, default=None, help="version to compact at")
     p = add("retain", cmd_retain, "drop the versions no rule keeps, as a Checkpointer's retention does (the newest is "
-            "always kept; then run gc to reclaim their space)", progress=True)
-    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the newest N versions")
+            "always kept; then run gc to reclaim their space); on a multi-rank root, --keep-last N drops the older "
+            "global versions and the generations none reads any more", progress=True, store_help=root_help)
+    p.add_argument("--keep-last", type=int, default=None, metavar="N",
+                   help="keep the newest N versions (of a multi-rank root: global versions; its only rule)")
     p.add_argument("--keep-every-n-steps", type=int, default=None, metavar="N",
                    help="keep the versions whose step is a multiple of N")
     p.add_argument("--keep", type=int, action="append", metavar="V", help="pin version V (repeatable)")
     p.add_argument("--drop", type=int, action="append", metavar="V",
                    help="drop version V (repeatable; alone, or on top of the rules)")
-    add("gc", cmd_gc, "reclaim the space of dropped and shadowed data", progress=True)
+    p.add_argument("--take-over", action="store_true", help=take_over)
+    add("gc", cmd_gc, "reclaim the space of dropped and shadowed data; on a multi-rank root, of every rank store's "
+        "versions no global version names (bytes freed per rank store; in a bucket, the objects deleted too)",
+        progress=True, store_help=root_help).add_argument("--take-over", action="store_true", help=take_over)
     p = add("export", cmd_export, "write a version to a file (a directory for dcp), atomically: a Checkpointer's "
             "version as the model's state dict, any other as its fp32 tables and dense arrays; a multi-rank "
             "root's global version as one merged model", progress=True, store_help=root_help)

@@ -659,7 +659,7 @@ def test_ls_long_prints_each_versions_meta(made_store):
 
 
 def test_ls_of_a_root_prints_the_rank_stores_that_info_takes(tmp_path, group, capsys):
-    """`cnrstore info ROOT` says to give it ROOT/gen-G/rank-R and to look at `cnrstore ls ROOT`: ls prints
+    """`cnrstore rows ROOT` says to give it ROOT/gen-G/rank-R and to look at `cnrstore ls ROOT`: ls prints
     those paths, and each one works with info; --long shows the global version's meta."""
     import torch
     from torch import nn
@@ -675,7 +675,7 @@ def test_ls_of_a_root_prints_the_rank_stores_that_info_takes(tmp_path, group, ca
         opt.step()
         ck.save(step, meta={"epoch": step // 10}).wait()
     ck.close()
-    assert cli.main(["info", root]) == 2
+    assert cli.main(["rows", root, "0", "1"]) == 2
     assert f"see `cnrstore ls {root}`" in capsys.readouterr().err
     assert cli.main(["ls", root, "--long"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -22,7 +22,6 @@ import sys
 import numpy as np
 
 from .. import codecs
-from .. import store as _store
 from ..errors import CorruptionError, InvalidArgument, MissingRows
 from ..export import register
 from ..torch import sharded
@@ -50,7 +49,9 @@ def _global_version(root: Root, version: int | None) -> GlobalVersion:
 
 
 def merged_snapshot(root, version: int | None = None, *, trust_pickle: bool = False, progress=None) -> Snapshot:
-    """Global ``version`` (default newest) of the root at ``root`` as one unsharded Snapshot (module doc).
+    """Global ``version`` (default newest) of ``root`` as one unsharded Snapshot (module doc). ``root``: a
+    ``Root`` (a bucket's: ``open_root(DIR, remote=URL)``, its rank stores read through ``open_store`` as read
+    caches under DIR) or the path of a local root.
 
     Raises StoreNotFound if ``root`` is not a root, VersionNotFound for an unknown global version,
     InvalidArgument when a rank's store lacks a shard the plan gives it, CorruptionError when the plan
@@ -59,7 +60,7 @@ def merged_snapshot(root, version: int | None = None, *, trust_pickle: bool = Fa
 
     ``progress(done, total)``, if given, is called once before the first rank's store is read and after
     each: fp32 bytes of the plan's tables read so far (the rank's shards), of the plan's total."""
-    r = Root(root)
+    r = root if isinstance(root, Root) else Root(root)
     gv = _global_version(r, version)
     plan = gv.plan
     states = _check_claims(r, gv)  # before anything is allocated by the sizes the plan claims
@@ -72,7 +73,7 @@ def merged_snapshot(root, version: int | None = None, *, trust_pickle: bool = Fa
     if progress is not None:
         progress(0, total)
     for rank in range(gv.world_size):
-        with _store.open(_rank_path(r, gv, rank), readonly=True) as st:
+        with r.open_store(r.rank_stores(gv)[rank], readonly=True) as st:
             snap = (st.restore(gv.local_versions[rank]) if plan.row_ids == "local"
                     else _shards_by_global_id(st, plan, rank, gv.local_versions[rank]))
         for name, shard in plan.shards_of(rank).items():
@@ -143,7 +144,7 @@ def _check_claims(r: Root, gv: GlobalVersion) -> dict[str, int]:
     listed: dict[str, dict[int, int]] = {}  # state -> {rank: width} as the catalogs list it
     for rank in range(gv.world_size):
         path = _rank_path(r, gv, rank)
-        with _store.open(path, readonly=True) as st:
+        with r.open_store(r.rank_stores(gv)[rank], readonly=True) as st:
             catalog = st.tables()
             segments = st.engine.storage  # (through the storage seam: the sizes of the segments stored)
             have = sum(segments.size(seg) or 0 for seg in segments.list())

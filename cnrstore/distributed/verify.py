@@ -1,11 +1,11 @@
-"""Offline checks of a distributed root (``cnrstore verify ROOT``): every manifest verifies, every rank
-store a manifest names verifies, and holds the local version the manifest names."""
+"""Offline checks of a distributed root (``cnrstore verify ROOT``, ``cnrstore --remote URL verify DIR``): every
+manifest verifies, every rank store a manifest names verifies, and holds the local version the manifest names.
+A bucket root's rank stores are read through ``RemoteRoot.open_store`` (read caches under its local directory)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import store as _store
 from ..errors import CnrError
 from .manifest import Root
 
@@ -26,9 +26,10 @@ class RootReport:
         self.problems.append(text)
 
 
-def verify_root(path, progress=None) -> RootReport:
-    """Check the root at ``path``; problems are collected, not raised (a missing root still raises)."""
-    root = Root(path)
+def verify_root(root, progress=None) -> RootReport:
+    """Check ``root`` (a ``Root``, local or in a bucket, or a local root's path); problems are collected, not
+    raised (a missing root still raises)."""
+    root = root if isinstance(root, Root) else Root(root)
     root.check()
     report = RootReport()
     referenced: dict[str, set[int]] = {}
@@ -39,11 +40,11 @@ def verify_root(path, progress=None) -> RootReport:
             report.problem(f"global version {number}: {type(exc).__name__}: {exc}")
             continue
         report.global_versions += 1
-        for rel, v in zip(gv.stores, gv.local_versions):
+        for rel, v in zip(root.rank_stores(gv), gv.local_versions):
             referenced.setdefault(rel, set()).add(v)
     for i, (rel, wanted) in enumerate(sorted(referenced.items())):
         try:
-            with _store.open(root.store_path(rel), readonly=True) as st:
+            with root.open_store(rel, readonly=True) as st:
                 sub = st.verify()
                 have = {vi.version for vi in st.versions()}
         except CnrError as exc:
