@@ -686,9 +686,20 @@ def cmd_import(args) -> int:
     """Seed a new store's first version from a PyTorch checkpoint (``cnrstore.torch.import_checkpoint``)."""
     from .torch.imports import import_checkpoint, parse_table_codecs  # torch: only this command needs it
 
+    remote = _remote_args(args)
+    if remote and os.path.exists(args.store) and os.listdir(args.store):
+        raise InvalidArgument(f"`cnrstore --remote URL import` seeds a new store into an empty directory, and "
+                              f"{args.store!r} is not one; name a new directory")
     report = import_checkpoint(args.store, args.source, codec=args.codec, codecs=parse_table_codecs(args.table_codec),
                                tables=args.table, min_rows=args.min_rows, format=args.source_format,
                                step=args.step, model_only=args.model_only)
+    if remote:  # the store is imported locally (nothing reaches the bucket if the import fails), then attached:
+        try:    # its first copy point uploads it
+            open_store(args.store, **remote).close()
+        except CnrError as exc:
+            raise type(exc)(f"{args.store!r} holds the imported store, but attaching it to {args.remote} failed: {exc}; "
+                            "opening it writable with that remote= attaches it (`cnrstore --remote URL gc DIR`)"
+                            ) from exc
     state = (f", the state of {report.optimizers} optimizer(s) ({len(report.optimizer_tables)} row-wise state "
              "table(s))" if report.optimizers else "") + (f", extra state {', '.join(report.extra)}"
                                                          if report.extra else "")

@@ -232,3 +232,26 @@ def test_info_retain_and_gc_on_a_local_root(tmp_path, group, capsys):
     reclaimed = int(out.splitlines()[0].split("reclaimed ")[1].split(" bytes")[0].replace(",", ""))
     assert reclaimed > 2 * (400 * 8 + 300 * 4) * 4 * 0.9
     assert cli.main(["verify", str(root)]) == 0
+
+
+def test_import_into_a_bucket_seeds_a_store_a_fresh_machine_reads(tmp_path, bucket, capsys):
+    """`cnrstore --remote URL import DIR SOURCE` imports locally, then attaches the store to the prefix (a failed
+    import leaves the bucket untouched); another machine recovers it from the bucket alone."""
+    import torch
+
+    import cnrstore
+
+    sd = {"emb.0.weight": torch.randn(300, 8, generator=torch.Generator().manual_seed(0)), "lin.bias": torch.ones(3)}
+    torch.save(sd, tmp_path / "model.pt")
+    torch.save({"nothing": 1}, tmp_path / "bad.pt")
+    assert run(bucket, "import", tmp_path / "bad-dir", tmp_path / "bad.pt") == 2
+    assert not (tmp_path / "bad-dir").exists()
+    from cnrstore.engine.objects import FsspecObjectStore
+    assert FsspecObjectStore(*bucket).list_tree("") == {}
+    assert run(bucket, "import", tmp_path / "node", tmp_path / "model.pt") == 0
+    assert run(bucket, "import", tmp_path / "node", tmp_path / "model.pt") == 2  # (not an empty directory)
+    capsys.readouterr()
+    url, opts = bucket
+    with cnrstore.open(tmp_path / "fresh", readonly=True, remote=url, remote_options=opts) as st:
+        assert [v.version for v in st.versions()] == [1]
+        assert np.array_equal(st.read_table("emb.0"), sd["emb.0.weight"].numpy())
