@@ -4,12 +4,15 @@ DistributedModelParallel model) under full and partial recovery. The ``--torchre
 without it, unless CNRSTORE_REQUIRE_TORCHREC=1 (``make test``) makes a missing torchrec a failure."""
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+
+from support.s3_remote import s3_options
 
 TOOL = os.path.join(os.path.dirname(__file__), "..", "tools", "train_dlrm.py")
 requires_torchrec = pytest.mark.skipif(
@@ -75,8 +78,14 @@ def test_full_recovery_of_a_killed_rank_reproduces_the_run_without_failures():
     assert_exact_full_recovery(out)
 
 
-def test_partial_recovery_restores_only_the_killed_rank_and_the_model_still_learns():
-    assert_partial_recovery_still_learns(run("--recovery", "partial", "--no-compare"))
+def test_partial_recovery_from_a_bucket_restores_only_the_killed_rank_and_the_model_still_learns(s3_endpoint,
+                                                                                                   s3_bucket):
+    """The same job with its checkpoints in a bucket (moto): each rank a node directory of its own, the killed
+    rank's replacement an empty one, as a fresh machine; it restores its shards from the bucket alone."""
+    out = run("--recovery", "partial", "--no-compare", "--remote", f"s3://{s3_bucket}/dlrm",
+              "--remote-options", json.dumps(s3_options(s3_endpoint)))
+    assert f"root in s3://{s3_bucket}/dlrm" in out
+    assert_partial_recovery_still_learns(out)
 
 
 def test_ecrm_recovery_of_a_killed_rank_loses_nothing():

@@ -437,9 +437,13 @@ class Worker:
 
     def open_checkpointer(self) -> DistributedCheckpointer:
         a = self.args
-        return DistributedCheckpointer(a.store_root, self.model, self.optimizer, plan=self.plan, codec=a.codec,
+        root, bucket = a.store_root, {}
+        if a.remote:  # each rank on a node of its own; a replacement on a new, empty one (a fresh machine)
+            bucket = {"remote": a.remote, "remote_options": json.loads(a.remote_options) if a.remote_options else None}
+            root = os.path.join(a.store_root, f"node-rank{self.rank}-from-epoch{self.node_epoch}")
+        return DistributedCheckpointer(root, self.model, self.optimizer, plan=self.plan, codec=a.codec,
                                        mode=a.mode, extra={"loader": self.loader}, priority=a.priority,
-                                       timeout_s=pg_timeout(a))
+                                       timeout_s=pg_timeout(a), **bucket)
 
     def open_ecrm(self, replacement: bool) -> ECRM | None:
         if self.args.recovery != "ecrm":
@@ -451,6 +455,7 @@ class Worker:
     # -- the run ------------------------------------------------------------------------------------------
     def main(self, replacement: bool) -> int:
         a = self.args
+        self.node_epoch = self.epoch if replacement else 0  # (a --remote run's node directory: see open_checkpointer)
         torch.set_num_threads(max(a.threads, 1))
         self.holdout = dlrm_model.Holdout(a, a.holdout_batches)
         if self.board is not None:
@@ -990,7 +995,8 @@ def run(args) -> int:
         print(f"DLRM on {args.world_size} ranks (gloo, FileStore rendezvous; {model}, "
               f"{sum(card):,} rows x dim {args.dim}; {args.steps} steps x batch {args.batch_size}; checkpoint every "
               f"{args.ckpt_every}{prio}, failure every {args.fail_every or 'never'} ({args.recovery} recovery); "
-              f"cnrstore DistributedCheckpointer (codec {args.codec}, mode {args.mode})", flush=True)
+              f"cnrstore DistributedCheckpointer (codec {args.codec}, mode {args.mode}"
+              f"{f', root in {args.remote}, a node directory per rank' if args.remote else ''})", flush=True)
         t0 = time.perf_counter()
         rc, problems = supervise(args, tmp)
         wall = time.perf_counter() - t0

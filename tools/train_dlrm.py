@@ -29,7 +29,9 @@ against the same run without failures (and without checkpoints), trained in the 
 ``--world-size N`` trains on N processes with sharded embeddings instead, checkpointed by
 ``cnrstore.distributed``, where a failure kills one rank and ``--recovery full|partial|ecrm`` picks how
 the job recovers (CPR's partial recovery, with ``--priority mfu|ssu`` priority saves; ECRM's erasure-coded
-parity, ``--parity K,R``): see tools/dlrm_dist.py.
+parity, ``--parity K,R``): see tools/dlrm_dist.py. ``--remote s3://bucket/prefix`` (``--remote-options JSON``)
+keeps that job's checkpoints in a bucket, each rank with a node directory of its own and a replaced rank with
+an empty one, as on a fresh machine (README, "Multi-node jobs: one bucket").
 
 ``--torchrec`` builds the same DLRM from torchrec instead: the 26 tables in one ``EmbeddingBagCollection``
 (table ``t<i>`` pools feature ``f<i>``; same cardinalities, dims and initial weights, copied from the plain
@@ -422,6 +424,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="steps between priority saves (default: --ckpt-every / 4)")
     d.add_argument("--priority-top", type=float, default=0.05,
                    help="fraction of each table's rows a priority save writes (the most updated touched ones)")
+    d.add_argument("--remote", default=None, metavar="URL",
+                   help="keep the checkpoints in this bucket prefix (s3://bucket/prefix, any fsspec URL): each rank "
+                        "a node directory of its own under --store (or the run's temp dir), a replaced rank an "
+                        "empty one, as a fresh machine (DistributedCheckpointer(remote=))")
+    d.add_argument("--remote-options", default=None, metavar="JSON",
+                   help="the object store client's options, e.g. '{\"client_kwargs\": {\"endpoint_url\": ...}}'")
     d.add_argument("--job-timeout", type=float, default=600.0, help="seconds before the launcher gives up on a job")
     d.add_argument("--pg-timeout", type=float, default=60.0,
                    help="seconds a collective may wait for a peer (gloo's timeout); recovery never waits it out: "
@@ -441,6 +449,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--steps, --batch-size, --max-rows, --dim and --ckpt-every must be positive")
     if args.fail_every < 0:
         p.error("--fail-every must be >= 0")
+    if (args.remote or args.remote_options) and args.world_size is None:
+        p.error("--remote and --remote-options are for multi-rank runs: add --world-size N")
+    if args.remote_options and not args.remote:
+        p.error("--remote-options needs --remote URL")
     if args.fail_every and args.fail_every <= args.ckpt_every:
         # A failure strikes before its step's checkpoint: the first one needs an earlier version.
         p.error("--fail-every must be greater than --ckpt-every (else no checkpoint exists to restore)")
