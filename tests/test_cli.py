@@ -734,3 +734,9 @@ def test_export_progress_is_a_stream_of_bytes(tmp_path, capsys, monkeypatch):
     assert writing[-1].startswith(f"export: {total}/{total} 100.0%")
     percents = [float(line.split("%")[0].split()[-1]) for line in writing]
     assert percents == sorted(percents) and len(set(percents)) >= 4, writing
+
+
+def test_python_dash_m_cnrstore_is_the_command(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cnrstore", "ls", str(tmp_path / "none")], capture_output=True,
+                          text=True, env=ENV, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("cnrstore ls: StoreNotFound"), proc.stderr
