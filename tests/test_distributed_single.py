@@ -181,7 +181,7 @@ def test_cli_lists_and_verifies_a_root_and_points_other_commands_at_rank_stores(
     assert "2 global version(s)" in out and " 20 " in out
     assert cli.main(["verify", root]) == 0
     assert "ok: 2 global version(s), 1 rank store(s)" in capsys.readouterr().out
-    assert cli.main(["info", root]) == 2
+    assert cli.main(["rows", root, "emb.a", "0"]) == 2  # (a command of one store: it names the rank stores)
     assert "rank-RRRRR" in capsys.readouterr().err
     # reading a root's manifests needs no torch (cnrstore.distributed loads its torch modules lazily)
     code = ("import sys; from cnrstore import cli; rcs = [cli.main(a) for a in (['ls', sys.argv[1]], "

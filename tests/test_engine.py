@@ -97,10 +97,12 @@ def test_no_import_circle_in_the_package():
                 "cnrstore.maintenance.liveness"):
         assert "cnrstore.store" not in graph[low], f"{low} imports store.py"
     # only what sits above the Store (the package's API, the CLI, the distributed checkpointer that
-    # opens one store per rank, export, import and migrate-payload, which open a store by path or a
-    # root's rank stores, and the torch Checkpointer, which opens the store it is given as a path)
-    # imports it; repair reads the marker from marker.py
+    # opens one store per rank, a root's manifest and bucket modules, which open its rank stores, export,
+    # import and migrate-payload, which open a store by path or a root's rank stores, and the torch
+    # Checkpointer, which opens the store it is given as a path) imports it; repair reads the marker from
+    # marker.py
     above = {"cnrstore", "cnrstore.cli", "cnrstore.distributed.checkpointer", "cnrstore.distributed.verify",
+             "cnrstore.distributed.manifest", "cnrstore.distributed.remote_root", "cnrstore.distributed.maintenance",
              "cnrstore.export", "cnrstore.distributed.export", "cnrstore.torch.imports",
              "cnrstore.torch.migrate", "cnrstore.torch.checkpointer"}
     importers = {m for m, deps in graph.items() if "cnrstore.store" in deps}
