@@ -206,13 +206,15 @@ class RemoteRoot(Root):
         """Make the root if it is not there, and claim it for this job (rank 0, at start-up): the pointer
         names this job from now on; manifests it does not list are deleted, and generations a crash left
         half-deleted are deleted."""
-        if not self.exists():
+        try:
+            self.check()
+        except StoreNotFound:
             try:
                 self.objects.put_if(MARKER, seal(MARKER, {"format": DIST_FORMAT_VERSION, "created": time.time()}),
                                     None)
             except RemoteConflict:
                 pass  # (created meanwhile: checked below)
-        self.check()
+            self.check()
         old = self.pointer()
         new = (old or RootPointer(self.job))._replace(owner=self.job, tag=None)
         try:
@@ -226,7 +228,8 @@ class RemoteRoot(Root):
             key = f"{GLOBAL_DIR}/{name}"
             if key not in listed and "/" not in name:
                 self.objects.delete(key)
-        self._delete_doomed()
+        if new.doomed:
+            self._delete_doomed()
 
     # -- generations ----------------------------------------------------------------------------------
     def generations(self) -> list[int]:
