@@ -12,9 +12,9 @@ import boto3
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from support.s3_remote import s3_options, small_segments  # noqa: F401 (a fixture: 32 KiB segments)
+from support.torch_models import ShardModel
 
 from cnrstore import cli
 from cnrstore.distributed import DistributedCheckpointer, ShardingPlan
@@ -23,12 +23,8 @@ from cnrstore.errors import GlobalCommitError
 TABLES = {"emb.a": (400, 8), "emb.b": (300, 4)}
 
 
-class Model(nn.Module):
-    def __init__(self, seed=0, tables=TABLES):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.emb = nn.ModuleDict({k.split(".")[1]: nn.EmbeddingBag(n, d, mode="sum") for k, (n, d) in tables.items()})
-        self.lin = nn.Linear(3, 1)
+def Model(seed=0, tables=TABLES):
+    return ShardModel(tables, seed)
 
 
 def job(node, remote=None, seed=0, tables=TABLES):

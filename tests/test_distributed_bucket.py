@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from support import ecrm_jobs
 from support.crash_states import DictObjectStore
 from support.dist_jobs import assemble, assert_ok, assert_same_state, check_partial_recovery, run_job
 from support.s3_remote import proxy, s3_options  # noqa: F401 (a fixture)
+from support.torch_models import ShardModel
 
 from cnrstore.distributed import DistributedCheckpointer, RemoteRoot, ShardingPlan, versions
 from cnrstore.distributed.remote_root import RootPointer
@@ -77,12 +77,8 @@ def test_ecrm_falls_back_to_the_bucket_when_more_than_r_ranks_fail(tmp_path, buc
 
 # -- one rank in the test process, an in-memory bucket -------------------------------------------------------
 
-class Model(nn.Module):
-    def __init__(self, seed=0, tables=TABLES):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.emb = nn.ModuleDict({k.split(".")[1]: nn.EmbeddingBag(n, d, mode="sum") for k, (n, d) in tables.items()})
-        self.lin = nn.Linear(3, 1)
+def Model(seed=0, tables=TABLES):
+    return ShardModel(tables, seed)
 
 
 def train(model, opt, i):

@@ -10,22 +10,19 @@ import sys
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import cnrstore
 from cnrstore.distributed import DistributedCheckpointer, Root, ShardingPlan, versions
 from cnrstore.errors import CorruptionError, InvalidArgument
 from cnrstore.policy import CompactionPolicy, KeepLast, Retention
 
+from support.torch_models import ShardModel
+
 TABLES = {"emb.a": (50, 4), "emb.b": (30, 2)}
 
 
-class Model(nn.Module):
-    def __init__(self, tables=TABLES, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.emb = nn.ModuleDict({k.split(".")[1]: nn.EmbeddingBag(n, d, mode="sum") for k, (n, d) in tables.items()})
-        self.lin = nn.Linear(3, 1)
+def Model(tables=TABLES, seed=0):
+    return ShardModel(tables, seed)
 
 
 def step(model, opt, rows=(1, 2, 3)):

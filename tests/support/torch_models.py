@@ -116,3 +116,14 @@ def check_int4_restore(store, device="cpu") -> None:
     np.testing.assert_array_equal(model.bag.weight.detach().cpu().numpy(), codec.decode(codec.encode(saved_bag), 4))
     assert torch.equal(model.bottom.weight, saved_dense)  # dense parameters stay exact
     ck.close()
+
+
+class ShardModel(nn.Module):
+    """A one-rank job's model for tests of ``cnrstore.distributed``: an ``nn.EmbeddingBag`` (sum) per table of
+    ``tables`` ({"emb.<name>": (rows, dim)}, the module ``emb.<name>``) and a dense ``lin``, seeded."""
+
+    def __init__(self, tables, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.ModuleDict({k.split(".")[1]: nn.EmbeddingBag(n, d, mode="sum") for k, (n, d) in tables.items()})
+        self.lin = nn.Linear(3, 1)
