@@ -121,3 +121,22 @@ DECODE_INLINE_BYTES = 1 << 20
 #: bytes in its peak RSS (without it, a 1.8 GiB trainer peaked at 3.9 GiB, 1.9 GiB of it mapped segments).
 #: None: never drop.
 MAPPED_READ_RELEASE_BYTES = 64 << 20
+
+# Reads from an object store (the remote tier: docs/DESIGN.md "The remote tier", "Planned reads") ----------
+#: A whole-version read (read_tables, restore, the torch Checkpointer's restore) of segments that are in the
+#: bucket only knows every record it needs from the index: it fetches them ahead with this many ranged GETs in
+#: flight at once (a thread each). An object store serves one request at tens to a hundred MB/s and many in
+#: parallel: 16 is what S3's guidelines start from for a bulk transfer.
+REMOTE_READ_REQUESTS = 16
+#: The records of one segment lying at most this many bytes apart are fetched by one request, the bytes
+#: between them included: a request costs a round trip (~10-50 ms on S3), in which a lane moves ~1 MiB.
+REMOTE_READ_GAP_BYTES = 1 << 20
+#: One request fetches at most this many bytes (plus one record). A read cuts its requests smaller to spread
+#: over REMOTE_READ_REQUESTS lanes, but not below range_fetch.REQUEST_FLOOR_BYTES (32 MiB: a request costs a
+#: round trip, and moto reads a whole object to serve any range of it), nor above the window's share of a lane.
+REMOTE_READ_REQUEST_BYTES = 64 << 20
+#: A read into new arrays (read_tables with None, restore) holds at most this many bytes fetched and not yet
+#: decoded (in flight, arrived, or in the blocks being decoded): 16 lanes of 32 MiB. A request the read waits
+#: for is fetched whatever the bound, so that a read never waits on itself. A read into the caller's arrays
+#: verifies every record before it writes any, so it holds them all: its bound is the bytes it reads.
+REMOTE_READ_WINDOW_BYTES = 512 << 20

@@ -60,6 +60,11 @@ class Options:
     decode_threads: int | None = _knob("DECODE_THREADS")
     decode_inline_bytes: int = _knob("DECODE_INLINE_BYTES")
     mapped_read_release_bytes: int | None = _knob("MAPPED_READ_RELEASE_BYTES")
+    # reads from an object store (remote=)
+    remote_read_requests: int = _knob("REMOTE_READ_REQUESTS")
+    remote_read_gap_bytes: int = _knob("REMOTE_READ_GAP_BYTES")
+    remote_read_request_bytes: int = _knob("REMOTE_READ_REQUEST_BYTES")
+    remote_read_window_bytes: int = _knob("REMOTE_READ_WINDOW_BYTES")
 
     def __post_init__(self) -> None:
         for name, (kind, low, high, optional, what) in _RULES.items():
@@ -93,6 +98,10 @@ _RULES = {
     "decode_threads": (int, 1, None, True, "threads"),
     "decode_inline_bytes": (int, 0, None, False, "bytes"),
     "mapped_read_release_bytes": (int, 0, None, True, "bytes"),
+    "remote_read_requests": (int, 1, None, False, "requests in flight"),
+    "remote_read_gap_bytes": (int, 0, None, False, "bytes"),
+    "remote_read_request_bytes": (int, 1, None, False, "bytes"),
+    "remote_read_window_bytes": (int, 1, None, False, "bytes"),
 }
 
 

@@ -351,22 +351,25 @@ class Store:
             info = view.version(v)
             snap = Snapshot(version=v, step=info["step"], meta=info["meta"])
             jobs = [(tinfo, None, 0) for _name, tinfo in sorted(view.tables().items()) if _written_by(view, tinfo, v)]
-            dense = [(name, dense_id, found[1].length) for name, dense_id in sorted(view.dense_names().items())
+            dense = [(name, dense_id, found[1]) for name, dense_id in sorted(view.dense_names().items())
                      if (found := view.dense_at(dense_id, v)) is not None]
             table_bytes = sum(tinfo.num_rows * tinfo.dim * 4 for tinfo, _, _ in jobs)
-            total = table_bytes + sum(length for _, _, length in dense)
+            total = table_bytes + sum(loc.length for _, _, loc in dense)
             tables_progress = None if progress is None else (lambda done, _total: progress(done, total))
-            arrays = table_decode.read_tables(view, self._engine.storage, jobs, v, tables_progress,
-                                              options=self.options)
-            snap.tables.update((tinfo.name, arr) for (tinfo, _, _), arr in zip(jobs, arrays))
-            done = table_bytes
-            for name, dense_id, length in dense:
-                arr = reader.read_dense(view, self._engine.storage, dense_id, name, v)
-                if arr is not None:
-                    snap.dense[name] = arr
-                if progress is not None:
-                    done += length
-                    progress(done, total)
+            storage = self._engine.storage
+            # every record of the version, the dense arrays' after the tables', fetched ahead in that order
+            with table_decode.fetch_ahead(view, storage, jobs, v, then=[loc for _, _, loc in dense], bounded=True):
+                arrays = table_decode.read_tables(view, storage, jobs, v, tables_progress, options=self.options,
+                                                  fetched=True)
+                snap.tables.update((tinfo.name, arr) for (tinfo, _, _), arr in zip(jobs, arrays))
+                done = table_bytes
+                for name, dense_id, loc in dense:
+                    arr = reader.read_dense(view, storage, dense_id, name, v)
+                    if arr is not None:
+                        snap.dense[name] = arr
+                    if progress is not None:
+                        done += loc.length
+                        progress(done, total)
             return snap
 
     def _table_or_raise(self, table: str, view: IndexView) -> dict:

@@ -181,8 +181,9 @@ def test_a_reader_of_a_segment_being_evicted(tmp_path):
 
 
 def test_a_fetch_beside_an_eviction(tmp_path):
-    """A read of an evicted segment fetches it whole into the cache; an eviction that deletes that very copy
-    before the read uses it (cache_bytes lowered meanwhile) never fails the read: it reads the fetched bytes."""
+    """A point read of an evicted segment fetches it whole into the cache; an eviction that deletes that very
+    copy before the read uses it (cache_bytes lowered meanwhile) never fails the read: it reads the fetched
+    bytes. (A whole-table read fetches its records ahead into memory instead: test_remote.py.)"""
     store, content = _three_versions(str(tmp_path / "a"), FlakyObjectStore())
     with store:
         storage = store.engine.storage
@@ -190,7 +191,7 @@ def test_a_fetch_beside_an_eviction(tmp_path):
         assert store.stats()["remote"]["evicted_segments"]  # (cache_bytes=0 until now: all evicted)
         v = min(content)
         with Pause("remote_fetched") as paused:
-            reader = run_in_thread(lambda: store.read_table("f", version=v))
+            reader = run_in_thread(lambda: store.read_rows("f", np.arange(ROWS), version=v))
             paused.wait_reached()  # the segment is in the cache, the read has not used it yet
             storage.cache_bytes = 0
             storage.sync_cache()  # evicts every covered local copy, the one just fetched too

@@ -19,7 +19,7 @@ from .. import codecs
 from . import chain as chain_rule
 from . import record
 from ..errors import CorruptionError, InvalidArgument, MissingRows
-from .index import IndexView
+from .index import IndexView, RowLoc
 from .schema import TableRecord
 from .storage import Expect, SegmentStorage, fetch
 
@@ -283,6 +283,77 @@ def read_rows(view: IndexView, segments: SegmentStorage, table: TableRecord, row
     return out_unique if unique_rows.size == rows.size and np.array_equal(unique_rows, rows) else out_unique[inverse]
 
 
+def _written_blocks(view: IndexView, table: TableRecord, version: int, start: int,
+                    stop: int) -> Iterator[tuple[int, int, int]]:
+    """(block, first row, end row) of every block with an index entry at or before ``version`` that rows
+    ``start .. stop - 1`` of the table reach, in block order, the rows clipped to the range: one seek to
+    find each (``IndexView.row_blocks``), whatever was never written between them."""
+    num_rows, block_rows = table.num_rows, table.block_rows
+    first, last = start >> blocks_math.shift(block_rows), (stop - 1) >> blocks_math.shift(block_rows)
+    for block, oldest in view.row_blocks(table.id, first):
+        if block > last:
+            return  # past the range (an entry past the table's end included: verify reports it)
+        if oldest > version:
+            continue  # written only later: counted with the gap before the next written block
+        base = blocks_math.base(block, block_rows)
+        yield block, max(start, base), min(stop, base + blocks_math.length(block, block_rows, num_rows))
+
+
+def ends_read(loc, block_len: int) -> bool:
+    """Whether a read of a block goes no further down its chain than the entry at ``loc``: it holds every
+    row of the block (FULL with ``block_len`` rows). The chain itself ends after a baseline
+    (``IndexView.row_chain``); a read may stop sooner still, once the records above have held every row
+    it asks for, which only the records' offsets tell."""
+    return bool(loc.flags & record.FLAG_FULL) and loc.count == block_len
+
+
+def plan_reads(view: IndexView, table: TableRecord, version: int, start: int = 0,
+               stop: int | None = None) -> Iterator[RowLoc]:
+    """The index location of every record ``plan_table`` (same arguments) will fetch, in the order it
+    fetches them, from the index alone: each block's read chain down to its end or to an entry that holds
+    every row (``ends_read``). It may name a few records the read then does not need (rows found sooner),
+    never fewer: what a storage fetches ahead of the read (``SegmentStorage.prefetch``)."""
+    stop = table.num_rows if stop is None else stop
+    if stop <= start:
+        return
+    for block, _lo, _hi in _written_blocks(view, table, version, start, stop):
+        block_len = blocks_math.length(block, table.block_rows, table.num_rows)
+        for _v, loc in view.row_chain(table.id, block, version):
+            yield loc
+            if ends_read(loc, block_len):
+                break
+
+
+def iter_plan(view: IndexView, segments: SegmentStorage, table: TableRecord, version: int,
+              start: int = 0, stop: int | None = None) -> Iterator[tuple[int, list[Piece]]]:
+    """``plan_table`` block by block: each (offset, pieces) as soon as its records are verified, so that a
+    caller may decode it while later blocks are fetched. Raises MissingRows after the last block if rows
+    are missing (and yields nothing more once it finds one)."""
+    num_rows = table.num_rows
+    stop = num_rows if stop is None else stop
+    if stop <= start:
+        return
+    resolver = BlockResolver(view, segments, table)
+    missing = _Missing()
+    next_row = start  # rows of the range before it are accounted for
+    for block, lo, hi in _written_blocks(view, table, version, start, stop):
+        base = blocks_math.base(block, table.block_rows)
+        missing.add_range(next_row, lo)
+        next_row = hi
+        if hi - lo == blocks_math.length(block, table.block_rows, num_rows):
+            pieces, absent = resolver.resolve(block, None, version, overlay=True)
+        else:  # the range's ends cut the block: only its rows there, renumbered from the cut
+            pieces, absent = resolver.resolve(block, np.arange(lo - base, hi - base, dtype=np.int64), version)
+            pieces = [Piece(p.codec_id, p.source, p.dest - (lo - base), p.take) for p in pieces]
+        if absent.size:
+            missing.add(absent + base)
+        if not missing.count:
+            yield lo - start, pieces
+    missing.add_range(next_row, stop)
+    if missing.count:
+        raise missing.error(table.name, version, whole_table=True)
+
+
 def plan_table(view: IndexView, segments: SegmentStorage, table: TableRecord, version: int,
                start: int = 0, stop: int | None = None) -> list[tuple[int, list[Piece]]]:
     """(offset, pieces) of every block of rows ``start .. stop - 1`` of the table (default: the whole
@@ -298,39 +369,7 @@ def plan_table(view: IndexView, segments: SegmentStorage, table: TableRecord, ve
     written. The pieces of a block wholly in the range are views of the segments' maps (decode them
     within the same read transaction); a block cut by the range's ends holds a copy of its rows there.
     """
-    num_rows, block_rows = table.num_rows, table.block_rows
-    stop = num_rows if stop is None else stop
-    if stop <= start:
-        return []
-    first, last = start >> blocks_math.shift(block_rows), (stop - 1) >> blocks_math.shift(block_rows)
-    resolver = BlockResolver(view, segments, table)
-    plans = []
-    missing = _Missing()
-    next_row = start  # rows of the range before it are accounted for
-    for block, oldest in view.row_blocks(table.id, first):
-        if block > last:
-            break  # past the range (an entry past the table's end included: verify reports it)
-        if oldest > version:
-            continue  # written only later: counted with the gap before the next written block
-        base = blocks_math.base(block, block_rows)
-        lo, hi = max(start, base), min(stop, base + blocks_math.length(block, block_rows, num_rows))
-        missing.add_range(next_row, lo)
-        next_row = hi
-        if hi - lo == blocks_math.length(block, block_rows, num_rows):
-            pieces, absent = resolver.resolve(block, None, version, overlay=True)
-        else:  # the range's ends cut the block: only its rows there, renumbered from the cut
-            pieces, absent = resolver.resolve(block, np.arange(lo - base, hi - base, dtype=np.int64), version)
-            pieces = [Piece(p.codec_id, p.source, p.dest - (lo - base), p.take) for p in pieces]
-        if absent.size:
-            missing.add(absent + base)
-        if missing.count:
-            plans = []  # the read fails: keep counting, hold no rows
-        else:
-            plans.append((lo - start, pieces))
-    missing.add_range(next_row, stop)
-    if missing.count:
-        raise missing.error(table.name, version, whole_table=True)
-    return plans
+    return list(iter_plan(view, segments, table, version, start, stop))
 
 
 def read_table(view: IndexView, segments: SegmentStorage, table: TableRecord, version: int,

@@ -35,7 +35,7 @@ from typing import Callable, Iterator, NamedTuple
 import numpy as np
 import xxhash
 
-from . import filenames, fs, schema
+from . import filenames, fs, range_fetch, schema
 from .index import Index, install_built_index
 from .lock import ProcessLock, SharedLock
 from .marker import marker_bytes
@@ -552,10 +552,11 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
         #: the last failure of an upload or copy point not yet made good (None: the remote is current as of
         #: the last copy point)
         self.last_error: BaseException | None = None
+        self._reading = threading.local()  # .fetcher: the planned read this thread is in (prefetch)
         #: counters (``Store.stats()["remote"]``)
         self.counters = {"bytes_uploaded": 0, "objects_uploaded": 0, "remote_reads": 0, "remote_read_bytes": 0,
-                         "copy_points": 0, "copy_point_seconds": 0.0, "segments_evicted": 0,
-                         "remote_segments_deleted": 0}
+                         "planned_reads": 0, "planned_read_bytes": 0, "copy_points": 0, "copy_point_seconds": 0.0,
+                         "segments_evicted": 0, "remote_segments_deleted": 0}
 
     @property
     def store_id(self) -> str:
@@ -709,7 +710,63 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
             self.copy_point()
 
     # reads -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def prefetch(self, ranges, *, bounded: bool) -> Iterator[None]:
+        """The ranges of segments that are not here, fetched ahead of this thread's reads (range_fetch.py):
+        coalesced into requests by the store's ``Options.remote_read_gap_bytes`` and
+        ``remote_read_request_bytes``, ``remote_read_requests`` of them in flight at once, within
+        ``remote_read_window_bytes`` when ``bounded``. A segment the bucket's listing lacks is left to the read
+        that needs it (which raises as it would have); a request is cut at the object's end, so that what a
+        read needs past it is damage (CorruptionError), as for any read."""
+        with self._lock:
+            known = self._listed
+        if not known:  # (one listing per writer's folder gives every object's size: no request per segment)
+            found = self._list_remote()
+            with self._lock:
+                self._remote.update(found)
+                self._listed = True
+        here: dict[int, bool] = {}
+        for seg in {r.segment for r in ranges}:
+            here[seg] = seg not in self._evicted and os.path.exists(filenames.segment_path(self.root, seg))
+        with self._lock:
+            sizes = {seg: self._remote.get(seg) for seg, local in here.items() if not local}
+        wanted = [r for r in ranges if sizes.get(r.segment) is not None]
+        if not wanted:
+            yield
+            return
+        options = self._options
+        window = options.remote_read_window_bytes if bounded else None
+        needed = sum(r.length for r in wanted)
+        cut = range_fetch.request_bytes(needed, options.remote_read_requests, options.remote_read_request_bytes,
+                                        window)
+        requests = [r._replace(end=min(r.end, sizes[r.segment]))
+                    for r in range_fetch.coalesce(wanted, options.remote_read_gap_bytes, cut)
+                    if r.start < sizes[r.segment]]
+        fetcher = range_fetch.Fetcher(requests, wanted, self._get, concurrency=options.remote_read_requests,
+                                      window_bytes=window)
+        with self._lock:
+            self.counters["planned_reads"] += 1
+            self.counters["planned_read_bytes"] += needed
+        outer = getattr(self._reading, "fetcher", None)
+        self._reading.fetcher = fetcher
+        done = False
+        try:
+            yield
+            done = True
+        finally:
+            self._reading.fetcher = outer
+            fetcher.close(wait=done)  # (after an error, requests still in flight end by their deadline, unread)
+
     def read(self, seg: int, offset: int, length: int) -> np.ndarray:
+        fetcher = getattr(self._reading, "fetcher", None)
+        if fetcher is not None:
+            view = fetcher.read(seg, offset, length)
+            if view is not None:
+                if view.shape[0] != length:
+                    where = self.objects.where(self._key(seg))
+                    raise CorruptionError(f"remote segment {where} holds fewer bytes than the index needs "
+                                          f"({offset + view.shape[0]} < {offset + length})", where, offset)
+                return view
         if seg not in self._evicted:
             fs.pause_point("remote_read_local", seg)
             try:

@@ -25,13 +25,14 @@ import errno
 import mmap
 import os
 import stat
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from .. import errors
 from . import filenames, fs, record
 from .index import RowLoc
+from .range_fetch import ByteRange
 from ..options import Options
 from .segments import SEGMENT_FIX, SegmentAppender, SegmentIds, SegmentReader, recover
 
@@ -106,6 +107,17 @@ class SegmentStorage(abc.ABC):
     def keep_pages(self):
         """A context within which reads drop no mapped pages, which are dropped at its end (a whole-table
         read). Default: nothing to keep."""
+        return contextlib.nullcontext()
+
+    def prefetch(self, ranges: Sequence[ByteRange], *, bounded: bool):
+        """A context within which this thread's reads of ``ranges`` (range_fetch.ByteRange: the records a
+        read is about to fetch, in the order it will fetch them) may be served from bytes fetched ahead of
+        it, concurrently. ``read`` keeps its contract inside (the same bytes, or CorruptionError), and a read
+        of anything else is a plain read. ``bounded``: the reader lets go of each record once it has used
+        it, so the storage may bound the bytes it holds ahead (a remote storage: the store's
+        ``Options.remote_read_window_bytes``); else it may hold every range until the context ends. An error
+        fetching a range is raised by the read that needs it, as that read would raise it; leaving the
+        context stops every fetch. Default: nothing to fetch ahead (the segments are local)."""
         return contextlib.nullcontext()
 
     @abc.abstractmethod

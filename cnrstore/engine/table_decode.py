@@ -1,6 +1,16 @@
-"""Whole-table and row-range reads decoded in parallel: every table of a read is planned (each record it needs verified,
-``reader.plan_table``) before any destination array is written, then its blocks are decoded straight into
-those arrays on a pool of threads (the decode kernels, numpy's and FBGEMM's, release the GIL).
+"""Whole-table and row-range reads decoded in parallel, on a pool of threads (the decode kernels, numpy's
+and FBGEMM's, release the GIL).
+
+A read into the caller's arrays plans every table first (each record it needs verified,
+``reader.plan_table``) before any of them is written, then decodes the blocks straight into them. A read
+into new arrays (``Store.read_tables`` with None, ``Store.restore``) decodes each block as soon as its records
+are verified (``reader.iter_plan``): nobody sees its arrays unless it succeeds, and it holds no more of the
+fetched records than the blocks being decoded need.
+
+Before either, the storage is told every record the read will fetch, in order, from the index alone
+(``fetch_ahead``: ``reader.plan_reads``, ``SegmentStorage.prefetch``): the remote tier fetches them with
+concurrent, coalesced requests while the read verifies and decodes what has arrived; a local storage has
+nothing to do.
 
 This is what ``Store.read_table``, ``Store.read_tables`` and ``Store.restore`` run inside their read
 transaction: the plans are views of the segments' maps, decoded before the transaction ends.
@@ -8,6 +18,8 @@ transaction: the plans are views of the segments' maps, decoded before the trans
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -19,11 +31,12 @@ from ..codecs.base import as_out
 from ..errors import InvalidArgument
 from ..options import Options
 from .index import IndexView
-from .reader import decode_block, plan_table
+from .range_fetch import ByteRange
+from .reader import decode_block, iter_plan, plan_reads, plan_table
 from .schema import TableRecord
 from .storage import SegmentStorage
 
-__all__ = ["check_out", "decode_threads", "read_tables"]
+__all__ = ["check_out", "decode_threads", "fetch_ahead", "read_tables"]
 
 _pool_lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}  # by size: stores of one process may ask for different sizes
@@ -74,31 +87,56 @@ def check_out(out, table: TableRecord, what: str, start: int | None = None) -> n
     return as_out(out, (n, table.dim), f"{name}, rows {start}..{int(start) + n - 1}")
 
 
+def _stop(table: TableRecord, out: np.ndarray | None, start: int) -> int:
+    return table.num_rows if out is None else start + out.shape[0]
+
+
+def fetch_ahead(view: IndexView, segments: SegmentStorage, jobs: Sequence[tuple[TableRecord, np.ndarray | None, int]],
+                version: int, *, then: Sequence = (), bounded: bool):
+    """A context within which ``segments`` may fetch ahead (``SegmentStorage.prefetch``) every record that
+    ``read_tables(view, segments, jobs, version, ...)`` will read, in its order (``reader.plan_reads``), and
+    then the records at the index locations ``then`` (a caller's next reads on this thread, such as
+    ``Store.restore``'s dense arrays). ``bounded``: the reads let go of the records as they decode them
+    (a read into new arrays), so the storage may bound what it holds ahead."""
+    ranges = [ByteRange(loc.segment, loc.offset, loc.length) for table, out, start in jobs
+              for loc in plan_reads(view, table, version, start, _stop(table, out, start))]
+    ranges += [ByteRange(loc.segment, loc.offset, loc.length) for loc in then]
+    return segments.prefetch(ranges, bounded=bounded)
+
+
 def read_tables(view: IndexView, segments: SegmentStorage, jobs: Sequence[tuple[TableRecord, np.ndarray | None, int]],
                 version: int, progress: Callable[[int, int], None] | None = None, *,
-                options: Options) -> list[np.ndarray]:
+                options: Options, fetched: bool = False) -> list[np.ndarray]:
     """Each job of ``jobs`` ((table, destination, first row)) as of ``version``: rows ``first .. first +
     len(destination) - 1`` of the table decoded into its destination (checked with :func:`check_out` by the
     caller), or, for a destination None (first row 0), the whole table into a new array; in ``jobs`` order.
 
-    Every job is planned first, so every record the read needs is verified (and every row found)
-    before any destination is written: a CorruptionError or MissingRows leaves them all untouched. The
-    blocks are then decoded on ``options.decode_threads`` threads (the store's Options; :func:`decode_threads`),
-    on this one under ``options.decode_inline_bytes`` of destinations; an error there (none is expected once
-    the records are verified, short of running out of memory) is raised after every block has finished.
+    With a destination given, every job is planned first, so every record the read needs is verified (and
+    every row found) before any destination is written: a CorruptionError or MissingRows leaves them all
+    untouched. With none (every destination new), each block is decoded as soon as its records are
+    verified, and an error leaves nothing behind (the new arrays are dropped). The blocks are decoded on
+    ``options.decode_threads`` threads (the store's Options; :func:`decode_threads`), on this one under
+    ``options.decode_inline_bytes`` of destinations; an error there (none is expected once the records are
+    verified, short of running out of memory) is raised after every block has finished.
+
+    The storage fetches the read's records ahead of it (:func:`fetch_ahead`) unless ``fetched`` says the
+    caller opened that context already.
 
     ``progress(done, total)``, if given, is called on this thread as blocks are decoded: fp32 bytes of the
     destinations decoded so far, of their total (once with 0 before the first block, last with ``total``).
     """
+    streamed = all(out is None for _table, out, _start in jobs)
     # a whole-table read maps much of the store: its pages stay mapped while it plans and decodes (dropped
     # between the two, each would fault in twice), and leave the resident set with it
-    with segments.keep_pages():
+    with segments.keep_pages(), (contextlib.nullcontext() if fetched
+                                 else fetch_ahead(view, segments, jobs, version, bounded=streamed)):
+        if streamed:
+            return _stream_tables(view, segments, jobs, version, progress, options)
         return _read_tables(view, segments, jobs, version, progress, options)
 
 
 def _read_tables(view, segments, jobs, version, progress, options: Options) -> list[np.ndarray]:
-    plans = [plan_table(view, segments, table, version, start, None if out is None else start + out.shape[0])
-             for table, out, start in jobs]
+    plans = [plan_table(view, segments, table, version, start, _stop(table, out, start)) for table, out, start in jobs]
     outs = [np.empty((t.num_rows, t.dim), dtype=np.float32) if out is None else out for t, out, _start in jobs]
     tasks = [(out, offset, pieces, table.dim)
              for (table, _, _), out, blocks in zip(jobs, outs, plans) for offset, pieces in blocks]
@@ -127,6 +165,47 @@ def _read_tables(view, segments, jobs, version, progress, options: Options) -> l
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
+    return outs
+
+
+def _stream_tables(view, segments, jobs, version, progress, options: Options) -> list[np.ndarray]:
+    """``read_tables`` into new arrays: each block decoded once its records are verified, at most a few
+    blocks per decoding thread queued at once (the fetched records they hold stay few)."""
+    outs = [np.empty((t.num_rows, t.dim), dtype=np.float32) for t, _out, _start in jobs]
+    total, done = sum(out.nbytes for out in outs), 0
+    if progress is not None:
+        progress(0, total)
+    blocks = ((out, offset, pieces, table.dim) for (table, _, start), out in zip(jobs, outs)
+              for offset, pieces in iter_plan(view, segments, table, version, start, table.num_rows))
+    workers = decode_threads(options.decode_threads)
+    if workers <= 1 or total < options.decode_inline_bytes:
+        for task in blocks:
+            decode_block(*task)
+            if progress is not None:
+                done += _task_bytes(task)
+                progress(done, total)
+        return outs
+    pool = _executor(workers)
+    queued: collections.deque = collections.deque()  # (future, fp32 bytes it writes), oldest first
+    try:
+        for task in blocks:
+            queued.append((pool.submit(decode_block, *task), _task_bytes(task)))
+            del task  # (the pool holds the block's pieces until it has decoded them)
+            while queued and (len(queued) > 2 * workers or queued[0][0].done()):
+                future, nbytes = queued.popleft()
+                future.result()
+                if progress is not None:
+                    done += nbytes
+                    progress(done, total)
+        while queued:
+            future, nbytes = queued.popleft()
+            future.result()
+            if progress is not None:
+                done += nbytes
+                progress(done, total)
+    finally:  # a failed plan, decode or progress: no block may still write afterwards
+        for future, _nbytes in queued:
+            future.exception()
     return outs
 
 

@@ -65,6 +65,9 @@ class RecordingStorage(SegmentStorage):
     def keep_pages(self):
         return self._call("keep_pages")
 
+    def prefetch(self, ranges, *, bounded):
+        return self._call("prefetch", ranges, bounded=bounded)
+
     def sync_removals(self):
         return self._call("sync_removals")
 

@@ -3,7 +3,8 @@ a real object store's show up, not by patching cnrstore.
 
     proxy = FaultProxy("http://127.0.0.1:PORT")   # the real endpoint
     proxy.drop_puts(1)        # the next PUT (an object or a multipart part) is cut off mid-body
-    proxy.slow_down(3)        # the next 3 requests answer 503 SlowDown
+    proxy.cut_gets("segments/", 3)  # the next 3 GETs of keys containing it: headers, half the body, cut
+    proxy.slow_down(3)        # the next 3 requests answer 503 SlowDown (slow_down(3, "segments/"): of those keys)
     proxy.hide("segments/")   # GET/HEAD of any key containing it answer 404 NoSuchKey
     proxy.fail_puts(5)        # the next 5 PUTs answer 500 InternalError
     proxy.hang("PUT")         # every PUT (or request whose path holds the text) waits, unanswered, until heal()
@@ -36,11 +37,14 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._drops = 0
         self._slow = 0
+        self._slow_only = ""
         self._hidden: list[str] = []
         self._fail_puts = 0
+        self._cut_gets: list[str] = []
+        self._cuts = 0
         self._hang: list[str] = []
         self._healed = threading.Event()
-        #: what was done: ("drop" | "503" | "404" | "500" | "hang" | "put", path) per request
+        #: what was done: ("drop" | "cut" | "503" | "404" | "500" | "hang" | "put", path) per request
         self.log: list[tuple[str, str]] = []
         proxy = self
 
@@ -98,6 +102,13 @@ class FaultProxy:
                     conn.request(method, path, body=body or None, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
+                    if fault == "cut":  # the whole length announced, half the body sent, the connection cut
+                        self.send_response(resp.status, resp.reason)
+                        self.send_header("Content-Length", str(len(data)))
+                        self.end_headers()
+                        self.wfile.write(data[: len(data) // 2])
+                        self.wfile.flush()
+                        return self._cut()
                     self.send_response(resp.status, resp.reason)
                     for k, v in resp.getheaders():
                         if k.lower() not in _HOP and k.lower() != "content-length":
@@ -127,7 +138,11 @@ class FaultProxy:
             if method in ("GET", "HEAD") and any(h in key for h in self._hidden):
                 self.log.append(("404", path))
                 return "404"
-            if self._slow:
+            if method == "GET" and self._cuts and any(h in key for h in self._cut_gets):
+                self._cuts -= 1
+                self.log.append(("cut", path))
+                return "cut"
+            if self._slow and self._slow_only in key:
                 self._slow -= 1
                 self.log.append(("503", path))
                 return "503"
@@ -148,10 +163,17 @@ class FaultProxy:
         with self._lock:
             self._drops = n
 
-    def slow_down(self, n: int) -> None:
-        """Answer the next ``n`` requests with 503 SlowDown."""
+    def cut_gets(self, fragment: str, n: int) -> None:
+        """Cut off the next ``n`` GETs of keys containing ``fragment`` mid-body (the full Content-Length is sent)."""
+        with self._lock:
+            self._cut_gets.append(fragment)
+            self._cuts = n
+
+    def slow_down(self, n: int, only: str = "") -> None:
+        """Answer the next ``n`` requests (of keys containing ``only``, if given) with 503 SlowDown."""
         with self._lock:
             self._slow = n
+            self._slow_only = only
 
     def hide(self, fragment: str) -> None:
         """Answer 404 to GET/HEAD of every key containing ``fragment``."""
@@ -172,8 +194,10 @@ class FaultProxy:
     def heal(self) -> None:
         """No more faults (hung requests are let go)."""
         with self._lock:
-            self._drops = self._slow = self._fail_puts = 0
+            self._drops = self._slow = self._fail_puts = self._cuts = 0
+            self._slow_only = ""
             self._hidden = []
+            self._cut_gets = []
             self._hang = []
             self._healed.set()
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from cnrstore.engine.marker import FORMAT_VERSION
+from cnrstore.engine.range_fetch import ByteRange
 from cnrstore.engine.segments import SEGMENT_HEADER_BYTES, SegmentAppender, SegmentIds, segment_header
 from cnrstore.errors import CorruptionError, ReadOnlyError
 
@@ -272,6 +273,28 @@ class StorageTests:
             t.join(60)
         assert not any(t.is_alive() for t in pool), "a read hung"
         assert not wrong, f"{len(wrong)} of {threads * reads_each} concurrent reads went wrong: {wrong[:3]}"
+
+    def test_prefetched_reads_give_the_bytes_of_plain_reads(self, storage):
+        """Within ``prefetch`` of a read's ranges (in the order it reads them), every read gives the bytes a
+        plain read gives, of the planned ranges and of any other (a header, a range across two records); a
+        range past a segment's end is CorruptionError as always; after the context, reads go on as before."""
+        written = self.write(storage, [payloads(30, [300, 5, 2000, 64]), payloads(31, [1000, 10, 700])])
+        wholes = {seg: written.whole(seg) for seg in written}
+        planned = [ByteRange(seg, off, len(p)) for seg, records in written.items() for off, p in records]
+        order = planned[1::2] + planned[::2]  # the segments' records interleaved, out of offset order
+        for bounded in (True, False):
+            with storage.prefetch(order, bounded=bounded):
+                for seg, off, length in order:
+                    view = storage.read(seg, off, length)
+                    assert not view.flags.writeable
+                    assert view.tobytes() == wholes[seg][off:off + length], (seg, off, length, bounded)
+                seg = min(wholes)
+                assert storage.read(seg, 0, 40).tobytes() == wholes[seg][:40]
+                assert storage.read(seg, 10, 600).tobytes() == wholes[seg][10:610]
+                with pytest.raises(CorruptionError):
+                    storage.read(seg, len(wholes[seg]) - 4, 8)
+        for seg, off, length in order:
+            assert storage.read(seg, off, length).tobytes() == wholes[seg][off:off + length]
 
     def test_appender_is_given_exactly_when_appends_are_supported(self, storage):
         if storage.supports_appends:
