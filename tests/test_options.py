@@ -62,6 +62,10 @@ def test_options_are_frozen_and_replace_makes_another():
     ("decode_threads", 0, "at least 1"),
     ("decode_inline_bytes", -1, "at least 0"),
     ("mapped_read_release_bytes", -1, "at least 0"),
+    ("remote_read_requests", 0, "at least 1"),
+    ("remote_read_gap_bytes", -1, "at least 0"),
+    ("remote_read_request_bytes", 0, "at least 1"),
+    ("remote_read_window_bytes", None, "an int"),
 ])
 def test_a_bad_value_raises_invalid_argument_naming_the_field_and_what_to_pass(field, value, says):
     with pytest.raises(InvalidArgument, match=f"Options.{field}") as info:
