@@ -126,15 +126,16 @@ MAPPED_READ_RELEASE_BYTES = 64 << 20
 #: A whole-version read (read_tables, restore, the torch Checkpointer's restore) of segments that are in the
 #: bucket only knows every record it needs from the index: it fetches them ahead with this many ranged GETs in
 #: flight at once (a thread each). An object store serves one request at tens to a hundred MB/s and many in
-#: parallel: 16 is what S3's guidelines start from for a bulk transfer.
+#: parallel: 16 lanes keep a few hundred MB/s to a few GB/s in flight.
 REMOTE_READ_REQUESTS = 16
 #: The records of one segment lying at most this many bytes apart are fetched by one request, the bytes
 #: between them included: a request costs a round trip (~10-50 ms on S3), in which a lane moves ~1 MiB.
 REMOTE_READ_GAP_BYTES = 1 << 20
-#: One request fetches at most this many bytes (plus one record). A read cuts its requests smaller to spread
-#: over REMOTE_READ_REQUESTS lanes, but not below range_fetch.REQUEST_FLOOR_BYTES (32 MiB: a request costs a
-#: round trip, and moto reads a whole object to serve any range of it), nor above the window's share of a lane.
-REMOTE_READ_REQUEST_BYTES = 64 << 20
+#: ... and a request is cut where a record starts at least this many bytes past its start (it passes the size by
+#: at most one record): large enough that a request's round trip is small beside its transfer, small enough that
+#: a restore of a few segments still spreads over the lanes (S3's guidance is 8-16 MB ranges; s3fs cuts a large
+#: object at 50 MiB). moto reads a whole object to serve any range of it: there, larger is faster.
+REMOTE_READ_REQUEST_BYTES = 32 << 20
 #: A read into new arrays (read_tables with None, restore) holds at most this many bytes fetched and not yet
 #: decoded (in flight, arrived, or in the blocks being decoded): 16 lanes of 32 MiB. A request the read waits
 #: for is fetched whatever the bound, so that a read never waits on itself. A read into the caller's arrays

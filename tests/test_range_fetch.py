@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cnrstore.engine.range_fetch import ByteRange, Fetcher, coalesce, request_bytes
+from cnrstore.engine.range_fetch import ByteRange, Fetcher, coalesce
 from cnrstore.errors import RemoteStorageError
 
 
@@ -22,7 +22,8 @@ def _segments(n_segments=3, size=1 << 16, seed=0) -> dict[int, bytes]:
 
 
 class SlowGets:
-    """``get`` over ``data`` that sleeps ``delay`` s per request and records how many run at once."""
+    """``fetch`` (range_fetch.FetchInto) over ``data``: each request lands in two halves, ``delay`` s apart, and
+    counts how many run at once; ``fail``: (segment, start) of requests that fail after their first half."""
 
     def __init__(self, data: dict[int, bytes], delay=0.01, fail: set | None = None):
         self.data, self.delay, self.fail = data, delay, fail or set()
@@ -30,16 +31,23 @@ class SlowGets:
         self.running = self.peak = 0
         self.calls: list[tuple[int, int, int]] = []
 
-    def __call__(self, seg, start, end):
+    def __call__(self, seg, start, buffer, arrived):
+        end = start + len(buffer)
         with self.lock:
             self.calls.append((seg, start, end))
             self.running += 1
             self.peak = max(self.peak, self.running)
         try:
+            data = self.data[seg][start:end]
+            half = len(data) // 2
+            buffer[:half] = data[:half]
+            arrived(half)
             time.sleep(self.delay)
             if (seg, start) in self.fail:
                 raise RemoteStorageError(f"reading segment {seg} at {start}: 503 SlowDown past the retries")
-            return self.data[seg][start:end]
+            buffer[half:len(data)] = data[half:]
+            arrived(len(data))
+            return len(data)
         finally:
             with self.lock:
                 self.running -= 1
@@ -91,14 +99,6 @@ def test_near_records_merge_and_far_ones_do_not():
     assert coalesce(ranges, gap=10_000, most=100)[0] == (1, 100, 200, 0, 2, 2), "cut where a record starts past it"
 
 
-def test_a_request_is_cut_to_fill_the_lanes_but_not_below_the_floor_nor_past_the_window():
-    from cnrstore.engine.range_fetch import REQUEST_FLOOR_BYTES as floor
-    assert request_bytes(64 * floor, 16, 1 << 40, None) == 4 * floor
-    assert request_bytes(floor, 16, 1 << 40, None) == floor
-    assert request_bytes(64 * floor, 16, 1 << 40, 16 * floor) == floor
-    assert request_bytes(64 * floor, 16, floor // 2, None) == floor // 2
-
-
 # -- Fetcher --------------------------------------------------------------------------------------------
 
 def test_reads_get_exactly_their_bytes_and_requests_are_fewer_than_records():
@@ -117,6 +117,22 @@ def test_reads_get_exactly_their_bytes_and_requests_are_fewer_than_records():
     finally:
         fetcher.close()
     assert sorted(gets.calls) == sorted((q.segment, q.start, q.end) for q in requests)
+
+
+def test_a_record_is_served_as_soon_as_its_bytes_have_landed():
+    data = _segments(1)
+    ranges = [ByteRange(1, 0, 1000), ByteRange(1, 1000, 1000)]  # one request; its first half lands at once
+    requests = coalesce(ranges, gap=0, most=1 << 20)
+    assert len(requests) == 1
+    fetcher = Fetcher(requests, ranges, SlowGets(data, delay=0.5), concurrency=1, window_bytes=None)
+    try:
+        t0 = time.monotonic()
+        assert fetcher.read(1, 0, 1000).tobytes() == data[1][:1000]
+        assert time.monotonic() - t0 < 0.25, "waited for the whole request"
+        assert fetcher.read(1, 1000, 1000).tobytes() == data[1][1000:2000]
+        assert time.monotonic() - t0 >= 0.45
+    finally:
+        fetcher.close()
 
 
 def test_at_most_the_given_number_of_requests_is_in_flight():

@@ -19,6 +19,7 @@ compare-and-swap (docs/DESIGN.md, "The remote tier").
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import threading
@@ -77,6 +78,15 @@ class ObjectStore:
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of object ``key`` (the whole object by default)."""
         raise NotImplementedError
+
+    def read_into(self, key: str, start: int, buffer: memoryview, arrived) -> int:
+        """Bytes ``[start, start + len(buffer))`` of object ``key`` into ``buffer``, in order, calling
+        ``arrived(count)`` with the count landed so far as they land (a reader may use them meanwhile); returns
+        the count, fewer than ``len(buffer)`` if the object ends first. Default: one ``get``, then one call."""
+        data = self.get(key, start, start + len(buffer))
+        buffer[: len(data)] = data
+        arrived(len(data))
+        return len(data)
 
     def size(self, key: str) -> int | None:
         """Size of object ``key``, or None if there is none."""
@@ -272,6 +282,45 @@ class FsspecObjectStore(ObjectStore):
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         nbytes = (end - (start or 0)) if end is not None else 0
         return self._call("cat_file", self._path(key), start=start, end=end, what="reading", key=key, nbytes=nbytes)
+
+    def read_into(self, key: str, start: int, buffer: memoryview, arrived) -> int:
+        """On S3, one ranged GET streamed into ``buffer`` as its body arrives (``arrived`` is called on the
+        client's event loop: it must be quick). A connection cut midway is resumed from the first byte not yet
+        landed, as often as the client retries a request; the whole read keeps one deadline."""
+        if not self.conditional_writes:  # (no s3 client call to stream with: one get)
+            return super().read_into(key, start, buffer, arrived)
+        from s3fs.core import S3_RETRYABLE_ERRORS  # noqa: PLC0415 - (s3fs is there: conditional_writes says so)
+
+        size = len(buffer)
+        attempts = max(1, int(getattr(self.fs, "retries", 1)))
+
+        async def stream() -> int:
+            got = 0
+            for attempt in range(attempts):
+                try:
+                    resp = await self.fs._call_s3("get_object", Bucket=self.bucket,
+                                                  Key=self._path(key).split("/", 1)[1],
+                                                  Range=f"bytes={start + got}-{start + size - 1}")
+                    body = resp["Body"]
+                    try:
+                        while got < size:
+                            n = await body.readinto(buffer[got:])
+                            if not n:
+                                return got
+                            got += n
+                            arrived(got)
+                    finally:
+                        body.close()
+                    return got
+                except S3_RETRYABLE_ERRORS:
+                    if attempt + 1 == attempts:
+                        raise
+                    await asyncio.sleep(min(1.7 ** attempt * 0.1, 15))  # (s3fs's own backoff)
+            return got
+
+        if size == 0:
+            return 0
+        return self._run(stream, what="reading", key=key, nbytes=size)
 
     def size(self, key: str) -> int | None:
         try:

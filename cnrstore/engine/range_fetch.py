@@ -13,11 +13,11 @@ time, never a wrong byte: every record is still parsed and checksummed by ``stor
 The bounds, where the read's options (``cnrstore.Options``) set them:
 
 - **requests**: at most ``remote_read_requests`` at once (a thread each: the object store's client is
-  thread-safe and gives every request its deadline and its typed errors);
+  thread-safe and gives every request its deadline and its typed errors), each streamed into a buffer of its
+  own (``ObjectStore.read_into``), so that a record is read as soon as its bytes have landed;
 - **request size**: the records of one segment whose gaps are at most ``remote_read_gap_bytes`` form one
-  request, cut at a record's start once it reaches ``request_bytes(...)`` (at most
-  ``remote_read_request_bytes``; less for a read that would not fill every lane with requests that large,
-  down to ``REQUEST_FLOOR_BYTES``): a request passes that size by at most one record;
+  request, cut at a record's start once it reaches ``remote_read_request_bytes``: a request passes that size
+  by at most one record;
 - **memory**: with a window, the bytes of the requests issued and not yet freed -- in flight, arrived and
   not read, or read and still referenced by what the caller was handed -- stay within
   ``remote_read_window_bytes``, except that a request the read is waiting for is always issued (a read
@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["ByteRange", "Request", "coalesce", "request_bytes", "Fetcher"]
+__all__ = ["ByteRange", "Request", "coalesce", "Fetcher"]
 
 #: ``coalesce`` keeps segments apart by placing segment number k of a plan at k << this (offsets are u32)
 _SEGMENT_SHIFT = 34
@@ -61,23 +61,6 @@ class Request(NamedTuple):
     first: int
     last: int
     records: int
-
-
-#: A read's requests are at least this long where it has the bytes (one request costs a round trip, and on some
-#: endpoints a pass over the whole object: moto reads an object whole to serve any range of it); s3fs cuts a
-#: whole-object read at 50 MiB.
-REQUEST_FLOOR_BYTES = 32 << 20
-
-
-def request_bytes(total: int, requests: int, most: int, window: int | None) -> int:
-    """The size a request of a read of ``total`` bytes is cut at: ``total / requests`` (the read fills its
-    ``requests`` lanes), but at least ``REQUEST_FLOOR_BYTES``, at most ``most``, and with a window, at most
-    ``window / requests`` (the lanes' requests fit in it together)."""
-    lanes = max(1, requests)
-    size = max(REQUEST_FLOOR_BYTES, -(-total // lanes))
-    if window is not None:
-        size = min(size, window // lanes)
-    return max(1, min(most, size))
 
 
 def coalesce(ranges: Sequence[ByteRange], gap: int, most: int) -> list[Request]:
@@ -113,33 +96,41 @@ def coalesce(ranges: Sequence[ByteRange], gap: int, most: int) -> list[Request]:
 
 
 # states of a request in a Fetcher
-_PENDING, _FLIGHT, _ARRIVED, _FAILED, _GONE = range(5)
+_PENDING, _FLIGHT, _DONE, _FAILED, _GONE = range(5)
+
+#: ``fetch(segment, start, buffer, arrived) -> bytes fetched``: bytes ``[start, start + len(buffer))`` of a
+#: segment into ``buffer`` (a writable memoryview), in order, ``arrived(count so far)`` called as they land; fewer
+#: than ``len(buffer)`` if the object ends first (``ObjectStore.read_into``)
+FetchInto = Callable[[int, int, memoryview, Callable[[int], None]], int]
 
 
 class _Slot:
-    """A request and what became of it (guarded by its Fetcher's condition)."""
+    """A request and what became of it (guarded by its Fetcher's condition): its buffer, and how many of its
+    bytes have landed there (``filled``), in order."""
 
-    __slots__ = ("request", "state", "buffer", "error", "wanted")
+    __slots__ = ("request", "state", "buffer", "filled", "awaited", "error", "wanted", "__weakref__")
 
     def __init__(self, request: Request):
         self.request = request
         self.state = _PENDING
         self.buffer: np.ndarray | None = None
+        self.filled = 0
+        self.awaited = 0  # the count of bytes a reader waits to have landed (0: none waits)
         self.error: BaseException | None = None
         self.wanted = False
 
 
 class Fetcher:
-    """Issues ``requests`` (``coalesce``'s) through ``get(segment, start, end) -> bytes`` on ``concurrency``
-    threads, ahead of a reader that asks for the planned ranges (``ranges``: in the order it will ask) with
-    ``read``. ``window_bytes`` bounds the bytes it holds (module docstring; None: no bound). ``close`` ends
-    it: requests not issued never are, and what arrives after is dropped. Thread-safe; the reader's
-    positions assume one thread reads in the planned order (another thread's reads are served too, at no
-    cost to the order)."""
+    """Issues ``requests`` (``coalesce``'s) through ``fetch`` (``FetchInto``) on ``concurrency`` threads, ahead of a
+    reader that asks for the planned ranges (``ranges``: in the order it will ask) with ``read``, which is served
+    as soon as a range's bytes have landed, while the rest of its request is still arriving. ``window_bytes``
+    bounds the bytes it holds (module docstring; None: no bound). ``close`` ends it: requests not issued never
+    are. Thread-safe; the reader's positions assume one thread reads in the planned order (another thread's
+    reads are served too, at no cost to the order)."""
 
-    def __init__(self, requests: Sequence[Request], ranges: Sequence[ByteRange],
-                 get: Callable[[int, int, int], bytes], *, concurrency: int, window_bytes: int | None):
-        self._get = get
+    def __init__(self, requests: Sequence[Request], ranges: Sequence[ByteRange], fetch: FetchInto, *,
+                 concurrency: int, window_bytes: int | None):
+        self._fetch_into = fetch
         self._concurrency = max(1, concurrency)
         self._window = window_bytes
         self._cond = threading.Condition(threading.RLock())  # (a freed buffer's finalizer may run under it)
@@ -152,7 +143,7 @@ class Fetcher:
         self._positions: dict[tuple[int, int], int] = {}
         for i, r in enumerate(ranges):
             self._positions.setdefault((r.segment, r.offset), i)
-        self._arrived: list[_Slot] = []
+        self._issued: list[_Slot] = []  # holding a buffer: in flight or done
         self._in_flight = 0
         self._held = 0
         self._cursor = -1
@@ -175,28 +166,32 @@ class Fetcher:
         return group[i]
 
     def read(self, seg: int, offset: int, length: int) -> np.ndarray | None:
-        """The bytes ``[offset, offset + length)`` of segment ``seg`` from its request, once it arrived
-        (waiting for it; it is issued now if it was not yet): a read-only view, shorter than ``length`` if
-        the object ended first. None if no request holds them (not planned, or dropped: read them the usual
-        way). Raises what fetching its request raised."""
+        """The bytes ``[offset, offset + length)`` of segment ``seg`` from its request, once they have landed
+        (waiting for them; the request is issued now if it was not yet): a read-only view, shorter than
+        ``length`` if the object ended first. None if no request holds them (not planned, or dropped: read
+        them the usual way). Raises what fetching its request raised, if that stopped it short of them."""
         slot = self._find(seg, offset, length)
         if slot is None:
             return None
+        end = offset + length - slot.request.start
         with self._cond:
             if slot.state == _PENDING:
                 slot.wanted = True
                 self._pending.remove(slot)
                 self._pending.appendleft(slot)  # next in line, whatever the window
                 self._pump()
-            while slot.state in (_PENDING, _FLIGHT) and not self._closed:
+            while (slot.state == _PENDING or (slot.state == _FLIGHT and slot.filled < end)) and not self._closed:
+                slot.awaited = end
                 self._cond.wait()
-            if slot.state == _FAILED:
-                raise slot.error
+            slot.awaited = 0
             buf = slot.buffer
             if buf is None:
                 return None
+            if slot.state == _FAILED and slot.filled < end:
+                raise slot.error
             lo = offset - slot.request.start
-            view = buf[lo : lo + length]
+            view = buf[lo : min(end, slot.filled)]
+            view.flags.writeable = False
             position = self._positions.get((seg, offset))
             if position is not None and position > self._cursor:
                 self._cursor = position
@@ -204,11 +199,13 @@ class Fetcher:
         return view
 
     def _release_passed(self) -> None:
-        """Drop the requests whose every planned read is at or before the cursor (their views live on in
-        what the reader holds, and are freed with it); skip pending ones the read went past."""
-        for slot in [s for s in self._arrived if s.request.last <= self._cursor]:
-            self._arrived.remove(slot)
-            slot.state, slot.buffer = _GONE, None  # (may free it here: _freed takes the lock again)
+        """Let go of the requests whose every planned read is at or before the cursor (the views the reader was
+        handed keep their bytes alive until it drops them); pending ones the read went past are never issued."""
+        for slot in [s for s in self._issued if s.request.last <= self._cursor]:
+            self._issued.remove(slot)
+            slot.buffer = None  # (may free it here: _freed takes the lock again)
+            if slot.state != _FLIGHT:
+                slot.state = _GONE
         self._pump()
 
     def _pump(self) -> None:
@@ -226,61 +223,62 @@ class Fetcher:
                 return
             self._pending.popleft()
             slot.state = _FLIGHT
+            slot.buffer = np.empty(size, dtype=np.uint8)
+            weakref.finalize(slot.buffer, self._freed, size).atexit = False
+            self._issued.append(slot)
             self._in_flight += 1
             self._held += size
             self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
             self.peak_held = max(self.peak_held, self._held)
-            self._pool.submit(self._fetch, slot)
+            self._pool.submit(self._fetch, slot, slot.buffer)
 
-    def _fetch(self, slot: _Slot) -> None:
+    def _fetch(self, slot: _Slot, buf: np.ndarray) -> None:
         request = slot.request
-        size = request.end - request.start
+
+        def arrived(count: int) -> None:  # (on the client's thread, as bytes land: wake a reader once they are its)
+            with self._cond:
+                slot.filled = count
+                if slot.awaited and count >= slot.awaited:
+                    self._cond.notify_all()
+
         try:
-            data = self._get(request.segment, request.start, request.end)
+            count = self._fetch_into(request.segment, request.start, memoryview(buf), arrived)
         except BaseException as exc:  # noqa: BLE001 - handed to the reader that waits for it
             with self._cond:
                 slot.state, slot.error = _FAILED, exc
                 self._in_flight -= 1
-                self._held -= size
                 self._pump()
                 self._cond.notify_all()
             return
-        buf = np.frombuffer(data, dtype=np.uint8)
         with self._cond:
+            slot.filled = count
+            slot.state = _DONE if slot.buffer is not None else _GONE
             self._in_flight -= 1
-            if self._closed or (request.last <= self._cursor and not slot.wanted):
-                slot.state = _GONE
-                self._held -= size
-            else:
-                slot.state, slot.buffer = _ARRIVED, buf
-                self._arrived.append(slot)
-                weakref.finalize(buf, self._freed, size).atexit = False
             self._pump()
             self._cond.notify_all()
 
     def _freed(self, size: int) -> None:
-        """A request's bytes were freed (the last view of them is gone)."""
+        """A request's buffer was freed (no view of it is left)."""
         with self._cond:
             self._held -= size
             self._pump()
             self._cond.notify_all()
 
     def held_bytes(self) -> int:
-        """Bytes of requests issued and not yet freed."""
+        """Bytes of the requests' buffers not yet freed."""
         with self._cond:
             return self._held
 
     def close(self, *, wait: bool = True) -> None:
-        """No more requests: those not issued never are, those arriving are dropped, and the arrived ones
-        are let go (views handed out stay valid). ``wait``: until the requests in flight have ended (each
-        within its deadline)."""
+        """No more requests: those not issued never are, and the buffers are let go (views handed out stay
+        valid). ``wait``: until the requests in flight have ended (each within its deadline)."""
         with self._cond:
             self._closed = True
             for slot in self._pending:
                 slot.state = _GONE
             self._pending.clear()
-            arrived, self._arrived = self._arrived, []
-            for slot in arrived:
-                slot.state, slot.buffer = _GONE, None
+            issued, self._issued = self._issued, []
+            for slot in issued:
+                slot.buffer = None
             self._cond.notify_all()
         self._pool.shutdown(wait=wait, cancel_futures=True)

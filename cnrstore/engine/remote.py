@@ -730,6 +730,8 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
             here[seg] = seg not in self._evicted and os.path.exists(filenames.segment_path(self.root, seg))
         with self._lock:
             sizes = {seg: self._remote.get(seg) for seg, local in here.items() if not local}
+            self._evicted.update(seg for seg, size in sizes.items() if size is not None)  # (read remotely: path()
+            # names the object without asking the file system, record after record)
         wanted = [r for r in ranges if sizes.get(r.segment) is not None]
         if not wanted:
             yield
@@ -737,12 +739,11 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
         options = self._options
         window = options.remote_read_window_bytes if bounded else None
         needed = sum(r.length for r in wanted)
-        cut = range_fetch.request_bytes(needed, options.remote_read_requests, options.remote_read_request_bytes,
-                                        window)
         requests = [r._replace(end=min(r.end, sizes[r.segment]))
-                    for r in range_fetch.coalesce(wanted, options.remote_read_gap_bytes, cut)
+                    for r in range_fetch.coalesce(wanted, options.remote_read_gap_bytes,
+                                                  options.remote_read_request_bytes)
                     if r.start < sizes[r.segment]]
-        fetcher = range_fetch.Fetcher(requests, wanted, self._get, concurrency=options.remote_read_requests,
+        fetcher = range_fetch.Fetcher(requests, wanted, self._read_into, concurrency=options.remote_read_requests,
                                       window_bytes=window)
         with self._lock:
             self.counters["planned_reads"] += 1
@@ -809,6 +810,18 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
             self.counters["remote_reads"] += 1
             self.counters["remote_read_bytes"] += len(data)
         return data
+
+    def _read_into(self, seg: int, start: int, buffer: memoryview, arrived) -> int:
+        """Bytes of segment ``seg``'s object from ``start`` into ``buffer`` as they arrive (ObjectStore.read_into),
+        counted."""
+        try:
+            count = self.objects.read_into(self._key(seg), start, buffer, arrived)
+        except RemoteObjectMissing:
+            raise self._missing(seg) from None
+        with self._lock:
+            self.counters["remote_reads"] += 1
+            self.counters["remote_read_bytes"] += count
+        return count
 
     def _missing(self, seg: int) -> CnrError:
         """The error for segment ``seg``'s object not being there: a read cache whose bucket moved on since it
