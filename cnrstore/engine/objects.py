@@ -6,6 +6,8 @@ compare-and-swap (docs/DESIGN.md, "The remote tier").
 ``get_tagged`` / ``put_if`` are a read-then-write check, atomic only within one process.
 ``FsspecObjectStore`` reaches a real endpoint through fsspec (s3fs for ``s3://``):
 
+- ``read_into`` streams a ranged GET's body into a buffer as it arrives, telling the caller how much has landed
+  (planned reads, range_fetch.py, use a record as soon as its bytes are there);
 - every request finishes within a deadline (``timeout_s`` plus a second per ``TIMEOUT_BYTES_PER_S`` it
   moves), whatever the client's own retries do: a hung endpoint costs a request that much, never more;
 - on S3 the pointer's compare-and-swap is a conditional PUT (``If-Match`` on the ETag last read,

@@ -16,8 +16,8 @@ The bounds, where the read's options (``cnrstore.Options``) set them:
   thread-safe and gives every request its deadline and its typed errors), each streamed into a buffer of its
   own (``ObjectStore.read_into``), so that a record is read as soon as its bytes have landed;
 - **request size**: the records of one segment whose gaps are at most ``remote_read_gap_bytes`` form one
-  request, cut at a record's start once it reaches ``remote_read_request_bytes``: a request passes that size
-  by at most one record;
+  run, cut into requests every ``remote_read_request_bytes`` from its start, at the records' starts: a
+  request passes that size by at most one record;
 - **memory**: with a window, the bytes of the requests issued and not yet freed -- in flight, arrived and
   not read, or read and still referenced by what the caller was handed -- stay within
   ``remote_read_window_bytes``, except that a request the read is waiting for is always issued (a read
@@ -65,10 +65,10 @@ class Request(NamedTuple):
 
 def coalesce(ranges: Sequence[ByteRange], gap: int, most: int) -> list[Request]:
     """The requests that fetch ``ranges`` (in the order a read wants them): the ranges of one segment in
-    offset order, merged where one starts at most ``gap`` bytes past the furthest end before it, and cut
-    where a range starts ``most`` or more bytes past its request's start (a request is at most ``most``
-    plus one range long). Requests are ordered by the first read position they serve. Vectorized: a few
-    array operations whatever the number of ranges."""
+    offset order form a run while each starts at most ``gap`` bytes past the furthest end before it, and a
+    run is cut into requests every ``most`` bytes from its start (a range belongs to the request its start
+    falls in: a request is at most ``most`` plus one range long). Requests are ordered by the first read
+    position they serve. Vectorized: a few array operations whatever the number of ranges."""
     n = len(ranges)
     if not n:
         return []
