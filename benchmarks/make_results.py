@@ -140,10 +140,15 @@ SECTIONS = [
      "DCP/cnrstore, the wait for the previous save, time until durable, restore of the newest version.",
      ["--plot", "torchrec.png"], ["--quick", "--plot", "none"], "torchrec.png"),
     ("bench_s3.py", "Checkpoints on S3: the remote tier against DCP's FsspecWriter",
-     "8 fp32 tables (128 MiB), 10 saves each changing 5% of the rows, to the same S3 endpoint (moto on localhost): "
-     "cnrstore with its remote tier (copy point after every commit) against torch.distributed.checkpoint with "
-     "FsspecWriter: seconds and bytes uploaded per save, the copy point's cost against a local store, restore of "
-     "the newest save on a fresh machine.", [], ["--quick"], None),
+     "8 fp32 tables (128 MiB), 10 saves each changing 5% of the rows, to the same S3 endpoint (moto's server on "
+     "localhost, in a process of its own): cnrstore with its remote tier (copy point after every commit) against "
+     "torch.distributed.checkpoint with FsspecWriter: seconds and bytes uploaded per save, the copy point's cost "
+     "against a local store, restore of the newest save on a fresh machine against dcp.load and against the "
+     "endpoint's bulk GET throughput for the same objects, bytes fetched against bytes needed.", [], ["--quick"],
+     None),
+    ("bench_s3.py", "Checkpoints on S3, 1 GiB: restore from the bucket",
+     "bench_s3 with 8 fp32 tables of 1 GiB in all, 4 saves each changing 5% of the rows: the same figures, "
+     "restores measured 3 times each.", ["--gib", "1", "--reps", "3"], ["--quick"], None),
     ("bench_dist_s3.py", "Many nodes, one bucket: a 2-rank job on S3 against DCP's FsspecWriter",
      "2 gloo ranks, each a process with a node directory of its own, 2 fp32 tables of 262,144 x 64 row-wise with "
      "Adagrad, 5 saves each after a step touching 5% of the rows, to one S3 endpoint (moto in a process of its "

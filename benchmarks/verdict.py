@@ -34,7 +34,7 @@ SOURCES = {
                    LOSSLESS_HIGH),
     "peers": (("method", "bytes written / interval (median)"), "Against the peers (1 GiB DLRM, 1 process)"),
     "torchrec": (("method", "trainer stall / save (median)"), "TorchRec (DMP, 2 ranks)"),
-    "s3": (("method", "save 0"), "Checkpoints on S3 (fp32, moto on localhost)"),
+    "s3": (("method", "save 0"), "Checkpoints on S3 (fp32, moto in its own process)"),
     "dist_s3": (("method", "save 0 stall"), "Many nodes, one bucket"),
 }
 #: (question, source, DCP's row, its label, cnrstore's row, its label, the column both are read from)
