@@ -4,9 +4,10 @@ Layers, lowest first (docs/ARCHITECTURE.md draws them):
 
 * files — ``filenames``, ``fs`` (durable file operations), ``lock``, ``marker``, ``msgpack_safe``;
 * the log — ``record`` (one record's bytes), ``blocks`` (row-to-block math), ``block_records`` (a
-  block's ROWS records), ``segments`` (segment files), ``storage`` (the segment storage seam and
-  ``fetch``, the one checked read of a record), ``replication`` (the seam of what keeps a remote copy
-  current: copy points), ``remote`` (the object-store tier behind both seams);
+  block's ROWS records), ``segments`` (segment files), ``range_fetch`` (a planned read's records
+  coalesced into requests and fetched concurrently ahead of it), ``storage`` (the segment storage seam
+  and ``fetch``, the one checked read of a record), ``replication`` (the seam of what keeps a remote
+  copy current: copy points), ``remote`` (the object-store tier behind both seams);
 * the index — ``chain`` (the read-chain rule: which entry a read of a block walks next), ``index``
   (LMDB), ``schema`` (what its values hold), ``version_edit`` (what one commit changes: its log record
   and its index update);
