@@ -299,6 +299,19 @@ def _written_blocks(view: IndexView, table: TableRecord, version: int, start: in
         yield block, max(start, base), min(stop, base + blocks_math.length(block, block_rows, num_rows))
 
 
+def every_block_written(view: IndexView, table: TableRecord, version: int, start: int = 0,
+                        stop: int | None = None) -> bool:
+    """Whether every block that rows ``start .. stop - 1`` reach has an index entry at or before ``version``
+    (one seek per written block): else the read of the range must raise MissingRows. True does not promise
+    every row (a block's records may hold only some of its rows)."""
+    stop = table.num_rows if stop is None else stop
+    if stop <= start:
+        return True
+    shift = blocks_math.shift(table.block_rows)
+    blocks = ((stop - 1) >> shift) - (start >> shift) + 1
+    return sum(1 for _ in _written_blocks(view, table, version, start, stop)) == blocks
+
+
 def ends_read(loc, block_len: int) -> bool:
     """Whether a read of a block goes no further down its chain than the entry at ``loc``: it holds every
     row of the block (FULL with ``block_len`` rows). The chain itself ends after a baseline

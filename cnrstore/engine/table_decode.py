@@ -32,7 +32,7 @@ from ..errors import InvalidArgument
 from ..options import Options
 from .index import IndexView
 from .range_fetch import ByteRange
-from .reader import decode_block, iter_plan, plan_reads, plan_table
+from .reader import decode_block, every_block_written, iter_plan, plan_reads, plan_table
 from .schema import TableRecord
 from .storage import SegmentStorage
 
@@ -114,7 +114,8 @@ def read_tables(view: IndexView, segments: SegmentStorage, jobs: Sequence[tuple[
     With a destination given, every job is planned first, so every record the read needs is verified (and
     every row found) before any destination is written: a CorruptionError or MissingRows leaves them all
     untouched. With none (every destination new), each block is decoded as soon as its records are
-    verified, and an error leaves nothing behind (the new arrays are dropped). The blocks are decoded on
+    verified, and an error leaves nothing behind (the new arrays are dropped); but where the index shows a
+    block never written, the read is planned first, so that it raises MissingRows before it allocates. The blocks are decoded on
     ``options.decode_threads`` threads (the store's Options; :func:`decode_threads`), on this one under
     ``options.decode_inline_bytes`` of destinations; an error there (none is expected once the records are
     verified, short of running out of memory) is raised after every block has finished.
@@ -125,7 +126,10 @@ def read_tables(view: IndexView, segments: SegmentStorage, jobs: Sequence[tuple[
     ``progress(done, total)``, if given, is called on this thread as blocks are decoded: fp32 bytes of the
     destinations decoded so far, of their total (once with 0 before the first block, last with ``total``).
     """
-    streamed = all(out is None for _table, out, _start in jobs)
+    # new arrays are decoded block by block, unless the index shows rows missing (a block never written): that
+    # read raises MissingRows, and must do so before it allocates any output (a sparse table of 2^31 rows)
+    streamed = all(out is None for _table, out, _start in jobs) and all(
+        every_block_written(view, table, version, start) for table, _out, start in jobs)
     # a whole-table read maps much of the store: its pages stay mapped while it plans and decodes (dropped
     # between the two, each would fault in twice), and leave the resident set with it
     with segments.keep_pages(), (contextlib.nullcontext() if fetched
@@ -171,7 +175,10 @@ def _read_tables(view, segments, jobs, version, progress, options: Options) -> l
 def _stream_tables(view, segments, jobs, version, progress, options: Options) -> list[np.ndarray]:
     """``read_tables`` into new arrays: each block decoded once its records are verified, at most a few
     blocks per decoding thread queued at once (the fetched records they hold stay few)."""
-    outs = [np.empty((t.num_rows, t.dim), dtype=np.float32) for t, _out, _start in jobs]
+    try:
+        outs = [np.empty((t.num_rows, t.dim), dtype=np.float32) for t, _out, _start in jobs]
+    except MemoryError:  # (a table whose blocks each hold a few rows: planned first, it raises MissingRows)
+        return _read_tables(view, segments, jobs, version, progress, options)
     total, done = sum(out.nbytes for out in outs), 0
     if progress is not None:
         progress(0, total)
