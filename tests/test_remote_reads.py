@@ -21,21 +21,16 @@ from cnrstore.errors import CorruptionError, RemoteObjectMissing, RemoteStorageE
 from cnrstore.store import Store
 
 from support import crash_states as cs
-from support.s3_remote import DIM, ROWS, open_remote, proxy, remote, s3_options  # noqa: F401 (fixtures)
+from support.s3_remote import DIM, ROWS, proxy, s3_options  # noqa: F401 (proxy: a fixture)
 
 TABLES = ("t", "u")
 BLOCK = 256
 
 
-@pytest.fixture(autouse=True)
-def segments_of_256k(monkeypatch):
-    """Segments that hold a save's every record: a segment's records of one table lie between the other's."""
-    monkeypatch.setattr(cnrstore.knobs, "SEGMENT_BYTES", 256 << 10)
-
-
 def _saves(store, saves=4, seed=0) -> dict[int, dict[str, np.ndarray]]:
     """``saves`` checkpoints of two tables of 8 blocks (every row, then a tenth touched), written block by block,
-    the tables' records alternating, and a dense array: the content of each version."""
+    the tables' records alternating (segments of 256 KiB hold a save's every record: a segment's records of one
+    table lie between the other's), and a dense array: the content of each version."""
     rng = np.random.default_rng(seed)
     model = {n: rng.standard_normal((ROWS, DIM), dtype=np.float32) for n in TABLES}
     for n in TABLES:
@@ -56,12 +51,29 @@ def _saves(store, saves=4, seed=0) -> dict[int, dict[str, np.ndarray]]:
     return content
 
 
-@pytest.fixture
-def written(tmp_path, remote):
-    """A writer's store on the bucket (every sealed segment evicted), closed: (remote, the versions' content)."""
-    with open_remote(tmp_path / "writer", remote, cache_bytes=0) as store:
+@pytest.fixture(scope="module")
+def written_bucket(s3_endpoint, tmp_path_factory):
+    """A bucket of this module's own holding a writer's store (written once, straight to the endpoint, every
+    sealed segment evicted, closed): (bucket, the versions' content). Tests only read it, but the one that
+    damages an object, which puts it back."""
+    import uuid
+
+    bucket = f"remote-reads-{uuid.uuid4().hex[:12]}"
+    opts = s3_options(s3_endpoint)
+    boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id=opts["key"], aws_secret_access_key=opts["secret"],
+                 region_name="us-east-1").create_bucket(Bucket=bucket)
+    with cnrstore.open(tmp_path_factory.mktemp("writer") / "w", create=True, remote=f"s3://{bucket}/ckpt",
+                       remote_options=opts, cache_bytes=0,
+                       options=cnrstore.Options(segment_bytes=256 << 10)) as store:
         content = _saves(store)
-    return remote, content
+    return bucket, content
+
+
+@pytest.fixture
+def written(written_bucket, proxy):
+    """(remote: the module's store reached through this test's fault proxy, the versions' content)."""
+    bucket, content = written_bucket
+    return (f"s3://{bucket}/ckpt", s3_options(proxy.url)), content
 
 
 def _fresh(path, remote, **options):
@@ -123,24 +135,29 @@ def test_a_fresh_machine_restore_is_bit_exact_and_fetches_only_the_records_it_ne
             assert status["remote_reads"] == len(spans), "one request per segment"
 
 
-def test_a_corrupted_byte_in_a_fetched_range_is_a_corruption_error(tmp_path, written, s3_endpoint, s3_bucket):
+def test_a_corrupted_byte_in_a_fetched_range_is_a_corruption_error(tmp_path, written, written_bucket, s3_endpoint):
     remote, content = written
+    bucket = written_bucket[0]
     opts = s3_options(s3_endpoint)
     client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id=opts["key"],
                           aws_secret_access_key=opts["secret"], region_name="us-east-1")
-    listing = client.list_objects_v2(Bucket=s3_bucket, Prefix="ckpt/")["Contents"]
+    listing = client.list_objects_v2(Bucket=bucket, Prefix="ckpt/")["Contents"]
     biggest = max((o for o in listing if "/segments/" in o["Key"]), key=lambda o: o["Size"])
-    body = bytearray(client.get_object(Bucket=s3_bucket, Key=biggest["Key"])["Body"].read())
+    original = client.get_object(Bucket=bucket, Key=biggest["Key"])["Body"].read()
+    body = bytearray(original)
     body[len(body) // 2] ^= 0x40  # a bit of some record's rows
-    client.put_object(Bucket=s3_bucket, Key=biggest["Key"], Body=bytes(body))
-    with _fresh(tmp_path / "fresh", remote) as fresh:
-        with pytest.raises(CorruptionError, match="checksum mismatch") as raised:
-            fresh.read_tables({n: None for n in TABLES})
-        assert raised.value.path.startswith(remote[0]), raised.value.path
-        outs = {n: np.full((ROWS, DIM), 7.0, np.float32) for n in TABLES}
-        with pytest.raises(CorruptionError):
-            fresh.read_tables(outs)  # into the caller's arrays: every record checked before any is written
-        assert all((a == 7.0).all() for a in outs.values()), "the caller's arrays were written"
+    client.put_object(Bucket=bucket, Key=biggest["Key"], Body=bytes(body))
+    try:
+        with _fresh(tmp_path / "fresh", remote) as fresh:
+            with pytest.raises(CorruptionError, match="checksum mismatch") as raised:
+                fresh.read_tables({n: None for n in TABLES})
+            assert raised.value.path.startswith(remote[0]), raised.value.path
+            outs = {n: np.full((ROWS, DIM), 7.0, np.float32) for n in TABLES}
+            with pytest.raises(CorruptionError):
+                fresh.read_tables(outs)  # into the caller's arrays: every record checked before any is written
+            assert all((a == 7.0).all() for a in outs.values()), "the caller's arrays were written"
+    finally:
+        client.put_object(Bucket=bucket, Key=biggest["Key"], Body=original)  # (the module's other tests read it)
 
 
 @pytest.mark.parametrize("fault", ["503", "cut", "404"])
@@ -212,7 +229,8 @@ class CountingObjectStore(cs.DictObjectStore):
                 self.running -= 1
 
 
-def test_the_requests_in_flight_are_bounded(tmp_path):
+def test_the_requests_in_flight_are_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(cnrstore.knobs, "SEGMENT_BYTES", 256 << 10)
     objects = CountingObjectStore()
     store = cs.remote_store(str(tmp_path / "w"), objects, create=True)
     with store:
