@@ -248,3 +248,19 @@ def test_the_requests_in_flight_are_bounded(tmp_path, monkeypatch):
         np.testing.assert_array_equal(got[n], content[newest][n])
     assert objects.peak == 3, (objects.peak, objects.gets)
     assert status["remote_reads"] == objects.gets > 10
+
+
+def test_a_sub_store_streams_through_its_parent():
+    """A rank store's object store (``ObjectStore.sub``) streams its planned reads through the parent's
+    ``read_into`` (on S3: the body read into the buffer as it arrives), not through one whole ``get``."""
+    class Streaming(cs.DictObjectStore):
+        def read_into(self, key, start, buffer, arrived):
+            self.streamed = key
+            return super().read_into(key, start, buffer, arrived)
+
+    parent = Streaming({"gen-1/rank-0/segments/a.seg": bytes(range(100))})
+    buffer = memoryview(bytearray(10))
+    landed = []
+    assert parent.sub("gen-1/rank-0").read_into("segments/a.seg", 20, buffer, landed.append) == 10
+    assert parent.streamed == "gen-1/rank-0/segments/a.seg" and bytes(buffer) == bytes(range(20, 30))
+    assert landed == [10]

@@ -155,6 +155,9 @@ class PrefixedObjectStore(ObjectStore):
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         return self.parent.get(self._key(key), start, end)
 
+    def read_into(self, key: str, start: int, buffer: memoryview, arrived) -> int:
+        return self.parent.read_into(self._key(key), start, buffer, arrived)
+
     def size(self, key: str) -> int | None:
         return self.parent.size(self._key(key))
 
