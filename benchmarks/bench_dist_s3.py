@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,35 +41,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 WORLD = 2
-
-
-# -- the endpoint: moto in a process of its own ------------------------------------------------------------
-
-def start_endpoint() -> tuple[subprocess.Popen, str, dict]:
-    """moto's S3 server in a child process on a free port, with bucket ``bench``; (process, URL, options)."""
-    import boto3
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                          region_name="us-east-1")
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            client.create_bucket(Bucket="bench")
-            break
-        except Exception:  # noqa: BLE001 - not listening yet
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise SystemExit("moto's server did not start (pip install 'moto[server]')")
-            time.sleep(0.2)
-    options = {"key": "bench", "secret": "bench", "skip_instance_cache": True,
-               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
-    return proc, endpoint, options
 
 
 # -- one rank ------------------------------------------------------------------------------------------------
@@ -214,9 +184,10 @@ def main() -> None:
         return
     if args.quick:
         args.rows, args.dim, args.saves = 32768, 32, 3
-    from common import machine_description, publish
+    from common import MotoEndpoint, machine_description, publish
 
-    proc, endpoint, options = start_endpoint()
+    endpoint = MotoEndpoint()
+    options = endpoint.options
     work = tempfile.mkdtemp(prefix="bench_dist_s3-")
     try:
         cfg = {"tables": args.tables, "rows": args.rows, "dim": args.dim, "saves": args.saves, "touch": args.touch,
@@ -228,7 +199,7 @@ def main() -> None:
             raise SystemExit("a rank failed")
         results = [json.load(open(os.path.join(work, f"result-{r}.json"))) for r in range(WORLD)]
     finally:
-        proc.kill()
+        endpoint.stop()
         shutil.rmtree(work, ignore_errors=True)
     weights = args.tables * args.rows * args.dim * 4
     md: list[str] = []
@@ -236,7 +207,7 @@ def main() -> None:
     md.append("\n".join(f"- {line}" for line in machine_description()))
     md.append(f"- model: {args.tables} tables x {args.rows:,} x {args.dim} fp32, row-wise over {WORLD} ranks "
               f"({weights / 2**20:.0f} MiB of weights, as much Adagrad state); {args.saves} saves, each after a "
-              f"step touching {args.touch:.0%} of every shard's rows; endpoint {endpoint} (moto, a process of its "
+              f"step touching {args.touch:.0%} of every shard's rows; endpoint {endpoint.url} (moto, a process of its "
               "own); each rank a process with a node directory of its own\n")
     restore = {"cnrstore -> S3": f"{results[1]['restore cnrstore']:.3f} s",
                "DCP FsspecWriter -> S3": f"{results[1]['restore DCP']:.3f} s"}

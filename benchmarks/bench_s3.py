@@ -38,16 +38,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import http.client
-import urllib.error
 import urllib.parse
-import urllib.request
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -57,48 +53,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import cnrstore  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Endpoint:
-    """moto's S3 server in a child process (``python -m moto.server``) on a free localhost port, with the
-    bucket ``bench``; ``stop()`` ends it."""
-
-    def __init__(self):
-        import boto3
-
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while True:  # until it answers HTTP
-            try:
-                with urllib.request.urlopen(self.url + "/moto-api/", timeout=1):
-                    break
-            except urllib.error.HTTPError:
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto's server did not start on {self.url}") from None
-                time.sleep(0.1)
-        boto3.client("s3", endpoint_url=self.url, aws_access_key_id="bench", aws_secret_access_key="bench",
-                     region_name="us-east-1").create_bucket(Bucket="bench")
-        self.options = {"key": "bench", "secret": "bench", "skip_instance_cache": True,
-                        "client_kwargs": {"endpoint_url": self.url, "region_name": "us-east-1"}}
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def bulk_get(s3, paths: list[str], lanes: int, per_object: int | None = None) -> tuple[float, int]:
@@ -173,7 +127,9 @@ def main() -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    endpoint = Endpoint()
+    from common import MotoEndpoint  # noqa: PLC0415  (benchmarks/)
+
+    endpoint = MotoEndpoint()
     options = endpoint.options
     work = tempfile.mkdtemp(prefix="bench_s3-")
     rng = np.random.default_rng(0)

@@ -12,6 +12,7 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import time
 
@@ -204,6 +205,45 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class MotoEndpoint:
+    """moto's S3 server in a child process (``python -m moto.server``) on a free localhost port, as a real
+    endpoint is a server of its own (bench_s3, bench_dist_s3), with the bucket ``bench``; ``url``,
+    ``options`` (s3fs's), ``stop()``."""
+
+    def __init__(self):
+        import boto3
+        import urllib.error
+        import urllib.request
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:  # until it answers HTTP
+            try:
+                with urllib.request.urlopen(self.url + "/moto-api/", timeout=1):
+                    break
+            except urllib.error.HTTPError:
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto's server did not start on {self.url}") from None
+                time.sleep(0.1)
+        boto3.client("s3", endpoint_url=self.url, aws_access_key_id="bench", aws_secret_access_key="bench",
+                     region_name="us-east-1").create_bucket(Bucket="bench")
+        self.options = {"key": "bench", "secret": "bench", "skip_instance_cache": True,
+                        "client_kwargs": {"endpoint_url": self.url, "region_name": "us-east-1"}}
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def load_peer_checkpoint(kind: str, path: str, model, optimizer, map_location=None) -> None:

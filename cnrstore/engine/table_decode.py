@@ -149,11 +149,7 @@ def _read_tables(view, segments, jobs, version, progress, options: Options) -> l
         progress(0, total)
     workers = decode_threads(options.decode_threads)
     if min(workers, len(tasks)) <= 1 or total < options.decode_inline_bytes:
-        for task in tasks:
-            decode_block(*task)
-            if progress is not None:
-                done += _task_bytes(task)
-                progress(done, total)
+        _decode_inline(tasks, progress, total)
         return outs
     # the biggest blocks first, so that the pool does not end waiting on one large block
     tasks.sort(key=lambda task: -sum(p.count for p in task[2]))
@@ -172,6 +168,16 @@ def _read_tables(view, segments, jobs, version, progress, options: Options) -> l
     return outs
 
 
+def _decode_inline(tasks, progress, total: int) -> None:
+    """Decode ``tasks`` (``decode_block``'s arguments) one after another on this thread, reporting each."""
+    done = 0
+    for task in tasks:
+        decode_block(*task)
+        if progress is not None:
+            done += _task_bytes(task)
+            progress(done, total)
+
+
 def _stream_tables(view, segments, jobs, version, progress, options: Options) -> list[np.ndarray]:
     """``read_tables`` into new arrays: each block decoded once its records are verified, at most a few
     blocks per decoding thread queued at once (the fetched records they hold stay few)."""
@@ -186,11 +192,7 @@ def _stream_tables(view, segments, jobs, version, progress, options: Options) ->
               for offset, pieces in iter_plan(view, segments, table, version, start, table.num_rows))
     workers = decode_threads(options.decode_threads)
     if workers <= 1 or total < options.decode_inline_bytes:
-        for task in blocks:
-            decode_block(*task)
-            if progress is not None:
-                done += _task_bytes(task)
-                progress(done, total)
+        _decode_inline(blocks, progress, total)
         return outs
     pool = _executor(workers)
     queued: collections.deque = collections.deque()  # (future, fp32 bytes it writes), oldest first
