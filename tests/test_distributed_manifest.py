@@ -55,7 +55,7 @@ def test_check_says_what_a_path_is_not(tmp_path, root):
     open(path, "wb").write(bytes(data))
     with pytest.raises(CorruptionError, match="bad magic or checksum"):
         root.check()
-    open(path, "wb").write(manifest._seal(manifest.MARKER, {"format": manifest.DIST_FORMAT_VERSION + 1}))
+    open(path, "wb").write(manifest.seal(manifest.MARKER, {"format": manifest.DIST_FORMAT_VERSION + 1}))
     with pytest.raises(FormatVersionError):
         root.check()
 
@@ -122,7 +122,7 @@ def test_a_generation_no_manifest_names_is_removed(root):
 ])
 def test_a_manifest_body_is_checked_as_untrusted_data(root, change, why):
     body = {**gv(1).to_dict(), **change}
-    open(manifest_path(root, 1), "wb").write(manifest._seal("manifest", body))
+    open(manifest_path(root, 1), "wb").write(manifest.seal("manifest", body))
     with pytest.raises(CorruptionError, match=why):
         root.read(1)
 

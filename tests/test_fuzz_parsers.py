@@ -173,7 +173,7 @@ def _manifest_body() -> dict:
 @given(_mutations())
 def test_distributed_manifests_parse_typed_and_bounded_behind_their_checksum(tmp_path_factory, edits):
     pytest.importorskip("torch")
-    from cnrstore.distributed.manifest import GLOBAL_DIR, MARKER, Root, _seal
+    from cnrstore.distributed.manifest import GLOBAL_DIR, MARKER, Root, seal as _seal
 
     root = tmp_path_factory.mktemp("root")
     (root / GLOBAL_DIR).mkdir()

@@ -288,8 +288,7 @@ class DistributedCheckpointer:
         return discarded
 
     def _referenced(self) -> set[int]:
-        return {gv.local_versions[self.rank] for gv in self.root.versions()
-                if gv.generation == self.generation and self.rank < len(gv.local_versions)}
+        return self.root.named_local_versions().get(self.root.store_rel(self.generation, self.rank), set())
 
     def _reclaim_local(self, startup: bool = False) -> list[int]:
         """Drop local versions no global version refers to, then collect their space.

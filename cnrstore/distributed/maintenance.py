@@ -166,10 +166,7 @@ def collect(root: Root, *, progress=None) -> RootGCReport:
     root.check()
     if isinstance(root, RemoteRoot):
         root.create()  # the claim first: no job can add a global version that names what is dropped here
-    referenced: dict[str, set[int]] = {}
-    for gv in root.versions():
-        for rel, v in zip(root.rank_stores(gv), gv.local_versions):
-            referenced.setdefault(rel, set()).add(v)
+    referenced = root.named_local_versions()
     rels = _rank_stores(root)
     report = RootGCReport()
     before = {rel: _bucket_bytes(root, rel) for rel in rels}  # (before the takeovers, which write objects too)

@@ -123,7 +123,9 @@ class GlobalVersion:
                    priority=bool(d.get("priority", False)))
 
 
-def _seal(kind: str, payload: dict) -> bytes:
+def seal(kind: str, payload: dict) -> bytes:
+    """The bytes of a root file of ``kind`` (``CNRSTORE-DIST``, ``PLAN``, ``manifest``, ``ROOT``): magic, msgpack
+    body, XXH3-64 of what precedes it (docs/FORMAT.md, "Distributed root")."""
     body = _MAGIC[kind] + msgpack.packb(payload, use_bin_type=True)
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
@@ -136,12 +138,6 @@ def _unseal(kind: str, path: str) -> dict:
         raise fs.permission_denied(exc, f"cannot read {kind} file {path}", path, needs="read", writing=False) \
             from None
     return unseal_bytes(kind, data, path)
-
-
-def seal(kind: str, payload: dict) -> bytes:
-    """The bytes of a root file of ``kind`` (``CNRSTORE-DIST``, ``PLAN``, ``manifest``): magic, msgpack body,
-    XXH3-64 of what precedes it (docs/FORMAT.md, "Distributed root")."""
-    return _seal(kind, payload)
 
 
 def unseal_bytes(kind: str, data: bytes, path: str) -> dict:
@@ -209,6 +205,15 @@ class Root:
         manifest's ``stores``, or for a manifest naming none, ``store_rel(gv.generation, rank)``."""
         return list(gv.stores) if gv.stores else [self.store_rel(gv.generation, r) for r in range(gv.world_size)]
 
+    def named_local_versions(self, gvs=None) -> dict[str, set[int]]:
+        """{rank store (``rank_stores``' names): the local versions that the global versions ``gvs`` (default:
+        every one, ``versions()``) name in it}: what a rank store's reclaim must keep, and verify must find."""
+        named: dict[str, set[int]] = {}
+        for gv in self.versions() if gvs is None else gvs:
+            for rel, v in zip(self.rank_stores(gv), gv.local_versions):
+                named.setdefault(rel, set()).add(v)
+        return named
+
     def _manifest_path(self, version: int) -> str:
         return os.path.join(self._subdir(GLOBAL_DIR), f"g-{version:012d}.cnrg")
 
@@ -242,7 +247,7 @@ class Root:
             os.makedirs(os.path.join(self.path, GLOBAL_DIR), exist_ok=True)
             if not os.path.exists(marker):
                 self.fs.write_file_atomic(marker, marker + ".tmp",
-                                          _seal(MARKER, {"format": DIST_FORMAT_VERSION, "created": time.time()}))
+                                          seal(MARKER, {"format": DIST_FORMAT_VERSION, "created": time.time()}))
         except OSError as exc:
             if exc.errno in fs.NO_PERMISSION:
                 raise fs.permission_denied(exc, f"cannot create the distributed root {self.path!r}",
@@ -281,7 +286,7 @@ class Root:
         gen = max((int(m.group(1)) for m in map(_GEN_RE.match, os.listdir(self.path)) if m), default=0) + 1
         os.makedirs(self.gen_dir(gen), exist_ok=True)
         path = os.path.join(self.gen_dir(gen), PLAN_FILE)
-        self.fs.write_file_atomic(path, path + ".tmp", _seal(PLAN_FILE, {"plan": plan.to_dict()}))
+        self.fs.write_file_atomic(path, path + ".tmp", seal(PLAN_FILE, {"plan": plan.to_dict()}))
         self.fs.fsync_dir(self.path)
         return gen
 
@@ -360,7 +365,7 @@ class Root:
             raise InvalidArgument(f"global version {gv.version} exists already")
         path = self._manifest_path(gv.version)
         fs.crash_point("dist_before_manifest")
-        self.fs.write_file_atomic(path, path + ".tmp", _seal("manifest", gv.to_dict()))
+        self.fs.write_file_atomic(path, path + ".tmp", seal("manifest", gv.to_dict()))
         fs.crash_point("dist_after_manifest")
 
     def drop(self, versions) -> None:

@@ -32,16 +32,14 @@ def verify_root(root, progress=None) -> RootReport:
     root = root if isinstance(root, Root) else Root(root)
     root.check()
     report = RootReport()
-    referenced: dict[str, set[int]] = {}
+    gvs = []
     for number in root.version_numbers():  # by file name: a manifest that does not verify is listed too
         try:
-            gv = root.read(number)
+            gvs.append(root.read(number))
         except CnrError as exc:
             report.problem(f"global version {number}: {type(exc).__name__}: {exc}")
-            continue
-        report.global_versions += 1
-        for rel, v in zip(root.rank_stores(gv), gv.local_versions):
-            referenced.setdefault(rel, set()).add(v)
+    report.global_versions = len(gvs)
+    referenced = root.named_local_versions(gvs)
     for i, (rel, wanted) in enumerate(sorted(referenced.items())):
         try:
             with root.open_store(rel, readonly=True) as st:
