@@ -120,7 +120,7 @@ class BlockResolver:
             seen.append((rec, rows))
             if rec.codec_id != seen[0][0].codec_id:
                 return None, seen
-            if rec.flags & record.FLAG_FULL and rec.count == block_len:
+            if ends_read(rec, block_len):
                 over = [(r, np.arange(c.count, dtype=record.OFFSET_DTYPE) if c.flags & record.FLAG_FULL
                          else c.stored_offsets()) for c, r in seen[:-1] if c.count]  # (GC empties records)
                 return Piece(rec.codec_id, rows, None, over=over or None), seen
@@ -135,7 +135,7 @@ class BlockResolver:
         filled = None
         left = block_len
         for rec, rows in chain:
-            if filled is None and rec.flags & record.FLAG_FULL and rec.count == block_len:
+            if filled is None and ends_read(rec, block_len):
                 return [Piece(rec.codec_id, rows, None)], np.zeros(0, dtype=np.int64)  # the common case
             offsets = rec.offsets()
             if filled is None:
@@ -313,8 +313,8 @@ def every_block_written(view: IndexView, table: TableRecord, version: int, start
 
 
 def ends_read(loc, block_len: int) -> bool:
-    """Whether a read of a block goes no further down its chain than the entry at ``loc``: it holds every
-    row of the block (FULL with ``block_len`` rows). The chain itself ends after a baseline
+    """Whether a read of a block goes no further down its chain than the entry (or record) ``loc``: it holds
+    every row of the block (FULL with ``block_len`` rows). The chain itself ends after a baseline
     (``IndexView.row_chain``); a read may stop sooner still, once the records above have held every row
     it asks for, which only the records' offsets tell."""
     return bool(loc.flags & record.FLAG_FULL) and loc.count == block_len
