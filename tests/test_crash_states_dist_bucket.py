@@ -118,6 +118,33 @@ def test_every_prefix_of_a_two_rank_workload_lists_exactly_the_last_pointers_ver
     assert counts["prefixes"] == len(effects) + 1 and counts["rank_store_states"] > 40
 
 
+def test_every_prefix_of_pipelined_saves_lists_exactly_the_last_pointers_versions(ram_tmp_path):
+    """Saves published behind the trainer (a bucket root's order of effects, remote_every=1): save K+1 is
+    written, sealed and its ranks' unneeded local versions reclaimed before save K's copy points (which then
+    hold K+1 as well) and listing; keep_last=2."""
+    bucket = db.RecordingBucket()
+    job = db.Job(str(ram_tmp_path / "node"), bucket, seed=2)
+    job.start(PLAN)
+    written = job.write_local()
+    job.seal()
+    for _ in range(3):
+        following = job.write_local()  # (the next save, while this one publishes)
+        job.seal()
+        for rank in range(db.WORLD):
+            job.reclaim(rank)
+        job.copy_points()
+        job.commit(written)
+        job.drop_listed(2)
+        written = following
+    job.copy_points()
+    job.commit(written)
+    job.drop_listed(2)
+    job.close()
+    assert [gv.version for gv in job.root.versions()] == [3, 4]
+    counts = _explore(bucket.effects, job.content, ram_tmp_path / "states", resume_plan=PLAN)
+    assert counts["prefixes"] == len(bucket.effects) + 1 and counts["listed"] > 0
+
+
 # -- 2. two jobs on one root -------------------------------------------------------------------------------------
 
 def _stale_save(job: db.Job, *, copy_points_fail: bool) -> None:

@@ -11,6 +11,10 @@ retention of manifests and generations in the bucket, damaged root objects, and 
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
+
 import pytest
 import torch
 
@@ -22,7 +26,7 @@ from support.torch_models import ShardModel
 
 from cnrstore.distributed import DistributedCheckpointer, RemoteRoot, ShardingPlan, versions
 from cnrstore.distributed.remote_root import RootPointer
-from cnrstore.errors import CorruptionError, RemoteStorageError, RemoteTakenOver, StoreNotFound
+from cnrstore.errors import CorruptionError, InvalidArgument, RemoteStorageError, RemoteTakenOver, StoreNotFound
 
 TABLES = {"emb.a": (50, 4), "emb.b": (30, 2)}
 
@@ -136,6 +140,80 @@ def test_a_second_job_takes_the_root_over_and_the_first_lists_nothing_more(tmp_p
     third.close()
 
 
+class GatedObjects(DictObjectStore):
+    """An in-memory bucket whose PUTs into the rank stores' prefixes (``gen-*``: copy points) can be held."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.held = 0
+        self.puts = collections.Counter()
+
+    def put(self, key, data):
+        if key.startswith("gen-") and not self.gate.is_set():
+            self.held += 1
+            assert self.gate.wait(60)
+        self.puts[key] += 1
+        super().put(key, data)
+
+
+def wait_until(predicate, seconds=30.0):
+    end = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("remote_every", [1, 2])
+def test_saves_go_on_while_the_bucket_lags_by_at_most_remote_every_saves(tmp_path, group, remote_every):
+    """A bucket root publishes each save (copy points, then the listing) behind the trainer: while one
+    save's upload hangs, the next ``remote_every`` saves snapshot and commit locally; the save after them
+    waits for the hung publication. Every save is listed, in order, and each segment is uploaded once."""
+    objects = GatedObjects()
+    ck, model, opt = job(tmp_path / "n", objects, remote_every=remote_every, keep_last=3)
+    train(model, opt, 0)
+    assert ck.save(step=0).wait() == 1
+    objects.gate.clear()
+    train(model, opt, 1)
+    pendings = [ck.save(step=1)]
+    saved = {1: state(model)}  # by step
+    wait_until(lambda: objects.held)  # its publication hangs in its copy point's upload
+    for step in range(2, 2 + remote_every):  # these do not wait for it
+        train(model, opt, step)
+        pendings.append(ck.save(step=step))
+        saved[step] = state(model)
+        wait_until(lambda: pendings[-1].report.version is not None)  # (committed locally)
+    assert not pendings[0].done() and [g.version for g in ck.versions()] == [1]
+    train(model, opt, 9)
+    blocked: list = []
+    waiter = threading.Thread(target=lambda: blocked.append(ck.save(step=9)))
+    waiter.start()
+    time.sleep(0.5)
+    assert not blocked and waiter.is_alive()  # the bucket may lag by remote_every saves, no more
+    saved[9] = state(model)
+    objects.gate.set()
+    waiter.join(60)
+    assert blocked and [p.wait() for p in pendings + blocked] == list(range(2, 4 + remote_every))
+    ck.close()
+    segments = {k: n for k, n in objects.puts.items() if k.endswith(".seg")}
+    assert segments and max(segments.values()) == 1, segments  # (each sealed whole before the next save opened)
+    listed = versions(tmp_path / "x", remote=objects)
+    assert [g.step for g in listed] == [*range(1, 2 + remote_every), 9][-3:]
+    fresh, m2, _ = job(tmp_path / "fresh", objects, seed=3)
+    for gv in listed:
+        fresh.restore(gv.version)
+        assert_state(m2, saved[gv.step])
+    fresh.close()
+
+
+def test_remote_every_is_refused_without_a_bucket_and_checked(tmp_path, group):
+    with pytest.raises(InvalidArgument, match="remote_every"):
+        job(tmp_path / "a", None, remote_every=2)
+    with pytest.raises(InvalidArgument, match="remote_every"):
+        job(tmp_path / "b", DictObjectStore(), remote_every=0)
+
+
 def test_retention_deletes_manifests_and_unreferenced_generations_from_the_bucket(tmp_path, group):
     objects = DictObjectStore()
     ck, model, opt = job(tmp_path / "n", objects, keep_last=2)
@@ -194,7 +272,8 @@ def test_the_root_pointer_decoder_refuses_crafted_fields():
 
 def test_faults_of_the_endpoint_fail_a_save_and_the_next_succeeds(tmp_path, group, s3_bucket, proxy):
     """500s, 503 SlowDown past the client's retries, uploads cut mid-body: each fails the save it strikes (the
-    rank's own RemoteStorageError), the previous global version stays the newest, the next save succeeds;
+    rank's own RemoteStorageError), the previous global version stays the newest, the next save succeeds,
+    and the one after it (which waits for the failed publication: remote_every=1) raises the failure once;
     a fresh machine restores every version bit for bit."""
     url, opts = f"s3://{s3_bucket}/job", s3_options(proxy.url)
     ck, model, opt = job(tmp_path / "n", url, remote_options=opts)
@@ -209,11 +288,11 @@ def test_faults_of_the_endpoint_fail_a_save_and_the_next_succeeds(tmp_path, grou
         proxy.heal()
         assert [g.version for g in ck.versions()] == sorted(saved)
         train(model, opt, 2 * i + 2)
-        with pytest.raises(RemoteStorageError):  # the failure is raised once more, at the next save
-            ck.save(step=2 * i + 2)
-        version = ck.save(step=2 * i + 2).wait()
+        version = ck.save(step=2 * i + 2).wait()  # (it started while the failed publication was let run)
         assert version == max(saved) + 1, fault
         saved[version] = state(model)
+        with pytest.raises(RemoteStorageError):  # the failure is raised once more, at the save that waits for it
+            ck.save(step=2 * i + 3)
     ck.close()
     fresh, m2, _ = job(tmp_path / "fresh", url, seed=3, remote_options=opts)
     for version, want in saved.items():

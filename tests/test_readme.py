@@ -225,8 +225,8 @@ with cnrstore.open("ckpt-fresh", readonly=True, remote="s3://my-bucket/dlrm/run-
 '''),
     'remote="s3://my-bucket/dlrm/job-3"': Spec(prelude=BUCKET_RANK, check='''
 import cnrstore.distributed
+ckpt.close()  # (waits for the publication the block's save left running)
 assert [g.step for g in cnrstore.distributed.versions("elsewhere", remote="s3://my-bucket/dlrm/job-3")] == [1000]
-ckpt.close()
 model2 = MyDLRM(plan.shards_of(rank))  # another machine: an empty directory, a model built afresh
 fresh = DistributedCheckpointer("empty-dir", model2, torch.optim.Adagrad(model2.parameters(), lr=0.01), plan=plan,
                                 remote="s3://my-bucket/dlrm/job-3")

@@ -452,3 +452,25 @@ def test_the_command_line_reads_the_remote_from_the_stores_remote_file(tmp_path,
     assert main(["--remote-options", json.dumps(opts), "verify", str(tmp_path / "a")]) == 0
     assert main(["--remote-options", json.dumps(opts), "ls", str(tmp_path / "nowhere")]) == 2
     assert "needs --remote URL" in capsys.readouterr().err
+
+
+def test_an_upload_of_a_segments_prefix_never_replaces_a_longer_upload_of_it(tmp_path):
+    """A copy point uploads the committed prefix of an active segment while the segment, sealed meanwhile, is
+    uploaded whole by the thread that sealed it: uploads of one segment run one at a time, and one no
+    longer than what the bucket holds is skipped, so the bucket never ends up holding the shorter one
+    while the writer records the longer."""
+    from support.crash_states import DictObjectStore
+
+    objects = DictObjectStore()
+    store = cnrstore.open(tmp_path / "s", create=True, remote=objects)
+    store.create_table("t", 64, 4)
+    with store.checkpoint() as ck:
+        ck.put_rows("t", np.arange(64), np.ones((64, 4), np.float32))
+    store.sync_remote()
+    storage = store.engine.storage
+    [(seg, length)] = [(s, n) for s, n in storage._remote.items()]
+    key = storage._key(seg)
+    whole = objects.get(key)
+    storage._upload(seg, length // 2)  # (the late, shorter upload)
+    assert objects.get(key) == whole and storage._remote[seg] == length
+    store.close()

@@ -14,6 +14,9 @@ The global commit, in each rank's background thread after its local write:
 4. rank 0 broadcasts the outcome, and ``PendingSave.wait()`` returns the global version or raises
    :class:`GlobalCommitError`.
 
+On a root in a bucket, steps 3-4 are the save's *publication*, preceded by every rank's copy point (and a
+second gather): it runs in a thread of its own behind the next saves (``remote_every``; ``_publish``).
+
 A crash of any rank at any point leaves the previous global version whole: a global version exists only
 once its manifest is written, and the manifest names local versions that are durable already. Local
 versions no manifest names are orphans; they are dropped when a rank starts up and as retention proceeds.
@@ -22,6 +25,7 @@ versions no manifest names are orphans; they are dropped when a rank starts up a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +52,8 @@ from .remote_root import open_root
 
 __all__ = ["DistributedCheckpointer", "DistributedPendingSave", "RecoveryReport"]
 
+log = logging.getLogger("cnrstore.distributed")
+
 
 @dataclass
 class RecoveryReport:
@@ -69,6 +75,16 @@ class RecoveryReport:
     lost_update_fraction_max: float | None = None
     seconds: float = 0.0
     discarded_save_error: str | None = None  # a save in flight when the failure struck, which failed
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A save the trainer's thread has not settled yet: its commit thread (the local write's end and every
+    rank's outcome) and, on a bucket root, the publication that commit thread starts."""
+
+    pending: "DistributedPendingSave"
+    commit: threading.Thread | None = None
+    publish: threading.Thread | None = None
 
 
 class DistributedPendingSave(PendingSave):
@@ -110,9 +126,11 @@ class DistributedCheckpointer:
     ``remote`` (``"s3://bucket/prefix"``, any fsspec URL) keeps the root in an object store: its marker,
     plans and global-version manifests under the prefix, and each rank's store with its index and active
     segment under ``root`` on this node's disk (``root`` need not be shared), its sealed segments under the
-    prefix (remote_root.py; docs/DESIGN.md, "Multi-node jobs on a bucket"). Each save's global commit then
-    makes every rank's copy point (in the commit thread, beside training) before rank 0 lists the version.
-    ``remote_options``, ``remote_timeout_s`` and ``cache_bytes`` are ``cnrstore.open``'s, for every rank store.
+    prefix (remote_root.py; docs/DESIGN.md, "Multi-node jobs on a bucket"). Each save is then *published*
+    behind the trainer and the next saves: every rank's copy point, then rank 0 lists the version (``wait()``
+    returns once it is listed). ``remote_every`` (default 1) is how many saves may still be publishing when a
+    save starts (it waits for the older ones): how far the bucket may lag. ``remote_options``,
+    ``remote_timeout_s`` and ``cache_bytes`` are ``cnrstore.open``'s, for every rank store.
     A job that starts on the prefix takes it over: the job that wrote it before fails at its next save
     (``GlobalCommitError`` caused by ``RemoteTakenOver``).
 
@@ -125,13 +143,24 @@ class DistributedCheckpointer:
                  mode: str = "incremental", optimizer_codec: str = "fp32", extra=None, priority=None,
                  ssu_rate: float | None = None, compaction=None, keep_last: int | None = None,
                  timeout_s: float = 600.0, on_report=None, remote=None, remote_options: dict | None = None,
-                 remote_timeout_s: float | None = None, cache_bytes: int | None = None):
+                 remote_timeout_s: float | None = None, cache_bytes: int | None = None,
+                 remote_every: int | None = None):
         self._on_report = reports.check_hook(on_report, "DistributedCheckpointer")
         self.rank, self.world_size = _check_dist()
         if not timeout_s > 0:
             raise InvalidArgument(f"timeout_s must be positive, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
-        self._group = None
+        if remote is None and remote_every is not None:
+            raise InvalidArgument("remote_every applies to a root in a bucket (remote=...)")
+        if remote_every is None:
+            remote_every = 1
+        if isinstance(remote_every, bool) or not isinstance(remote_every, int) or remote_every < 1:
+            raise InvalidArgument(f"remote_every={remote_every!r}: pass a count of saves >= 1")
+        #: a bucket root: each save's copy points and listing (its publication) run behind it, in a thread of
+        #: their own, while training and the next ``remote_every`` saves go on
+        self._pipelined = remote is not None
+        self.remote_every = remote_every
+        self._group = self._publish_group = None
         self._world = None
         self._new_group()  # (collective) every collective of this checkpointer runs on it, whatever the backend
         try:
@@ -182,9 +211,10 @@ class DistributedCheckpointer:
         except BaseException:
             self.store.close()
             raise
-        self._pending: DistributedPendingSave | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._saves: list[_InFlight] = []  # saves the trainer's thread has not settled yet, oldest first
+        self._last_publish: threading.Thread | None = None  # (bucket roots) each publication waits for the one before
+        self._error: BaseException | None = None  # a failure the next save() raises, and which save it was
+        self._error_save: DistributedPendingSave | None = None
         self._closed = False
         # the rank store's close() and the interpreter's exit wait for the global commit in flight (its
         # thread is a daemon; see store.EXIT_WAIT_S), so a save() that returned becomes a global version
@@ -221,14 +251,16 @@ class DistributedCheckpointer:
                                   "embedding module of that name")
 
     def _release_group(self) -> None:
-        """Destroy this checkpointer's gloo group while the default group it was made in is alive (after
-        the default group is destroyed, torch has released it already)."""
-        group, self._group = self._group, None
-        if group is not None and dist.is_initialized() and dist.group.WORLD is self._world:
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # a group broken by a dead peer: nothing left to release
-                pass
+        """Destroy this checkpointer's gloo groups while the default group they were made in is alive (after
+        the default group is destroyed, torch has released them already)."""
+        groups = (self._group, self._publish_group)
+        self._group = self._publish_group = None
+        for group in groups:
+            if group is not None and dist.is_initialized() and dist.group.WORLD is self._world:
+                try:
+                    dist.destroy_process_group(group)
+                except Exception:  # a group broken by a dead peer: nothing left to release
+                    pass
 
     def _new_group(self) -> None:
         """Create this checkpointer's gloo group over the current default group (collective). Every
@@ -236,6 +268,8 @@ class DistributedCheckpointer:
         group cannot carry, and a trainer's own NCCL collectives never queue behind a checkpoint's."""
         self._release_group()
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        if self._pipelined:  # the publications' own: they run beside the next save's commit (see _publish)
+            self._publish_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         self._world = dist.group.WORLD
 
     def _join(self) -> int:
@@ -320,18 +354,37 @@ class DistributedCheckpointer:
 
     # -- save -----------------------------------------------------------------------------------------
     def _finish(self) -> None:
-        if self._finish_saves(None):
-            self._thread = None
+        self._settle(0)
 
     def _finish_saves(self, timeout: float | None) -> bool:
-        """Wait for the global commit in flight (for good, or ``timeout`` seconds); whether it has ended.
-        The thread is forgotten only once it has ended: an interrupt while waiting leaves it to the next
-        wait (the store is never closed under it)."""
-        t = self._thread
-        if t is None:
-            return True
-        t.join(timeout)
-        return not t.is_alive()
+        """Wait for every global commit in flight (for good, or ``timeout`` seconds); whether all ended."""
+        return self._settle(0, timeout)
+
+    def _settle(self, running: int, timeout: float | None = None) -> bool:
+        """Wait for the saves in flight, except the publications of the newest ``running`` saves (bucket
+        roots; 0: wait for all, or ``timeout`` seconds); whether they ended. Their first failure becomes
+        ``_error`` (for the next save). Which saves are settled depends only on the calls made, never on
+        how fast threads ran, so every rank raises a failure at the same call. A save is forgotten only
+        once it has ended: an interrupt while waiting leaves it to the next wait."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waited = [e for e in self._saves if e.commit is not None]
+        for e in waited:  # (the commits first: a commit starts its save's publication)
+            e.commit.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if any(e.commit.is_alive() for e in waited):
+            return False
+        leave = self._saves[len(self._saves) - running:] if running else []
+        for e in self._saves:
+            if e.publish is not None and e not in leave:
+                e.publish.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if e.publish.is_alive():
+                    return False
+        settled = [e for e in self._saves if e.publish is None or e not in leave]
+        for e in settled:
+            error = e.pending.failure()
+            if error is not None and self._error is None:
+                self._error, self._error_save = error, e.pending
+        self._saves = [e for e in self._saves if e not in settled]
+        return True
 
     def _raise_pending_error(self) -> None:
         if self._error is not None:
@@ -342,13 +395,14 @@ class DistributedCheckpointer:
              ) -> DistributedPendingSave:
         """Snapshot this rank's state and commit it as a global version in the background (collective).
 
-        Waits for the previous save's global commit first; if that failed, its error is raised here once
-        (whether or not ``wait()`` raised it already, so that every rank raises at the same call), without
-        taking a snapshot. ``top`` makes a CPR priority save
+        Waits for the previous save's local write and its gather first (on a bucket root, also for the
+        publications of the saves before the newest ``remote_every``); a failure among those is raised here
+        once (whether or not ``wait()`` raised it already, so that every rank raises at the same call),
+        without taking a snapshot. ``top`` makes a CPR priority save
         (see ``cnrstore.torch.Checkpointer.save``)."""
         if self._closed:
             raise InvalidArgument("this DistributedCheckpointer is closed")
-        self._finish()
+        self._settle(self.remote_every if self._pipelined else 0)
         if self._error is not None:
             # surfaced here, once: the local checkpointer must not raise it again at its next save, or
             # this rank would skip a collective the others enter
@@ -357,62 +411,134 @@ class DistributedCheckpointer:
             self._local.forget_failure()
         self._raise_pending_error()
         local = self._local.save(step, meta) if top is None else self._local.save(step, meta, top=top)
-        pending = DistributedPendingSave(local.report)
-        self._pending = pending
-        self._thread = threading.Thread(target=self._commit, args=(pending, local, step, meta),
+        entry = _InFlight(DistributedPendingSave(local.report))
+        entry.commit = threading.Thread(target=self._commit, args=(entry, local, step, meta),
                                         name=f"cnrstore-dist-commit-{step}", daemon=True)
-        self._thread.start()
-        return pending
+        self._saves.append(entry)
+        entry.commit.start()
+        return entry.pending
 
-    def _commit(self, pending: DistributedPendingSave, local, step, meta) -> None:
-        version, error = None, None
+    def _commit(self, entry: "_InFlight", local, step, meta) -> None:
+        """The commit thread: the local write's end and every rank's outcome; then, on a shared file system,
+        the listing; on a bucket root, the publication is started in a thread of its own."""
         try:
-            version = pending.global_version = self._commit_global(local, step, meta)
+            outcomes = self._gather_outcomes(local, step)
+            if self._pipelined:
+                entry.publish = threading.Thread(
+                    target=self._publish, args=(entry, self._last_publish, local, outcomes, step, meta),
+                    name=f"cnrstore-dist-publish-{step}", daemon=True)
+                self._last_publish = entry.publish
+                entry.publish.start()
+                return
+            version = self._list(outcomes, step, meta, self._group)
+        except BaseException as exc:
+            self._ended(entry.pending, local, None, exc)
+            return
+        error = None
+        try:
             if self.keep_last is not None:
                 self._reclaim_local()
         except BaseException as exc:
-            error = self._error = exc
-        finally:
-            try:
-                if error is None and version is not None:
-                    reports.deliver(self._on_report, dataclasses.replace(local.report, version=version), background=True)
-            finally:
-                pending.finish(version, error)
+            error = exc
+        self._ended(entry.pending, local, version, error)
 
-    def _commit_global(self, local, step, meta) -> int:
-        ok, version, reason = True, None, ""
+    def _ended(self, pending: "DistributedPendingSave", local, version: int | None,
+               error: BaseException | None) -> None:
+        pending.global_version = version
+        try:
+            if error is None and version is not None:
+                reports.deliver(self._on_report, dataclasses.replace(local.report, version=version), background=True)
+        finally:
+            pending.finish(version, error)
+
+    def _gather_outcomes(self, local, step) -> list:
+        """Wait for this rank's local write, then gather every rank's outcome (collective); raises the local
+        write's error on the rank where it failed, GlobalCommitError on the others.
+
+        On a bucket root the writer is idle from the local commit until the next save opens (which waits for
+        this thread): its segment is sealed now, whole, for the publication to upload, and the local versions
+        no listed global version needs are reclaimed (best effort: a failure is logged)."""
+        ok, version, reason, local_error = True, None, "", None
         try:
             version = local.wait()
-            if self.root.remote is not None:  # the local version uploaded before any manifest names it
-                self.store.sync_remote()
+            if self._pipelined:
+                self.store.engine.seal_idle_writer_segment()
         except BaseException as exc:
-            ok, reason = False, f"{type(exc).__name__}: {exc}"
-            local_error = exc
+            ok, reason, local_error = False, f"{type(exc).__name__}: {exc}", exc
+        if ok and self._pipelined and self.keep_last is not None:
+            try:
+                self._reclaim_local()
+            except Exception as exc:  # noqa: BLE001 - space comes back at a later save
+                log.warning("cnrstore: rank %d could not reclaim local versions no global version needs: %s: %s",
+                            self.rank, type(exc).__name__, exc)
         outcomes: list = [None] * self.world_size
-        decision: list = [None]
         try:
             failures.all_gather_object(outcomes, (ok, version, reason, bool(local.report.priority)),
-                                   group=self._group)
+                                       group=self._group)
+        except Exception as exc:
+            raise self._incomplete(step, exc) from exc
+        failed = [r for r, (ok_, _v, _why, _prio) in enumerate(outcomes) if not ok_]
+        if not failed:
+            return outcomes
+        if not ok:
+            raise local_error
+        why = "; ".join(f"rank {r}: {outcomes[r][2]}" for r in failed)
+        raise GlobalCommitError(f"the save of step {step} is not a global version: the local write failed on "
+                                f"rank(s) {failed} ({why})", failed)
+
+    def _incomplete(self, step, exc: BaseException) -> GlobalCommitError:
+        return GlobalCommitError(
+            f"rank {self.rank}: the global commit of step {step} did not complete ({exc}); a rank may have "
+            f"died or be slower than timeout_s={self.timeout_s:g}. The previous global version is intact.")
+
+    def _publish(self, entry: "_InFlight", previous: threading.Thread | None, local, outcomes, step, meta) -> None:
+        """A bucket root's publication of a save whose local versions committed on every rank: each rank's
+        copy point (its store's sealed segments and index snapshot in the bucket), gathered; then rank 0
+        lists the global version. Runs behind the trainer, one publication at a time, in save order, over a
+        gloo group of its own (the next save's gather may run meanwhile on the checkpointer's group)."""
+        version, error = None, None
+        try:
+            if previous is not None:
+                previous.join()
+            ok, reason, own = True, "", None
+            try:
+                self.store.sync_remote()
+            except BaseException as exc:
+                ok, reason, own = False, f"{type(exc).__name__}: {exc}", exc
+            copies: list = [None] * self.world_size
+            try:
+                failures.all_gather_object(copies, (ok, reason), group=self._publish_group)
+            except Exception as exc:
+                raise self._incomplete(step, exc) from exc
+            failed = [r for r, (ok_, _why) in enumerate(copies) if not ok_]
+            if failed:
+                if own is not None:
+                    raise own
+                why = "; ".join(f"rank {r}: {copies[r][1]}" for r in failed)
+                raise GlobalCommitError(f"the save of step {step} is not a global version: rank(s) {failed} could "
+                                        f"not make their copy point in the bucket ({why})", failed)
+            version = self._list(outcomes, step, meta, self._publish_group)
+        except BaseException as exc:
+            error = exc
+        self._ended(entry.pending, local, version, error)
+
+    def _list(self, outcomes, step, meta, group) -> int:
+        """Rank 0 lists the global version naming every rank's local version and broadcasts the outcome
+        (collective over ``group``); returns the global version, or raises GlobalCommitError."""
+        decision: list = [None]
+        try:
             if self.rank == 0:
                 decision = [self._decide(outcomes, step, meta)]
-            failures.broadcast_object_list(decision, src=0, group=self._group)
+            failures.broadcast_object_list(decision, src=0, group=group)
         except Exception as exc:
-            raise GlobalCommitError(
-                f"rank {self.rank}: the global commit of step {step} did not complete ({exc}); a rank may have "
-                f"died or be slower than timeout_s={self.timeout_s:g}. The previous global version is intact.") from exc
+            raise self._incomplete(step, exc) from exc
         status, value, failed = decision[0]
         if status == "ok":
             return int(value)
-        if not ok:
-            raise local_error
         raise GlobalCommitError(f"the save of step {step} is not a global version: {value}", failed)
 
     def _decide(self, outcomes, step, meta):
-        """Rank 0: write the manifest if every rank committed; returns (status, version | reason, ranks)."""
-        failed = [r for r, (ok, _v, _why, _prio) in enumerate(outcomes) if not ok]
-        if failed:
-            why = "; ".join(f"rank {r}: {outcomes[r][2]}" for r in failed)
-            return "error", f"the local write failed on rank(s) {failed} ({why})", failed
+        """Rank 0: write the manifest of a save every rank committed; returns (status, version | reason, ranks)."""
         try:
             number = max(self.root.version_numbers(), default=0) + 1
             gv = GlobalVersion(version=number, step=step, meta=meta, created=time.time(),
@@ -567,7 +693,7 @@ class DistributedCheckpointer:
         finally:
             self.store.close()
             self._release_group()
-        if self._error is not None and self._pending is not None and not self._pending.failure_reported:
+        if self._error is not None and self._error_save is not None and not self._error_save.failure_reported:
             err, self._error = self._error, None
             raise err
 

@@ -42,6 +42,7 @@ from typing import NamedTuple
 from .. import store as _store
 from ..engine import fs
 from ..engine.objects import FsspecObjectStore, ObjectStore
+from ..engine.remote import EXPLICIT_COPY_POINTS
 from ..errors import (CorruptionError, FormatVersionError, InvalidArgument, RemoteConflict,
                       RemoteObjectMissing, RemoteTakenOver, StoreNotFound, VersionNotFound)
 from .manifest import (DIST_FORMAT_VERSION, GLOBAL_DIR, MARKER, PLAN_FILE, ROOT_POINTER, GlobalVersion, Root, seal,
@@ -52,9 +53,6 @@ __all__ = ["RemoteRoot", "RootPointer", "open_root"]
 
 log = logging.getLogger("cnrstore.distributed")
 
-#: A rank store of a bucket root makes its copy points when the distributed commit asks (one per save,
-#: before the manifest) and at close, never on its own after a commit: its ``remote_every``.
-EXPLICIT_COPY_POINTS = 1 << 62
 _JOB_CHARS = set("0123456789abcdef")
 _GEN_DIR = re.compile(r"^gen-(\d{6})$")
 _MAX_POINTER_BYTES = 64 << 20

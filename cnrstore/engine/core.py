@@ -335,6 +335,13 @@ class Engine:
             return compaction_policy.History(versions, versions[0].version, versions[0].bytes)
         return compaction_policy.History(versions, None, 0)
 
+    def seal_idle_writer_segment(self) -> None:
+        """Seal the checkpoint writer's active segment if no checkpoint is open: the next checkpoint starts
+        a new segment. *For the distributed checkpointer*: a rank store of a bucket root seals each save's
+        segment before the next save opens, so that the copy point running behind that save uploads the
+        segment whole, once."""
+        self._seal_idle_writer_segment()
+
     def _seal_idle_writer_segment(self) -> None:
         """Seal the checkpoint writer's active segment when no checkpoint is open, so that GC may clean it
         like a sealed one (the next checkpoint starts a new segment). A small store lives in that one

@@ -55,6 +55,11 @@ __all__ = ["ObjectStore", "FsspecObjectStore", "RemoteSegmentStorage", "open_sto
 
 log = logging.getLogger("cnrstore.engine.remote")
 
+#: ``every`` of a store whose copy points are all explicit (``copy_point()`` and close, never after a commit on
+#: its own): a rank store of a multi-rank root in a bucket, whose distributed commit asks for one per save.
+#: Such a store also uploads a sealed segment only at its next copy point, never in the thread that sealed
+#: it, so that a trainer's local save never waits for the bucket (the copy point runs behind it).
+EXPLICIT_COPY_POINTS = 1 << 62
 #: Default copy-point interval: a copy point after every committed checkpoint.
 DEFAULT_EVERY = 1
 #: Default bound on the local copies of sealed segments (bytes).
@@ -534,6 +539,9 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
         self.generation = prepared.pointer.generation if prepared.pointer is not None else 0
         self._lock = threading.RLock()  # guards the maps below
         self._copy_lock = threading.Lock()  # one copy point at a time
+        #: one upload of a segment at a time: a copy point's upload of an active segment's committed prefix and
+        #: the upload of the same segment once sealed may race; the PUT that lands last must be the one recorded
+        self._upload_lock = threading.Lock()
         self._remote: dict[int, int] = {}  # segment -> size of its object (in the folder its history names)
         self._listed = False
         self._covered: dict[int, int] = {}  # segment -> length, as the last pointer this writer wrote names it
@@ -984,8 +992,10 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
         if uploaded:
             self._evict()
             return
-        if self.last_error is not None or self._sealing:
-            return  # the object store is failing (one attempt per copy point), or the copy point uploads it
+        if self.last_error is not None or self._sealing or self.every == EXPLICIT_COPY_POINTS:
+            # the object store is failing (one attempt per copy point), or the copy point uploads it (this
+            # one, sealing it; or the next, for a store whose copy points are explicit)
+            return
         try:
             self._check_owner()
             self._upload(seg, size)
@@ -1018,10 +1028,14 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
         if len(data) != length:
             raise CorruptionError(f"segment {self.path(seg)} holds {len(data)} bytes, the index needs {length}",
                                   self.path(seg), len(data))
-        fs.pause_point("remote_upload", seg)
-        self.objects.put(self._key(seg), data)
-        with self._lock:
-            self._remote[seg] = length
+        with self._upload_lock:
+            with self._lock:
+                if self._remote.get(seg, -1) >= length:
+                    return  # (another thread uploaded it meanwhile, as long or longer)
+            fs.pause_point("remote_upload", seg)
+            self.objects.put(self._key(seg), data)
+            with self._lock:
+                self._remote[seg] = length
         self.counters["bytes_uploaded"] += length
         self.counters["objects_uploaded"] += 1
 

@@ -145,6 +145,12 @@ class Job:
                 values[idx] = new
         return ck.version, {name: values.copy() for name, values in self.model[rank].items()}
 
+    def seal(self) -> None:
+        """Each rank's seal after its local write (on a bucket root the checkpointer seals each save's segment
+        before the next save opens, and publishes the save behind it: ``_gather_outcomes``)."""
+        for store in self.stores:
+            store.engine.seal_idle_writer_segment()
+
     def copy_points(self) -> None:
         for store in self.stores:
             store.sync_remote()
@@ -170,11 +176,15 @@ class Job:
         """``keep_last`` as the checkpointer applies it after a save: rank 0 drops old global versions and
         unreferenced generations; then each rank drops the older local versions none names, and collects
         (their remote objects go at the next copy point)."""
+        self.drop_listed(keep_last)
+        for rank in range(WORLD):
+            self.reclaim(rank)
+
+    def drop_listed(self, keep_last: int) -> None:
+        """Rank 0's part of ``keep_last``, after it listed a version (``DistributedCheckpointer._decide``)."""
         numbers = self.root.version_numbers()
         self.root.drop(numbers[:-keep_last])
         self.root.remove_unreferenced_generations(self.generation)
-        for rank in range(WORLD):
-            self.reclaim(rank)
 
     def reclaim(self, rank: int, startup: bool = False) -> None:
         """``DistributedCheckpointer._reclaim_local``."""
