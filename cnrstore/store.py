@@ -403,6 +403,7 @@ class Store:
 
         def each() -> Iterator[changes_rule.TableChanges]:
             for name in names:
+                self._check_open()
                 with self._engine.read() as view:
                     _check_changes_versions(view, since, until, self.path)
                     info = self._table_or_raise(name, view)

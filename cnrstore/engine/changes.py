@@ -29,6 +29,7 @@ Vectorized per block: numpy over the rows of a block, a Python loop over blocks 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,7 @@ from .. import codecs
 from . import blocks as blocks_math
 from . import record
 from .index import IndexView
+from .range_fetch import ByteRange
 from .reader import BlockResolver
 from .schema import TableRecord
 from .storage import SegmentStorage
@@ -174,28 +176,35 @@ def table_changes(view: IndexView, segments: SegmentStorage, table: TableRecord,
                   encoded: bool = False) -> TableChanges:
     """The changes of one table from ``since`` (0: every row written) to ``until`` (both retained versions,
     ``since <= until``, checked by the caller), read within ``view``. Records are checksum-verified as they
-    are read; rows come out sorted, their values as ``TableChanges`` says."""
+    are read (a storage that fetches ahead, a remote tier, fetches them first: ``SegmentStorage.prefetch``);
+    rows come out sorted, their values as ``TableChanges`` says."""
     resolver = BlockResolver(view, segments, table)
     shift = blocks_math.shift(table.block_rows)
     found: list[np.ndarray] = []  # rows, in order (blocks ascending, offsets sorted within each)
     by_codec: dict[int, tuple[list, list]] = {}  # codec id -> (encoded rows, their positions in the result)
     count = 0
-    for block in view.blocks_written_in(table.id, since, until):
-        entries = _block_changes(resolver, block, since, until)
-        if not entries:
-            continue
-        offsets = np.concatenate([e[2] for e in entries])
-        order = np.argsort(offsets, kind="stable")
-        position = np.empty(offsets.size, dtype=np.int64)
-        position[order] = np.arange(count, count + offsets.size)
-        found.append(offsets[order] + (block << shift))
-        at = 0
-        for cid, rows, offs in entries:
-            encs, dests = by_codec.setdefault(cid, ([], []))
-            encs.append(rows)
-            dests.append(position[at:at + offs.size])
-            at += offs.size
-        count += offsets.size
+    blocks = list(view.blocks_written_in(table.id, since, until))
+    # the records the walks below load, in their order, from the index alone: a remote tier fetches them
+    # ahead, coalesced into ranged requests (a read at since of suspect rows is a plain read)
+    ahead = [ByteRange(loc.segment, loc.offset, loc.length) for block in blocks
+             for _v, loc in itertools.takewhile(lambda e: e[0] > since, view.row_chain(table.id, block, until))]
+    with segments.prefetch(ahead, bounded=True):
+        for block in blocks:
+            entries = _block_changes(resolver, block, since, until)
+            if not entries:
+                continue
+            offsets = np.concatenate([e[2] for e in entries])
+            order = np.argsort(offsets, kind="stable")
+            position = np.empty(offsets.size, dtype=np.int64)
+            position[order] = np.arange(count, count + offsets.size)
+            found.append(offsets[order] + (block << shift))
+            at = 0
+            for cid, rows, offs in entries:
+                encs, dests = by_codec.setdefault(cid, ([], []))
+                encs.append(rows)
+                dests.append(position[at:at + offs.size])
+                at += offs.size
+            count += offsets.size
     rows = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
     info = table.info()
     if encoded:
@@ -206,6 +215,12 @@ def table_changes(view: IndexView, segments: SegmentStorage, table: TableRecord,
             parts.append(EncodedRows(codecs.by_id(cid).name, rows[dest[order]], np.concatenate(encs)[order]))
         return TableChanges(table.name, since, until, table.dim, info.codec, rows, None, tuple(parts))
     values = np.empty((rows.size, table.dim), dtype=np.float32)
+    if len(by_codec) == 1:  # the usual case: put the encoded rows (a few bytes each) in order, decode in place
+        ((cid, (encs, dests)),) = by_codec.items()
+        ordered = np.empty((rows.size, encs[0].shape[1]), dtype=np.uint8)
+        ordered[np.concatenate(dests)] = np.concatenate(encs)
+        codecs.by_id(cid).decode_into(ordered, table.dim, values)
+        return TableChanges(table.name, since, until, table.dim, info.codec, rows, values, None)
     for cid, (encs, dests) in by_codec.items():
         values[np.concatenate(dests)] = codecs.by_id(cid).decode(np.concatenate(encs), table.dim)
     return TableChanges(table.name, since, until, table.dim, info.codec, rows, values, None)
