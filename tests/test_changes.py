@@ -125,7 +125,7 @@ def test_random_histories_match_the_model(tmp_path, seed, merging):
                 values[: rows.size // 2] = model.state[rows[: rows.size // 2]]
             model.save(store, rows, values)
             op = rng.integers(8)
-            if op == 0 and merging == "background":
+            if merging == "background" and op in (0, 5, 6):
                 with store.engine.maintenance() as m:
                     merge_chains(m, store.latest().version)
             elif op == 1:
@@ -140,6 +140,11 @@ def test_random_histories_match_the_model(tmp_path, seed, merging):
             if step % 3 == 2:
                 check_all_pairs(store, model, rng)
         check_all_pairs(store, model, rng, pairs=10)
+        stats = store.stats()
+        if merging == "background":
+            assert stats["merge_bytes"] > 0, "the history has background merges"
+        else:
+            assert stats["save_bytes"] > stats["increment_bytes"], "the history has saves that merged"
 
 
 def test_merges_and_compaction_are_not_reported_as_changes(tmp_path):
@@ -355,3 +360,26 @@ def test_cli_diff(tmp_path):
     err = run("diff", path, v2, v1, rc=2).stderr
     assert "InvalidArgument" in err and err.count("\n") == 1
     assert "VersionNotFound" in run("diff", path, 99, 100, rc=2).stderr
+
+
+def test_blocks_written_in_reads_the_keys_only(tmp_path):
+    """IndexView.blocks_written_in: the blocks with an entry in (after, upto], whatever entries they have
+    before or after, and none of another table."""
+    rng = np.random.default_rng(6)
+    with cnrstore.open(tmp_path / "s", create=True, options=cnrstore.Options(read_chain_bound=None)) as store:
+        for name in ("a", "b"):
+            store.create_table(name, ROWS, DIM, block_rows=BLOCK)
+        puts = [{"a": [0, 3], "b": [1]}, {"a": [3, 5]}, {"b": [2, 9]}, {"a": [0, 9]}]
+        for put in puts:
+            with store.checkpoint() as ck:
+                for name, blocks in put.items():
+                    rows = np.concatenate([np.arange(b * BLOCK, b * BLOCK + 2) for b in blocks])
+                    ck.put_rows(name, rows, rng.standard_normal((rows.size, DIM)))
+        with store.engine.read() as view:
+            a, b = view.table("a").id, view.table("b").id
+            assert list(view.blocks_written_in(a, 0, 4)) == [0, 3, 5, 9]
+            assert list(view.blocks_written_in(a, 1, 3)) == [3, 5]
+            assert list(view.blocks_written_in(a, 2, 3)) == []
+            assert list(view.blocks_written_in(a, 3, 4)) == [0, 9]
+            assert list(view.blocks_written_in(b, 1, 4)) == [2, 9]
+            assert list(view.blocks_written_in(b, 4, 4)) == []
