@@ -404,11 +404,12 @@ class Store:
         def each() -> Iterator[changes_rule.TableChanges]:
             for name in names:
                 self._check_open()
-                with self._engine.read() as view:
+                with self._engine.read() as view:  # (ended before the yield: no transaction waits on the caller)
                     _check_changes_versions(view, since, until, self.path)
                     info = self._table_or_raise(name, view)
-                    yield changes_rule.table_changes(view, self._engine.storage, info, since, until,
-                                                     encoded=bool(encoded))
+                    found = changes_rule.table_changes(view, self._engine.storage, info, since, until,
+                                                       encoded=bool(encoded))
+                yield found  # (its arrays are copies: nothing of it points into a segment's map)
 
         return each()
 
