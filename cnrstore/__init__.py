@@ -46,12 +46,14 @@ from .errors import (
     TableNotFound,
     UnsafePayload,
     VersionNotFound,
+    VersionNotRetained,
 )
 from .engine.marker import FORMAT_VERSION
 from .options import Options
 from .store import Store, open
 from .maintenance.repair import RepairReport, repair
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
+from .engine.changes import EncodedRows, TableChanges
 from .engine.writer import CheckpointWriter
 
 __version__ = "0.1.0"
@@ -102,8 +104,9 @@ def __getattr__(name: str):
 
 __all__ = [
     "open", "Options", "repair", "RepairReport", "Store", "CheckpointWriter", "TableInfo", "VersionInfo", "Snapshot", "VerifyReport",
+    "TableChanges", "EncodedRows",
     "FORMAT_VERSION", "codecs", "errors",
-    "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "TableNotFound",
+    "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "VersionNotRetained", "TableNotFound",
     "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",
     "CheckpointInProgress", "GlobalCommitError", "IndexDamaged", "StorageIOError", "IndexBusy", "CompactionFailed",
     "ExportFailed", "PermissionDenied", "StoreMoved", "UnsafePayload", "SaveSkipped", "RemoteStorageError",

@@ -14,6 +14,7 @@ __all__ = [
     "StoreLocked",
     "InvalidArgument",
     "VersionNotFound",
+    "VersionNotRetained",
     "TableNotFound",
     "MissingRows",
     "CorruptionError",
@@ -63,6 +64,17 @@ class InvalidArgument(CnrError, ValueError):
 
 class VersionNotFound(CnrError, LookupError):
     """The version was never committed, or was dropped by ``retain``."""
+
+
+class VersionNotRetained(VersionNotFound):
+    """``Store.changes`` (or ``dense_changes``, ``cnrstore diff``) was asked for the changes since a version
+    the store does not hold: dropped by retention, or never committed. What changed since it cannot be
+    told from this store: re-sync with a full read (``since=None``) and follow the store from the version
+    that read returns. ``.version`` is the version asked for."""
+
+    def __init__(self, message: str, version: int | None = None):
+        super().__init__(message)
+        self.version = version
 
 
 class TableNotFound(CnrError, LookupError):

@@ -6,12 +6,14 @@ import atexit
 import logging
 import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
 from . import codecs, knobs, lifecycle
 from .options import Options, resolve as resolve_options
 from .engine import arguments, filenames, fs, merge, reader, schema, table_decode
+from .engine import changes as changes_rule
 from .engine import remote as remote_tier
 from .engine import blocks as blocks_math
 from .engine.core import Engine, version_info as _version_info
@@ -20,7 +22,8 @@ from .engine.schema import TableRecord
 from .engine.replication import Replicator
 from .engine.storage import SegmentStorage
 from .engine.writer import CheckpointWriter
-from .errors import CompactionFailed, InvalidArgument, MissingRows, ReadOnlyError, TableNotFound, VersionNotFound
+from .errors import (CompactionFailed, InvalidArgument, MissingRows, ReadOnlyError, TableNotFound, VersionNotFound,
+                     VersionNotRetained)
 from .maintenance import compaction
 from .maintenance.background import BackgroundCompactor
 from .policy import compaction as compaction_policy
@@ -372,6 +375,82 @@ class Store:
                         progress(done, total)
             return snap
 
+    # changes between versions (engine/changes.py) ------------------------------------------------------
+    def changes(self, since: int | None, until: int | None = None, tables=None, *,
+                encoded: bool = False) -> Iterator[changes_rule.TableChanges]:
+        """What a replica holding version ``since`` needs to read as ``until`` (default: the newest): an
+        iterator of one ``TableChanges`` per table (every table, or the names in ``tables``; name order),
+        each with the rows whose value at ``until`` came from a version newer than ``since`` (sorted int64
+        ``rows``) and their values at ``until`` -- float32 ``values``, or with ``encoded=True`` the rows as
+        stored (``parts``: ``EncodedRows`` per codec, which the codec's ``decode`` turns into the same
+        float32 bits). Apply each table's rows over the replica's copy at ``since`` and it equals the table
+        at ``until``. ``since`` None or 0: every row written at or before ``until`` (a full sync).
+
+        It costs what those rows cost: only blocks with an index entry in ``(since, until]`` are read, and
+        in each only the records newer than ``since`` (docs/DESIGN.md, "Changes between versions"). Never
+        under-reports. It over-reports rows a checkpoint in ``(since, until]`` put with the value they
+        already had; rows a merge, a new baseline or ``compact`` carried over unchanged are compared with
+        their value at ``since`` (a read of those rows there) and left out when equal.
+
+        Checked before the iterator is returned: ``until`` must be retained (``VersionNotFound``),
+        ``since`` too (``VersionNotRetained``, a ``VersionNotFound``: re-sync with ``since=None``), ``until
+        >= since`` (``InvalidArgument``), and every name in ``tables`` a table (``TableNotFound``). Each
+        table is read in a read transaction of its own, at the same two versions; one of them dropped
+        meanwhile raises the same errors from ``next()``. Works on readonly stores and remote tiers alike.
+        Dense arrays: ``dense_changes``.
+        """
+        names, since, until = self._changes_args(since, until, tables)
+
+        def each() -> Iterator[changes_rule.TableChanges]:
+            for name in names:
+                self._check_open()
+                with self._engine.read() as view:  # (ended before the yield: no transaction waits on the caller)
+                    _check_changes_versions(view, since, until, self.path)
+                    info = self._table_or_raise(name, view)
+                    found = changes_rule.table_changes(view, self._engine.storage, info, since, until,
+                                                       encoded=bool(encoded))
+                yield found  # (its arrays are copies: nothing of it points into a segment's map)
+
+        return each()
+
+    def dense_changes(self, since: int | None, until: int | None = None, names=None) -> dict[str, np.ndarray]:
+        """{name: array at ``until``} of the dense arrays (every one, or ``names``) whose value at ``until``
+        (default: the newest) was put by a version newer than ``since`` (None or 0: every array ``until``
+        holds): exact, an array put again with the same bytes included. Versions are checked as
+        ``changes`` checks them; an unknown name raises ``MissingRows``."""
+        self._check_open()
+        since, until = _changes_versions(since, until)
+        with self._engine.read() as view:
+            since, until = _check_changes_versions(view, since, until, self.path)
+            if names is not None:
+                names = [names] if isinstance(names, str) else list(names)
+                known = view.dense_names()
+                unknown = [n for n in names if n not in known]
+                if unknown:
+                    raise MissingRows(f"no dense array named {unknown[0]!r} in this store (see dense_names())")
+            return changes_rule.dense_changes(view, self._engine.storage, since, until, names)
+
+    def _changes_args(self, since, until, tables) -> tuple[list[str], int, int]:
+        """(table names, since, until) of a ``changes`` call, every argument checked."""
+        self._check_open()
+        since, until = _changes_versions(since, until)
+        if tables is not None and not isinstance(tables, str):
+            try:
+                tables = list(tables)
+            except TypeError:
+                raise InvalidArgument(f"tables must be None or table names, got {tables!r}") from None
+        with self._engine.read() as view:
+            since, until = _check_changes_versions(view, since, until, self.path)
+            if tables is None:
+                names = sorted(view.tables())
+            else:
+                names = [tables] if isinstance(tables, str) else tables
+                for name in names:
+                    if not isinstance(name, str):
+                        raise InvalidArgument(f"tables must be table names (str), got {name!r}")
+                    self._table_or_raise(name, view)
+        return names, since, until
+
     def _table_or_raise(self, table: str, view: IndexView) -> dict:
         info = self._engine.table_record(table, view)
         if info is None:
@@ -570,6 +649,34 @@ class _ReadContext:
 
     def __exit__(self, *exc):
         return self._cm.__exit__(*exc)
+
+
+def _changes_versions(since, until) -> tuple[int, int | None]:
+    """``since`` (None -> 0) and ``until`` of a changes call as non-negative ints (or None)."""
+    since = arguments.version_arg(since)
+    return (0 if since is None else since), arguments.version_arg(until)
+
+
+def _check_changes_versions(view: IndexView, since: int, until: int | None, path: str) -> tuple[int, int]:
+    """(since, until) once both are checked in ``view``: ``until`` (None: the newest) retained, ``since`` 0 or
+    retained, and not after ``until``."""
+    if until is None:
+        latest = view.latest()
+        if latest is None:
+            raise VersionNotFound("the store has no committed version yet")
+        until = latest[0]
+    elif view.version(until) is None:
+        raise VersionNotFound(f"version {until} does not exist (never committed, or dropped)")
+    if since > until:
+        raise InvalidArgument(f"changes since version {since} until version {until}: since must not be after "
+                              "until: pass since <= until (since None or 0 for every row)")
+    if since and view.version(since) is None:
+        raise VersionNotRetained(
+            f"version {since} is not retained in store {path!r} (dropped by retention, or never committed), so what "
+            f"changed since it cannot be told: re-sync with a full read (since=None, or `cnrstore diff STORE 0`) and follow the store from the "
+            f"version that read returns (keep the replica's version from being dropped, e.g. retain(keep=[...]))",
+            since)
+    return since, until
 
 
 def _written_by(view: IndexView, tinfo: TableRecord, version: int) -> bool:

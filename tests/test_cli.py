@@ -43,7 +43,7 @@ def made_store(tmp_path_factory):
 
 def test_help_everywhere():
     assert "COMMAND" in run("--help").stdout
-    for cmd in ("ls", "info", "verify", "compact", "retain", "gc", "export", "rows"):
+    for cmd in ("ls", "info", "verify", "compact", "retain", "gc", "export", "rows", "diff"):
         assert "usage: cnrstore " + cmd in run(cmd, "--help").stdout
 
 

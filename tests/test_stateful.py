@@ -7,8 +7,8 @@ every row the same put wrote into that row's block (writer.py ``_codec_groups``/
 are row-independent, so the model encodes each row alone.
 
 Rules begin, fill, commit and abort checkpoints (also through the ``with`` block, an exception in it
-aborting), create tables, read at random committed versions while a checkpoint is open or not, and
-close and reopen the store. Maintenance rules (I2) compact at a random retained version, retain the
+aborting), create tables, read at random committed versions while a checkpoint is open or not, ask for
+the changes between two of them (``Store.changes``), and close and reopen the store. Maintenance rules (I2) compact at a random retained version, retain the
 newest 1-4 versions (the model drops the others, which must raise VersionNotFound from then on) and
 collect garbage, while a checkpoint is open or not. After every step that changes what is committed
 (commit, abort, reopen, a new table, maintenance that did something), the invariant reads EVERY
@@ -51,6 +51,7 @@ from cnrstore.errors import (
     StoreClosed,
     TableNotFound,
     VersionNotFound,
+    VersionNotRetained,
 )
 
 #: Codecs under test: those of the wish list that this cnrstore has.
@@ -700,6 +701,46 @@ class StoreMachine(RuleBasedStateMachine):
         assert set(snap.dense) == set(vm.dense)
         for name, arr in snap.dense.items():
             assert_dense_equal(arr, vm.dense[name], f"restore({version}).dense[{name!r}]")
+
+    @precondition(lambda self: self.versions)
+    @rule(data=st.data())
+    def changes(self, data):
+        """Store.changes between two retained versions (or from none): every row it reports reads as the model
+        at until, bit for bit (encoded rows decoded too); every row whose value, or being written, differs
+        from since is reported; dense_changes holds every array that differs. A dropped or aborted since is
+        VersionNotRetained."""
+        versions = [vm.version for vm in self.versions]
+        until = data.draw(st.sampled_from(versions), label="until")
+        since = data.draw(st.one_of(st.none(), st.sampled_from([v for v in versions if v <= until])), label="since")
+        encoded = data.draw(st.booleans(), label="encoded")
+        um, sm = self.state_at(until), (self.state_at(since) if since else None)
+        seen = set()
+        for tc in self.store.changes(since, until, encoded=encoded):
+            seen.add(tc.table)
+            values, written = self.table_state(um, tc.table)
+            assert tc.encoded == encoded and np.all(np.diff(tc.rows) > 0) and written[tc.rows].all()
+            assert_bits_equal(tc.decoded(), values[tc.rows], f"changes({since}, {until})[{tc.table!r}]")
+            differs = written.copy()
+            if sm is not None:
+                old, old_written = self.table_state(sm, tc.table)
+                differs &= ~old_written | (old.view(np.uint32) != values.view(np.uint32)).any(axis=1)
+            reported = np.zeros_like(written)
+            reported[tc.rows] = True
+            missed = np.flatnonzero(differs & ~reported)
+            assert not missed.size, f"changes({since}, {until})[{tc.table!r}] misses rows {missed[:8]}"
+        assert seen == set(self.store.tables())
+        dense = self.store.dense_changes(since, until)
+        for name, arr in um.dense.items():
+            if sm is None or name not in sm.dense or sm.dense[name].tobytes() != arr.tobytes() \
+                    or sm.dense[name].dtype != arr.dtype or sm.dense[name].shape != arr.shape:
+                assert name in dense, f"dense_changes({since}, {until}) misses {name!r}"
+        for name, arr in dense.items():
+            assert_dense_equal(arr, um.dense[name], f"dense_changes({since}, {until})[{name!r}]")
+        gone = [v for v in self.dead_versions if v < versions[-1]]
+        if gone:
+            with pytest.raises(VersionNotRetained):
+                self.store.changes(data.draw(st.sampled_from(gone), label="gone since"))
+        event("changes: rows reported" if since else "changes: a full sync")
 
     @rule(data=st.data())
     def misuse(self, data):

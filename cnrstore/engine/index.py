@@ -340,6 +340,26 @@ class IndexView:
                 yield b, v
                 block = b + 1
 
+    def blocks_written_in(self, table_id: int, after: int, upto: int) -> Iterator[int]:
+        """Every block of the table with an index entry at a version in ``(after, upto]``, in block order,
+        from the keys alone (no value is read): one or two seeks per block that has any entry, whatever
+        its number of entries. What ``engine/changes.py`` starts from: a block no such entry names holds
+        no row whose value at ``upto`` came from a version newer than ``after``."""
+        if upto <= after:
+            return
+        with self._txn.cursor(db=self._dbs[b"rows"]) as cur:
+            block = 0
+            while block < 2**64 and cur.set_range(ROW_KEY.pack(table_id, block, after + 1)):
+                t, b, v = ROW_KEY.unpack(cur.key())
+                if t != table_id:
+                    return
+                if b != block:  # the next block with entries: seek to its first entry past ``after``
+                    block = b
+                    continue
+                if v <= upto:
+                    yield b
+                block = b + 1
+
     def dense_at(self, dense_id: int, version: int) -> tuple[int, DenseLoc] | None:
         """(version, location) of the newest record of a dense array at or before ``version``."""
         with self._txn.cursor(db=self._dbs[b"dense"]) as cur:
