@@ -149,6 +149,14 @@ SECTIONS = [
     ("bench_s3.py", "Checkpoints on S3, 1 GiB: restore from the bucket",
      "bench_s3 with 8 fp32 tables of 1 GiB in all, 4 saves each changing 5% of the rows: the same figures, "
      "restores measured 3 times each.", ["--gib", "1", "--reps", "3"], ["--quick"], None),
+    ("bench_serving.py", "Serving follows training: a replica applying every version",
+     "The reference DLRM (26 tables capped at 100,000 rows x 64 fp32, Adagrad) saving every 3 s into a local store "
+     "while a serving process follows it (polling every 0.2 s): freshness from a version's commit to the follower's "
+     "tensors (p50, p99), bytes the replica reads per update against the changed rows in the table's codec, a "
+     "TorchEasyRec-style dump of the touched ids (fp32 and int8 rows) and dcp.load of a full checkpoint, the "
+     "follower's CPU; tools/serve_follow.py's drifting click stream over 5 seeds (following against full reloads "
+     "every 100 steps); the same follow with the store on S3 (moto on localhost, a process of its own).",
+     [], ["--quick"], None),
     ("bench_dist_s3.py", "Many nodes, one bucket: a 2-rank job on S3 against DCP's FsspecWriter",
      "2 gloo ranks, each a process with a node directory of its own, 2 fp32 tables of 262,144 x 64 row-wise with "
      "Adagrad, 5 saves each after a step touching 5% of the rows, to one S3 endpoint (moto in a process of its "

@@ -36,6 +36,7 @@ SOURCES = {
     "torchrec": (("method", "trainer stall / save (median)"), "TorchRec (DMP, 2 ranks)"),
     "s3": (("method", "save 0"), "Checkpoints on S3 (fp32, moto in its own process)"),
     "dist_s3": (("method", "save 0 stall"), "Many nodes, one bucket"),
+    "serving": (("method", "bytes read per update (median)"), "Serving follows training"),
 }
 #: (question, source, DCP's row, its label, cnrstore's row, its label, the column both are read from)
 LOSSLESS_ROWS = [
@@ -79,6 +80,10 @@ ROWS = [
      "cnrstore -> S3", "fp32, bucket root", "later stall (median)"),
     ("Bucket, 2 ranks: bytes uploaded per save", "dist_s3", "DCP FsspecWriter -> S3", "FsspecWriter",
      "cnrstore -> S3", "fp32, bucket root", "later uploaded (median)"),
+    ("Serving: bytes a replica reads per update", "serving", "dcp.load of a full checkpoint", "dcp.load",
+     "cnrstore follower", "fp32, changed rows", "bytes read per update (median)"),
+    ("Serving: time a replica takes per update", "serving", "dcp.load of a full checkpoint", "dcp.load",
+     "cnrstore follower", "fp32, changed rows", "update time (median)"),
     ("Bucket, 2 ranks: a lost node's replacement restores", "dist_s3", "DCP FsspecWriter -> S3", "dcp.load",
      "cnrstore -> S3", "fp32, empty directory", "restore, node lost (rank 1)"),
 ]
