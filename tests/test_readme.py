@@ -256,6 +256,12 @@ import cnrstore.distributed
 assert [g.step for g in cnrstore.distributed.versions("trec")] == [100]
 assert cnrstore.distributed.versions("trec")[0].plan.row_ids == "global"
 '''),
+    "follower = Follower(\"ckpt\", replica)": Spec(check='''
+import cnrstore
+with cnrstore.open("ckpt", readonly=True) as s:
+    assert s.latest().step == 3
+    assert 1 <= version <= s.latest().version and scores.shape == (1, 1)
+'''),
     "BitWidthPolicy(mtbf_hours": Spec(check='assert codec == "adaptive4" and bits.bits == 4'),
     "cnrstore ls ckpt --long": Spec(after=USE, check='''
 import numpy as np
