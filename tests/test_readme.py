@@ -424,6 +424,8 @@ API_SPECS = {
     "store.versions()                              # -> list[VersionInfo]": (API_STORE, ""),
     "store.compact(version=None, progress=None)": (API_STORE, "assert [v.version for v in store.versions()] == [1, 2]"),
     "for tc in store.changes(since=1, until=None": (API_STORE, "assert tc.rows.size == 100 and tc.values[0, 0] == 20"),
+    "from cnrstore.serving import Follower, FollowerLag": (API_STORE, "assert v == 1 and (batch == 10).all() and "
+                                                           "f.stats['full_syncs'] == 1 and f.version == 1 and FollowerLag(0, 0.0).versions == 0"),
     "report = cnrstore.repair(path, progress=None": ('import cnrstore\npath = "s"\ncnrstore.open(path, create=True).close()',
                                                     "assert report.ok"),
     "from cnrstore.policy import CompactionPolicy, MaxChain": ("mtbf_s, save_cost_s, step_time_s, seconds = 3600.0, 2.0, "
