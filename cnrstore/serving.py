@@ -32,7 +32,7 @@ from .engine import blocks as blocks_math
 from .engine import changes as changes_rule
 from .engine import fs
 from .engine import reader
-from .errors import CnrError, InvalidArgument, VersionNotFound, VersionNotRetained
+from .errors import CnrError, InvalidArgument, StoreClosed, VersionNotFound, VersionNotRetained
 
 __all__ = ["Follower", "FollowerLag"]
 
@@ -316,8 +316,6 @@ class Follower:
         """The update from ``since`` (0: a full sync) to ``until`` (None: the newest), read in one read
         transaction: the reader pin that keeps both versions and the segments they read alive while it
         lasts. ``until < since`` (a rollback) reads the rows that differ at ``until``."""
-        from .store import _check_changes_versions
-
         engine = self._store.engine
         storage = engine.storage
         out_tables, out_dense, rows_total, nbytes = [], [], 0, 0
@@ -325,12 +323,16 @@ class Follower:
             fs.pause_point("follower_reading", since, until)
             if since and view.version(since) is None:  # (the version held: dropped -> a full sync)
                 raise VersionNotRetained(f"version {since} is not retained in store {self._store.path!r}", since)
-            if until is not None and view.version(until) is None:
+            if until is None:
+                latest = view.latest()
+                if latest is None:
+                    raise VersionNotFound(f"store {self._store.path!r} has no committed version yet")
+                until = latest[0]
+            elif view.version(until) is None:
                 raise VersionNotFound(f"version {until} does not exist in store {self._store.path!r} (never "
                                       "committed, or dropped)")
-            lo, hi = (since, until) if until is None or since <= until else (until, since)
-            lo, hi = _check_changes_versions(view, lo, hi, self._store.path)
-            target = hi if until is None or since <= until else lo
+            lo, hi = min(since, until), max(since, until)
+            target = until
             for name, slot in self._slots.items():
                 info = engine.table_record(name, view)
                 if info is None:
@@ -396,13 +398,14 @@ class Follower:
             self._refresh()
             started = time.perf_counter()
             try:
-                up = self._compute(self._version, until)
-            except VersionNotRetained as exc:
-                if exc.version != self._version:
-                    raise
-                log.info("cnrstore.serving: version %d was dropped from %r; re-syncing in full",
-                         self._version, self._store.path)
-                up = self._compute(0, until)
+                try:
+                    up = self._compute(self._version, until)
+                except VersionNotRetained as exc:
+                    if exc.version != self._version:
+                        raise
+                    log.info("cnrstore.serving: version %d was dropped from %r; re-syncing in full",
+                             self._version, self._store.path)
+                    up = self._compute(0, until)
             except BaseException:
                 self._reopen = self._owns_store
                 raise
@@ -427,7 +430,12 @@ class Follower:
     def lag(self) -> FollowerLag:
         """``FollowerLag(versions, seconds)``: versions committed after ``version`` (as the store shows them
         now; a bucket's: as of the read cache's copy point) and seconds since the oldest of them was committed."""
-        newer = [v for v in self._store.versions() if v.version > self._version]
+        try:
+            listed = self._store.versions()
+        except StoreClosed:  # (the follower's thread is opening a read cache again)
+            with self._update_lock:
+                listed = self._store.versions()
+        newer = [v for v in listed if v.version > self._version]
         if not newer:
             return FollowerLag(0, 0.0)
         return FollowerLag(len(newer), max(0.0, time.time() - min(v.created for v in newer)))
