@@ -119,15 +119,15 @@ def test_every_prefix_of_a_two_rank_workload_lists_exactly_the_last_pointers_ver
 
 
 def test_every_prefix_of_pipelined_saves_lists_exactly_the_last_pointers_versions(ram_tmp_path):
-    """Saves published behind the trainer (a bucket root's order of effects, remote_every=1): save K+1 is
-    written, sealed and its ranks' unneeded local versions reclaimed before save K's copy points (which then
-    hold K+1 as well) and listing; keep_last=2."""
+    """Saves published behind the trainer (a bucket root's order of effects): save K+1 is written, sealed and
+    its ranks' unneeded local versions reclaimed before save K's copy points (which then hold K+1 as well) and
+    listing; then a publication that fell behind lists two saves at once (one pointer swap); keep_last=2."""
     bucket = db.RecordingBucket()
     job = db.Job(str(ram_tmp_path / "node"), bucket, seed=2)
     job.start(PLAN)
     written = job.write_local()
     job.seal()
-    for _ in range(3):
+    for _ in range(2):
         following = job.write_local()  # (the next save, while this one publishes)
         job.seal()
         for rank in range(db.WORLD):
@@ -136,8 +136,10 @@ def test_every_prefix_of_pipelined_saves_lists_exactly_the_last_pointers_version
         job.commit(written)
         job.drop_listed(2)
         written = following
+    behind = [written, job.write_local()]  # a publication caught up with two saves
+    job.seal()
     job.copy_points()
-    job.commit(written)
+    job.commit_many(behind)
     job.drop_listed(2)
     job.close()
     assert [gv.version for gv in job.root.versions()] == [3, 4]

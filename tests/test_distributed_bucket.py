@@ -149,12 +149,15 @@ class GatedObjects(DictObjectStore):
         self.gate.set()
         self.held = 0
         self.puts = collections.Counter()
+        self.pointers: list[bytes] = []  # every ROOT put
 
     def put(self, key, data):
         if key.startswith("gen-") and not self.gate.is_set():
             self.held += 1
             assert self.gate.wait(60)
         self.puts[key] += 1
+        if key == "ROOT":
+            self.pointers.append(bytes(data))
         super().put(key, data)
 
 
@@ -169,7 +172,8 @@ def wait_until(predicate, seconds=30.0):
 def test_saves_go_on_while_the_bucket_lags_by_at_most_remote_every_saves(tmp_path, group, remote_every):
     """A bucket root publishes each save (copy points, then the listing) behind the trainer: while one
     save's upload hangs, the next ``remote_every`` saves snapshot and commit locally; the save after them
-    waits for the hung publication. Every save is listed, in order, and each segment is uploaded once."""
+    waits for the hung publication. Every save is listed, in order, and each segment is uploaded once; with
+    remote_every=2 the publication behind the hung one lists the saves queued at once (one pointer swap)."""
     objects = GatedObjects()
     ck, model, opt = job(tmp_path / "n", objects, remote_every=remote_every, keep_last=3)
     train(model, opt, 0)
@@ -195,6 +199,11 @@ def test_saves_go_on_while_the_bucket_lags_by_at_most_remote_every_saves(tmp_pat
     objects.gate.set()
     waiter.join(60)
     assert blocked and [p.wait() for p in pendings + blocked] == list(range(2, 4 + remote_every))
+    if remote_every == 2:  # (the hung one, then saves 2 and 3 together, then save 9 alone or with them)
+        from cnrstore.distributed.remote_root import decode_pointer
+
+        listed = [set(decode_pointer(body, "ROOT", "t").numbers()) for body in objects.pointers]
+        assert any(len(b - a) >= 2 for a, b in zip(listed, listed[1:])), listed
     ck.close()
     segments = {k: n for k, n in objects.puts.items() if k.endswith(".seg")}
     assert segments and max(segments.values()) == 1, segments  # (each sealed whole before the next save opened)
@@ -276,7 +285,7 @@ def test_faults_of_the_endpoint_fail_a_save_and_the_next_succeeds(tmp_path, grou
     and the one after it (which waits for the failed publication: remote_every=1) raises the failure once;
     a fresh machine restores every version bit for bit."""
     url, opts = f"s3://{s3_bucket}/job", s3_options(proxy.url)
-    ck, model, opt = job(tmp_path / "n", url, remote_options=opts)
+    ck, model, opt = job(tmp_path / "n", url, remote_options=opts, remote_every=1)
     train(model, opt, 0)
     assert ck.save(step=0).wait() == 1
     saved = {1: state(model)}

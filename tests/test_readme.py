@@ -256,6 +256,12 @@ import cnrstore.distributed
 assert [g.step for g in cnrstore.distributed.versions("trec")] == [100]
 assert cnrstore.distributed.versions("trec")[0].plan.row_ids == "global"
 '''),
+    "follower = Follower(\"ckpt\", replica)": Spec(check='''
+import cnrstore
+with cnrstore.open("ckpt", readonly=True) as s:
+    assert s.latest().step == 3
+    assert 1 <= version <= s.latest().version and scores.shape == (1, 1)
+'''),
     "BitWidthPolicy(mtbf_hours": Spec(check='assert codec == "adaptive4" and bits.bits == 4'),
     "cnrstore ls ckpt --long": Spec(after=USE, check='''
 import numpy as np
@@ -418,6 +424,8 @@ API_SPECS = {
     "store.versions()                              # -> list[VersionInfo]": (API_STORE, ""),
     "store.compact(version=None, progress=None)": (API_STORE, "assert [v.version for v in store.versions()] == [1, 2]"),
     "for tc in store.changes(since=1, until=None": (API_STORE, "assert tc.rows.size == 100 and tc.values[0, 0] == 20"),
+    "from cnrstore.serving import Follower, FollowerLag": (API_STORE, "assert v == 1 and (batch == 10).all() and "
+                                                           "f.stats['full_syncs'] == 1 and f.version == 1 and FollowerLag(0, 0.0).versions == 0"),
     "report = cnrstore.repair(path, progress=None": ('import cnrstore\npath = "s"\ncnrstore.open(path, create=True).close()',
                                                     "assert report.ok"),
     "from cnrstore.policy import CompactionPolicy, MaxChain": ("mtbf_s, save_cost_s, step_time_s, seconds = 3600.0, 2.0, "

@@ -87,6 +87,17 @@ class _InFlight:
     publish: threading.Thread | None = None
 
 
+@dataclass(eq=False)
+class _Unpublished:
+    """A bucket root's save whose local versions committed on every rank, waiting for its publication."""
+
+    entry: _InFlight
+    local: PendingSave
+    outcomes: list
+    step: int | None
+    meta: dict | None
+
+
 class DistributedPendingSave(PendingSave):
     """A distributed save: the local snapshot is taken; the local write and the global commit run in the
     background. ``wait()`` returns the global version (also ``global_version`` once committed), or raises
@@ -128,7 +139,7 @@ class DistributedCheckpointer:
     segment under ``root`` on this node's disk (``root`` need not be shared), its sealed segments under the
     prefix (remote_root.py; docs/DESIGN.md, "Multi-node jobs on a bucket"). Each save is then *published*
     behind the trainer and the next saves: every rank's copy point, then rank 0 lists the version (``wait()``
-    returns once it is listed). ``remote_every`` (default 1) is how many saves may still be publishing when a
+    returns once it is listed). ``remote_every`` (default 2) is how many saves may still be publishing when a
     save starts (it waits for the older ones): how far the bucket may lag. ``remote_options``,
     ``remote_timeout_s`` and ``cache_bytes`` are ``cnrstore.open``'s, for every rank store.
     A job that starts on the prefix takes it over: the job that wrote it before fails at its next save
@@ -153,7 +164,7 @@ class DistributedCheckpointer:
         if remote is None and remote_every is not None:
             raise InvalidArgument("remote_every applies to a root in a bucket (remote=...)")
         if remote_every is None:
-            remote_every = 1
+            remote_every = 2
         if isinstance(remote_every, bool) or not isinstance(remote_every, int) or remote_every < 1:
             raise InvalidArgument(f"remote_every={remote_every!r}: pass a count of saves >= 1")
         #: a bucket root: each save's copy points and listing (its publication) run behind it, in a thread of
@@ -213,6 +224,8 @@ class DistributedCheckpointer:
             raise
         self._saves: list[_InFlight] = []  # saves the trainer's thread has not settled yet, oldest first
         self._last_publish: threading.Thread | None = None  # (bucket roots) each publication waits for the one before
+        self._unpublished: list[_Unpublished] = []  # (bucket roots) in save order; appended by the commit thread
+        self._unpublished_lock = threading.Lock()
         self._error: BaseException | None = None  # a failure the next save() raises, and which save it was
         self._error_save: DistributedPendingSave | None = None
         self._closed = False
@@ -424,9 +437,10 @@ class DistributedCheckpointer:
         try:
             outcomes = self._gather_outcomes(local, step)
             if self._pipelined:
-                entry.publish = threading.Thread(
-                    target=self._publish, args=(entry, self._last_publish, local, outcomes, step, meta),
-                    name=f"cnrstore-dist-publish-{step}", daemon=True)
+                with self._unpublished_lock:
+                    self._unpublished.append(_Unpublished(entry, local, outcomes, step, meta))
+                entry.publish = threading.Thread(target=self._publish, args=(entry, self._last_publish),
+                                                 name=f"cnrstore-dist-publish-{step}", daemon=True)
                 self._last_publish = entry.publish
                 entry.publish.start()
                 return
@@ -491,36 +505,79 @@ class DistributedCheckpointer:
             f"rank {self.rank}: the global commit of step {step} did not complete ({exc}); a rank may have "
             f"died or be slower than timeout_s={self.timeout_s:g}. The previous global version is intact.")
 
-    def _publish(self, entry: "_InFlight", previous: threading.Thread | None, local, outcomes, step, meta) -> None:
-        """A bucket root's publication of a save whose local versions committed on every rank: each rank's
-        copy point (its store's sealed segments and index snapshot in the bucket), gathered; then rank 0
-        lists the global version. Runs behind the trainer, one publication at a time, in save order, over a
-        gloo group of its own (the next save's gather may run meanwhile on the checkpointer's group)."""
-        version, error = None, None
+    def _publish(self, entry: "_InFlight", previous: threading.Thread | None) -> None:
+        """A bucket root's publication of ``entry``'s save, and of the saves queued behind it that every rank
+        has committed locally too (a publication that fell behind catches up in one): each rank's copy point
+        (its store's sealed segments and index snapshot in the bucket, holding every local version committed
+        so far), gathered with how many queued saves it covers; then rank 0 lists the first that many saves
+        at once (``commit_many``). Runs behind the trainer, one publication at a time, in save order, over a
+        gloo group of its own (the next save's gather may run meanwhile on the checkpointer's group). A save
+        that an earlier publication listed already has nothing left to do."""
+        batch: list[_Unpublished] = []
+        versions: list[int] | None = None
+        error = None
         try:
             if previous is not None:
                 previous.join()
+            with self._unpublished_lock:
+                queued = list(self._unpublished)
+            if not queued or queued[0].entry is not entry:
+                return  # (an earlier publication listed it, or failed it)
+            batch = queued[:1]
             ok, reason, own = True, "", None
             try:
-                self.store.sync_remote()
+                self.store.sync_remote()  # (after `queued` was read: it holds every local version queued)
             except BaseException as exc:
                 ok, reason, own = False, f"{type(exc).__name__}: {exc}", exc
             copies: list = [None] * self.world_size
             try:
-                failures.all_gather_object(copies, (ok, reason), group=self._publish_group)
+                failures.all_gather_object(copies, (ok, reason, len(queued)), group=self._publish_group)
             except Exception as exc:
-                raise self._incomplete(step, exc) from exc
-            failed = [r for r, (ok_, _why) in enumerate(copies) if not ok_]
+                raise self._incomplete(batch[0].step, exc) from exc
+            batch = queued[:min(n for _ok, _why, n in copies)]  # (the same saves on every rank: saves are in order)
+            failed = [r for r, (ok_, _why, _n) in enumerate(copies) if not ok_]
             if failed:
                 if own is not None:
                     raise own
                 why = "; ".join(f"rank {r}: {copies[r][1]}" for r in failed)
-                raise GlobalCommitError(f"the save of step {step} is not a global version: rank(s) {failed} could "
-                                        f"not make their copy point in the bucket ({why})", failed)
-            version = self._list(outcomes, step, meta, self._publish_group)
+                raise GlobalCommitError(f"the save of step {batch[0].step} is not a global version: rank(s) {failed} "
+                                        f"could not make their copy point in the bucket ({why})", failed)
+            versions = self._list_many(batch)
         except BaseException as exc:
             error = exc
-        self._ended(entry.pending, local, version, error)
+        finally:
+            with self._unpublished_lock:
+                self._unpublished = [q for q in self._unpublished if all(q is not b for b in batch)]
+        for i, item in enumerate(batch):
+            self._ended(item.entry.pending, item.local, None if versions is None else versions[i], error)
+
+    def _list_many(self, batch: list[_Unpublished]) -> list[int]:
+        """Rank 0 lists every save of ``batch`` (one pointer swap) and broadcasts the outcome (collective over
+        the publications' group); returns their global versions, or raises GlobalCommitError."""
+        step = batch[0].step
+        decision: list = [None]
+        try:
+            if self.rank == 0:
+                decision = [self._decide_many(batch)]
+            failures.broadcast_object_list(decision, src=0, group=self._publish_group)
+        except Exception as exc:
+            raise self._incomplete(step, exc) from exc
+        status, value, failed = decision[0]
+        if status == "ok":
+            return [int(v) for v in value]
+        raise GlobalCommitError(f"the save of step {step} is not a global version: {value}", failed)
+
+    def _decide_many(self, batch: list[_Unpublished]):
+        """Rank 0 of a bucket root: list ``batch``'s saves; returns (status, [versions] | reason, ranks)."""
+        try:
+            first = max(self.root.version_numbers(), default=0) + 1
+            gvs = [self._global_version(first + i, item.outcomes, item.step, item.meta)
+                   for i, item in enumerate(batch)]
+            self.root.commit_many(gvs)
+        except BaseException as exc:
+            return "error", f"rank 0 could not write the manifests: {type(exc).__name__}: {exc}", [0]
+        self._apply_retention()
+        return "ok", [gv.version for gv in gvs], []
 
     def _list(self, outcomes, step, meta, group) -> int:
         """Rank 0 lists the global version naming every rank's local version and broadcasts the outcome
@@ -541,22 +598,28 @@ class DistributedCheckpointer:
         """Rank 0: write the manifest of a save every rank committed; returns (status, version | reason, ranks)."""
         try:
             number = max(self.root.version_numbers(), default=0) + 1
-            gv = GlobalVersion(version=number, step=step, meta=meta, created=time.time(),
-                               generation=self.generation, plan=self.plan,
-                               local_versions=tuple(int(v) for _ok, v, _why, _prio in outcomes),
-                               stores=tuple(self.root.store_rel(self.generation, r) for r in range(self.world_size)),
-                               priority=any(prio for _ok, _v, _why, prio in outcomes))
-            self.root.commit(gv)
+            self.root.commit(self._global_version(number, outcomes, step, meta))
         except BaseException as exc:
             return "error", f"rank 0 could not write the manifest: {type(exc).__name__}: {exc}", [0]
+        self._apply_retention()
+        return "ok", number, []
+
+    def _global_version(self, number: int, outcomes, step, meta) -> GlobalVersion:
+        return GlobalVersion(version=number, step=step, meta=meta, created=time.time(), generation=self.generation,
+                             plan=self.plan, local_versions=tuple(int(v) for _ok, v, _why, _prio in outcomes),
+                             stores=tuple(self.root.store_rel(self.generation, r) for r in range(self.world_size)),
+                             priority=any(prio for _ok, _v, _why, prio in outcomes))
+
+    def _apply_retention(self) -> None:
+        """Rank 0, after listing: drop the global versions beyond ``keep_last`` and the generations none reads
+        (best effort: the versions are listed)."""
         try:
             if self.keep_last is not None:
                 numbers = self.root.version_numbers()
                 self.root.drop(numbers[:-self.keep_last])
                 self.root.remove_unreferenced_generations(self.generation)
-        except BaseException:  # retention is best effort: the version is committed
+        except BaseException:
             pass
-        return "ok", number, []
 
     # -- restore --------------------------------------------------------------------------------------
     def restore(self, version: int | None = None, *, trust_pickle: bool = False) -> GlobalVersion:

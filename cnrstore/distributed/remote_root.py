@@ -339,13 +339,22 @@ class RemoteRoot(Root):
     def commit(self, gv: GlobalVersion) -> None:
         """Make ``gv`` a global version: its manifest put, then the pointer swapped to list it (only if this
         job still owns the root: else RemoteTakenOver and nothing of it is listed)."""
+        self.commit_many([gv])
+
+    def commit_many(self, gvs) -> None:
+        """Make every one of ``gvs`` (numbers ascending, past every listed one) a global version at once: their
+        manifests put, then one pointer swap listing them all (only if this job still owns the root: else
+        RemoteTakenOver and none of them is listed). A publication that caught up with several saves."""
+        gvs = list(gvs)
         p = self._owned()
-        if gv.version in p.numbers():
-            raise InvalidArgument(f"global version {gv.version} exists already")
+        numbers = [gv.version for gv in gvs]
+        if not gvs or numbers != sorted(set(numbers)) or numbers[0] <= max(p.numbers(), default=0):
+            raise InvalidArgument(f"global versions {numbers} are not new and ascending (listed: {list(p.numbers())})")
         fs.crash_point("dist_before_manifest")
-        self.objects.put(manifest_key(gv.version, self.job), seal("manifest", gv.to_dict()))
+        for gv in gvs:
+            self.objects.put(manifest_key(gv.version, self.job), seal("manifest", gv.to_dict()))
         fs.crash_point("dist_manifest_put")
-        self._swap(p, p._replace(versions=p.versions + ((gv.version, self.job),)))
+        self._swap(p, p._replace(versions=p.versions + tuple((gv.version, self.job) for gv in gvs)))
         fs.crash_point("dist_after_manifest")
 
     def drop(self, versions) -> None:

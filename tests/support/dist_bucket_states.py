@@ -159,18 +159,26 @@ class Job:
         """Rank 0's ``root.commit`` of a global version naming each rank's local version in ``written``. Its
         content is in ``content`` from before the manifest's put (a crash state may list it from the pointer
         swap on) and taken out again if the commit fails."""
-        number = max(self.root.version_numbers(), default=0) + 1
-        key = manifest_key(number, self.root.job)
-        self.content[key] = [tables for _v, tables in written]
+        return self.commit_many([written])[0]
+
+    def commit_many(self, saves: list) -> list[int]:
+        """Rank 0's ``root.commit_many``: a publication listing several saves at once (each a ``written``)."""
+        first = max(self.root.version_numbers(), default=0) + 1
+        numbers = list(range(first, first + len(saves)))
+        keys = [manifest_key(number, self.root.job) for number in numbers]
+        for key, written in zip(keys, saves):
+            self.content[key] = [tables for _v, tables in written]
         try:
-            self.root.commit(GlobalVersion(
+            self.root.commit_many([GlobalVersion(
                 version=number, step=number, meta=None, created=time.time(), generation=self.generation,
                 plan=self.plan, local_versions=tuple(v for v, _tables in written),
-                stores=tuple(self.root.store_rel(self.generation, r) for r in range(WORLD))))
+                stores=tuple(self.root.store_rel(self.generation, r) for r in range(WORLD)))
+                for number, written in zip(numbers, saves)])
         except BaseException:
-            del self.content[key]
+            for key in keys:
+                del self.content[key]
             raise
-        return number
+        return numbers
 
     def retain(self, keep_last: int) -> None:
         """``keep_last`` as the checkpointer applies it after a save: rank 0 drops old global versions and

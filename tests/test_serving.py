@@ -1,0 +1,400 @@
+"""cnrstore.serving.Follower: a replica's tables follow a store (issue 40, docs/DESIGN.md "Serving: following a
+store"): full sync, polls of several commits, rollback and forward, retention dropping the version held (a
+re-sync), compaction and GC beside it, the serving() pin, a race with GC by schedule, a remote tier, and a
+follower process beside a writer process, both SIGKILLed at random instants."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import cnrstore
+from cnrstore import codecs
+from cnrstore.errors import InvalidArgument, VersionNotFound
+from cnrstore.serving import Follower, FollowerLag
+
+from support.schedule import Pause, run_in_thread
+
+ROWS, DIM, BLOCK = 512, 8, 64
+
+
+def bits(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def same_as_store(target: dict, store, version=None) -> None:
+    for name, arr in target.items():
+        assert np.array_equal(bits(arr), bits(store.read_table(name, version))), name
+
+
+def save(store, step, rows, seed, tables=("t", "q")):
+    rng = np.random.default_rng(seed)
+    with store.checkpoint(step=step) as ck:
+        for name in tables:
+            ck.put_rows(name, rows, rng.standard_normal((len(rows), DIM), dtype=np.float32))
+    return store.latest().version
+
+
+@pytest.fixture
+def two_tables(store):
+    """fp32 table 't' and int8 table 'q', every row written at version 1."""
+    store.create_table("t", ROWS, DIM, block_rows=BLOCK)
+    store.create_table("q", ROWS, DIM, codec="int8", block_rows=BLOCK)
+    save(store, 0, np.arange(ROWS), 0)
+    return store
+
+
+def test_dict_target_polls_several_commits_bit_for_bit(two_tables):
+    store = two_tables
+    target = {}
+    f = Follower(store.path, target)
+    try:
+        assert sorted(target) == ["q", "t"] and f.version == 1
+        assert f.stats["full_syncs"] == 1 and f.lag == FollowerLag(0, 0.0)
+        same_as_store(target, store)
+        assert f.poll() is None
+        rng = np.random.default_rng(1)
+        changed = set()
+        for step in range(1, 4):
+            rows = np.sort(rng.choice(ROWS, 10, replace=False))
+            changed |= set(rows.tolist())
+            save(store, step, rows, step)
+        lag = f.lag
+        assert lag.versions == 3 and lag.seconds > 0
+        before = dict(f.stats)
+        assert f.poll() == 4 and f.version == 4
+        same_as_store(target, store)  # the int8 table as read_table decodes it
+        assert f.lag == FollowerLag(0, 0.0)
+        # an update reads the changed rows, in their codecs, not the tables
+        want = len(changed) * (codecs.get("fp32").row_bytes(DIM) + codecs.get("int8").row_bytes(DIM))
+        assert f.stats["bytes_read"] - before["bytes_read"] == want
+        assert f.stats["rows_applied"] - before["rows_applied"] == 2 * len(changed)
+        assert f.stats["updates"] == before["updates"] + 1 and f.stats["full_syncs"] == 1
+    finally:
+        f.close()
+
+
+def test_rollback_and_forward_bit_for_bit(two_tables):
+    store = two_tables
+    rng = np.random.default_rng(2)
+    for step in range(1, 5):
+        save(store, step, np.sort(rng.choice(ROWS, 20, replace=False)), 10 + step)
+    target = {"t": np.zeros((ROWS, DIM), np.float32), "q": np.zeros((ROWS, DIM), np.float32)}
+    with Follower(store, target, version=2) as f:
+        same_as_store(target, store, 2)
+        assert f.poll() == 5
+        same_as_store(target, store, 5)
+        before = f.stats["bytes_read"]
+        assert f.rollback(3) == 3 and f.version == 3
+        same_as_store(target, store, 3)
+        assert f.stats["bytes_read"] - before < 2 * 40 * (DIM * 4)  # the rows of versions 4 and 5 only
+        assert f.rollback(1) == 1
+        same_as_store(target, store, 1)
+        assert f.rollback(5) == 5
+        same_as_store(target, store, 5)
+        assert f.stats["full_syncs"] == 1
+        with pytest.raises(VersionNotFound):
+            f.rollback(99)
+        assert f.version == 5
+
+
+def test_retention_dropping_the_version_held_resyncs_and_compaction_and_gc_beside(two_tables):
+    store = two_tables
+    target = {}
+    with Follower(store.path, target) as f:
+        rng = np.random.default_rng(3)
+        for step in range(1, 4):
+            save(store, step, np.sort(rng.choice(ROWS, 30, replace=False)), 20 + step)
+        store.compact()
+        store.retain(keep_last=1)  # drops version 1, which the follower holds
+        store.gc()
+        assert f.poll() == 4
+        assert f.stats["full_syncs"] == 2
+        same_as_store(target, store)
+        save(store, 4, np.arange(5), 30)
+        store.compact()
+        store.gc()
+        assert f.poll() == 5 and f.stats["full_syncs"] == 2  # f.version (4) retained: only the changes
+        same_as_store(target, store)
+
+
+def test_tables_restricts_and_bad_targets_are_refused(two_tables):
+    store = two_tables
+    target = {}
+    with Follower(store, target, tables=["t"]):
+        assert list(target) == ["t"]
+    with pytest.raises(InvalidArgument):
+        Follower(store, {"nope": np.zeros((2, 2), np.float32)})
+    with pytest.raises(InvalidArgument):
+        Follower(store, {"t": np.zeros((ROWS, DIM + 1), np.float32)})
+    with pytest.raises(InvalidArgument):
+        Follower(store, {}, tables=["nope"])
+
+
+def test_module_target_saved_by_checkpointer_equals_the_writer_at_each_version(store):
+    torch = pytest.importorskip("torch")
+    from cnrstore.torch import Checkpointer
+
+    from support.torch_models import Loader, make, train_step
+
+    model, opt = make(0)
+    ck = Checkpointer(store, model, opt)
+    loader = Loader()
+    train_step(model, opt, loader.next())
+    ck.save(step=1).wait()
+    replica, _ = make(7)  # other initial weights
+    replica.eval()
+    updates = []
+    f = Follower(store.path, replica, on_update=lambda fol, old, new, stats: updates.append((old, new)))
+    try:
+        def check():
+            got, want = replica.state_dict(), model.state_dict()
+            assert list(got) == list(want)
+            for k in want:
+                assert torch.equal(got[k], want[k]), k
+        check()
+        for step in range(2, 5):
+            train_step(model, opt, loader.next())
+            ck.save(step=step).wait()
+            if step != 3:  # two versions at once at step 4
+                assert f.poll() == store.latest().version
+                check()
+        assert updates == [(1, 2), (2, 4)]
+        # an on_update that raises is logged, never propagated
+        f.on_update = lambda *a: 1 / 0
+        train_step(model, opt, loader.next())
+        ck.save(step=5).wait()
+        assert f.poll() == 5
+        check()
+    finally:
+        f.close()
+        ck.close()
+
+
+def test_embeddingbag_module_and_optimizer_tables_left_out(store):
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    store.create_table("bag", 64, 4, codec="int8")
+    store.create_table("bag.optim.sum", 64, 4)
+    vals = np.random.default_rng(4).standard_normal((64, 4), dtype=np.float32)
+    with store.checkpoint() as ck:
+        ck.put_rows("bag", np.arange(64), vals)
+        ck.put_rows("bag.optim.sum", np.arange(64), vals)
+    model = nn.Module()
+    model.bag = nn.EmbeddingBag(64, 4)
+    with Follower(store, model) as f:
+        assert f.version == 1
+        assert torch.equal(model.bag.weight.detach(), torch.from_numpy(store.read_table("bag")))
+
+
+def test_serving_pin_blocks_an_update_and_a_batch_never_mixes_versions(store):
+    """Every row of table 'v' holds the version number; a reader under serving() must see one number."""
+    store.create_table("v", ROWS, DIM, block_rows=BLOCK)
+
+    def put(n):
+        with store.checkpoint(step=n) as ck:
+            ck.put_rows("v", np.arange(ROWS), np.full((ROWS, DIM), float(n), np.float32))
+
+    put(1)
+    target = {}
+    f = Follower(store, target)
+    try:
+        # a thread holding serving() blocks an update until it lets go
+        held, go = threading.Event(), threading.Event()
+
+        def hold():
+            with f.serving() as v:
+                held.set()
+                go.wait(10)
+                assert (target["v"] == v).all()
+
+        t = run_in_thread(hold)
+        held.wait(10)
+        put(2)
+        polled = run_in_thread(f.poll)
+        time.sleep(0.2)
+        assert not polled.done() and f.version == 1
+        go.set()
+        t.result(10)
+        assert polled.result(10) == 2
+        with f.serving():
+            with pytest.raises(InvalidArgument):
+                f.poll()  # would wait for itself
+        # background mode: batches read while versions stream in
+        f.start(interval_s=0.005)
+        seen, stop = set(), threading.Event()
+
+        def batches():
+            while not stop.is_set():
+                with f.serving() as v:
+                    a = target["v"]
+                    first = a[0, 0]
+                    assert first == v and (a == first).all()
+                    seen.add(v)
+
+        readers = [run_in_thread(batches) for _ in range(2)]
+        for n in range(3, 12):
+            put(n)
+            time.sleep(0.01)
+        deadline = time.monotonic() + 10
+        while f.version != 11 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stop.set()
+        for r in readers:
+            r.result(10)
+        assert f.version == 11 and len(seen) > 1
+        assert f.last_error is None
+    finally:
+        f.close()
+
+
+def test_background_errors_are_logged_and_retried(two_tables, monkeypatch):
+    store = two_tables
+    f = Follower(store.path, {})
+    try:
+        calls = {"n": 0}
+        real = f._compute
+
+        def flaky(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise cnrstore.errors.StorageIOError("disk hiccup")
+            return real(*a, **k)
+
+        monkeypatch.setattr(f, "_compute", flaky)
+        save(store, 1, np.arange(3), 40)
+        f.start(interval_s=0.01)
+        deadline = time.monotonic() + 10
+        while f.version != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        f.stop()
+        assert f.version == 2 and isinstance(f.last_error, cnrstore.errors.StorageIOError)
+        assert f.stats["errors"] == 1
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize("drop_held", [False, True])
+def test_race_gc_deletes_the_segments_a_follower_reads(two_tables, drop_held):
+    """The follower stops inside its read transaction (its reader pin) while retention drops versions and GC
+    frees the segments they read: it reads the version whole, or (a version held dropped before its read
+    began) re-syncs; never damaged or mixed rows."""
+    store = two_tables
+    target = {}
+    with Follower(store.path, target) as f:
+        rng = np.random.default_rng(5)
+        for step in range(1, 4):
+            save(store, step, np.sort(rng.choice(ROWS, 200, replace=False)), 50 + step)
+        if drop_held:
+            store.retain(keep_last=1)  # version 1, held, dropped before the read begins
+        newest = store.latest().version
+        expect = {name: store.read_table(name) for name in ("t", "q")}
+        with Pause("follower_reading") as paused:
+            polled = run_in_thread(f.poll)
+            paused.wait_reached()
+            save(store, 4, np.arange(ROWS), 60)  # every row again: every older record is shadowed
+            store.retain(keep_last=1)
+            store.compact()
+            report = store.gc()
+            assert report.segments_deleted == 0 or report.bytes_pending  # what the pinned reader reads waits
+            paused.release()
+            got = polled.result(30)
+        if drop_held:  # the read of the changes since version 1 found it gone: a full sync of the newest
+            assert got == newest + 1 and f.stats["full_syncs"] == 2
+            same_as_store(target, store)
+            assert f.poll() is None
+            return
+        assert got == newest  # read whole in its transaction, though retention and GC ran meanwhile
+        for name in expect:
+            assert np.array_equal(bits(target[name]), bits(expect[name])), name
+        assert f.stats["full_syncs"] == 1
+        assert f.poll() == newest + 1  # its version was dropped meanwhile: a re-sync
+        assert f.stats["full_syncs"] == 2
+        same_as_store(target, store)
+
+
+def test_follow_a_remote_store(tmp_path):
+    from support.crash_states import DictObjectStore
+
+    objects = DictObjectStore()
+    writer = cnrstore.open(tmp_path / "w", create=True, remote=objects, cache_bytes=0)
+    try:
+        writer.create_table("t", ROWS, DIM, block_rows=BLOCK)
+        writer.create_table("q", ROWS, DIM, codec="int8", block_rows=BLOCK)
+        save(writer, 0, np.arange(ROWS), 70)
+        target = {}
+        with Follower(str(tmp_path / "cache"), target, remote=objects) as f:
+            same_as_store(target, writer)
+            assert f.poll() is None
+            for step in range(1, 3):
+                save(writer, step, np.arange(step * 10), 70 + step)
+            assert f.poll() == 3  # the bucket's last copy point
+            same_as_store(target, writer)
+            save(writer, 3, np.arange(7), 80)
+            writer.retain(keep_last=1)  # drops version 3, which the follower holds
+            writer.gc()
+            save(writer, 4, np.arange(9), 90)  # (its copy point shows the bucket without version 3)
+            assert f.poll() == 5 and f.stats["full_syncs"] == 2
+            same_as_store(target, writer)
+    finally:
+        writer.close()
+
+
+# -- processes: a writer with background compaction and a follower, SIGKILLed at random instants ----------
+
+WORKER = os.path.join(os.path.dirname(__file__), "support", "follower_worker.py")
+
+
+def _spawn(role, path, *args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                                        os.path.dirname(__file__)])}
+    return subprocess.Popen([sys.executable, WORKER, role, path, *map(str, args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _checked(log: str) -> int:
+    try:
+        with open(log) as fh:
+            return sum(1 for _ in fh)
+    except FileNotFoundError:
+        return 0
+
+
+def test_follower_process_beside_a_writer_process_both_killed(tmp_path):
+    path = str(tmp_path / "store")
+    log = str(tmp_path / "checked.log")
+    rng = np.random.default_rng(6)
+    checked = 0
+    for rnd in range(3):
+        writer = _spawn("writer", path)
+        follower = _spawn("follower", path, log)
+        deadline = time.monotonic() + 20
+        while _checked(log) <= checked and time.monotonic() < deadline and follower.poll() is None:
+            time.sleep(0.02)  # until this round's follower checked its first version
+        checked = _checked(log)
+        time.sleep(0.2 + rng.random() * 0.5)
+        for p in ([writer, follower] if rnd % 2 else [follower, writer]):
+            p.send_signal(signal.SIGKILL)
+            time.sleep(rng.random() * 0.1)
+        for p in (writer, follower):
+            _out, err = p.communicate(timeout=30)
+            assert "MISMATCH" not in err, err[-2000:]
+            assert "Traceback" not in err, err[-2000:]
+    with open(log) as fh:
+        lines = [ln.split() for ln in fh if ln.strip()]
+    assert lines and all(ln[0] == "ok" for ln in lines)
+    assert len({int(ln[1]) for ln in lines}) > 2  # it checked several versions
+    # the store the kills left opens and reads
+    with cnrstore.open(path, readonly=True) as s:
+        from support.follower_worker import expected
+
+        v = s.latest()
+        assert np.array_equal(bits(s.read_table("t")), bits(expected(v.step)))
