@@ -7,8 +7,7 @@ The trainer (this process) trains the reference DLRM (``tools/dlrm_model.py``: 2
 ``--max-rows``, ``--dim``, Adagrad, synthetic Criteo batches) and saves with ``cnrstore.torch.Checkpointer``
 (fp32, incremental, its own store with background compaction) every ``--save-s`` seconds. A serving
 process (spawned, a process of its own) holds a DLRM of the same shape and follows the store with
-``cnrstore.serving.Follower`` (until it lands: ``tools/serve_follow._MiniFollower``, a stand-in over
-``Store.changes``), polling every ``--poll-s`` seconds. Measured:
+``cnrstore.serving.Follower``, polling every ``--poll-s`` seconds. Measured:
 
 - **freshness**: a version's commit (``VersionInfo.created``) to the follower's tensors holding it (or a
   newer version), wall clock, p50 and p99 over the run's versions;
@@ -25,7 +24,8 @@ process (spawned, a process of its own) holds a DLRM of the same shape and follo
   follower against full reloads every 100 steps on the drifting stream, the margin with its 95% t interval;
 - **S3**: the same follow with the store on S3 (moto's server on localhost, a process of its own; the
   trainer's store ``remote=`` with a copy point after every commit, the follower a read cache reopened at each
-  poll: only the last copy point is visible to it): freshness from commit, p50 and p99.
+  poll: only the last copy point is visible to it): freshness from commit, p50 and p99. The baseline's copy
+  point (``sync_remote()``) and the follower's full sync come before the measured saves.
 
     .venv/bin/python benchmarks/bench_serving.py [--quick] [--out FILE]
 """
@@ -55,14 +55,14 @@ def model_args(args) -> argparse.Namespace:
     return argparse.Namespace(max_rows=args.max_rows, dim=args.dim, batch_size=args.batch, seed=0)
 
 
-def follower_child(margs: dict, path: str, remote, remote_options, poll_s: float, start_version: int,
-                   stop, results) -> None:
+def follower_child(margs: dict, path: str, remote, remote_options, poll_s: float, ready, stop,
+                   results) -> None:
     """The serving process: a DLRM of the trainer's shape, following ``path`` until ``stop`` is set; puts
     its per-update log and its CPU and wall time."""
     import torch
 
     from dlrm_model import build_model
-    from serve_follow import Follower
+    from cnrstore.serving import Follower
 
     torch.set_num_threads(1)
     model = build_model(argparse.Namespace(**margs), 1)
@@ -71,6 +71,7 @@ def follower_child(margs: dict, path: str, remote, remote_options, poll_s: float
     else:
         f = Follower(path, model, version=None)
     f.poll()  # the full sync, not measured
+    ready.set()
     log = []
     cpu0, wall0 = time.process_time(), time.perf_counter()
     while not stop.is_set():
@@ -113,12 +114,15 @@ def follow_run(args, label: str, endpoint=None) -> dict:
     data = SyntheticCriteo(margs)
     ckpt = Checkpointer(store, model, opt, codec="fp32", mode="incremental")
     ckpt.save(0, meta={"step": 0}).wait()
+    if endpoint is not None:
+        store.sync_remote()  # the baseline's copy point, before the measured saves
     ctx = mp.get_context("spawn")
-    stop, results = ctx.Event(), ctx.Queue()
+    ready, stop, results = ctx.Event(), ctx.Event(), ctx.Queue()
     child = ctx.Process(target=follower_child, args=(vars(margs), follow_path, remote, options, args.poll_s,
-                                                     store.latest().version, stop, results), daemon=True)
+                                                     ready, stop, results), daemon=True)
     child.start()
-    time.sleep(args.warmup_s)  # the child's imports and full sync
+    if not ready.wait(600):  # the child's imports and full sync (not measured)
+        raise RuntimeError("the follower did not finish its full sync in 600 s")
     touched: dict[int, list[np.ndarray]] = {}  # version -> per table, the ids looked up since the last save
     since = [[] for _ in model.embs]
     pending, step, steps_per_save = [], 0, []
@@ -233,9 +237,7 @@ def report(args, local: dict, s3: dict | None, q: dict, seconds: float) -> str:
              f"Reproduce: `.venv/bin/python benchmarks/bench_serving.py{' --quick' if args.quick else ''}` "
              f"({seconds:.0f} s here).", ""]
     lines += [f"- {m}" for m in machine_description()]
-    from serve_follow import Follower, _MiniFollower
-    who = "cnrstore.serving.Follower" if Follower is not _MiniFollower else \
-        "tools/serve_follow._MiniFollower (a stand-in over Store.changes until cnrstore.serving lands)"
+    who = "cnrstore.serving.Follower"
     lines += [f"- load average at end: {load_average()}",
               f"- trainer: the reference DLRM, 26 tables capped at {args.max_rows:,} rows ({local['rows']:,} rows) x "
               f"{args.dim} fp32, Adagrad, batch {args.batch}; model state {fmt_bytes(local['state_bytes'])}; a save every "
@@ -316,7 +318,6 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="training time of the local follow run")
     p.add_argument("--save-s", type=float, default=3.0, help="seconds between saves")
     p.add_argument("--poll-s", type=float, default=0.2, help="the follower's polling interval")
-    p.add_argument("--warmup-s", type=float, default=8.0, help="seconds for the follower's start and full sync")
     p.add_argument("--seeds", type=int, default=5, help="seeds of the quality comparison")
     p.add_argument("--s3-seconds", type=float, default=30.0, help="training time of the S3 follow run (0: none)")
     p.add_argument("--tmp", default=None)
@@ -325,7 +326,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.max_rows, args.dim, args.batch = 20_000, 16, 512
-        args.seconds, args.save_s, args.seeds, args.s3_seconds, args.warmup_s = 15.0, 1.5, 3, 10.0, 5.0
+        args.seconds, args.save_s, args.seeds, args.s3_seconds = 15.0, 1.5, 3, 10.0
     t0 = time.perf_counter()
     local = follow_run(args, "local")
     s3 = None

@@ -28,9 +28,7 @@ depends on steps, never on timing.
     .venv/bin/python tools/serve_follow.py --quick
     .venv/bin/python tools/serve_follow.py --steps 1500 --save-every 10 --reload-every 100 --seed 1
 
-The follower is ``cnrstore.serving.Follower``. Until that module lands this tool carries ``_MiniFollower``, a
-minimal stand-in with the same methods over ``Store.changes`` (TEMPORARY: delete it and the fallback import
-when ``cnrstore.serving`` exists).
+The follower is ``cnrstore.serving.Follower`` (API.md, "Serving: following a store").
 """
 
 from __future__ import annotations
@@ -43,10 +41,7 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -55,118 +50,10 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cnrstore  # noqa: E402
 from cnrstore import codecs  # noqa: E402
+from cnrstore.serving import Follower  # noqa: E402
 from dlrm_model import NUM_DENSE, DLRM, auc, logloss  # noqa: E402
 
 DENSE_PREFIX = "torch.model/"
-
-
-# ------------------------------------------------------------------------------- follower (stand-in)
-
-
-class FollowerLag(NamedTuple):
-    versions: int
-    seconds: float
-
-
-class _MiniFollower:
-    """TEMPORARY stand-in for ``cnrstore.serving.Follower`` (same constructor and methods; replace it by that
-    import when it lands). Applies ``Store.changes(self.version, newest, encoded=True)`` of the target's
-    tables (module paths of its embeddings, or the dict's keys) and ``Store.dense_changes`` of its other
-    state-dict entries. A remote store is followed by reopening its read cache at each poll (that installs
-    the bucket's newest copy point)."""
-
-    def __init__(self, source, target, *, remote=None, remote_options=None, version=None, tables=None,
-                 on_update=None):
-        self._path, self._remote, self._remote_options = source, remote, remote_options
-        self._own = not hasattr(source, "changes")
-        self.store = self._open() if self._own else source
-        if isinstance(target, nn.Module):
-            embs = {p: m.weight for p, m in target.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
-            ids = {id(w) for w in embs.values()}
-            self._tables = {k: w.detach().numpy() for k, w in embs.items()}
-            self._dense = {DENSE_PREFIX + k: v.detach().numpy() for k, v in target.state_dict(keep_vars=True).items()
-                           if id(v) not in ids}
-        else:
-            self._tables, self._dense = dict(target), {}
-        if tables is not None:
-            self._tables = {k: v for k, v in self._tables.items() if k in tables}
-        self.version, self.on_update = version, on_update
-        self.stats = {"updates": 0, "rows_applied": 0, "bytes_read": 0, "last_update_seconds": 0.0,
-                      "full_syncs": 0}
-        self._lock, self._thread, self._stop = threading.RLock(), None, threading.Event()
-
-    def _open(self):
-        return cnrstore.open(self._path, readonly=True, remote=self._remote, remote_options=self._remote_options)
-
-    @property
-    def lag(self) -> FollowerLag:
-        newer = [v for v in self.store.versions() if v.version > (self.version or 0)]
-        return FollowerLag(len(newer), time.time() - newer[0].created if newer else 0.0)
-
-    def poll(self):
-        with self._lock:
-            t0 = time.perf_counter()
-            if self._remote is not None:
-                self.store.close()
-                self.store = self._open()
-            newest = self.store.latest()
-            if newest is None or newest.version == self.version:
-                return None
-            nbytes = rows = 0
-            for tc in self.store.changes(self.version, newest.version, list(self._tables), encoded=True):
-                for part in tc.parts:
-                    self._tables[tc.table][part.rows] = part.decode(tc.dim)
-                    nbytes, rows = nbytes + part.data.nbytes, rows + part.rows.size
-            for name, arr in self.store.dense_changes(self.version, newest.version, list(self._dense)).items():
-                self._dense[name][...] = arr.reshape(self._dense[name].shape)
-                nbytes += arr.nbytes
-            s = self.stats
-            s["full_syncs"] += not self.version
-            s["updates"], s["rows_applied"], s["bytes_read"] = s["updates"] + 1, s["rows_applied"] + rows, \
-                s["bytes_read"] + nbytes
-            s["last_update_seconds"] = time.perf_counter() - t0
-            self.version = newest.version
-            if self.on_update is not None:
-                self.on_update(newest.version, nbytes)
-            return newest.version
-
-    def start(self, interval_s=0.2):
-        def loop():
-            while not self._stop.wait(interval_s):
-                self.poll()
-        self._stop.clear()
-        self._thread = threading.Thread(target=loop, daemon=True)
-        self._thread.start()
-
-    def stop(self):
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-
-    def rollback(self, v):
-        with self._lock:
-            for tc in self.store.changes(v, self.version, list(self._tables)):
-                self._tables[tc.table][tc.rows] = self.store.read_rows(tc.table, tc.rows, v)
-            for name in self._dense:
-                self._dense[name][...] = self.store.read_dense(name, v).reshape(self._dense[name].shape)
-            self.version = v
-
-    @contextmanager
-    def serving(self):
-        with self._lock:
-            yield self.version
-
-    def close(self):
-        self.stop()
-        if self._own:
-            self.store.close()
-
-
-try:  # TEMPORARY: the one-line switch once cnrstore.serving lands is `from cnrstore.serving import Follower`
-    from cnrstore.serving import Follower
-except ImportError:
-    Follower = _MiniFollower
 
 
 # --------------------------------------------------------------------------------------------- stream
@@ -241,8 +128,8 @@ def serve(args_dict: dict, path: str, commands, results) -> None:
     applied: list[tuple[int, float]] = []  # (version, unix time the follower's tensors held it)
     cpu = {"s": 0.0}
 
-    def on_update(version, nbytes):
-        applied.append((version, time.time()))
+    def on_update(follower, old, new, stats):
+        applied.append((new, time.time()))
 
     f = Follower(path, follow, version=cmd[1], on_update=on_update)
     f_poll = f.poll
@@ -401,8 +288,7 @@ def run(args) -> dict:
             f"{c['fresh_p50'] * 1e3:8.0f}ms {c['fresh_p99'] * 1e3:8.0f}ms {c['bytes_per_update'] / 1024:10.1f}KiB")
     say(f"follower: {fs['updates']} updates, {fs['rows_applied']} rows, {fs['bytes_read'] / 2**20:.1f} MiB read, "
         f"CPU {tail['follower_cpu_s']:.2f} s; trainer touched {summary['touched_rows_per_save']:.0f} rows per save "
-        f"(of {args.tables * args.rows}); wall {wall:.1f} s; follower: "
-        f"{'cnrstore.serving.Follower' if Follower is not _MiniFollower else '_MiniFollower (stand-in)'}")
+        f"(of {args.tables * args.rows}); wall {wall:.1f} s")
     say("RESULT " + json.dumps({k: v for k, v in summary.items() if k != "evals"}))
     return summary
 
