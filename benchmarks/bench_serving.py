@@ -103,7 +103,7 @@ def follow_run(args, label: str, endpoint=None) -> dict:
     remote = options = None
     if endpoint is not None:
         remote, options = f"s3://bench/serve-{label}", endpoint.options
-        store = cnrstore.open(os.path.join(root, "trainer"), create=True, remote=remote, remote_options=options,
+        store = cnrstore.open(os.path.join(root, "trainer"), create=True, remote=remote, remote_options=options, remote_every=1,
                               compaction="auto")
         follow_path = os.path.join(root, "replica")
     else:
