@@ -279,3 +279,31 @@ def test_export_of_a_sharded_model_loads_into_the_unsharded_one(tmp_path, world)
         key = f"ebc.embedding_bags.{t}.weight"
         assert model.state_dict()[key].numpy().tobytes() == saved[f"{key}/weight"].tobytes(), key
     assert model.state_dict()["head.weight"].numpy().tobytes() == saved["dense/head.weight"].tobytes()
+
+
+def test_a_follower_keeps_an_unsharded_embedding_bag_collection_current(tmp_path):
+    """cnrstore.serving.Follower with a TorchRec EmbeddingBagCollection as its target: a full sync, then an
+    update of only the rows a step changed, bit for bit."""
+    from cnrstore.serving import Follower
+
+    def make():
+        return EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"]),
+            EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=50, feature_names=["f1"])])
+
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    with Checkpointer(str(tmp_path / "ckpt"), model, opt) as ck:
+        ck.save(step=0).wait()
+        replica = make()
+        with Follower(str(tmp_path / "ckpt"), replica) as follower:
+            kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1"], values=torch.tensor([1, 5, 7, 3]),
+                                                      lengths=torch.tensor([2, 1, 1, 0]))
+            model(kjt).values().sum().backward()
+            opt.step()
+            version = ck.save(step=1).wait()
+            assert follower.poll() == version
+            assert follower.stats["rows_applied"] == 150 + 4  # (the full sync, then the 4 rows the step changed)
+            for (k, a), (_, b) in zip(model.state_dict().items(), replica.state_dict().items()):
+                assert torch.equal(a, b), k
