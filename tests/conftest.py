@@ -31,10 +31,11 @@ def pytest_addoption(parser):
 #: crash-state sweeps), longest first. Their tests are run first: pytest-xdist's worksteal then gives the other
 #: worker the short tests and has it steal from the long queue, so that the run ends on short tests, not on one
 #: worker busy with a long one while the other idles.
-HEAVY_FIRST = ("test_stateful", "test_train_dlrm_dist", "test_crash_states", "test_train_dlrm", "test_trainer_exit",
-               "test_readme", "test_distributed_bucket", "test_crash_states_remote", "test_crash_states_takeover",
-               "test_distributed", "test_remote_ownership", "test_cli_root_bucket", "test_ecrm", "test_lifecycle",
-               "test_remote", "test_remote_reads", "test_crash_states_dist_bucket")
+#: (test_stateful was first while it ran a minute on one worker; on one torch thread it takes ~10 s)
+HEAVY_FIRST = ("test_train_dlrm_dist", "test_crash_states", "test_train_dlrm", "test_trainer_exit",
+               "test_readme", "test_distributed_bucket", "test_crash_states_remote", "test_stateful",
+               "test_crash_states_takeover", "test_distributed", "test_remote_ownership", "test_cli_root_bucket",
+               "test_ecrm", "test_lifecycle", "test_remote", "test_remote_reads", "test_crash_states_dist_bucket")
 
 
 def pytest_collection_modifyitems(config, items):
