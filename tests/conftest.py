@@ -1,9 +1,19 @@
 """Shared fixtures and hypothesis profiles: dev (default), ci (derandomized), deep (opt-in, long)."""
 
 import os
+import sys
 
-import pytest
-from hypothesis import HealthCheck, settings
+#: torch (OpenMP) on one thread in the test processes and the subprocesses they start, unless OMP_NUM_THREADS
+#: says otherwise; set before anything imports torch. The tests make many small codec calls, and each worker
+#: shares CI's 2 cores with two more: there OpenMP's barriers made a small call up to ~500x slower (test_delta,
+#: test_codecs*, test_fuzz_parsers: 47.5 s -> 18.8 s of CPU with it). Results are the same on one thread; the
+#: store's own decode threads (Options.decode_threads) are Python threads, unaffected.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # (imported already by a plugin: then the env variable comes too late)
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True,
@@ -21,10 +31,11 @@ def pytest_addoption(parser):
 #: crash-state sweeps), longest first. Their tests are run first: pytest-xdist's worksteal then gives the other
 #: worker the short tests and has it steal from the long queue, so that the run ends on short tests, not on one
 #: worker busy with a long one while the other idles.
-HEAVY_FIRST = ("test_stateful", "test_train_dlrm_dist", "test_crash_states", "test_train_dlrm", "test_trainer_exit",
-               "test_readme", "test_distributed_bucket", "test_crash_states_remote", "test_crash_states_takeover",
-               "test_distributed", "test_remote_ownership", "test_cli_root_bucket", "test_ecrm", "test_lifecycle",
-               "test_remote", "test_remote_reads", "test_crash_states_dist_bucket")
+#: (test_stateful was first while it ran a minute on one worker; on one torch thread it takes ~10 s)
+HEAVY_FIRST = ("test_train_dlrm_dist", "test_crash_states", "test_train_dlrm", "test_trainer_exit",
+               "test_readme", "test_distributed_bucket", "test_crash_states_remote", "test_stateful",
+               "test_crash_states_takeover", "test_distributed", "test_remote_ownership", "test_cli_root_bucket",
+               "test_ecrm", "test_lifecycle", "test_remote", "test_remote_reads", "test_crash_states_dist_bucket")
 
 
 def pytest_collection_modifyitems(config, items):

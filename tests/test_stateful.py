@@ -984,6 +984,11 @@ TinyKnobsStoreMachine.TestCase.settings = settings(stateful_step_count=STEPS)
 TestStoreMachine = StoreMachine.TestCase
 TestTinyKnobsStoreMachine = TinyKnobsStoreMachine.TestCase
 
+# torch on one thread in this process (conftest.py): the machines make thousands of small codec calls, which
+# OpenMP's barriers made up to ~500x slower each on a loaded 2-core machine (the 2-bit unpack was a third of
+# the run); every result is the same on one thread
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")
+
 
 def test_tiny_knobs_are_restored():
     """The tiny-knobs machine puts every knob back, even when a run fails."""

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -23,6 +24,7 @@ requires_torchrec = pytest.mark.skipif(
 # instead of learning of the failure from the failure board or a failed collective fails the test.
 SHORT = ("--world-size", "2", "--quick", "--no-progress", "--steps", "80", "--fail-every", "50",
          "--holdout-batches", "2", "--job-timeout", "150", "--pg-timeout", "3600")
+TOOLS = os.path.dirname(TOOL)
 
 
 def run(*args):
@@ -105,10 +107,25 @@ def test_ecrm_recovery_of_a_killed_rank_loses_nothing():
     assert 100 <= int(mem[2].rstrip("%")) <= 103, mem   # k=1: a copy of the other rank's shard (+ padding)
 
 
-def test_ecrm_parity_that_does_not_fit_the_world_is_refused():
-    proc = subprocess.run([sys.executable, TOOL, *SHORT, "--recovery", "ecrm", "--parity", "2,1"], capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode != 0 and "K + R <= --world-size (2)" in proc.stdout + proc.stderr
+def tool_main(capsys, *args) -> tuple[int, str]:
+    """``train_dlrm.main`` in this process (the refusals below start no job: a subprocess would only add an
+    interpreter importing torch and torchrec, ~4 s each): its exit status and what it printed."""
+    capsys.readouterr()
+    sys.path.insert(0, TOOLS)  # (main imports dlrm_dist, beside it, when called)
+    try:
+        import train_dlrm
+
+        with warnings.catch_warnings():  # (--torchrec's quiet_torchrec filters warnings: kept to this call)
+            rc = train_dlrm.main([*SHORT, *args])
+    finally:
+        sys.path.remove(TOOLS)
+    out = capsys.readouterr()
+    return rc, (out.out + out.err).strip()
+
+
+def test_ecrm_parity_that_does_not_fit_the_world_is_refused(capsys):
+    rc, out = tool_main(capsys, "--recovery", "ecrm", "--parity", "2,1")
+    assert rc != 0 and "K + R <= --world-size (2)" in out, (rc, out)
 
 
 @requires_torchrec
@@ -128,8 +145,6 @@ def test_torchrec_partial_recovery_restores_only_the_killed_rank_and_the_model_s
     assert_partial_recovery_still_learns(out)
 
 
-def test_torchrec_with_ecrm_recovery_is_refused():
-    proc = subprocess.run([sys.executable, TOOL, *SHORT, "--torchrec", "--recovery", "ecrm"], capture_output=True,
-                          text=True, timeout=60)
-    err = (proc.stdout + proc.stderr).strip()
-    assert proc.returncode == 2 and err.count("\n") == 0 and "ECRM protects nn.Embedding shards only" in err, err
+def test_torchrec_with_ecrm_recovery_is_refused(capsys):
+    rc, err = tool_main(capsys, "--torchrec", "--recovery", "ecrm")
+    assert rc == 2 and err.count("\n") == 0 and "ECRM protects nn.Embedding shards only" in err, err
