@@ -560,8 +560,8 @@ def test_docstring_and_readme_synopsis_match_the_parser():
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     synopsis = re.search(r"```text\n(cnrstore .*?)```", readme, re.S).group(1)
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(sub.choices) == {"ls", "info", "verify", "rows", "compact", "retain", "gc", "export", "import",
-                                "repair", "migrate-payload"}
+    assert set(sub.choices) == {"ls", "info", "verify", "rows", "diff", "compact", "retain", "gc", "export",
+                                "import", "repair", "migrate-payload"}
     for command, parser in sub.choices.items():
         options = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
         for text, where in ((cli.__doc__, "cli.py's docstring"), (synopsis, "README's synopsis")):

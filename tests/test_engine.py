@@ -104,7 +104,7 @@ def test_no_import_circle_in_the_package():
     above = {"cnrstore", "cnrstore.cli", "cnrstore.distributed.checkpointer", "cnrstore.distributed.verify",
              "cnrstore.distributed.manifest", "cnrstore.distributed.remote_root", "cnrstore.distributed.maintenance",
              "cnrstore.export", "cnrstore.distributed.export", "cnrstore.torch.imports",
-             "cnrstore.torch.migrate", "cnrstore.torch.checkpointer"}
+             "cnrstore.torch.migrate", "cnrstore.torch.checkpointer", "cnrstore.serving"}
     importers = {m for m, deps in graph.items() if "cnrstore.store" in deps}
     assert importers <= above, f"modules beneath the Store import store.py: {sorted(importers - above)}"
 
@@ -139,7 +139,7 @@ def test_the_layers_import_only_downward():
     assert not upward, "imports against the layering: " + ", ".join(sorted(upward))
 
 
-WINGS = ("cnrstore.torch", "cnrstore.distributed")
+WINGS = ("cnrstore.torch", "cnrstore.distributed", "cnrstore.serving")
 
 
 def test_the_core_imports_no_wing():
