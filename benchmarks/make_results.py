@@ -161,8 +161,10 @@ SECTIONS = [
      "2 gloo ranks, each a process with a node directory of its own, 2 fp32 tables of 262,144 x 64 row-wise with "
      "Adagrad, 5 saves each after a step touching 5% of the rows, to one S3 endpoint (moto in a process of its "
      "own): DistributedCheckpointer(remote=) against dcp.save with FsspecWriter: stall, commit and bytes uploaded "
-     "per save, the bucket's cost against a root on local disk, and restore after rank 1's node is lost (rank 1 "
-     "on an empty directory) against dcp.load.", [], ["--quick"], None),
+     "per save, the bucket's cost against a root on local disk; saves every 0.15 s, faster than a publication, "
+     "without waiting (the stall includes what a save waits for), against the same saves each waiting for the "
+     "one before and against a local root; and restore after rank 1's node is lost (rank 1 on an empty "
+     "directory) against dcp.load.", [], ["--quick"], None),
 ]
 
 
