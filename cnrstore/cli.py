@@ -735,13 +735,18 @@ def cmd_migrate_payload(args) -> int:
     return 0
 
 
+def _named_version(store, version: int | None) -> int | None:
+    """``version``, or (None) the newest now, named so that what commits meanwhile is not read."""
+    if version is None:
+        latest = store.latest()
+        version = None if latest is None else latest.version
+    return version
+
+
 def cmd_rows(args) -> int:
     _refuse_root(args)
     with _open(args, readonly=True) as store:
-        version = args.version
-        if version is None:  # name the version read: the newest now, whatever commits meanwhile
-            latest = store.latest()
-            version = None if latest is None else latest.version
+        version = _named_version(store, args.version)
         values = store.read_rows(args.table, args.row, version)
     if args.json:
         print(json.dumps({"table": args.table, "version": version, "rows": args.row, "values": values.tolist()},
@@ -760,10 +765,7 @@ def cmd_diff(args) -> int:
     from .engine import changes as changes_rule
 
     with _open(args, readonly=True) as store:
-        until = args.until
-        if until is None:  # name the version read: the newest now, whatever commits meanwhile
-            latest = store.latest()
-            until = None if latest is None else latest.version
+        until = _named_version(store, args.until)
         tables = {}
         for tc in store.changes(args.since, until, encoded=True):
             entry = {"rows_changed": int(tc.rows.size), "bytes": tc.nbytes, "codec": tc.codec,
