@@ -312,10 +312,13 @@ class Follower:
         return slots, dense
 
     # -- reading (outside the lock) --------------------------------------------------------------------
-    def _compute(self, since: int, until: int | None) -> _Update:
+    def _compute(self, since: int, until: int | None, *, direct: bool = False) -> _Update:
         """The update from ``since`` (0: a full sync) to ``until`` (None: the newest), read in one read
         transaction: the reader pin that keeps both versions and the segments they read alive while it
-        lasts. ``until < since`` (a rollback) reads the rows that differ at ``until``."""
+        lasts. ``until < since`` (a rollback) reads the rows that differ at ``until``. ``direct``: write each
+        table into the target as soon as it is read (the update returned then holds none), so that the host
+        holds one table's decoded rows at a time, not every table's: only while no request can be served
+        from the target (the constructor's sync, before any ``serving()``)."""
         engine = self._store.engine
         storage = engine.storage
         out_tables, out_dense, rows_total, nbytes = [], [], 0, 0
@@ -345,8 +348,12 @@ class Follower:
                     rows, values, n = _rows_at(view, storage, info, tc.rows, lo)
                     nbytes += n
                 if rows.size:
-                    out_tables.append((slot, rows, values))
+                    if direct:
+                        slot.scatter(rows, values)
+                    else:
+                        out_tables.append((slot, rows, values))
                     rows_total += int(rows.size)
+                del rows, values
             if self._dense:
                 ids = view.dense_names()
                 for dname in changes_rule.dense_changed(view, lo, hi, sorted(n for n in self._dense if n in ids)):
@@ -386,9 +393,10 @@ class Follower:
         return up.version
 
     def _sync(self, version: int | None) -> int:
-        """A full sync: every row written at ``version`` (None: the newest)."""
+        """The constructor's full sync: every row written at ``version`` (None: the newest), each table
+        written into the target as it is read (no request is served from it yet)."""
         started = time.perf_counter()
-        return self._apply(self._compute(0, version), started)
+        return self._apply(self._compute(0, version, direct=True), started)
 
     def _move(self, until: int | None) -> int | None:
         """Go from the version held to ``until`` (None: the newest): the rows that differ, or a full sync
