@@ -35,7 +35,8 @@ def pytest_addoption(parser):
 HEAVY_FIRST = ("test_train_dlrm_dist", "test_crash_states", "test_train_dlrm", "test_trainer_exit",
                "test_readme", "test_distributed_bucket", "test_crash_states_remote", "test_stateful",
                "test_crash_states_takeover", "test_distributed", "test_remote_ownership", "test_cli_root_bucket",
-               "test_ecrm", "test_lifecycle", "test_remote", "test_remote_reads", "test_crash_states_dist_bucket")
+               "test_ecrm", "test_lifecycle", "test_remote", "test_remote_reads", "test_crash_states_dist_bucket",
+               "test_serve_follow", "test_serving", "test_changes")
 
 
 def pytest_collection_modifyitems(config, items):
