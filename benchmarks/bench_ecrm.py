@@ -59,7 +59,7 @@ def job(args, mode: str) -> dict:
             "--batch-size", str(args.batch_size), "--ckpt-every", str(args.ckpt_every), "--fail-every",
             str(args.mtbf_steps), "--recovery", mode, "--holdout-batches", str(args.holdout_batches),
             "--no-progress", "--dim", str(args.dim), "--seed", str(args.seed), "--job-timeout", str(args.job_timeout),
-            "--pg-timeout", str(args.pg_timeout)]
+            "--pg-timeout", str(args.pg_timeout), "--codec", args.codec, "--mode", args.mode]
     if mode == "ecrm":
         argv += ["--parity", args.parity, "--compare"]
     else:
@@ -145,7 +145,7 @@ def report(args, rows: dict, base: dict, load_start: str, elapsed: float) -> str
         f"- machine: {machine_description()}; load average at start {load_start}",
         f"- model: tools/train_dlrm.py's DLRM on {args.world_size} gloo ranks, row-wise shards, --max-rows "
         f"{args.max_rows:,}, dim {args.dim}, batch {args.batch_size}, {args.steps} steps; checkpoint every "
-        f"{args.ckpt_every} steps (int4, intermittent); a rank SIGKILLed every {args.mtbf_steps} steps "
+        f"{args.ckpt_every} steps ({args.codec}, {args.mode}); a rank SIGKILLed every {args.mtbf_steps} steps "
         f"({f['failures']} failures); ECRM parity {args.parity} (k,r)",
         f"- the run without failures or checkpoints: {base['wall_s']:.1f} s ({ms(step_s)} per step); held-out "
         f"logloss {base['result'][0]:.5f}, AUC {base['result'][1]:.5f}",
@@ -230,6 +230,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--codec", default="fp32",
+                   help="the checkpoints' embedding codec (one: a multi-rank job takes one; default lossless fp32)")
+    p.add_argument("--mode", default="incremental", help="the checkpoints' mode")
     p.add_argument("--holdout-batches", type=int, default=2)
     p.add_argument("--tmp", default=None)
     p.add_argument("--job-timeout", type=float, default=900.0)
