@@ -311,7 +311,7 @@ def report(args, local: dict, s3: dict | None, q: dict, seconds: float) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a small run (about a minute)")
+    p.add_argument("--quick", action="store_true", help="a smoke run (about 40 s)")
     p.add_argument("--max-rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=2048)
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.max_rows, args.dim, args.batch = 20_000, 16, 512
-        args.seconds, args.save_s, args.seeds, args.s3_seconds = 15.0, 1.5, 3, 10.0
+        args.seconds, args.save_s, args.seeds, args.s3_seconds = 8.0, 1.5, 3, 5.0
     t0 = time.perf_counter()
     local = follow_run(args, "local")
     s3 = None
