@@ -89,7 +89,8 @@ class _InFlight:
 
 @dataclass(eq=False)
 class _Unpublished:
-    """A bucket root's save whose local versions committed on every rank, waiting for its publication."""
+    """A save whose local versions committed on every rank, waiting to be listed (on a bucket root: for its
+    publication)."""
 
     entry: _InFlight
     local: PendingSave
@@ -444,7 +445,7 @@ class DistributedCheckpointer:
                 self._last_publish = entry.publish
                 entry.publish.start()
                 return
-            version = self._list(outcomes, step, meta, self._group)
+            [version] = self._list_many([_Unpublished(entry, local, outcomes, step, meta)], self._group)
         except BaseException as exc:
             self._ended(entry.pending, local, None, exc)
             return
@@ -542,7 +543,7 @@ class DistributedCheckpointer:
                 why = "; ".join(f"rank {r}: {copies[r][1]}" for r in failed)
                 raise GlobalCommitError(f"the save of step {batch[0].step} is not a global version: rank(s) {failed} "
                                         f"could not make their copy point in the bucket ({why})", failed)
-            versions = self._list_many(batch)
+            versions = self._list_many(batch, self._publish_group)
         except BaseException as exc:
             error = exc
         finally:
@@ -551,15 +552,15 @@ class DistributedCheckpointer:
         for i, item in enumerate(batch):
             self._ended(item.entry.pending, item.local, None if versions is None else versions[i], error)
 
-    def _list_many(self, batch: list[_Unpublished]) -> list[int]:
-        """Rank 0 lists every save of ``batch`` (one pointer swap) and broadcasts the outcome (collective over
-        the publications' group); returns their global versions, or raises GlobalCommitError."""
+    def _list_many(self, batch: list[_Unpublished], group) -> list[int]:
+        """Rank 0 lists every save of ``batch`` (on a bucket root, with one pointer swap) and broadcasts the
+        outcome (collective over ``group``); returns their global versions, or raises GlobalCommitError."""
         step = batch[0].step
         decision: list = [None]
         try:
             if self.rank == 0:
                 decision = [self._decide_many(batch)]
-            failures.broadcast_object_list(decision, src=0, group=self._publish_group)
+            failures.broadcast_object_list(decision, src=0, group=group)
         except Exception as exc:
             raise self._incomplete(step, exc) from exc
         status, value, failed = decision[0]
@@ -568,41 +569,18 @@ class DistributedCheckpointer:
         raise GlobalCommitError(f"the save of step {step} is not a global version: {value}", failed)
 
     def _decide_many(self, batch: list[_Unpublished]):
-        """Rank 0 of a bucket root: list ``batch``'s saves; returns (status, [versions] | reason, ranks)."""
+        """Rank 0: write the manifests of ``batch``'s saves (every rank committed them); returns
+        (status, [versions] | reason, ranks)."""
         try:
             first = max(self.root.version_numbers(), default=0) + 1
             gvs = [self._global_version(first + i, item.outcomes, item.step, item.meta)
                    for i, item in enumerate(batch)]
             self.root.commit_many(gvs)
         except BaseException as exc:
-            return "error", f"rank 0 could not write the manifests: {type(exc).__name__}: {exc}", [0]
+            what = "manifest" if len(batch) == 1 else "manifests"
+            return "error", f"rank 0 could not write the {what}: {type(exc).__name__}: {exc}", [0]
         self._apply_retention()
         return "ok", [gv.version for gv in gvs], []
-
-    def _list(self, outcomes, step, meta, group) -> int:
-        """Rank 0 lists the global version naming every rank's local version and broadcasts the outcome
-        (collective over ``group``); returns the global version, or raises GlobalCommitError."""
-        decision: list = [None]
-        try:
-            if self.rank == 0:
-                decision = [self._decide(outcomes, step, meta)]
-            failures.broadcast_object_list(decision, src=0, group=group)
-        except Exception as exc:
-            raise self._incomplete(step, exc) from exc
-        status, value, failed = decision[0]
-        if status == "ok":
-            return int(value)
-        raise GlobalCommitError(f"the save of step {step} is not a global version: {value}", failed)
-
-    def _decide(self, outcomes, step, meta):
-        """Rank 0: write the manifest of a save every rank committed; returns (status, version | reason, ranks)."""
-        try:
-            number = max(self.root.version_numbers(), default=0) + 1
-            self.root.commit(self._global_version(number, outcomes, step, meta))
-        except BaseException as exc:
-            return "error", f"rank 0 could not write the manifest: {type(exc).__name__}: {exc}", [0]
-        self._apply_retention()
-        return "ok", number, []
 
     def _global_version(self, number: int, outcomes, step, meta) -> GlobalVersion:
         return GlobalVersion(version=number, step=step, meta=meta, created=time.time(), generation=self.generation,
@@ -618,7 +596,7 @@ class DistributedCheckpointer:
                 numbers = self.root.version_numbers()
                 self.root.drop(numbers[:-self.keep_last])
                 self.root.remove_unreferenced_generations(self.generation)
-        except BaseException:
+        except BaseException:  # retention is best effort: the versions are listed
             pass
 
     # -- restore --------------------------------------------------------------------------------------

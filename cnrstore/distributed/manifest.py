@@ -368,6 +368,11 @@ class Root:
         self.fs.write_file_atomic(path, path + ".tmp", seal("manifest", gv.to_dict()))
         fs.crash_point("dist_after_manifest")
 
+    def commit_many(self, gvs) -> None:
+        """``commit`` each of ``gvs`` in turn (a root in a bucket lists them with one pointer swap)."""
+        for gv in gvs:
+            self.commit(gv)
+
     def drop(self, versions) -> None:
         """Remove the manifests of ``versions`` (retention); the newest is never removed."""
         numbers = self.version_numbers()
