@@ -32,6 +32,7 @@ from .engine import blocks as blocks_math
 from .engine import changes as changes_rule
 from .engine import fs
 from .engine import reader
+from .engine.index import SharedExclusiveLock
 from .errors import CnrError, InvalidArgument, StoreClosed, VersionNotFound, VersionNotRetained
 
 __all__ = ["Follower", "FollowerLag"]
@@ -51,50 +52,28 @@ class FollowerLag(NamedTuple):
 
 
 class _ServingLock:
-    """A reader/writer lock: ``serving()`` takes the shared side, applying an update the exclusive side.
-    A waiting update keeps new batches out (else a steady stream of requests would starve it); a thread
-    already serving may nest ``serving()`` (re-entrant per thread)."""
+    """``serving()``'s reader/writer lock (``SharedExclusiveLock``: a waiting update keeps new batches out,
+    else a steady stream of requests would starve it), with the shared side re-entrant per thread: a thread
+    already serving may nest ``serving()``."""
 
     def __init__(self):
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
+        self._lock = SharedExclusiveLock()
         self._local = threading.local()
+        self.exclusive = self._lock.exclusive
 
     def held_by_me(self) -> bool:
         return getattr(self._local, "depth", 0) > 0
 
     def acquire_shared(self) -> None:
         depth = getattr(self._local, "depth", 0)
-        with self._cond:
-            if depth == 0:
-                while self._writer or self._writers_waiting:
-                    self._cond.wait()
-            self._readers += 1
+        if depth == 0:
+            self._lock.acquire_shared()
         self._local.depth = depth + 1
 
     def release_shared(self) -> None:
         self._local.depth -= 1
-        with self._cond:
-            self._readers -= 1
-            if not self._readers:
-                self._cond.notify_all()
-
-    def acquire_exclusive(self) -> None:
-        with self._cond:
-            self._writers_waiting += 1
-            try:
-                while self._writer or self._readers:
-                    self._cond.wait()
-            finally:
-                self._writers_waiting -= 1
-            self._writer = True
-
-    def release_exclusive(self) -> None:
-        with self._cond:
-            self._writer = False
-            self._cond.notify_all()
+        if self._local.depth == 0:
+            self._lock.release_shared()
 
 
 class _Slot:
@@ -366,15 +345,12 @@ class Follower:
     # -- applying (under the exclusive lock) -----------------------------------------------------------
     def _apply(self, up: _Update, started: float) -> int:
         old = self._version
-        self._lock.acquire_exclusive()
-        try:
+        with self._lock.exclusive():
             for slot, rows, values in up.tables:
                 slot.scatter(rows, values)
             for slot, arr in up.dense:
                 slot.assign(arr)
             self._version = up.version
-        finally:
-            self._lock.release_exclusive()
         seconds = time.perf_counter() - started
         s = self.stats
         s["updates"] += 1

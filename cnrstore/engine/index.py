@@ -140,10 +140,12 @@ def _version_item(key: bytes, value: bytes) -> tuple[int, dict]:
     return version, check_version(version, _unpack(value))
 
 
-class _SharedExclusiveLock:
-    """Many holders of the shared side (transactions), or one of the exclusive side (map resizes).
+class SharedExclusiveLock:
+    """Many holders of the shared side, or one of the exclusive side; a thread waiting for the exclusive
+    side keeps new shared holders out (a stream of them would starve it). Not re-entrant.
 
-    LMDB's set_mapsize requires that no transaction of this process is active.
+    Here: transactions (shared) and map resizes (exclusive): LMDB's set_mapsize requires that no transaction
+    of this process is active. Also a serving replica's batches and updates (``cnrstore.serving``).
     """
 
     def __init__(self):
@@ -803,7 +805,7 @@ class _SharedEnv:
         self.env = env
         self.dbs = dbs
         self.writable = writable
-        self.resize = _SharedExclusiveLock()
+        self.resize = SharedExclusiveLock()
         self.write_lock = threading.Lock()
         self.read_gate = _ReadGate(env.max_readers())  # the lock file's slot count, whoever made it
         self.users = 0
