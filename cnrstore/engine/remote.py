@@ -1017,21 +1017,21 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
                                           f"missing from {self.objects.url}: the versions that read it are damaged; "
                                           "run `cnrstore verify`", self.objects.where(self._key(seg)), None)
             return
-        try:
-            fd = fs.open_regular(filenames.segment_path(self.root, seg), "segment")
-            with builtins.open(fd, "rb") as f:
-                data = f.read(length)
-        except FileNotFoundError:
-            raise CorruptionError(f"segment {self.path(seg)} is missing locally and the remote {self.objects.url} "
-                                  "does not hold it: the versions that read it are damaged; run `cnrstore verify`",
-                                  self.path(seg), None) from None
-        if len(data) != length:
-            raise CorruptionError(f"segment {self.path(seg)} holds {len(data)} bytes, the index needs {length}",
-                                  self.path(seg), len(data))
         with self._upload_lock:
             with self._lock:
                 if self._remote.get(seg, -1) >= length:
-                    return  # (another thread uploaded it meanwhile, as long or longer)
+                    return  # (another thread uploaded it meanwhile, as long or longer: nothing to read)
+            try:
+                fd = fs.open_regular(filenames.segment_path(self.root, seg), "segment")
+                with builtins.open(fd, "rb") as f:
+                    data = f.read(length)
+            except FileNotFoundError:
+                raise CorruptionError(f"segment {self.path(seg)} is missing locally and the remote {self.objects.url} "
+                                      "does not hold it: the versions that read it are damaged; run `cnrstore verify`",
+                                      self.path(seg), None) from None
+            if len(data) != length:
+                raise CorruptionError(f"segment {self.path(seg)} holds {len(data)} bytes, the index needs {length}",
+                                      self.path(seg), len(data))
             fs.pause_point("remote_upload", seg)
             self.objects.put(self._key(seg), data)
             with self._lock:
