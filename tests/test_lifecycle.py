@@ -253,8 +253,9 @@ def test_ctrl_c_while_the_exit_waits_abandons_the_save_consistently(tmp_path, st
 
 
 def test_interrupt_while_close_waits_for_a_save_leaves_the_store_open_and_consistent(store_path, monkeypatch):
-    """Ctrl-C while store.close() waits for a save: the save is told to abort at its next step, the store
-    stays open (never closed under the writing thread); the next close() finishes."""
+    """A second Ctrl-C while store.close() waits for a save (the first one is what the trainer is exiting
+    on): the save is told to abort at its next step, the store stays open (never closed under the writing
+    thread); the next close() finishes."""
     import torch
     from torch import nn
     from cnrstore.engine import writer
@@ -283,7 +284,10 @@ def test_interrupt_while_close_waits_for_a_save_leaves_the_store_open_and_consis
     fs.pause_at("checkpointer_waits_for_save", ctrl_c)
     try:
         with pytest.raises(KeyboardInterrupt):
-            store.close()
+            try:
+                raise KeyboardInterrupt  # the first Ctrl-C, in the training loop
+            except KeyboardInterrupt:
+                store.close()
     finally:
         fs.pause_at("checkpointer_waits_for_save", None)
         go_on.set()

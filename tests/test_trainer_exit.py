@@ -148,3 +148,57 @@ def test_without_a_handler_sigterm_loses_the_saves_in_flight(tmp_path):
     status, returned, versions, _err = sigterm_run(tmp_path, "none")
     assert status == -signal.SIGTERM
     assert len(versions) < len(returned)
+
+
+def signalled_run(tmp_path, *signals: str, steps: int | None = None, slow: float = 0.5):
+    """The trainer saving every step with writes slower than a step (0.5 s each), so that with ``max_lag=2``
+    each ``save()`` waits for room; ``steps`` of them (None: until a signal ends it). Each ``POINT:SIGNAL`` of
+    ``signals`` is sent the first time the trainer reaches that pause point. Returns (exit status, steps whose
+    save() returned, the store's versions, the output)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, WORKER, str(tmp_path / "store"), "--rows", "5000,2000", "--dim", "16", "--every", "1",
+           "--slow-write", str(slow)] + (["--forever"] if steps is None else ["--steps", str(steps)])
+    for spec in signals:
+        cmd += ["--signal-at", spec]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    returned = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("saved ")]
+    with cnrstore.open(tmp_path / "store", readonly=True) as store:
+        versions = store.versions()
+        assert store.verify().ok
+    return proc.returncode, returned, versions, proc.stdout + proc.stderr
+
+
+STATUS = {"SIGTERM": EXIT_STATUS, "SIGINT": -signal.SIGINT}
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_save_waits_for_room_commits_every_save_that_returned(tmp_path, signame):
+    """Issue 48 fault 6: the first SIGTERM (or Ctrl-C) landing while save() waits for room in the queue
+    (max_lag=2, a save every step, writes slower than a step) cancelled every queued save, those save()
+    had returned included: the process exited 143 with an empty store. Now they commit, then it exits."""
+    status, returned, versions, out = signalled_run(tmp_path, f"checkpointer_waits_for_room:{signame}")
+    assert f"signal {signame} at checkpointer_waits_for_room" in out
+    assert status == STATUS[signame], out[-3000:]
+    assert returned and [v.step for v in versions] == returned, out[-3000:]
+    assert "cancelled" not in out
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_first_signal_while_close_waits_commits_the_saves(tmp_path, signame):
+    """SIGTERM, or a first Ctrl-C, landing while close() (the with block's exit, at the end of training)
+    waits for the queued saves: they commit, then the signal ends the process."""
+    status, returned, versions, out = signalled_run(tmp_path, f"checkpointer_waits_for_save:{signame}", steps=3)
+    assert f"signal {signame} at checkpointer_waits_for_save" in out
+    assert status == STATUS[signame], out[-3000:]
+    assert returned == [1, 2, 3] and [v.step for v in versions] == returned, out[-3000:]
+
+
+def test_a_second_ctrl_c_gives_up_the_saves_consistently(tmp_path):
+    """The first Ctrl-C lands while save() waits for room, the second while the with block's exit waits for
+    the queued saves: those still in flight are given up (nothing of them commits), and the store is
+    consistent (signalled_run verifies it)."""
+    status, returned, versions, out = signalled_run(tmp_path, "checkpointer_waits_for_room:SIGINT",
+                                                    "checkpointer_waits_for_save:SIGINT", slow=2.0)
+    assert "signal SIGINT at checkpointer_waits_for_save" in out
+    assert status == -signal.SIGINT, out[-3000:]
+    assert len(versions) < len(returned) and {v.step for v in versions} <= set(returned), out[-3000:]

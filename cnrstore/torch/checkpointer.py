@@ -452,21 +452,55 @@ class Checkpointer:
             self._reap()
 
     def _finish_saves(self, timeout: float | None) -> bool:
-        """Wait for every queued save (for good, or ``timeout`` seconds); whether they have ended. An
-        interrupt while waiting cancels them (each aborts at its next step: nothing of them commits) and is
-        re-raised; they stay queued until their threads have ended, so that the store is never closed
-        under them. (Store.close() and the store's exit hook call this, through its ``WeakPendingWork``.)"""
+        """Wait for every queued save (for good, or ``timeout`` seconds); whether they have ended. SIGTERM's
+        exit or a first Ctrl-C while waiting is raised once they have ended (committed); a second Ctrl-C
+        cancels them (each aborts at its next step: nothing of them commits) and is raised at once; they
+        stay queued until their threads have ended, so that the store is never closed under them.
+        (Store.close() and the store's exit hook call this, through its ``WeakPendingWork``.)"""
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        interrupt = None  # a SIGTERM's exit or a first Ctrl-C: raised once the saves that returned commit
         if len(self._queue):
             try:
                 fs.pause_point("checkpointer_waits_for_save")  # (tests: where a Ctrl-C lands while close waits)
-                if not self._queue.wait_all(timeout):
-                    return False
-            except BaseException:
-                self._queue.cancel()
-                raise
+            except (KeyboardInterrupt, SystemExit) as exc:
+                interrupt = self._interrupted_wait(exc)
+            while True:
+                try:
+                    done = self._queue.wait_all(left())
+                    break
+                except (KeyboardInterrupt, SystemExit) as exc:
+                    interrupt = self._interrupted_wait(exc, interrupt)
+                except BaseException:
+                    self._queue.cancel()
+                    raise
+            if not done:
+                if interrupt is not None:
+                    raise interrupt
+                return False
         # every write has ended: the worker thread goes too (none may outlive a close or the interpreter)
-        return self._queue.stop(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        stopped = self._queue.stop(left())
+        if interrupt is not None:
+            raise interrupt
+        return stopped
+
+    def _interrupted_wait(self, exc: BaseException, first: BaseException | None = None) -> BaseException:
+        """A signal reached a wait for the queued saves (``close()``, ``restore()``, the exit): a second
+        Ctrl-C gives them up (each aborts at its next step) and is raised at once; SIGTERM's exit and a first
+        Ctrl-C let them commit, and are raised after (``preemption``). Returns what to raise then."""
+        if isinstance(exc, KeyboardInterrupt):
+            if preemption.second_interrupt(exc):
+                self._queue.cancel()
+                raise exc
+            preemption.note_interrupt()
+        reports.LOGGER.warning("cnrstore: %s: committing the %d save(s) save() returned before exiting%s",
+                               "Ctrl-C" if isinstance(exc, KeyboardInterrupt) else "exit",
+                               len(self._queue), "; Ctrl-C again gives them up"
+                               if isinstance(exc, KeyboardInterrupt) else "")
+        return exc if first is None else first
 
     def _cancel_saves(self) -> None:
         """Tell every queued save to abort at its next step (an exit that cannot wait for them)."""
@@ -563,8 +597,8 @@ class Checkpointer:
             try:
                 fs.pause_point("checkpointer_waits_for_room")  # (tests: a save waiting on the bound)
                 self._queue.wait_oldest()
-            except BaseException:
-                self._queue.cancel()
+            except KeyboardInterrupt:  # (a first Ctrl-C: the queued saves still commit, preemption.py)
+                preemption.note_interrupt()
                 raise
             self._reap()
         self._raise_pending_error()

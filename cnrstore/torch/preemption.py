@@ -17,18 +17,25 @@ interpreter's exit hook, so the saves ``save()`` had returned and not yet commit
 Only the main thread can set signal handlers: a Checkpointer made elsewhere (or where the application set a
 SIGTERM handler of its own) leaves SIGTERM as it is. A second SIGTERM while the first is handled gets the
 handler that was there before (the default: the process ends at once), so a job that must die, dies.
+
+**A signal never cancels a save that ``save()`` returned.** SIGTERM's exit and the first Ctrl-C propagate
+out of whatever they interrupt -- ``save()`` waiting for room in the queue included -- and the queued saves
+are committed by ``close()``, a ``with`` block's exit or the interpreter's exit hook, which wait for them.
+Only a *second* Ctrl-C while cnrstore waits for them gives them up (:func:`second_interrupt` tells the two
+apart): they abort at their next step and nothing of them commits.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import weakref
 
 from ..errors import InvalidArgument
 
-__all__ = ["ON_SIGTERM", "EXIT_STATUS", "watch", "unwatch"]
+__all__ = ["ON_SIGTERM", "EXIT_STATUS", "note_interrupt", "second_interrupt", "unwatch", "watch"]
 
 ON_SIGTERM = ("finish", "save", None)
 #: the status of a process that SIGTERM ended (128 + 15), which schedulers read as "terminated"
@@ -40,6 +47,31 @@ _lock = threading.Lock()
 _watching: "weakref.WeakSet" = weakref.WeakSet()  # Checkpointers whose on_sigterm is not None
 _previous = None  # the handler ours replaced (restored when the last Checkpointer closes, or at the signal)
 _installed = False
+_interrupted = False  # a Ctrl-C has reached cnrstore (a wait of its own, or a Checkpointer's exit)
+
+
+def note_interrupt() -> None:
+    """A Ctrl-C (KeyboardInterrupt) reached cnrstore: the next one it catches while waiting for saves is a
+    second one."""
+    global _interrupted
+    _interrupted = True
+
+
+def second_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc``, a KeyboardInterrupt caught while cnrstore waits for queued saves, is a *second*
+    Ctrl-C, which gives those saves up: one reached cnrstore before (:func:`note_interrupt`), or one was
+    already on its way when this one came (the wait runs in a ``with`` block's exit, an ``except`` or a
+    ``finally`` handling it: ``exc``'s context), or the interpreter is exiting on an uncaught one (the exit
+    hook)."""
+    if _interrupted:
+        return True
+    seen, ctx = set(), exc.__context__
+    while ctx is not None and id(ctx) not in seen:
+        if isinstance(ctx, KeyboardInterrupt):
+            return True
+        seen.add(id(ctx))
+        ctx = ctx.__context__
+    return isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
 
 
 def check(on_sigterm) -> str | None:

@@ -3,12 +3,17 @@ Adagrad, a dense MLP with Adam, a Checkpointer saving every ``--every`` steps; p
 each ``save()`` has returned, and ``closed THREADS`` after ``close()`` (the threads still alive).
 
     python trainer_worker.py STORE --rows 1000000,500000,100000 --steps 6 --every 2 [--on-sigterm save]
-                             [--slow-write S] [--forever]
+                             [--slow-write S] [--forever] [--signal-at POINT:SIGNAL ...]
+
+``--signal-at checkpointer_waits_for_room:SIGTERM`` sends the process that signal the first time it reaches
+that pause point (``cnrstore.engine.fs``): a signal landing exactly there, every run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import threading
 import time
@@ -16,7 +21,18 @@ import time
 import torch
 from torch import nn
 
+from cnrstore.engine import fs
 from cnrstore.torch import Checkpointer, async_save
+
+
+def signal_at(point: str, signame: str) -> None:
+    """Send ``signame`` to this process the first time it reaches pause point ``point``."""
+    def hook(_name, *_detail):
+        fs.pause_at(point, None)
+        print(f"signal {signame} at {point}", flush=True)
+        os.kill(os.getpid(), getattr(signal, signame))
+
+    fs.pause_at(point, hook)
 
 
 def main() -> int:
@@ -30,7 +46,10 @@ def main() -> int:
     p.add_argument("--on-sigterm", default="finish")
     p.add_argument("--slow-write", type=float, default=0.0, help="each background write first sleeps this long")
     p.add_argument("--forever", action="store_true", help="train until a signal ends the process")
+    p.add_argument("--signal-at", action="append", default=[], help="POINT:SIGNAL, e.g. checkpointer_waits_for_room:SIGINT")
     args = p.parse_args()
+    for spec in args.signal_at:
+        signal_at(*spec.split(":"))
     if args.slow_write:
         write = async_save.write
 
