@@ -1,25 +1,30 @@
 #!/usr/bin/env python3
-"""What row tracking costs a training step: the reference DLRM with a ``cnrstore.torch.Checkpointer`` attached
-against the same model without one, and the memory its tracking state takes.
+"""What change tracking costs: the reference DLRM with a ``cnrstore.torch.Checkpointer`` attached against the
+same model without one, the fingerprint pass a save makes, and the memory the tracking state takes.
 
-A Checkpointer tracks rows with a forward pre-hook on every ``nn.EmbeddingBag`` (cnrstore/torch/
-tracking.py, ``Table.track``): while autograd is on, each lookup sets the looked-up ids in a bit set per
-table (``touched``, one bit per row: cnrstore/torch/rowbits.py); saves read and clear the sets. This benchmark times training steps with those
-hooks active and without them, on ONE model and optimizer (tools/train_dlrm.py's DLRM and Adagrad), so
-nothing but the hooks differs:
+A Checkpointer finds the rows a save writes by fingerprinting every row of every table (and of its row-wise
+optimizer state) at each ``save()`` (cnrstore/torch/fingerprint.py): the rows whose 64-bit fingerprint
+changed since the previous save. Between saves it runs no hook in the forward pass (one counts lookups only
+with ``priority``); its optimizer step hooks (cnrstore/torch/guard.py) return at once while no save is being
+written. This benchmark measures:
 
-- "on" blocks: a Checkpointer is constructed on the model (its hooks registered), one untimed warm-up step,
-  ``--steps`` timed steps, then ``close()`` (the hooks removed). No save runs during the timed steps (the
-  first block of the run saves a baseline first, untimed, so the store holds what a trainer's would);
-- "off" blocks: one untimed warm-up step, ``--steps`` timed steps, no Checkpointer;
-- ``--pairs`` pairs of blocks, alternating ON/OFF and OFF/ON so that a drift of the machine's speed cancels;
-  the batches come from one pre-generated pool, the same sequence in both blocks of a pair.
+- the per-step overhead of those hooks: steps timed with a Checkpointer attached and without, on ONE model
+  and optimizer (tools/train_dlrm.py's DLRM and Adagrad), so nothing but the hooks differs:
+  - "on" blocks: a Checkpointer is constructed on the model (its hooks registered), one untimed warm-up
+    step, ``--steps`` timed steps, then ``close()`` (the hooks removed). No save runs during the timed steps
+    (the first block of the run saves a baseline first, untimed, so the store holds what a trainer's would);
+  - "off" blocks: one untimed warm-up step, ``--steps`` timed steps, no Checkpointer;
+  - ``--pairs`` pairs of blocks, alternating ON/OFF and OFF/ON so that a drift of the machine's speed cancels;
+    the batches come from one pre-generated pool, the same sequence in both blocks of a pair;
+- the fingerprint pass: every table and row-wise state tensor of the model fingerprinted as a save does,
+  timed directly (median of ``--hook-reps`` passes), in GB/s and against a step;
+- memory: the fingerprints kept between saves (8 bytes per row of a table, its row-wise state included), plus ``since_baseline`` bits
+  outside incremental mode and update counts with ``priority``, against the model's embedding bytes; the
+  save's host staging buffers (allocated by a save, reused across saves) are reported apart.
 
 Per pair: overhead = ON block time / OFF block time - 1. Reported: the median over pairs with a 95%
 bootstrap interval (percentile, 10,000 resamples of the pairs, seeded), and the mean with a Student t 95%
-interval. Memory: the tracking state (each table's ``touched`` and ``since_baseline`` bits, the latter only
-outside incremental mode, plus update counts with ``priority``) against the model's embedding bytes; the save's host staging buffers (allocated
-by a save, reused across saves) are reported apart.
+interval.
 
     python benchmarks/bench_tracking.py              # full run (< 60 s on 2 cores)
     python benchmarks/bench_tracking.py --quick      # smoke run (< 15 s)
@@ -46,22 +51,22 @@ import dlrm_model as dm  # noqa: E402
 
 import cnrstore  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
+from cnrstore.torch.fingerprint import fingerprints  # noqa: E402
 
 
 def tracking_bytes(ckpt: Checkpointer) -> tuple[int, int]:
-    """(bytes of the tracking state, bytes of the save's host staging buffers) of a Checkpointer. A bit set
-    counts at its full size once the mode uses it (``since_baseline`` outside incremental mode), even if
-    no bit of it is set yet (its words are allocated at the first)."""
+    """(bytes of the tracking state, bytes of the save's host staging buffers) of a Checkpointer after a
+    save: the fingerprints it keeps, the ``since_baseline`` bits at their full size once the mode uses them
+    (their words are allocated at the first bit set), update counts."""
     def full(bits) -> int:
         return 4 * ((bits.num_rows + 31) // 32)
 
     track = staging = 0
     for t in ckpt.tables:
-        track += full(t.touched) + (full(t.since_baseline) if ckpt.mode != "incremental" else 0)
+        track += t.saved.nbytes if t.saved is not None else 0
+        track += full(t.since_baseline) if ckpt.mode != "incremental" else 0
         if t.counts is not None:
             track += t.counts.nbytes
-        if t.nonzero_saved is not None:
-            track += full(t.nonzero_saved)
         staging += sum(b.nbytes for b in t.buffers.values())
     return track, staging
 
@@ -110,19 +115,17 @@ def run(args) -> str:
         ckpt.save(0).wait()
         track_b, staging_b = tracking_bytes(ckpt)
         n_tables = len(ckpt.tables)
-        # the hooks' own work, timed directly: each table's hook called on the pool's batches as the
-        # forward pass calls it (the ids of its feature, sliced outside the timing as the model slices
-        # them), under autograd, no model around it
-        hooks = [(t.track, t.module) for t in ckpt.tables]
-        # each hook gets what the forward pass gives it: its feature's (B, 1) slice, cut by the model
-        sliced = [[ids[:, f:f + 1] for f in range(len(hooks))] for _dense, ids, _labels in pool]
+        # the fingerprint pass a save makes, timed directly: every table and row-wise state tensor
+        sources = [t.weight for t in ckpt.tables] + [
+            v for t in ckpt.tables for v in opt.state[t.weight].values()
+            if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == t.num_rows]
+        fp_bytes = sum(x.nbytes for x in sources)
         hook_t = []
         for _ in range(args.hook_reps):
             t0 = time.perf_counter()
-            for inputs in sliced:
-                for x, (track, module) in zip(inputs, hooks):
-                    track(module, (x,), {})
-            hook_t.append((time.perf_counter() - t0) / len(pool))
+            for x in sources:
+                fingerprints(x)
+            hook_t.append(time.perf_counter() - t0)
         ckpt.close()
         for _ in range(2):  # warm the machine up: one block of each, discarded
             block(True, 0)
@@ -157,45 +160,42 @@ def run(args) -> str:
     def pct(x: float) -> str:
         return f"{100 * x:+.2f}%"
 
-    lines = ["## Row tracking: what a Checkpointer's hooks cost a training step", ""]
+    lines = ["## Change tracking: what a Checkpointer's hooks cost a training step, and its fingerprints a save", ""]
     lines += [f"- {h}" for h in machine_description()]
     lines += [
         f"- load average (1/5/15 min) at start: {args.load_start}; at end: {load_average()}",
         f"- model: reference DLRM of tools/train_dlrm.py, {len(card)} EmbeddingBags, {sum(card):,} rows x dim "
         f"{args.dim} (--max-rows {args.max_rows:,}) = {fmt_bytes(emb_bytes)} of fp32 embeddings; Adagrad; batch "
         f"{args.batch_size}; {args.threads} torch thread(s)",
-        f"- Checkpointer(codec={args.codec!r}, mode={args.mode!r}, priority={args.priority!r}): a forward "
-        f"pre-hook on each of the {n_tables} EmbeddingBags sets the looked-up ids in a bit set (a bit per row)"
-        + (" and counts them" if args.priority else "") + "; no save during the timed steps",
+        f"- Checkpointer(codec={args.codec!r}, mode={args.mode!r}, priority={args.priority!r}): optimizer step "
+        f"hooks and a gradient hook on each of the {n_tables} EmbeddingBags' weights (idle: no save is being "
+        f"written)" + ("; a forward pre-hook on each counts the lookups" if args.priority else "")
+        + "; no save during the timed steps",
         f"- {args.pairs} pairs of blocks of {args.steps} timed steps (one untimed warm-up step each), ON/OFF "
         f"and OFF/ON alternating, on one model and optimizer; the same batches (a pool of {args.pool}) in "
         f"both blocks of a pair; blocks {blocks_s:.1f} s, whole benchmark {total_s:.1f} s",
         "",
         "| | median | 95% interval | mean | 95% interval (t) |",
         "|---|---:|---:|---:|---:|",
-        f"| step time, tracking on / off - 1 (per pair of blocks) | {pct(float(np.median(r)))} | "
+        f"| step time, Checkpointer on / off - 1 (per pair of blocks) | {pct(float(np.median(r)))} | "
         f"[{pct(b_lo)}, {pct(b_hi)}] (bootstrap) | {pct(mean)} | [{pct(mean - half)}, {pct(mean + half)}] |",
-        f"| the hooks' own work per step, timed directly / step time off | {100 * hook_step / step_off:.2f}% | "
-        f"- | - | - |",
         "",
-        f"- step time: tracking on {step_on * 1e3:.2f} ms, off {step_off * 1e3:.2f} ms (medians over blocks); "
+        f"- step time: on {step_on * 1e3:.2f} ms, off {step_off * 1e3:.2f} ms (medians over blocks); "
         f"pair overheads range {pct(float(r.min()))} to {pct(float(r.max()))}",
-        f"- the hooks' own work: {hook_step * 1e6:.0f} us per step ({n_tables} hook calls on the batch's ids, "
-        f"median of {args.hook_reps} passes over the pool), called directly outside the forward pass (it leaves "
-        "out PyTorch's hook dispatch, which the A/B blocks include); a floor on the overhead with less noise "
-        "than the A/B difference",
+        f"- a save's fingerprint pass over {fmt_bytes(fp_bytes)} (every table and its Adagrad state): "
+        f"{hook_step * 1e3:.1f} ms, {fp_bytes / hook_step / 1e9:.2f} GB/s (median of {args.hook_reps}), "
+        f"{hook_step / step_off:.2f} steps' time; paid once per save, inside save()",
         f"- tracking state: {fmt_bytes(track_b)} = {100 * track_b / emb_bytes:.2f}% of the embeddings' "
-        f"{fmt_bytes(emb_bytes)} (per row: a bit for `touched`"
-        + ("" if args.mode == "incremental" else " and one for `since_baseline`")
-        + (", and an int32 count" if args.priority else "") + f", against {args.dim} x 4 B of weights); the "
+        f"{fmt_bytes(emb_bytes)} (per row: 8 B of fingerprint, its weights and Adagrad's sum together"
+        + ("" if args.mode == "incremental" else ", a bit for `since_baseline`")
+        + (", an int32 count" if args.priority else "") + f", against {args.dim} x 4 B of weights); the "
         f"save's host staging buffers, allocated by a save and reused: {fmt_bytes(staging_b)} "
         f"({100 * staging_b / emb_bytes:.2f}%) after the baseline save",
-        f"- target: hooks at most 1% of a step -- {'reached' if hook_step / step_off <= 0.01 else 'missed'} "
-        f"by the direct timing ({100 * hook_step / step_off:.2f}%), A/B median {pct(float(np.median(r)))} with "
-        f"its interval above; state at most 0.1% of the embedding bytes -- "
-        f"{'reached' if track_b <= 0.001 * emb_bytes else 'missed'} ({100 * track_b / emb_bytes:.3f}%; one bit "
-        f"per row is {100 / (args.dim * 32):.3f}% of a dim-{args.dim} fp32 row)",
-        f"- the paper's figures: < 1% of throughput, < 0.05% of memory; reproduce: "
+        f"- target: hooks at most 1% of a step -- {'reached' if np.median(r) <= 0.01 else 'missed'} "
+        f"(A/B median {pct(float(np.median(r)))}, with its interval above)",
+        f"- the paper's figures (lookup tracking): < 1% of throughput, < 0.05% of memory; fingerprints cost "
+        f"more memory (8 B a row: {100 * 8 / (args.dim * 4):.1f}% of a dim-{args.dim} fp32 row) and a "
+        f"pass per save, and find every changed row whatever changed it; reproduce: "
         f"`python benchmarks/bench_tracking.py{' --quick' if args.quick else ''}`",
     ]
     return "\n".join(lines) + "\n"

@@ -36,7 +36,9 @@ from .errors import (
     RemoteObjectMissing,
     RemoteStorageError,
     RemoteTakenOver,
+    SaveRefused,
     SaveSkipped,
+    SaveSuperseded,
     StorageFull,
     StorageIOError,
     StoreClosed,
@@ -109,6 +111,7 @@ __all__ = [
     "CnrError", "StoreNotFound", "StoreLocked", "InvalidArgument", "VersionNotFound", "VersionNotRetained", "TableNotFound",
     "MissingRows", "CorruptionError", "FormatVersionError", "StorageFull", "StoreClosed", "ReadOnlyError",
     "CheckpointInProgress", "GlobalCommitError", "IndexDamaged", "StorageIOError", "IndexBusy", "CompactionFailed",
-    "ExportFailed", "PermissionDenied", "StoreMoved", "UnsafePayload", "SaveSkipped", "RemoteStorageError",
+    "ExportFailed", "PermissionDenied", "StoreMoved", "UnsafePayload", "SaveSkipped", "SaveRefused", "SaveSuperseded",
+    "RemoteStorageError",
     "RemoteObjectMissing", "RemoteConflict", "RemoteTakenOver",
 ]

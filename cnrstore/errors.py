@@ -27,6 +27,8 @@ __all__ = [
     "CheckpointInProgress",
     "GlobalCommitError",
     "SaveSkipped",
+    "SaveRefused",
+    "SaveSuperseded",
     "ExportFailed",
     "CompactionFailed",
     "StorageIOError",
@@ -165,6 +167,29 @@ class SaveSkipped(CnrError):
     not commit (``__cause__`` says why): it held only the rows changed since that one. Nothing of it was
     committed, every version committed before is intact, and the Checkpointer's next save is a baseline.
     ``PendingSave.wait()`` raises it; the failure itself is raised once by the next ``save()``."""
+
+
+class SaveSuperseded(SaveSkipped):
+    """A queued ``cnrstore.torch.Checkpointer`` save that had not started writing was superseded by a newer
+    save (``on_backpressure="coalesce"``), which writes its rows too: nothing of it was committed on its own.
+    ``.by_step`` is the step of the save that superseded it."""
+
+    def __init__(self, message: str, by_step=None):
+        super().__init__(message)
+        self.by_step = by_step
+
+
+class SaveRefused(CnrError):
+    """A ``cnrstore.torch.Checkpointer`` save written from the live tensors (a streamed save) was refused:
+    rows of it changed after ``save()`` and before the write read them, by something the Checkpointer could
+    not see coming (an in-place write outside an optimizer step), so the version would not have been the
+    state at ``save()``. Nothing of it was committed. ``.table`` names the table, ``.rows`` the rows found
+    changed. The message says how to announce such writes; that table is copied at ``save()`` from then on."""
+
+    def __init__(self, message: str, table: str | None = None, rows=None):
+        super().__init__(message)
+        self.table = table
+        self.rows = rows
 
 
 class ExportFailed(CnrError, OSError):

@@ -47,6 +47,9 @@ OUTSIDE = {
         "replacement rank's first model and a survivor's second must make the same collectives",
     ("tools/dlrm_dist.py", "_exit"):
         "os._exit is the standard library's exit without cleanup (a killed rank must not flush or join)",
+    ("cnrstore/torch/guard.py", "_indices"):
+        "a sparse COO gradient's indices without coalescing it first (.indices() needs a coalesced tensor: a sort "
+        "of every accumulated id, inside the optimizer step's pre-hook); torch documents ._indices() for this",
     ("cnrstore/codecs/rowwise.py", "_initializing"):
         "importlib's module spec says whether torch is still importing (._initializing): no public flag",
 }

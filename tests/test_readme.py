@@ -409,6 +409,7 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.EmbeddingBag(100, 8), nn.Linear(8, 1))
 optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
 store_or_path, step = "ckpt0", 1
+table, rows = "0", [1, 2]   # (the EmbeddingBag's table and two of its rows)
 '''
 
 #: API.md python blocks, by a piece of their text: (prelude, check after)

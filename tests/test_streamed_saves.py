@@ -272,7 +272,7 @@ def test_a_failed_streamed_write_stops_preserving_and_the_next_save_is_a_baselin
             p.wait()
         table = ck._tables[0]
         step(model, opt, torch.arange(10))
-        assert table.streams == [] and table.step_ids == []  # the step hook let go of the closed stream
+        assert table.open_streams() == []  # the closed stream is let go
         monkeypatch.setattr(store, "checkpoint", real)
         with pytest.raises(OSError):
             ck.save(1)  # the failure, raised once
@@ -458,16 +458,32 @@ def test_a_save_between_a_forward_pass_and_its_step_holds_the_state_before_the_s
     store.close()
 
 
-def test_lookups_without_optimizer_steps_keep_nothing_alive(tmp_path):
-    from cnrstore.torch import tracking
-    model = Model(rows=64)
-    with cnrstore.open(str(tmp_path / "s"), create=True) as store:
-        ck = Checkpointer(store, model, torch.optim.Adagrad(model.parameters()))
-        table = ck._tables[0]
-        for _ in range(tracking.STEP_IDS_KEPT + 10):
-            model(torch.arange(8)).backward()  # (no step: gradient accumulation, or none at all)
-        assert len(table.step_ids) == tracking.STEP_IDS_KEPT and table.step_ids_dropped
-        p = ck.save(0)  # those lookups' step may come after: this save copies the table instead
-        assert p.report.streamed == []
-        p.wait()
-        ck.close()
+def test_gradients_accumulated_before_a_save_are_preserved_by_the_step_after_it_and_in_the_next_increment(
+        tmp_path, small_chunks):
+    """Issue 48 fault 1: micro-batches accumulate gradients, a save comes between them and their step. The
+    save streams; the step after it preserves every row its gradient changes (whatever looked them up, and
+    however long ago), and the NEXT increment holds what that step changed (it used to miss those rows)."""
+    model = Model()
+    opt = OPTIMIZERS["adagrad"](model.parameters())
+    store = make_store(str(tmp_path / "s"))
+    ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental")
+    rng = np.random.default_rng(3)
+    ck.save(0).wait()
+    rows = spread_ids(rng, n=1024)
+    step(model, opt, rows)  # (save 1 writes these rows: their step after it must not reach it)
+    opt.zero_grad()
+    for _ in range(300):  # more micro-batches than any bound on remembered lookups
+        (model(rows[torch.from_numpy(rng.choice(1024, 8))]) ** 2).backward()
+    with Lockstep() as lock:
+        pending = ck.save(1)
+        saved = state_of(model, opt)
+        stepped = []
+        lock.train_between_chunks(pending, lambda: stepped or stepped.append(opt.step()))
+    v1 = pending.wait()
+    assert stepped and pending.report.streamed == ["emb"]
+    after_step = state_of(model, opt)
+    v2 = ck.save(2).wait()  # the step's rows, changed after save(1): this increment must hold them
+    ck.close()
+    assert_restores_to(store, v1, saved, "adagrad", "incremental")
+    assert_restores_to(store, v2, after_step, "adagrad", "incremental")
+    store.close()

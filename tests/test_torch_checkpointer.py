@@ -102,13 +102,18 @@ def test_failed_and_restored_run_matches_uninterrupted_run(tmp_path, mode):
 
 # -- modes write exactly their rows --------------------------------------------------------------------
 
-def touch(model, ids):
-    model(torch.tensor(ids)).sum().backward()
+def change(model, ids):
+    """Change exactly rows ``ids`` of the model's table, in place and announced to nobody."""
+    with torch.no_grad():
+        model.emb.weight[torch.tensor(sorted(set(ids)), dtype=torch.int64)] += 1.0
+
+
+touch = change  # (the tests below: rows a training step changed)
 
 
 def check_written(store, model, version, prev, expected_rows):
     """The version holds the model's current values exactly at expected_rows and the previous ones
-    elsewhere. Every row was moved (untracked) before the save, so an extra row would show."""
+    elsewhere."""
     now = model.emb.weight.detach().numpy()
     mask = np.zeros(len(now), dtype=bool)
     mask[list(expected_rows)] = True
@@ -124,7 +129,7 @@ def test_each_mode_writes_exactly_its_rows(store, mode):
     model = Table()
     ck = Checkpointer(store, model, codec="fp32", mode=mode)
     all_rows = set(range(100))
-    # (rows looked up before the save, expected rows written by mode)
+    # (rows changed before the save, expected rows written by mode)
     plan = [
         ([], {"incremental": all_rows, "one-shot": all_rows, "intermittent": all_rows}),
         ([1, 2, 2], {"incremental": {1, 2}, "one-shot": {1, 2}, "intermittent": {1, 2}}),
@@ -142,9 +147,7 @@ def test_each_mode_writes_exactly_its_rows(store, mode):
     prev = np.zeros((100, 3), dtype=np.float32)
     for step, (ids, expected) in enumerate(plan):
         if ids:
-            touch(model, ids)
-        with torch.no_grad():
-            model.emb.weight.add_(1.0)  # untracked: every row differs from the previous version
+            change(model, ids)
         pending = ck.save(step)
         v = pending.wait()
         assert pending.done()
@@ -155,7 +158,7 @@ def test_each_mode_writes_exactly_its_rows(store, mode):
     ck.close()
 
 
-# -- tracking ------------------------------------------------------------------------------------------
+# -- what a save writes: the rows that changed, whatever changed them ----------------------------------
 
 class Lookups(nn.Module):
     def __init__(self):
@@ -165,35 +168,46 @@ class Lookups(nn.Module):
         self.bag2d = nn.EmbeddingBag(30, 2, mode="mean", padding_idx=29)
 
 
-def tracked_rows(store, ck, model, step):
-    """Per table, the rows the next incremental save writes, read back from the store."""
-    names = ["emb", "bag", "bag2d"]
-    before = {n: store.read_table(n) for n in names}
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)  # untracked: a row written by the save shows as changed
+def written_rows(store, ck, step):
+    """Per table, the rows the next incremental save writes, read back from the store's index of the
+    version (the rows of its records), and the version."""
     v = ck.save(step).wait()
-    return {n: set(np.flatnonzero((store.read_table(n, v) != before[n]).any(axis=1)).tolist()) for n in names}
+    got = {}
+    for n in ["emb", "bag", "bag2d"]:
+        before = store.read_table(n, v - 1)
+        after = store.read_table(n, v)
+        got[n] = set(np.flatnonzero((after != before).any(axis=1)).tolist())
+    return got
 
 
-def test_tracking_catches_every_looked_up_row(store):
+def test_a_save_writes_the_rows_that_changed_whatever_changed_them(store):
+    """Issue 48: increments came from the lookups, so rows changed otherwise (a gradient from elsewhere, an
+    in-place write) were missed and rows looked up but unchanged (padding, evaluation) written. A save now
+    writes exactly the rows whose value changed since the previous one."""
     model = Lookups()
-    ck = Checkpointer(store, model, codec="fp32", mode="incremental")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental")
     ck.save(0).wait()
-    model.emb(torch.tensor([[0, 3], [7, 3]]))  # 2-D input, padding_idx row 0 included (harmless)
-    model.bag(torch.tensor([4, 5, 6, 9]), torch.tensor([0, 1]), per_sample_weights=torch.rand(4))
-    model.bag2d(torch.tensor([[11, 12], [13, 29]]))  # 2-D input without offsets; 29 is padding_idx
-    assert tracked_rows(store, ck, model, 1) == {"emb": {0, 3, 7}, "bag": {4, 5, 6, 9}, "bag2d": {11, 12, 13, 29}}
-    with torch.no_grad():  # evaluation lookups cannot change weights: not tracked
+
+    def train(loss):
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    train(model.emb(torch.tensor([[0, 3], [7, 3]])).sum()  # 2-D input; padding_idx 0 gets no gradient
+          + model.bag(torch.tensor([4, 5, 6, 9]), torch.tensor([0, 1]), per_sample_weights=torch.rand(4)).sum()
+          + model.bag2d(torch.tensor([[11, 12], [13, 29]])).sum())  # 29 is padding_idx
+    assert written_rows(store, ck, 1) == {"emb": {3, 7}, "bag": {4, 5, 6, 9}, "bag2d": {11, 12, 13}}
+    with torch.no_grad():  # evaluation lookups change nothing
         model.emb(torch.tensor([20]))
-    model.emb(torch.tensor([21]))
-    model.bag(torch.tensor([[1, 2, 3]]), per_sample_weights=torch.ones(1, 3))
-    assert tracked_rows(store, ck, model, 2) == {"emb": {21}, "bag": {1, 2, 3}, "bag2d": set()}
-    model.bag(input=torch.tensor([7, 8]), offsets=torch.tensor([0]))  # keyword arguments
-    assert tracked_rows(store, ck, model, 3)["bag"] == {7, 8}
+    train(model.bag(torch.tensor([[1, 2, 3]]), per_sample_weights=torch.ones(1, 3)).sum()
+          + (model.emb.weight[21] ** 2).sum())  # a gradient that is no lookup of the module
+    assert written_rows(store, ck, 2) == {"emb": {21}, "bag": {1, 2, 3}, "bag2d": set()}
+    model.bag.weight.data[[7, 8]] += 1.0  # through .data: nothing announced it
+    model.bag2d.weight.detach().numpy()[14] = 5.0  # through numpy
+    assert written_rows(store, ck, 3) == {"emb": set(), "bag": {7, 8}, "bag2d": {14}}
     ck.close()
-    model.emb(torch.tensor([22]))  # hooks removed: nothing tracked, nothing raised
-    assert all(len(m._forward_pre_hooks) == 0 for m in model.modules())
+    assert all(len(m._forward_pre_hooks) == 0 for m in model.modules())  # no hook left behind
 
 
 # -- asynchrony and failures ---------------------------------------------------------------------------
@@ -203,13 +217,12 @@ def test_weight_shared_by_two_modules_is_one_table_tracked_through_both(store):
     model.a = nn.Embedding(20, 2)
     model.b = nn.EmbeddingBag(20, 2)
     model.b.weight = model.a.weight
-    ck = Checkpointer(store, model, codec="fp32", mode="incremental")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental")
     assert set(store.tables()) == {"a"} and not ck._dense  # the tied weight is not saved twice
     ck.save(0).wait()
-    model.b(torch.tensor([[4, 5]]))
-    model.a(torch.tensor([9]))
-    with torch.no_grad():
-        model.a.weight.add_(1.0)
+    (model.b(torch.tensor([[4, 5]])).sum() + model.a(torch.tensor([9])).sum()).backward()
+    opt.step()
     p = ck.save(1)
     p.wait()
     assert p.report.rows == {"a": 3}
@@ -267,9 +280,11 @@ class Gate:
     def __init__(self, store, monkeypatch, fail_calls=()):
         self.real, self.fail_calls, self.calls = store.checkpoint, set(fail_calls), 0
         self.event = threading.Event()
+        self.entered = threading.Event()  # a write has reached the gate (it has started)
         monkeypatch.setattr(store, "checkpoint", self)
 
     def __call__(self, *a, **k):
+        self.entered.set()
         assert self.event.wait(30), "the gate was never opened: a save waited for a write it held"
         self.calls += 1
         if self.calls in self.fail_calls:
@@ -305,6 +320,52 @@ def test_saves_queue_behind_a_write_in_flight_and_commit_in_save_order(store, mo
         np.testing.assert_array_equal(store.read_table("emb", v), want)
     assert [p.report.rows["emb"] for p in pendings[1:]] == [2, 2, 2]
     ck.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_coalesce_supersedes_the_queued_saves_that_have_not_started_and_writes_their_rows(store, monkeypatch,
+                                                                                         stream):
+    """on_backpressure="coalesce": with max_lag=2 and the first write held, save 1 queues; save 2 would wait
+    for room, so it supersedes save 1 instead (its wait() raises SaveSuperseded), writes save 1's rows as well
+    as its own, and says so in its report. Every committed version is the model at its save()."""
+    from cnrstore.errors import SaveSuperseded
+    torch.manual_seed(0)
+    model = Table()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ck = Checkpointer(store, model, opt, codec="fp32", mode="incremental", on_backpressure="coalesce",
+                      stream_saves=stream, max_queue_bytes=1 << 20)  # (max_lag=2 decides here)
+    waits = []
+    cnrstore.fs.pause_at("checkpointer_waits_for_room", lambda name: waits.append(name))
+    gate = Gate(store, monkeypatch)
+    try:
+        first = ck.save(0)  # a baseline, held at the gate
+        assert gate.entered.wait(30)  # (its write has started: it cannot be superseded)
+        want = {0: model.emb.weight.detach().clone()}
+        pendings = {0: first}
+        for i, rows in ((1, [1, 2, 3]), (2, [3, 40])):
+            opt.zero_grad()
+            model(torch.tensor(rows)).sum().backward()
+            opt.step()
+            pendings[i] = ck.save(i)
+            want[i] = model.emb.weight.detach().clone()
+    finally:
+        cnrstore.fs.pause_at("checkpointer_waits_for_room", None)
+    assert not waits  # save 2 did not wait for room: it superseded save 1
+    assert pendings[2].report.superseded == [1] and pendings[2].report.rows["emb"] == 4  # rows 1, 2, 3, 40
+    with pytest.raises(SaveSuperseded, match="superseded by the save of step 2") as exc:
+        pendings[1].wait()
+    assert exc.value.by_step == 2 and isinstance(exc.value, cnrstore.SaveSkipped)
+    gate.open()
+    versions = [pendings[0].wait(), pendings[2].wait()]
+    assert [v.step for v in store.versions()] == [0, 2]
+    for v, step in zip(versions, (0, 2)):
+        np.testing.assert_array_equal(store.read_table("emb", v), want[step].numpy())
+    ck.close()
+
+
+def test_on_backpressure_is_checked(store):
+    with pytest.raises(InvalidArgument, match="on_backpressure"):
+        Checkpointer(store, Table(), on_backpressure="drop")
 
 
 def test_a_save_over_the_memory_bound_waits_and_only_then(store, monkeypatch):

@@ -39,7 +39,8 @@ class SaveReport:
     commit), how long the save trailed ``save()`` (``lag_s``: from the end of its snapshot to its commit,
     queueing behind earlier saves included; what a ``kill -9`` in that window loses), the bytes the version
     appended to the store's log (``bytes_written``, ``VersionInfo.bytes``) and the versions the
-    Checkpointer's retention dropped after it (``dropped``)."""
+    Checkpointer's retention dropped after it (``dropped``). ``superseded``: the steps of the queued saves this
+    one superseded (``on_backpressure="coalesce"``), whose rows it writes too."""
 
     step: int | None
     baseline: bool
@@ -54,15 +55,17 @@ class SaveReport:
     streamed: list[str] = field(default_factory=list)
     preserved_bytes: int = 0
     lag_s: float = 0.0
+    superseded: list = field(default_factory=list)
 
 
 class PendingSave:
     """A save whose snapshot is taken and whose write runs in the background. ``seq``: which save of its
     Checkpointer it is (1, 2, ...: error messages name a save by it)."""
 
-    def __init__(self, report: SaveReport, seq: int = 0):
+    def __init__(self, report: SaveReport, seq: int = 0, picks: list | None = None):
         self.report = report
         self.seq = seq
+        self.picks = picks  # per table, the rows it writes (None: every row): what a save superseding it adds
         self.created = time.perf_counter()  # the end of its snapshot (the lag is counted from here)
         self._done = threading.Event()
         self._version: int | None = None
@@ -178,7 +181,7 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
             for job in row_jobs:
                 check()
                 if isinstance(job, StreamedTable):
-                    _write_streamed(ck, job, check)
+                    _write_streamed(ck, job, check, step)
                     continue
                 name, rows, values, codec = job
                 if rows.size:
@@ -210,9 +213,10 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
             pending.finish(version, error)
 
 
-def _write_streamed(ck, stream: StreamedTable, check) -> None:
+def _write_streamed(ck, stream: StreamedTable, check, step=None) -> None:
     """Write a streamed save of one table (``streamed``) into the open version ``ck``: chunk by chunk, in row
-    order, each source's rows as of the save (``StreamedTable.take``)."""
+    order, each source's rows as of the save (``StreamedTable.take``), each chunk checked against their
+    fingerprints at ``save()`` first (``StreamedTable.check``: ``SaveRefused`` if one changed unseen)."""
     bufs: list = []
     for start, stop in stream.chunks():
         n = stop - start
@@ -220,6 +224,7 @@ def _write_streamed(ck, stream: StreamedTable, check) -> None:
             bufs = [torch.empty((n, src.shape[1]), dtype=torch.float32) for _n, src, _c in stream.sources]
         chunk = [b[:n] for b in bufs]
         stream.take(start, stop, chunk)
+        stream.check(start, stop, chunk, step)  # (refused if a row changed unseen)
         rows = stream.row_ids(start, stop)
         for (name, _src, codec), values in zip(stream.sources, chunk):
             ck.put_rows(name, rows, values.numpy(), codec=codec)  # (encoded and appended now: bufs are reused)
@@ -348,6 +353,17 @@ class SaveQueue:
             return True
         worker.join(timeout)
         return not worker.is_alive()
+
+    def supersede(self) -> list[tuple[PendingSave, object, list]]:
+        """Take the queued saves whose write has not started (the newest: the worker has not taken them) out
+        of the queue: (pending, holds, row jobs) of each, oldest first. Their bytes stop counting now; the
+        caller ends them."""
+        with self._lock:
+            jobs, self._jobs = list(self._jobs), collections.deque()
+        taken = {id(job[1]): job for job in jobs}
+        out = [(p, h, taken[id(p)][4]) for p, _n, h in self._saves if id(p) in taken]
+        self._saves = [entry for entry in self._saves if id(entry[0]) not in taken]
+        return out
 
     def reap(self) -> list[tuple[PendingSave, object]]:
         """Take out the saves that have ended at the head of the queue (in save order): (pending, holds)."""

@@ -1,4 +1,4 @@
-"""Trainer integration: row tracking, decoupled asynchronous checkpoints and restore (API.md, ``cnrstore.torch``).
+"""Trainer integration: changed-row saves, decoupled asynchronous checkpoints and restore (API.md, ``cnrstore.torch``).
 
 What goes where in the store:
 
@@ -14,34 +14,25 @@ What goes where in the store:
   ``state_dict()``, dtypes) is one ``torch.save`` blob, the uint8 dense array ``"torch.state"``: data only
   (payload format 2, ``cnrstore/torch/payload.py``), checked at save and read with ``weights_only=True``.
 
-Row tracking: a forward pre-hook on each embedding sets a bit (one per row, ``rowbits.RowBits``, on the
-weight's device) at every looked-up index, while autograd is enabled (lookups under ``torch.no_grad()``, e.g. evaluation, are not
-tracked: they cannot change the weights). Weights changed outside a forward pass and an optimizer step
-are not tracked. (The masks and counts: ``tracking.py``; drift, non-zero rows and restored optimizer state:
-``optim_state.py``; which rows each save writes: ``save_plan.py``; the host snapshot's write in the
-background: ``async_save.py``; the payload: ``payload.py``; reading a version back: ``restore.py``; this
-module: the ``Checkpointer`` that owns the live objects and ties them together.)
+What a save writes: the rows whose value changed since the previous save, whatever changed them. At each
+``save()`` every row of every table, and of its row-wise optimizer state, is fingerprinted (64 bits a row:
+``fingerprint.py``; one pass over the tables, several GB/s); the rows whose fingerprint differs from the
+previous save's are the increment. So an optimizer step, a gradient that no lookup of the module made (an
+L2 penalty, a tied output layer, ``F.embedding`` on the weight), gradient accumulation, a closure, several
+optimizers, an in-place write through ``.data`` or numpy, ``load_state_dict``, ``nn.init``: a save sees
+them all, and the version is the state at ``save()``. (The fingerprints: ``tracking.py`` keeps them per
+table; which rows each save writes: ``save_plan.py``; the host snapshot's write in the background:
+``async_save.py``; the copy-on-write of streamed saves: ``streamed.py`` and ``guard.py``; the payload:
+``payload.py``; reading a version back: ``restore.py``; this module: the ``Checkpointer`` that owns the live
+objects and ties them together.)
 
-Every mode is exact with every optimizer: a regular save adds to the looked-up rows those the optimizer
-may have changed without a lookup, judged per table from the optimizers holding its weight, with the
-hyper-parameters of the weight's param group at save time (``optim_state.table_drift``):
-
-- none: plain SGD (no momentum), Adagrad and ``SparseAdam``, all without weight decay, leave a row with a
-  zero gradient untouched: the looked-up rows are all that changed;
-- ``"state"``: SGD with momentum, Adam, AdamW (weight_decay=0), NAdam, RAdam, Adamax, RMSprop, Adadelta,
-  Rprop move a row, and change its row-wise state, exactly while that state is non-zero (a zero state
-  and a zero gradient give a zero update; Adamax's zero infinity norm becomes ``eps`` at once). A save
-  adds the rows whose row-wise state is non-zero now or was at the previous regular save (a state that
-  decayed to zero in between) -- a vectorized scan of the state, chunked to bound memory;
-- ``"all"``: any non-zero ``weight_decay`` (it shrinks every row), and any optimizer class cnrstore does
-  not know (it may change any row): every row is written, as in a baseline.
-
-Priority saves (``top``) write only the top looked-up rows; the next regular save adds what they left.
+Priority saves (``top``) write only the most updated of the changed rows; the next regular save adds what
+they left.
 
 Modes (what a save writes for the embedding tables; everything else is written in full every save):
 
-- ``"incremental"``: the rows looked up since the previous save;
-- ``"one-shot"``: the rows looked up since the last baseline;
+- ``"incremental"``: the rows changed since the previous save;
+- ``"one-shot"``: the rows changed since the last baseline;
 - ``"intermittent"``: one-shot, plus Check-N-Run's reset rule computed over all tables together: with
   ``S_i`` the rows of the i-th differential since the baseline as a fraction of all embedding rows, when
   ``1 + S_1 + … + S_i <= (i + 1) · S_i`` the i-th save is written as a new baseline instead.
@@ -50,18 +41,19 @@ A baseline (every row) is written by the first save of a ``Checkpointer``, by th
 background failure, and by the first save after ``restore`` (except in incremental mode after restoring the
 newest version, where the store already holds exactly the model).
 
-Priority saves (CPR, Maeng et al. MLSys'21): with ``priority="mfu"`` the pre-hook also counts, per row, the
-lookups since the row was last saved (int32, duplicates within a batch counted: the exact update count of
+Priority saves (CPR, Maeng et al. MLSys'21): with ``priority="mfu"`` a forward pre-hook on each embedding
+counts, per row, the lookups since the row was last saved (int32, duplicates within a batch counted: the exact update count of
 an optimizer that updates each looked-up row once per lookup's gradient; not saturating: a row looked up
 2^31 times between two saves of it would wrap); with ``priority="ssu"`` it counts only a random sample of
 each batch's ids, ``ssu_rate`` of them on average (drawn with replacement from a private, deterministically
 seeded ``torch.Generator`` and ``random.Random``, so the training RNG stream is not disturbed), an unbiased
 estimate of ``ssu_rate`` times the exact count. ``save(top=r)`` then writes, for every table, the
-touched rows with the highest counts, at most ``ceil(r · num_rows)`` of them (a fraction of *all* the
+changed rows with the highest counts, at most ``ceil(r · num_rows)`` of them (a fraction of *all* the
 table's rows, as CPR-MFU saves the r% most frequently updated rows: the write volume of a priority save is
 bounded and known in advance), ties broken toward the lower row id, with their row-wise optimizer state;
-dense parameters and the state blob are written as in every save. A priority save clears the touched bit
-and count of the rows it writes and leaves the others' for the next regular save; it marks the rows it
+dense parameters and the state blob are written as in every save. A priority save takes the rows it writes
+as saved (their fingerprints) and clears their counts, and leaves the other changed rows for the next
+regular save; it marks the rows it
 writes as changed since the baseline (so later differentials still hold them), is never a baseline and
 does not enter the intermittent rule's ``S_i``. When the next save must be a baseline (see above), ``top``
 is ignored and the save is a regular baseline (``SaveReport.priority`` is False). A regular save clears
@@ -70,9 +62,9 @@ every count.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple
@@ -80,7 +72,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import codecs
 from .. import store as _store
@@ -90,7 +81,7 @@ from . import payload as _payload
 from . import preemption, reports
 from . import restore as _restore
 from . import sharded
-from ..errors import InvalidArgument, SaveSkipped
+from ..errors import InvalidArgument, SaveRefused, SaveSkipped, SaveSuperseded
 from ..types import VersionInfo
 from .async_save import PendingSave, SaveQueue, SaveReport, WeakPendingWork
 from .optim_state import (as_optimizer_list, create_lazy_state, holds_weight, row_state_width, table_drift,
@@ -99,6 +90,7 @@ from .payload import DENSE_PREFIX, STATE_BLOB
 from .reports import RestoreReport
 from .save_plan import MODES, SavePlanner
 from .staging import Stager
+from .guard import StepGuard, as_rows, preserve
 from .streamed import StreamedTable, block_multiple
 from .tracking import SSU_SEED, ShardTable, Table, tbe_tracker
 
@@ -108,6 +100,7 @@ __all__ = ["Checkpointer", "DENSE_PREFIX", "MODES", "PendingSave", "RestoreRepor
            "TrainerState", "WeakPendingWork", "table_drift"]
 
 PRIORITIES = ("mfu", "ssu")
+BACKPRESSURE = ("wait", "coalesce")
 
 
 class TrainerState(NamedTuple):
@@ -185,10 +178,19 @@ class Checkpointer:
     ``stream_saves`` (default True): a save (baseline or increment) of a table whose rows change only in
     optimizer steps (CPU float32 weight without ``max_norm``, no weight decay, plain SGD / Adagrad /
     SparseAdam, held by an optimizer passed here) is written from the live tensors while training goes on,
-    copying a row aside only just before a step changes it (``streamed``: copy-on-write by row;
-    docs/DESIGN.md "Streamed saves"): ``save()`` copies none of the table's rows, and host memory grows by
-    the rows of the save changed during its write. False: every save copies its rows into host memory
-    inside ``save()``. Either way the version holds the state at ``save()``.
+    copying a row aside only just before something the Checkpointer sees changes it (an optimizer step, for
+    the rows of its gradient; a closure's gradient; a write announced with :meth:`changing` or
+    :meth:`reset_rows`): ``save()`` copies none of the table's rows, and host memory grows by the rows of the
+    save changed during its write. Each row is checked against its fingerprint at ``save()`` as it is written:
+    a row changed meanwhile by anything else (an unannounced in-place write) refuses the save
+    (:class:`~cnrstore.errors.SaveRefused`, raised by ``wait()`` and the next ``save()``; nothing of it
+    commits) and that table is copied at ``save()`` from then on. False: every save copies its rows into host
+    memory inside ``save()``. Either way a committed version is the state at ``save()``.
+
+    ``on_backpressure``: what a save does when the queue is full (``max_lag`` saves uncommitted, or the bytes
+    bound): ``"wait"`` (the default) for the oldest queued save; ``"coalesce"``: supersede the queued saves
+    that have not started writing (their ``wait()`` raises :class:`~cnrstore.errors.SaveSuperseded`) and write
+    their rows too (``SaveReport.superseded`` names their steps), waiting only if that is not enough.
 
     Retention: with ``keep_last=n`` and/or ``keep_every_n_steps=k``, after each save commits the store keeps
     the newest ``n`` versions and those whose step is a multiple of ``k`` (what either rule keeps, and always
@@ -213,7 +215,8 @@ class Checkpointer:
                  optimizer_codec: str = "fp32", extra=None, priority: str | None = None,
                  ssu_rate: float = 0.125, max_queue_bytes: int | None = None, keep_last: int | None = None,
                  keep_every_n_steps: int | None = None, on_report=None, stager: Stager | None = None,
-                 on_sigterm: str | None = "finish", max_lag: int | None = 2, stream_saves: bool = True):
+                 on_sigterm: str | None = "finish", max_lag: int | None = 2, stream_saves: bool = True,
+                 on_backpressure: str = "wait"):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if priority is not None and priority not in PRIORITIES:
@@ -234,6 +237,11 @@ class Checkpointer:
                                   f"(an int >= 1); got {max_lag!r}")
         if not isinstance(stream_saves, bool):
             raise InvalidArgument(f"stream_saves must be True or False, got {stream_saves!r}")
+        if on_backpressure not in BACKPRESSURE:
+            raise InvalidArgument(f"on_backpressure must be 'wait' (save() waits for the oldest queued saves) or "
+                                  f"'coalesce' (a save supersedes the queued saves that have not started "
+                                  f"writing, and writes their rows too); got {on_backpressure!r}")
+        self.on_backpressure = on_backpressure
         self.max_lag = None if max_lag is None else int(max_lag)
         self.stream_saves = stream_saves
         self.keep_last = _retention_arg(keep_last, "keep_last", "the number of newest versions to keep")
@@ -325,16 +333,8 @@ class Checkpointer:
         if add_work is not None:  # store.close() and the interpreter's exit wait for our queued saves
             add_work(self._work)
         self._watch_sigterm()
-        me = weakref.ref(self)
-
-        def before_step(_optimizer, _args, _kwargs) -> None:  # (weak: the hook does not keep us alive)
-            ck = me()
-            if ck is not None:
-                for t in ck._tables:
-                    t.before_step()
-
-        # every optimizer's step, passed here or not: a streamed save must see each change coming
-        self._pre_step_hook = register_optimizer_step_pre_hook(before_step)
+        # every optimizer's step (passed here or not) and closure: a streamed save must see each change coming
+        self._guard = StepGuard([t for t in self._tables if type(t) is Table])
 
     # -- SIGTERM (preemption.py) ----------------------------------------------------------------------
     def _watch_sigterm(self) -> None:
@@ -394,7 +394,7 @@ class Checkpointer:
             self._tables.append(t)
             by_id[id(shard)] = t
             self._ensure_table(existing, t.name, t.store_rows, t.dim, self._weight_codec())
-        for module, per_table, features in feeds:
+        for module, per_table, features in feeds if self.priority is not None else ():  # (update counts)
             tables = [by_id.get(id(s)) if s is not None else None for s in per_table]
             hook = module.register_forward_pre_hook(tbe_tracker(tables, features), with_kwargs=True)
             next(t for t in tables if t is not None).hooks.append(hook)
@@ -421,9 +421,9 @@ class Checkpointer:
     def _remove_hooks(self) -> None:
         for t in self._tables:
             t.remove_hooks()
-        hook = getattr(self, "_pre_step_hook", None)
-        if hook is not None:
-            hook.remove()
+        guard = getattr(self, "_guard", None)
+        if guard is not None:
+            guard.remove()
 
     def _raise_pending_error(self) -> None:
         if self._error is not None:
@@ -442,6 +442,10 @@ class Checkpointer:
             if pending.failure() is None:
                 self._durable = (pending.report.version, pending.report.step)
             err = pending.failure()
+            if isinstance(err, SaveRefused):  # (unseen writes: copy that table at save() from now on)
+                for t in self._tables:
+                    if err.table == t.name or (err.table or "").startswith(f"{t.name}.optim."):
+                        t.refused = True
             if err is not None:
                 self._plan.force_full = True
                 if self._error is None and not isinstance(err, SaveSkipped):
@@ -531,8 +535,8 @@ class Checkpointer:
 
     @property
     def tables(self) -> tuple:
-        """The embedding tables this Checkpointer tracks (tracking.Table: their touched-row bit sets and
-        forward pre-hooks), for diagnostics and benchmarks; read-only."""
+        """The embedding tables this Checkpointer saves (tracking.Table: their rows' fingerprints as of the last
+        save, update counts, saves being written), for diagnostics and benchmarks; read-only."""
         return tuple(self._tables)
 
     @property
@@ -554,7 +558,8 @@ class Checkpointer:
         session: before, its state is written whole while its weight is not)."""
         if not baseline and any(f"{t.name}.optim.{k}" not in t.full_written for k, _s in self._plan.row_states(t)):
             return False
-        return (self.stream_saves and type(t) is Table and not t.step_ids_dropped and t.on_cpu and self.stager.backend(t.device) is None
+        return (self.stream_saves and type(t) is Table and not t.refused and t.on_cpu
+                and self.stager.backend(t.device) is None
                 and t.weight.dtype == torch.float32
                 and getattr(t.module, "max_norm", None) is None and holds_weight(self._optimizers, t.weight)
                 and self._plan.drift(t) is None
@@ -576,24 +581,22 @@ class Checkpointer:
                 total += 4 * (t.num_rows if full else n) * width
         return total
 
+    def _must_wait(self, nbytes: int) -> bool:
+        """Whether a snapshot of ``nbytes`` must wait for the oldest queued save: the queue holds one and
+        either ``max_lag`` saves would be uncommitted or the bytes bound passed. A baseline queued before does
+        not count against the bound for the saves behind it (its copy exists already; they add only their
+        own); a snapshot alone over the bound (a baseline copied in full) is taken once the queue is empty."""
+        if not len(self._queue):
+            return False
+        if self.max_lag is not None and len(self._queue) >= self.max_lag:
+            return True
+        return self._queue.held_bytes_beside_baselines + nbytes > self.queue_bound()
+
     def _wait_for_room(self, nbytes: int) -> None:
-        """Before a snapshot of ``nbytes``: wait for the oldest queued saves
-        while the queue holds any and either the bytes bound would be passed or ``max_lag`` saves would be
-        uncommitted. A baseline queued before does not count against the bound for the saves behind it (its
-        copy exists already; they add only their own); a snapshot alone over the bound (a baseline copied in
-        full) is taken once the queue is empty. A failure found meanwhile is raised here, with no snapshot
-        taken."""
+        """Before a snapshot of ``nbytes``: wait for the oldest queued saves while it must (:meth:`_must_wait`).
+        A failure found meanwhile is raised here, with no snapshot taken."""
         self._reap()
-        bound = self.queue_bound()
-
-        def must_wait() -> bool:
-            if not len(self._queue):
-                return False
-            if self.max_lag is not None and len(self._queue) >= self.max_lag:
-                return True
-            return self._queue.held_bytes_beside_baselines + nbytes > bound
-
-        while must_wait():
+        while self._must_wait(nbytes):
             try:
                 fs.pause_point("checkpointer_waits_for_room")  # (tests: a save waiting on the bound)
                 self._queue.wait_oldest()
@@ -603,12 +606,40 @@ class Checkpointer:
             self._reap()
         self._raise_pending_error()
 
+    def _coalesce(self, baseline: bool, picks: list, step) -> tuple[bool, list, list]:
+        """``on_backpressure="coalesce"``: if this save (``picks``) would wait for room, the queued saves that
+        have not started writing are superseded by it instead -- they end with :class:`SaveSuperseded`, and
+        this save writes their rows too (every row, if one was a baseline). Returns (baseline, picks, the
+        steps superseded)."""
+        self._reap()
+        if not self._must_wait(self._snapshot_bytes(picks)):
+            return baseline, picks, []
+        superseded = self._queue.supersede()
+        steps = []
+        for pending, holds, jobs in superseded:
+            for t, name in holds:
+                t.release_buffer(name)
+            for job in jobs:
+                if isinstance(job, StreamedTable):
+                    job.close()
+            baseline = baseline or pending.report.baseline
+            picks = [None if a is None or b is None else torch.unique(torch.cat([a, b.to(a.device)]))
+                     for a, b in zip(picks, pending.picks)]
+            steps.append(pending.report.step)
+            pending.finish(None, SaveSuperseded(
+                f"{pending.describe()} was superseded by the save of step {step} before it started writing "
+                "(on_backpressure='coalesce'): that save writes its rows too; nothing of it was committed on its "
+                "own", by_step=step))
+        if baseline:
+            picks = [None] * len(picks)
+        return baseline, picks, sorted(steps, key=lambda x: (x is None, x))
+
     # -- save -----------------------------------------------------------------------------------------
     def save(self, step: int | None = None, meta: dict | None = None, *, top: float | None = None) -> PendingSave:
         """Snapshot the state into host memory and write it in the background; see API.md.
 
         ``top`` (a fraction in (0, 1], only with ``priority``) makes it a priority save: per table, at most
-        ``ceil(top · num_rows)`` of the touched rows, the most updated first (module doc).
+        ``ceil(top · num_rows)`` of the changed rows, the most updated first (module doc).
 
         Saves queue: a save while earlier ones are still writing copies its rows and returns; the queued
         snapshots are written one after the other, so versions commit in save order. Only when the host
@@ -661,8 +692,12 @@ class Checkpointer:
         start = time.perf_counter()
         codec = self._weight_codec()
         baseline, priority, picks = self._plan.pick(top)
+        superseded = []
+        if self.on_backpressure == "coalesce":
+            baseline, picks, superseded = self._coalesce(baseline, picks, step)
+            priority = priority and not baseline
         self._wait_for_room(self._snapshot_bytes(picks))
-        report = SaveReport(step=step, baseline=baseline, priority=priority)
+        report = SaveReport(step=step, baseline=baseline, priority=priority, superseded=superseded)
         holds = []  # (table, name) of the reusable host buffers this snapshot takes
         staging = self.stager.begin()
         try:
@@ -687,7 +722,7 @@ class Checkpointer:
             a.nbytes for a in dense.values())
         report.stall_s = time.perf_counter() - start
         self._seq += 1
-        pending = PendingSave(report, self._seq)
+        pending = PendingSave(report, self._seq, picks)
         self._queue.start(self.store, pending, report.host_bytes, holds, step, meta, row_jobs, dense, blob,
                           after_commit=self._after_commit, staged=staged)
         return pending
@@ -778,10 +813,7 @@ class Checkpointer:
             rows = rows.cpu().numpy().astype(np.int64, copy=False)
             if rows.size > 1 and not (np.diff(rows) > 0).all():
                 rows = np.unique(rows)
-        stream = StreamedTable(sources, t.num_rows, block, rows, t.offset)
-        # rows looked up since the last step (a forward pass before this save whose step comes after it) are
-        # preserved by that step's hook too: the ids it noted, copied now that a stream opens
-        t.step_ids = [ids.clone() for ids in t.step_ids]
+        stream = StreamedTable(sources, t.num_rows, block, rows, t.offset, expected=self._plan.expected(t, rows))
         t.streams.append(stream)
         for name, _src, _c in sources:
             report.rows[name] = stream.count
@@ -795,6 +827,60 @@ class Checkpointer:
             mode=self.mode, tables=[t.name for t in self._tables], dense=self._dense, optimizers=self._optimizers,
             extra=self._extra, param_names={id(p): name for name, p in self.model.named_parameters()},
             row_tables=row_tables))
+
+    # -- writes of the trainer's own ------------------------------------------------------------------
+    def _table_of(self, table) -> Table:
+        """The tracked table named ``table`` (its module path), of the embedding module ``table``, or of the
+        weight tensor ``table``; InvalidArgument otherwise."""
+        for t in self._tables:
+            if (table is t.weight or table is t.module or (isinstance(table, str) and table in (t.name, t.path))):
+                return t
+        names = ", ".join(repr(t.name) for t in self._tables) or "none"
+        raise InvalidArgument(f"{table!r} is not an embedding table this Checkpointer saves (tables: {names}); "
+                              "pass a table's name (its module path), its module or its weight")
+
+    def _row_ids(self, t: Table, rows) -> torch.Tensor | None:
+        ids = as_rows(rows, t.num_rows) if rows is not None else None
+        if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t.num_rows):
+            raise InvalidArgument(f"rows of table {t.name!r} must be in [0, {t.num_rows}); got ids from "
+                                  f"{int(ids.min())} to {int(ids.max())}")
+        return ids
+
+    @contextlib.contextmanager
+    def changing(self, table, rows=None):
+        """Announce a write of your own code to ``rows`` (ids, or None: any row) of ``table`` (a table's name,
+        embedding module or weight) and of its row-wise optimizer state, made inside the ``with`` block::
+
+            with ckpt.changing("emb", rows):
+                emb.weight.data[rows] = fresh        # any way: .data, numpy, copy_, an optimizer's state
+
+        Saves find every changed row without it (each save compares row fingerprints); what it adds is for a
+        save still being written from the live tensors (a streamed save): the rows' values as of that save
+        are copied aside before the block runs, so the save stays exact instead of being refused
+        (:class:`~cnrstore.errors.SaveRefused`). A write outside the announced rows still refuses it."""
+        if self._closed:
+            raise InvalidArgument("this Checkpointer is closed")
+        t = self._table_of(table)
+        preserve(t, self._row_ids(t, rows))
+        yield
+
+    def reset_rows(self, table, rows, values=0.0, *, optimizer_state=0.0) -> None:
+        """Re-initialize ``rows`` of ``table`` (a table's name, embedding module or weight): set their weights
+        to ``values`` (a scalar, or a tensor of ``len(rows)`` x dim) and their row-wise optimizer state to
+        ``optimizer_state`` (None: left as it is) -- what a zero-collision hash table does to the slot of an
+        evicted id. Announced (:meth:`changing`): a save being written keeps the rows' values as of its
+        ``save()``, and the next save writes the new ones."""
+        t = self._table_of(table)
+        ids = self._row_ids(t, rows)
+        if ids is None:
+            raise InvalidArgument("reset_rows needs the rows to reset (ids); to re-initialize a whole table, "
+                                  "write it inside `with ckpt.changing(table):`")
+        with self.changing(t.weight, ids), torch.no_grad():
+            w = t.weight
+            w[ids.to(w.device)] = values.to(w.device, w.dtype) if torch.is_tensor(values) else values
+            if optimizer_state is not None:
+                for _key, state in self._plan.row_states(t):
+                    state[ids.to(state.device)] = optimizer_state
 
     # -- what the store holds ---------------------------------------------------------------------------
     def versions(self) -> list[VersionInfo]:
@@ -918,8 +1004,8 @@ class Checkpointer:
 
     def note_restore(self, *, matches_newest: bool = False) -> None:
         """*For sibling packages* (``cnrstore.distributed``) and ``restore``: the live state was just loaded
-        from a stored version. Clears the row tracking (touched rows, rows since the baseline, update
-        counts), remembers where the optimizer state is non-zero, makes the next save a baseline (unless
+        from a stored version. Takes the restored rows' fingerprints as the last save's, clears the rows
+        since the baseline and the update counts, makes the next save a baseline (unless
         ``matches_newest``, the state is the store's newest version, and the mode is incremental: the next
         increment then follows it) and records the restore with a ``BitWidthPolicy``."""
         self._plan.note_restore(matches_newest=matches_newest)

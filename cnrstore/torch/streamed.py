@@ -1,36 +1,38 @@
-"""A save written from the live tables while training goes on: copy-on-write by row.
+"""A save written from the live tables while training goes on: copy-on-write by row, checked row by row.
 
 A save copies the rows it writes (every row, for a baseline) into host memory inside ``save()``: that
 stalls the trainer for the copy and holds the copy in host memory until written. A :class:`StreamedTable`
 copies nothing at ``save()``: the background writer reads the rows from the live tensors chunk by chunk, in
-row order, and *just before* an optimizer step changes a row the writer has not read yet, the trainer's
-thread copies that row's value as of the save aside (:meth:`StreamedTable.preserve`, from an optimizer
-step pre-hook). Host memory is then bounded by the rows changed while the save is written, not by the rows
-it writes (DataStates-LLM, HPDC'24: lazy copies while tensors are immutable; DECK, PVLDB'25).
+row order, and *just before* something the Checkpointer can see changes a row the writer has not read yet,
+the trainer's thread copies that row's value as of the save aside (:meth:`StreamedTable.preserve`, from
+``guard.StepGuard``'s hooks). Host memory is then bounded by the rows changed while the save is written,
+not by the rows it writes (DataStates-LLM, HPDC'24: lazy copies while tensors are immutable; DECK, PVLDB'25).
 
-**Why the written version equals the state at ``save()``, bit for bit** (docs/DESIGN.md, "Streamed
-saves"). Let *cursor* be the first row of the save the writer has not finished reading (rows of the save
-below it are read).
+**Why the written version equals the state at ``save()``, bit for bit, or is refused** (docs/DESIGN.md,
+"Streamed saves"). Let *cursor* be the first row of the save the writer has not finished reading (rows of
+the save below it are read).
 
-1. Between ``save()`` and the end of the write, a row of a streamed table changes only inside an optimizer
-   step, and only if it was looked up since the previous step: the table's drift is None (plain SGD,
-   Adagrad, SparseAdam, no weight decay: ``optim_state.table_drift``), its weight is on the CPU, it has no
-   ``max_norm``, and an optimizer of the Checkpointer holds it. The ids of every lookup are recorded while
-   a streamed table is open (``Table.note``), the rows looked up since the previous save included (the
-   touched mask at ``save()``: a forward pass before ``save()`` whose step comes after).
-2. Before any optimizer step (torch's global step pre-hook: every optimizer, passed or not), the hook
-   calls :meth:`preserve` with those ids: under the lock, every id the save writes at or above *cursor*
-   and not preserved yet is copied from the live tensors (weights and row-wise state, not yet changed since
-   the save by 1 and by induction) into the preserved buffers.
+1. ``save()`` fingerprints every row of the save, weights and row-wise state together (``fingerprint.py``):
+   ``expected``.
+2. Before an optimizer step, a closure's gradient or an announced write changes rows of a streamed table,
+   ``guard.StepGuard`` calls :meth:`preserve` with them (or :meth:`preserve_all`): under the lock, every row
+   the save writes at or above *cursor* and not preserved yet is copied from the live tensors (weights and
+   row-wise state: not yet changed since the save, by induction) into the preserved buffers.
 3. The writer reads a chunk of the save's rows from the live tensors *without* the lock, then, under it,
    moves *cursor* past them and overlays the preserved value of every row of the chunk preserved by then
-   (:meth:`take`). A row the trainer changed during that read was preserved before the change (2: it was
-   at or above *cursor*), so the overlay replaces whatever the read saw. A row not preserved by then was
-   not changed before the cursor passed it, so the read saw its value as of the save.
-4. After the cursor passed a row, the trainer's changes to it are never read by this save.
+   (:meth:`take`). A row changed during that read after being preserved (2: it was at or above *cursor*)
+   gets its preserved value back from the overlay; a row not preserved by then and changed by nothing 2
+   sees was read as it was at the save.
+4. Then the writer fingerprints the chunk it is about to write and compares with ``expected``
+   (:meth:`check`): a row that differs was changed by something 2 did not see (an in-place write through
+   ``.data``, numpy, ``copy_``...) before the cursor passed it. The save is refused
+   (:class:`~cnrstore.errors.SaveRefused`): nothing of it commits. So a version committed from a stream is
+   the state at ``save()``, whatever the trainer did.
+5. After the cursor passed a row, the trainer's changes to it are never read by this save.
 
-Tables that break 1 (a CUDA weight, drift "state" or "all", a weight no optimizer of the Checkpointer
-holds, a TorchRec shard with its fused optimizer) are copied at ``save()`` as before.
+Tables whose rows change in ways 2 cannot see coming at all (a CUDA weight, drift "state" or "all", a
+``max_norm`` embedding, a weight no optimizer of the Checkpointer holds, a TorchRec shard with its fused
+optimizer, a table where 4 refused a save before) are copied at ``save()``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ import numpy as np
 import torch
 
 from ..engine import fs
+from ..errors import SaveRefused
+from .fingerprint import fingerprints
 
 __all__ = ["StreamedTable", "block_multiple"]
 
@@ -64,13 +68,17 @@ class StreamedTable:
     weight first, then its row-wise optimizer state; ``rows``: the local rows the save writes (sorted,
     unique int64), or None for every row (a baseline); ``block``: a whole number of blocks of every source
     table (``block_multiple``: each chunk the writer takes ends on a block boundary, so that it writes whole
-    blocks); ``offset``: the global id of local row 0.
+    blocks); ``offset``: the global id of local row 0; ``expected``: the fingerprints of the rows at
+    ``save()`` (weight and state together), in position order (:meth:`check` compares each chunk with them).
 
     Rows are addressed by *position* in the save (``rows[p]``, or ``p`` for a baseline); the cursor is a
     position, and rows are taken in order, so "not yet passed" is "at or above the cursor's row"."""
 
-    def __init__(self, sources: list, num_rows: int, block: int, rows: np.ndarray | None = None, offset: int = 0):
+    def __init__(self, sources: list, num_rows: int, block: int, rows: np.ndarray | None = None, offset: int = 0,
+                 expected: list | None = None):
         self.sources = sources
+        #: the fingerprint of each position's row at ``save()``, across the sources (None: not checked)
+        self.expected = expected
         self.num_rows = num_rows
         self.rows = rows
         self.count = num_rows if rows is None else int(rows.size)  # positions
@@ -149,6 +157,16 @@ class StreamedTable:
             self._n_kept += n
             self.peak_bytes = max(self.peak_bytes, self._n_kept * sum(k.shape[1] for k in self._kept) * 4)
 
+    def preserve_all(self) -> None:
+        """Before something that may change any row: copy aside every row the writer has not read yet that
+        is not preserved yet (on the trainer's thread)."""
+        if self.closed:
+            return
+        with self._lock:
+            cursor = self._cursor
+        rows = np.arange(cursor, self.count, dtype=np.int64) if self.rows is None else self.rows[cursor:]
+        self.preserve(torch.from_numpy(rows))
+
     def _grow(self, need: int) -> None:
         if need <= self._kept[0].shape[0]:
             return
@@ -180,6 +198,26 @@ class StreamedTable:
             if hit.size:
                 for out, kept in zip(outs, self._kept):
                     out.numpy()[hit] = kept[slots[hit]]
+
+    def check(self, start: int, stop: int, outs: list, step=None) -> None:
+        """Compare the fingerprints of the rows ``outs`` holds for positions ``[start, stop)`` (what
+        :meth:`take` gave) with those at ``save()``; raise :class:`SaveRefused` naming the rows that differ:
+        something changed them after ``save()`` and before the writer read them, unseen (module doc, 4)."""
+        if self.expected is None:
+            return
+        bad = np.flatnonzero(fingerprints(outs) != self.expected[start:stop])
+        if bad.size:
+            name = self.sources[0][0]
+            rows = self.row_ids(start, stop)[bad]
+            shown = ", ".join(str(int(r)) for r in rows[:5]) + (", ..." if rows.size > 5 else "")
+            raise SaveRefused(
+                f"the save of step {step} was refused: {rows.size} row(s) of table {name!r} (rows {shown}; "
+                "their weights or optimizer state) changed after save() and before the background write read "
+                "them, by something that is not an optimizer step (an in-place write: through .data, numpy, "
+                "copy_, load_state_dict, nn.init...). Nothing of this save was committed; the versions before "
+                "it are intact. Announce such writes with Checkpointer.changing() or reset_rows(), or make the "
+                "Checkpointer with stream_saves=False; the table is copied at save() from now on",
+                table=name, rows=rows)
 
     def close(self) -> None:
         """The write has ended (committed or not): stop preserving and free the preserved rows."""

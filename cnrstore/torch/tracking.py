@@ -1,12 +1,13 @@
-"""Row tracking for ``cnrstore.torch.Checkpointer``: which rows of each embedding table a save must write.
+"""The embedding tables of a ``cnrstore.torch.Checkpointer`` and what it keeps for each between saves.
 
-A :class:`Table` is one embedding weight: the set of rows looked up since the last save (``touched``) and
-of those changed since the last baseline (``since_baseline``), each one bit per row (``rowbits.RowBits``;
-``since_baseline`` is never allocated in incremental mode, which does not set it), per-row update counts for
-priority saves (``counts``, ``"mfu"`` exact or ``"ssu"`` sampled) and reusable host buffers. Lookups are
-recorded by a forward pre-hook on the embedding module (:meth:`Table.track_module`), or, for the local
-shards of a TorchRec-sharded table (:class:`ShardTable`), by a hook on the TBE kernel
-(:func:`tbe_tracker`). The Checkpointer's module doc says how the masks become the rows of a save.
+A :class:`Table` is one embedding weight: the fingerprints of its rows, and of its row-wise optimizer state,
+as of the last save (``saved``: ``fingerprint.py``; a save writes the rows whose fingerprint changed since),
+the rows changed since the last baseline (``since_baseline``, one bit per row: ``rowbits.RowBits``; never
+allocated in incremental mode), per-row update counts for priority saves (``counts``, ``"mfu"`` exact or
+``"ssu"`` sampled, counted from the lookups: a forward pre-hook on the embedding module,
+:meth:`Table.track_module`, or, for the local shards of a TorchRec-sharded table (:class:`ShardTable`), a
+hook on the TBE kernel, :func:`tbe_tracker`), the saves being written from its live tensors (``streams``)
+and reusable host buffers. The Checkpointer's module doc says how they become the rows of a save.
 """
 
 from __future__ import annotations
@@ -21,17 +22,13 @@ from .rowbits import RowBits
 
 __all__ = ["SSU_SEED", "ShardTable", "Table", "tbe_tracker"]
 
-#: Lookups a table keeps between two optimizer steps while no save streams (gradient accumulation's
-#: micro-batches); past it a save between those lookups and their step copies the table's rows instead.
-STEP_IDS_KEPT = 256
-
 #: Seed of a table's SSU sampling streams: + the table's index, so each table's stream is reproducible.
 SSU_SEED = 0x5C5_0000
 
 
 class Table:
-    """One embedding module: its table, tracking masks, update counts (priority saves) and reusable host
-    buffers.
+    """One embedding module: its table, what the last save left (row fingerprints), tracking masks, update
+    counts (priority saves) and reusable host buffers.
 
     ``counts`` (int32 per row, on the weight's device, or None without ``priority``) holds the lookups
     since the row was last saved, all of them (``"mfu"``) or a sample (``"ssu"``); ``count_scale`` turns
@@ -45,7 +42,6 @@ class Table:
         self.weight: torch.Tensor = module.weight if weight is None else weight
         self.num_rows, self.dim = self.weight.shape
         self.device = self.weight.device
-        self.touched = RowBits(self.num_rows, self.device)
         self.since_baseline = RowBits(self.num_rows, self.device)
         self.on_cpu = self.weight.device.type == "cpu"
         self.counts: torch.Tensor | None = None
@@ -63,62 +59,48 @@ class Table:
             self._rounding = random.Random(seed)
         self.buffers: dict[str, torch.Tensor] = {}  # host buffers by table name, reused across saves
         self.busy: set[str] = set()  # the names whose buffer a queued snapshot holds
-        # rows whose row-wise optimizer state was non-zero at the last regular save ("state" drift only)
-        self.nonzero_saved: RowBits | None = None
         self.full_written: set[str] = set()  # row-state tables written in full in this session
         self.offset = 0                 # global id of local row 0 (a sharded table's shard: its row offset)
         self.store_rows = self.num_rows  # rows of the store table (a shard's table has the global count)
-        #: saves of this table being written from the live tensors (``streamed.StreamedTable``), and the ids
-        #: looked up since the last optimizer step (the step pre-hook preserves them in the open saves: a
-        #: save taken between a forward pass and its step must see that step's rows coming)
+        #: the fingerprint of each row (weight and row-wise state together, ``fingerprint.py``) as of the last
+        #: save's snapshot; None before the first save (a baseline)
+        self.saved = None
+        #: saves of this table being written from the live tensors (``streamed.StreamedTable``): until
+        #: each has ended, whatever changes a row of it must preserve the row first (``guard.StepGuard``)
         self.streams: list = []
-        self.step_ids: list[torch.Tensor] = []
-        self.step_ids_dropped = False  # more lookups than STEP_IDS_KEPT without a step: a save then copies
+        self.in_step = 0  # optimizer steps holding this weight in progress while a save streams (guard.py)
+        self.refused = False  # a streamed save of it was refused (unseen writes): it is copied at save() now
         self.hooks = []
-        if module is not None:
+        if module is not None and priority is not None:
             self.track_module(module)
 
     def track_module(self, module: nn.Module) -> None:
-        """Track the lookups of ``module`` (an embedding module using this table's weight; a weight shared
-        by several modules is one table tracked through each of them)."""
-        self.hooks.append(module.register_forward_pre_hook(self.track, with_kwargs=True))
+        """Count the lookups of ``module`` (an embedding module using this table's weight; a weight shared
+        by several modules is one table counted through each of them): priority saves only."""
+        if self.counts is not None:
+            self.hooks.append(module.register_forward_pre_hook(self.track, with_kwargs=True))
 
     def remove_hooks(self) -> None:
         """Stop tracking: remove every hook this table put on a module."""
         for h in self.hooks:
             h.remove()
+        self.hooks = []
 
     def track(self, module, args, kwargs) -> None:
         if torch.is_grad_enabled():
             self.note(args[0] if args else kwargs["input"])
 
     def note(self, ids: torch.Tensor) -> None:
-        """Record a lookup of the local rows ``ids`` (any shape, duplicates allowed)."""
-        self.touched.set(ids)
-        # (while a save streams, a copy: the caller may reuse its id buffer before the step; otherwise the
-        # tensor itself, copied by the save that opens a stream; at most STEP_IDS_KEPT of them between two
-        # steps when none streams: a trainer without optimizer steps keeps nothing alive)
-        if self.streams:
-            self.step_ids.append(ids.detach().reshape(-1).clone())
-        elif len(self.step_ids) < STEP_IDS_KEPT:
-            self.step_ids.append(ids.detach().reshape(-1))
-        else:
-            self.step_ids_dropped = True
+        """Count a lookup of the local rows ``ids`` (any shape, duplicates allowed)."""
         if self.counts is not None:
             self._count(ids.reshape(-1))
 
-    def before_step(self) -> None:
-        """Before an optimizer step: preserve, in every save of this table still being written, the rows
-        looked up since the last step (``streamed``), and forget the saves whose write has ended."""
-        ids, self.step_ids = self.step_ids, []
-        self.step_ids_dropped = False
-        if not self.streams:
-            return
-        self.streams = [s for s in self.streams if not s.closed]
-        if ids and self.streams:
-            ids = ids[0] if len(ids) == 1 else torch.cat([i.to(torch.int64) for i in ids])
-            for s in self.streams:
-                s.preserve(ids)
+    def open_streams(self) -> list:
+        """The saves of this table still being written from its live tensors (those that ended are
+        forgotten)."""
+        if self.streams:
+            self.streams = [s for s in self.streams if not s.closed]
+        return self.streams
 
     def _count(self, ids: torch.Tensor) -> None:
         """Add one per id (duplicates too), or per id of a random sample of ``ssu_rate · len(ids)`` ids
@@ -141,29 +123,24 @@ class Table:
         """``t`` as numpy: a view on CPU (writes go through), a copy otherwise."""
         return t.numpy() if self.on_cpu else t.cpu().numpy()
 
-    def top_rows(self, k: int) -> torch.Tensor:
-        """The touched rows with the highest counts, at most ``k``, ties to the lower row id; ascending,
-        on the weight's device."""
-        rows = self.host(self.touched.rows())
+    def top_rows(self, changed: torch.Tensor, k: int) -> torch.Tensor:
+        """The rows of ``changed`` (ascending, on the weight's device) with the highest counts, at most ``k``,
+        ties to the lower row id; ascending, on the weight's device."""
+        rows = self.host(changed)
         if rows.size > k:
             rows = _top_rows(rows, self.host(self.counts)[rows], k)
         out = torch.from_numpy(rows)
         return out if self.on_cpu else out.to(self.weight.device)
 
     def settle_priority(self, rows: torch.Tensor, keep_since_baseline: bool) -> None:
-        """After a priority save wrote ``rows``: clear their touched bit and count; record them as
-        changed since the baseline if ``keep_since_baseline`` (one-shot and intermittent modes)."""
-        self.touched.clear_rows(rows)
+        """After a priority save wrote ``rows``: clear their count; record them as changed since the
+        baseline if ``keep_since_baseline`` (one-shot and intermittent modes)."""
         if self.on_cpu:  # (numpy on CPU: single-threaded, no intra-op pool to wake for microseconds of work)
             self.counts.numpy()[rows.numpy()] = 0
         else:
             self.counts[rows] = 0
         if keep_since_baseline:
             self.since_baseline.set(rows)
-
-    def merge_touched(self) -> None:
-        """Add the touched rows to the rows changed since the baseline."""
-        self.since_baseline.or_(self.touched)
 
     @staticmethod
     def clear(counts: torch.Tensor) -> None:
@@ -210,7 +187,8 @@ class ShardTable(Table):
 
 def tbe_tracker(tables: list, features: list):
     """A forward pre-hook for a TBE kernel whose ids feed ``tables`` (a ShardTable or None per config table,
-    ``features[i]`` keys each): the ids of table i are the values of its keys, in key order."""
+    ``features[i]`` keys each): counts the ids of table i, the values of its keys, in key order (priority
+    saves)."""
     bounds = np.cumsum([0] + list(features)).tolist()
 
     def track(module, args, kwargs) -> None:
