@@ -16,7 +16,7 @@ Per method: the stall of each save (the call's time, plus, for cnrstore, what th
 after it copied aside; the first save is a baseline), peak RSS against the
 no-checkpoint run's, the lag p100 (cnrstore: ``SaveReport.lag_s``; DCP: the future's completion, polled)
 in save intervals, and the cost per step of cnrstore's step pre-hooks (time inside
-``guard.StepGuard._before_step`` over the training time). In the cnrstore run, the physical reference for the
+``guard.StepGuard.before_step`` over the training time). In the cnrstore run, the physical reference for the
 snapshot of touched rows: ``np.take`` of one save's rows of the table into a buffer, GB/s, beside the
 increments' snapshot rate (``host_bytes / stall_s``); and the background write rate (a version's
 ``bytes_written / write_s``) against the disk's sequential write rate, measured first in the same run (a file
@@ -85,14 +85,14 @@ def child(method: str, rows: int, dim: int, steps: int, every: int, batch: int, 
     lags, reports = [], []
     if method.startswith("cnrstore"):
         from cnrstore.torch import Checkpointer, guard
-        real = guard.StepGuard._before_step
+        real = guard.StepGuard.before_step
 
         def timed(self, optimizer):
             t0 = time.perf_counter()
             real(self, optimizer)
             hook_s[0] += time.perf_counter() - t0
 
-        guard.StepGuard._before_step = timed
+        guard.StepGuard.before_step = timed
         ck = Checkpointer(path, model, opts, stream_saves=(method == "cnrstore"),
                           on_report=lambda r: reports.append(r) if hasattr(r, "lag_s") else None)
     elif method == "DCP async_save":

@@ -119,6 +119,16 @@ def test_one_failure_r1_is_recovered_bit_exactly(tmp_path, tmp_path_factory, cra
     assert_learned_promptly(reports, [1])
 
 
+def test_rows_changed_by_a_gradient_no_lookup_made_are_in_the_parity(tmp_path, tmp_path_factory):
+    """Issue 48's fault class in ECRM: an L2 penalty on the tables gives every row a gradient no lookup made.
+    The parity followed the looked-up rows only, so a decoded shard was silently wrong (or its fingerprint
+    refused); the rows of each weight's gradient are now in every step's undo log, and recovery is exact."""
+    ref, _ = run_job(tmp_path_factory.mktemp("ref-l2"), "ref", 3, 2, 1, l2=1e-3)
+    states, reports = run_job(tmp_path, "l2", 3, 2, 1, victims=[1], l2=1e-3, overlap=False)
+    assert_bit_equal(states, ref)
+    assert {rep["recoveries"][-1]["mode"] for rep in reports.values()} == {"ecrm"}
+
+
 def test_messages_longer_than_their_capacity_take_a_second_send(tmp_path, tmp_path_factory):
     """Every pair starts at a capacity of 16 words: the first rounds send each message's tail as a second
     message, later ones fit (the capacity follows the lengths); recovery is still bit-exact."""

@@ -20,10 +20,12 @@ Reed-Solomon code for r >= 2), so a decoded row equals the lost one exactly.
 The update of one step (``ECRM.step``), on every rank. The protected tensors live in one arena
 (``ecrm_space.DataSpace``), so no step loops over tables:
 
-1. before the optimizer step, the rows it may change (the looked-up rows, widened as
-   ``cnrstore.torch.Checkpointer`` does for optimizers that move rows without a lookup) become word
-   ranges of the data space and are copied in one gather: the *undo log*, with one flat copy of the dense
-   parameters and their optimizer state;
+1. before the optimizer step, the rows it may change (the looked-up rows and the rows of each weight's
+   gradient, whatever made it -- an L2 penalty, a tied layer --, widened for optimizers that move rows
+   without a gradient) become word ranges of the data space and are copied in one gather: the *undo log*,
+   with one flat copy of the dense parameters and their optimizer state. Only the optimizer step inside
+   ``ecrm.step()`` may change protected rows: an in-place write of the trainer's own between steps is not in
+   the parity (it is in the next checkpoint: ``cnrstore.torch`` saves find every changed row);
 2. after it, one gather gives the code delta ``old ^ new`` of every changed row, multiplied by its parity
    coefficients (``gf256.mul_words``; none for parity slot 0, whose coefficients are all 1);
 3. one round of point-to-point messages (``exchange.PairExchange``: sizes agreed in advance, every rank
@@ -68,6 +70,7 @@ from torch import nn
 
 from ..engine import fs
 from ..errors import InvalidArgument, RecoveryFailed
+from ..torch.guard import grad_rows
 from ..torch.optim_state import table_drift
 from . import failures, gf256
 from .ecrm_space import DataSpace
@@ -536,8 +539,10 @@ class ECRM:
         self.commit()
 
     def _candidate_rows(self) -> np.ndarray:
-        """Global rows (``DataSpace`` numbering) the optimizer step may change: the looked-up ones, and those
-        the optimizers move without a lookup (judged per table as the Checkpointer does)."""
+        """Global rows (``DataSpace`` numbering) the optimizer step may change: the looked-up ones, those of
+        each weight's gradient as it stands (a gradient no lookup of the module made: an L2 penalty, a tied
+        layer, ``F.embedding`` on the weight; ``guard.grad_rows``), and those the optimizers move without a
+        gradient (judged per table as the Checkpointer does)."""
         key = tuple((id(g), g.get("weight_decay"), g.get("momentum"), len(g["params"]))
                     for opt in self._optimizers for g in opt.param_groups)
         if key != self._drift_key:          # hyper-parameters changed (or first step): judge every table again
@@ -548,6 +553,13 @@ class ECRM:
                 [np.zeros(0, dtype=np.int64)] + [np.arange(starts[ti], starts[ti + 1], dtype=np.int64)
                                                  for ti, d in enumerate(self._drift) if d == "all"])
         rows = self.space.touched_rows()
+        starts = self.space.row_start
+        grads = []
+        for ti, t in enumerate(self._tables):
+            g = grad_rows(t.weight.grad, t.weight.shape[0])
+            grads.append(np.arange(starts[ti], starts[ti + 1], dtype=np.int64) if g is None
+                         else g.numpy().astype(np.int64) + starts[ti])
+        rows = np.union1d(rows, np.concatenate(grads))
         if not self._drift_rows.size and "state" not in self._drift:
             return rows
         extra = [self._drift_rows]

@@ -62,12 +62,12 @@ class StepGuard:
         def before(optimizer, _args, _kwargs) -> None:
             guard = me()
             if guard is not None:
-                guard._before_step(optimizer)
+                guard.before_step(optimizer)
 
         def after(optimizer, _args, _kwargs) -> None:
             guard = me()
             if guard is not None:
-                guard._after_step(optimizer)
+                guard.after_step(optimizer)
 
         self._hooks = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
         for t in self._tables:
@@ -97,9 +97,11 @@ class StepGuard:
             pass
         return held
 
-    def _before_step(self, optimizer) -> None:
+    def before_step(self, optimizer) -> None:
+        """Before ``optimizer``'s step (its pre-hook): preserve, in each save of a table it holds still being
+        written, the rows the step will change (module doc)."""
         streaming = [t for t in self._tables if t.open_streams()]
-        self._after_step(optimizer)  # (a step that raised left its tables counted: forget them)
+        self.after_step(optimizer)  # (a step that raised left its tables counted: forget them)
         if not streaming:
             return
         held = self._held(optimizer)
@@ -112,7 +114,8 @@ class StepGuard:
             rows = grad_rows(t.weight.grad, t.num_rows) if table_drift([optimizer], t.weight) is None else None
             preserve(t, rows)
 
-    def _after_step(self, optimizer) -> None:
+    def after_step(self, optimizer) -> None:
+        """After ``optimizer``'s step (its post-hook): its closure's gradients are no longer preserved."""
         for t in self._stepping.pop(id(optimizer), ()):
             t.in_step = max(0, t.in_step - 1)
 

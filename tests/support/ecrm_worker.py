@@ -77,13 +77,15 @@ def batch(step: int):
     return ids, torch.from_numpy(g.random(BATCH).astype(np.float32))
 
 
-def train_step(model, optimizer, ecrm, step: int) -> None:
+def train_step(model, optimizer, ecrm, step: int, l2: float = 0.0) -> None:
     ids, labels = batch(step)
     optimizer.zero_grad(set_to_none=True)
     logits, local, pooled = model(ids)
     loss = nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits.device))
     loss.backward()
     local.backward(pooled.grad)
+    if l2:  # an L2 penalty on this rank's tables: a gradient on every row, no lookup made it
+        (l2 * sum(p.pow(2).sum() for p in model.emb.parameters())).backward()
     dense = [p.grad for p in model.head.parameters()]
     flat = torch.cat([g.reshape(-1) for g in dense])
     failures.all_reduce(flat)
@@ -188,7 +190,7 @@ def main(cfg: dict) -> int:
                     report["misnamed"] = str(exc)
             if rank == 0 and nxt == cfg.get("corrupt_step"):
                 ecrm.parity[0] ^= np.uint32(1 << 7)       # a flipped bit in rank 0's parity
-            train_step(model, optimizer, ecrm, nxt)
+            train_step(model, optimizer, ecrm, nxt, cfg.get("l2", 0.0))
             step = nxt
             if cfg.get("count_traffic"):
                 after = words(model, optimizer)
