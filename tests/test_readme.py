@@ -75,7 +75,8 @@ class Spec:
     #: a python block that is a script: written to this file in the directory (by the sh block that runs
     #: it, whose ``after`` names it) instead of run
     file: str | None = None
-    #: what an sh block must print on stdout
+    #: what the block must print on stdout (a python block: its run's, or its last run's, prelude and check
+    #: included)
     stdout: tuple[str, ...] = ()
 
 
@@ -256,11 +257,12 @@ import cnrstore.distributed
 assert [g.step for g in cnrstore.distributed.versions("trec")] == [100]
 assert cnrstore.distributed.versions("trec")[0].plan.row_ids == "global"
 '''),
-    "follower = Follower(\"ckpt\", replica)": Spec(check='''
+    "follower = Follower(\"ckpt\", replica)": Spec(stdout=("served version 4 lag FollowerLag(versions=0, seconds=0.0) ",),
+                                                  check='''
 import cnrstore
-with cnrstore.open("ckpt", readonly=True) as s:
-    assert s.latest().step == 3
-    assert 1 <= version <= s.latest().version and scores.shape == (1, 1)
+with cnrstore.open("ckpt", readonly=True) as s:   # the replica served the newest version, at steps 0-3
+    assert [v.step for v in s.versions()] == [0, 1, 2, 3] and version == s.latest().version == 4
+    assert scores.shape == (1, 1)
 '''),
     "BitWidthPolicy(mtbf_hours": Spec(check='assert codec == "adaptive4" and bits.bits == 4'),
     "cnrstore ls ckpt --long": Spec(after=USE, check='''
@@ -309,10 +311,12 @@ def _python(code: str, cwd, rank: int | None = None, world: int = 1, rdzv: str =
                             stderr=subprocess.PIPE, text=True)
 
 
-def _wait(procs: list[subprocess.Popen], what: str) -> None:
+def _wait(procs: list[subprocess.Popen], what: str) -> list[str]:
+    """Wait for ``procs``, each of which must exit 0; their stdout."""
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, f"{what} failed ({p.returncode}):\n{out}\n{err}"
+    return [out for out, _err in outs]
 
 
 @pytest.mark.parametrize("key", [k for k, spec in SPECS.items() if spec.covered_by is None])
@@ -343,8 +347,11 @@ def test_readme_block_runs_as_written(key, tmp_path):
     code = "\n".join(parts)
     if spec.ranks == 1:
         for run in range(spec.runs):
-            _wait([_python(code, tmp_path, env={"RUN": str(run)})], f"{where} (run {run})")
+            [out] = _wait([_python(code, tmp_path, env={"RUN": str(run)})], f"{where} (run {run})")
+        for text in spec.stdout:
+            assert text in out, (text, out)
     else:
+        assert not spec.stdout, "stdout= checks one process's output"
         rdzv = f"file://{tmp_path / 'rdzv'}"
         _wait([_python(code, tmp_path, r, spec.ranks, rdzv) for r in range(spec.ranks)], where)
 
