@@ -13,7 +13,9 @@ loader's position is just the batch index, saved with every checkpoint.
 Every ``--ckpt-every`` steps the state is checkpointed; every ``--fail-every`` steps a failure strikes
 (after the step's update and before its checkpoint): model, optimizer and loader are thrown away and
 rebuilt from a *different* random init, the newest committed version is restored into them and
-training resumes from the saved data position (the steps since that checkpoint are replayed). The
+training resumes from the saved data position (the steps since that checkpoint are replayed). Steps count
+from 0, and the save after step ``s`` is ``save(s)``: a restore resumes at ``info.step + 1`` (the README's
+idiom), and that is also the number of steps done and the data position. The
 store is closed and reopened, as a restarted process would. An in-flight asynchronous save is allowed
 to finish first: it stands for a version that committed just before the crash.
 
@@ -82,6 +84,7 @@ from dlrm_model import (
 
 
 def full_state(model, optimizer, loader, step: int) -> dict:
+    """What ``torch.save`` writes after training step ``step`` (counted from 0)."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "loader": loader.state_dict(), "step": step}
 
@@ -114,17 +117,19 @@ class TorchSaveBackend:
         return os.path.join(self.root, "latest.pt")
 
     def save(self, step: int) -> float:
+        """Save after training step ``step`` (counted from 0); the trainer's stall in seconds."""
         t0 = time.perf_counter()
         _, _, size = timed_torch_save(full_state(self.model, self.optimizer, self.loader, step), self._path())
         self.bytes_written += size
         return time.perf_counter() - t0
 
     def restore(self) -> int:
+        """Load the newest save; the step to run next (the saved step + 1)."""
         state = torch.load(self._path(), weights_only=False)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.loader.load_state_dict(state["loader"])
-        return int(state["step"])
+        return int(state["step"]) + 1
 
     def finish(self) -> None:
         pass
@@ -150,13 +155,15 @@ class CnrstoreBackend:
         return int(self.store.stats()["bytes_written"])
 
     def save(self, step: int) -> float:
+        """Save after training step ``step`` (counted from 0); the trainer's stall in seconds."""
         t0 = time.perf_counter()
         self.pending = self.ckpt.save(step, meta={"step": step})
         return time.perf_counter() - t0
 
     def restore(self) -> int:
+        """Load the newest version; the step to run next (README's idiom: ``info.step + 1``)."""
         info = self.ckpt.restore()
-        return int(info.step)
+        return int(info.step) + 1
 
     def finish(self) -> None:
         """Wait for the in-flight save (it re-raises a background failure)."""
@@ -238,7 +245,7 @@ def train(args, holdout: Holdout, *, label: str, checkpoint: bool, fail_every: i
     torch_probe_at = {args.ckpt_every, (args.steps // args.ckpt_every) * args.ckpt_every}
     t_start = time.perf_counter()
     ema = None
-    step = 0
+    step = 0   # the steps done (steps count from 0: this is also the next step's index and the data position)
     failed_at: set[int] = set()
     while step < args.steps:
         dense, ids, labels = loader.next()
@@ -265,19 +272,19 @@ def train(args, holdout: Holdout, *, label: str, checkpoint: bool, fail_every: i
             model, optimizer, loader = fresh()
             t0 = time.perf_counter()
             backend = open_backend(model, optimizer, loader)
-            step = backend.restore()
+            step = backend.restore()                          # the step to run next: steps 0..step-1 done
             res.restores.append(time.perf_counter() - t0)
-            prog.message(f"  failure #{res.failures}: restored step {step} in {res.restores[-1]:.3f}s, "
-                         f"data position {loader.position}")
+            prog.message(f"  failure #{res.failures}: restored the save after step {step - 1} in "
+                         f"{res.restores[-1]:.3f}s; resuming at step {step}, data position {loader.position}")
             continue
 
         if checkpoint and step % args.ckpt_every == 0:
-            res.stalls.append(backend.save(step))
+            res.stalls.append(backend.save(step - 1))          # after step step-1: steps count from 0
             res.checkpoints += 1
             if backend.name == "cnrstore" and step in torch_probe_at:
                 # The reference on the same state: a full blocking torch.save (timed, sized, then reloaded).
                 probe = os.path.join(args.probe_dir, "probe.pt")
-                res.torch_save.append(timed_torch_save(full_state(model, optimizer, loader, step), probe))
+                res.torch_save.append(timed_torch_save(full_state(model, optimizer, loader, step - 1), probe))
                 # Its restore, timed like ours: into a freshly built model and optimizer.
                 m2 = make_model(args, args.seed + 1000 * (restarts + 1))
                 o2 = build_optimizer(m2, args.lr)
