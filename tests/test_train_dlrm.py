@@ -36,10 +36,43 @@ def field(out: str, label: str) -> list[str]:
 #: rows, one held-out batch (the int4 run below, whose checks are about learning, keeps --quick's size).
 SMALL = ("--steps", "90", "--ckpt-every", "15", "--fail-every", "40", "--batch-size", "128", "--max-rows", "3000",
          "--holdout-batches", "1")
+#: no restores timed in new processes (a few seconds each): the test of the demo's output below has them
+NO_PROBES = ("--restore-probe-rounds", "0")
+
+
+def test_the_demo_shows_the_lossless_default_first_then_int8_as_a_choice():
+    out = run(*SMALL, "--restore-probe-rounds", "1")   # the default codecs, as make demo runs them: fp32, int8
+    first, second, short = out.index("=== 1. codec fp32 (lossless): the default"), out.index("=== 2. codec int8 "), \
+        out.index("In short:")
+    assert first < second < short
+    lossless, lossy = out[first:second], out[second:short]
+    assert field(lossless, "max |weight diff| vs no failures") == ["0", "bit", "for", "bit", "the", "same"]
+    assert "fp32: after 2 failures and restores, the final weights and optimizer state are bit for bit those of " \
+           "the run without failures" in " ".join(lossless.split())
+    assert "a choice, fewer bytes and approximate resumes" in lossy and "bit for bit" not in lossy
+    assert float(field(lossy, "max |weight diff| vs no failures")[0]) > 0
+    assert "per checkpoint against fp32's" in lossy
+    for part in (lossless, lossy):   # both restores timed in a new process; the words say which is faster
+        ours, torch_, row = re.search(r"restore time, in a new process +([0-9.]+) ms \(open [0-9.]+ ms\) +([0-9.]+) "
+                                      r"ms \(torch.load \+ load_state_dict: (.*)\)", part).groups()
+        words = " ".join(part.split())
+        said = [w for w in ("x SLOWER than torch.load's", "x faster than torch.load's", "about as long as torch.load's")
+                if w in words]
+        in_row = {"x SLOWER than torch.load's": "x SLOWER", "x faster than torch.load's": "x faster",
+                  "about as long as torch.load's": "about the same"}
+        assert len(said) == 1 and in_row[said[0]] in row, (row, words)   # the table's row says it too
+        r = float(ours) / float(torch_)   # (of the printed, rounded times: away from the 1.1 threshold only)
+        assert r < 1.15 or said[0].startswith("x SLOWER"), words
+        assert r > 1 / 1.15 or said[0].startswith("x faster"), words
+        assert not 1 / 1.05 < r < 1.05 or said[0].startswith("about"), words
+    rows = out[short:].splitlines()
+    assert rows[2].startswith("fp32 (the default)") and rows[2].endswith("bit for bit the same"), rows
+    assert rows[3].startswith("int8 ") and "max |weight diff|" in rows[3], rows
+    assert rows[4].startswith("full torch.save"), rows
 
 
 def test_lossless_failures_and_restores_reproduce_the_uninterrupted_run():
-    out = run("--codec", "fp32", "--mode", "incremental", *SMALL)
+    out = run("--codec", "fp32", "--mode", "incremental", *SMALL, *NO_PROBES)
     assert "backend cnrstore Checkpointer" in out
     failures = int(field(out, "checkpoints written / failures")[2])
     assert failures >= 2
@@ -50,7 +83,8 @@ def test_lossless_failures_and_restores_reproduce_the_uninterrupted_run():
 
 def test_int4_intermittent_run_learns_and_writes_less_than_torch_save():
     # no run without failures to compare with (--no-compare): the checks are the run's own learning and bytes
-    out = run("--codec", "int4", "--mode", "intermittent", "--steps", "150", "--holdout-batches", "2", "--no-compare")
+    out = run("--codec", "int4", "--mode", "intermittent", "--steps", "150", "--holdout-batches", "2", "--no-compare",
+              *NO_PROBES)
     auc_start = float(re.search(r"step 0: [0-9.]+/([0-9.]+)", out).group(1))
     assert int(field(out, "checkpoints written / failures")[2]) >= 2
     auc_end = float(field(out, "final holdout logloss / AUC")[2])
@@ -86,7 +120,7 @@ def test_torchrec_model_computes_what_the_plain_model_computes():
 
 @requires_torchrec
 def test_torchrec_lossless_failures_and_restores_reproduce_the_uninterrupted_run():
-    out = run("--torchrec", "--codec", "fp32", "--mode", "incremental", *SMALL)
+    out = run("--torchrec", "--codec", "fp32", "--mode", "incremental", *SMALL, *NO_PROBES)
     assert "a torchrec EmbeddingBagCollection of 26 tables" in out and "backend cnrstore Checkpointer" in out
     assert int(field(out, "checkpoints written / failures")[2]) >= 2
     assert field(out, "max |weight diff| vs no failures")[0] == "0"

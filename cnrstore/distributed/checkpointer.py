@@ -149,6 +149,19 @@ class DistributedCheckpointer:
     ``on_report`` (as ``Checkpointer``'s): a callable given, on every rank, each save's ``SaveReport`` once
     it is a global version (``version`` is the global version; on the commit thread, before ``wait()``
     returns) and each restore's ``RestoreReport``; None: logged at INFO on the ``cnrstore.torch`` logger.
+
+    ``optimizer`` is an ``Optimizer``, a list of them (e.g. Adagrad on the shards, Adam on the dense layers:
+    the same number, in the same order, on every rank) or None, as ``Checkpointer``'s: each is saved, restored
+    (by parameter name when resharding) and, for the replicated dense parameters, copied to replaced ranks by
+    ``recover``.
+
+    SIGTERM: this rank's ``Checkpointer`` is made with ``on_sigterm="finish"`` (its default; there is no
+    ``"save"`` here, which would have to be collective): SIGTERM raises ``SystemExit(143)`` in the main thread,
+    and ``close()`` (a ``with`` block's exit) or the exit hook waits for the global commits of the saves
+    ``save()`` returned, which the commit threads of every rank complete on this checkpointer's group, whether
+    or not their main threads were signalled. A SIGTERM that stops a rank *inside* ``save()`` (before its
+    commit thread starts) leaves that save without this rank: the ranks where it returned get
+    ``GlobalCommitError`` from it once this process has exited (docs/API.md, "Multi-rank jobs": a known gap).
     """
 
     def __init__(self, root, model: nn.Module, optimizer=None, *, plan: ShardingPlan | None = None, codec="fp32",

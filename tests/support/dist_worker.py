@@ -4,8 +4,9 @@
 
 The config names the scenario, rank, world size, the FileStore path for init_process_group, the root, an
 output directory and scenario options (``device``: where the model lives, "cpu" unless tests/test_cuda.py
-asks for "cuda"). A rank dumps its state (shard rows of every table, row-wise
-optimizer state, dense parameters) as ``<out>/<tag>-rank<r>.npz``; the test assembles the global tables
+asks for "cuda"; ``optimizers``: "one", an Adagrad over every parameter, or "split", a list of two: Adagrad on
+the embedding shards, Adam on the dense layers). A rank dumps its state (shard rows of every table, row-wise
+optimizer state, dense parameters and their optimizer state) as ``<out>/<tag>-rank<r>.npz``; the test assembles the global tables
 from the dumps of all ranks and compares. Exit status 0 means the rank's own checks passed.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from datetime import timedelta
 
@@ -64,6 +66,22 @@ class Model(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 1))
 
 
+def make_optimizer(model: Model, kind: str):
+    """One Adagrad over every parameter, or ("split") a list: Adagrad on the shards, Adam on the dense layers."""
+    if kind == "split":
+        return [torch.optim.Adagrad(model.emb.parameters(), lr=0.1), torch.optim.Adam(model.mlp.parameters(), lr=0.01)]
+    return torch.optim.Adagrad(model.parameters(), lr=0.1)
+
+
+def optimizers(opt) -> list:
+    return opt if isinstance(opt, list) else [opt]
+
+
+def state_of(opt, p) -> dict:
+    """``p``'s state in whichever of the optimizers ``opt`` holds it."""
+    return next((o.state[p] for o in optimizers(opt) if p in o.state), {})
+
+
 def train(model: Model, opt, loader: Loader, steps: int, rank: int) -> None:
     device = next(model.parameters()).device  # (the inputs are drawn on the CPU, the same on every device)
     for _ in range(steps):
@@ -73,12 +91,14 @@ def train(model: Model, opt, loader: Loader, steps: int, rank: int) -> None:
         for bag in model.emb.values():
             ids = torch.randint(bag.num_embeddings, (12,), generator=g).to(device)
             loss = loss + bag(ids, torch.tensor([0, 5], device=device)).pow(2).mean()
-        opt.zero_grad()
+        for o in optimizers(opt):
+            o.zero_grad()
         loss.backward()
         for p in model.mlp.parameters():  # DDP's job: keep the dense replicas equal
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
-        opt.step()
+        for o in optimizers(opt):
+            o.step()
         loader.position += 1
 
 
@@ -89,15 +109,18 @@ def dump(model: Model, opt, loader: Loader, plan: ShardingPlan, rank: int, path:
         name = f"emb.{key}"
         out[f"{name}/start"] = np.array(shards[name].row_start)
         out[f"{name}/weight"] = bag.weight.detach().cpu().numpy().copy()
-        state = opt.state.get(bag.weight, {})
+        state = state_of(opt, bag.weight)
         if "sum" in state:
             out[f"{name}/sum"] = state["sum"].cpu().numpy().copy()
             out[f"{name}/step"] = np.array(float(state["step"]))
     for n, p in model.mlp.named_parameters():
         out[f"mlp/{n}"] = p.detach().cpu().numpy().copy()
-        state = opt.state.get(p, {})
-        if "sum" in state:
-            out[f"mlp/{n}/sum"] = state["sum"].cpu().numpy().copy()
+        state = state_of(opt, p)
+        for key in ("sum", "exp_avg", "exp_avg_sq"):   # Adagrad's; Adam's ("split")
+            if key in state:
+                out[f"mlp/{n}/{key}"] = state[key].cpu().numpy().copy()
+        if "exp_avg" in state:
+            out[f"mlp/{n}/adam_step"] = np.array(float(state["step"]))
     np.savez(path, **out)
 
 
@@ -109,7 +132,7 @@ def main() -> int:
                             timeout=timedelta(seconds=cfg.get("pg_timeout", 60)))
     plan = make_plan(cfg.get("plan", "row"), world)
     model = Model(plan, rank, cfg.get("seed", 0)).to(cfg.get("device", "cpu"))  # "cuda": tests/test_cuda.py
-    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    opt = make_optimizer(model, cfg.get("optimizers", "one"))
     loader = Loader()
     kwargs = dict(plan=plan, codec=cfg.get("codec", "fp32"), mode=cfg.get("mode", "incremental"),
                   extra={"loader": loader}, timeout_s=cfg.get("timeout", 60), keep_last=cfg.get("keep_last"))
@@ -150,9 +173,41 @@ def main() -> int:
         return 0 if cfg["crash_at"] == "dist_after_manifest" else 3
     elif scenario == "partial":
         return partial(cfg, ck, model, opt, loader, plan, rank, out)
+    elif scenario == "sigterm":
+        return sigterm(cfg, ck, model, opt, loader, rank)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     dist.destroy_process_group()
+    return 0
+
+
+def sigterm(cfg, ck, model, opt, loader, rank) -> int:
+    """Two saves, each after step ``loader.position - 1``; at the second, SIGTERM reaches the ranks
+    ``cfg["signalled"]``: right after ``save()`` returned, its global commit in flight ("after_save"), or inside
+    ``save()``, once this rank's local save is queued and before its global commit starts ("inside_save"). The
+    others wait for that save. Prints each save that returned; a signalled rank ends as SIGTERM ends it."""
+    signalled, where = rank in cfg["signalled"], cfg["where"]
+    with ck:
+        train(model, opt, loader, 3, rank)
+        ck.save(step=loader.position - 1).wait()
+        print(f"rank {rank}: save of step {loader.position - 1} returned", flush=True)
+        train(model, opt, loader, 2, rank)
+        if signalled and where == "inside_save":
+            local_save = ck.local.save
+
+            def save_then_sigterm(*args, **kwargs):
+                pending = local_save(*args, **kwargs)
+                os.kill(os.getpid(), signal.SIGTERM)   # (handled at the next bytecode: inside the distributed save)
+                return pending
+
+            ck.local.save = save_then_sigterm
+        pending = ck.save(step=loader.position - 1)
+        print(f"rank {rank}: save of step {loader.position - 1} returned (committed already: {pending.done()})",
+              flush=True)
+        if signalled:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise AssertionError("SIGTERM did not end the rank")
+        print(f"rank {rank}: global version {pending.wait()}", flush=True)
     return 0
 
 
