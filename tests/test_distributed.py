@@ -120,10 +120,10 @@ def test_sigterm_after_save_returned_commits_its_global_version_then_exits_143(t
     assert [g.step for g in versions(tmp_path / "root")] == [2, 4]
 
 
-@pytest.mark.xfail(strict=True, reason="known defect: a SIGTERM that stops one rank inside its save() (here between "
-                                       "its local save and the start of its global commit) loses the save that "
-                                       "returned on the other ranks (docs/API.md, 'Multi-rank jobs')")
 def test_sigterm_inside_one_ranks_save_keeps_the_save_that_returned_on_the_others(tmp_path):
+    # a SIGTERM that lands inside one rank's save() (here between its local save and the start of its global
+    # commit) is held until that rank has taken its part: the save that returned on the other rank commits
+    # (it used to raise GlobalCommitError there: the signalled rank never joined the commit)
     results = run_job(tmp_path, "sigterm", 2, signalled=[0], where="inside_save", timeout=30)
     assert results[0][0] == 143, results[0][1][-3000:]
     assert "rank 1: save of step 4 returned" in results[1][1]

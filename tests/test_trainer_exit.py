@@ -202,3 +202,30 @@ def test_a_second_ctrl_c_gives_up_the_saves_consistently(tmp_path):
     assert "signal SIGINT at checkpointer_waits_for_save" in out
     assert status == -signal.SIGINT, out[-3000:]
     assert len(versions) < len(returned) and {v.step for v in versions} <= set(returned), out[-3000:]
+
+
+@pytest.mark.parametrize("restored", [False, True])
+def test_sigterm_with_save_saves_the_index_of_the_step_just_finished(tmp_path, restored):
+    """on_sigterm="save" saves the step in progress as the last save's step plus the steps since: counted from
+    the restored version's step after a restore (it saved step None there, and `info.step + 1` then failed),
+    and from -1 in a process that has neither saved nor restored (its first step is step 0)."""
+    model, opt = small()
+    store = cnrstore.open(tmp_path / "s", create=True)
+    if restored:
+        with Checkpointer(store, model, opt, codec="fp32", on_sigterm=None) as first:
+            step(model, opt)
+            first.save(10).wait()
+    ck = Checkpointer(store, model, opt, codec="fp32", on_sigterm="save")
+    try:
+        if restored:
+            assert ck.restore().step == 10
+        step(model, opt)
+        ck.sigterm_received()  # (what the SIGTERM handler does)
+        with pytest.raises(SystemExit) as exc:
+            step(model, opt)  # the second step after it: its post-hook saves, then exits
+        assert exc.value.code == EXIT_STATUS
+    finally:
+        ck.close()
+    newest = store.latest()
+    assert newest.step == (12 if restored else 1) and newest.meta.get("sigterm") is True
+    store.close()

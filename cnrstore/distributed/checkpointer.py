@@ -39,7 +39,7 @@ from torch import nn
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
 from ..torch import payload as _payload
-from ..torch import reports
+from ..torch import preemption, reports
 from ..torch.async_save import PendingSave, SaveReport, WeakPendingWork
 from ..torch.checkpointer import Checkpointer
 from ..torch.optim_state import is_keyed, row_state_width
@@ -429,20 +429,21 @@ class DistributedCheckpointer:
         (see ``cnrstore.torch.Checkpointer.save``)."""
         if self._closed:
             raise InvalidArgument("this DistributedCheckpointer is closed")
-        self._settle(self.remote_every if self._pipelined else 0)
-        if self._error is not None:
-            # surfaced here, once: the local checkpointer must not raise it again at its next save, or
-            # this rank would skip a collective the others enter
-            # (a local version that committed while the global commit failed is an orphan that later
-            # increments still read through: drop_versions keeps whatever a kept version reads)
-            self._local.forget_failure()
-        self._raise_pending_error()
-        local = self._local.save(step, meta) if top is None else self._local.save(step, meta, top=top)
-        entry = _InFlight(DistributedPendingSave(local.report))
-        entry.commit = threading.Thread(target=self._commit, args=(entry, local, step, meta),
-                                        name=f"cnrstore-dist-commit-{step}", daemon=True)
-        self._saves.append(entry)
-        entry.commit.start()
+        with preemption.deferred():  # (a SIGTERM here exits once this rank has taken its part in the save)
+            self._settle(self.remote_every if self._pipelined else 0)
+            if self._error is not None:
+                # surfaced here, once: the local checkpointer must not raise it again at its next save, or
+                # this rank would skip a collective the others enter
+                # (a local version that committed while the global commit failed is an orphan that later
+                # increments still read through: drop_versions keeps whatever a kept version reads)
+                self._local.forget_failure()
+            self._raise_pending_error()
+            local = self._local.save(step, meta) if top is None else self._local.save(step, meta, top=top)
+            entry = _InFlight(DistributedPendingSave(local.report))
+            entry.commit = threading.Thread(target=self._commit, args=(entry, local, step, meta),
+                                            name=f"cnrstore-dist-commit-{step}", daemon=True)
+            self._saves.append(entry)
+            entry.commit.start()
         return entry.pending
 
     def _commit(self, entry: "_InFlight", local, step, meta) -> None:

@@ -368,7 +368,8 @@ class Checkpointer:
         self._steps_since += 1
         if self._sigterm:
             self._sigterm = False
-            step = None if self._last_step is None else self._last_step + self._steps_since
+            # (steps counted from 0: a process that has neither saved nor restored finished step steps_since - 1)
+            step = (-1 if self._last_step is None else self._last_step) + self._steps_since
             reports.LOGGER.warning("cnrstore: SIGTERM: saving step %s, then exiting with status %d", step,
                                    preemption.EXIT_STATUS)
             self.save(step, {"sigterm": True})
@@ -956,6 +957,8 @@ class Checkpointer:
         # everything read and checked (the fp32 host weights and row-wise optimizer state already decoded
         # into place, after every record was verified): now change the rest of the live objects
         self.load_state(*stored)
+        if info.step is not None:  # (on_sigterm="save" counts the steps after it)
+            self._last_step, self._steps_since = info.step, 0
         latest = self.store.latest()
         whole = only is None and not outcome.missing and not outcome.unexpected
         self.note_restore(matches_newest=whole and latest is not None and latest.version == info.version)

@@ -27,6 +27,7 @@ apart): they abort at their next step and nothing of them commits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
@@ -35,7 +36,7 @@ import weakref
 
 from ..errors import InvalidArgument
 
-__all__ = ["ON_SIGTERM", "EXIT_STATUS", "note_interrupt", "second_interrupt", "unwatch", "watch"]
+__all__ = ["ON_SIGTERM", "EXIT_STATUS", "deferred", "note_interrupt", "second_interrupt", "unwatch", "watch"]
 
 ON_SIGTERM = ("finish", "save", None)
 #: the status of a process that SIGTERM ended (128 + 15), which schedulers read as "terminated"
@@ -48,6 +49,30 @@ _watching: "weakref.WeakSet" = weakref.WeakSet()  # Checkpointers whose on_sigte
 _previous = None  # the handler ours replaced (restored when the last Checkpointer closes, or at the signal)
 _installed = False
 _interrupted = False  # a Ctrl-C has reached cnrstore (a wait of its own, or a Checkpointer's exit)
+_deferring = 0  # depth of deferred() blocks in the main thread: SIGTERM's exit waits for the outermost's end
+_exit_pending = False  # a SIGTERM came inside one
+
+
+@contextlib.contextmanager
+def deferred():
+    """SIGTERM's exit (``on_sigterm="finish"``) waits until the block has ended: for a collective save
+    (``DistributedCheckpointer.save``), whose global commit needs every rank to have taken its part -- a rank
+    stopped inside it would fail the save on the ranks where it had returned. A second SIGTERM still ends the
+    process at once."""
+    global _deferring, _exit_pending
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        _deferring += 1
+    try:
+        yield
+    finally:
+        if main:
+            _deferring -= 1
+            if not _deferring and _exit_pending:
+                _exit_pending = False
+                log.warning("cnrstore: SIGTERM (received during a collective save): exiting with status %d "
+                            "once the saves save() returned are committed", EXIT_STATUS)
+                raise SystemExit(EXIT_STATUS)
 
 
 def note_interrupt() -> None:
@@ -129,4 +154,8 @@ def _on_sigterm(signum, frame) -> None:
         for c in savers:
             c.sigterm_received()
         return  # (the last optimizer step of the step in progress saves, then raises the exit)
+    if _deferring:
+        global _exit_pending
+        _exit_pending = True  # (raised when the collective save in progress has done its part: deferred())
+        return
     raise SystemExit(EXIT_STATUS)
