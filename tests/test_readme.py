@@ -198,8 +198,75 @@ if os.environ["RUN"] == "0":
     torch.utils.data.DataLoader.__iter__ = _crashing
 '''
 DIST = 'DistributedCheckpointer("ckpt", model, optimizer, plan=plan, codec="int4"'
+#: README's trainer shapes: its two-tower model and optimizers, a Checkpointer that clones the state at each save()
+SHAPES = "# gradient accumulation over 4 micro-batches"
+TWO_TOWERS = '''
+import copy, itertools
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from cnrstore.torch import Checkpointer
+
+
+class TwoTowers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.users = nn.EmbeddingBag(100_000, 32, mode="sum", sparse=True)
+        self.items = nn.EmbeddingBag(50_000, 32, mode="sum", sparse=True)
+        self.top = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, users, items):
+        return self.top(torch.cat([self.users(users), self.items(items)], 1)).squeeze(1)
+
+
+def trainer():
+    torch.manual_seed(0)
+    m = TwoTowers()
+    return m, torch.optim.Adagrad([m.users.weight, m.items.weight], lr=0.05), torch.optim.Adam(m.top.parameters(), lr=1e-3)
+
+
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randint(0, 100_000, (8192, 4), generator=g),
+                     torch.randint(0, 50_000, (8192, 4), generator=g), torch.rand(8192, generator=g).round())
+loader = itertools.islice(DataLoader(data, batch_size=256), 24)
+model, sparse, dense = trainer()
+ckpt = Checkpointer("ckpt", model, [sparse, dense])
+clones = {}
+_save = ckpt.save
+
+
+def _cloning_save(step, *args, **kwargs):  # the state at each save(), to compare its version with
+    clones[step] = copy.deepcopy((model.state_dict(), sparse.state_dict(), dense.state_dict()))
+    return _save(step, *args, **kwargs)
+
+
+ckpt.save = _cloning_save
+rows, evicted = torch.tensor([3, 5, 99_999]), torch.tensor([7, 49_999])
+'''
 
 SPECS = {
+    SHAPES: Spec(covered_by='ckpt.changing("users", rows)'),
+    'ckpt.changing("users", rows)': Spec(prelude=TWO_TOWERS, after=SHAPES, check='''
+import cnrstore
+ckpt.save(10_000).wait()  # (after the announced writes)
+ckpt.close()
+with cnrstore.open("ckpt", readonly=True) as s:
+    versions = s.versions()
+assert [v.step for v in versions] == [4, 9, 14, 19, 10_000], [v.step for v in versions]
+def bits(x):
+    return x.view(torch.int32) if x.dtype == torch.float32 else x
+for v in versions:  # every version is the state at its save(), bit for bit
+    m, o1, o2 = trainer()
+    with Checkpointer("ckpt", m, [o1, o2]) as reader:
+        reader.restore(v.version)
+    want_model, want_sparse, want_dense = clones[v.step]
+    for k, t in m.state_dict().items():
+        assert torch.equal(bits(t), bits(want_model[k])), (v.step, k)
+    for got, want in ((o1.state_dict(), want_sparse), (o2.state_dict(), want_dense)):
+        for i, st in want["state"].items():
+            for k, t in st.items():
+                assert torch.equal(bits(got["state"][i][k]), bits(t)), (v.step, i, k)
+'''),
     USE: Spec(check='''
 with cnrstore.open("ckpt", readonly=True) as s:
     assert [v.step for v in s.versions()] == [1000, 2000] and s.verify().ok
