@@ -445,8 +445,7 @@ class Checkpointer:
             err = pending.failure()
             if isinstance(err, SaveRefused):  # (unseen writes: copy that table at save() from now on)
                 for t in self._tables:
-                    if err.table == t.name or (err.table or "").startswith(f"{t.name}.optim."):
-                        t.refused = True
+                    t.refused = t.refused or err.table == t.name
             if err is not None:
                 self._plan.force_full = True
                 if self._error is None and not isinstance(err, SaveSkipped):
@@ -633,6 +632,7 @@ class Checkpointer:
                 "own", by_step=step))
         if baseline:
             picks = [None] * len(picks)
+            self._plan.note_baseline()
         return baseline, picks, sorted(steps, key=lambda x: (x is None, x))
 
     # -- save -----------------------------------------------------------------------------------------
@@ -834,14 +834,15 @@ class Checkpointer:
         """The tracked table named ``table`` (its module path), of the embedding module ``table``, or of the
         weight tensor ``table``; InvalidArgument otherwise."""
         for t in self._tables:
-            if (table is t.weight or table is t.module or (isinstance(table, str) and table in (t.name, t.path))):
+            if (table is t.weight or getattr(table, "weight", None) is t.weight
+                    or (isinstance(table, str) and table in (t.name, t.path))):
                 return t
         names = ", ".join(repr(t.name) for t in self._tables) or "none"
         raise InvalidArgument(f"{table!r} is not an embedding table this Checkpointer saves (tables: {names}); "
                               "pass a table's name (its module path), its module or its weight")
 
     def _row_ids(self, t: Table, rows) -> torch.Tensor | None:
-        ids = as_rows(rows, t.num_rows) if rows is not None else None
+        ids = as_rows(rows)
         if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t.num_rows):
             raise InvalidArgument(f"rows of table {t.name!r} must be in [0, {t.num_rows}); got ids from "
                                   f"{int(ids.min())} to {int(ids.max())}")

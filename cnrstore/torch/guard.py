@@ -49,12 +49,11 @@ def grad_rows(grad: torch.Tensor | None, num_rows: int) -> torch.Tensor | None:
 
 class StepGuard:
     """Preserves the rows of ``tables`` (``tracking.Table``s of one Checkpointer) that optimizer steps and
-    their closures are about to change, in the saves being written from them (module doc). Holds its owner
-    weakly: :meth:`remove` takes the hooks away (the Checkpointer's ``close()``)."""
+    their closures are about to change, in the saves being written from them (module doc). Its hooks hold it
+    weakly; :meth:`remove` takes them away (the Checkpointer's ``close()``)."""
 
     def __init__(self, tables: list):
         self._tables = [t for t in tables if t.weight.requires_grad]
-        self._by_weight = {id(t.weight): t for t in self._tables}
         self._stepping: dict[int, list] = {}  # id(optimizer) -> the tables its step in progress holds
         self._holds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (key, {id(w)})
         me = weakref.ref(self)
@@ -138,7 +137,7 @@ def preserve(t, rows: torch.Tensor | None) -> None:
             s.preserve(rows)
 
 
-def as_rows(rows, num_rows: int) -> torch.Tensor | None:
+def as_rows(rows) -> torch.Tensor | None:
     """``rows`` (None for every row, or ids as a tensor, numpy array or sequence) as int64 ids on the CPU."""
     if rows is None:
         return None

@@ -118,11 +118,16 @@ class SavePlanner:
                     self.diffs = s
             if not baseline:
                 return False, [t.since_baseline.rows() for t in self.tables]
+        self.note_baseline()
+        return True, [None] * len(self.tables)
+
+    def note_baseline(self) -> None:
+        """The save being taken writes every row (a baseline; also one that superseded a queued baseline):
+        the differentials start over."""
         self.force_full = False
         self.diffs = []
         for t in self.tables:
             t.since_baseline.clear()
-        return True, [None] * len(self.tables)
 
     def _pick_priority(self, top: float, changed: list) -> list:
         """Per table, the rows a priority save writes: of the changed rows, the most updated

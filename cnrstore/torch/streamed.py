@@ -75,7 +75,7 @@ class StreamedTable:
     position, and rows are taken in order, so "not yet passed" is "at or above the cursor's row"."""
 
     def __init__(self, sources: list, num_rows: int, block: int, rows: np.ndarray | None = None, offset: int = 0,
-                 expected: list | None = None):
+                 expected: np.ndarray | None = None):
         self.sources = sources
         #: the fingerprint of each position's row at ``save()``, across the sources (None: not checked)
         self.expected = expected
