@@ -474,3 +474,14 @@ def test_whole_table_reads_drop_their_mapped_pages_as_they_go(tmp_path, monkeypa
         assert grown_mib > 48  # (the control: every page read stays resident until the read ends)
     else:
         assert grown_mib < 24
+
+
+def test_released_ranges_are_joined_where_they_touch():
+    """SegmentReader.release drops the whole pages inside the ranges it was given, adjacent records joined
+    first (so that the pages across their boundary go too) and nothing across a gap or another segment."""
+    from cnrstore.engine.range_fetch import ByteRange
+    from cnrstore.engine.segments import _joined
+
+    got = _joined([ByteRange(2, 100, 50), ByteRange(1, 4096, 10), ByteRange(1, 0, 4096), ByteRange(2, 150, 10),
+                   ByteRange(2, 120, 5), ByteRange(2, 161, 1)])
+    assert got == [(1, 0, 4106), (2, 100, 160), (2, 161, 162)]
