@@ -27,14 +27,33 @@ resident memory on the decode threads), plus the int4 decode at the kernel's spe
 
     python benchmarks/bench_restore.py            # 8 tables, 1 GiB of state (and 8 GiB where RAM allows)
     python benchmarks/bench_restore.py --quick    # 8 tables, 128 MiB of state, 3 increments
+
+``--rss``: restore's peak memory in a fresh process, as a memory monitor sees it. Issue 37's trainer shape (one
+``nn.EmbeddingBag`` of 1.6M rows x 64 fp32 under Adagrad, state as large, and a small MLP) trains
+``--rss-steps`` steps per interval (batches of 2048 x 8 uniform ids) and is saved by ``Checkpointer(path,
+model, opt)`` at its defaults (fp32, incremental: a baseline then ``--increments`` increments), and its final
+state once by ``dcp.save``. Then, ``--restores`` rounds, methods interleaved, each restore in a process of
+its own that builds the model and optimizer and restores into them: ``Checkpointer.restore()``, or ``dcp.load``
+into the model's and optimizer's state dicts then ``load_state_dict``. Per method: peak RSS (``ru_maxrss`` of
+that process, from ``wait4``), its RSS before the restore (the model built), the file-mapped part
+(``RssFile``) at the sampled peak (``/proc/self/status`` every millisecond on a thread: ``VmRSS``, ``RssAnon``,
+``RssFile``) and its growth over the level before (the store's pages mapped; the libraries' are there
+before), and the restore's seconds; ratios against dcp.load in the same run. Every restore is checked bit
+for bit against the trained state (an XXH3 of every tensor).
+
+    python benchmarks/bench_restore.py --rss          # 1.6M x 64, 3 increments, 5 rounds
+    python benchmarks/bench_restore.py --rss --quick  # 200k x 64, 3 rounds
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -69,9 +88,19 @@ def parse_args(argv=None):
     p.add_argument("--sizes", default="1,8", help="GiB of state (weights + Adagrad sum), comma separated")
     workload_args(p, restores=5)
     p.add_argument("--quick", action="store_true", help="128 MiB of state, 3 increments, 3 restores")
+    p.add_argument("--rss", action="store_true", help="restore's peak memory in a fresh process, against dcp.load "
+                   "(issue 37's trainer; --increments defaults to 3 here)")
+    p.add_argument("--rss-rows", type=int, default=1_600_000)
+    p.add_argument("--rss-steps", type=int, default=10, help="training steps per save interval (--rss)")
+    p.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sizes = [float(s) for s in args.sizes.split(",")]
-    if args.quick:
+    if args.rss:
+        if "--increments" not in (argv if argv is not None else sys.argv):
+            args.increments = 3
+        if args.quick:
+            args.rss_rows, args.restores = 200_000, 3
+    elif args.quick:
         args.sizes, args.increments, args.restores = [0.125], 3, 3
     return args
 
@@ -296,10 +325,217 @@ def report(args, results: list, skipped: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- --rss: restore's peak memory in a fresh process ------------------------------------------------------------
+
+RSS_METHODS = ("cnrstore", "dcp.load")
+
+
+def trainer(rows: int, dim: int):
+    """Issue 37's trainer (bench_trainer.py's): an EmbeddingBag of ``rows`` x ``dim`` and a small MLP, Adagrad."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"emb": nn.EmbeddingBag(rows, dim, mode="sum"),
+                           "mlp": nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, 1))})
+    return model, torch.optim.Adagrad(model.parameters(), lr=0.05)
+
+
+def state_digest(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """{name: XXH3-64 of the tensor's bytes} of every parameter and optimizer state tensor (hashed in place)."""
+    import xxhash
+
+    out = {k: xxhash.xxh3_64_hexdigest(v.detach().contiguous().numpy()) for k, v in model.state_dict().items()}
+    for i, st in enumerate(opt.state.values()):
+        out.update((f"state {i} {k}", xxhash.xxh3_64_hexdigest(v.contiguous().numpy()))
+                   for k, v in st.items() if torch.is_tensor(v) and v.dim())
+    return out
+
+
+def proc_status() -> dict:
+    """VmRSS, RssAnon and RssFile of this process, bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(line.split()[1]) * 1024
+    return out
+
+
+class StatusSampler:
+    """``proc_status()`` every millisecond while the ``with`` block runs; ``peak``: the sample of highest VmRSS;
+    ``cpu_s()``: the CPU seconds its thread has used so far (left out of the restore's)."""
+
+    def __enter__(self):
+        self.samples = [proc_status()]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        self._tid = threading.get_native_id()
+        while not self._stop.wait(0.001):
+            self.samples.append(proc_status())
+
+    def cpu_s(self) -> float:
+        try:
+            with open(f"/proc/self/task/{self._tid}/schedstat") as f:
+                return int(f.read().split()[0]) / 1e9  # (nanoseconds on a CPU)
+        except (AttributeError, OSError):
+            return 0.0
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(proc_status())
+        self.peak = max(self.samples, key=lambda s: s["VmRSS"])
+
+
+def rss_child(task: str, root: str, rows: int, dim: int, increments: int, steps: int) -> dict:
+    """In a process of its own: ``task`` "train" (train, save with the Checkpointer and dcp.save, note the
+    state's digest) or a method of RSS_METHODS (build the model, restore into it, measure)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    model, opt = trainer(rows, dim)
+    store, dcp_dir = os.path.join(root, "store"), os.path.join(root, "dcp")
+    if task == "train":
+        rng = np.random.default_rng(0)
+        ckpt = Checkpointer(store, model, opt)
+        for interval in range(increments + 1):
+            for _ in range(steps):
+                ids = torch.from_numpy(rng.integers(0, rows, 2048 * 8)).view(2048, 8)
+                opt.zero_grad()
+                out = model["mlp"](model["emb"](ids)).squeeze(1)
+                torch.nn.functional.binary_cross_entropy_with_logits(out, torch.ones_like(out)).backward()
+                opt.step()
+            ckpt.save(interval)
+        ckpt.close()
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=dcp_dir)
+        return {"digest": state_digest(model, opt)}
+    before = proc_status()
+    with StatusSampler() as sampler:
+        if task == "cnrstore":
+            ckpt = Checkpointer(store, model, opt)
+            t0, r0, s0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), sampler.cpu_s()
+            ckpt.restore()
+            seconds, r1, s1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF), sampler.cpu_s()
+            ckpt.close()
+        else:
+            t0, r0, s0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), sampler.cpu_s()
+            state = {"model": model.state_dict(), "optim": opt.state_dict()}
+            dcp.load(state, checkpoint_id=dcp_dir)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optim"])
+            seconds, r1, s1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF), sampler.cpu_s()
+            del state
+    # every thread's CPU time meanwhile but the sampler's
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime) - (s1 - s0)
+    return {"seconds": seconds, "cpu": cpu, "before": before, "peak": sampler.peak,
+            "file_max": max(s["RssFile"] for s in sampler.samples), "digest": state_digest(model, opt)}
+
+
+def run_rss_child(args, task: str, root: str) -> dict:
+    """``rss_child(task, ...)`` in a new process; its result with ``maxrss``: that process's peak RSS, bytes."""
+    spec = json.dumps([task, root, args.rss_rows, args.dim, args.increments, args.rss_steps])
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rss-child", spec],
+                            stdout=subprocess.PIPE, text=True)
+    text = proc.stdout.read()
+    _pid, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise SystemExit(f"--rss {task}: the child process failed ({status})")
+    result = json.loads(text.strip().splitlines()[-1])
+    result["maxrss"] = usage.ru_maxrss * 1024
+    return result
+
+
+def run_rss(args) -> tuple[dict, dict]:
+    """(the training run's result, {method: [each round's result]})."""
+    root = tempfile.mkdtemp(prefix="bench_restore-rss-", dir=args.tmp)
+    try:
+        trained = run_rss_child(args, "train", root)
+        for dirpath, _dirs, files in os.walk(root):  # every file read once: both methods from a warm page cache
+            for name in files:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    while f.read(8 << 20):
+                        pass
+        runs = {m: [] for m in RSS_METHODS}
+        for _ in range(args.restores):
+            for m in RSS_METHODS:
+                runs[m].append(run_rss_child(args, m, root))
+        trained["disk"] = {"cnrstore": dir_bytes(os.path.join(root, "store")),
+                           "dcp.load": dir_bytes(os.path.join(root, "dcp"))}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return trained, runs
+
+
+def report_rss(args, trained: dict, runs: dict, seconds: float) -> str:
+    med = statistics.median
+    mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    state = args.rss_rows * args.dim * 4
+    fig = {m: {"peak": med(r["maxrss"] for r in runs[m]), "before": med(r["before"]["VmRSS"] for r in runs[m]),
+               "file": med(r["peak"]["RssFile"] for r in runs[m]),
+               "mapped": med(r["peak"]["RssFile"] - r["before"]["RssFile"] for r in runs[m]),
+               "anon": med(r["peak"]["RssAnon"] for r in runs[m]), "seconds": med(r["seconds"] for r in runs[m]),
+               "cpu": med(r["cpu"] for r in runs[m]),
+               "exact": all(r["digest"] == trained["digest"] for r in runs[m])} for m in RSS_METHODS}
+    d = fig["dcp.load"]
+    lines = [
+        "### Restore's peak memory in a fresh process: cnrstore against dcp.load",
+        "",
+        *[f"- {line}" for line in machine_description()],
+        f"- load average (1/5/15 min) at end: {load_average()}",
+        f"- model: nn.EmbeddingBag {args.rss_rows:,} x {args.dim} fp32 ({mib(state)}) + Adagrad state of the same "
+        f"size + a 2-layer MLP; {args.rss_steps} steps per interval (batches of 2048 x 8 uniform ids), saved by "
+        f"Checkpointer at its defaults (fp32, incremental: a baseline then {args.increments} increments; store "
+        f"{mib(trained['disk']['cnrstore'])}) and the final state by dcp.save ({mib(trained['disk']['dcp.load'])})",
+        f"- each restore in a fresh process that builds the model and optimizer first; {args.restores} rounds, "
+        f"methods interleaved, medians; page cache warm ({seconds:.0f} s in all)",
+        "",
+        "| method | peak RSS (ru_maxrss) | vs dcp.load | RSS before the restore | peak - before | file-mapped at "
+        "peak | of it mapped by the restore | anonymous at peak | restore | vs dcp.load | restore CPU | vs dcp.load "
+        "| bit-exact |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for m in RSS_METHODS:
+        f = fig[m]
+        lines.append(f"| {m} | {mib(f['peak'])} | {f['peak'] / d['peak']:.2f}x | {mib(f['before'])} | "
+                     f"{mib(f['peak'] - f['before'])} | {mib(f['file'])} | {mib(f['mapped'])} | {mib(f['anon'])} | "
+                     f"{f['seconds'] * 1e3:.0f} ms | {f['seconds'] / d['seconds']:.2f}x | {f['cpu'] * 1e3:.0f} ms | "
+                     f"{f['cpu'] / d['cpu']:.2f}x | {'yes' if f['exact'] else 'NO'} |")
+    c = fig["cnrstore"]
+    ratio = c["peak"] / d["peak"]
+    lines += [
+        "",
+        f"- peak RSS, cnrstore / dcp.load: {ratio:.2f}x (goal <= 1.1x): **{'met' if ratio <= 1.1 else 'not met'}**",
+        f"- restore time, cnrstore / dcp.load: {c['seconds'] / d['seconds']:.2f}x (below 1: faster); CPU time "
+        f"{c['cpu'] / d['cpu']:.2f}x",
+        "- every round (peak RSS MiB / restore ms / CPU ms): " + "; ".join(
+            f"{m} " + ", ".join(f"{r['maxrss'] / 2**20:.0f}/{r['seconds'] * 1e3:.0f}/{r['cpu'] * 1e3:.0f}" for r in runs[m])
+            for m in RSS_METHODS),
+        "- 'of it mapped by the restore': RssFile at the peak above its level before the restore (the libraries' "
+        "pages are mapped before); 'restore': Checkpointer.restore() (its store opened before), or dcp.load and "
+        "both load_state_dict calls; 'restore CPU': user + system time of every thread of the process meanwhile "
+        "but the sampler's (less sensitive than the wall time to other jobs on a shared machine).",
+        f"- reproduce: `python benchmarks/bench_restore.py --rss{' --quick' if args.quick else ''}`",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     import torch.distributed as dist
 
     args = parse_args(argv)
+    if args.rss_child:
+        print(json.dumps(rss_child(*json.loads(args.rss_child))))
+        return 0
+    if args.rss:
+        t0 = time.perf_counter()
+        trained, runs = run_rss(args)
+        publish(report_rss(args, trained, runs, time.perf_counter() - t0), args.out, None, None)
+        return 0
     results, skipped = [], []
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
     try:

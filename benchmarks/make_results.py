@@ -104,6 +104,11 @@ SECTIONS = [
      "cache warm: time ratios, peak extra memory over the state, and the fraction reached of the physical "
      "limit (bytes read at the measured page-cache bandwidth plus int4 decode at kernel speed).",
      [], ["--quick"], None),
+    ("bench_restore.py", "Restore's peak memory: a user's trainer against dcp.load",
+     "Issue 37's trainer shape (1.6M rows x 64 fp32, Adagrad, a small MLP) saved by Checkpointer at its defaults "
+     "(a baseline and 3 increments) and by dcp.save, then restored in a fresh process per restore, methods "
+     "interleaved: peak RSS as a memory monitor sees it (ru_maxrss), its file-mapped part, restore seconds and "
+     "CPU time, as ratios against dcp.load in the same run.", ["--rss"], ["--rss", "--quick"], None),
     ("bench_scale.py", "Scale curves: how costs grow with the work",
      "One int4 table of dim 16 under the store's defaults, three sweeps: table size (1M to 16M rows: write "
      "throughput, bytes per save, restore against torch.load, 10k point reads, open, ls, stats(), index bytes, "

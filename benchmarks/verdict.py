@@ -37,6 +37,7 @@ SOURCES = {
     "s3": (("method", "save 0"), "Checkpoints on S3 (fp32, moto in its own process)"),
     "dist_s3": (("method", "save 0 stall"), "Many nodes, one bucket"),
     "serving": (("method", "bytes read per update (median)"), "Serving follows training"),
+    "restore_rss": (("method", "peak RSS (ru_maxrss)"), "Restore's peak memory (issue 37's trainer, fresh process)"),
 }
 #: (question, source, DCP's row, its label, cnrstore's row, its label, the column both are read from)
 LOSSLESS_ROWS = [
@@ -86,6 +87,8 @@ ROWS = [
      "cnrstore follower", "fp32, changed rows", "update time (median)"),
     ("Bucket, 2 ranks: a lost node's replacement restores", "dist_s3", "DCP FsspecWriter -> S3", "dcp.load",
      "cnrstore -> S3", "fp32, empty directory", "restore, node lost (rank 1)"),
+    ("Restore: peak RSS of the restoring process", "restore_rss", "dcp.load", "dcp.load", "cnrstore", "fp32",
+     "peak RSS (ru_maxrss)"),
 ]
 
 

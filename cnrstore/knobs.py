@@ -119,7 +119,8 @@ DECODE_INLINE_BYTES = 1 << 20
 #: mapped pages (``madvise(MADV_DONTNEED)``: the page cache keeps them, a later read faults them back in),
 #: so a trainer whose saves merge read chains, or that restores a large store, does not count the store's
 #: bytes in its peak RSS (without it, a 1.8 GiB trainer peaked at 3.9 GiB, 1.9 GiB of it mapped segments).
-#: None: never drop.
+#: A whole-table read (restore) drops instead the pages of the records it is done with (verified, decoded),
+#: after this many bytes of them, as it goes. None: never drop.
 MAPPED_READ_RELEASE_BYTES = 64 << 20
 
 # Reads from an object store (the remote tier: docs/DESIGN.md "The remote tier", "Planned reads") ----------

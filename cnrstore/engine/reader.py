@@ -11,6 +11,7 @@ import itertools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from . import chain as chain_rule
 from . import record
 from ..errors import CorruptionError, InvalidArgument, MissingRows
 from .index import IndexView, RowLoc
+from .range_fetch import ByteRange
 from .schema import TableRecord
 from .storage import Expect, SegmentStorage, fetch
 
@@ -49,6 +51,15 @@ class Piece:
         return self.source.shape[0] if self.dest is None else self.dest.shape[0]
 
 
+class BlockPlan(NamedTuple):
+    """A block of a whole-table (or row-range) read, planned: its pieces, every record they come from
+    verified (``iter_plan``)."""
+
+    offset: int  # where the block's first row goes, from the read's first row
+    pieces: list[Piece]  # ``decode_block``'s
+    ranges: list[ByteRange]  # every record read to plan it: what the read may let go of once decoded
+
+
 class BlockResolver:
     """Reads records of one table through a segment reader, within one index transaction."""
 
@@ -58,10 +69,15 @@ class BlockResolver:
         self.table = table
         self.block_rows = table.block_rows
         self.dim = table.dim
+        #: a list: each record ``load`` reads is noted in it (``iter_plan``: the ranges of a block's plan)
+        self.loaded: list[ByteRange] | None = None
 
     def load(self, loc, block: int | None = None, version: int | None = None) -> record.Record:
         """The verified record at ``loc``; it must be the one its index entry (block, version) names."""
-        return fetch(self.segments, loc, Expect(record.KIND_ROWS, self.table.id, version, block))
+        rec = fetch(self.segments, loc, Expect(record.KIND_ROWS, self.table.id, version, block))
+        if self.loaded is not None:
+            self.loaded.append(ByteRange(loc.segment, loc.offset, loc.length))
+        return rec
 
     def resolve(self, block: int, want: np.ndarray | None, version: int, *,
                 overlay: bool = False) -> tuple[list[Piece], np.ndarray]:
@@ -338,8 +354,8 @@ def plan_reads(view: IndexView, table: TableRecord, version: int, start: int = 0
 
 
 def iter_plan(view: IndexView, segments: SegmentStorage, table: TableRecord, version: int,
-              start: int = 0, stop: int | None = None) -> Iterator[tuple[int, list[Piece]]]:
-    """``plan_table`` block by block: each (offset, pieces) as soon as its records are verified, so that a
+              start: int = 0, stop: int | None = None) -> Iterator[BlockPlan]:
+    """``plan_table`` block by block: each ``BlockPlan`` as soon as its records are verified, so that a
     caller may decode it while later blocks are fetched. Raises MissingRows after the last block if rows
     are missing (and yields nothing more once it finds one)."""
     num_rows = table.num_rows
@@ -347,6 +363,7 @@ def iter_plan(view: IndexView, segments: SegmentStorage, table: TableRecord, ver
     if stop <= start:
         return
     resolver = BlockResolver(view, segments, table)
+    resolver.loaded = []
     missing = _Missing()
     next_row = start  # rows of the range before it are accounted for
     for block, lo, hi in _written_blocks(view, table, version, start, stop):
@@ -358,22 +375,23 @@ def iter_plan(view: IndexView, segments: SegmentStorage, table: TableRecord, ver
         else:  # the range's ends cut the block: only its rows there, renumbered from the cut
             pieces, absent = resolver.resolve(block, np.arange(lo - base, hi - base, dtype=np.int64), version)
             pieces = [Piece(p.codec_id, p.source, p.dest - (lo - base), p.take) for p in pieces]
+        ranges, resolver.loaded = resolver.loaded, []
         if absent.size:
             missing.add(absent + base)
         if not missing.count:
-            yield lo - start, pieces
+            yield BlockPlan(lo - start, pieces, ranges)
     missing.add_range(next_row, stop)
     if missing.count:
         raise missing.error(table.name, version, whole_table=True)
 
 
 def plan_table(view: IndexView, segments: SegmentStorage, table: TableRecord, version: int,
-               start: int = 0, stop: int | None = None) -> list[tuple[int, list[Piece]]]:
-    """(offset, pieces) of every block of rows ``start .. stop - 1`` of the table (default: the whole
-    table; ``0 <= start <= stop <= num_rows``, checked by the caller) as of ``version``: the pieces hold
-    the block's rows of the range, in order from row ``start + offset``, each row in exactly one piece
-    (``decode_block(out, offset, pieces, dim)`` writes them). Every record these pieces come from is
-    verified (checksum, the index entry's table, block and version, its codec and row offsets) before
+               start: int = 0, stop: int | None = None) -> list[BlockPlan]:
+    """A ``BlockPlan`` (offset, pieces, ranges) of every block of rows ``start .. stop - 1`` of the table
+    (default: the whole table; ``0 <= start <= stop <= num_rows``, checked by the caller) as of ``version``:
+    the pieces hold the block's rows of the range, in order from row ``start + offset``, each row in exactly
+    one piece (``decode_block(out, offset, pieces, dim)`` writes them), and ``ranges`` are the records read
+    for them. Every record these pieces come from is verified (checksum, the index entry's table, block and version, its codec and row offsets) before
     this returns; nothing is decoded.
 
     Only blocks with index entries are visited (one seek to find each, ``IndexView.row_blocks``):
@@ -393,8 +411,8 @@ def read_table(view: IndexView, segments: SegmentStorage, table: TableRecord, ve
     plans = plan_table(view, segments, table, version)
     if out is None:
         out = np.empty((table.num_rows, table.dim), dtype=np.float32)
-    for offset, pieces in plans:
-        decode_block(out, offset, pieces, table.dim)
+    for block in plans:
+        decode_block(out, block.offset, block.pieces, table.dim)
     return out
 
 

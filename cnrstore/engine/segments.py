@@ -412,6 +412,18 @@ def _map_whole(fd: int, need: int, path: str) -> mmap.mmap:
                 raise  # not a concurrent truncation
 
 
+def _joined(ranges) -> list[tuple[int, int, int]]:
+    """(segment, start, end) of ``ranges`` (``(segment, offset, length)`` each) sorted, the overlapping or
+    adjacent ones joined."""
+    out: list[list[int]] = []
+    for seg, offset, length in sorted((r[0], r[1], r[2]) for r in ranges):
+        if out and out[-1][0] == seg and offset <= out[-1][2]:
+            out[-1][2] = max(out[-1][2], offset + length)
+        else:
+            out.append([seg, offset, offset + length])
+    return [(seg, start, end) for seg, start, end in out]
+
+
 class SegmentReader:
     """Thread-safe mmap access to segment bytes. Mappings grow as segments do."""
 
@@ -425,6 +437,8 @@ class SegmentReader:
         self._lock = threading.Lock()
         self._read_since_release = 0  # bytes read since the mapped pages were last dropped
         self._keeping = 0  # keep_pages() in progress: no drop until they end
+        self._done: list = []  # (segment, offset, length) a read is done with, not dropped yet (release)
+        self._done_bytes = 0
         # segments are opened relative to the directory as it was at open: a store renamed while open
         # goes on reading its own files, never those of whatever the old path names now
         try:
@@ -450,8 +464,9 @@ class SegmentReader:
 
     @contextlib.contextmanager
     def keep_pages(self):
-        """Within it, reads drop no mapped pages (a whole-table read plans every record, then decodes them:
-        dropped in between, each page would fault in twice); it drops them all at its end."""
+        """Within it, reads drop no mapped pages by their count (a whole-table read verifies each block's
+        records, then decodes them: a drop in between would fault pages of blocks in hand in again); the read
+        drops what it is done with itself (``release``), and everything is dropped at its end."""
         with self._lock:
             self._keeping += 1
         try:
@@ -462,11 +477,45 @@ class SegmentReader:
             if self.release_bytes is not None:
                 self.release_pages()
 
+    def release(self, ranges) -> None:
+        """A read is done with these bytes it read (``(segment, offset, length)`` each: range_fetch.ByteRange,
+        a record): once such bytes add up to more than ``release_bytes`` since the last drop, the pages wholly
+        inside them (contiguous ranges joined) leave this process's resident set (``madvise(MADV_DONTNEED)``
+        on those pages of the mapping only: a page that also holds bytes not released stays). Nothing with
+        ``release_bytes`` None. The bytes stay readable: a view still in use faults them back in from the
+        page cache."""
+        if self.release_bytes is None:
+            return
+        ranges = list(ranges)
+        with self._lock:
+            self._done += ranges
+            self._done_bytes += sum(r[2] for r in ranges)
+            if self._done_bytes <= self.release_bytes:
+                return
+            done, self._done, self._done_bytes = self._done, [], 0
+            maps = {seg: self._maps.get(seg) for seg in {r[0] for r in done}}
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is None:
+            return
+        page = mmap.PAGESIZE
+        for seg, start, end in _joined(done):
+            entry = maps.get(seg)
+            if entry is None:
+                continue  # (not mapped here: served from elsewhere, such as a remote fetch)
+            first, stop = -(-start // page) * page, min(end, entry[1].shape[0]) // page * page
+            if stop > first:
+                try:
+                    entry[0].madvise(advice, first, stop - first)
+                except (ValueError, OSError):  # (closed meanwhile, or a platform that refuses: a cost, not a fault)
+                    pass
+
     def release_pages(self) -> None:
         """Drop the pages reads have touched from this process's resident set (``madvise(MADV_DONTNEED)`` on
         every mapping): they stay in the page cache, and a view still in use faults them back in (the files'
         bytes are unchanged: the mappings are read-only and segments are append-only)."""
         self._read_since_release = 0
+        with self._lock:
+            self._done, self._done_bytes = [], 0
         advice = getattr(mmap, "MADV_DONTNEED", None)
         if advice is None:
             return

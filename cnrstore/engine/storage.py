@@ -105,9 +105,14 @@ class SegmentStorage(abc.ABC):
         ``Options.mapped_read_release_bytes``); the bytes stay readable. Default: nothing to drop."""
 
     def keep_pages(self):
-        """A context within which reads drop no mapped pages, which are dropped at its end (a whole-table
-        read). Default: nothing to keep."""
+        """A context within which reads drop no mapped pages by their count, and which drops them all at its
+        end (a whole-table read, which says what it is done with: ``release``). Default: nothing to keep."""
         return contextlib.nullcontext()
+
+    def release(self, ranges: Sequence[ByteRange]) -> None:
+        """A read is done with ``ranges`` (range_fetch.ByteRange: records it read, verified or decoded): their
+        pages may leave this process's resident set (past the store's ``Options.mapped_read_release_bytes`` of
+        such bytes); the bytes stay readable. Default: nothing to drop."""
 
     def prefetch(self, ranges: Sequence[ByteRange], *, bounded: bool):
         """A context within which this thread's reads of ``ranges`` (range_fetch.ByteRange: the records a
@@ -234,6 +239,9 @@ class LocalSegmentStorage(SegmentStorage):
 
     def keep_pages(self):
         return self._reader.keep_pages()
+
+    def release(self, ranges: Sequence[ByteRange]) -> None:
+        self._reader.release(ranges)
 
     def path(self, seg: int) -> str:
         return self._reader.path(seg)

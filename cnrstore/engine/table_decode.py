@@ -7,6 +7,11 @@ into new arrays (``Store.read_tables`` with None, ``Store.restore``) decodes eac
 are verified (``reader.iter_plan``): nobody sees its arrays unless it succeeds, and it holds no more of the
 fetched records than the blocks being decoded need.
 
+Either tells the storage what it is done with (``SegmentStorage.release``: each block's records, once
+verified for a read into the caller's arrays and once decoded), so that a local storage drops those mapped
+pages from the process's resident set as the read goes, not only at its end: a restore would otherwise hold
+every byte it reads resident at once.
+
 Before either, the storage is told every record the read will fetch, in order, from the index alone
 (``fetch_ahead``: ``reader.plan_reads``, ``SegmentStorage.prefetch``): the remote tier fetches them with
 concurrent, coalesced requests while the read verifies and decodes what has arrived; a local storage has
@@ -32,7 +37,7 @@ from ..errors import InvalidArgument
 from ..options import Options
 from .index import IndexView
 from .range_fetch import ByteRange
-from .reader import decode_block, every_block_written, iter_plan, plan_reads, plan_table
+from .reader import BlockPlan, decode_block, every_block_written, iter_plan, plan_reads
 from .schema import TableRecord
 from .storage import SegmentStorage
 
@@ -130,8 +135,9 @@ def read_tables(view: IndexView, segments: SegmentStorage, jobs: Sequence[tuple[
     # read raises MissingRows, and must do so before it allocates any output (a sparse table of 2^31 rows)
     streamed = all(out is None for _table, out, _start in jobs) and all(
         every_block_written(view, table, version, start) for table, _out, start in jobs)
-    # a whole-table read maps much of the store: its pages stay mapped while it plans and decodes (dropped
-    # between the two, each would fault in twice), and leave the resident set with it
+    # a whole-table read maps much of the store: it lets go of each block's records once it has verified them
+    # (a read into given arrays: they fault in again when decoded) and once it has decoded them
+    # (``SegmentStorage.release``), rather than by the count of bytes read, and drops every page at its end
     with segments.keep_pages(), (contextlib.nullcontext() if fetched
                                  else fetch_ahead(view, segments, jobs, version, bounded=streamed)):
         if streamed:
@@ -139,11 +145,28 @@ def read_tables(view: IndexView, segments: SegmentStorage, jobs: Sequence[tuple[
         return _read_tables(view, segments, jobs, version, progress, options)
 
 
+def _planned(view, segments, table, version, start, stop) -> list[BlockPlan]:
+    """``plan_table``, letting go of each block's records once verified: every record of a read into given
+    arrays is verified before any is decoded, so keeping them all mapped meanwhile would hold the read's
+    every byte in the resident set (the pages fault in again from the page cache when decoded)."""
+    blocks = []
+    for block in iter_plan(view, segments, table, version, start, stop):
+        segments.release(block.ranges)
+        blocks.append(block)
+    return blocks
+
+
+def _decode(segments, out: np.ndarray, base: int, block: BlockPlan, dim: int) -> None:
+    """``decode_block`` of ``block`` into ``out`` from row ``base``, then its records let go of."""
+    decode_block(out, base, block.pieces, dim)
+    segments.release(block.ranges)
+
+
 def _read_tables(view, segments, jobs, version, progress, options: Options) -> list[np.ndarray]:
-    plans = [plan_table(view, segments, table, version, start, _stop(table, out, start)) for table, out, start in jobs]
+    plans = [_planned(view, segments, table, version, start, _stop(table, out, start)) for table, out, start in jobs]
     outs = [np.empty((t.num_rows, t.dim), dtype=np.float32) if out is None else out for t, out, _start in jobs]
-    tasks = [(out, offset, pieces, table.dim)
-             for (table, _, _), out, blocks in zip(jobs, outs, plans) for offset, pieces in blocks]
+    tasks = [(segments, out, block.offset, block, table.dim)
+             for (table, _, _), out, blocks in zip(jobs, outs, plans) for block in blocks]
     total, done = sum(out.nbytes for out in outs), 0
     if progress is not None:
         progress(0, total)
@@ -152,9 +175,9 @@ def _read_tables(view, segments, jobs, version, progress, options: Options) -> l
         _decode_inline(tasks, progress, total)
         return outs
     # the biggest blocks first, so that the pool does not end waiting on one large block
-    tasks.sort(key=lambda task: -sum(p.count for p in task[2]))
+    tasks.sort(key=lambda task: -_task_bytes(task))
     pool = _executor(workers)
-    futures = {pool.submit(decode_block, *task): task for task in tasks}
+    futures = {pool.submit(_decode, *task): task for task in tasks}
     try:
         if progress is not None:
             for future in as_completed(futures):
@@ -169,10 +192,10 @@ def _read_tables(view, segments, jobs, version, progress, options: Options) -> l
 
 
 def _decode_inline(tasks, progress, total: int) -> None:
-    """Decode ``tasks`` (``decode_block``'s arguments) one after another on this thread, reporting each."""
+    """Decode ``tasks`` (``_decode``'s arguments) one after another on this thread, reporting each."""
     done = 0
     for task in tasks:
-        decode_block(*task)
+        _decode(*task)
         if progress is not None:
             done += _task_bytes(task)
             progress(done, total)
@@ -188,8 +211,8 @@ def _stream_tables(view, segments, jobs, version, progress, options: Options) ->
     total, done = sum(out.nbytes for out in outs), 0
     if progress is not None:
         progress(0, total)
-    blocks = ((out, offset, pieces, table.dim) for (table, _, start), out in zip(jobs, outs)
-              for offset, pieces in iter_plan(view, segments, table, version, start, table.num_rows))
+    blocks = ((segments, out, block.offset, block, table.dim) for (table, _, start), out in zip(jobs, outs)
+              for block in iter_plan(view, segments, table, version, start, table.num_rows))
     workers = decode_threads(options.decode_threads)
     if workers <= 1 or total < options.decode_inline_bytes:
         _decode_inline(blocks, progress, total)
@@ -198,7 +221,7 @@ def _stream_tables(view, segments, jobs, version, progress, options: Options) ->
     queued: collections.deque = collections.deque()  # (future, fp32 bytes it writes), oldest first
     try:
         for task in blocks:
-            queued.append((pool.submit(decode_block, *task), _task_bytes(task)))
+            queued.append((pool.submit(_decode, *task), _task_bytes(task)))
             del task  # (the pool holds the block's pieces until it has decoded them)
             while queued and (len(queued) > 2 * workers or queued[0][0].done()):
                 future, nbytes = queued.popleft()
@@ -219,5 +242,5 @@ def _stream_tables(view, segments, jobs, version, progress, options: Options) ->
 
 
 def _task_bytes(task) -> int:
-    """fp32 bytes a decode task (out, offset, pieces, dim) writes."""
-    return sum(p.count for p in task[2]) * task[3] * 4
+    """fp32 bytes a decode task (``_decode``'s arguments) writes."""
+    return sum(p.count for p in task[3].pieces) * task[4] * 4

@@ -65,6 +65,9 @@ class RecordingStorage(SegmentStorage):
     def keep_pages(self):
         return self._call("keep_pages")
 
+    def release(self, ranges):
+        return self._call("release", ranges)
+
     def prefetch(self, ranges, *, bounded):
         return self._call("prefetch", ranges, bounded=bounded)
 

@@ -17,6 +17,8 @@ breaks it (tests/test_storage_conformance.py does, to show that each test can fa
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 
 import numpy as np
@@ -295,6 +297,27 @@ class StorageTests:
                     storage.read(seg, len(wholes[seg]) - 4, 8)
         for seg, off, length in order:
             assert storage.read(seg, off, length).tobytes() == wholes[seg][off:off + length]
+
+    def test_released_ranges_stay_readable(self, storage):
+        """``release`` (a whole-table read is done with these records) may drop their pages from the resident
+        set, never their bytes: views read before it, and reads after it, give the stored bytes, inside
+        ``keep_pages`` (as a whole-table read calls it) and outside; ranges of segments never read are no
+        error."""
+        from cnrstore.options import Options
+
+        storage.use_options(Options(mapped_read_release_bytes=0))  # (every release drops at once)
+        written = self.write(storage, [payloads(40, [20000, 5, 70000, 3000]), payloads(41, [9000])])
+        wholes = {seg: written.whole(seg) for seg in written}
+        ranges = [ByteRange(seg, off, len(p)) for seg, records in written.items() for off, p in records]
+        for keeping in (True, False):
+            with storage.keep_pages() if keeping else contextlib.nullcontext():
+                views = [(r, storage.read(*r)) for r in ranges]
+                assert all(v.tobytes() == wholes[r.segment][r.offset:r.offset + r.length] for r, v in views)
+                storage.release(ranges[:2])
+                storage.release(ranges[2:] + [ByteRange(max(wholes) + 7, 0, 4096)])
+                for r, view in views:
+                    assert view.tobytes() == wholes[r.segment][r.offset:r.offset + r.length], (r, keeping)
+                    assert storage.read(*r).tobytes() == wholes[r.segment][r.offset:r.offset + r.length]
 
     def test_appender_is_given_exactly_when_appends_are_supported(self, storage):
         if storage.supports_appends:
