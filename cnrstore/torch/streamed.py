@@ -92,6 +92,9 @@ class StreamedTable:
         # position -> its index in the preserved buffers (-1: not preserved); made at the first preserve, so
         # that a save nothing changes during its write costs neither the stall nor the memory (4 B a row)
         self._slot: np.ndarray | None = None
+        # the preserved rows, per source: room for every position of the save, reserved at the first preserve
+        # and filled in order (pages the kernel commits as they are written: host memory grows by the rows
+        # preserved, and never by a copy of a growing buffer)
         self._kept = [np.empty((0, src.shape[1]), dtype=np.float32) for _n, src, _c in sources]
         self._n_kept = 0  # preserved rows
         self.peak_bytes = 0  # the most host bytes the preserved rows held at once
@@ -100,7 +103,7 @@ class StreamedTable:
     @property
     def preserved_bytes(self) -> int:
         """Host bytes the preserved rows hold now."""
-        return sum(k.shape[0] * k.shape[1] * 4 for k in self._kept)
+        return self._n_kept * sum(k.shape[1] for k in self._kept) * 4
 
     def chunks(self):
         """(start, stop) positions of the chunks the writer takes, in order: about ``step`` positions each,
@@ -168,15 +171,11 @@ class StreamedTable:
         self.preserve(torch.from_numpy(rows))
 
     def _grow(self, need: int) -> None:
+        """Room for ``need`` preserved rows: every position of the save, reserved once (untouched pages hold no
+        memory; a large reservation is its own mapping, returned to the system when the save ends)."""
         if need <= self._kept[0].shape[0]:
             return
-        size = max(need, 2 * self._kept[0].shape[0], 1024)
-        grown = []
-        for kept in self._kept:
-            new = np.empty((size, kept.shape[1]), dtype=np.float32)
-            new[:self._n_kept] = kept[:self._n_kept]
-            grown.append(new)
-        self._kept = grown
+        self._kept = [np.empty((self.count, kept.shape[1]), dtype=np.float32) for kept in self._kept]
 
     def take(self, start: int, stop: int, outs: list) -> None:
         """The rows of positions ``[start, stop)`` of every source as of the save, into ``outs`` (one float32
@@ -224,6 +223,6 @@ class StreamedTable:
         with self._lock:
             self.closed = True
             self._cursor = self.count
-            self._kept = [k[:0] for k in self._kept]
+            self._kept = [np.empty((0, k.shape[1]), dtype=np.float32) for k in self._kept]  # (frees them)
             self._slot = None
             self._n_kept = 0
