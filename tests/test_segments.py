@@ -421,7 +421,10 @@ def test_reads_drop_their_mapped_pages_past_the_bound(tmp_path, monkeypatch, bou
     if bound is None:
         assert grown_mib > 48  # (the control: every page read stays resident)
     else:
-        assert grown_mib < 24
+        # about 12 MiB quiet; 24.0 was seen once in the loaded suite (3 workers on 2 cores: the decode threads
+        # verify further ahead of the sampling). Half the 80 MiB the read held before the release, and below
+        # the control's 48, so it still fails without the release
+        assert grown_mib < 40
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RssFile is Linux's")
@@ -473,7 +476,10 @@ def test_whole_table_reads_drop_their_mapped_pages_as_they_go(tmp_path, monkeypa
     if bound is None:
         assert grown_mib > 48  # (the control: every page read stays resident until the read ends)
     else:
-        assert grown_mib < 24
+        # about 12 MiB quiet; 24.0 was seen once in the loaded suite (3 workers on 2 cores: the decode threads
+        # verify further ahead of the sampling). Half the 80 MiB the read held before the release, and below
+        # the control's 48, so it still fails without the release
+        assert grown_mib < 40
 
 
 def test_released_ranges_are_joined_where_they_touch():
