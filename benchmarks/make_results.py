@@ -46,9 +46,10 @@ SECTIONS = [
      [*LOSSLESS, "--emb-mib", "256", "--steps", "130", "--intervals", "5"],
      ["--quick", *LOSSLESS, "--steps", "20"], None),
     ("bench_trainer.py", "A user's trainer: stalls, peak memory and lag",
-     "Issue 37's trainer shape (1.6M rows x 64 fp32, Adagrad; a save every 25 steps), each method in a process of "
-     "its own: cnrstore at its defaults (streamed saves), with saves copied, DCP async_save, and no "
-     "checkpoints: stall median and p100, peak RSS, the lag between save() and its commit, the step hooks' cost.",
+     "Issue 48's trainer shape (1.6M rows x 64 fp32, sparse gradients under Adagrad, Adam on the MLP; a save every "
+     "25 steps), each method in a process of its own: cnrstore at its defaults (streamed saves), with saves copied, "
+     "DCP async_save, and no checkpoints: stall median and p100, peak RSS, the lag between save() and its commit, "
+     "the step hooks' cost, the background write rate against the disk's.",
      [], ["--quick"], None),
     ("bench_accuracy.py", "Accuracy against the paper's bit-width table",
      "Every cell of the paper's table (1 restore -> 2-bit, 3 -> 3-bit, 20 -> 4-bit, more -> 8-bit), uniform, "
@@ -89,10 +90,10 @@ SECTIONS = [
      "Encode and decode speed and relative L2 error of every codec beside FBGEMM's plain and greedy "
      "kernels on the same rows, and bytes per row; speed against error plotted.", ["--plot", "codecs.png"],
      ["--quick", "--plot", "none"], "codecs.png"),
-    ("bench_tracking.py", "Row tracking overhead",
-     "Step time of the reference DLRM with a Checkpointer's tracking hooks active against none (interleaved "
-     "ON/OFF blocks on one model; median with a 95% bootstrap interval) and the hooks' own work timed "
-     "directly; the tracking state's memory against the embedding bytes.", [], ["--quick"], None),
+    ("bench_tracking.py", "Change tracking overhead",
+     "Step time of the reference DLRM with a Checkpointer's hooks active against none (interleaved ON/OFF blocks "
+     "on one model; median with a 95% bootstrap interval), a save's fingerprint pass timed directly, and the "
+     "tracking state's memory against the embedding bytes.", [], ["--quick"], None),
     ("bench_engine.py", "Storage engine",
      "int4 checkpoint write against FBGEMM's prepack kernel, full-table read against torch.load, 10k "
      "random point reads at an old version, index bytes per stored row; `cnrstore ls`, open and stats() of a "
