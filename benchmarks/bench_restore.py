@@ -53,7 +53,6 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -69,7 +68,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import cnrstore  # noqa: E402
-from common import (dir_bytes, fmt_bytes, free_port, load_average, load_peer_checkpoint,  # noqa: E402
+from common import (child_with_peak_rss, dir_bytes, fmt_bytes, free_port, load_average, load_peer_checkpoint,  # noqa: E402
                           machine_description, publish, zipf_rows)
 from bench_gpu import Model, workload_args, zero_  # noqa: E402  (the same model and options)
 from cnrstore import codecs  # noqa: E402
@@ -438,16 +437,8 @@ def rss_child(task: str, root: str, rows: int, dim: int, increments: int, steps:
 
 def run_rss_child(args, task: str, root: str) -> dict:
     """``rss_child(task, ...)`` in a new process; its result with ``maxrss``: that process's peak RSS, bytes."""
-    spec = json.dumps([task, root, args.rss_rows, args.dim, args.increments, args.rss_steps])
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rss-child", spec],
-                            stdout=subprocess.PIPE, text=True)
-    text = proc.stdout.read()
-    _pid, status, usage = os.wait4(proc.pid, 0)
-    if status != 0:
-        raise SystemExit(f"--rss {task}: the child process failed ({status})")
-    result = json.loads(text.strip().splitlines()[-1])
-    result["maxrss"] = usage.ru_maxrss * 1024
-    return result
+    return child_with_peak_rss(__file__, "--rss-child", [task, root, args.rss_rows, args.dim, args.increments,
+                                                         args.rss_steps], f"--rss {task}")
 
 
 def run_rss(args) -> tuple[dict, dict]:

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -182,14 +181,10 @@ def disk_write_rate(root: str, mib: int) -> float:
 def run_method(method: str, args, root: str) -> dict:
     path = os.path.join(root, method.replace(" ", "_").replace(",", ""))
     os.makedirs(path, exist_ok=True)
-    spec = json.dumps([method, args.rows, args.dim, args.steps, args.every, args.batch, path, args.optimizer])
-    proc = subprocess.Popen([sys.executable, __file__, "--child", spec], stdout=subprocess.PIPE, text=True)
-    out_text = proc.stdout.read()
-    _pid, status, usage = os.wait4(proc.pid, 0)
-    if status != 0:
-        raise SystemExit(f"{method}: the child failed ({status})")
-    result = json.loads(out_text.strip().splitlines()[-1])
-    result["peak_rss"] = usage.ru_maxrss * 1024
+    from common import child_with_peak_rss
+    result = child_with_peak_rss(__file__, "--child", [method, args.rows, args.dim, args.steps, args.every,
+                                                        args.batch, path, args.optimizer], method)
+    result["peak_rss"] = result.pop("maxrss")
     shutil.rmtree(path, ignore_errors=True)
     return result
 

@@ -140,6 +140,22 @@ def peak_rss() -> int:
     return _status_kib("VmHWM") << 10
 
 
+def child_with_peak_rss(script: str, flag: str, spec, what: str) -> dict:
+    """Run ``python script flag json(spec)`` in a process of its own and return the JSON object its last stdout
+    line prints, with ``"maxrss"``: that process's peak RSS in bytes (``ru_maxrss`` from ``wait4``, so nothing
+    of this process counts). A failed child ends the benchmark naming ``what``."""
+    import json
+    proc = subprocess.Popen([sys.executable, os.path.abspath(script), flag, json.dumps(spec)],
+                            stdout=subprocess.PIPE, text=True)
+    text = proc.stdout.read()
+    _pid, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise SystemExit(f"{what}: the child process failed ({status})")
+    result = json.loads(text.strip().splitlines()[-1])
+    result["maxrss"] = usage.ru_maxrss * 1024
+    return result
+
+
 def load_average() -> str:
     try:
         with open("/proc/loadavg") as f:
