@@ -101,7 +101,7 @@ import numpy as np
 from .maintenance import compaction
 from .engine import filenames
 from .engine.lock import describe_holder
-from .errors import CnrError, CorruptionError, InvalidArgument, StoreLocked, StoreNotFound
+from .errors import CnrError, CorruptionError, InvalidArgument, RemoteObjectMissing, StoreLocked, StoreNotFound
 from .export import DEFAULT_MIN_ROWS, FORMATS, LAYOUTS, SOURCE_FORMATS, check_path, export
 from .maintenance.repair import damaged_blocks, repair as repair_store
 from .store import Store, open as open_store
@@ -351,6 +351,13 @@ def _root(args):
         os.makedirs(args.store, exist_ok=True)
         args.root = root
     elif root.objects.size(filenames.REMOTE_POINTER) is None and root.objects.bucket_exists() is not False:
+        from .engine.remote import pointer_missing
+        damage = pointer_missing(root.objects, filenames.REMOTE_POINTER)
+        if damage is not None:  # a store's objects without its pointer: damage, not "no store here"
+            raise RemoteObjectMissing(
+                f"{damage}. Put {filenames.REMOTE_POINTER} back (a bucket with versioning keeps the previous one), or "
+                "run `cnrstore --remote URL repair DIR` on the store's writer directory (it rewrites the pointer "
+                "from its index)", damage.path)
         raise InvalidArgument(f"{args.remote} holds neither a cnrstore store (no {filenames.REMOTE_POINTER}) nor "
                               f"a multi-rank root (no {ROOT_MARKER}), and {args.store!r} holds no store: check the "
                               "URL (a multi-rank root's prefix is the remote= its DistributedCheckpointer was given)")
@@ -795,7 +802,31 @@ def cmd_diff(args) -> int:
     return 0
 
 
+def cmd_repair_root(args, root) -> int:
+    """``repair`` of a multi-rank root in a bucket: its pointer rebuilt from its manifests, plans and rank
+    stores if it is missing or damaged (cnrstore.distributed.repair_root); nothing is deleted."""
+    from .distributed.repair import repair_root
+
+    report = repair_root(root, progress=_progress(args, "repair"))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+        return 0 if report.ok else 1
+    for problem in report.problems:
+        print(f"problem: {problem}")
+    if not report.rebuilt:
+        print(f"ok: the root pointer of {root.remote} is there and sound; nothing to repair")
+        return 0
+    print(f"{'ok' if report.ok else 'DAMAGED'}: the root pointer of {root.remote} was {report.previous}; rebuilt "
+          f"listing {len(report.versions)} global version(s) {_names([str(v) for v in report.versions], 'versions')}"
+          f" and generation(s) {_names([str(g) for g in report.generations], 'generations')}; "
+          f"{len(report.problems)} problem(s) (not listed, nothing deleted)")
+    return 0 if report.ok else 1
+
+
 def cmd_repair(args) -> int:
+    root = _root(args)
+    if root is not None and root.remote is not None:
+        return cmd_repair_root(args, root)
     _refuse_root(args)
     report = repair_store(args.store, progress=_progress(args, "repair"), **_remote_args(args))
     if args.json:

@@ -140,6 +140,34 @@ def test_verify_names_a_damaged_manifest_object(tmp_path, group, bucket, s3_endp
     assert "problem: global version 1: CorruptionError" in out and key in out and "DAMAGED: 1 global version(s)" in out
 
 
+def test_a_deleted_root_pointer_fails_ls_and_verify_and_repair_brings_every_version_back(
+        tmp_path, group, bucket, s3_endpoint, s3_bucket, capsys):
+    """Issue 49: `aws s3 rm .../ROOT` on a 2-save root, every other object there. `ls` and `verify` exit 2 with
+    RemoteObjectMissing naming the fix (they said "0 global version(s)" and exited 0); `repair` rebuilds the
+    pointer (exit 0), `ls` lists both versions again and `verify` finds them whole; no object was deleted."""
+    ck, model = job(tmp_path / "node", bucket)
+    save_versions(ck, model, (1, 2))
+    ck.close()
+    client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="testing",
+                          aws_secret_access_key="testing", region_name="us-east-1")
+    client.delete_object(Bucket=s3_bucket, Key="job/ROOT")
+    before = bucket_bytes(s3_endpoint, s3_bucket)
+    for command in ("ls", "verify"):
+        assert run(bucket, command, tmp_path / command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "RemoteObjectMissing" in err and "ROOT is missing" in err and "repair" in err
+    assert bucket_bytes(s3_endpoint, s3_bucket) == before
+    assert run(bucket, "repair", tmp_path / "repair") == 0
+    out = capsys.readouterr().out
+    assert "was missing; rebuilt listing 2 global version(s) 1, 2" in out, out
+    assert run(bucket, "ls", "--json", tmp_path / "ls2") == 0
+    assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [1, 2]
+    assert run(bucket, "verify", tmp_path / "v2") == 0
+    assert {k for k in bucket_bytes(s3_endpoint, s3_bucket)} == set(before) | {"ROOT"}
+    assert run(bucket, "repair", tmp_path / "repair2") == 0  # a sound pointer is left as it is
+    assert "nothing to repair" in capsys.readouterr().out
+
+
 def test_a_prefix_with_neither_a_root_nor_a_store_is_an_invalid_argument(tmp_path, bucket, capsys):
     assert run(bucket, "ls", tmp_path / "d") == 2
     err = capsys.readouterr().err
@@ -251,3 +279,20 @@ def test_import_into_a_bucket_seeds_a_store_a_fresh_machine_reads(tmp_path, buck
     with cnrstore.open(tmp_path / "fresh", readonly=True, remote=url, remote_options=opts) as st:
         assert [v.version for v in st.versions()] == [1]
         assert np.array_equal(st.read_table("emb.0"), sd["emb.0.weight"].numpy())
+
+
+def test_a_store_prefix_whose_current_was_deleted_is_damage_not_an_empty_prefix(tmp_path, bucket, s3_endpoint,
+                                                                                 s3_bucket, capsys):
+    import cnrstore
+    url, opts = bucket
+    with cnrstore.open(tmp_path / "w", create=True, remote=url, remote_options=opts) as store:
+        store.create_table("t", 8, 2)
+        with store.checkpoint(step=1) as ck:
+            ck.put_rows("t", np.arange(8), np.ones((8, 2), np.float32))
+    client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="testing",
+                          aws_secret_access_key="testing", region_name="us-east-1")
+    client.delete_object(Bucket=s3_bucket, Key="job/CURRENT")
+    for command in ("ls", "verify"):
+        assert run(bucket, command, tmp_path / command) == 2
+        err = capsys.readouterr().err
+        assert "RemoteObjectMissing" in err and "CURRENT is missing" in err and "holds neither" not in err

@@ -341,3 +341,93 @@ def test_a_sub_prefix_and_a_tree_listing_on_s3(s3_endpoint, s3_bucket):
     assert rank.list("w/abc/segments") == {"1.seg": 3} and objects.list_tree("gen-000009") == {}
     rank.put_if("CURRENT", b"r", rank.get_tagged("CURRENT")[1])
     assert objects.get("gen-000001/rank-00000/CURRENT") == b"r"
+
+
+def test_a_deleted_root_pointer_is_damage_no_job_claims_the_root_and_nothing_is_deleted(tmp_path, group):
+    """Issue 49 fault 1: with ROOT deleted (an operator's rm, a lifecycle rule) and every other object there,
+    a reader saw an empty root and the next job's claim deleted every manifest, segment and snapshot. Now a
+    reader gets RemoteObjectMissing naming the fix, a job refuses to start, nothing is deleted, and with ROOT
+    back every version restores bit for bit."""
+    from cnrstore.errors import RemoteObjectMissing
+
+    objects = DictObjectStore()
+    ck, model, opt = job(tmp_path / "n1", objects)
+    states = {}
+    for i in range(4):
+        train(model, opt, i)
+        states[ck.save(step=i).wait()] = state(model)
+    ck.close()
+    root = objects.objects.pop("ROOT")
+    before = dict(objects.objects)
+    with pytest.raises(RemoteObjectMissing, match="ROOT is missing.*repair") as exc:
+        versions(tmp_path / "fresh", remote=objects)
+    assert "global/g-000000000001" in str(exc.value) or "gen-000001" in str(exc.value)
+    for node in ("n1", "n2"):  # the job restarted on its old directory, and on a fresh machine
+        with pytest.raises(RemoteObjectMissing, match="No job may start"):
+            job(tmp_path / node, objects, seed=3)
+        assert objects.objects == before  # nothing deleted, nothing written
+    objects.objects["ROOT"] = root
+    assert [g.version for g in versions(tmp_path / "fresh2", remote=objects)] == [1, 2, 3, 4]
+    for v, want in states.items():
+        again, m2, _ = job(tmp_path / f"n3-{v}", objects, seed=7)
+        assert again.restore(v).version == v
+        assert_state(m2, want)
+        again.close()
+
+
+def test_repair_rebuilds_a_deleted_or_damaged_root_pointer_from_its_objects(tmp_path, group):
+    """`cnrstore --remote URL repair DIR` (repair_root) on a root whose ROOT was deleted, or damaged: the
+    pointer is rebuilt from the manifests, plans and rank stores, listing every global version that passes,
+    each restoring bit for bit; a job then starts and goes on. Its one write is the pointer's put: a repair
+    that died before it left the root as it was (the explorer of its effects: none or that one), and a repair
+    run again leaves a sound pointer as it is. A stale job's unlisted manifest, and a manifest whose rank
+    version is gone, are reported and not listed; nothing is deleted."""
+    from cnrstore.distributed import repair_root
+    from cnrstore.distributed.remote_root import manifest_key
+
+    objects = DictObjectStore()
+    ck, model, opt = job(tmp_path / "n1", objects)
+    states = {}
+    for i in range(4):
+        train(model, opt, i)
+        states[ck.save(step=i).wait()] = state(model)
+    ck.close()
+    good = dict(objects.objects)
+    # a stale job's manifest of version 4 (never listed), and a manifest naming a local version that is gone
+    objects.objects[manifest_key(4, "ab" * 16)] = objects.objects[next(k for k in good if k.startswith("global/g-000000000004"))]
+    gv3 = RemoteRoot(tmp_path / "r", objects=objects).read(3)
+    bogus = gv3.to_dict() | {"version": 9, "local_versions": [99]}
+    from cnrstore.distributed.manifest import seal
+    objects.objects[manifest_key(9, "cd" * 16)] = seal("manifest", bogus)
+    for damage in ("deleted", "damaged"):
+        if damage == "deleted":
+            objects.objects.pop("ROOT")
+        else:
+            objects.objects["ROOT"] = b"not a pointer"
+        before = {k: v for k, v in objects.objects.items() if k != "ROOT"}
+        effects = []
+        real_put, real_delete = objects.put, objects.delete
+        objects.put = lambda key, data: (effects.append(("put", key)), real_put(key, data))[1]
+        objects.delete = lambda key: (effects.append(("delete", key)), real_delete(key))[1]
+        try:
+            report = repair_root(RemoteRoot(tmp_path / f"repair-{damage}", objects=objects))
+        finally:
+            del objects.put, objects.delete
+        assert effects == [("put", "ROOT")]  # its only effect: every crash state is "before" or "repaired"
+        assert report.rebuilt and report.versions == [1, 2, 3, 4] and report.generations == [1]
+        assert report.previous.startswith("missing" if damage == "deleted" else "damaged")
+        assert len(report.problems) == 2 and any("version 9" in p for p in report.problems)
+        assert {k: v for k, v in objects.objects.items() if k != "ROOT"} == before  # nothing else touched
+        again = repair_root(RemoteRoot(tmp_path / f"again-{damage}", objects=objects))
+        assert not again.rebuilt and again.previous == "sound"
+        assert [g.version for g in versions(tmp_path / f"fresh-{damage}", remote=objects)] == [1, 2, 3, 4]
+    for v, want in states.items():
+        reader, m2, _ = job(tmp_path / f"n2-{v}", objects, seed=7)
+        assert reader.restore(v).version == v
+        assert_state(m2, want)
+        reader.close()
+    resumed, m3, o3 = job(tmp_path / "n3", objects, seed=9)  # a job claims the repaired root and goes on
+    assert resumed.restore().version == 4
+    train(m3, o3, 5)
+    assert resumed.save(step=5).wait() == 5
+    resumed.close()

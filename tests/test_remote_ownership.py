@@ -474,3 +474,36 @@ def test_an_upload_of_a_segments_prefix_never_replaces_a_longer_upload_of_it(tmp
     storage._upload(seg, length // 2)  # (the late, shorter upload)
     assert objects.get(key) == whole and storage._remote[seg] == length
     store.close()
+
+
+def test_a_deleted_store_pointer_is_damage_and_create_refuses_the_prefix(tmp_path):
+    """A single store whose CURRENT is deleted: a fresh reader gets RemoteObjectMissing (not "no store here,
+    pass create=True"), create=True refuses the prefix and changes nothing, and with CURRENT back every
+    version reads as before. The writer's own directory rewrites the pointer from its index."""
+    from support.crash_states import DictObjectStore
+    from cnrstore.errors import RemoteObjectMissing
+
+    objects = DictObjectStore()
+    store = cnrstore.open(tmp_path / "w", create=True, remote=objects)
+    store.create_table("t", 64, 4)
+    for v in range(3):
+        with store.checkpoint(step=v) as ck:
+            ck.put_rows("t", np.arange(64), np.full((64, 4), v, np.float32))
+    store.sync_remote()
+    store.close()
+    current = objects.objects.pop("CURRENT")
+    before = dict(objects.objects)
+    for readonly, create in ((True, False), (False, False), (False, True)):
+        with pytest.raises(RemoteObjectMissing, match="CURRENT is missing.*`create=True` refuses"):
+            cnrstore.open(tmp_path / f"fresh-{readonly}-{create}", readonly=readonly, create=create, remote=objects)
+    assert objects.objects == before
+    objects.objects["CURRENT"] = current
+    with cnrstore.open(tmp_path / "fresh", readonly=True, remote=objects) as again:
+        assert [v.step for v in again.versions()] == [0, 1, 2]
+        assert (again.read_table("t") == 2).all()
+    objects.objects.pop("CURRENT")
+    with cnrstore.open(tmp_path / "w", remote=objects) as writer:  # the writer's directory: its index
+        writer.sync_remote()
+    assert "CURRENT" in objects.objects
+    with cnrstore.open(tmp_path / "fresh2", readonly=True, remote=objects) as again:
+        assert [v.step for v in again.versions()] == [0, 1, 2]

@@ -18,9 +18,10 @@ import importlib
 from .manifest import GlobalVersion, Root
 from .plan import Shard, ShardingPlan
 from .remote_root import RemoteRoot, open_root
+from .repair import RootRepairReport, repair_root
 
 __all__ = ["ECRM", "ECRMReport", "DistributedCheckpointer", "DistributedPendingSave", "RecoveryReport", "GlobalVersion", "Root",
-           "RemoteRoot", "Shard", "ShardingPlan", "open_root", "versions"]
+           "RemoteRoot", "RootRepairReport", "Shard", "ShardingPlan", "open_root", "repair_root", "versions"]
 
 #: Names whose modules import torch: loaded on first use, so that reading a root's manifests (the CLI's
 #: ``ls ROOT`` / ``verify ROOT``) does not pay torch's import.

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
+from .. import errors
 from ..torch import payload as _payload
 from ..torch import preemption, reports
 from ..torch.async_save import PendingSave, SaveReport, WeakPendingWork
@@ -303,16 +304,23 @@ class DistributedCheckpointer:
         """Agree on the generation over this checkpointer's group (collective). Rank 0 makes the root and
         the generation's plan file."""
         answer: list = [None]
+        failed = None
         if self.rank == 0:
             try:
                 self.root.create()
                 answer = [("ok", self.root.generation_for(self.plan))]
             except BaseException as exc:  # every rank must hear of it, or the others wait forever
-                answer = [("error", f"{type(exc).__name__}: {exc}")]
+                failed = exc
+                answer = [("error", (type(exc).__name__, str(exc)))]
         failures.broadcast_object_list(answer, src=0, group=self._group)
         status, value = answer[0]
         if status != "ok":
-            raise CnrError(f"rank 0 could not prepare the distributed root {self.root.path}: {value}")
+            if failed is not None:
+                raise failed  # (rank 0: its own error, as raised)
+            name, message = value  # (the others: the same type, when it is one of cnrstore's errors)
+            kind = getattr(errors, name, None)
+            kind = kind if isinstance(kind, type) and issubclass(kind, CnrError) else CnrError
+            raise kind(f"rank 0 could not prepare the distributed root {self.root.path}: {name}: {message}")
         self.root.check()
         return int(value)
 

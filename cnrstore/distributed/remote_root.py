@@ -42,7 +42,7 @@ from typing import NamedTuple
 from .. import store as _store
 from ..engine import fs
 from ..engine.objects import FsspecObjectStore, ObjectStore
-from ..engine.remote import EXPLICIT_COPY_POINTS
+from ..engine.remote import EXPLICIT_COPY_POINTS, pointer_missing
 from ..errors import (CorruptionError, FormatVersionError, InvalidArgument, RemoteConflict,
                       RemoteObjectMissing, RemoteTakenOver, StoreNotFound, VersionNotFound)
 from .manifest import (DIST_FORMAT_VERSION, GLOBAL_DIR, MARKER, PLAN_FILE, ROOT_POINTER, GlobalVersion, Root, seal,
@@ -154,10 +154,19 @@ class RemoteRoot(Root):
 
     # -- the pointer ----------------------------------------------------------------------------------
     def pointer(self) -> RootPointer | None:
-        """The root pointer as it is now (None: the root has none yet)."""
+        """The root pointer as it is now (None: the root has none yet). A root whose objects are there without
+        its pointer is damage, never an empty root (``RemoteObjectMissing``): no pointer, no claim -- nothing
+        reads it as holding no version, and no job claims it (a claim deletes what the pointer does not list)."""
         try:
             data, tag = self.objects.get_tagged(ROOT_POINTER)
         except RemoteObjectMissing:
+            damage = pointer_missing(self.objects, ROOT_POINTER, (MARKER,))
+            if damage is not None:
+                raise RemoteObjectMissing(
+                    f"{damage}. It lists the root's global versions: put it back (a bucket with versioning keeps "
+                    f"the previous one), or rebuild it from the manifests and rank stores with `cnrstore --remote "
+                    f"{self.remote} repair DIR` (cnrstore.distributed.repair_root). No job may start on this root "
+                    "until then", damage.path) from None
             return None
         if len(data) > _MAX_POINTER_BYTES:
             raise CorruptionError(f"{self.objects.where(ROOT_POINTER)} is no root pointer ({len(data)} bytes)",
@@ -307,6 +316,11 @@ class RemoteRoot(Root):
         gv = GlobalVersion.parse(d, where, version)
         self._manifests[key] = gv
         return gv
+
+    def manifest(self, version: int, job: str) -> GlobalVersion:
+        """The manifest of global version ``version`` put by job ``job``, read and checked, whether or not the
+        pointer lists it (``repair``)."""
+        return self._load(RootPointer(job, versions=((version, job),)), version)
 
     def _load_all(self, p: RootPointer | None) -> list[GlobalVersion]:
         out = []

@@ -51,7 +51,7 @@ from ..errors import (CnrError, CorruptionError, InvalidArgument, RemoteConflict
                       RemoteStorageError, RemoteTakenOver, StoreLocked, StoreNotFound)
 
 __all__ = ["ObjectStore", "FsspecObjectStore", "RemoteSegmentStorage", "open_storage", "storage_for",
-           "repair_storage", "read_pointer", "check_local_only", "kept_remotely"]
+           "repair_storage", "read_pointer", "pointer_missing", "check_local_only", "kept_remotely"]
 
 log = logging.getLogger("cnrstore.engine.remote")
 
@@ -102,11 +102,34 @@ def fetch_snapshot(objects: ObjectStore, pointer: Pointer) -> bytes:
     return data
 
 
+def pointer_missing(objects: ObjectStore, pointer: str, others=()) -> RemoteObjectMissing | None:
+    """Damage, if the prefix of ``objects`` holds objects besides ``pointer`` (and ``others``, e.g. a root's
+    marker) while ``pointer`` is missing: a pointer is never deleted, and nothing is written before it exists,
+    so its objects without it mean it was deleted (an operator's ``rm``, a lifecycle rule, a partial copy).
+    None: the prefix holds nothing else (a new, or emptied, one). Lists the prefix: called only where the
+    pointer is missing."""
+    keys = sorted(k for k in objects.list_tree("") if k != pointer and k not in others)
+    if not keys:
+        return None
+    shown = ", ".join(keys[:3]) + (f", ... ({len(keys)} objects)" if len(keys) > 3 else "")
+    return RemoteObjectMissing(
+        f"{objects.where(pointer)} is missing, but the prefix holds what it pointed to ({shown}): the pointer was "
+        "deleted. Nothing was changed, and nothing here is deleted or overwritten while it is missing",
+        objects.where(pointer))
+
+
 def _missing_store(root: str, objects: ObjectStore, readonly: bool) -> CnrError:
-    """The error for a path with no store whose remote holds none: a bucket that does not exist is the URL's
-    fault (RemoteStorageError), an empty prefix is StoreNotFound."""
+    """The error for a path with no store whose remote has no pointer: a bucket that does not exist is the
+    URL's fault (RemoteStorageError), a prefix holding a store's objects without its pointer is damage
+    (``pointer_missing``), an empty prefix is StoreNotFound."""
     if objects.bucket_exists() is False:
         return RemoteStorageError(f"{objects.url}: the bucket does not exist; create it, or check the URL")
+    damage = pointer_missing(objects, filenames.REMOTE_POINTER)
+    if damage is not None:
+        return RemoteObjectMissing(
+            f"{damage}. Put {filenames.REMOTE_POINTER} back (a bucket with versioning keeps the previous one), or "
+            f"open the store's writer directory writable (its next copy point rewrites the pointer from its "
+            f"index); `create=True` refuses this prefix", damage.path)
     return StoreNotFound(f"no cnrstore store at {root!r}, and {objects.url} holds none (no "
                          f"{filenames.REMOTE_POINTER}){'' if readonly else '; pass create=True to make one'}")
 
@@ -223,7 +246,8 @@ def prepare(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, reado
         return _open_cache(root, objects, ident, installed, pointer, readonly)
     pointer = read_pointer(objects)
     if pointer is None:
-        if not create or readonly or objects.bucket_exists() is False:
+        if not create or readonly or objects.bucket_exists() is False or pointer_missing(
+                objects, filenames.REMOTE_POINTER) is not None:  # (no pointer, no claim: a deleted one is damage)
             raise _missing_store(root, objects, readonly)
         os.makedirs(root, exist_ok=True)
         store_id = uuid.uuid4().hex

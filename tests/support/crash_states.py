@@ -509,10 +509,16 @@ class DictObjectStore(ObjectStore):
             return len(self.objects[key]) if key in self.objects else None
 
     def list(self, folder: str) -> dict[str, int]:
+        if not folder:  # (the prefix itself: the objects directly in it)
+            with self._lock:
+                return {k: len(v) for k, v in self.objects.items() if "/" not in k}
         with self._lock:
             return {k[len(folder) + 1:]: len(v) for k, v in self.objects.items() if k.startswith(folder + "/")}
 
     def list_tree(self, folder: str) -> dict[str, int]:
+        if not folder:
+            with self._lock:
+                return {k: len(v) for k, v in self.objects.items()}
         return self.list(folder)
 
     def delete(self, key: str) -> None:
