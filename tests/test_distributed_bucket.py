@@ -431,3 +431,42 @@ def test_repair_rebuilds_a_deleted_or_damaged_root_pointer_from_its_objects(tmp_
     train(m3, o3, 5)
     assert resumed.save(step=5).wait() == 5
     resumed.close()
+
+
+@pytest.mark.parametrize("lost", [1, 99])
+def test_a_claim_that_loses_to_the_live_jobs_own_swap_claims_again_or_says_the_job_is_still_saving(tmp_path, lost):
+    """Issue 49 fault 2, by schedule: a claim (a new job's start, `gc --take-over`) reads the pointer, the job
+    still running swaps it (an ordinary save), the claim's compare-and-swap loses. It used to fail saying
+    another job claimed the root at the same moment, when none had: now it claims again, and succeeds (the
+    running job then fails at its next change with RemoteTakenOver); if the running job swaps every time, it
+    fails saying that job is still saving."""
+    from cnrstore.distributed.remote_root import CLAIM_TRIES
+    from cnrstore.errors import RemoteConflict
+
+    objects = DictObjectStore()
+    live = RemoteRoot(tmp_path / "live", objects=objects)
+    live.create()
+    plans = iter(ShardingPlan.row_wise({"emb.a": (50 + i, 4)}, 1) for i in range(200))
+    live.generation_for(next(plans))
+    claimer = RemoteRoot(tmp_path / "claimer", objects=objects)
+    real, fired = objects.put_if, []
+
+    def put_if(key, data, tag):
+        if key == "ROOT" and not getattr(put_if, "inside", False) and len(fired) < lost:
+            put_if.inside = True
+            try:
+                fired.append(live.generation_for(next(plans)))  # the live job's own swap lands first
+            finally:
+                put_if.inside = False
+        return real(key, data, tag)
+
+    objects.put_if = put_if
+    if lost < CLAIM_TRIES:
+        claimer.create()
+        assert claimer.pointer().owner == claimer.job and len(fired) == lost
+        with pytest.raises(RemoteTakenOver):
+            live.generation_for(next(plans))
+    else:
+        with pytest.raises(RemoteConflict, match=f"the job {live.job} is still saving.*stop that job first"):
+            claimer.create()
+        assert claimer.pointer().owner == live.job and len(fired) == CLAIM_TRIES

@@ -507,3 +507,45 @@ def test_a_deleted_store_pointer_is_damage_and_create_refuses_the_prefix(tmp_pat
     assert "CURRENT" in objects.objects
     with cnrstore.open(tmp_path / "fresh2", readonly=True, remote=objects) as again:
         assert [v.step for v in again.versions()] == [0, 1, 2]
+
+
+def test_a_reader_that_meets_a_newer_pointer_follows_it_instead_of_calling_the_bucket_damaged(tmp_path):
+    """Issue 49 fault 2, by schedule: a reader reads the pointer, then the live writer makes a copy point (a new
+    snapshot, the pointer swapped, the old snapshot deleted), then the reader fetches the snapshot the pointer
+    it read named: gone. That is no damage: the reader reads the pointer again and fetches the new snapshot
+    (it raised RemoteObjectMissing on an intact bucket). A snapshot the current pointer names that is missing
+    is still damage."""
+    from support.crash_states import DictObjectStore
+    from cnrstore.errors import RemoteObjectMissing
+
+    class Racing(DictObjectStore):
+        """The writer's copy point lands between the reader's pointer read and its snapshot fetch."""
+        race = None
+
+        def get(self, key, start=None, end=None):
+            if self.race is not None and "/index/" in key:
+                race, self.race = self.race, None
+                race()
+            return super().get(key, start, end)
+
+    objects = Racing()
+    writer = cnrstore.open(tmp_path / "w", create=True, remote=objects)
+    writer.create_table("t", 16, 2)
+
+    def commit(step):
+        with writer.checkpoint(step=step) as ck:
+            ck.put_rows("t", np.arange(16), np.full((16, 2), step, np.float32))
+        writer.sync_remote()
+
+    commit(1)
+    first = next(k for k in objects.objects if "/index/" in k)
+    objects.race = lambda: commit(2)
+    with cnrstore.open(tmp_path / "reader", readonly=True, remote=objects) as reader:
+        assert first not in objects.objects  # (the copy point deleted the snapshot the reader first read of)
+        assert [v.step for v in reader.versions()] == [1, 2] and (reader.read_table("t") == 2).all()
+    commit(3)
+    for key in [k for k in objects.objects if "/index/" in k]:
+        objects.objects.pop(key)  # the current pointer's snapshot gone: damage
+    with pytest.raises(RemoteObjectMissing):
+        cnrstore.open(tmp_path / "reader2", readonly=True, remote=objects)
+    writer.close()

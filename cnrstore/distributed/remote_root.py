@@ -56,6 +56,8 @@ log = logging.getLogger("cnrstore.distributed")
 _JOB_CHARS = set("0123456789abcdef")
 _GEN_DIR = re.compile(r"^gen-(\d{6})$")
 _MAX_POINTER_BYTES = 64 << 20
+#: A claim that loses its compare-and-swap to the owner's own swap (a save of the job it takes over) tries again
+CLAIM_TRIES = 5
 
 
 class RootPointer(NamedTuple):
@@ -222,13 +224,23 @@ class RemoteRoot(Root):
             except RemoteConflict:
                 pass  # (created meanwhile: checked below)
             self.check()
-        old = self.pointer()
-        new = (old or RootPointer(self.job))._replace(owner=self.job, tag=None)
-        try:
-            self._swap(old, new)
-        except RemoteConflict as exc:
-            raise RemoteConflict(f"another job claimed the multi-rank root {self.remote} at the same moment as this "
-                                 f"one ({exc}); start one job per root") from exc
+        for attempt in range(CLAIM_TRIES):
+            old = self.pointer()
+            new = (old or RootPointer(self.job))._replace(owner=self.job, tag=None)
+            try:
+                self._swap(old, new)
+                break
+            except RemoteConflict as exc:
+                now = self.pointer()
+                if old is not None and now is not None and now.owner == old.owner and attempt + 1 < CLAIM_TRIES:
+                    continue  # (the owner's own swap landed first -- a save of a job still running: claim again)
+                if old is not None and now is not None and now.owner == old.owner:
+                    raise RemoteConflict(
+                        f"the job {old.owner} is still saving to the multi-rank root {self.remote} (its pointer moved "
+                        f"{CLAIM_TRIES} times while this job claimed it); stop that job first") from exc
+                raise RemoteConflict(f"another job ({None if now is None else now.owner}) claimed the multi-rank root "
+                                     f"{self.remote} at the same moment as this one ({exc}); start one job per "
+                                     "root") from exc
         fs.pause_point("root_claimed", self.job)
         listed = {manifest_key(v, job) for v, job in new.versions}
         for name in self.objects.list(GLOBAL_DIR):

@@ -91,6 +91,27 @@ def read_pointer(objects: ObjectStore, fix: str = _POINTER_FIX_READER) -> Pointe
     return decode_pointer(data, objects.where(filenames.REMOTE_POINTER), fix, tag)
 
 
+#: How many times a reader follows a pointer that moved on while it fetched the snapshot the old one named
+FOLLOW_POINTER_TRIES = 5
+
+
+def fetch_snapshot_following(objects: ObjectStore, pointer: Pointer) -> tuple[Pointer, bytes]:
+    """(pointer, its snapshot's bytes) for a reader beside a live writer: if the snapshot ``pointer`` names is
+    gone, the writer may have moved the pointer on and deleted it since (a copy point); the pointer is read
+    again and, if it names another snapshot, that one is fetched (at most ``FOLLOW_POINTER_TRIES`` times).
+    Only a snapshot that the current pointer names and that is missing is damage (RemoteObjectMissing)."""
+    for _ in range(FOLLOW_POINTER_TRIES):
+        try:
+            return pointer, fetch_snapshot(objects, pointer)
+        except RemoteObjectMissing:
+            now = read_pointer(objects)
+            if now is None or now.snapshot == pointer.snapshot:
+                raise
+            fs.pause_point("remote_pointer_followed", now)
+            pointer = now
+    return pointer, fetch_snapshot(objects, pointer)
+
+
 def fetch_snapshot(objects: ObjectStore, pointer: Pointer) -> bytes:
     """The index snapshot ``pointer`` names, checked against the size and hash the pointer records."""
     data = objects.get(pointer.snapshot)
@@ -256,7 +277,8 @@ def prepare(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, reado
             write_identity(root, ident, filesystem)
         return Prepared(ident, None, Claim(None, None))
     ident = _recover_from_remote(root, objects, pointer, filesystem)
-    return _open_cache(root, objects, ident, pointer, pointer, readonly)
+    installed = read_installed(root) or pointer  # (the pointer it followed, if the writer moved it meanwhile)
+    return _open_cache(root, objects, ident, installed, installed, readonly)
 
 
 def _attach_local(root: str, objects: ObjectStore, filesystem: fs.FileSystem, readonly: bool) -> Prepared:
@@ -336,7 +358,7 @@ def _lay_out_cache(root: str, objects: ObjectStore, pointer: Pointer, filesystem
     check_no_leftovers(root, "recover from the remote into an empty or new directory")
     for path in (filenames.index_dir(root), filenames.segments_dir(root)):  # (a creation cut short left them)
         fs.check_kind(path, "store directory", directory=True)
-    data = fetch_snapshot(objects, pointer)
+    pointer, data = fetch_snapshot_following(objects, pointer)  # (INSTALLED below names the one fetched)
     if not os.path.isdir(filenames.index_dir(root)):
         filesystem.mkdir(filenames.index_dir(root))
     LocalSegmentStorage.create(root, filesystem)
@@ -375,7 +397,8 @@ def _refresh_cache(root: str, objects: ObjectStore, filesystem: fs.FileSystem,
                     "may not be written, so it reads what it holds", root,
                     None if installed is None else installed.generation, objects.url, pointer.generation)
         return installed, pointer
-    return install_snapshot(root, objects, pointer, filesystem), pointer
+    installed = install_snapshot(root, objects, pointer, filesystem)
+    return installed, installed if installed.generation > pointer.generation else pointer
 
 
 def _same(a: Pointer, b: Pointer) -> bool:
@@ -399,7 +422,7 @@ def install_snapshot(root: str, objects: ObjectStore, pointer: Pointer, filesyst
         installed = read_installed(root)
         if installed is not None and _same(installed, pointer):
             return installed  # another process installed it meanwhile
-        data = fetch_snapshot(objects, pointer)
+        pointer, data = fetch_snapshot_following(objects, pointer)
         tmp = filenames.index_repair_tmp(root)
         filesystem.remove_tree(tmp)
         filesystem.mkdir(tmp)
