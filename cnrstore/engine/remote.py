@@ -93,6 +93,8 @@ def read_pointer(objects: ObjectStore, fix: str = _POINTER_FIX_READER) -> Pointe
 
 #: How many times a reader follows a pointer that moved on while it fetched the snapshot the old one named
 FOLLOW_POINTER_TRIES = 5
+#: How many times a takeover's claim swaps again after the writer it takes over from moved the pointer first
+CLAIM_TRIES = 5
 
 
 def fetch_snapshot_following(objects: ObjectStore, pointer: Pointer) -> tuple[Pointer, bytes]:
@@ -697,7 +699,13 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
             self.identity = ident
             with contextlib.suppress(FileNotFoundError):  # (a cache's installed pointer: no longer what it is)
                 self.fs.remove(filenames.installed_pointer_path(self.root))
-            self.copy_point()
+            for attempt in range(CLAIM_TRIES):
+                try:
+                    self.copy_point()
+                    break
+                except RemoteConflict:  # (the writer taken over from swapped between the read and the swap)
+                    if attempt + 1 == CLAIM_TRIES:
+                        raise
         except BaseException:
             if claim.undo_identity:
                 with contextlib.suppress(OSError):
@@ -986,6 +994,15 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
             expected = self._claim.pointer
             if (pointer is None and expected is None) or (pointer is not None and expected is not None
                                                           and _same(pointer, expected)):
+                return pointer
+            if (pointer is not None and expected is not None and pointer.writer == expected.writer
+                    and pointer.generation > expected.generation):
+                # the writer this open takes the prefix over from went on meanwhile (a stale job's copy point,
+                # between this open's recovery and its claim): the takeover replaces that pointer too -- the
+                # one started last owns the prefix, and what the stale writer added since is nobody's
+                log.warning("cnrstore: %s: the writer %s went on to generation %d while this store took the prefix "
+                            "over from generation %d; taking it over from there (what it added since is dropped)",
+                            self.objects.url, pointer.writer, pointer.generation, expected.generation)
                 return pointer
         if pointer is not None and pointer.writer == self.identity.store_id:
             return pointer
