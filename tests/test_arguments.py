@@ -73,10 +73,13 @@ def test_names_are_short_strings_without_nul(value, ok):
     (lambda v: arguments.positive_int(v, "n"), [1, np.int64(7)], [0, -1, True, 1.0]),
     (arguments.version_arg, [None, 0, 2**70, np.uint64(5)], [-1, True, 1.5, "1"]),
     (arguments.step_arg, [None, -2**63, 2**64 - 1], [2**64, -2**63 - 1, False, 1.0]),
-], ids=["positive_int", "version_arg", "step_arg"])
-def test_integer_arguments(fn, good, bad):
+    (lambda v: arguments.number(v, "x"), [0, 2.5, np.float32(0.5), np.int64(3)],
+     [-1, True, "1", None, float("nan"), float("inf"), -float("inf")]),
+    (lambda v: arguments.number(v, "x", positive=True), [1e-9, 3], [0, 0.0, -0.5, float("inf"), False]),
+], ids=["positive_int", "version_arg", "step_arg", "number", "positive number"])
+def test_number_arguments(fn, good, bad):
     for v in good:
-        assert fn(v) == (None if v is None else int(v))
+        assert fn(v) == v
     for v in bad:
         with pytest.raises(InvalidArgument):
             fn(v)

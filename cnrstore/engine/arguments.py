@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import msgpack
 import numpy as np
@@ -98,6 +99,18 @@ def name(value, what: str) -> str:
     if not isinstance(value, str) or not value or "\x00" in value or len(value.encode()) > 400:
         raise InvalidArgument(f"{what} must be a non-empty string of at most 400 bytes without NUL, got {value!r}")
     return value
+
+
+def number(value, what: str, *, positive: bool = False) -> float:
+    """``value`` (a real number: int, float, numpy's; never a bool or a str) as a finite float >= 0 (> 0 with
+    ``positive``), else InvalidArgument naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{what} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        want = "a finite number > 0" if positive else "a finite number >= 0"
+        raise InvalidArgument(f"{what} must be {want}, got {value!r}")
+    return v
 
 
 def positive_int(value, what: str) -> int:
