@@ -465,8 +465,11 @@ class Follower:
     def start(self, interval_s: float = 0.2) -> None:
         """Poll on a thread every ``interval_s`` seconds (a finite number > 0, at most
         ``threading.TIMEOUT_MAX``: int, float or numpy's, never a bool or a str; else InvalidArgument) until
-        ``stop``/``close``. A poll that fails is logged (``last_error``, ``stats["errors"]``) and tried again
-        at the next interval (a store the follower opened is opened again first)."""
+        ``stop``/``close``. A poll that fails with an ``Exception`` is logged (``last_error``,
+        ``stats["errors"]``) and tried again at the next interval (a store the follower opened is opened
+        again first). Anything else raised in the thread (a ``BaseException`` such as ``SystemExit`` from
+        ``on_update``, or a failure outside the poll) is recorded the same way and ends the thread
+        (``running`` turns False); ``stop``, ``close`` and ``start`` work as before."""
         self._check_usable()
         if self.running:
             raise InvalidArgument("the follower's thread is running already; stop() it first")
@@ -480,20 +483,29 @@ class Follower:
 
     @property
     def running(self) -> bool:
-        """Whether the polling thread runs: False before ``start`` and after ``stop``/``close``."""
+        """Whether the polling thread runs: False before ``start``, after ``stop``/``close``, and after the
+        thread ended on an error it does not retry (``last_error`` says which)."""
         t = self._thread
         return t is not None and t.is_alive()
 
     def _run(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            try:
-                self.poll()
-            except Exception as exc:  # noqa: BLE001 - logged and retried at the next interval
-                self.last_error = exc
-                self.stats["errors"] += 1
-                level = logging.WARNING if isinstance(exc, (CnrError, OSError)) else logging.ERROR
-                log.log(level, "cnrstore.serving: polling %r failed (retried in %.3g s): %s: %s", self._path,
-                        interval_s, type(exc).__name__, exc, exc_info=level == logging.ERROR)
+        """The polling thread: nothing raised in it escapes. An ``Exception`` from a poll is recorded and
+        retried at the next interval; anything else is recorded and ends the thread."""
+        try:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.poll()
+                except Exception as exc:  # noqa: BLE001 - logged and retried at the next interval
+                    self._record_error(exc, f"retried in {interval_s:.3g} s")
+        except BaseException as exc:  # noqa: BLE001 - a thread's end: recorded, never raised into threading
+            self._record_error(exc, "the polling thread ends; start() it again")
+
+    def _record_error(self, exc: BaseException, then: str) -> None:
+        self.last_error = exc
+        self.stats["errors"] += 1
+        level = logging.WARNING if isinstance(exc, (CnrError, OSError)) else logging.ERROR
+        log.log(level, "cnrstore.serving: polling %r failed (%s): %s: %s", self._path, then, type(exc).__name__,
+                exc, exc_info=level == logging.ERROR)
 
     def stop(self) -> None:
         """Stop the polling thread (waits for a poll in progress); idempotent."""

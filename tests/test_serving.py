@@ -385,6 +385,71 @@ def test_what_the_arguments_accept(two_tables):
             assert not f.running
 
 
+def test_an_unexpected_error_in_the_polling_thread_is_recorded_and_retried(two_tables, monkeypatch):
+    """Any Exception a poll raises, not only a store's or the OS's (an OverflowError, a RuntimeError), is
+    recorded in last_error and retried: the thread lives on and applies the next version."""
+    store = two_tables
+    f = Follower(store.path, {})
+    try:
+        real = f.poll
+        raised = [OverflowError("timestamp out of range"), RuntimeError("something else")]
+
+        def poll():
+            if raised:
+                raise raised.pop(0)
+            return real()
+
+        monkeypatch.setattr(f, "poll", poll)
+        save(store, 1, np.arange(3), 41)
+        f.start(interval_s=0.01)
+        deadline = time.monotonic() + 10
+        while f.version != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert f.version == 2 and f.running  # retried past both errors, the thread still polling
+        assert isinstance(f.last_error, RuntimeError) and f.stats["errors"] == 2
+        f.stop()
+        assert not f.running
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize("where", ["poll", "on_update", "wait"])
+def test_what_ends_the_polling_thread_is_recorded_and_stop_close_start_still_work(two_tables, monkeypatch, where):
+    """What a poll raises that is no Exception (SystemExit from on_update, a KeyboardInterrupt), or anything
+    raised outside the poll (the wait between polls): recorded in last_error and logged, and the thread ends
+    (running False) instead of dying with a traceback; stop(), start() and close() work afterwards."""
+    store = two_tables
+    f = Follower(store.path, {})
+    try:
+        if where == "poll":
+            monkeypatch.setattr(f, "poll", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+        elif where == "on_update":
+            f.on_update = lambda *a: sys.exit(3)
+        else:  # the wait between polls fails (as an infinite interval did: an OverflowError from the wait)
+            monkeypatch.setattr(f._stop, "wait", lambda timeout: (_ for _ in ()).throw(OverflowError("time_t")))
+        save(store, 1, np.arange(3), 42)
+        f.start(interval_s=0.01)
+        deadline = time.monotonic() + 10
+        while f.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not f.running and f.stats["errors"] == 1
+        expected = {"poll": KeyboardInterrupt, "on_update": SystemExit, "wait": OverflowError}[where]
+        assert isinstance(f.last_error, expected)
+        assert f.version == (2 if where == "on_update" else 1)  # (on_update runs once the update is applied)
+        f.stop()
+        monkeypatch.undo()
+        f.on_update = None
+        save(store, 2, np.arange(3), 43)
+        f.start(interval_s=0.01)  # a new thread
+        deadline = time.monotonic() + 10
+        while f.version != 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert f.version == 3 and f.running
+    finally:
+        f.close()
+    assert not f.running
+
+
 @pytest.mark.parametrize("drop_held", [False, True])
 def test_race_gc_deletes_the_segments_a_follower_reads(two_tables, drop_held):
     """The follower stops inside its read transaction (its reader pin) while retention drops versions and GC
