@@ -99,7 +99,7 @@ import time
 import numpy as np
 
 from .maintenance import compaction
-from .engine import filenames
+from .engine import arguments, filenames
 from .engine.lock import describe_holder
 from .errors import CnrError, CorruptionError, InvalidArgument, RemoteObjectMissing, StoreLocked, StoreNotFound
 from .export import DEFAULT_MIN_ROWS, FORMATS, LAYOUTS, SOURCE_FORMATS, check_path, export
@@ -771,6 +771,9 @@ def cmd_diff(args) -> int:
     _refuse_root(args)
     from .engine import changes as changes_rule
 
+    arguments.version_arg(args.since, "V1", optional=False)
+    if args.until is not None:
+        arguments.version_arg(args.until, "V2", optional=False)
     with _open(args, readonly=True) as store:
         until = _named_version(store, args.until)
         tables = {}

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import threading
 import time
 from typing import Any, Callable, NamedTuple
@@ -28,6 +30,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from . import codecs
+from .engine import arguments
 from .engine import blocks as blocks_math
 from .engine import changes as changes_rule
 from .engine import fs
@@ -143,10 +146,13 @@ class Follower:
     every other state-dict entry the dense array ``"torch.model/<key>"`` where the store has it. Or a dict
     ``{name: np.ndarray}``: each key a table (a writable ``(num_rows, dim)`` array) or a dense array name
     (an array of its shape), updated in place; an empty dict is filled with a float32 array per table.
-    ``version``: where to start (default: the newest): loaded in full at construction (a full sync).
-    ``tables``: restrict the tables followed to these names. ``on_update(follower, old, new, stats)``:
-    called after each update is applied (``stats``: that update's ``rows_applied``, ``bytes_read``,
-    ``seconds``, ``full_sync``); an exception it raises is logged, never propagated.
+    ``version``: where to start (default: the newest; else a version number, an int >= 1): loaded in full at
+    construction (a full sync). ``tables``: restrict the tables followed to these names (one name, or an
+    iterable of str). ``on_update(follower, old, new, stats)`` (a callable, or None): called after each
+    update is applied (``stats``: that update's ``rows_applied``, ``bytes_read``, ``seconds``,
+    ``full_sync``); an ``Exception`` it raises is logged, never propagated. An argument of another type or
+    range raises InvalidArgument naming it before the target is touched (its types before the store is
+    opened; a target's entries once the store says what they must be, the store closed again then).
     """
 
     def __init__(self, source, target, *, remote=None, remote_options: dict | None = None,
@@ -154,6 +160,15 @@ class Follower:
                  on_update: Callable | None = None):
         from .store import Store
 
+        if not isinstance(source, (Store, str, os.PathLike)):
+            raise InvalidArgument(f"source must be a store path (a str or os.PathLike) or an open cnrstore.Store, "
+                                  f"got {type(source).__name__}")
+        version = arguments.version_arg(version, "version", least=1)
+        tables = arguments.table_names(tables)
+        if on_update is not None and not callable(on_update):
+            raise InvalidArgument(f"on_update must be None or a callable on_update(follower, old, new, stats), "
+                                  f"got {on_update!r}")
+        _check_target(target)
         self._remote = remote
         self._remote_options = remote_options
         self._cache_bytes = cache_bytes
@@ -181,9 +196,11 @@ class Follower:
         self.stats: dict[str, Any] = {"updates": 0, "rows_applied": 0, "bytes_read": 0, "last_update_seconds": 0.0,
                                       "full_syncs": 0, "errors": 0}
         try:
-            self._slots, self._dense = self._bind(target, tables)
+            self._slots, self._dense, filled = self._bind(target, tables)
             self._version = 0
             self._sync(version)
+            if filled:  # (an empty dict target: its arrays, once they hold the version)
+                target.update(filled)
             self.on_update = on_update
         except BaseException:
             self._close_store()
@@ -226,12 +243,12 @@ class Follower:
         return self._store
 
     # -- the target ------------------------------------------------------------------------------------
-    def _bind(self, target, tables) -> tuple[dict[str, _Slot], dict[str, _Slot]]:
-        """({table: slot}, {dense name: slot}) of ``target``, checked against the store."""
+    def _bind(self, target, tables: list[str] | None) -> tuple[dict[str, _Slot], dict[str, _Slot], dict]:
+        """({table: slot}, {dense name: slot}, {table: array} to add to an empty dict ``target`` once the first
+        sync filled them) of ``target``, checked against the store; ``target`` itself is not changed."""
         infos = self._store.tables()
         dense_names = set(self._store.dense_names())
         if tables is not None:
-            tables = [tables] if isinstance(tables, str) else list(tables)
             unknown = [t for t in tables if t not in infos]
             if unknown:
                 raise InvalidArgument(f"tables={unknown[:5]} are not tables of store {self._store.path!r} "
@@ -240,10 +257,9 @@ class Follower:
         slots: dict[str, _Slot] = {}
         dense: dict[str, _Slot] = {}
         if isinstance(target, dict):
-            if not target:
-                for name in sorted(wanted):
-                    target[name] = np.zeros((infos[name].num_rows, infos[name].dim), dtype=np.float32)
-            for name, arr in target.items():
+            filled = {} if target else {name: np.zeros((infos[name].num_rows, infos[name].dim), dtype=np.float32)
+                                        for name in sorted(wanted)}
+            for name, arr in (target or filled).items():
                 if not isinstance(arr, np.ndarray) or not arr.flags.writeable:
                     raise InvalidArgument(f"target[{name!r}] must be a writable numpy array, got {type(arr).__name__}")
                 if name in infos:
@@ -259,12 +275,9 @@ class Follower:
                 else:
                     raise InvalidArgument(f"target[{name!r}] names no table or dense array of store "
                                           f"{self._store.path!r} (tables: {sorted(infos)[:10]})")
-            return slots, dense
+            return slots, dense, filled
         import torch
-        from torch import nn
 
-        if not isinstance(target, nn.Module):
-            raise InvalidArgument(f"target must be an nn.Module or a dict of numpy arrays, got {type(target).__name__}")
         from .torch.export import embedding_tables
 
         sd = target.state_dict(keep_vars=True)
@@ -288,7 +301,7 @@ class Follower:
             if key in aliased or dname not in dense_names:
                 continue
             dense[dname] = _Slot(dname, t.data if hasattr(t, "data") else t, torch, dense=True)
-        return slots, dense
+        return slots, dense, {}
 
     # -- reading (outside the lock) --------------------------------------------------------------------
     def _compute(self, since: int, until: int | None, *, direct: bool = False) -> _Update:
@@ -432,10 +445,10 @@ class Follower:
     def rollback(self, version: int) -> int:
         """Go to ``version`` (any retained one, older or newer), reading only the rows that differ: those
         changed in ``(min, max]`` of the two versions, read at ``version``. Rows ``version`` never wrote keep
-        the values they have. VersionNotFound if ``version`` is not retained."""
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 1:
-            raise InvalidArgument(f"rollback(version={version!r}): pass a committed version number")
-        got = self._move(int(version))
+        the values they have. VersionNotFound if ``version`` is not retained; InvalidArgument if it is no version
+        number (an int >= 1: numpy's too, never a bool)."""
+        version = arguments.version_arg(version, "version", least=1, optional=False)
+        got = self._move(version)
         return self._version if got is None else got
 
     @contextlib.contextmanager
@@ -450,29 +463,49 @@ class Follower:
             self._lock.release_shared()
 
     def start(self, interval_s: float = 0.2) -> None:
-        """Poll on a thread every ``interval_s`` seconds until ``stop``/``close``. A poll that fails is logged
-        (``last_error``, ``stats["errors"]``) and tried again at the next interval (a store the follower
-        opened is opened again first)."""
+        """Poll on a thread every ``interval_s`` seconds (a finite number > 0, at most
+        ``threading.TIMEOUT_MAX``: int, float or numpy's, never a bool or a str; else InvalidArgument) until
+        ``stop``/``close``. A poll that fails with an ``Exception`` is logged (``last_error``,
+        ``stats["errors"]``) and tried again at the next interval (a store the follower opened is opened
+        again first). Anything else raised in the thread (a ``BaseException`` such as ``SystemExit`` from
+        ``on_update``, or a failure outside the poll) is recorded the same way and ends the thread
+        (``running`` turns False); ``stop``, ``close`` and ``start`` work as before."""
         self._check_usable()
-        if self._thread is not None and self._thread.is_alive():
+        if self.running:
             raise InvalidArgument("the follower's thread is running already; stop() it first")
-        interval_s = float(interval_s)
-        if not interval_s > 0:
-            raise InvalidArgument(f"interval_s must be > 0, got {interval_s!r}")
+        interval_s = arguments.number(interval_s, "interval_s", positive=True)
+        if interval_s > threading.TIMEOUT_MAX:
+            raise InvalidArgument(f"interval_s must be at most {threading.TIMEOUT_MAX:.0f} seconds (threading's "
+                                  f"TIMEOUT_MAX, the longest wait), got {interval_s!r}")
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, args=(interval_s,), name="cnrstore-follower", daemon=True)
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        """Whether the polling thread runs: False before ``start``, after ``stop``/``close``, and after the
+        thread ended on an error it does not retry (``last_error`` says which)."""
+        t = self._thread
+        return t is not None and t.is_alive()
+
     def _run(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            try:
-                self.poll()
-            except Exception as exc:  # noqa: BLE001 - logged and retried at the next interval
-                self.last_error = exc
-                self.stats["errors"] += 1
-                level = logging.WARNING if isinstance(exc, (CnrError, OSError)) else logging.ERROR
-                log.log(level, "cnrstore.serving: polling %r failed (retried in %.3g s): %s: %s", self._path,
-                        interval_s, type(exc).__name__, exc, exc_info=level == logging.ERROR)
+        """The polling thread: nothing raised in it escapes. An ``Exception`` from a poll is recorded and
+        retried at the next interval; anything else is recorded and ends the thread."""
+        try:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.poll()
+                except Exception as exc:  # noqa: BLE001 - logged and retried at the next interval
+                    self._record_error(exc, f"retried in {interval_s:.3g} s")
+        except BaseException as exc:  # noqa: BLE001 - a thread's end: recorded, never raised into threading
+            self._record_error(exc, "the polling thread ends; start() it again")
+
+    def _record_error(self, exc: BaseException, then: str) -> None:
+        self.last_error = exc
+        self.stats["errors"] += 1
+        level = logging.WARNING if isinstance(exc, (CnrError, OSError)) else logging.ERROR
+        log.log(level, "cnrstore.serving: polling %r failed (%s): %s: %s", self._path, then, type(exc).__name__,
+                exc, exc_info=level == logging.ERROR)
 
     def stop(self) -> None:
         """Stop the polling thread (waits for a poll in progress); idempotent."""
@@ -500,6 +533,17 @@ class Follower:
 
     def __repr__(self) -> str:
         return f"Follower({self._path!r}, version={self._version}, tables={len(self._slots)})"
+
+
+def _check_target(target) -> None:
+    """InvalidArgument unless ``target`` is a dict or an ``nn.Module`` (its entries are checked against the
+    store later). Torch is not imported here: an ``nn.Module`` exists only once it is."""
+    if isinstance(target, dict):
+        return
+    nn = sys.modules.get("torch.nn")
+    if nn is None or not isinstance(target, nn.Module):
+        raise InvalidArgument(f"target must be an nn.Module or a dict {{name: numpy array}}, got "
+                              f"{type(target).__name__}")
 
 
 def _rows_at(view, storage, info, rows: np.ndarray, version: int) -> tuple[np.ndarray, np.ndarray, int]:

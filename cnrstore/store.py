@@ -399,7 +399,7 @@ class Store:
         meanwhile raises the same errors from ``next()``. Works on readonly stores and remote tiers alike.
         Dense arrays: ``dense_changes``.
         """
-        names, since, until = self._changes_args(since, until, tables)
+        names, since, until, encoded = self._changes_args(since, until, tables, encoded)
 
         def each() -> Iterator[changes_rule.TableChanges]:
             for name in names:
@@ -408,7 +408,7 @@ class Store:
                     _check_changes_versions(view, since, until, self.path)
                     info = self._table_or_raise(name, view)
                     found = changes_rule.table_changes(view, self._engine.storage, info, since, until,
-                                                       encoded=bool(encoded))
+                                                       encoded=encoded)
                 yield found  # (its arrays are copies: nothing of it points into a segment's map)
 
         return each()
@@ -420,36 +420,32 @@ class Store:
         ``changes`` checks them; an unknown name raises ``MissingRows``."""
         self._check_open()
         since, until = _changes_versions(since, until)
+        names = arguments.table_names(names, "names")
         with self._engine.read() as view:
             since, until = _check_changes_versions(view, since, until, self.path)
             if names is not None:
-                names = [names] if isinstance(names, str) else list(names)
                 known = view.dense_names()
                 unknown = [n for n in names if n not in known]
                 if unknown:
                     raise MissingRows(f"no dense array named {unknown[0]!r} in this store (see dense_names())")
             return changes_rule.dense_changes(view, self._engine.storage, since, until, names)
 
-    def _changes_args(self, since, until, tables) -> tuple[list[str], int, int]:
-        """(table names, since, until) of a ``changes`` call, every argument checked."""
+    def _changes_args(self, since, until, tables, encoded) -> tuple[list[str], int, int, bool]:
+        """(table names, since, until, encoded) of a ``changes`` call, every argument checked (the types
+        before the store is read)."""
         self._check_open()
         since, until = _changes_versions(since, until)
-        if tables is not None and not isinstance(tables, str):
-            try:
-                tables = list(tables)
-            except TypeError:
-                raise InvalidArgument(f"tables must be None or table names, got {tables!r}") from None
+        tables = arguments.table_names(tables)
+        encoded = arguments.flag(encoded, "encoded")
         with self._engine.read() as view:
             since, until = _check_changes_versions(view, since, until, self.path)
             if tables is None:
                 names = sorted(view.tables())
             else:
-                names = [tables] if isinstance(tables, str) else tables
+                names = tables
                 for name in names:
-                    if not isinstance(name, str):
-                        raise InvalidArgument(f"tables must be table names (str), got {name!r}")
                     self._table_or_raise(name, view)
-        return names, since, until
+        return names, since, until, encoded
 
     def _table_or_raise(self, table: str, view: IndexView) -> dict:
         info = self._engine.table_record(table, view)
@@ -653,8 +649,8 @@ class _ReadContext:
 
 def _changes_versions(since, until) -> tuple[int, int | None]:
     """``since`` (None -> 0) and ``until`` of a changes call as non-negative ints (or None)."""
-    since = arguments.version_arg(since)
-    return (0 if since is None else since), arguments.version_arg(until)
+    since = arguments.version_arg(since, "since")
+    return (0 if since is None else since), arguments.version_arg(until, "until")
 
 
 def _check_changes_versions(view: IndexView, since: int, until: int | None, path: str) -> tuple[int, int]:

@@ -73,10 +73,13 @@ def test_names_are_short_strings_without_nul(value, ok):
     (lambda v: arguments.positive_int(v, "n"), [1, np.int64(7)], [0, -1, True, 1.0]),
     (arguments.version_arg, [None, 0, 2**70, np.uint64(5)], [-1, True, 1.5, "1"]),
     (arguments.step_arg, [None, -2**63, 2**64 - 1], [2**64, -2**63 - 1, False, 1.0]),
-], ids=["positive_int", "version_arg", "step_arg"])
-def test_integer_arguments(fn, good, bad):
+    (lambda v: arguments.number(v, "x"), [0, 2.5, np.float32(0.5), np.int64(3)],
+     [-1, True, "1", None, float("nan"), float("inf"), -float("inf")]),
+    (lambda v: arguments.number(v, "x", positive=True), [1e-9, 3], [0, 0.0, -0.5, float("inf"), False]),
+], ids=["positive_int", "version_arg", "step_arg", "number", "positive number"])
+def test_number_arguments(fn, good, bad):
     for v in good:
-        assert fn(v) == (None if v is None else int(v))
+        assert fn(v) == v
     for v in bad:
         with pytest.raises(InvalidArgument):
             fn(v)
@@ -99,3 +102,27 @@ def test_what_fits_a_record_follows_the_record_size_knob(monkeypatch):
         arguments.table_shape("t", 10, 10_000)
     with pytest.raises(InvalidArgument, match="2\\*\\*63-1"):
         arguments.table_shape("t", 2**63, 1)
+
+
+@pytest.mark.parametrize("value,out", [(None, None), ("t", ["t"]), (["a", "b"], ["a", "b"]), (("a",), ["a"]),
+                                       ({"a": 1}, ["a"]), (iter(["a"]), ["a"]), ([], [])])
+def test_table_names_are_none_a_name_or_names(value, out):
+    assert arguments.table_names(value) == out
+
+
+@pytest.mark.parametrize("value,why", [(5, "got 5$"), (b"t", "got b't'$"), ([5], "got 5 in \\[5\\]"),
+                                       (["a", None], "got None in \\['a', None\\]"), (bytearray(b"t"), "got bytearray")])
+def test_table_names_of_another_type_are_refused_naming_the_argument(value, why):
+    with pytest.raises(InvalidArgument, match="^names must be None, a name or an iterable of names \\(str\\), " + why):
+        arguments.table_names(value, "names")
+
+
+def test_versions_that_mean_a_committed_one_and_flags():
+    assert arguments.version_arg(np.int64(1), "v", least=1, optional=False) == 1
+    for bad in (0, None, True):
+        with pytest.raises(InvalidArgument, match="^v must be a version number \\(an integer >= 1\\), got"):
+            arguments.version_arg(bad, "v", least=1, optional=False)
+    assert arguments.flag(True, "encoded") is True and arguments.flag(np.bool_(False), "encoded") is False
+    for bad in (None, 1, "no"):
+        with pytest.raises(InvalidArgument, match="^encoded must be True or False"):
+            arguments.flag(bad, "encoded")

@@ -276,6 +276,47 @@ def test_errors(tmp_path):
             next(it)
 
 
+@pytest.mark.parametrize("call,kwargs,named", [
+    ("changes", {"since": True}, "since"),  # bools are not versions
+    ("changes", {"since": "1"}, "since"),
+    ("changes", {"since": 1.5}, "since"),
+    ("changes", {"since": -1}, "since"),
+    ("changes", {"since": 0, "until": False}, "until"),
+    ("changes", {"since": 0, "until": "2"}, "until"),
+    ("changes", {"since": 0, "until": 2.0}, "until"),
+    ("changes", {"since": 0, "until": -2}, "until"),
+    ("changes", {"since": 0, "tables": 5}, "tables"),
+    ("changes", {"since": 0, "tables": [5]}, "tables"),
+    ("changes", {"since": 0, "tables": ["t", None]}, "tables"),
+    ("changes", {"since": 0, "tables": b"t"}, "tables"),
+    ("changes", {"since": 0, "encoded": "no"}, "encoded"),  # (a truthy "no" read as True)
+    ("changes", {"since": 0, "encoded": None}, "encoded"),
+    ("changes", {"since": 0, "encoded": 1}, "encoded"),
+    ("dense_changes", {"since": True}, "since"),
+    ("dense_changes", {"since": 0, "until": 1.0}, "until"),
+    ("dense_changes", {"since": 0, "names": 5}, "names"),
+    ("dense_changes", {"since": 0, "names": [5]}, "names"),
+    ("dense_changes", {"since": 0, "names": b"w"}, "names"),
+])
+def test_bad_arguments_are_invalid_argument_naming_them(tmp_path, call, kwargs, named):
+    """Each argument of changes / dense_changes of the wrong type or range: InvalidArgument whose message
+    starts with the argument's name and says what to pass, raised by the call itself (before the iterator)."""
+    with cnrstore.open(tmp_path / "s", create=True) as store:
+        store.create_table("t", ROWS, DIM, block_rows=BLOCK)
+        with store.checkpoint() as ck:
+            ck.put_rows("t", np.arange(10), np.ones((10, DIM), np.float32))
+            ck.put_dense("w", np.arange(3.0))
+        with pytest.raises(InvalidArgument, match=rf"^{named} must be (a version number|None, a name|True or False)"):
+            getattr(store, call)(**kwargs)
+        assert [v.version for v in store.versions()] == [ck.version]
+        # what is accepted: numpy ints and bools, any iterable of names
+        v = np.int64(ck.version)
+        for tables in (("t",), {"t"}, {"t": 1}, (n for n in ["t"]), np.array(["t"])):
+            (tc,) = store.changes(np.uint64(0), v, tables, encoded=np.bool_(True))
+            assert tc.encoded and tc.rows.size == 10
+        assert list(store.dense_changes(np.int32(0), v, names=("w",))) == ["w"]
+
+
 def test_only_blocks_written_after_since_are_read(tmp_path, monkeypatch):
     """The cost: the records changes() loads are those of blocks with an entry in (since, until], and in
     them only the records newer than since (plus a read at since of a merge's suspect rows: none here)."""
@@ -360,6 +401,9 @@ def test_cli_diff(tmp_path):
     err = run("diff", path, v2, v1, rc=2).stderr
     assert "InvalidArgument" in err and err.count("\n") == 1
     assert "VersionNotFound" in run("diff", path, 99, 100, rc=2).stderr
+    for args, named in (((-1,), "V1"), ((v1, -2), "V2")):
+        err = run("diff", path, *args, rc=2).stderr
+        assert "InvalidArgument: " + named + " must be a version number (an integer >= 0), got -" in err, err
 
 
 def test_blocks_written_in_reads_the_keys_only(tmp_path):

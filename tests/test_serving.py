@@ -282,6 +282,174 @@ def test_background_errors_are_logged_and_retried(two_tables, monkeypatch):
         f.close()
 
 
+PATH = object()  # (in BAD_ARGUMENTS: the store's path as source)
+#: (call, keyword arguments, what the message starts with): each refused with InvalidArgument naming the argument
+BAD_ARGUMENTS = [
+    ("Follower", {"version": "3"}, "version must be a version number (an integer >= 1) or None, got '3'"),
+    ("Follower", {"version": 1.5}, "version must be a version number"),
+    ("Follower", {"version": np.float64(1)}, "version must be a version number"),
+    ("Follower", {"version": True}, "version must be a version number"),  # bools are not versions
+    ("Follower", {"version": False}, "version must be a version number"),
+    ("Follower", {"version": -1}, "version must be a version number"),
+    ("Follower", {"version": 0}, "version must be a version number"),  # 0 is no version
+    ("Follower", {"version": "3", "source": PATH}, "version must be a version number"),
+    ("Follower", {"tables": 5}, "tables must be None, a name or an iterable of names (str), got 5"),
+    ("Follower", {"tables": [5]}, "tables must be None, a name or an iterable of names (str), got 5 in [5]"),
+    ("Follower", {"tables": b"t"}, "tables must be None, a name or an iterable of names (str), got b't'"),
+    ("Follower", {"tables": ["t", None]}, "tables must be None, a name or an iterable of names (str), got None"),
+    ("Follower", {"tables": ["nope"]}, "tables=['nope'] are not tables of store"),
+    ("Follower", {"on_update": 5}, "on_update must be None or a callable"),
+    ("Follower", {"on_update": "print"}, "on_update must be None or a callable"),
+    ("Follower", {"source": 5}, "source must be a store path (a str or os.PathLike) or an open cnrstore.Store"),
+    ("Follower", {"source": None}, "source must be a store path"),
+    ("Follower", {"target": 5}, "target must be an nn.Module or a dict {name: numpy array}, got int"),
+    ("Follower", {"target": [np.zeros((ROWS, DIM), np.float32)]}, "target must be an nn.Module or a dict"),
+    ("Follower", {"target": None}, "target must be an nn.Module or a dict"),
+    ("Follower", {"target": {"t": np.zeros((2, 2), np.float32)}}, "target['t'] is (2, 2)"),
+    ("Follower", {"target": {"t": [[0.0] * DIM] * ROWS}}, "target['t'] must be a writable numpy array"),
+    ("Follower", {"cache_bytes": 0}, "remote, remote_options and cache_bytes apply to a store path"),
+    ("Follower", {"source": PATH, "cache_bytes": "x"}, "remote_options, cache_bytes, remote_every and "),
+    ("Follower", {"source": PATH, "remote": 5}, "remote=5 is not a URL"),
+    ("start", {"interval_s": "x"}, "interval_s must be a number, got 'x'"),
+    ("start", {"interval_s": "0.1"}, "interval_s must be a number, got '0.1'"),
+    ("start", {"interval_s": None}, "interval_s must be a number, got None"),
+    ("start", {"interval_s": True}, "interval_s must be a number, got True"),
+    ("start", {"interval_s": float("inf")}, "interval_s must be a finite number > 0, got inf"),
+    ("start", {"interval_s": -float("inf")}, "interval_s must be a finite number > 0"),
+    ("start", {"interval_s": float("nan")}, "interval_s must be a finite number > 0, got nan"),
+    ("start", {"interval_s": 0}, "interval_s must be a finite number > 0, got 0"),
+    ("start", {"interval_s": -0.5}, "interval_s must be a finite number > 0"),
+    ("start", {"interval_s": 1e300}, "interval_s must be at most "),  # finite, beyond the longest wait
+    ("rollback", {"version": "2"}, "version must be a version number (an integer >= 1), got '2'"),
+    ("rollback", {"version": 1.5}, "version must be a version number (an integer >= 1), got 1.5"),
+    ("rollback", {"version": True}, "version must be a version number (an integer >= 1), got True"),
+    ("rollback", {"version": 0}, "version must be a version number (an integer >= 1), got 0"),
+    ("rollback", {"version": -1}, "version must be a version number (an integer >= 1), got -1"),
+    ("rollback", {"version": None}, "version must be a version number (an integer >= 1), got None"),
+]
+
+
+@pytest.mark.parametrize("call,kwargs,message", BAD_ARGUMENTS,
+                         ids=[f"{c}-{'-'.join(f'{k}={v!r}'[:30] for k, v in kw.items())}" for c, kw, _m in BAD_ARGUMENTS])
+def test_bad_arguments_are_invalid_argument_naming_them_and_change_nothing(two_tables, call, kwargs, message):
+    """Issue 49: every argument of Follower, start and rollback of the wrong type or range raises
+    InvalidArgument whose message names it and says what to pass, before anything changes: the follower
+    serves the version it held (no thread started), the target is untouched, a Store passed in stays open."""
+    store = two_tables
+    save(store, 1, np.arange(20), 70)  # version 2: something for a poll or a rollback to change
+    held = {"t": np.zeros((ROWS, DIM), np.float32), "q": np.zeros((ROWS, DIM), np.float32)}
+    f = Follower(store, held, version=1)
+    try:
+        before = {name: arr.copy() for name, arr in held.items()}
+        stats = dict(f.stats)
+        if call == "Follower":
+            kwargs = dict(kwargs)
+            source = kwargs.pop("source", store)
+            target = kwargs.pop("target", {})
+            original = {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
+                        for k, v in target.items()} if isinstance(target, dict) else None
+            with pytest.raises(InvalidArgument) as err:
+                Follower(store.path if source is PATH else source, target, **kwargs)
+            if isinstance(target, dict):  # untouched: an empty dict is not filled, arrays keep their bits
+                assert list(target) == list(original)
+                for k, v in target.items():
+                    assert np.array_equal(bits(v), bits(original[k])) if isinstance(v, np.ndarray) else v == original[k]
+        else:
+            with pytest.raises(InvalidArgument) as err:
+                getattr(f, call)(**kwargs)
+        assert str(err.value).startswith(message), str(err.value)
+        assert f.version == 1 and not f.running and f.last_error is None and f.stats == stats
+        for name, arr in held.items():
+            assert np.array_equal(bits(arr), bits(before[name])), name
+        same_as_store(held, store, 1)
+        assert [v.version for v in store.versions()] == [1, 2]  # the Store given is still open
+        assert f.poll() == 2  # and the follower still works
+    finally:
+        f.close()
+
+
+def test_what_the_arguments_accept(two_tables):
+    """numpy ints for versions, numpy floats and ints for interval_s, one name or any iterable of names."""
+    store = two_tables
+    save(store, 1, np.arange(20), 71)
+    for tables in ("t", ("t",), {"t"}, {"t": 0}, (n for n in ["t"]), np.array(["t"])):
+        target = {}
+        with Follower(store, target, version=np.int64(1), tables=tables, on_update=print) as f:
+            assert list(target) == ["t"] and f.version == 1
+    with Follower(store.path, {}, version=np.uint8(1), tables=[]) as f:
+        assert f.rollback(np.int32(2)) == 2 and f.rollback(np.uint64(1)) == 1
+        for interval in (np.float32(0.01), 1, np.int64(2)):
+            f.start(interval_s=interval)
+            assert f.running
+            f.stop()
+            assert not f.running
+
+
+def test_an_unexpected_error_in_the_polling_thread_is_recorded_and_retried(two_tables, monkeypatch):
+    """Any Exception a poll raises, not only a store's or the OS's (an OverflowError, a RuntimeError), is
+    recorded in last_error and retried: the thread lives on and applies the next version."""
+    store = two_tables
+    f = Follower(store.path, {})
+    try:
+        real = f.poll
+        raised = [OverflowError("timestamp out of range"), RuntimeError("something else")]
+
+        def poll():
+            if raised:
+                raise raised.pop(0)
+            return real()
+
+        monkeypatch.setattr(f, "poll", poll)
+        save(store, 1, np.arange(3), 41)
+        f.start(interval_s=0.01)
+        deadline = time.monotonic() + 10
+        while f.version != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert f.version == 2 and f.running  # retried past both errors, the thread still polling
+        assert isinstance(f.last_error, RuntimeError) and f.stats["errors"] == 2
+        f.stop()
+        assert not f.running
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize("where", ["poll", "on_update", "wait"])
+def test_what_ends_the_polling_thread_is_recorded_and_stop_close_start_still_work(two_tables, monkeypatch, where):
+    """What a poll raises that is no Exception (SystemExit from on_update, a KeyboardInterrupt), or anything
+    raised outside the poll (the wait between polls): recorded in last_error and logged, and the thread ends
+    (running False) instead of dying with a traceback; stop(), start() and close() work afterwards."""
+    store = two_tables
+    f = Follower(store.path, {})
+    try:
+        if where == "poll":
+            monkeypatch.setattr(f, "poll", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+        elif where == "on_update":
+            f.on_update = lambda *a: sys.exit(3)
+        else:  # the wait between polls fails (as an infinite interval did: an OverflowError from the wait)
+            monkeypatch.setattr(f._stop, "wait", lambda timeout: (_ for _ in ()).throw(OverflowError("time_t")))
+        save(store, 1, np.arange(3), 42)
+        f.start(interval_s=0.01)
+        deadline = time.monotonic() + 10
+        while f.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not f.running and f.stats["errors"] == 1
+        expected = {"poll": KeyboardInterrupt, "on_update": SystemExit, "wait": OverflowError}[where]
+        assert isinstance(f.last_error, expected)
+        assert f.version == (2 if where == "on_update" else 1)  # (on_update runs once the update is applied)
+        f.stop()
+        monkeypatch.undo()
+        f.on_update = None
+        save(store, 2, np.arange(3), 43)
+        f.start(interval_s=0.01)  # a new thread
+        deadline = time.monotonic() + 10
+        while f.version != 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert f.version == 3 and f.running
+    finally:
+        f.close()
+    assert not f.running
+
+
 @pytest.mark.parametrize("drop_held", [False, True])
 def test_race_gc_deletes_the_segments_a_follower_reads(two_tables, drop_held):
     """The follower stops inside its read transaction (its reader pin) while retention drops versions and GC

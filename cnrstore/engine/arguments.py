@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import reprlib
 
 import msgpack
 import numpy as np
@@ -100,20 +102,63 @@ def name(value, what: str) -> str:
     return value
 
 
+def number(value, what: str, *, positive: bool = False) -> float:
+    """``value`` (a real number: int, float, numpy's; never a bool or a str) as a finite float >= 0 (> 0 with
+    ``positive``), else InvalidArgument naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{what} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        want = "a finite number > 0" if positive else "a finite number >= 0"
+        raise InvalidArgument(f"{what} must be {want}, got {value!r}")
+    return v
+
+
 def positive_int(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise InvalidArgument(f"{what} must be a positive integer, got {value!r}")
     return int(value)
 
 
-def version_arg(value) -> int | None:
-    """None, or a non-negative integer. One beyond what was ever committed (2**64 and up included) is left
-    for the read to report as VersionNotFound (API.md)."""
+def version_arg(value, what: str = "version", *, least: int = 0, optional: bool = True) -> int | None:
+    """None (where ``optional``), or an integer >= ``least`` (0; 1 where 0, no version, means nothing):
+    numpy's too, never a bool, a float or a str. One beyond what was ever committed (2**64 and up included)
+    is left for the read to report as VersionNotFound (API.md). InvalidArgument naming ``what`` otherwise."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        none = " or None" if optional else ""
+        raise InvalidArgument(f"{what} must be a version number (an integer >= {least}){none}, got {value!r}")
+    return int(value)
+
+
+def table_names(value, what: str = "tables") -> list[str] | None:
+    """None, or ``value`` (one name, or an iterable of names: a list, a tuple, a set, a dict's keys, ...) as a
+    list of str; InvalidArgument naming ``what`` for anything else (bytes, a number, an iterable holding a
+    non-str). Whether each name exists is the caller's to check."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise InvalidArgument(f"version must be a non-negative integer or None, got {value!r}")
-    return int(value)
+    if isinstance(value, str):
+        return [value]
+    names = None
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            names = list(value)
+        except TypeError:
+            pass
+    if names is None or not all(isinstance(n, str) for n in names):
+        bad = value if names is None else next(n for n in names if not isinstance(n, str))
+        raise InvalidArgument(f"{what} must be None, a name or an iterable of names (str), got "
+                              f"{reprlib.repr(bad)}" + ("" if names is None else f" in {reprlib.repr(value)}"))
+    return names
+
+
+def flag(value, what: str) -> bool:
+    """``value`` as a bool: True or False (numpy's too); InvalidArgument naming ``what`` for anything else
+    (None, 0, a str: a truthy "no" would read as True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidArgument(f"{what} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def widest_row_bytes(dim: int) -> int:

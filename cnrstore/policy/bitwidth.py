@@ -33,6 +33,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
+from cnrstore.engine import arguments
 from cnrstore.errors import InvalidArgument
 
 __all__ = ["BitWidthPolicy", "PAPER_TABLE", "CALIBRATED_TABLE", "FALLBACK_BITS"]
@@ -45,17 +46,6 @@ CALIBRATED_TABLE: tuple[tuple[float, int], ...] = ((1.0, 4),)
 FALLBACK_BITS = 8
 #: Bit widths that have an adaptive (searched clipping range) codec.
 _ADAPTIVE_BITS = frozenset({2, 3, 4})
-
-
-def _number(name: str, value, *, positive: bool = False) -> float:
-    """``value`` as a finite float >= 0 (> 0 with ``positive``), else :class:`InvalidArgument`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidArgument(f"{name} must be a number, got {value!r}")
-    v = float(value)
-    if not math.isfinite(v) or v < 0 or (positive and v == 0):
-        want = "a finite number > 0" if positive else "a finite number >= 0"
-        raise InvalidArgument(f"{name} must be {want}, got {value!r}")
-    return v
 
 
 def _bits(name: str, value) -> int:
@@ -126,14 +116,14 @@ class BitWidthPolicy:
                 raise InvalidArgument(
                     "job_hours goes with failures_per_hour or mtbf_hours, not with expected_restores"
                 )
-            return _number("expected_restores", expected)
+            return arguments.number(expected, "expected_restores")
         if job_hours is None:
             raise InvalidArgument(f"{given[0]} needs job_hours, the job's expected length in hours")
-        hours = _number("job_hours", job_hours)
+        hours = arguments.number(job_hours, "job_hours")
         if failures_per_hour is not None:
-            estimate = _number("failures_per_hour", failures_per_hour) * hours
+            estimate = arguments.number(failures_per_hour, "failures_per_hour") * hours
         else:
-            estimate = hours / _number("mtbf_hours", mtbf_hours, positive=True)
+            estimate = hours / arguments.number(mtbf_hours, "mtbf_hours", positive=True)
         if not math.isfinite(estimate):
             raise InvalidArgument(f"expected restores overflow: {estimate!r}")
         return estimate
@@ -150,7 +140,7 @@ class BitWidthPolicy:
         for i, row in enumerate(rows):
             if len(row) != 2:
                 raise InvalidArgument(f"table row {i} must be a (most restores, bits) pair, got {row!r}")
-            bound = _number(f"table row {i} restores", row[0])
+            bound = arguments.number(row[0], f"table row {i} restores")
             bits = _bits(f"table row {i} bits", row[1])
             if out and not (bound > out[-1][0] and bits > out[-1][1]):
                 raise InvalidArgument(
