@@ -282,7 +282,14 @@ def test_background_errors_are_logged_and_retried(two_tables, monkeypatch):
         f.close()
 
 
-PATH = object()  # (in BAD_ARGUMENTS: the store's path as source)
+class _Path:
+    """In BAD_ARGUMENTS: the store's path as source (a stable repr, for test ids every xdist worker agrees on)."""
+
+    def __repr__(self):
+        return "PATH"
+
+
+PATH = _Path()
 #: (call, keyword arguments, what the message starts with): each refused with InvalidArgument naming the argument
 BAD_ARGUMENTS = [
     ("Follower", {"version": "3"}, "version must be a version number (an integer >= 1) or None, got '3'"),
