@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 import reprlib
 
 import msgpack
@@ -12,6 +11,7 @@ import numpy as np
 from . import blocks as blocks_math
 from .. import codecs, knobs
 from . import record
+from ..checks import number  # noqa: F401 (the engine's argument checks include it: serving.py)
 from ..errors import InvalidArgument
 
 #: Row ids are int64 (in memory and as the index's block keys), so a table has fewer than 2**63 rows.
@@ -100,18 +100,6 @@ def name(value, what: str) -> str:
     if not isinstance(value, str) or not value or "\x00" in value or len(value.encode()) > 400:
         raise InvalidArgument(f"{what} must be a non-empty string of at most 400 bytes without NUL, got {value!r}")
     return value
-
-
-def number(value, what: str, *, positive: bool = False) -> float:
-    """``value`` (a real number: int, float, numpy's; never a bool or a str) as a finite float >= 0 (> 0 with
-    ``positive``), else InvalidArgument naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidArgument(f"{what} must be a number, got {value!r}")
-    v = float(value)
-    if not math.isfinite(v) or v < 0 or (positive and v == 0):
-        want = "a finite number > 0" if positive else "a finite number >= 0"
-        raise InvalidArgument(f"{what} must be {want}, got {value!r}")
-    return v
 
 
 def positive_int(value, what: str) -> int:

@@ -33,7 +33,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
-from cnrstore.engine import arguments
+from cnrstore import checks
 from cnrstore.errors import InvalidArgument
 
 __all__ = ["BitWidthPolicy", "PAPER_TABLE", "CALIBRATED_TABLE", "FALLBACK_BITS"]
@@ -116,14 +116,14 @@ class BitWidthPolicy:
                 raise InvalidArgument(
                     "job_hours goes with failures_per_hour or mtbf_hours, not with expected_restores"
                 )
-            return arguments.number(expected, "expected_restores")
+            return checks.number(expected, "expected_restores")
         if job_hours is None:
             raise InvalidArgument(f"{given[0]} needs job_hours, the job's expected length in hours")
-        hours = arguments.number(job_hours, "job_hours")
+        hours = checks.number(job_hours, "job_hours")
         if failures_per_hour is not None:
-            estimate = arguments.number(failures_per_hour, "failures_per_hour") * hours
+            estimate = checks.number(failures_per_hour, "failures_per_hour") * hours
         else:
-            estimate = hours / arguments.number(mtbf_hours, "mtbf_hours", positive=True)
+            estimate = hours / checks.number(mtbf_hours, "mtbf_hours", positive=True)
         if not math.isfinite(estimate):
             raise InvalidArgument(f"expected restores overflow: {estimate!r}")
         return estimate
@@ -140,7 +140,7 @@ class BitWidthPolicy:
         for i, row in enumerate(rows):
             if len(row) != 2:
                 raise InvalidArgument(f"table row {i} must be a (most restores, bits) pair, got {row!r}")
-            bound = arguments.number(row[0], f"table row {i} restores")
+            bound = checks.number(row[0], f"table row {i} restores")
             bits = _bits(f"table row {i} bits", row[1])
             if out and not (bound > out[-1][0] and bits > out[-1][1]):
                 raise InvalidArgument(

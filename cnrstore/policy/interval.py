@@ -52,7 +52,7 @@ import math
 import numbers
 from dataclasses import asdict, dataclass
 
-from cnrstore.engine import arguments
+from cnrstore import checks
 from cnrstore.errors import InvalidArgument
 
 __all__ = ["CheckpointInterval", "Overhead", "young_interval", "daly_interval", "partial_interval",
@@ -145,9 +145,9 @@ class CheckpointInterval:
         full_rule: str = "daly",
         smoothing: float = 0.25,
     ) -> None:
-        self._mtbf_s = arguments.number(mtbf_s, "mtbf_s", positive=True)
-        self._save_cost_s = arguments.number(save_cost_s, "save_cost_s", positive=True)
-        self._restore_cost_s = arguments.number(restore_cost_s, "restore_cost_s")
+        self._mtbf_s = checks.number(mtbf_s, "mtbf_s", positive=True)
+        self._save_cost_s = checks.number(save_cost_s, "save_cost_s", positive=True)
+        self._restore_cost_s = checks.number(restore_cost_s, "restore_cost_s")
         if recovery not in RECOVERY_MODES:
             raise InvalidArgument(f"recovery must be 'full' or 'partial', got {recovery!r}")
         self._recovery = recovery
@@ -191,7 +191,7 @@ class CheckpointInterval:
     def from_failure_rate(cls, failures_per_hour: float, save_cost_s: float, restore_cost_s: float = 0.0,
                           **kwargs) -> CheckpointInterval:
         """From the job's failure rate per hour (> 0): ``MTBF = 3600 / failures_per_hour`` seconds."""
-        rate = arguments.number(failures_per_hour, "failures_per_hour", positive=True)
+        rate = checks.number(failures_per_hour, "failures_per_hour", positive=True)
         mtbf = _finite("MTBF", _HOUR_S / rate, "pass a larger failures_per_hour")
         return cls(mtbf, save_cost_s, restore_cost_s, **kwargs)
 
@@ -199,7 +199,7 @@ class CheckpointInterval:
     def from_mtbf_hours(cls, mtbf_hours: float, save_cost_s: float, restore_cost_s: float = 0.0,
                         **kwargs) -> CheckpointInterval:
         """From the job's MTBF in hours (> 0)."""
-        hours = arguments.number(mtbf_hours, "mtbf_hours", positive=True)
+        hours = checks.number(mtbf_hours, "mtbf_hours", positive=True)
         mtbf = _finite("MTBF", hours * _HOUR_S, "pass a smaller mtbf_hours")
         return cls(mtbf, save_cost_s, restore_cost_s, **kwargs)
 
@@ -208,15 +208,15 @@ class CheckpointInterval:
                                restore_cost_s: float = 0.0, **kwargs) -> CheckpointInterval:
         """From the failures expected over a job of ``job_hours`` (both > 0), as given to
         ``BitWidthPolicy(expected_restores=...)``: ``MTBF = job_hours · 3600 / expected_failures``."""
-        expected = arguments.number(expected_failures, "expected_failures", positive=True)
-        hours = arguments.number(job_hours, "job_hours", positive=True)
+        expected = checks.number(expected_failures, "expected_failures", positive=True)
+        hours = checks.number(job_hours, "job_hours", positive=True)
         mtbf = _finite("MTBF", hours * _HOUR_S / expected,
                        "pass job_hours and expected_failures of comparable magnitude")
         return cls(mtbf, save_cost_s, restore_cost_s, **kwargs)
 
     def expected_failures(self, job_hours: float) -> float:
         """Failures expected over ``job_hours``: what ``BitWidthPolicy(expected_restores=...)`` takes."""
-        return arguments.number(job_hours, "job_hours") * _HOUR_S / self._mtbf_s
+        return checks.number(job_hours, "job_hours") * _HOUR_S / self._mtbf_s
 
     # -- state -------------------------------------------------------------------------------------------
 
@@ -262,7 +262,7 @@ class CheckpointInterval:
     def interval_steps(self, step_time_s: float) -> int:
         """The interval in training steps of ``step_time_s`` seconds (> 0): rounded down, so that a
         partial-recovery job stays within its PLS target, and at least 1."""
-        step = arguments.number(step_time_s, "step_time_s", positive=True)
+        step = checks.number(step_time_s, "step_time_s", positive=True)
         interval = self.interval_s()
         n = math.floor(interval / step)
         if (n + 1) * step <= interval:    # the quotient rounded below a whole number (0.6 / 1e-4 = 5999.99...)
@@ -272,7 +272,7 @@ class CheckpointInterval:
     def expected_overhead(self, interval_s: float | None = None) -> Overhead:
         """The expected overhead (see :class:`Overhead`) at ``interval_s`` (> 0), by default at
         :meth:`interval_s`; pass the interval a run actually used to compare with its measurements."""
-        tau = self.interval_s() if interval_s is None else arguments.number(interval_s, "interval_s", positive=True)
+        tau = self.interval_s() if interval_s is None else checks.number(interval_s, "interval_s", positive=True)
         save = self._save_cost_s / tau
         restore = self._restore_cost_s / self._mtbf_s
         if self._recovery == "full":
@@ -290,7 +290,7 @@ class CheckpointInterval:
     def observe_save(self, seconds: float) -> float:
         """Record a measured save cost (> 0 seconds: the trainer's stall for one checkpoint). Returns
         :meth:`interval_s` under the updated cost."""
-        s = arguments.number(seconds, "seconds", positive=True)
+        s = checks.number(seconds, "seconds", positive=True)
         self._save_cost_s = self._blend(self._save_cost_s, s, self._saves_observed)
         self._saves_observed += 1
         return self.interval_s()
@@ -298,7 +298,7 @@ class CheckpointInterval:
     def observe_restore(self, seconds: float) -> float:
         """Record a measured restore cost (>= 0 seconds, from failure to training again). Returns
         :meth:`interval_s` (which the restore cost does not move; see the module doc)."""
-        s = arguments.number(seconds, "seconds")
+        s = checks.number(seconds, "seconds")
         self._restore_cost_s = self._blend(self._restore_cost_s, s, self._restores_observed)
         self._restores_observed += 1
         return self.interval_s()
@@ -323,8 +323,8 @@ class CheckpointInterval:
             n_save, n_restore = state["saves_observed"], state["restores_observed"]
         except (TypeError, KeyError) as exc:
             raise InvalidArgument(f"not a CheckpointInterval state: {state!r}") from exc
-        save = arguments.number(save, "save_cost_s", positive=True)
-        restore = arguments.number(restore, "restore_cost_s")
+        save = checks.number(save, "save_cost_s", positive=True)
+        restore = checks.number(restore, "restore_cost_s")
         for name, n in (("saves_observed", n_save), ("restores_observed", n_restore)):
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
                 raise InvalidArgument(f"{name} must be an integer >= 0, got {n!r}")
