@@ -162,7 +162,7 @@ class RemoteRoot(Root):
         try:
             data, tag = self.objects.get_tagged(ROOT_POINTER)
         except RemoteObjectMissing:
-            damage = pointer_missing(self.objects, ROOT_POINTER, (MARKER,))
+            damage = pointer_missing(self.objects, ROOT_POINTER, ("gen-", f"{GLOBAL_DIR}/"))
             if damage is not None:
                 raise RemoteObjectMissing(
                     f"{damage}. It lists the root's global versions: put it back (a bucket with versioning keeps "

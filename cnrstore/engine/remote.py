@@ -50,7 +50,7 @@ from .storage import LocalSegmentStorage
 from ..errors import (CnrError, CorruptionError, InvalidArgument, RemoteConflict, RemoteObjectMissing,
                       RemoteStorageError, RemoteTakenOver, StoreLocked, StoreNotFound)
 
-__all__ = ["ObjectStore", "FsspecObjectStore", "RemoteSegmentStorage", "open_storage", "storage_for",
+__all__ = ["ObjectStore", "FsspecObjectStore", "RemoteSegmentStorage", "STORE_FOLDERS", "open_storage", "storage_for",
            "repair_storage", "read_pointer", "pointer_missing", "check_local_only", "kept_remotely"]
 
 log = logging.getLogger("cnrstore.engine.remote")
@@ -125,13 +125,19 @@ def fetch_snapshot(objects: ObjectStore, pointer: Pointer) -> bytes:
     return data
 
 
-def pointer_missing(objects: ObjectStore, pointer: str, others=()) -> RemoteObjectMissing | None:
-    """Damage, if the prefix of ``objects`` holds objects besides ``pointer`` (and ``others``, e.g. a root's
-    marker) while ``pointer`` is missing: a pointer is never deleted, and nothing is written before it exists,
-    so its objects without it mean it was deleted (an operator's ``rm``, a lifecycle rule, a partial copy).
-    None: the prefix holds nothing else (a new, or emptied, one). Lists the prefix: called only where the
-    pointer is missing."""
-    keys = sorted(k for k in objects.list_tree("") if k != pointer and k not in others)
+#: The top-level folders of a store's objects under its prefix: writers' folders, and format 1's segments and
+#: index snapshots (remote_layout.py)
+STORE_FOLDERS = (f"{filenames.REMOTE_WRITERS_DIR}/", "segments/", "index/")
+
+
+def pointer_missing(objects: ObjectStore, pointer: str, folders=STORE_FOLDERS) -> RemoteObjectMissing | None:
+    """Damage, if the prefix of ``objects`` holds objects under ``folders`` (those its pointer would name: a
+    store's, by default; a multi-rank root's ``gen-*/`` and ``global/``) while ``pointer`` is missing: a pointer
+    is never deleted, and none of them is written before it exists, so they without it mean it was deleted (an
+    operator's ``rm``, a lifecycle rule, a partial copy). None: there are none (a new, or emptied, prefix;
+    other objects beside them are not the store's business). Lists the prefix: called only where the pointer
+    is missing."""
+    keys = sorted(k for k in objects.list_tree("") if k.startswith(tuple(folders)))
     if not keys:
         return None
     shown = ", ".join(keys[:3]) + (f", ... ({len(keys)} objects)" if len(keys) > 3 else "")
