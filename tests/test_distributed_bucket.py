@@ -343,13 +343,8 @@ def test_a_sub_prefix_and_a_tree_listing_on_s3(s3_endpoint, s3_bucket):
     assert objects.get("gen-000001/rank-00000/CURRENT") == b"r"
 
 
-def test_a_deleted_root_pointer_is_damage_no_job_claims_the_root_and_nothing_is_deleted(tmp_path, group):
-    """Issue 49 fault 1: with ROOT deleted (an operator's rm, a lifecycle rule) and every other object there,
-    a reader saw an empty root and the next job's claim deleted every manifest, segment and snapshot. Now a
-    reader gets RemoteObjectMissing naming the fix, a job refuses to start, nothing is deleted, and with ROOT
-    back every version restores bit for bit."""
-    from cnrstore.errors import RemoteObjectMissing
-
+def four_versions(tmp_path):
+    """(an in-memory bucket holding a root with global versions 1-4 of a one-rank job, {version: its state})."""
     objects = DictObjectStore()
     ck, model, opt = job(tmp_path / "n1", objects)
     states = {}
@@ -357,6 +352,17 @@ def test_a_deleted_root_pointer_is_damage_no_job_claims_the_root_and_nothing_is_
         train(model, opt, i)
         states[ck.save(step=i).wait()] = state(model)
     ck.close()
+    return objects, states
+
+
+def test_a_deleted_root_pointer_is_damage_no_job_claims_the_root_and_nothing_is_deleted(tmp_path, group):
+    """Issue 49 fault 1: with ROOT deleted (an operator's rm, a lifecycle rule) and every other object there,
+    a reader saw an empty root and the next job's claim deleted every manifest, segment and snapshot. Now a
+    reader gets RemoteObjectMissing naming the fix, a job refuses to start, nothing is deleted, and with ROOT
+    back every version restores bit for bit."""
+    from cnrstore.errors import RemoteObjectMissing
+
+    objects, states = four_versions(tmp_path)
     root = objects.objects.pop("ROOT")
     before = dict(objects.objects)
     with pytest.raises(RemoteObjectMissing, match="ROOT is missing.*repair") as exc:
@@ -385,13 +391,7 @@ def test_repair_rebuilds_a_deleted_or_damaged_root_pointer_from_its_objects(tmp_
     from cnrstore.distributed import repair_root
     from cnrstore.distributed.remote_root import manifest_key
 
-    objects = DictObjectStore()
-    ck, model, opt = job(tmp_path / "n1", objects)
-    states = {}
-    for i in range(4):
-        train(model, opt, i)
-        states[ck.save(step=i).wait()] = state(model)
-    ck.close()
+    objects, states = four_versions(tmp_path)
     good = dict(objects.objects)
     # a stale job's manifest of version 4 (never listed), and a manifest naming a local version that is gone
     objects.objects[manifest_key(4, "ab" * 16)] = objects.objects[next(k for k in good if k.startswith("global/g-000000000004"))]

@@ -551,6 +551,21 @@ def test_a_reader_that_meets_a_newer_pointer_follows_it_instead_of_calling_the_b
     writer.close()
 
 
+def commit_and_copy(store, step):
+    """A version of table t holding ``step`` in every row, then a copy point."""
+    with store.checkpoint(step=step) as ck:
+        ck.put_rows("t", np.arange(16), np.full((16, 2), step, np.float32))
+    store.sync_remote()
+
+
+def a_writer(tmp_path, objects):
+    """Store "a" on ``objects``, its version 1 copied."""
+    a = cnrstore.open(tmp_path / "a", create=True, remote=objects)
+    a.create_table("t", 16, 2)
+    commit_and_copy(a, 1)
+    return a
+
+
 def test_a_takeover_wins_against_the_stale_writers_copy_point_between_its_recovery_and_its_claim(tmp_path):
     """Issue 49 fault 3, by schedule: machine B recovers a prefix from the bucket to take it over, and the
     stale writer A (not quite dead) makes a copy point before B's claim. B used to lose (RemoteTakenOver: "one
@@ -568,30 +583,22 @@ def test_a_takeover_wins_against_the_stale_writers_copy_point_between_its_recove
             return super().get_tagged(key)
 
     objects = Racing()
-    a = cnrstore.open(tmp_path / "a", create=True, remote=objects)
-    a.create_table("t", 16, 2)
-
-    def commit(store, step):
-        with store.checkpoint(step=step) as ck:
-            ck.put_rows("t", np.arange(16), np.full((16, 2), step, np.float32))
-        store.sync_remote()
-
-    commit(a, 1)
+    a = a_writer(tmp_path, objects)
     reads = []
 
     def race():
         reads.append(1)
         if len(reads) == 2:  # B's claim is about to read the pointer: A's copy point lands first
             objects.on_pointer_read = None
-            commit(a, 2)
+            commit_and_copy(a, 2)
 
     objects.on_pointer_read = race
     b = cnrstore.open(tmp_path / "b", remote=objects)  # a writable open of a fresh directory: a takeover
     assert len(reads) >= 2
     assert [v.step for v in b.versions()] == [1]  # what B recovered: A's version 2 is nobody's now
-    commit(b, 3)
+    commit_and_copy(b, 3)
     with pytest.raises(RemoteTakenOver):
-        commit(a, 4)
+        commit_and_copy(a, 4)
     with cnrstore.open(tmp_path / "reader", readonly=True, remote=objects) as reader:
         assert [v.step for v in reader.versions()] == [1, 3] and (reader.read_table("t") == 3).all()
     b.close()
@@ -613,20 +620,12 @@ def test_a_takeover_whose_swap_loses_to_the_stale_writer_swaps_again(tmp_path):
             return super().put_if(key, data, tag)
 
     objects = Racing()
-    a = cnrstore.open(tmp_path / "a", create=True, remote=objects)
-    a.create_table("t", 16, 2)
-
-    def commit(store, step):
-        with store.checkpoint(step=step) as ck:
-            ck.put_rows("t", np.arange(16), np.full((16, 2), step, np.float32))
-        store.sync_remote()
-
-    commit(a, 1)
-    objects.before_swap = lambda: commit(a, 2)  # (fires on B's claim: the first swap after this line)
+    a = a_writer(tmp_path, objects)
+    objects.before_swap = lambda: commit_and_copy(a, 2)  # (fires on B's claim: the first swap after this line)
     b = cnrstore.open(tmp_path / "b", remote=objects)
-    commit(b, 3)
+    commit_and_copy(b, 3)
     with pytest.raises(RemoteTakenOver):
-        commit(a, 4)
+        commit_and_copy(a, 4)
     with cnrstore.open(tmp_path / "reader", readonly=True, remote=objects) as reader:
         assert [v.step for v in reader.versions()] == [1, 3]
     b.close()
