@@ -1,4 +1,4 @@
-"""A packed set of row ids: one bit per row of an embedding table (``tracking.Table``'s masks).
+"""A packed set of row ids: one bit per row of an embedding table (``tracking.Table.since_baseline``).
 
 Row ``r`` is bit ``r % 32`` of the int32 word ``r // 32``, so the words viewed as little-endian bytes are
 ``numpy.packbits(mask, bitorder="little")``. Bits past ``num_rows`` are always zero. The words live on the
@@ -6,8 +6,8 @@ weight's device and are allocated at the first set bit: a mask that is never set
 incremental mode) holds no memory.
 
 Setting bits is vectorized and exact with duplicate ids and with ids sharing a word (an OR scatter): on
-CPU through numpy (single-threaded, no intra-op pool to wake up inside a forward pass; the OR scatter
-``np.bitwise_or.at`` only for the ids whose bit is not set yet), on other devices through torch with no host synchronization (a sort drops duplicate ids, then each
+CPU through numpy (single-threaded; the OR scatter ``np.bitwise_or.at`` only for the ids whose bit is not set
+yet), on other devices through torch with no host synchronization (a sort drops duplicate ids, then each
 word gets the sum of its bits that are not set yet, which is their OR).
 """
 
@@ -39,14 +39,6 @@ class RowBits:
         self.words: torch.Tensor | None = None  # int32, allocated by the first set bit
         self._np: np.ndarray | None = None      # its numpy view (CPU)
 
-    @classmethod
-    def from_mask(cls, mask: torch.Tensor, *, numpy: bool | None = None) -> "RowBits":
-        """The rows where the bool tensor ``mask`` (one entry per row) is True."""
-        bits = cls(mask.numel(), mask.device, numpy=numpy)
-        bits.or_mask(mask)
-        return bits
-
-    # -- storage ---------------------------------------------------------------------------------------
     def _alloc(self) -> np.ndarray | torch.Tensor:
         if self.words is None:
             self.words = torch.zeros(_words(self.num_rows), dtype=torch.int32, device=self.device)
@@ -90,27 +82,6 @@ class RowBits:
         bit = torch.where(fresh, bit, torch.zeros_like(bit)) & ~words[w]
         words.index_add_(0, w, bit)                      # distinct unset bits: their sum is their OR
 
-    def clear_rows(self, rows: torch.Tensor) -> None:
-        """Remove the rows ``rows`` (an integer tensor on this device, duplicates allowed)."""
-        if self.words is None or not rows.numel():
-            return
-        if self.on_cpu:
-            a = rows.detach().numpy().reshape(-1)
-            np.bitwise_and.at(self._np, a >> 5, ~_BIT[a & 31])
-        else:
-            keep = RowBits(self.num_rows, self.device, numpy=False)
-            keep._set_device(rows.detach().reshape(-1))
-            self.words &= ~keep.words
-
-    def fill(self) -> None:
-        """Add every row."""
-        words = self._alloc()
-        if self.on_cpu:
-            words.fill(-1)
-        else:
-            words.fill_(-1)
-        words[-1] = self._tail_mask()  # the bits past num_rows stay zero
-
     def _tail_mask(self) -> int:
         """The bits of the last word that stand for rows (-1: all of them)."""
         tail = self.num_rows % _WORD_BITS
@@ -123,16 +94,6 @@ class RowBits:
                 self._np.fill(0)
             else:
                 self.words.zero_()
-
-    def or_(self, other: "RowBits | None") -> None:
-        """Add the rows of ``other`` (same ``num_rows`` and device; None adds nothing)."""
-        if other is None or other.words is None:
-            return
-        words = self._alloc()
-        if self.on_cpu:
-            np.bitwise_or(words, other._np, out=words)
-        else:
-            words |= other.words
 
     def or_mask(self, mask: torch.Tensor) -> None:
         """Add the rows where the bool tensor ``mask`` (one entry per row, on this device) is True."""
@@ -176,9 +137,3 @@ class RowBits:
             last = words[-1] & np.int32(self._tail_mask()).view(np.uint32)
             return int(np.bitwise_count(words[:-1]).sum(dtype=np.int64)) + int(np.bitwise_count(last))
         return int(self.rows().numel())
-
-    def to_mask(self) -> torch.Tensor:
-        """The set as a bool tensor of ``num_rows`` entries (on this device)."""
-        mask = torch.zeros(self.num_rows, dtype=torch.bool, device=self.device)
-        mask[self.rows()] = True
-        return mask
