@@ -275,9 +275,9 @@ def prepare(root: str, objects: ObjectStore, filesystem: fs.FileSystem, *, reado
         return _open_cache(root, objects, ident, installed, pointer, readonly)
     pointer = read_pointer(objects)
     if pointer is None:
-        if not create or readonly or objects.bucket_exists() is False or pointer_missing(
-                objects, filenames.REMOTE_POINTER) is not None:  # (no pointer, no claim: a deleted one is damage)
-            raise _missing_store(root, objects, readonly)
+        refusal = _missing_store(root, objects, readonly)
+        if not create or readonly or not isinstance(refusal, StoreNotFound):  # (no bucket, or a store's objects
+            raise refusal                                                      # without their pointer: damage)
         os.makedirs(root, exist_ok=True)
         store_id = uuid.uuid4().hex
         ident = Identity(url, store_id, WRITER, Writers([(store_id, 0)]), None)
@@ -405,8 +405,8 @@ def _refresh_cache(root: str, objects: ObjectStore, filesystem: fs.FileSystem,
                     "may not be written, so it reads what it holds", root,
                     None if installed is None else installed.generation, objects.url, pointer.generation)
         return installed, pointer
-    installed = install_snapshot(root, objects, pointer, filesystem)
-    return installed, installed if installed.generation > pointer.generation else pointer
+    installed = install_snapshot(root, objects, pointer, filesystem)  # (``pointer``, or the newer one it followed)
+    return installed, installed
 
 
 def _same(a: Pointer, b: Pointer) -> bool:
