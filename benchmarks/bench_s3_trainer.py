@@ -121,20 +121,35 @@ def rank_child(spec: dict) -> dict:
     # (a local root is one directory the ranks share; a bucket root's ranks each have a node directory)
     where = os.path.join(spec["path"], f"node-{rank}" if kwargs else "root")
     ck = DistributedCheckpointer(where, model, opts, plan=plan, **kwargs)
+    settled = []  # the part of each stall spent on the saves before it (their commits; a bucket past its bound)
+    for name in ("_settle", "_settle_behind"):
+        real = getattr(ck, name)
+
+        def timed(*a, _real=real, **k):
+            t = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                settled.append(time.perf_counter() - t)
+
+        setattr(ck, name, timed)
     rng = np.random.default_rng(rank)
-    stalls = []
+    stalls, waits = [], []
     for i in range(1, spec["steps"] + 1):
         ids = torch.from_numpy(rng.integers(0, hi - lo, spec["batch"] * 8)).view(spec["batch"], 8)
         _train(model, opts, ids)
         if i % spec["every"] == 0:
             t0 = time.perf_counter()
+            settled.clear()
             ck.save(i)
             stalls.append(time.perf_counter() - t0)
+            waits.append(sum(settled))
     t0 = time.perf_counter()
     ck.close()
     close_s = time.perf_counter() - t0
     dist.destroy_process_group()
-    return {"stalls": stalls, "lags": [], "close_s": close_s}
+    status = ck.store.engine.replication_status() or {}
+    return {"stalls": stalls, "lags": [], "close_s": close_s, "waits": waits, "uploaded": status.get("bytes_uploaded")}
 
 
 def run_config(config: str, args, root: str, endpoint) -> dict:
@@ -163,7 +178,9 @@ def run_config(config: str, args, root: str, endpoint) -> dict:
             raise RuntimeError(f"{config}: " + "\n".join(failed))
         ranks = [json.loads(o.strip().splitlines()[-1]) for o, _e in outs]
         result = {"stalls": [max(s) for s in zip(*(r["stalls"] for r in ranks))], "lags": [],
-                  "close_s": max(r["close_s"] for r in ranks)}
+                  "close_s": max(r["close_s"] for r in ranks),
+                  "waits": [max(w) for w in zip(*(r["waits"] for r in ranks))],
+                  "uploaded": sum(r["uploaded"] or 0 for r in ranks)}
     shutil.rmtree(path, ignore_errors=True)
     return result
 
@@ -223,7 +240,9 @@ def main(argv=None) -> int:
         for config in args.configs.split(","):
             t0 = time.perf_counter()
             results[config] = run_config(config, args, root, endpoint)
-            print(f"{config}: stalls {[round(x * 1e3) for x in results[config]['stalls']]} ms, "
+            print(f"{config}: stalls {[round(x * 1e3) for x in results[config]['stalls']]} ms (of which waiting "
+                  f"for earlier saves {[round(x * 1e3) for x in results[config].get('waits', [])]}), "
+                  f"written {results[config].get('written')}, uploaded {results[config].get('uploaded')}, "
                   f"lags {results[config]['lags']}, close {results[config]['close_s']:.2f} s "
                   f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     finally:

@@ -255,6 +255,9 @@ class DistributedCheckpointer:
         except BaseException:
             self.store.close()
             raise
+        # (on a bucket root without remote_every a save does not wait for the previous one's local write: a
+        # failure of it is surfaced by this checkpointer's gather, two saves later, never by one rank alone)
+        self._local.raises_own_failures = not (self._pipelined and self.remote_every is None)
         self._saves: list[_InFlight] = []  # saves the trainer's thread has not settled yet, oldest first
         self._last_publish: threading.Thread | None = None  # (bucket roots) each publication waits for the one before
         self._unpublished: list[_Unpublished] = []  # (bucket roots) in save order; appended by the commit thread
@@ -441,19 +444,21 @@ class DistributedCheckpointer:
 
     def _settle_behind(self) -> float:
         """The settling of a save on a bucket root without ``remote_every``: the commits of the saves in
-        flight (every rank's local outcome, gathered: a failure is raised at the same call on every rank),
+        flight but the newest (every rank's local outcome, gathered: a failure is raised at the same call on
+        every rank, two saves later; this rank's local checkpointer raises none of its own, ``_setup``),
         never their publications, unless the bucket lags past ``remote_lag_s``: then wait until it is back
         within it. A publication that failed is logged and left to the next, which lists the saves after it
         (its ``wait()`` raised it); one that found the root taken over by another job is raised. Returns
         the seconds waited for the bucket."""
+        newest = self._saves[-1:]  # (its local write may go on: the local queue holds two saves, max_lag=2)
         for e in self._saves:
-            if e.commit is not None:
+            if e.commit is not None and e not in newest:
                 e.commit.join()
         waited = 0.0
         if self._bucket_lag.seconds() > self.remote_lag_s:
             waited = self._bucket_lag.wait_within(self.remote_lag_s, self._no_publication_running,
                                                   f"rank {self.rank}'s save")
-        settled = [e for e in self._saves if e.publish is None or not e.publish.is_alive()]
+        settled = [e for e in self._saves if e not in newest and (e.publish is None or not e.publish.is_alive())]
         for e in settled:
             error = e.pending.failure()
             if error is None:
@@ -517,16 +522,21 @@ class DistributedCheckpointer:
                 local.report.stall_s += bucket_wait_s
             self._seq += 1
             entry = _InFlight(DistributedPendingSave(local.report), seq=self._seq)
-            entry.commit = threading.Thread(target=self._commit, args=(entry, local, step, meta),
+            previous = next((e.commit for e in reversed(self._saves) if e.commit is not None), None)
+            entry.commit = threading.Thread(target=self._commit, args=(entry, local, step, meta, previous),
                                             name=f"cnrstore-dist-commit-{step}", daemon=True)
             self._saves.append(entry)
             entry.commit.start()
         return entry.pending
 
-    def _commit(self, entry: "_InFlight", local, step, meta) -> None:
+    def _commit(self, entry: "_InFlight", local, step, meta, previous: threading.Thread | None = None) -> None:
         """The commit thread: the local write's end and every rank's outcome; then, on a shared file system,
-        the listing; on a bucket root, the publication is started in a thread of its own."""
+        the listing; on a bucket root, the publication is started in a thread of its own. It starts once the
+        previous save's commit thread has ended (``previous``: on a bucket root without ``remote_every`` the
+        next save may start before it has), so that the gathers run in save order on every rank."""
         try:
+            if previous is not None:
+                previous.join()
             outcomes = self._gather_outcomes(local, step)
             if self._pipelined:
                 self._bucket_lag.committed(entry.seq)

@@ -805,6 +805,10 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
             with self._index.read() as view:
                 self.lag.committed(view.txn_id())
         behind = self._behind
+        if (behind is not None or self.every == EXPLICIT_COPY_POINTS) and self._seal_writer is not None:
+            # (in the committing thread, before its next checkpoint opens: each save's segment is sealed whole,
+            # so the copy point behind uploads it once, never a committed prefix that keeps growing)
+            self._seal_writer()
         if behind is not None and self.lost is None:
             behind.due()
         elif self.lost is None and (self._commits % self.every or time.monotonic() < self._retry_at):

@@ -437,6 +437,9 @@ class Checkpointer:
             guard.remove()
 
     def _raise_pending_error(self) -> None:
+        if self._error is not None and not self.raises_own_failures:
+            self._error = None  # (the owner surfaces it: its gather of every rank's outcome)
+            return
         if self._error is not None:
             err, self._error = self._error, None
             if hasattr(err, "add_note"):
@@ -1028,6 +1031,11 @@ class Checkpointer:
         self._plan.note_restore(matches_newest=matches_newest)
         if self._policy is not None and callable(getattr(self._policy, "record_restore", None)):
             self._policy.record_restore()
+
+    #: *For sibling packages* (``cnrstore.distributed``): False makes ``save()`` raise no failure of an earlier
+    #: background write (each save's own ``wait()`` still does; the next save is still a baseline), because
+    #: the owner surfaces it on every rank at the same call
+    raises_own_failures = True
 
     def forget_failure(self) -> None:
         """*For sibling packages* (``cnrstore.distributed``): drop the failure of a background write that the
