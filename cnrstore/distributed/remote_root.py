@@ -423,7 +423,9 @@ class RemoteRoot(Root):
     def open_store(self, rel: str, *, readonly: bool = False, create: bool = False, compaction=None):
         """Rank store ``rel``: its local directory on this node, its remote under the prefix. A writable open
         whose local directory was written by a writer the bucket has moved past (another node took the rank
-        store over since) discards that directory and recovers the store from the bucket."""
+        store over since), or whose takeover found the stale writer gone on past what it recovered and deleting
+        what that read (``RemoteTakenOver`` from the claim), discards that directory and recovers the store
+        from the bucket again (``CLAIM_TRIES`` opens at most)."""
         path = self.store_path(rel)
 
         def attempt():
@@ -431,15 +433,19 @@ class RemoteRoot(Root):
                                remote=self.objects.sub(rel), cache_bytes=self.cache_bytes,
                                remote_every=None if readonly else EXPLICIT_COPY_POINTS)
 
-        try:
-            return attempt()
-        except RemoteTakenOver as exc:
-            if readonly:
-                raise
-            log.warning("cnrstore: %s was written by a writer of %s that another node has taken over since (%s); "
-                        "discarding it and recovering the rank store from the bucket", path, rel, exc)
-            shutil.rmtree(path)
-            return attempt()
+        for tries in range(1, CLAIM_TRIES + 1):
+            try:
+                return attempt()
+            except RemoteTakenOver as exc:
+                if readonly or tries == CLAIM_TRIES:
+                    raise
+                # a directory another node's takeover left behind, or a recovery whose claim found the stale
+                # writer's copy point no longer keeping what it read (remote._check_owner): recovered again
+                log.warning("cnrstore: %s was written by a writer of %s that another node has taken over since, or "
+                            "recovered from a copy point its stale writer has moved past (%s); discarding it and "
+                            "recovering the rank store from the bucket", path, rel, exc)
+                shutil.rmtree(path, ignore_errors=True)
+        raise AssertionError("unreachable")
 
 
 def open_root(path, *, remote: str | None = None, remote_options: dict | None = None,

@@ -26,6 +26,8 @@ import builtins
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -123,6 +125,24 @@ def fetch_snapshot(objects: ObjectStore, pointer: Pointer) -> bytes:
                               f"{objects.where(filenames.REMOTE_POINTER)} (size or checksum): the bucket is damaged; "
                               f"{_POINTER_FIX_READER}", where, 0)
     return data
+
+
+def snapshot_segments(objects: ObjectStore, pointer: Pointer) -> dict[int, int]:
+    """{segment: committed length} that the index snapshot ``pointer`` names reads (fetched, checked against
+    the pointer, and opened in a temporary directory)."""
+    data = fetch_snapshot(objects, pointer)
+    tmp = tempfile.mkdtemp(prefix="cnrstore-snapshot-")
+    try:
+        with builtins.open(filenames.index_data_path(tmp), "wb") as f:
+            f.write(data)
+        index = Index(tmp, readonly=True)
+        try:
+            with index.read() as view:
+                return dict(view.segments())
+        finally:
+            index.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 #: The top-level folders of a store's objects under its prefix: writers' folders, and format 1's segments and
@@ -1005,7 +1025,18 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
                     and pointer.generation > expected.generation):
                 # the writer this open takes the prefix over from went on meanwhile (a stale job's copy point,
                 # between this open's recovery and its claim): the takeover replaces that pointer too -- the
-                # one started last owns the prefix, and what the stale writer added since is nobody's
+                # one started last owns the prefix, and what the stale writer added since is nobody's -- but only
+                # with proof that the bucket keeps what this open's index reads: after its swap the stale writer
+                # deletes every segment its new snapshot does not name (docs/DESIGN.md, "Deletion only with
+                # proof"), so that snapshot must name each one, at least as long
+                unkept = self._not_kept_by(pointer)
+                if unkept:
+                    raise RemoteTakenOver(
+                        f"{self.objects.url}: the writer {pointer.writer} went on to generation {pointer.generation} "
+                        f"while this store took the prefix over from generation {expected.generation}, and its copy "
+                        f"point no longer keeps what this recovery reads (segments {unkept[:4]}): nothing was "
+                        "claimed. Recover from the remote into an empty directory again (its newest copy point), "
+                        "and stop the other writer", pointer.writer)
                 log.warning("cnrstore: %s: the writer %s went on to generation %d while this store took the prefix "
                             "over from generation %d; taking it over from there (what it added since is dropped)",
                             self.objects.url, pointer.writer, pointer.generation, expected.generation)
@@ -1016,6 +1047,19 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
             return None  # the pointer was deleted (an emptied prefix): this writer's copy point makes it anew
         self._lose(pointer)
         raise self.lost
+
+    def _not_kept_by(self, pointer: Pointer) -> list[int]:
+        """The segments this store's index reads that the snapshot ``pointer`` names shorter or not at all
+        (all of them if that snapshot cannot be read: no proof)."""
+        with self._index.read() as view:
+            need = view.segments()
+        try:
+            kept = snapshot_segments(self.objects, pointer)
+        except (CnrError, OSError) as exc:
+            log.info("cnrstore: %s: reading the snapshot of generation %d failed: %s", self.objects.url,
+                     pointer.generation, exc)
+            return sorted(need) or [-1]
+        return sorted(seg for seg, length in need.items() if kept.get(seg, -1) < length)
 
     def _lose(self, pointer: Pointer | None) -> None:
         """Another writer took the prefix over: remember it (checkpoints are refused from now on) and fetch
