@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 from .. import store as _store
 from ..engine import fs
-from ..engine.objects import FsspecObjectStore, ObjectStore
+from ..engine.objects import FsspecObjectStore, ObjectStore, delete_with_proof
 from ..engine.remote import EXPLICIT_COPY_POINTS, pointer_missing
 from ..errors import (CorruptionError, FormatVersionError, InvalidArgument, RemoteConflict,
                       RemoteObjectMissing, RemoteTakenOver, StoreNotFound, VersionNotFound)
@@ -243,12 +243,24 @@ class RemoteRoot(Root):
                                      "root") from exc
         fs.pause_point("root_claimed", self.job)
         listed = {manifest_key(v, job) for v, job in new.versions}
-        for name in self.objects.list(GLOBAL_DIR):
-            key = f"{GLOBAL_DIR}/{name}"
-            if key not in listed and "/" not in name:
-                self.objects.delete(key)
+        delete_with_proof(self.objects, [f"{GLOBAL_DIR}/{name}" for name in self.objects.list(GLOBAL_DIR)
+                                         if "/" not in name and f"{GLOBAL_DIR}/{name}" not in listed], self._proof)
         if new.doomed:
             self._delete_doomed()
+
+    def _proof(self, keys: list[str]) -> RootPointer:
+        """``delete_with_proof``'s proof for the root's objects: the pointer read now still names this job
+        (else RemoteTakenOver: a later claim, whose job may have put any of ``keys`` since) and names none of
+        ``keys`` (a manifest it lists, an object of a generation it lists: else RemoteConflict, nothing
+        deleted)."""
+        p = self._owned()
+        named = {manifest_key(v, job) for v, job in p.versions}
+        folders = tuple(f"gen-{g:06d}/" for g in p.generations)
+        bad = [key for key in keys if key in named or key.startswith(folders)]
+        if bad:
+            raise RemoteConflict(f"the pointer of {self.remote} names {bad[:3]}, which this job was about to delete "
+                                 "as garbage: nothing deleted")
+        return p
 
     # -- generations ----------------------------------------------------------------------------------
     def generations(self) -> list[int]:
@@ -298,8 +310,7 @@ class RemoteRoot(Root):
             return
         for g in p.doomed:
             folder = f"gen-{g:06d}"
-            for rel in self.objects.list_tree(folder):
-                self.objects.delete(f"{folder}/{rel}")
+            delete_with_proof(self.objects, [f"{folder}/{rel}" for rel in self.objects.list_tree(folder)], self._proof)
             fs.pause_point("root_generation_deleted", g)
         self._swap(p, p._replace(doomed=()))
 
@@ -392,8 +403,7 @@ class RemoteRoot(Root):
         if not drop:
             return
         self._swap(p, p._replace(versions=tuple(e for e in p.versions if e[0] not in drop)))
-        for v in sorted(drop):
-            self.objects.delete(p.manifest_key(v))
+        delete_with_proof(self.objects, [p.manifest_key(v) for v in sorted(drop)], self._proof)
 
     # -- rank stores ----------------------------------------------------------------------------------
     def gen_dir(self, generation: int) -> str:

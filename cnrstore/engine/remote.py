@@ -41,7 +41,7 @@ from . import filenames, fs, range_fetch, schema
 from .index import Index, install_built_index
 from .lock import ProcessLock, SharedLock
 from .marker import marker_bytes
-from .objects import DEFAULT_TIMEOUT_S, FsspecObjectStore, ObjectStore
+from .objects import DEFAULT_TIMEOUT_S, FsspecObjectStore, ObjectStore, delete_with_proof
 from .opening import check_no_leftovers, find
 from . import remote_layout
 from .remote_layout import (CACHE, LEGACY_WRITERS, WRITER, Identity, Pointer, Writers, decode_identity,
@@ -1239,27 +1239,47 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
         needs (listed first, then the index read: a segment uploaded after the listing is not in it), objects
         a folder holds beyond its writer's range (a stale writer's), and every snapshot but the pointer's.
         Folders of writers that are not in this history (one that took the prefix over since) are never
-        touched."""
-        listings = {w: self.objects.list(filenames.remote_segments_dir(filenames.remote_folder(w)))
-                    for w in dict.fromkeys(self.writers.writers())}
+        touched. Deletion only with proof (``objects.delete_with_proof``): after the listings, the pointer must
+        still be the one this copy point wrote (else this store lost the prefix: nothing is deleted)."""
+        writers = list(dict.fromkeys(self.writers.writers()))
+        listings = {w: self.objects.list(filenames.remote_segments_dir(filenames.remote_folder(w))) for w in writers}
+        snapshots = {w: self.objects.list(filenames.remote_index_dir(filenames.remote_folder(w))) for w in writers}
         with self._index.read() as view:
             keep = set(snapshot_segments) | set(view.segments()) | set(schema.DOOMED_SEGMENTS.get(view))
+        doomed: dict[str, tuple[int, str]] = {}  # key -> (segment, folder's writer)
         for writer, listing in listings.items():
             folder = filenames.remote_folder(writer)
             for name in listing:
                 seg = filenames.parse_segment_name(name)
                 if seg is None or (seg in keep and self.writers.writer_of(seg) == writer):
                     continue
-                self.objects.delete(filenames.remote_segment_key(seg, folder))
-                self.counters["remote_segments_deleted"] += 1
-                if self.writers.writer_of(seg) == writer:
-                    with self._lock:
-                        self._remote.pop(seg, None)
-                        self._evicted.discard(seg)
-            for name in self.objects.list(filenames.remote_index_dir(folder)):
-                key = f"{filenames.remote_index_dir(folder)}/{name}"
-                if filenames.parse_remote_snapshot_name(name) is not None and key != snapshot_key:
-                    self.objects.delete(key)
+                doomed[filenames.remote_segment_key(seg, folder)] = (seg, writer)
+        garbage = list(doomed) + [
+            f"{filenames.remote_index_dir(filenames.remote_folder(w))}/{name}" for w, names in snapshots.items()
+            for name in names if filenames.parse_remote_snapshot_name(name) is not None
+            and f"{filenames.remote_index_dir(filenames.remote_folder(w))}/{name}" != snapshot_key]
+        generation = self.generation
+
+        def proof(keys: list[str]) -> None:
+            pointer = read_pointer(self.objects, _pointer_fix_writer(self.root))
+            if pointer is None or pointer.writer != self.identity.store_id or pointer.generation != generation:
+                if pointer is not None and pointer.writer != self.identity.store_id:
+                    self._lose(pointer)
+                    raise self.lost
+                raise RemoteConflict(f"{self.objects.where(filenames.REMOTE_POINTER)} is no longer the copy point "
+                                     f"{generation} this store wrote: nothing deleted")
+            if pointer.snapshot in keys:
+                raise RemoteConflict(f"the pointer names {pointer.snapshot}: nothing deleted")
+
+        for key in delete_with_proof(self.objects, garbage, proof):
+            if key not in doomed:
+                continue
+            seg, writer = doomed[key]
+            self.counters["remote_segments_deleted"] += 1
+            if self.writers.writer_of(seg) == writer:
+                with self._lock:
+                    self._remote.pop(seg, None)
+                    self._evicted.discard(seg)
 
     def sync_cache(self) -> None:
         """Bring the local copies within ``cache_bytes`` now (after a change of it)."""
