@@ -69,6 +69,9 @@ On a store, ``ls``, ``info``, ``verify``, ``rows`` and ``diff`` never import tor
 with numpy unless torch is already loaded (``cnrstore/codecs/rowwise.py``), and ``cnrstore.distributed``
 is imported only for a multi-rank root (whose manifests it reads without torch, too).
 
+Warnings the library logs during a command are folded into a failure's one line, and follow a successful
+command's output on stderr as ``cnrstore CMD: note: ...`` lines (``Notes``).
+
 Exit status (every failure prints one line on stderr: the error type, what happened and what to do, in
 the command's terms -- a store another process holds names that process and says to wait for it or stop
 it):

@@ -214,7 +214,8 @@ class RemoteRoot(Root):
     def create(self) -> None:
         """Make the root if it is not there, and claim it for this job (rank 0, at start-up): the pointer
         names this job from now on; manifests it does not list are deleted, and generations a crash left
-        half-deleted are deleted."""
+        half-deleted are deleted -- only while the pointer still names this job (docs/DESIGN.md, "Deletion only
+        with proof"): a claim a later job's superseded raises RemoteTakenOver and deletes nothing."""
         try:
             self.check()
         except StoreNotFound:
@@ -304,7 +305,8 @@ class RemoteRoot(Root):
         return sorted(drop)
 
     def _delete_doomed(self) -> None:
-        """Delete every object of the pointer's doomed generations, then take them off the pointer."""
+        """Delete every object of the pointer's doomed generations, then take them off the pointer (each
+        generation's listing, then the proof that the pointer is still this job's: ``delete_with_proof``)."""
         p = self._owned()
         if not p.doomed:
             return
