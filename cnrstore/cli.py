@@ -69,6 +69,9 @@ On a store, ``ls``, ``info``, ``verify``, ``rows`` and ``diff`` never import tor
 with numpy unless torch is already loaded (``cnrstore/codecs/rowwise.py``), and ``cnrstore.distributed``
 is imported only for a multi-rank root (whose manifests it reads without torch, too).
 
+Warnings the library logs during a command are folded into a failure's one line, and follow a successful
+command's output on stderr as ``cnrstore CMD: note: ...`` lines (``Notes``).
+
 Exit status (every failure prints one line on stderr: the error type, what happened and what to do, in
 the command's terms -- a store another process holds names that process and says to wait for it or stop
 it):
@@ -90,8 +93,10 @@ holds it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
@@ -990,12 +995,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit status (see the module docstring). Never shows a traceback for
-    a store error, an OS error, a closed pipe or Ctrl-C."""
+    a store error, an OS error, a closed pipe or Ctrl-C. What the library logs at WARNING or above during
+    the command (``cnrstore.*`` loggers) is held (``Notes``): folded into a failed command's one line on
+    stderr, written to stderr after a command that returned, one line each."""
     args = build_parser().parse_args(argv)
+    notes = Notes()
     try:
-        return args.func(args)
+        with notes.held():
+            status = args.func(args)
     except CnrError as exc:
-        _fail(args, _message(args, exc))
+        _fail(args, _message(args, exc), notes)
         return 2
     except BrokenPipeError:  # e.g. `cnrstore ls | head`: the reader is gone; say nothing more
         _silence_stdout()
@@ -1003,20 +1012,62 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         where = f" ({exc.filename})" if getattr(exc, "filename", None) and str(exc.filename) not in str(exc) else ""
         _fail(args, f"{type(exc).__name__}: {exc}{where}; check that the path exists and is accessible, and the "
-                    "file system's health and free space")
+                    "file system's health and free space", notes)
         return 2
     except KeyboardInterrupt:
-        _fail(args, "interrupted")
+        _fail(args, "interrupted", notes)
         return 130
     finally:
         Progress.dangling = None
+    for line in notes.lines:
+        print(f"cnrstore {args.command}: note: {line}", file=sys.stderr)
+    return status
 
 
-def _fail(args, message: str) -> None:
-    """The one line on stderr of a failed command (after finishing a progress bar it cut short)."""
+class Notes(logging.Handler):
+    """The library's log records at WARNING or above during one command, each as one line (``held``: the
+    ``cnrstore`` logger sends them here only, not on to the root logger's handlers or Python's last-resort
+    one, which would write them to stderr as they come)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = " ".join(record.getMessage().split())
+        except Exception:  # noqa: BLE001 - a record that does not format is not worth failing a command for
+            line = str(record.msg)
+        line = line.removeprefix("cnrstore: ")
+        if line not in self.lines:
+            self.lines.append(line)
+
+    @contextlib.contextmanager
+    def held(self):
+        logger = logging.getLogger("cnrstore")
+        propagate = logger.propagate
+        logger.addHandler(self)
+        logger.propagate = False
+        try:
+            yield self
+        finally:
+            logger.removeHandler(self)
+            logger.propagate = propagate
+
+    def folded(self, message: str) -> str:
+        """``message`` with the notes it does not already say appended (one line)."""
+        extra = [line for line in self.lines if line not in message]
+        return message + (f" (also logged: {'; '.join(extra)})" if extra else "")
+
+
+def _fail(args, message: str, notes: Notes | None = None) -> None:
+    """The one line on stderr of a failed command (after finishing a progress bar it cut short), with what
+    the library logged meanwhile folded into it."""
     if Progress.dangling is not None:
         Progress.dangling.write("\n")
         Progress.dangling = None
+    if notes is not None:
+        message = notes.folded(message)
     print(f"cnrstore {args.command}: {message}", file=sys.stderr)
 
 

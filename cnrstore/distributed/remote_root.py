@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 from .. import store as _store
 from ..engine import fs
-from ..engine.objects import FsspecObjectStore, ObjectStore
+from ..engine.objects import FsspecObjectStore, ObjectStore, delete_with_proof
 from ..engine.remote import EXPLICIT_COPY_POINTS, pointer_missing
 from ..errors import (CorruptionError, FormatVersionError, InvalidArgument, RemoteConflict,
                       RemoteObjectMissing, RemoteTakenOver, StoreNotFound, VersionNotFound)
@@ -214,7 +214,8 @@ class RemoteRoot(Root):
     def create(self) -> None:
         """Make the root if it is not there, and claim it for this job (rank 0, at start-up): the pointer
         names this job from now on; manifests it does not list are deleted, and generations a crash left
-        half-deleted are deleted."""
+        half-deleted are deleted -- only while the pointer still names this job (docs/DESIGN.md, "Deletion only
+        with proof"): a claim a later job's superseded raises RemoteTakenOver and deletes nothing."""
         try:
             self.check()
         except StoreNotFound:
@@ -243,12 +244,24 @@ class RemoteRoot(Root):
                                      "root") from exc
         fs.pause_point("root_claimed", self.job)
         listed = {manifest_key(v, job) for v, job in new.versions}
-        for name in self.objects.list(GLOBAL_DIR):
-            key = f"{GLOBAL_DIR}/{name}"
-            if key not in listed and "/" not in name:
-                self.objects.delete(key)
+        delete_with_proof(self.objects, [f"{GLOBAL_DIR}/{name}" for name in self.objects.list(GLOBAL_DIR)
+                                         if "/" not in name and f"{GLOBAL_DIR}/{name}" not in listed], self._proof)
         if new.doomed:
             self._delete_doomed()
+
+    def _proof(self, keys: list[str]) -> RootPointer:
+        """``delete_with_proof``'s proof for the root's objects: the pointer read now still names this job
+        (else RemoteTakenOver: a later claim, whose job may have put any of ``keys`` since) and names none of
+        ``keys`` (a manifest it lists, an object of a generation it lists: else RemoteConflict, nothing
+        deleted)."""
+        p = self._owned()
+        named = {manifest_key(v, job) for v, job in p.versions}
+        folders = tuple(f"gen-{g:06d}/" for g in p.generations)
+        bad = [key for key in keys if key in named or key.startswith(folders)]
+        if bad:
+            raise RemoteConflict(f"the pointer of {self.remote} names {bad[:3]}, which this job was about to delete "
+                                 "as garbage: nothing deleted")
+        return p
 
     # -- generations ----------------------------------------------------------------------------------
     def generations(self) -> list[int]:
@@ -292,14 +305,14 @@ class RemoteRoot(Root):
         return sorted(drop)
 
     def _delete_doomed(self) -> None:
-        """Delete every object of the pointer's doomed generations, then take them off the pointer."""
+        """Delete every object of the pointer's doomed generations, then take them off the pointer (each
+        generation's listing, then the proof that the pointer is still this job's: ``delete_with_proof``)."""
         p = self._owned()
         if not p.doomed:
             return
         for g in p.doomed:
             folder = f"gen-{g:06d}"
-            for rel in self.objects.list_tree(folder):
-                self.objects.delete(f"{folder}/{rel}")
+            delete_with_proof(self.objects, [f"{folder}/{rel}" for rel in self.objects.list_tree(folder)], self._proof)
             fs.pause_point("root_generation_deleted", g)
         self._swap(p, p._replace(doomed=()))
 
@@ -392,8 +405,7 @@ class RemoteRoot(Root):
         if not drop:
             return
         self._swap(p, p._replace(versions=tuple(e for e in p.versions if e[0] not in drop)))
-        for v in sorted(drop):
-            self.objects.delete(p.manifest_key(v))
+        delete_with_proof(self.objects, [p.manifest_key(v) for v in sorted(drop)], self._proof)
 
     # -- rank stores ----------------------------------------------------------------------------------
     def gen_dir(self, generation: int) -> str:
@@ -423,7 +435,9 @@ class RemoteRoot(Root):
     def open_store(self, rel: str, *, readonly: bool = False, create: bool = False, compaction=None):
         """Rank store ``rel``: its local directory on this node, its remote under the prefix. A writable open
         whose local directory was written by a writer the bucket has moved past (another node took the rank
-        store over since) discards that directory and recovers the store from the bucket."""
+        store over since), or whose takeover found the stale writer gone on past what it recovered and deleting
+        what that read (``RemoteTakenOver`` from the claim), discards that directory and recovers the store
+        from the bucket again (``CLAIM_TRIES`` opens at most)."""
         path = self.store_path(rel)
 
         def attempt():
@@ -431,15 +445,19 @@ class RemoteRoot(Root):
                                remote=self.objects.sub(rel), cache_bytes=self.cache_bytes,
                                remote_every=None if readonly else EXPLICIT_COPY_POINTS)
 
-        try:
-            return attempt()
-        except RemoteTakenOver as exc:
-            if readonly:
-                raise
-            log.warning("cnrstore: %s was written by a writer of %s that another node has taken over since (%s); "
-                        "discarding it and recovering the rank store from the bucket", path, rel, exc)
-            shutil.rmtree(path)
-            return attempt()
+        for tries in range(1, CLAIM_TRIES + 1):
+            try:
+                return attempt()
+            except RemoteTakenOver as exc:
+                if readonly or tries == CLAIM_TRIES:
+                    raise
+                # a directory another node's takeover left behind, or a recovery whose claim found the stale
+                # writer's copy point no longer keeping what it read (remote._check_owner): recovered again
+                log.warning("cnrstore: %s was written by a writer of %s that another node has taken over since, or "
+                            "recovered from a copy point its stale writer has moved past (%s); discarding it and "
+                            "recovering the rank store from the bucket", path, rel, exc)
+                shutil.rmtree(path, ignore_errors=True)
+        raise AssertionError("unreachable")
 
 
 def open_root(path, *, remote: str | None = None, remote_options: dict | None = None,

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import errno
 import threading
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import xxhash
 
@@ -48,6 +48,23 @@ def _fsspec():
     except ImportError as exc:  # pragma: no cover - the s3 extra is missing
         raise InvalidArgument("remote= needs fsspec (and s3fs for s3:// URLs): pip install 'cnrstore[s3]'") from exc
     return fsspec
+
+
+def delete_with_proof(objects: "ObjectStore", keys: Iterable[str], proof: Callable[[list[str]], object]) -> list[str]:
+    """Deletion only with proof (docs/DESIGN.md, "Deletion only with proof"): the one way cnrstore deletes
+    objects of a bucket that a pointer could name. ``keys`` come from what the caller read *before* this call
+    (a listing, the pointer it swapped); ``proof(keys)`` then reads the pointer the caller owns and raises
+    (``RemoteTakenOver``, ``RemoteConflict``) unless it is still the caller's and names none of ``keys``;
+    only then are they deleted. An object put after the caller's listing is not among ``keys``, and a job or
+    writer that takes the pointer over puts its objects only after its claim, which comes after the proof's
+    read: nothing a current pointer names, or a new owner wrote, is deleted. Returns the keys deleted (in
+    order); none, and no request, if ``keys`` is empty."""
+    keys = sorted(set(keys))
+    if keys:
+        proof(keys)
+        for key in keys:
+            objects.delete(key)
+    return keys
 
 
 def content_tag(data: bytes) -> str:

@@ -26,6 +26,8 @@ import builtins
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -39,7 +41,7 @@ from . import filenames, fs, range_fetch, schema
 from .index import Index, install_built_index
 from .lock import ProcessLock, SharedLock
 from .marker import marker_bytes
-from .objects import DEFAULT_TIMEOUT_S, FsspecObjectStore, ObjectStore
+from .objects import DEFAULT_TIMEOUT_S, FsspecObjectStore, ObjectStore, delete_with_proof
 from .opening import check_no_leftovers, find
 from . import remote_layout
 from .remote_layout import (CACHE, LEGACY_WRITERS, WRITER, Identity, Pointer, Writers, decode_identity,
@@ -124,6 +126,24 @@ def fetch_snapshot(objects: ObjectStore, pointer: Pointer) -> bytes:
                               f"{objects.where(filenames.REMOTE_POINTER)} (size or checksum): the bucket is damaged; "
                               f"{_POINTER_FIX_READER}", where, 0)
     return data
+
+
+def snapshot_segments(objects: ObjectStore, pointer: Pointer) -> dict[int, int]:
+    """{segment: committed length} that the index snapshot ``pointer`` names reads (fetched, checked against
+    the pointer, and opened in a temporary directory)."""
+    data = fetch_snapshot(objects, pointer)
+    tmp = tempfile.mkdtemp(prefix="cnrstore-snapshot-")
+    try:
+        with builtins.open(filenames.index_data_path(tmp), "wb") as f:
+            f.write(data)
+        index = Index(tmp, readonly=True)
+        try:
+            with index.read() as view:
+                return dict(view.segments())
+        finally:
+            index.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 #: The top-level folders of a store's objects under its prefix: writers' folders, and format 1's segments and
@@ -1064,7 +1084,18 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
                     and pointer.generation > expected.generation):
                 # the writer this open takes the prefix over from went on meanwhile (a stale job's copy point,
                 # between this open's recovery and its claim): the takeover replaces that pointer too -- the
-                # one started last owns the prefix, and what the stale writer added since is nobody's
+                # one started last owns the prefix, and what the stale writer added since is nobody's -- but only
+                # with proof that the bucket keeps what this open's index reads: after its swap the stale writer
+                # deletes every segment its new snapshot does not name (docs/DESIGN.md, "Deletion only with
+                # proof"), so that snapshot must name each one, at least as long
+                unkept = self._not_kept_by(pointer)
+                if unkept:
+                    raise RemoteTakenOver(
+                        f"{self.objects.url}: the writer {pointer.writer} went on to generation {pointer.generation} "
+                        f"while this store took the prefix over from generation {expected.generation}, and its copy "
+                        f"point no longer keeps what this recovery reads (segments {unkept[:4]}): nothing was "
+                        "claimed. Recover from the remote into an empty directory again (its newest copy point), "
+                        "and stop the other writer", pointer.writer)
                 log.warning("cnrstore: %s: the writer %s went on to generation %d while this store took the prefix "
                             "over from generation %d; taking it over from there (what it added since is dropped)",
                             self.objects.url, pointer.writer, pointer.generation, expected.generation)
@@ -1075,6 +1106,19 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
             return None  # the pointer was deleted (an emptied prefix): this writer's copy point makes it anew
         self._lose(pointer)
         raise self.lost
+
+    def _not_kept_by(self, pointer: Pointer) -> list[int]:
+        """The segments this store's index reads that the snapshot ``pointer`` names shorter or not at all
+        (all of them if that snapshot cannot be read: no proof)."""
+        with self._index.read() as view:
+            need = view.segments()
+        try:
+            kept = snapshot_segments(self.objects, pointer)
+        except (CnrError, OSError) as exc:
+            log.info("cnrstore: %s: reading the snapshot of generation %d failed: %s", self.objects.url,
+                     pointer.generation, exc)
+            return sorted(need) or [-1]
+        return sorted(seg for seg, length in need.items() if kept.get(seg, -1) < length)
 
     def _lose(self, pointer: Pointer | None) -> None:
         """Another writer took the prefix over: remember it (checkpoints are refused from now on) and fetch
@@ -1256,27 +1300,47 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
         needs (listed first, then the index read: a segment uploaded after the listing is not in it), objects
         a folder holds beyond its writer's range (a stale writer's), and every snapshot but the pointer's.
         Folders of writers that are not in this history (one that took the prefix over since) are never
-        touched."""
-        listings = {w: self.objects.list(filenames.remote_segments_dir(filenames.remote_folder(w)))
-                    for w in dict.fromkeys(self.writers.writers())}
+        touched. Deletion only with proof (``objects.delete_with_proof``): after the listings, the pointer must
+        still be the one this copy point wrote (else this store lost the prefix: nothing is deleted)."""
+        writers = list(dict.fromkeys(self.writers.writers()))
+        listings = {w: self.objects.list(filenames.remote_segments_dir(filenames.remote_folder(w))) for w in writers}
+        snapshots = {w: self.objects.list(filenames.remote_index_dir(filenames.remote_folder(w))) for w in writers}
         with self._index.read() as view:
             keep = set(snapshot_segments) | set(view.segments()) | set(schema.DOOMED_SEGMENTS.get(view))
+        doomed: dict[str, tuple[int, str]] = {}  # key -> (segment, folder's writer)
         for writer, listing in listings.items():
             folder = filenames.remote_folder(writer)
             for name in listing:
                 seg = filenames.parse_segment_name(name)
                 if seg is None or (seg in keep and self.writers.writer_of(seg) == writer):
                     continue
-                self.objects.delete(filenames.remote_segment_key(seg, folder))
-                self.counters["remote_segments_deleted"] += 1
-                if self.writers.writer_of(seg) == writer:
-                    with self._lock:
-                        self._remote.pop(seg, None)
-                        self._evicted.discard(seg)
-            for name in self.objects.list(filenames.remote_index_dir(folder)):
-                key = f"{filenames.remote_index_dir(folder)}/{name}"
-                if filenames.parse_remote_snapshot_name(name) is not None and key != snapshot_key:
-                    self.objects.delete(key)
+                doomed[filenames.remote_segment_key(seg, folder)] = (seg, writer)
+        garbage = list(doomed) + [
+            f"{filenames.remote_index_dir(filenames.remote_folder(w))}/{name}" for w, names in snapshots.items()
+            for name in names if filenames.parse_remote_snapshot_name(name) is not None
+            and f"{filenames.remote_index_dir(filenames.remote_folder(w))}/{name}" != snapshot_key]
+        generation = self.generation
+
+        def proof(keys: list[str]) -> None:
+            pointer = read_pointer(self.objects, _pointer_fix_writer(self.root))
+            if pointer is None or pointer.writer != self.identity.store_id or pointer.generation != generation:
+                if pointer is not None and pointer.writer != self.identity.store_id:
+                    self._lose(pointer)
+                    raise self.lost
+                raise RemoteConflict(f"{self.objects.where(filenames.REMOTE_POINTER)} is no longer the copy point "
+                                     f"{generation} this store wrote: nothing deleted")
+            if pointer.snapshot in keys:
+                raise RemoteConflict(f"the pointer names {pointer.snapshot}: nothing deleted")
+
+        for key in delete_with_proof(self.objects, garbage, proof):
+            if key not in doomed:
+                continue
+            seg, writer = doomed[key]
+            self.counters["remote_segments_deleted"] += 1
+            if self.writers.writer_of(seg) == writer:
+                with self._lock:
+                    self._remote.pop(seg, None)
+                    self._evicted.discard(seg)
 
     def sync_cache(self) -> None:
         """Bring the local copies within ``cache_bytes`` now (after a change of it)."""
