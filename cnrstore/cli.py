@@ -37,7 +37,8 @@ and ``--remote-options JSON`` (the client's options, e.g. ``'{"client_kwargs": {
 *before* the command, for every command: ``cnrstore --remote s3://bucket/ckpt ls ./cache``. On a directory that
 holds no store yet, the remote's last copy point is first installed there as a read cache (a fresh machine),
 which installs the newest one each time a command opens it again; ``repair`` does that explicitly, or rebuilds a
-lost index from the local and the remote segments. Maintenance commands (compact, retain, gc) on a read cache
+lost index from the local and the remote segments; first, a prefix whose pointer ``CURRENT`` is damaged, or was
+deleted, gets it rebuilt from its newest index snapshot that verifies (maintenance/remote_pointer.py). Maintenance commands (compact, retain, gc) on a read cache
 open it writable, which takes the prefix over from its writer: run them where the writer is.
 
 ``ls``, ``info``, ``verify``, ``export``, ``retain`` and ``gc`` also take the root of a multi-rank job
