@@ -36,6 +36,7 @@ from .errors import (
     RemoteObjectMissing,
     RemoteStorageError,
     RemoteTakenOver,
+    RemoteLagging,
     SaveRefused,
     SaveSkipped,
     SaveSuperseded,
@@ -113,5 +114,5 @@ __all__ = [
     "CheckpointInProgress", "GlobalCommitError", "IndexDamaged", "StorageIOError", "IndexBusy", "CompactionFailed",
     "ExportFailed", "PermissionDenied", "StoreMoved", "UnsafePayload", "SaveSkipped", "SaveRefused", "SaveSuperseded",
     "RemoteStorageError",
-    "RemoteObjectMissing", "RemoteConflict", "RemoteTakenOver",
+    "RemoteObjectMissing", "RemoteConflict", "RemoteTakenOver", "RemoteLagging",
 ]

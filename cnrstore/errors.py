@@ -41,6 +41,7 @@ __all__ = [
     "RemoteObjectMissing",
     "RemoteConflict",
     "RemoteTakenOver",
+    "RemoteLagging",
 ]
 
 
@@ -287,3 +288,16 @@ class RemoteTakenOver(RemoteStorageError):
         super().__init__(message)
         self.writer = writer
         self.version = version
+
+
+class RemoteLagging(RemoteStorageError):
+    """A save was not taken because the bucket lags the local store by more than the bound the trainer set
+    (``Checkpointer(remote_lag_s=..., on_remote_lag="raise")``): uploads are slower than saves, or the
+    endpoint fails. Nothing of this save was snapshotted; the committed versions stand locally and are
+    uploaded behind. ``.lag_s`` is the age of the oldest version the bucket lacks, ``.lag_versions`` how many
+    it lacks. Save again later, or alert: a node lost now loses every version the bucket lacks."""
+
+    def __init__(self, message: str, lag_s: float = 0.0, lag_versions: int = 0):
+        super().__init__(message)
+        self.lag_s = lag_s
+        self.lag_versions = lag_versions

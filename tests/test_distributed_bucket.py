@@ -216,6 +216,83 @@ def test_saves_go_on_while_the_bucket_lags_by_at_most_remote_every_saves(tmp_pat
     fresh.close()
 
 
+def test_without_remote_every_saves_never_wait_for_the_bucket_until_it_lags_past_remote_lag_s(tmp_path, group):
+    """Issue 49, fault 5: with the default remote_every=None, saves go on while the bucket takes nothing
+    (their publications queue behind the held one), and only a save that finds the bucket trailing past
+    remote_lag_s waits for it; its SaveReport says how long. Once let go, one publication lists the saves
+    queued, and a fresh machine restores the newest bit for bit."""
+    objects = GatedObjects()
+    reports = []
+    ck, model, opt = job(tmp_path / "n", objects, remote_lag_s=1.0, on_report=reports.append)
+    train(model, opt, 0)
+    assert ck.save(step=0).wait() == 1
+    objects.gate.clear()
+    pendings, saved = [], {}
+    for step in range(1, 6):  # five saves, none waits for the held publication
+        train(model, opt, step)
+        started = time.monotonic()
+        pendings.append(ck.save(step=step))
+        assert time.monotonic() - started < 1.0
+        saved[step] = state(model)
+        wait_until(lambda: pendings[-1].report.version is not None)  # (committed locally)
+    assert [g.version for g in ck.versions()] == [1] and not pendings[0].done()
+    assert pendings[-1].report.bucket_lag_versions == 4 and pendings[-1].report.bucket_wait_s == 0.0
+    wait_until(lambda: ck._bucket_lag.seconds() > 1.0)
+    train(model, opt, 9)
+    threading.Timer(0.5, objects.gate.set).start()
+    started = time.monotonic()
+    late = ck.save(step=9)  # the bucket trails past remote_lag_s: this one waits for it
+    assert time.monotonic() - started >= 0.4 and late.report.bucket_wait_s >= 0.4
+    assert late.report.stall_s >= late.report.bucket_wait_s
+    saved[9] = state(model)
+    assert [p.wait() for p in pendings + [late]] == list(range(2, 8))
+    ck.close()
+    listed = versions(tmp_path / "x", remote=objects)
+    assert [g.step for g in listed][-1] == 9
+    fresh, m2, _ = job(tmp_path / "fresh", objects, seed=3)
+    fresh.restore()
+    assert_state(m2, saved[9])
+    fresh.close()
+
+
+def test_a_failed_publication_is_not_raised_by_the_next_saves_and_the_next_publication_lists_them(tmp_path, group):
+    """Without remote_every a publication's failure (an upload refused) is its save's wait(), logged, and
+    left to the next publication: the saves after it are not failed, and the bucket lists them."""
+    objects = FlakyObjects()
+    ck, model, opt = job(tmp_path / "n", objects)
+    train(model, opt, 0)
+    assert ck.save(step=0).wait() == 1
+    objects.fail_puts = 1
+    train(model, opt, 1)
+    failing = ck.save(step=1)
+    with pytest.raises(Exception):
+        failing.wait()
+    train(model, opt, 2)
+    assert ck.save(step=2).wait() == 2  # (not raised here; the bucket lists step 2 as version 2)
+    train(model, opt, 3)
+    assert ck.save(step=3).wait() == 3
+    assert [g.step for g in ck.versions()] == [0, 2, 3]
+    ck.close()
+
+
+class FlakyObjects(DictObjectStore):
+    """An in-memory bucket that refuses the next ``fail_puts`` PUTs into the rank stores' prefixes."""
+
+    fail_puts = 0
+
+    def put(self, key, data):
+        if key.startswith("gen-") and self.fail_puts:
+            self.fail_puts -= 1
+            raise RemoteStorageError(f"PUT {key}: refused (a test's flaky endpoint)")
+        super().put(key, data)
+
+
+@pytest.mark.parametrize("bad", [0, -2.0, True, "60"])
+def test_remote_lag_s_is_checked(tmp_path, group, bad):
+    with pytest.raises(InvalidArgument, match="remote_lag_s"):
+        job(tmp_path / "a", DictObjectStore(), remote_lag_s=bad)
+
+
 def test_remote_every_is_refused_without_a_bucket_and_checked(tmp_path, group):
     with pytest.raises(InvalidArgument, match="remote_every"):
         job(tmp_path / "a", None, remote_every=2)

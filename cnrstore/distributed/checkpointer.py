@@ -15,7 +15,7 @@ The global commit, in each rank's background thread after its local write:
    :class:`GlobalCommitError`.
 
 On a root in a bucket, steps 3-4 are the save's *publication*, preceded by every rank's copy point (and a
-second gather): it runs in a thread of its own behind the next saves (``remote_every``; ``_publish``).
+second gather): it runs in a thread of its own behind the next saves (``remote_lag_s``; ``_publish``).
 
 A crash of any rank at any point leaves the previous global version whole: a global version exists only
 once its manifest is written, and the manifest names local versions that are durable already. Local
@@ -42,7 +42,9 @@ from .. import errors
 from ..torch import payload as _payload
 from ..torch import preemption, reports
 from ..torch.async_save import PendingSave, SaveReport, WeakPendingWork
+from ..torch.bucket_lag import DEFAULT_REMOTE_LAG_S, BucketBound
 from ..torch.checkpointer import Checkpointer
+from ..engine.uploads import BucketLag
 from ..torch.optim_state import is_keyed, row_state_width
 from ..torch.payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
 from ..torch.tracking import ShardTable
@@ -78,6 +80,15 @@ class RecoveryReport:
     discarded_save_error: str | None = None  # a save in flight when the failure struck, which failed
 
 
+def _taken_over(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) says another job took the root or a rank store over."""
+    while error is not None:
+        if isinstance(error, errors.RemoteTakenOver):
+            return True
+        error = error.__cause__
+    return False
+
+
 @dataclass(eq=False)
 class _InFlight:
     """A save the trainer's thread has not settled yet: its commit thread (the local write's end and every
@@ -86,6 +97,7 @@ class _InFlight:
     pending: "DistributedPendingSave"
     commit: threading.Thread | None = None
     publish: threading.Thread | None = None
+    seq: int = 0  # (this checkpointer's count of saves: what the bucket's lag is kept by)
 
 
 @dataclass(eq=False)
@@ -141,8 +153,9 @@ class DistributedCheckpointer:
     segment under ``root`` on this node's disk (``root`` need not be shared), its sealed segments under the
     prefix (remote_root.py; docs/DESIGN.md, "Multi-node jobs on a bucket"). Each save is then *published*
     behind the trainer and the next saves: every rank's copy point, then rank 0 lists the version (``wait()``
-    returns once it is listed). ``remote_every`` (default 2) is how many saves may still be publishing when a
-    save starts (it waits for the older ones): how far the bucket may lag. ``remote_options``,
+    returns once it is listed). A save waits for the bucket only once it trails by more than ``remote_lag_s``
+    seconds (600; the oldest save committed on every rank and not listed); ``remote_every=N`` (default None)
+    bounds it in saves instead: how many saves may still be publishing when a save starts. ``remote_options``,
     ``remote_timeout_s`` and ``cache_bytes`` are ``cnrstore.open``'s, for every rank store.
     A job that starts on the prefix takes it over: the job that wrote it before fails at its next save
     (``GlobalCommitError`` caused by ``RemoteTakenOver``).
@@ -170,7 +183,7 @@ class DistributedCheckpointer:
                  ssu_rate: float | None = None, compaction=None, keep_last: int | None = None,
                  timeout_s: float = 600.0, on_report=None, remote=None, remote_options: dict | None = None,
                  remote_timeout_s: float | None = None, cache_bytes: int | None = None,
-                 remote_every: int | None = None):
+                 remote_every: int | None = None, remote_lag_s: float = DEFAULT_REMOTE_LAG_S):
         self._on_report = reports.check_hook(on_report, "DistributedCheckpointer")
         self.rank, self.world_size = _check_dist()
         if not timeout_s > 0:
@@ -178,14 +191,19 @@ class DistributedCheckpointer:
         self.timeout_s = float(timeout_s)
         if remote is None and remote_every is not None:
             raise InvalidArgument("remote_every applies to a root in a bucket (remote=...)")
-        if remote_every is None:
-            remote_every = 2
-        if isinstance(remote_every, bool) or not isinstance(remote_every, int) or remote_every < 1:
-            raise InvalidArgument(f"remote_every={remote_every!r}: pass a count of saves >= 1")
+        if remote_every is not None and (isinstance(remote_every, bool) or not isinstance(remote_every, int)
+                                         or remote_every < 1):
+            raise InvalidArgument(f"remote_every={remote_every!r}: pass a count of saves >= 1, or None")
         #: a bucket root: each save's copy points and listing (its publication) run behind it, in a thread of
-        #: their own, while training and the next ``remote_every`` saves go on
+        #: their own, while training and the next saves go on: as far as ``remote_lag_s`` seconds behind (or,
+        #: given ``remote_every``, at most that many saves behind)
         self._pipelined = remote is not None
         self.remote_every = remote_every
+        self.remote_lag_s = BucketBound(remote_lag_s, "wait").remote_lag_s
+        #: the saves committed on every rank that the bucket does not list yet (by ``_InFlight.seq``)
+        self._bucket_lag = BucketLag()
+        self._seq = 0
+        self._last_publish_error: BaseException | None = None
         self._group = self._publish_group = None
         self._world = None
         self._new_group()  # (collective) every collective of this checkpointer runs on it, whatever the backend
@@ -421,6 +439,47 @@ class DistributedCheckpointer:
         self._saves = [e for e in self._saves if e not in settled]
         return True
 
+    def _settle_behind(self) -> float:
+        """The settling of a save on a bucket root without ``remote_every``: the commits of the saves in
+        flight (every rank's local outcome, gathered: a failure is raised at the same call on every rank),
+        never their publications, unless the bucket lags past ``remote_lag_s``: then wait until it is back
+        within it. A publication that failed is logged and left to the next, which lists the saves after it
+        (its ``wait()`` raised it); one that found the root taken over by another job is raised. Returns
+        the seconds waited for the bucket."""
+        for e in self._saves:
+            if e.commit is not None:
+                e.commit.join()
+        waited = 0.0
+        if self._bucket_lag.seconds() > self.remote_lag_s:
+            waited = self._bucket_lag.wait_within(self.remote_lag_s, self._no_publication_running,
+                                                  f"rank {self.rank}'s save")
+        settled = [e for e in self._saves if e.publish is None or not e.publish.is_alive()]
+        for e in settled:
+            error = e.pending.failure()
+            if error is None:
+                continue
+            if e.publish is None or _taken_over(error):
+                if self._error is None:
+                    self._error, self._error_save = error, e.pending
+            else:
+                log.warning("cnrstore: rank %d: the bucket does not list the save of step %s (the next save's "
+                            "publication lists the saves after it; the bucket lags %.1f s): %s: %s", self.rank,
+                            e.pending.report.step, self._bucket_lag.seconds(), type(error).__name__, error)
+        self._saves = [e for e in self._saves if e not in settled]
+        return waited
+
+    def _no_publication_running(self) -> BaseException | None:
+        """While a save waits for the bucket: the error to raise once no publication is left that could list
+        what the bucket lacks (None while one runs)."""
+        if any(e.publish is not None and e.publish.is_alive() for e in self._saves):
+            return None
+        last = self._last_publish_error
+        return GlobalCommitError(
+            f"rank {self.rank}: the bucket lags {self._bucket_lag.seconds():.0f} s ({self._bucket_lag.versions()} "
+            f"save(s)), past remote_lag_s={self.remote_lag_s:g}, and no publication is running"
+            + ("" if last is None else f": the last failed: {type(last).__name__}: {last}")
+            + "; the saves stand in every rank's local store", [])
+
     def _raise_pending_error(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
@@ -438,7 +497,11 @@ class DistributedCheckpointer:
         if self._closed:
             raise InvalidArgument("this DistributedCheckpointer is closed")
         with preemption.deferred():  # (a SIGTERM here exits once this rank has taken its part in the save)
-            self._settle(self.remote_every if self._pipelined else 0)
+            bucket_wait_s = 0.0
+            if self._pipelined and self.remote_every is None:
+                bucket_wait_s = self._settle_behind()
+            else:
+                self._settle(self.remote_every if self._pipelined else 0)
             if self._error is not None:
                 # surfaced here, once: the local checkpointer must not raise it again at its next save, or
                 # this rank would skip a collective the others enter
@@ -447,7 +510,13 @@ class DistributedCheckpointer:
                 self._local.forget_failure()
             self._raise_pending_error()
             local = self._local.save(step, meta) if top is None else self._local.save(step, meta, top=top)
-            entry = _InFlight(DistributedPendingSave(local.report))
+            if self._pipelined:
+                local.report.bucket_lag_s = self._bucket_lag.seconds()
+                local.report.bucket_lag_versions = self._bucket_lag.versions()
+                local.report.bucket_wait_s = bucket_wait_s
+                local.report.stall_s += bucket_wait_s
+            self._seq += 1
+            entry = _InFlight(DistributedPendingSave(local.report), seq=self._seq)
             entry.commit = threading.Thread(target=self._commit, args=(entry, local, step, meta),
                                             name=f"cnrstore-dist-commit-{step}", daemon=True)
             self._saves.append(entry)
@@ -460,6 +529,7 @@ class DistributedCheckpointer:
         try:
             outcomes = self._gather_outcomes(local, step)
             if self._pipelined:
+                self._bucket_lag.committed(entry.seq)
                 with self._unpublished_lock:
                     self._unpublished.append(_Unpublished(entry, local, outcomes, step, meta))
                 entry.publish = threading.Thread(target=self._publish, args=(entry, self._last_publish),
@@ -566,8 +636,10 @@ class DistributedCheckpointer:
                 raise GlobalCommitError(f"the save of step {batch[0].step} is not a global version: rank(s) {failed} "
                                         f"could not make their copy point in the bucket ({why})", failed)
             versions = self._list_many(batch, self._publish_group)
+            self._bucket_lag.copied(batch[-1].entry.seq)
         except BaseException as exc:
-            error = exc
+            error = self._last_publish_error = exc
+            self._bucket_lag.wake()
         finally:
             with self._unpublished_lock:
                 self._unpublished = [q for q in self._unpublished if all(q is not b for b in batch)]
@@ -588,7 +660,10 @@ class DistributedCheckpointer:
         status, value, failed = decision[0]
         if status == "ok":
             return [int(v) for v in value]
-        raise GlobalCommitError(f"the save of step {step} is not a global version: {value}", failed)
+        error = GlobalCommitError(f"the save of step {step} is not a global version: {value}", failed)
+        if status == "taken":  # (every rank learns that another job owns the root: the next save raises it)
+            raise error from errors.RemoteTakenOver(value)
+        raise error
 
     def _decide_many(self, batch: list[_Unpublished]):
         """Rank 0: write the manifests of ``batch``'s saves (every rank committed them); returns
@@ -600,7 +675,8 @@ class DistributedCheckpointer:
             self.root.commit_many(gvs)
         except BaseException as exc:
             what = "manifest" if len(batch) == 1 else "manifests"
-            return "error", f"rank 0 could not write the {what}: {type(exc).__name__}: {exc}", [0]
+            status = "taken" if isinstance(exc, (errors.RemoteTakenOver, errors.RemoteConflict)) else "error"
+            return status, f"rank 0 could not write the {what}: {type(exc).__name__}: {exc}", [0]
         self._apply_retention()
         return "ok", [gv.version for gv in gvs], []
 

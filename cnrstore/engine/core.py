@@ -219,6 +219,16 @@ class Engine:
             raise InvalidArgument(f"store {self.path!r} has no remote tier: open it with remote=URL")
         self._replicator.copy_point()
 
+    def copy_points_behind(self) -> bool:
+        """Make the remote copy points in a thread of their own, behind the commits (replication.py); False
+        if there is no remote tier or its copy points stay as they are (readonly, or all explicit)."""
+        return self._replicator is not None and not self.readonly and self._replicator.run_behind()
+
+    def wait_for_bucket(self, bound_s: float, what: str) -> float:
+        """Block until the oldest commit the remote copy lacks is at most ``bound_s`` seconds old; the
+        seconds waited (0.0 without a remote tier). RemoteTakenOver if the store lost its prefix."""
+        return 0.0 if self._replicator is None else self._replicator.wait_for_bucket(bound_s, what)
+
     def replication_status(self) -> dict | None:
         """The remote copy's state and counters (``Store.stats()["remote"]``); None without one."""
         return None if self._replicator is None else self._replicator.status()

@@ -47,6 +47,7 @@ from .remote_layout import (CACHE, LEGACY_WRITERS, WRITER, Identity, Pointer, Wr
 from .segments import leftover_rule
 from .replication import Replicator
 from .storage import LocalSegmentStorage
+from .uploads import BucketLag, CopyPointsBehind
 from ..errors import (CnrError, CorruptionError, InvalidArgument, RemoteConflict, RemoteObjectMissing,
                       RemoteStorageError, RemoteTakenOver, StoreLocked, StoreNotFound)
 
@@ -620,6 +621,9 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
         #: the last copy point)
         self.last_error: BaseException | None = None
         self._reading = threading.local()  # .fetcher: the planned read this thread is in (prefetch)
+        #: the commits the bucket does not hold yet (uploads.py)
+        self.lag = BucketLag()
+        self._behind: CopyPointsBehind | None = None  # copy points in a thread of their own (run_behind)
         #: counters (``Store.stats()["remote"]``)
         self.counters = {"bytes_uploaded": 0, "objects_uploaded": 0, "remote_reads": 0, "remote_read_bytes": 0,
                          "planned_reads": 0, "planned_read_bytes": 0, "copy_points": 0, "copy_point_seconds": 0.0,
@@ -678,6 +682,7 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
             lock.release()
 
     def close(self) -> None:
+        self._stop_behind()
         self._release_open_lock()
         super().close()
 
@@ -753,14 +758,63 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
         if self.lost is not None:
             raise self.lost
 
+    def run_behind(self) -> bool:
+        """Make the copy points after commits in a thread of this store's from now on (uploads.py): a commit
+        marks one due and returns; sealed segments are uploaded by the copy points, never in the thread that
+        sealed them. False (nothing changed) for a readonly store, and for one whose copy points are all
+        explicit (a rank store of a bucket root: its publication thread makes them)."""
+        if self.readonly or self.every == EXPLICIT_COPY_POINTS:
+            return False
+        with self._lock:
+            if self._behind is None:
+                self._behind = CopyPointsBehind(self._copy_point_behind, self._behind_failed,
+                                                lambda: self._retry_at, f"cnrstore-uploads-{self.store_id[:8]}")
+        return True
+
+    def _copy_point_behind(self) -> None:
+        if self.lost is None:
+            self.copy_point()
+
+    def _behind_failed(self, exc: BaseException) -> bool:
+        if isinstance(exc, RemoteTakenOver) or self.lost is not None:
+            self.lag.wake()  # (a save waiting for the bucket learns at once)
+            return False
+        log.warning("cnrstore: a remote copy point behind the commits failed; the commits stand locally and the "
+                    "copy point is tried again in %.0f s: %s: %s", max(0.0, self._retry_at - time.monotonic()),
+                    type(exc).__name__, exc)
+        return True
+
+    def _stop_behind(self) -> None:
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            behind.stop()
+        self.lag.wake()
+
+    def wait_for_bucket(self, bound_s: float, what: str) -> float:
+        """Block until the oldest commit the bucket lacks is at most ``bound_s`` seconds old (uploads.py);
+        returns the seconds waited. RemoteTakenOver if this store lost its prefix meanwhile."""
+        if self._behind is not None:
+            self._behind.due()
+
+        def stop():
+            return self.lost
+
+        return self.lag.wait_within(bound_s, stop, what)
+
     def after_commit(self) -> None:
         if self.readonly:
             return
         self._commits += 1
-        if self.lost is None and (self._commits % self.every or time.monotonic() < self._retry_at):
+        if self._index is not None:
+            with self._index.read() as view:
+                self.lag.committed(view.txn_id())
+        behind = self._behind
+        if behind is not None and self.lost is None:
+            behind.due()
+        elif self.lost is None and (self._commits % self.every or time.monotonic() < self._retry_at):
             return
         try:
-            if self.lost is None:
+            if self.lost is None and behind is None:
                 self.copy_point()
         except RemoteTakenOver:
             pass
@@ -775,6 +829,7 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
             raise self.lost
 
     def flush(self) -> None:
+        self._stop_behind()  # (the copy point in flight ends first; the last one is made here)
         if self.readonly or self._index is None or self.lost is not None:
             return
         with self._index.read() as view:
@@ -1066,9 +1121,10 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
         if uploaded:
             self._evict()
             return
-        if self.last_error is not None or self._sealing or self.every == EXPLICIT_COPY_POINTS:
+        if (self.last_error is not None or self._sealing or self.every == EXPLICIT_COPY_POINTS
+                or self._behind is not None):
             # the object store is failing (one attempt per copy point), or the copy point uploads it (this
-            # one, sealing it; or the next, for a store whose copy points are explicit)
+            # one, sealing it; or the next, for a store whose copy points are explicit or run behind)
             return
         try:
             self._check_owner()
@@ -1152,6 +1208,7 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
                 raise
             self.generation = generation
             self._copied_txn = txn
+            self.lag.copied(txn)
             with self._lock:
                 self._covered = dict(segments)
             self.counters["bytes_uploaded"] += len(snapshot) + len(body)
@@ -1270,4 +1327,6 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
                     "taken_over": None if self.lost is None else str(self.lost),
                     "last_error": None if self.last_error is None else str(self.last_error),
                     "next_retry_s": max(0.0, self._retry_at - time.monotonic()) if self.last_error else 0.0,
+                    "copy_points_behind": self._behind is not None, "lag_versions": self.lag.versions(),
+                    "lag_s": self.lag.seconds(),
                     **self.counters}

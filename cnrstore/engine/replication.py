@@ -1,7 +1,8 @@
 """The replication seam: what keeps a copy of a store elsewhere (an object store) current, driven by the
 engine. The segment storage (storage.py) is pure I/O: where segments are appended, read, listed and
 removed. A ``Replicator`` is told by the engine when the store opened, before a checkpoint begins, after
-one commits and as the store closes, and makes its copy points then; ``Store.sync_remote`` asks for
+one commits and as the store closes, and makes its copy points then (in the commit's thread, or, once
+``run_behind()`` was asked, in a thread of its own behind the commits); ``Store.sync_remote`` asks for
 one at once (``Engine.copy_point``).
 
 The one implementation is the remote tier's ``RemoteSegmentStorage`` (remote.py), which is both: it
@@ -32,13 +33,23 @@ class Replicator(abc.ABC):
 
     @abc.abstractmethod
     def after_commit(self) -> None:
-        """A checkpoint committed: make a copy point if one is due. Never raises for a remote fault (that is
+        """A checkpoint committed: make a copy point if one is due (or mark it due, behind). Never raises for a remote fault (that is
         logged and retried at the next one), except RemoteTakenOver once (the commit stands locally)."""
 
     @abc.abstractmethod
     def copy_point(self) -> None:
         """Make a copy point now. RemoteStorageError if the object store fails (the copy then still reads at
         its previous copy point)."""
+
+    @abc.abstractmethod
+    def run_behind(self) -> bool:
+        """Make the copy points after commits in a thread of the replicator's from now on (a commit marks one
+        due and returns; they coalesce); False if this replicator's copy points stay as they are."""
+
+    @abc.abstractmethod
+    def wait_for_bucket(self, bound_s: float, what: str) -> float:
+        """Block until the oldest commit the copy lacks is at most ``bound_s`` seconds old; the seconds
+        waited."""
 
     @abc.abstractmethod
     def flush(self) -> None:

@@ -40,7 +40,10 @@ class SaveReport:
     queueing behind earlier saves included; what a ``kill -9`` in that window loses), the bytes the version
     appended to the store's log (``bytes_written``, ``VersionInfo.bytes``) and the versions the
     Checkpointer's retention dropped after it (``dropped``). ``superseded``: the steps of the queued saves this
-    one superseded (``on_backpressure="coalesce"``), whose rows it writes too."""
+    one superseded (``on_backpressure="coalesce"``), whose rows it writes too. On a store with a remote tier,
+    as ``save()`` began: how far the bucket trailed the committed versions (``bucket_lag_s``: the age of the
+    oldest one it lacked; ``bucket_lag_versions``: how many; None without a bucket) and how long ``save()``
+    waited for it (``bucket_wait_s``, past ``remote_lag_s``; part of ``stall_s``)."""
 
     step: int | None
     baseline: bool
@@ -56,6 +59,9 @@ class SaveReport:
     preserved_bytes: int = 0
     lag_s: float = 0.0
     superseded: list = field(default_factory=list)
+    bucket_lag_s: float | None = None
+    bucket_lag_versions: int | None = None
+    bucket_wait_s: float = 0.0
 
 
 class PendingSave:

@@ -83,6 +83,7 @@ from . import restore as _restore
 from . import sharded
 from ..errors import InvalidArgument, SaveRefused, SaveSkipped, SaveSuperseded
 from ..types import VersionInfo
+from .bucket_lag import DEFAULT_REMOTE_LAG_S, BucketBound
 from .async_save import PendingSave, SaveQueue, SaveReport, WeakPendingWork
 from .optim_state import (as_optimizer_list, create_lazy_state, holds_weight, row_state_width, table_drift,
                           with_live_state)
@@ -192,6 +193,12 @@ class Checkpointer:
     that have not started writing (their ``wait()`` raises :class:`~cnrstore.errors.SaveSuperseded`) and write
     their rows too (``SaveReport.superseded`` names their steps), waiting only if that is not enough.
 
+    On a store with a remote tier the local commit is the save's durability point: the Checkpointer makes the
+    store's copy points run behind its commits (they coalesce; ``bucket_lag``), so ``save()`` never waits for
+    an upload. ``remote_lag_s`` (600 s; ``math.inf``: none) bounds how far the bucket may trail: past it a save
+    waits for the bucket (``on_remote_lag="wait"``, the default; ``SaveReport.bucket_wait_s``) or raises
+    :class:`~cnrstore.errors.RemoteLagging` taking nothing (``"raise"``).
+
     Retention: with ``keep_last=n`` and/or ``keep_every_n_steps=k``, after each save commits the store keeps
     the newest ``n`` versions and those whose step is a multiple of ``k`` (what either rule keeps, and always
     the newest: ``cnrstore.policy.Retention``), drops the rest (versions of earlier runs included) and
@@ -216,7 +223,8 @@ class Checkpointer:
                  ssu_rate: float = 0.125, max_queue_bytes: int | None = None, keep_last: int | None = None,
                  keep_every_n_steps: int | None = None, on_report=None, stager: Stager | None = None,
                  on_sigterm: str | None = "finish", max_lag: int | None = 2, stream_saves: bool = True,
-                 on_backpressure: str = "wait"):
+                 on_backpressure: str = "wait", remote_lag_s: float = DEFAULT_REMOTE_LAG_S,
+                 on_remote_lag: str = "wait"):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if priority is not None and priority not in PRIORITIES:
@@ -242,6 +250,7 @@ class Checkpointer:
                                   f"'coalesce' (a save supersedes the queued saves that have not started "
                                   f"writing, and writes their rows too); got {on_backpressure!r}")
         self.on_backpressure = on_backpressure
+        self._bucket = BucketBound(remote_lag_s, on_remote_lag)
         self.max_lag = None if max_lag is None else int(max_lag)
         self.stream_saves = stream_saves
         self.keep_last = _retention_arg(keep_last, "keep_last", "the number of newest versions to keep")
@@ -288,6 +297,7 @@ class Checkpointer:
         self.optimizer_codec = optimizer_codec
         self.priority = priority
         self.ssu_rate = float(ssu_rate)
+        self._bucket.attach(store)  # (a store in a bucket: its copy points run behind the commits from now on)
         self._tables: list[Table] = []
         self._by_weight: dict[int, Table] = {}
         existing = store.tables()
@@ -691,6 +701,7 @@ class Checkpointer:
     def _snapshot(self, step, meta, top=None) -> PendingSave:
         """Copy what the save writes into host memory (the trainer's stall), then queue its write."""
         start = time.perf_counter()
+        bucket_lag_s, bucket_lag_versions, bucket_wait_s = self._bucket.before_save(f"the save of step {step}")
         codec = self._weight_codec()
         baseline, priority, picks = self._plan.pick(top)
         superseded = []
@@ -698,7 +709,9 @@ class Checkpointer:
             baseline, picks, superseded = self._coalesce(baseline, picks, step)
             priority = priority and not baseline
         self._wait_for_room(self._snapshot_bytes(picks))
-        report = SaveReport(step=step, baseline=baseline, priority=priority, superseded=superseded)
+        report = SaveReport(step=step, baseline=baseline, priority=priority, superseded=superseded,
+                            bucket_lag_s=bucket_lag_s, bucket_lag_versions=bucket_lag_versions,
+                            bucket_wait_s=bucket_wait_s)
         holds = []  # (table, name) of the reusable host buffers this snapshot takes
         staging = self.stager.begin()
         try:
