@@ -37,7 +37,8 @@ and ``--remote-options JSON`` (the client's options, e.g. ``'{"client_kwargs": {
 *before* the command, for every command: ``cnrstore --remote s3://bucket/ckpt ls ./cache``. On a directory that
 holds no store yet, the remote's last copy point is first installed there as a read cache (a fresh machine),
 which installs the newest one each time a command opens it again; ``repair`` does that explicitly, or rebuilds a
-lost index from the local and the remote segments. Maintenance commands (compact, retain, gc) on a read cache
+lost index from the local and the remote segments; first, a prefix whose pointer ``CURRENT`` is damaged, or was
+deleted, gets it rebuilt from its newest index snapshot that verifies (maintenance/remote_pointer.py). Maintenance commands (compact, retain, gc) on a read cache
 open it writable, which takes the prefix over from its writer: run them where the writer is.
 
 ``ls``, ``info``, ``verify``, ``export``, ``retain`` and ``gc`` also take the root of a multi-rank job
@@ -358,11 +359,14 @@ def _root(args):
     elif root.objects.size(filenames.REMOTE_POINTER) is None and root.objects.bucket_exists() is not False:
         from .engine.remote import pointer_missing
         damage = pointer_missing(root.objects, filenames.REMOTE_POINTER)
+        if damage is not None and args.command == "repair":
+            return None  # a store's prefix whose pointer repair rebuilds (cmd_repair)
         if damage is not None:  # a store's objects without its pointer: damage, not "no store here"
             raise RemoteObjectMissing(
-                f"{damage}. Put {filenames.REMOTE_POINTER} back (a bucket with versioning keeps the previous one), or "
-                "run `cnrstore --remote URL repair DIR` on the store's writer directory (it rewrites the pointer "
-                "from its index)", damage.path)
+                f"{damage}. Run `cnrstore --remote {args.remote} repair DIR` (DIR: an empty directory, or the "
+                f"store's writer directory): it rebuilds {filenames.REMOTE_POINTER} from the newest index snapshot "
+                f"that verifies; or put {filenames.REMOTE_POINTER} back (a bucket with versioning keeps the previous "
+                "one)", damage.path)
         raise InvalidArgument(f"{args.remote} holds neither a cnrstore store (no {filenames.REMOTE_POINTER}) nor "
                               f"a multi-rank root (no {ROOT_MARKER}), and {args.store!r} holds no store: check the "
                               "URL (a multi-rank root's prefix is the remote= its DistributedCheckpointer was given)")
@@ -840,6 +844,8 @@ def cmd_repair(args) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
+        for line in report.pointer.problems if report.pointer is not None else ():
+            print(f"problem: {line}")
         for line in report.bad_records:
             print(f"bad record: {line}")
         for line in report.notes:

@@ -74,13 +74,15 @@ RETRY_MAX_S = 300.0
 #: How long a read cache waits for another process installing a snapshot into the same directory
 INSTALL_WAIT_S = 30.0
 
-_POINTER_FIX_READER = ("recovery from this prefix waits until its writer's next copy point rewrites it; or restore "
-                       "CURRENT from a copy (a bucket with versioning keeps the previous one)")
+_POINTER_FIX_READER = ("`cnrstore --remote URL repair DIR` (DIR: an empty directory) rebuilds it from the newest index "
+                       "snapshot that verifies; or the writer's next copy point rewrites it; or restore CURRENT from a "
+                       "copy (a bucket with versioning keeps the previous one)")
 
 
 def _pointer_fix_writer(root: str) -> str:
-    return (f"if {root!r} is the prefix's writer, `cnrstore --remote URL repair {root}` rewrites the pointer from "
-            f"its index; open it readonly=True to read it meanwhile")
+    return (f"if {root!r} is the prefix's writer, `cnrstore --remote URL repair {root}` rebuilds the pointer from "
+            f"the newest index snapshot that verifies, and its next writable open's copy point rewrites it from its "
+            f"index; open it readonly=True to read it meanwhile")
 
 
 # -- the pointer --------------------------------------------------------------------------------------------
@@ -177,9 +179,11 @@ def _missing_store(root: str, objects: ObjectStore, readonly: bool) -> CnrError:
     damage = pointer_missing(objects, filenames.REMOTE_POINTER)
     if damage is not None:
         return RemoteObjectMissing(
-            f"{damage}. Put {filenames.REMOTE_POINTER} back (a bucket with versioning keeps the previous one), or "
-            f"open the store's writer directory writable (its next copy point rewrites the pointer from its "
-            f"index); `create=True` refuses this prefix", damage.path)
+            f"{damage}. `cnrstore --remote {objects.url} repair DIR` (cnrstore.repair(DIR, remote=URL); DIR: an "
+            f"empty directory) rebuilds {filenames.REMOTE_POINTER} from the newest index snapshot that verifies; or "
+            f"put it back (a bucket with versioning keeps the previous one), or open the store's writer directory "
+            f"writable (its next copy point rewrites the pointer from its index); `create=True` refuses this prefix",
+            damage.path)
     return StoreNotFound(f"no cnrstore store at {root!r}, and {objects.url} holds none (no "
                          f"{filenames.REMOTE_POINTER}){'' if readonly else '; pass create=True to make one'}")
 

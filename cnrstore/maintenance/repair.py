@@ -60,6 +60,7 @@ import numpy as np
 from ..engine import chain as chain_rule
 from ..engine import filenames, fs, record, schema, segments, version_edit
 from ..engine import remote as remote_tier
+from .remote_pointer import StorePointerRepairReport, pointer_needs_repair, repair_pointer
 from .verify import LOST_SEGMENT, damaged_blocks, verify_store
 from ..errors import CnrError, CorruptionError, StoreNotFound
 from ..engine.core import Engine
@@ -101,10 +102,13 @@ class RepairReport:
     old_index: str | None = None
     #: whether the previous index opened and served as a source of truth
     used_index: bool = False
+    #: with ``remote=``: the rebuild of the prefix's pointer ``CURRENT`` that ran first because it was missing
+    #: or damaged (remote_pointer.StorePointerRepairReport; None: it was sound, or no store was there)
+    pointer: "StorePointerRepairReport | None" = None
 
     @property
     def ok(self) -> bool:
-        return not self.versions_lost and not self.damaged
+        return not self.versions_lost and not self.damaged and (self.pointer is None or self.pointer.ok)
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "path": self.path, "versions_recovered": self.versions_recovered,
@@ -113,7 +117,8 @@ class RepairReport:
                 "versions_dropped": self.versions_dropped, "tables_recovered": self.tables_recovered,
                 "segments_scanned": self.segments_scanned, "records_scanned": self.records_scanned,
                 "bytes_scanned": self.bytes_scanned, "bad_records": self.bad_records, "notes": self.notes,
-                "old_index": self.old_index, "used_index": self.used_index}
+                "old_index": self.old_index, "used_index": self.used_index,
+                "pointer": None if self.pointer is None else self.pointer.to_json()}
 
 
 class _Found:
@@ -170,7 +175,9 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
     With ``remote`` (the store's object-store URL, engine/remote.py) the log is the local segments and
     every segment object under the remote prefix (read from there). A ``path`` that holds no store is
     recovered from the remote alone instead: the index snapshot its pointer names is installed there
-    (every version of the last copy point; the report lists them).
+    (every version of the last copy point; the report lists them). Whatever ``path`` holds, a pointer that
+    is damaged, or missing beside the store's objects, is first rebuilt from the newest snapshot that
+    verifies (remote_pointer.repair_pointer; ``report.pointer`` says what it did).
 
     Takes the store's lock (raises StoreLocked while a writer holds it). Close every handle of the store
     in this process first. ``progress(done, total)`` is called as segment bytes are scanned. Every
@@ -179,6 +186,27 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
     """
     filesystem = filesystem if filesystem is not None else fs.DEFAULT
     root = os.path.abspath(os.fspath(path))
+    rebuilt = None
+    if remote is not None and pointer_needs_repair(remote, remote_options):
+        rebuilt = repair_pointer(remote, remote_options)
+    report = _repair(root, progress, filesystem, remote, remote_options)
+    if rebuilt is not None:
+        report.pointer = rebuilt
+        report.notes.insert(0, pointer_note(rebuilt))
+    return report
+
+
+def pointer_note(rebuilt: StorePointerRepairReport) -> str:
+    """One line saying what ``repair_pointer`` did."""
+    if not rebuilt.rebuilt:
+        return f"the pointer {filenames.REMOTE_POINTER} of {rebuilt.url} is there and sound; nothing to rebuild"
+    return (f"the pointer {filenames.REMOTE_POINTER} of {rebuilt.url} was {rebuilt.previous.split(':')[0]}; rebuilt "
+            f"(generation {rebuilt.generation}) from the snapshot {rebuilt.snapshot}, listing "
+            f"{len(rebuilt.versions)} version(s); {len(rebuilt.problems)} newer snapshot(s) did not verify "
+            "(nothing deleted)")
+
+
+def _repair(root: str, progress: Progress | None, filesystem: fs.FileSystem, remote, remote_options) -> RepairReport:
     if remote is not None and not os.path.exists(filenames.marker_path(root)):
         return _recover_from_remote(root, remote, remote_options, filesystem)
     if remote is not None and os.path.isdir(root):
