@@ -276,3 +276,32 @@ def test_cli_reads_verifies_exports_and_repairs_through_the_remote(tmp_path, rem
     capsys.readouterr()
     assert main(["--remote", "s3://nobucket-here/x", *args[2:], "ls", str(tmp_path / "nothing")]) == 2
     assert "RemoteStorageError" in (err := capsys.readouterr().err) and "the bucket does not exist" in err
+
+
+def test_a_conditional_put_whose_retry_meets_its_own_landed_write_succeeds(s3_endpoint, s3_bucket, monkeypatch):
+    """S3 retries a request that timed out; if the first attempt landed, the retry's condition fails on the
+    writer's own object (412). That is a success, not a lost race: a copy point that took it for one deleted
+    the snapshot the pointer now named. A condition that fails on another writer's object still raises."""
+    from cnrstore.engine.objects import FsspecObjectStore
+    from cnrstore.errors import RemoteConflict
+
+    objects = FsspecObjectStore(f"s3://{s3_bucket}/retried", s3_options(s3_endpoint))
+    assert objects.conditional_writes
+    objects.put_if("CURRENT", b"first", None)
+    real = objects._run
+
+    def landed_then_412(fn, *args, what, key, **kwargs):
+        result = real(fn, *args, what=what, key=key, **kwargs)
+        if what == "replacing":  # (the first attempt landed; the retry's condition fails)
+            raise RemoteConflict(f"{what} {key}: another writer replaced it first")
+        return result
+
+    monkeypatch.setattr(objects, "_run", landed_then_412)
+    objects.put_if("CURRENT", b"second", objects.get_tagged("CURRENT")[1])
+    assert objects.get("CURRENT") == b"second"
+    monkeypatch.setattr(objects, "_run", real)
+    stale = objects.get_tagged("CURRENT")[1]
+    objects.put_if("CURRENT", b"third", stale)
+    with pytest.raises(RemoteConflict):
+        objects.put_if("CURRENT", b"fourth", stale)
+    assert objects.get("CURRENT") == b"third"

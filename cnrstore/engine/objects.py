@@ -398,7 +398,19 @@ class FsspecObjectStore(ObjectStore):
             return await self.fs._call_s3("put_object", Bucket=self.bucket, Key=self._path(key).split("/", 1)[1],
                                           Body=data, **condition)
 
-        self._run(put, what="replacing", key=key, nbytes=len(data), reading=False)
+        try:
+            self._run(put, what="replacing", key=key, nbytes=len(data), reading=False)
+        except RemoteConflict:
+            # the client retries a request that timed out: if the first attempt landed, the retry's condition
+            # fails on our own object (412). Then the object is byte for byte ours, and the write succeeded;
+            # taking it for a lost race would delete what the pointer now names
+            self.fs.invalidate_cache(self._path(key))
+            try:
+                landed = self.get(key) == data
+            except RemoteObjectMissing:
+                landed = False
+            if not landed:
+                raise
         self.fs.invalidate_cache(self._path(key))
 
     def bucket_exists(self) -> bool | None:
