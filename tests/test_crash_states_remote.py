@@ -8,6 +8,7 @@ being evicted."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -31,13 +32,36 @@ class Workload(LocalWorkload):
     store (cache_bytes=0: every sealed segment is evicted once uploaded)."""
 
     def __init__(self, path: str, rec: cs.RecordingFileSystem, objects: dict, seed: int, *, every: int = 1,
-                 cache_bytes: int = 0):  # (not super().__init__: it opens the store without its remote)
+                 cache_bytes: int = 0, behind: bool = False):  # (not super().__init__: it opens the store without its remote)
         self.rec, self.rng, self.store = rec, np.random.default_rng(seed), None
         self.objects = cs.RecordingObjectStore(rec, self.listed)
         self.objects.objects.update(objects)
         self.store = cs.remote_store(path, self.objects, rec, cache_bytes=cache_bytes, every=every)
+        #: copy points in the store's own thread behind the commits (what a Checkpointer asks for): each
+        #: checkpoint op then waits for the copy point its commit marked due, so the effects stay in one order
+        self.behind = behind and self.store.engine.copy_points_behind()
         self.model = {name: np.full((ROWS, dim), 0.5, np.float32) for name, (dim, _c) in TABLES.items()}
         self.content: dict = {}
+
+    def checkpoint(self, rows_per_table: int) -> int:
+        if not self.behind:
+            return super().checkpoint(rows_per_table)
+        real = self.store.checkpoint
+
+        def checkpoint_then_its_copy_point():
+            @contextlib.contextmanager
+            def ck():
+                with real() as writer:
+                    yield writer
+                self.store.engine.wait_for_bucket(0.0, "the workload")
+
+            return ck()
+
+        self.store.checkpoint = checkpoint_then_its_copy_point
+        try:
+            return super().checkpoint(rows_per_table)
+        finally:
+            del self.store.checkpoint
 
     def listed(self) -> frozenset:
         return super().listed() if self.store is not None else frozenset()
@@ -63,17 +87,20 @@ def make_base(path: str) -> tuple[dict, dict, frozenset]:
     return objects.objects, content, frozenset(content)
 
 
-@pytest.mark.parametrize("every, cache_bytes", [(1, 0), (2, 1 << 20)], ids=["copy-each-commit-evict-all",
-                                                                         "copy-every-2nd-cache-all"])
-def test_every_crash_state_of_a_remote_workload(ram_tmp_path, every, cache_bytes):
-    """Copy points after every commit with every sealed segment evicted (reads go remote); and after every
-    second commit with everything cached (the writer appends on between copy points: torn appends too)."""
+@pytest.mark.parametrize("every, cache_bytes, behind", [(1, 0, False), (2, 1 << 20, False), (1, 0, True)],
+                         ids=["copy-each-commit-evict-all", "copy-every-2nd-cache-all", "copy-points-behind"])
+def test_every_crash_state_of_a_remote_workload(ram_tmp_path, every, cache_bytes, behind):
+    """Copy points after every commit with every sealed segment evicted (reads go remote); after every
+    second commit with everything cached (the writer appends on between copy points: torn appends too); and
+    behind the commits, in the store's own thread (engine/uploads.py: each commit seals its segment, the copy
+    point uploads it)."""
     base = str(ram_tmp_path / "base")
     objects, content, initial = make_base(base)
     live = str(ram_tmp_path / "live")
     shutil.copytree(base, live)
     with cs.RecordingFileSystem(live) as rec:
-        w = Workload(live, rec, objects, seed=3, every=every, cache_bytes=cache_bytes)
+        w = Workload(live, rec, objects, seed=3, every=every, cache_bytes=cache_bytes, behind=behind)
+        assert w.behind == behind
         w.content.update(content)
         w.checkpoint(60)
         w.checkpoint(200)
@@ -89,7 +116,7 @@ def test_every_crash_state_of_a_remote_workload(ram_tmp_path, every, cache_bytes
     work.mkdir()
     sweep = cs.explore_remote(base, objects, rec.effects, w.content, str(work), write_more, initial=initial,
                               initial_pointer=initial)
-    print(f"\nremote workload (every={every}, cache_bytes={cache_bytes}): {sweep.effects} effects, {sweep.states} crash states checked {sweep.by_variant}")
+    print(f"\nremote workload (every={every}, cache_bytes={cache_bytes}, behind={behind}): {sweep.effects} effects, {sweep.states} crash states checked {sweep.by_variant}")
     assert not sweep.failures, "\n".join(sweep.failures)
     assert sweep.states > 40
 
