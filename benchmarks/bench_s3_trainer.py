@@ -94,10 +94,15 @@ def child(spec: dict) -> dict:
             stalls.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     ck.close()
-    lags = [r.bucket_lag_s for r in reports]
-    store.close()
     close_s = time.perf_counter() - t0
-    return {"stalls": stalls, "lags": lags, "close_s": close_s, "step_s": float(np.median(steps_s))}
+    written = store.stats()["bytes_written"]
+    t0 = time.perf_counter()
+    store.close()  # (a store in a bucket: the last copy point)
+    close_s += time.perf_counter() - t0
+    status = store.engine.replication_status() or {}
+    return {"stalls": stalls, "lags": [r.bucket_lag_s for r in reports], "close_s": close_s,
+            "step_s": float(np.median(steps_s)), "written": written, "uploaded": status.get("bytes_uploaded"),
+            "local_stalls": [r.stall_s for r in reports]}
 
 
 def rank_child(spec: dict) -> dict:
@@ -185,27 +190,39 @@ def run_config(config: str, args, root: str, endpoint) -> dict:
     return result
 
 
-def report(results: dict, args) -> str:
+def report(rounds: list[dict], args) -> str:
+    """``rounds``: one {configuration: result} per round (the configurations interleaved within a round)."""
     from common import load_average, machine_description
 
     lines = [f"## {args.title}", "",
              f"One `nn.EmbeddingBag` of {args.rows:,} x {args.dim} fp32 (sparse, Adagrad) and a small MLP (Adam); "
              f"{args.batch} x 8 uniform ids a step, a save every {args.every} steps, {args.saves} saves (the first "
-             "a baseline). S3 is moto's server in a process of its own on localhost. Stall: the time `save()` takes "
-             "(2 ranks: the slower rank's, per save).", ""]
+             "a baseline), each configuration in a process of its own (2 ranks: two, joined by gloo); "
+             f"{len(rounds)} round(s), the configurations interleaved in each. S3 is moto's server in a process of "
+             "its own on localhost. Stall: the time `save()` takes (2 ranks: the slower rank's, per save); "
+             "worst / local's worst pairs each run with the local run of its round. Bucket lag: "
+             "`SaveReport.bucket_lag_s` at each save (single process). Close: until the bucket holds the last "
+             "save.", ""]
     lines += machine_description() + [f"- load average at the end: {load_average()}", ""]
-    lines += ["| configuration | stalls (ms) | median | worst | worst / median | worst / local's worst | "
-              "bucket lag p100 (s) | close (s) |", "|---|---|---|---|---|---|---|---|"]
-    for config, r in results.items():
-        s = np.array(r["stalls"]) * 1e3
-        local = results.get("2 ranks local" if config.startswith("2 ranks") else "local")
-        ref = max(local["stalls"]) * 1e3 if local else float("nan")
-        lags = [x for x in r["lags"] if x is not None]
-        lines.append(f"| {config} | {', '.join(f'{x:.0f}' for x in s)} | {np.median(s):.1f} | {s.max():.1f} | "
-                     f"{s.max() / np.median(s):.2f}x | {s.max() / ref:.2f}x | "
-                     f"{max(lags):.2f} | {r['close_s']:.2f} |" if lags else
-                     f"| {config} | {', '.join(f'{x:.0f}' for x in s)} | {np.median(s):.1f} | {s.max():.1f} | "
-                     f"{s.max() / np.median(s):.2f}x | {s.max() / ref:.2f}x | - | {r['close_s']:.2f} |")
+    lines += ["| configuration | round | stalls (ms) | median | worst | worst / median | worst / local's worst | "
+              "bucket lag p100 (s) | uploaded / written | close (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    summary = {}
+    for i, results in enumerate(rounds, 1):
+        for config, r in results.items():
+            s = np.array(r["stalls"]) * 1e3
+            local = results.get("2 ranks local" if config.startswith("2 ranks") else "local")
+            ref = max(local["stalls"]) * 1e3 if local else float("nan")
+            lags = [x for x in r["lags"] if x is not None]
+            amp = f"{r['uploaded'] / r['written']:.2f}x" if r.get("uploaded") and r.get("written") else "-"
+            lines.append(f"| {config} | {i} | {', '.join(f'{x:.0f}' for x in s)} | {np.median(s):.1f} | "
+                         f"{s.max():.1f} | {s.max() / np.median(s):.2f}x | {s.max() / ref:.2f}x | "
+                         f"{f'{max(lags):.2f}' if lags else '-'} | {amp} | {r['close_s']:.2f} |")
+            summary.setdefault(config, []).append((s.max() / np.median(s), s.max() / ref))
+    lines += ["", "| configuration | worst / median, median of rounds (goal <= 2x) | worst / local's worst, median "
+              "of rounds (goal <= 1.5x) |", "|---|---|---|"]
+    for config, ratios in summary.items():
+        lines.append(f"| {config} | {np.median([a for a, _ in ratios]):.2f}x ({', '.join(f'{a:.2f}' for a, _ in ratios)}) "
+                     f"| {np.median([b for _, b in ratios]):.2f}x ({', '.join(f'{b:.2f}' for _, b in ratios)}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -217,6 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=20)
     ap.add_argument("--saves", type=int, default=12)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--server-nice", type=int, default=0, help="moto's niceness (0: as the trainer)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--title", default="A trainer checkpointing to S3 (issue 49)")
     ap.add_argument("--out")
@@ -233,22 +252,24 @@ def main(argv=None) -> int:
         args.rows, args.dim, args.saves = 1 << 17, 32, 6
     from common import MotoEndpoint
 
-    endpoint = MotoEndpoint()
+    endpoint = MotoEndpoint(nice=args.server_nice)
     root = tempfile.mkdtemp(prefix="bench-s3-trainer-")
-    results = {}
+    rounds = []
     try:
-        for config in args.configs.split(","):
-            t0 = time.perf_counter()
-            results[config] = run_config(config, args, root, endpoint)
-            print(f"{config}: stalls {[round(x * 1e3) for x in results[config]['stalls']]} ms (of which waiting "
-                  f"for earlier saves {[round(x * 1e3) for x in results[config].get('waits', [])]}), "
-                  f"written {results[config].get('written')}, uploaded {results[config].get('uploaded')}, "
-                  f"lags {results[config]['lags']}, close {results[config]['close_s']:.2f} s "
-                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        for _ in range(args.rounds):
+            results: dict = {}
+            rounds.append(results)
+            for config in args.configs.split(","):
+                t0 = time.perf_counter()
+                r = results[config] = run_config(config, args, root, endpoint)
+                print(f"{config}: stalls {[round(x * 1e3) for x in r['stalls']]} ms (of which waiting for earlier "
+                      f"saves {[round(x * 1e3) for x in r.get('waits', [])]}), written {r.get('written')}, "
+                      f"uploaded {r.get('uploaded')}, close {r['close_s']:.2f} s ({time.perf_counter() - t0:.0f} s)",
+                      file=sys.stderr)
     finally:
         endpoint.stop()
         shutil.rmtree(root, ignore_errors=True)
-    md = report(results, args)
+    md = report(rounds, args)
     print(md)
     if args.out:
         with open(args.out, "w") as f:

@@ -228,14 +228,17 @@ class MotoEndpoint:
     endpoint is a server of its own (bench_s3, bench_dist_s3), with the bucket ``bench``; ``url``,
     ``options`` (s3fs's), ``stop()``."""
 
-    def __init__(self):
+    def __init__(self, nice: int = 0):
+        """``nice``: the server's niceness (a real endpoint takes none of the client machine's CPU; on a machine
+        with few cores, a nice server yields it to the process measured)."""
         import boto3
         import urllib.error
         import urllib.request
 
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        self.proc = subprocess.Popen(["nice", "-n", str(nice)] * bool(nice) +
+                                     [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while True:  # until it answers HTTP

@@ -547,3 +547,46 @@ def test_a_claim_that_loses_to_the_live_jobs_own_swap_claims_again_or_says_the_j
         with pytest.raises(RemoteConflict, match=f"the job {live.job} is still saving.*stop that job first"):
             claimer.create()
         assert claimer.pointer().owner == live.job and len(fired) == CLAIM_TRIES
+
+
+class RefusingRoot(DictObjectStore):
+    """An in-memory bucket whose next ``refuse`` conditional writes of the root's pointer fail."""
+
+    refuse = 0
+
+    def put_if(self, key, data, tag):
+        if key == "ROOT" and self.refuse:
+            self.refuse -= 1
+            raise RemoteStorageError("replacing ROOT failed after the client's retries (a test's endpoint)")
+        super().put_if(key, data, tag)
+
+
+def test_a_failed_root_pointer_write_is_a_global_commit_error_caused_by_the_object_stores(tmp_path, group):
+    """Issue 49, fault 7: a 1-rank job whose root pointer cannot be written: GlobalCommitError (as on every
+    rank), whose __cause__ on rank 0 is the object store's RemoteStorageError; the next save lists again."""
+    from cnrstore.errors import GlobalCommitError
+
+    objects = RefusingRoot()
+    ck, model, opt = job(tmp_path / "n", objects)
+    train(model, opt, 0)
+    assert ck.save(step=0).wait() == 1
+    objects.refuse = 1
+    train(model, opt, 1)
+    with pytest.raises(GlobalCommitError) as caught:
+        ck.save(step=1).wait()
+    assert isinstance(caught.value.__cause__, RemoteStorageError)
+    assert "replacing ROOT failed" in str(caught.value)
+    train(model, opt, 2)
+    assert ck.save(step=2).wait() == 2
+    ck.close()
+
+
+def test_a_commit_whose_collective_failed_says_why_in_words(tmp_path, group):
+    """Issue 49, fault 6: not torch's raw message alone."""
+    ck, _model, _opt = job(tmp_path / "n", DictObjectStore())
+    destroyed = ck._incomplete(7, RuntimeError("Process group 3 is not initialized in the world group map"))
+    assert "process group was destroyed before the commit ended" in str(destroyed)
+    assert "torch.distributed: RuntimeError: Process group 3" in str(destroyed)
+    died = ck._incomplete(7, RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:11180"))
+    assert "closed its connection: it died" in str(died)
+    ck.close()

@@ -204,6 +204,7 @@ class DistributedCheckpointer:
         self._bucket_lag = BucketLag()
         self._seq = 0
         self._last_publish_error: BaseException | None = None
+        self._decide_error: BaseException | None = None  # (rank 0: why the last listing failed)
         self._group = self._publish_group = None
         self._world = None
         self._new_group()  # (collective) every collective of this checkpointer runs on it, whatever the backend
@@ -604,9 +605,20 @@ class DistributedCheckpointer:
                                 f"rank(s) {failed} ({why})", failed)
 
     def _incomplete(self, step, exc: BaseException) -> GlobalCommitError:
+        """The error of a collective of the commit that failed (``exc``, torch.distributed's), in words."""
+        text = str(exc)
+        if "not initialized" in text or "not registered" in text or "destroyed" in text:
+            why = ("this rank's process group was destroyed before the commit ended (destroy_process_group, or "
+                   "the job's exit, ran while it was in flight; close() the checkpointer first)")
+        elif "closed by peer" in text.lower() or "connection reset" in text.lower() or "broken pipe" in text.lower():
+            why = "another rank closed its connection: it died, or left the job"
+        elif "timed out" in text.lower() or "timeout" in text.lower():
+            why = f"another rank did not take part within timeout_s={self.timeout_s:g}: it died or is stalled"
+        else:
+            why = f"a rank may have died or be slower than timeout_s={self.timeout_s:g}"
         return GlobalCommitError(
-            f"rank {self.rank}: the global commit of step {step} did not complete ({exc}); a rank may have "
-            f"died or be slower than timeout_s={self.timeout_s:g}. The previous global version is intact.")
+            f"rank {self.rank}: the global commit of step {step} did not complete: {why}. The previous global "
+            f"version is intact. (torch.distributed: {type(exc).__name__}: {text.splitlines()[0] if text else ''})")
 
     def _publish(self, entry: "_InFlight", previous: threading.Thread | None) -> None:
         """A bucket root's publication of ``entry``'s save, and of the saves queued behind it that every rank
@@ -673,17 +685,19 @@ class DistributedCheckpointer:
         error = GlobalCommitError(f"the save of step {step} is not a global version: {value}", failed)
         if status == "taken":  # (every rank learns that another job owns the root: the next save raises it)
             raise error from errors.RemoteTakenOver(value)
-        raise error
+        raise error from self._decide_error  # (rank 0: the object store's own error; None elsewhere)
 
     def _decide_many(self, batch: list[_Unpublished]):
         """Rank 0: write the manifests of ``batch``'s saves (every rank committed them); returns
         (status, [versions] | reason, ranks)."""
+        self._decide_error = None
         try:
             first = max(self.root.version_numbers(), default=0) + 1
             gvs = [self._global_version(first + i, item.outcomes, item.step, item.meta)
                    for i, item in enumerate(batch)]
             self.root.commit_many(gvs)
         except BaseException as exc:
+            self._decide_error = exc
             what = "manifest" if len(batch) == 1 else "manifests"
             status = "taken" if isinstance(exc, (errors.RemoteTakenOver, errors.RemoteConflict)) else "error"
             return status, f"rank 0 could not write the {what}: {type(exc).__name__}: {exc}", [0]
