@@ -24,7 +24,7 @@ of the newest DCP save. Both are checked bit for bit against the state saved.
     python benchmarks/bench_dist_s3.py --quick    # 2 tables x 32,768 x 32, 3 saves
 
 Last, saves every ``--interval`` seconds (a step padded with sleep, standing in for a GPU's compute),
-without waiting for them: the bucket root (publications pipelined, ``remote_every=1``), the same waiting
+without waiting for them: the bucket root (publications pipelined; a save waits for none, ``remote_lag_s``), the same waiting
 for each previous save (the behaviour before), and a local root; the stall includes what a save waits for.
 """
 
@@ -127,7 +127,7 @@ def rank_main(cfg: dict) -> None:
 
     # saves at a fixed interval shorter than a publication: a step (padded with sleep to --interval, standing
     # in for a GPU's compute), then a save, without waiting; the stall includes whatever the save waits for.
-    # Three ways: the bucket root (a save waits for publications beyond remote_every=1), the same but waiting
+    # Three ways: the bucket root (a save waits for no publication, within remote_lag_s), the same but waiting
     # for the previous save's wait() before each save (what a save did before publications were pipelined),
     # and a root on this disk (the reference)
     variants = (("bucket", kinds[0][1], False), ("bucket, waiting for the previous save", kinds[0][1], True),

@@ -223,6 +223,18 @@ def report(rounds: list[dict], args) -> str:
     for config, ratios in summary.items():
         lines.append(f"| {config} | {np.median([a for a, _ in ratios]):.2f}x ({', '.join(f'{a:.2f}' for a, _ in ratios)}) "
                      f"| {np.median([b for _, b in ratios]):.2f}x ({', '.join(f'{b:.2f}' for _, b in ratios)}) |")
+    lines.append("")
+    for config in (c for c in summary if c.endswith("s3")):
+        tail = np.median([a for a, _ in summary[config]])
+        vs_local = np.median([b for _, b in summary[config]])
+        lines.append(f"- {config}: worst stall {tail:.2f}x its median (goal <= 2x): "
+                     f"**{'met' if tail <= 2 else 'missed'}**; {vs_local:.2f}x the local run's worst (goal <= 1.5x): "
+                     f"**{'met' if vs_local <= 1.5 else 'missed'}**")
+    lags = [max(x for x in r["lags"] if x is not None) for results in rounds for c, r in results.items()
+            if c == "s3" and any(x is not None for x in r["lags"])]
+    if lags:
+        lines.append(f"- s3: the bucket's lag at a save, at most {max(lags):.1f} s (bound: remote_lag_s=600 s): "
+                     f"**{'met' if max(lags) <= 600 else 'missed'}**")
     return "\n".join(lines) + "\n"
 
 

@@ -171,6 +171,13 @@ SECTIONS = [
      "without waiting (the stall includes what a save waits for), against the same saves each waiting for the "
      "one before and against a local root; and restore after rank 1's node is lost (rank 1 on an empty "
      "directory) against dcp.load.", [], ["--quick"], None),
+    ("bench_s3_trainer.py", "A trainer checkpointing to S3: does a save wait for the bucket?",
+     "Issue 49's trainer: one nn.EmbeddingBag of 1,048,576 x 64 fp32 (sparse, Adagrad) and a small MLP, a save "
+     "every 20 steps, 12 saves, to a local store, to a store in a bucket (moto on localhost, a process of its "
+     "own), and the same as 2 gloo ranks (DistributedCheckpointer, a local root against a bucket root); 3 rounds "
+     "interleaved: each save's stall, worst against median and against the local run's worst, the bucket's lag, "
+     "bytes uploaded against bytes written, the seconds close() takes to make the bucket current.",
+     [], ["--quick", "--rounds", "1"], None),
 ]
 
 
