@@ -67,7 +67,7 @@ class BucketBound:
         if self.on_remote_lag == "raise":
             raise RemoteLagging(
                 f"{describe} was not taken: the bucket lacks {lag_versions} committed version(s), the oldest "
-                f"{lag_s:.0f} s old, past remote_lag_s={self.remote_lag_s:g} (on_remote_lag='raise'); they stand "
+                f"{lag_s:.3g} s old, past remote_lag_s={self.remote_lag_s:g} (on_remote_lag='raise'); they stand "
                 "locally and are uploading behind. Save again later; a node lost now loses them. "
                 "Store.stats()['remote'] says why (last_error)", lag_s, lag_versions)
         waited = self._engine.wait_for_bucket(self.remote_lag_s, describe)
