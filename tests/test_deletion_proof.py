@@ -90,16 +90,22 @@ def test_a_claim_paused_before_its_clean_up_while_a_later_job_claims_and_saves_d
     assert _restores(bucket, a.content, tmp_path, "after") == sorted(_named(bucket))
 
 
-def test_a_live_jobs_swap_between_a_claims_read_and_its_swap_is_kept(tmp_path):
-    """The first order: job A's commit (manifest, then swap) lands between job B's pointer read and B's swap.
-    B's claim swaps again and keeps A's new version; B's clean-up deletes nothing the pointer names."""
-    bucket = PausingBucket()
+def _a_mid_save_and_b(tmp_path, bucket):
+    """Job A with one save listed and its second written locally, copy points made, not yet committed; job B
+    on fresh machines, not started: (A, A's local versions, B)."""
     a = db.Job(str(tmp_path / "node-a"), bucket, seed=1)
     a.start(PLAN)
     a.save()
     written = a.write_local()
     a.copy_points()
-    b = db.Job(str(tmp_path / "node-b"), bucket, content=a.content, seed=2)
+    return a, written, db.Job(str(tmp_path / "node-b"), bucket, content=a.content, seed=2)
+
+
+def test_a_live_jobs_swap_between_a_claims_read_and_its_swap_is_kept(tmp_path):
+    """The first order: job A's commit (manifest, then swap) lands between job B's pointer read and B's swap.
+    B's claim swaps again and keeps A's new version; B's clean-up deletes nothing the pointer names."""
+    bucket = PausingBucket()
+    a, written, b = _a_mid_save_and_b(tmp_path, bucket)
     with Pause("root_swap") as paused:
         claim = run_in_thread(b.root.create)
         paused.wait_reached()
@@ -123,12 +129,7 @@ def test_a_live_jobs_swap_after_a_claim_fails_and_its_manifest_is_garbage(tmp_pa
     clean-up; A's commit puts its manifest and fails its swap (RemoteTakenOver). B's clean-up, resumed, deletes A's unlisted manifest (B
     still owns the pointer, which does not name it) and nothing else."""
     bucket = DictObjectStore()
-    a = db.Job(str(tmp_path / "node-a"), bucket, seed=1)
-    a.start(PLAN)
-    a.save()
-    written = a.write_local()
-    a.copy_points()
-    b = db.Job(str(tmp_path / "node-b"), bucket, content=a.content, seed=2)
+    a, written, b = _a_mid_save_and_b(tmp_path, bucket)
     with Pause("dist_before_manifest") as committing, Pause("root_claimed") as claimed:
         commit = run_in_thread(a.commit, written)  # (A found the root its own, and is about to put)
         committing.wait_reached()

@@ -95,6 +95,17 @@ def _read_back(tmp_path, bucket, name: str) -> tuple[list[int], dict]:
         return versions, _rows_of(fresh, versions[-1]) if versions else {}
 
 
+def _assert_bucket_holds(tmp_path, bucket, newest: int, want: dict, name: str = "fresh") -> list[int]:
+    """A fresh machine's recovery from ``bucket`` lists ``newest`` last and reads it as ``want``, bit for bit;
+    returns the versions it lists."""
+    versions, rows = _read_back(tmp_path, bucket, name)
+    assert versions[-1] == newest
+    assert rows.keys() == want.keys()
+    for t in want:
+        np.testing.assert_array_equal(rows[t], want[t], err_msg=f"{name}: {t}")
+    return versions
+
+
 def test_saves_go_on_while_the_bucket_is_held_and_the_copy_points_coalesce(tmp_path):
     bucket = GatedBucket()
     store = cnrstore.open(tmp_path / "node", create=True, remote=bucket)
@@ -118,12 +129,7 @@ def test_saves_go_on_while_the_bucket_is_held_and_the_copy_points_coalesce(tmp_p
     _until(lambda: _remote(store)["lag_versions"] == 0, "the bucket caught up")
     assert _remote(store)["copy_points"] - copy_points <= 2  # (the one held, then one for all the rest)
     newest = _numbers(store)[-1]
-    versions, rows = _read_back(tmp_path, bucket, "fresh")
-    assert versions[-1] == newest
-    want = _rows_of(store, newest)
-    assert rows.keys() == want.keys()
-    for t in want:
-        np.testing.assert_array_equal(rows[t], want[t], err_msg=t)
+    _assert_bucket_holds(tmp_path, bucket, newest, _rows_of(store, newest))
     ck.close()
     store.close()
 
@@ -138,25 +144,30 @@ def test_close_makes_the_bucket_current(tmp_path):
         _step(model, opt, rng)
         ck.save(step)
     ck.close()
-    want = _rows_of(store, _numbers(store)[-1])
     newest = _numbers(store)[-1]
+    want = _rows_of(store, newest)
     store.close()
-    versions, rows = _read_back(tmp_path, bucket, "fresh")
-    assert versions[-1] == newest
-    for t in want:
-        np.testing.assert_array_equal(rows[t], want[t], err_msg=t)
+    _assert_bucket_holds(tmp_path, bucket, newest, want)
 
 
-def test_past_remote_lag_s_a_save_raises_remote_lagging_and_takes_nothing(tmp_path):
+def _lagging(tmp_path, seed: int, **kwargs):
+    """A Checkpointer (``remote_lag_s=0.2``, ``kwargs``) whose first save committed while the bucket is held,
+    0.3 s ago: (bucket, store, model, optimizer, checkpointer, rng, reports)."""
     bucket = GatedBucket()
     store = cnrstore.open(tmp_path / "node", create=True, remote=bucket)
     model, opt = _trainer()
-    ck = Checkpointer(store, model, opt, remote_lag_s=0.2, on_remote_lag="raise")
-    rng = np.random.default_rng(2)
+    reports: list = []
+    ck = Checkpointer(store, model, opt, remote_lag_s=0.2, on_report=reports.append, **kwargs)
+    rng = np.random.default_rng(seed)
     bucket.hold()
     _step(model, opt, rng)
     ck.save(1).wait()
     time.sleep(0.3)
+    return bucket, store, model, opt, ck, rng, reports
+
+
+def test_past_remote_lag_s_a_save_raises_remote_lagging_and_takes_nothing(tmp_path):
+    bucket, store, model, opt, ck, rng, _reports = _lagging(tmp_path, 2, on_remote_lag="raise")
     before = _numbers(store)
     with pytest.raises(RemoteLagging) as caught:
         ck.save(2)
@@ -172,16 +183,7 @@ def test_past_remote_lag_s_a_save_raises_remote_lagging_and_takes_nothing(tmp_pa
 
 
 def test_past_remote_lag_s_a_save_waits_for_the_bucket(tmp_path):
-    bucket = GatedBucket()
-    store = cnrstore.open(tmp_path / "node", create=True, remote=bucket)
-    model, opt = _trainer()
-    reports = []
-    ck = Checkpointer(store, model, opt, remote_lag_s=0.2, on_report=reports.append)
-    rng = np.random.default_rng(3)
-    bucket.hold()
-    _step(model, opt, rng)
-    ck.save(1).wait()
-    time.sleep(0.3)
+    bucket, store, model, opt, ck, rng, reports = _lagging(tmp_path, 3)
     timer = threading.Timer(0.5, bucket.let_go)
     timer.start()
     _step(model, opt, rng)
@@ -256,10 +258,7 @@ def test_a_copy_point_held_while_saves_commit_and_retention_collects(tmp_path, p
         held.release()
         _until(lambda: _remote(store)["lag_versions"] == 0, "the bucket caught up")
     newest = _numbers(store)[-1]
-    versions, rows = _read_back(tmp_path, bucket, "after")
-    assert versions[-1] == newest and len(versions) <= 3
-    for t, want in committed[newest].items():
-        np.testing.assert_array_equal(rows[t], want, err_msg=t)
+    assert len(_assert_bucket_holds(tmp_path, bucket, newest, committed[newest], "after")) <= 3
     ck.close()
     store.close()
 
