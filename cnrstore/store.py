@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator
 
@@ -23,7 +24,7 @@ from .engine.replication import Replicator
 from .engine.storage import SegmentStorage
 from .engine.writer import CheckpointWriter
 from .errors import (CompactionFailed, InvalidArgument, MissingRows, ReadOnlyError, TableNotFound, VersionNotFound,
-                     VersionNotRetained)
+                     VersionNotRetained, RemoteTakenOver)
 from .maintenance import compaction
 from .maintenance.background import BackgroundCompactor
 from .policy import compaction as compaction_policy
@@ -62,18 +63,15 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None,
     if policy is not None and readonly:
         raise InvalidArgument("compaction= needs a writable store; open with readonly=False")
     path = os.path.abspath(os.fspath(path))
-    storage = None
-    if remote is not None:
-        storage = remote_tier.open_storage(path, remote, remote_options, fs.DEFAULT, readonly=readonly,
-                                           create=create, cache_bytes=cache_bytes, every=remote_every,
-                                           timeout_s=remote_timeout_s)
-    elif any(x is not None for x in (remote_options, cache_bytes, remote_every, remote_timeout_s)):
-        raise InvalidArgument("remote_options, cache_bytes, remote_every and remote_timeout_s need remote= (the "
-                              "object store's URL)")
-    else:
+    if remote is None:
+        if any(x is not None for x in (remote_options, cache_bytes, remote_every, remote_timeout_s)):
+            raise InvalidArgument("remote_options, cache_bytes, remote_every and remote_timeout_s need remote= (the "
+                                  "object store's URL)")
         remote_tier.check_local_only(path, "open")
-    store = Store(path, create=create, readonly=readonly, filesystem=fs.DEFAULT, storage=storage,
-                  options=options)
+        store = Store(path, create=create, readonly=readonly, filesystem=fs.DEFAULT, options=options)
+    else:
+        store = _open_remote(path, remote, remote_options, readonly=readonly, create=create, cache_bytes=cache_bytes,
+                             every=remote_every, timeout_s=remote_timeout_s, options=options)
     if policy is not None:
         store._life.compactor = BackgroundCompactor(store._engine, policy)
         store._engine.set_commit_listener(store._life.compactor.notify)
@@ -81,6 +79,31 @@ def open(path, *, create: bool = False, readonly: bool = False, compaction=None,
 
 
 log = logging.getLogger("cnrstore.store")
+
+
+def _open_remote(path: str, remote, remote_options, *, readonly: bool, create: bool, cache_bytes, every, timeout_s,
+                 options) -> "Store":
+    """``open`` of a store with a remote tier. A writable open of an empty (or absent) ``path`` recovers the
+    store from the bucket and takes the prefix over; if the writer it takes over from went on past what was
+    recovered (a stale writer's copy point between the recovery and the claim, deleting what the recovery reads),
+    nothing was claimed: the directory is discarded and recovered again, ``CLAIM_TRIES`` times at most."""
+    fresh = not readonly and (not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path)))
+    existed = os.path.isdir(path)
+    for tries in range(1, remote_tier.CLAIM_TRIES + 1):
+        try:
+            storage = remote_tier.open_storage(path, remote, remote_options, fs.DEFAULT, readonly=readonly,
+                                               create=create, cache_bytes=cache_bytes, every=every,
+                                               timeout_s=timeout_s)
+            return Store(path, create=create, readonly=readonly, filesystem=fs.DEFAULT, storage=storage,
+                         options=options)
+        except RemoteTakenOver as exc:
+            if not (fresh and getattr(exc, "recover_again", False)) or tries == remote_tier.CLAIM_TRIES:
+                raise
+            log.warning("cnrstore: %s: %s; recovering from the bucket again", path, exc)
+            shutil.rmtree(path, ignore_errors=True)
+            if existed:
+                os.makedirs(path, exist_ok=True)
+    raise AssertionError("unreachable")
 
 #: The most seconds the interpreter's exit waits, over all stores together, for what this process has in
 #: flight on its writable stores: saves a ``cnrstore.torch`` / ``cnrstore.distributed`` checkpointer has

@@ -630,3 +630,47 @@ def test_a_takeover_whose_swap_loses_to_the_stale_writer_swaps_again(tmp_path):
         assert [v.step for v in reader.versions()] == [1, 3]
     b.close()
     a.close()
+
+
+def test_a_takeover_whose_stale_writer_deleted_what_it_recovered_recovers_again_and_wins(tmp_path):
+    """The race above, where the stale writer A's copy point (after retention and GC) also deletes the segment
+    B's recovery reads: B's claim must not take over a pointer whose snapshot no longer holds what B reads, so
+    nothing is claimed; B's open of its fresh directory then recovers again, from A's newest copy point, and
+    claims that. B owns the prefix, reads A's newest version bit for bit, and A fails at its next copy point."""
+    from support.crash_states import DictObjectStore
+
+    class Racing(DictObjectStore):
+        on_pointer_read = None
+
+        def get_tagged(self, key):
+            hook = self.on_pointer_read
+            if key == "CURRENT" and hook is not None:
+                hook()
+            return super().get_tagged(key)
+
+    objects = Racing()
+    a = a_writer(tmp_path, objects)
+    first = {k for k in objects.objects if k.endswith(".seg")}
+    reads = []
+
+    def race():
+        reads.append(1)
+        if len(reads) == 2:  # B's claim is about to read the pointer: A's copy point lands first
+            objects.on_pointer_read = None
+            with a.checkpoint(step=2) as ck:
+                ck.put_rows("t", np.arange(16), np.full((16, 2), 2, np.float32))
+            a.retain(keep_last=1)
+            a.gc()
+            a.sync_remote()
+            assert not first & set(objects.objects), "the stale copy point deleted what B recovered"
+
+    objects.on_pointer_read = race
+    b = cnrstore.open(tmp_path / "b", remote=objects)  # recovered, refused, recovered again, claimed
+    assert [v.step for v in b.versions()] == [2] and (b.read_table("t") == 2).all()
+    commit_and_copy(b, 3)
+    with pytest.raises(RemoteTakenOver):
+        commit_and_copy(a, 4)
+    with cnrstore.open(tmp_path / "reader", readonly=True, remote=objects) as reader:
+        assert [v.step for v in reader.versions()] == [2, 3] and (reader.read_table("t") == 3).all()
+    b.close()
+    a.close()

@@ -170,6 +170,14 @@ def pointer_missing(objects: ObjectStore, pointer: str, folders=STORE_FOLDERS) -
         objects.where(pointer))
 
 
+def _recover_again(exc: RemoteTakenOver) -> RemoteTakenOver:
+    """Mark ``exc`` as a takeover refused because the writer taken over from went on past what was recovered:
+    a recovery into an empty directory may discard it and recover again (``recover_again``), unlike a takeover
+    lost to another machine's, which stands."""
+    exc.recover_again = True
+    return exc
+
+
 def _missing_store(root: str, objects: ObjectStore, readonly: bool) -> CnrError:
     """The error for a path with no store whose remote has no pointer: a bucket that does not exist is the
     URL's fault (RemoteStorageError), a prefix holding a store's objects without its pointer is damage
@@ -1094,12 +1102,12 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
                 # proof"), so that snapshot must name each one, at least as long
                 unkept = self._not_kept_by(pointer)
                 if unkept:
-                    raise RemoteTakenOver(
+                    raise _recover_again(RemoteTakenOver(
                         f"{self.objects.url}: the writer {pointer.writer} went on to generation {pointer.generation} "
                         f"while this store took the prefix over from generation {expected.generation}, and its copy "
                         f"point no longer keeps what this recovery reads (segments {unkept[:4]}): nothing was "
                         "claimed. Recover from the remote into an empty directory again (its newest copy point), "
-                        "and stop the other writer", pointer.writer)
+                        "and stop the other writer", pointer.writer))
                 log.warning("cnrstore: %s: the writer %s went on to generation %d while this store took the prefix "
                             "over from generation %d; taking it over from there (what it added since is dropped)",
                             self.objects.url, pointer.writer, pointer.generation, expected.generation)
