@@ -7,7 +7,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
@@ -340,7 +340,10 @@ class Store:
         (as ``read_table`` takes it), the whole table into it; ``(start, out)``, rows ``start .. start +
         len(out) - 1`` into ``out`` (float32 C-contiguous ``(n, dim)``), every one of them written. Every
         record of every table is verified before any ``out`` is written; then the blocks of all tables are
-        decoded in parallel into the ``out`` arrays (distinct memory)."""
+        decoded in parallel into the ``out`` arrays (distinct memory). ``tables`` may also be names alone (a
+        name, or an iterable of them): each whole table into a new array."""
+        if not isinstance(tables, Mapping):
+            tables = dict.fromkeys(arguments.table_names(tables))
         with self._read(version, list(tables)) as (view, v):
             jobs = []
             for name, out in tables.items():
@@ -481,7 +484,7 @@ class Store:
         before any version."""
         self._check_open()
         version = arguments.version_arg(version)
-        names = [table] if isinstance(table, str) else table
+        names = arguments.table_names(table, "table")  # (a name that is no str: InvalidArgument, not TypeError)
         check = None if not names else (lambda view: [self._table_or_raise(name, view) for name in names])
         return _ReadContext(self._engine, version, check)
 

@@ -181,3 +181,24 @@ def test_a_whole_table_read_lets_go_of_each_record_once_used(tmp_path, monkeypat
     assert {len(at) for at in per_record.values()} == ({2} if into == "out" else {1})
     if into == "out":  # the second time (decoded) only once every record of the read is verified
         assert min(max(at) for at in per_record.values()) > max(read_at.values())
+
+
+def test_a_table_named_by_anything_but_a_str_is_an_invalid_argument_and_names_alone_read_whole(tmp_path):
+    """Found beside issue 49: read_rows(5, ...) raised TypeError and read_table(5) AttributeError; a list of
+    names given to read_tables raised AttributeError."""
+    import cnrstore
+    from cnrstore.errors import InvalidArgument
+
+    with cnrstore.open(tmp_path / "s", create=True) as s:
+        s.create_table("t", 8, 2)
+        s.create_table("u", 4, 3)
+        with s.checkpoint() as ck:
+            ck.put_rows("t", np.arange(8), np.ones((8, 2), np.float32))
+            ck.put_rows("u", np.arange(4), np.full((4, 3), 2, np.float32))
+        for call in (lambda: s.read_rows(5, [0]), lambda: s.read_table(5), lambda: s.read_tables({5: None}),
+                     lambda: s.read_tables([b"t"])):
+            with pytest.raises(InvalidArgument, match="name"):
+                call()
+        both = s.read_tables(["t", "u"])
+        assert (both["t"] == 1).all() and (both["u"] == 2).all()
+        assert list(s.read_tables("u")) == ["u"]
