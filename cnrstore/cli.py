@@ -1032,8 +1032,8 @@ def main(argv: list[str] | None = None) -> int:
 
 class Notes(logging.Handler):
     """The library's log records at WARNING or above during one command, each as one line (``held``: the
-    ``cnrstore`` logger sends them here only, not on to the root logger's handlers or Python's last-resort
-    one, which would write them to stderr as they come)."""
+    ``cnrstore`` logger sends them here, and on to the root logger only where the caller configured a handler
+    there: never to Python's last-resort one, which would write them to stderr as they come)."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -1053,7 +1053,9 @@ class Notes(logging.Handler):
         logger = logging.getLogger("cnrstore")
         propagate = logger.propagate
         logger.addHandler(self)
-        logger.propagate = False
+        # (with no handler configured, Python's last-resort one would write each record to stderr: held here
+        # instead; a caller that configured logging, cli.main called in-process, still gets them)
+        logger.propagate = propagate and logging.getLogger().hasHandlers()
         try:
             yield self
         finally:
