@@ -117,6 +117,16 @@ def _final_checks(bucket, content, a: db.Job, b: db.Job, before_claim: set, b_ve
         f"{b_versions}")
 
 
+def _scenario(root, k: int):
+    """Scenario ``k``'s fresh start: (its directory, a recording bucket, the content map, job A with its saves,
+    A's counting client)."""
+    work = root / f"k{k}"
+    bucket = db.RecordingBucket()
+    content: dict = {}
+    a, client = _job_a(work, bucket, content)
+    return work, bucket, content, a, client
+
+
 def test_a_new_jobs_start_before_every_request_of_a_stale_jobs_save(ram_tmp_path):
     # a dry run: how many requests A's save makes
     dry_bucket = db.RecordingBucket()
@@ -129,10 +139,7 @@ def test_a_new_jobs_start_before_every_request_of_a_stale_jobs_save(ram_tmp_path
     states = States(ram_tmp_path / "states")
     scenarios, outcomes, started = 0, {}, time.perf_counter()
     for k in range(requests + 1):
-        work = ram_tmp_path / f"k{k}"
-        bucket = db.RecordingBucket()
-        content: dict = {}
-        a, client = _job_a(work, bucket, content)
+        work, bucket, content, a, client = _scenario(ram_tmp_path, k)
         box: dict = {}
 
         def start_b(work=work, bucket=bucket, content=content, box=box):
@@ -198,11 +205,7 @@ def test_a_stale_jobs_save_before_every_request_of_a_new_jobs_start(ram_tmp_path
     states = States(ram_tmp_path / "states")
     scenarios, outcomes, started = 0, {}, time.perf_counter()
     for k in range(requests + 1):
-        work = ram_tmp_path / f"k{k}"
-        bucket = db.RecordingBucket()
-        content: dict = {}
-        a, _client = _job_a(work, bucket, content)
-        a_committed = set(_listed(bucket))
+        work, bucket, content, a, _client = _scenario(ram_tmp_path, k)
         box: dict = {"outcome": "A's save after B's"}
         start_at = len(bucket.effects)
 

@@ -566,14 +566,12 @@ def a_writer(tmp_path, objects):
     return a
 
 
-def test_a_takeover_wins_against_the_stale_writers_copy_point_between_its_recovery_and_its_claim(tmp_path):
-    """Issue 49 fault 3, by schedule: machine B recovers a prefix from the bucket to take it over, and the
-    stale writer A (not quite dead) makes a copy point before B's claim. B used to lose (RemoteTakenOver: "one
-    writer per prefix ... stop this writer"), and A kept the prefix. The one started last wins: B's claim
-    replaces A's newer pointer, B writes on, and A fails at its next copy point."""
+def _racing_pointer_reads():
     from support.crash_states import DictObjectStore
 
     class Racing(DictObjectStore):
+        """Reads of ``CURRENT`` call ``on_pointer_read()`` first (while it is set)."""
+
         on_pointer_read = None
 
         def get_tagged(self, key):
@@ -582,7 +580,15 @@ def test_a_takeover_wins_against_the_stale_writers_copy_point_between_its_recove
                 hook()
             return super().get_tagged(key)
 
-    objects = Racing()
+    return Racing()
+
+
+def test_a_takeover_wins_against_the_stale_writers_copy_point_between_its_recovery_and_its_claim(tmp_path):
+    """Issue 49 fault 3, by schedule: machine B recovers a prefix from the bucket to take it over, and the
+    stale writer A (not quite dead) makes a copy point before B's claim. B used to lose (RemoteTakenOver: "one
+    writer per prefix ... stop this writer"), and A kept the prefix. The one started last wins: B's claim
+    replaces A's newer pointer, B writes on, and A fails at its next copy point."""
+    objects = _racing_pointer_reads()
     a = a_writer(tmp_path, objects)
     reads = []
 
@@ -637,18 +643,7 @@ def test_a_takeover_whose_stale_writer_deleted_what_it_recovered_recovers_again_
     B's recovery reads: B's claim must not take over a pointer whose snapshot no longer holds what B reads, so
     nothing is claimed; B's open of its fresh directory then recovers again, from A's newest copy point, and
     claims that. B owns the prefix, reads A's newest version bit for bit, and A fails at its next copy point."""
-    from support.crash_states import DictObjectStore
-
-    class Racing(DictObjectStore):
-        on_pointer_read = None
-
-        def get_tagged(self, key):
-            hook = self.on_pointer_read
-            if key == "CURRENT" and hook is not None:
-                hook()
-            return super().get_tagged(key)
-
-    objects = Racing()
+    objects = _racing_pointer_reads()
     a = a_writer(tmp_path, objects)
     first = {k for k in objects.objects if k.endswith(".seg")}
     reads = []
