@@ -301,3 +301,33 @@ def test_a_waiting_save_learns_of_a_takeover(tmp_path):
     with pytest.raises(RemoteTakenOver):
         run_in_thread(saves).result(timeout=30)
     store.close()
+
+
+def test_close_beside_a_copy_point_in_flight_waits_for_it_then_makes_the_last(tmp_path):
+    """close() while the copy point behind the commits is held mid-way (its snapshot uploaded, the pointer not
+    yet replaced): close waits for it, then makes the last copy point itself; the bucket then holds the newest
+    version, and the thread is gone."""
+    bucket = DictObjectStore()
+    store = cnrstore.open(tmp_path / "node", create=True, remote=bucket)
+    model, opt = _trainer()
+    ck = Checkpointer(store, model, opt)
+    rng = np.random.default_rng(6)
+    _step(model, opt, rng)
+    ck.save(1).wait()
+    _until(lambda: _remote(store)["lag_versions"] == 0, "the first save reached the bucket")
+    with Pause("remote_snapshot_uploaded") as held:
+        _step(model, opt, rng)
+        ck.save(2).wait()
+        held.wait_reached()
+        _step(model, opt, rng)
+        ck.save(3).wait()
+        ck.close()
+        newest = _numbers(store)[-1]
+        want = _rows_of(store, newest)
+        closing = run_in_thread(store.close)
+        time.sleep(0.2)
+        assert not closing.done()  # (it waits for the copy point in flight)
+        held.release()
+        closing.result(timeout=30)
+    assert not any(t.name.startswith("cnrstore-uploads") for t in threading.enumerate())
+    _assert_bucket_holds(tmp_path, bucket, newest, want)
