@@ -825,9 +825,13 @@ def cmd_repair_root(args, root) -> int:
         return 0 if report.ok else 1
     for problem in report.problems:
         print(f"problem: {problem}")
+    for line in report.rank_stores:
+        print(f"rebuilt: {line}")
     if not report.rebuilt:
-        print(f"ok: the root pointer of {root.remote} is there and sound; nothing to repair")
-        return 0
+        did = (f"{len(report.rank_stores)} rank store pointer(s) rebuilt" if report.rank_stores
+               else "nothing to repair")
+        print(f"{'ok' if report.ok else 'DAMAGED'}: the root pointer of {root.remote} is there and sound; {did}")
+        return 0 if report.ok else 1
     print(f"{'ok' if report.ok else 'DAMAGED'}: the root pointer of {root.remote} was {report.previous}; rebuilt "
           f"listing {len(report.versions)} global version(s) {_names([str(v) for v in report.versions], 'versions')}"
           f" and generation(s) {_names([str(g) for g in report.generations], 'generations')}; "

@@ -592,3 +592,35 @@ def test_a_commit_whose_collective_failed_says_why_in_words(tmp_path, group):
     died = ck._incomplete(7, RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:11180"))
     assert "closed its connection: it died" in str(died)
     ck.close()
+
+
+def test_repair_root_rebuilds_a_rank_stores_deleted_pointer_too(tmp_path, group, capsys):
+    """A rank store's own CURRENT deleted (ROOT sound, or deleted as well): its global versions do not read;
+    `cnrstore --remote URL repair DIR` (repair_root) rebuilds the rank store's pointer from its newest snapshot
+    that verifies, and every version restores bit for bit again. Nothing is deleted."""
+    from cnrstore import cli
+    from cnrstore.distributed import repair_root
+
+    objects, states = four_versions(tmp_path)
+    rank_pointer = next(k for k in objects.objects if k.startswith("gen-") and k.endswith("/rank-00000/CURRENT"))
+    for also_root in (False, True):
+        objects.objects.pop(rank_pointer)
+        if also_root:
+            objects.objects.pop("ROOT")
+        before = set(objects.objects)
+        with pytest.raises(RemoteStorageError, match="repair"):  # (RemoteObjectMissing: no job starts on it)
+            job(tmp_path / f"broken-{also_root}", objects, seed=7)
+        report = repair_root(RemoteRoot(tmp_path / f"repair-{also_root}", objects=objects))
+        assert report.ok and report.rebuilt == also_root
+        assert len(report.rank_stores) == 1 and report.rank_stores[0].startswith(rank_pointer.rsplit("/", 1)[0])
+        assert before <= set(objects.objects) and rank_pointer in objects.objects  # (only pointers were put)
+        for v, want in states.items():
+            fresh, m2, _ = job(tmp_path / f"fresh-{also_root}-{v}", objects, seed=8)
+            assert fresh.restore(v).version == v
+            assert_state(m2, want)
+            fresh.close()
+    objects.objects.pop(rank_pointer)
+    url_root = RemoteRoot(tmp_path / "cli", objects=objects)
+    assert cli.cmd_repair_root(type("Args", (), {"json": False, "progress": False, "quiet": True})(), url_root) == 0
+    out = capsys.readouterr().out
+    assert "rebuilt: gen-" in out and "1 rank store pointer(s) rebuilt" in out

@@ -14,7 +14,11 @@ The repair reads what is there and writes a new pointer:
   that passes (then: the most of them), and the others are reported;
 - every generation with a ``PLAN`` is listed (none is doomed: a repair deletes nothing), and the next
   generation number is past all of them;
-- the pointer names the repair as its owner: a job started afterwards claims the root as it claims any.
+- the pointer names the repair as its owner: a job started afterwards claims the root as it claims any;
+- first, each rank store (``gen-G/rank-R``) whose own pointer ``CURRENT`` is missing beside its objects, or
+  damaged, gets it rebuilt from its newest snapshot that verifies (``cnrstore.maintenance.remote_pointer``:
+  one conditional put each), whether or not ``ROOT`` needs a repair: a lost rank-store pointer makes every
+  global version that reads it unreadable as surely as a lost ``ROOT``.
 
 The new pointer is written by one conditional put (only if there is still none, or it is still the damaged
 one that was read): the repair's only write to the bucket, so a repair killed at any point leaves the root as
@@ -28,6 +32,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import CnrError, InvalidArgument, RemoteConflict, RemoteObjectMissing
+from ..maintenance.remote_pointer import pointer_needs_repair, repair_pointer
 from .manifest import GLOBAL_DIR, MARKER, PLAN_FILE, ROOT_POINTER
 from .remote_root import RemoteRoot, RootPointer, decode_pointer
 
@@ -41,14 +46,16 @@ _GEN = re.compile(r"^gen-(\d{6})$")
 class RootRepairReport:
     """What ``repair_root`` did: ``rebuilt`` (a new pointer was written; False: the pointer was there and
     sound, nothing done), the global ``versions`` it lists, the ``generations``, the manifests and rank
-    versions that did not pass (``problems``, one line each: not listed), and the pointer found before
-    (``previous``: "missing", "damaged: ..." or "sound")."""
+    versions that did not pass (``problems``, one line each: not listed), the pointer found before
+    (``previous``: "missing", "damaged: ..." or "sound"), and the rank stores whose own pointer was rebuilt
+    (``rank_stores``: one line each, ``gen-G/rank-R: ...``)."""
 
     rebuilt: bool = False
     previous: str = "missing"
     versions: list[int] = field(default_factory=list)
     generations: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    rank_stores: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -56,7 +63,7 @@ class RootRepairReport:
 
     def to_json(self) -> dict:
         return {"rebuilt": self.rebuilt, "previous": self.previous, "versions": self.versions,
-                "generations": self.generations, "problems": self.problems}
+                "generations": self.generations, "problems": self.problems, "rank_stores": self.rank_stores}
 
 
 def repair_root(root: RemoteRoot, *, progress=None) -> RootRepairReport:
@@ -69,6 +76,7 @@ def repair_root(root: RemoteRoot, *, progress=None) -> RootRepairReport:
     if root.objects.size(MARKER) is None:
         raise InvalidArgument(f"{root.remote} holds no multi-rank root (no {MARKER}): nothing to repair")
     report = RootRepairReport()
+    _rank_store_pointers(root, report)
     tag = None
     try:
         data, tag = root.objects.get_tagged(ROOT_POINTER)
@@ -93,6 +101,26 @@ def repair_root(root: RemoteRoot, *, progress=None) -> RootRepairReport:
                              f"ran ({exc}); run the repair again (it leaves a sound pointer as it is)") from exc
     report.rebuilt = True
     return report
+
+
+def _rank_store_pointers(root: RemoteRoot, report: RootRepairReport) -> None:
+    """Rebuild the pointer of every rank store prefix that needs it (module doc); one that cannot be rebuilt is
+    a problem (the global versions reading it then fail their check, and are not listed)."""
+    rels = sorted({"/".join(parts[:2]) for key in root.objects.list_tree("")
+                   if len(parts := key.split("/")) > 2 and _GEN.match(parts[0]) and parts[1].startswith("rank-")})
+    for rel in rels:
+        objects = root.objects.sub(rel)
+        try:
+            if not pointer_needs_repair(objects):
+                continue
+            rebuilt = repair_pointer(objects)
+        except CnrError as exc:
+            report.problems.append(f"{rel}: its pointer is missing or damaged and could not be rebuilt: "
+                                   f"{type(exc).__name__}: {exc}")
+            continue
+        report.rank_stores.append(f"{rel}: its pointer was {rebuilt.previous}; rebuilt from "
+                                  f"{rebuilt.snapshot}, listing local versions {rebuilt.versions}")
+        report.problems.extend(f"{rel}: {p}" for p in rebuilt.problems)
 
 
 def _generations(root: RemoteRoot, report: RootRepairReport) -> list[int]:
