@@ -131,6 +131,12 @@ class _Update(NamedTuple):
     full: bool
 
 
+def _check_on_update(hook) -> None:
+    if hook is not None and not callable(hook):
+        raise InvalidArgument(f"on_update must be None or a callable on_update(follower, old, new, stats), "
+                              f"got {hook!r}")
+
+
 class Follower:
     """Keeps ``target`` (an ``nn.Module`` or a dict of numpy arrays) at a version of the store ``source``
     and moves it forward (``poll``, or a thread: ``start``) or back (``rollback``) by reading only the
@@ -165,9 +171,7 @@ class Follower:
                                   f"got {type(source).__name__}")
         version = arguments.version_arg(version, "version", least=1)
         tables = arguments.table_names(tables)
-        if on_update is not None and not callable(on_update):
-            raise InvalidArgument(f"on_update must be None or a callable on_update(follower, old, new, stats), "
-                                  f"got {on_update!r}")
+        _check_on_update(on_update)
         _check_target(target)
         self._remote = remote
         self._remote_options = remote_options
@@ -184,7 +188,7 @@ class Follower:
             self._store = None
             self._owns_store = True
             self._open()
-        self.on_update = None  # (set once the first full sync is done: a callback never sees a half-built follower)
+        self._on_update = None  # (set once the first full sync is done: a callback never sees a half-built follower)
         self._lock = _ServingLock()
         self._update_lock = threading.RLock()  # one update (poll, rollback, re-sync) at a time
         self._thread: threading.Thread | None = None
@@ -205,6 +209,17 @@ class Follower:
         except BaseException:
             self._close_store()
             raise
+
+    @property
+    def on_update(self) -> Callable | None:
+        """The callable given each applied update (``on_update(follower, old, new, stats)``), or None; assigning
+        anything else is InvalidArgument."""
+        return self._on_update
+
+    @on_update.setter
+    def on_update(self, hook: Callable | None) -> None:
+        _check_on_update(hook)
+        self._on_update = hook
 
     # -- the store -------------------------------------------------------------------------------------
     def _open(self) -> None:

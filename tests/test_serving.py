@@ -392,6 +392,23 @@ def test_what_the_arguments_accept(two_tables):
             assert not f.running
 
 
+def test_on_update_assigned_later_is_checked_as_at_construction(two_tables):
+    store = two_tables
+    save(store, 1, np.arange(20), 71)
+    with Follower(store, {}) as f:
+        for bad in (5, "print", [print]):
+            with pytest.raises(InvalidArgument, match="on_update"):
+                f.on_update = bad
+        assert f.on_update is None
+        seen = []
+        f.on_update = lambda fol, old, new, stats: seen.append((old, new))
+        old = f.version
+        save(store, 2, np.arange(5), 72)
+        new = f.poll()
+        assert new > old and seen == [(old, new)]
+        f.on_update = None
+
+
 def test_an_unexpected_error_in_the_polling_thread_is_recorded_and_retried(two_tables, monkeypatch):
     """Any Exception a poll raises, not only a store's or the OS's (an OverflowError, a RuntimeError), is
     recorded in last_error and retried: the thread lives on and applies the next version."""
