@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from torch import nn
 
 import cnrstore
@@ -331,3 +333,89 @@ def test_close_beside_a_copy_point_in_flight_waits_for_it_then_makes_the_last(tm
         closing.result(timeout=30)
     assert not any(t.name.startswith("cnrstore-uploads") for t in threading.enumerate())
     _assert_bucket_holds(tmp_path, bucket, newest, want)
+
+
+class UploadsBehindMachine(RuleBasedStateMachine):
+    """Saves, a bucket held and let go, retention and GC, in any order, with the copy points behind the commits:
+    at every step the bucket (read from alone) holds a version the store committed, bit for bit, and once the
+    bucket is let go it catches up with the newest."""
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix="uploads-behind-")
+        self.bucket = GatedBucket()
+        self.store = cnrstore.open(f"{self.dir}/node", create=True, remote=self.bucket)
+        self.model, self.opt = _trainer()
+        self.ck = Checkpointer(self.store, self.model, self.opt)
+        self.rng = np.random.default_rng(7)
+        self.committed: dict[int, dict] = {}
+        self.held = False
+        self.reads = 0
+
+    @rule()
+    def save(self):
+        _step(self.model, self.opt, self.rng)
+        v = self.ck.save(len(self.committed)).wait()
+        self.committed[v] = _rows_of(self.store, v)
+
+    @rule()
+    def hold(self):
+        self.bucket.hold()
+        self.held = True
+
+    @rule()
+    def let_go(self):
+        self.bucket.let_go()
+        self.held = False
+
+    @precondition(lambda self: len(self.committed) > 2)
+    @rule()
+    def retain_and_collect(self):
+        self.store.retain(keep_last=2)
+        self.store.gc()
+
+    @invariant()
+    def the_bucket_reads_a_committed_version(self):
+        if not self.committed:
+            return
+        if not self.held:
+            _until(lambda: _remote(self.store)["lag_versions"] == 0, "the bucket caught up")
+        self.reads += 1
+        try:
+            versions, rows = _read_back(_Dir(self.dir), DictObjectStore(self.bucket.objects), f"read-{self.reads}")
+        except cnrstore.errors.StoreNotFound:
+            assert self.held, "the bucket holds no store although it was let go"
+            return
+        if not versions:  # (the pointer made at open, before any save reached the bucket)
+            assert self.held, "the bucket lists no version although it was let go"
+            return
+        newest = versions[-1]
+        assert newest in self.committed
+        if not self.held:
+            assert newest == max(self.committed)
+        for t, want in self.committed[newest].items():
+            np.testing.assert_array_equal(rows[t], want, err_msg=f"version {newest}: {t}")
+
+    def teardown(self):
+        import shutil
+
+        self.bucket.let_go()
+        self.ck.close()
+        self.store.close()
+        if self.committed:
+            versions, _rows = _read_back(_Dir(self.dir), self.bucket, "final")
+            assert versions[-1] == max(self.committed)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _Dir(str):
+    """A str path that joins with ``/`` as a pathlib.Path does (what _read_back takes)."""
+
+    def __truediv__(self, name):
+        return f"{self}/{name}"
+
+
+UploadsBehindMachine.TestCase.settings = settings(max_examples=12, stateful_step_count=10, deadline=None)
+test_uploads_behind_in_any_order = UploadsBehindMachine.TestCase
