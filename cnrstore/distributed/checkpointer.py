@@ -495,8 +495,10 @@ class DistributedCheckpointer:
              ) -> DistributedPendingSave:
         """Snapshot this rank's state and commit it as a global version in the background (collective).
 
-        Waits for the previous save's local write and its gather first (on a bucket root, also for the
-        publications of the saves before the newest ``remote_every``); a failure among those is raised here
+        Waits for the previous save's local write and its gather first (on a bucket root: with ``remote_every``,
+        also for the publications of the saves before the newest ``remote_every``; without it, for the commit of
+        the save before the previous one only, and for the bucket only past ``remote_lag_s``); a failure among
+        those is raised here
         once (whether or not ``wait()`` raised it already, so that every rank raises at the same call),
         without taking a snapshot. ``top`` makes a CPR priority save
         (see ``cnrstore.torch.Checkpointer.save``)."""
