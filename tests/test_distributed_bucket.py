@@ -624,3 +624,40 @@ def test_repair_root_rebuilds_a_rank_stores_deleted_pointer_too(tmp_path, group,
     assert cli.cmd_repair_root(type("Args", (), {"json": False, "progress": False, "quiet": True})(), url_root) == 0
     out = capsys.readouterr().out
     assert "rebuilt: gen-" in out and "1 rank store pointer(s) rebuilt" in out
+
+
+def test_without_remote_every_a_failed_local_write_is_raised_by_the_second_save_after_it(tmp_path, group):
+    """A save on a bucket root waits for the commit of the save before the previous one only: a local write
+    that fails is raised (on every rank: by the gather's outcome) by the second save after it, never by one
+    rank alone earlier; that save takes no snapshot, and the saves after it go on."""
+    from cnrstore.errors import StorageIOError
+
+    objects = DictObjectStore()
+    ck, model, opt = _saved_once(tmp_path, objects)
+    store = ck.store
+    real = store.checkpoint
+    calls = []
+
+    def failing_once(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise StorageIOError("a test's disk refused the write")
+        return real(*a, **k)
+
+    store.checkpoint = failing_once
+    try:
+        train(model, opt, 1)
+        failed = ck.save(step=1)
+        with pytest.raises(StorageIOError):
+            failed.wait()
+        train(model, opt, 2)
+        ck.save(step=2)  # (the save right after it: not raised here)
+        train(model, opt, 3)
+        with pytest.raises(StorageIOError, match="refused the write"):
+            ck.save(step=3)  # the second save after it
+        train(model, opt, 4)
+        assert ck.save(step=4).wait() == 3  # (versions 1, then step 2's, then this one)
+    finally:
+        del store.checkpoint
+    assert [g.step for g in ck.versions()] == [0, 2, 4]
+    ck.close()
