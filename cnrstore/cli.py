@@ -844,7 +844,8 @@ def cmd_repair(args) -> int:
     if root is not None and root.remote is not None:
         return cmd_repair_root(args, root)
     _refuse_root(args)
-    report = repair_store(args.store, progress=_progress(args, "repair"), **_remote_args(args))
+    report = repair_store(args.store, progress=_progress(args, "repair"), check_records=args.record_check,
+                          **_remote_args(args))
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -998,8 +999,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("until", type=int, nargs="?", default=None, metavar="V2", help="the version to reach "
                    "(default: the newest)")
     p.add_argument("--rows", action="store_true", help="also list the changed row ids of each table")
-    add("repair", cmd_repair, "rebuild the index from the segment log (after index loss or damage); keeps "
-        "every version it can prove whole and says which it cannot (exit 1 then)", progress=True)
+    p = add("repair", cmd_repair, "rebuild the index from the segment log (after index loss or damage); keeps "
+            "every version it can prove whole and says which it cannot (exit 1 then); with --remote, first "
+            "rebuild a lost or damaged pointer from the newest snapshot that verifies", progress=True)
+    p.add_argument("--no-record-check", dest="record_check", action="store_false",
+                   help="with --remote, when rebuilding a pointer: check each snapshot's index and its segments' "
+                        "lengths only, not every record's checksum through the bucket (one read per record: "
+                        "slow on a large store in a remote bucket)")
     return parser
 
 

@@ -15,7 +15,7 @@ import cnrstore
 from cnrstore import cli, knobs
 from cnrstore.engine import filenames
 from cnrstore.engine import remote as remote_tier
-from cnrstore.errors import CorruptionError, RemoteObjectMissing, RemoteStorageError, StoreNotFound
+from cnrstore.errors import CorruptionError, InvalidArgument, RemoteObjectMissing, RemoteStorageError, StoreNotFound
 from cnrstore.maintenance.remote_pointer import rebuild_history, repair_pointer
 
 from support.crash_states import DictObjectStore
@@ -274,6 +274,13 @@ def test_cli_repair_rebuilds_a_deleted_pointer_on_s3(tmp_path, bucket, s3_endpoi
         assert [v.version for v in store.versions()] == [1, 2, 3, 4]
         for v, want in content.items():
             assert store.read_table("t", version=v).tobytes() == want.tobytes()
+
+    # --no-record-check: the snapshot's index and its segments' lengths only (no read per record)
+    client.delete_object(Bucket=s3_bucket, Key="ckpt/CURRENT")
+    assert run(bucket, "repair", tmp_path / "quick", "--no-record-check") == 0
+    assert "was missing; rebuilt" in capsys.readouterr().out
+    with pytest.raises(InvalidArgument, match="check_records"):
+        cnrstore.repair(tmp_path / "bad", remote=url, remote_options=opts, check_records="no")
 
     # a newer snapshot that does not verify: reported, exit 1; no snapshot at all: exit 2, one line
     pointer = json.loads(client.get_object(Bucket=s3_bucket, Key="ckpt/CURRENT")["Body"].read())["pointer"]

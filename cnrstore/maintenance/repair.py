@@ -62,7 +62,7 @@ from ..engine import filenames, fs, record, schema, segments, version_edit
 from ..engine import remote as remote_tier
 from .remote_pointer import StorePointerRepairReport, pointer_needs_repair, repair_pointer
 from .verify import LOST_SEGMENT, damaged_blocks, verify_store
-from ..errors import CnrError, CorruptionError, StoreNotFound
+from ..errors import CnrError, CorruptionError, InvalidArgument, StoreNotFound
 from ..engine.core import Engine
 from ..engine.index import DenseLoc, Index, RowLoc, finish_interrupted_install, install_built_index
 from ..engine.msgpack_safe import unpack_bounded
@@ -168,7 +168,8 @@ class _Found:
 
 
 def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem | None = None,
-           remote: str | None = None, remote_options: dict | None = None) -> RepairReport:
+           remote: str | None = None, remote_options: dict | None = None,
+           check_records: bool = True) -> RepairReport:
     """Rebuild the index of the store at ``path`` from its segment log (and its old index, when that
     still opens); see the module docstring.
 
@@ -177,18 +178,21 @@ def repair(path, progress: Progress | None = None, *, filesystem: fs.FileSystem 
     recovered from the remote alone instead: the index snapshot its pointer names is installed there
     (every version of the last copy point; the report lists them). Whatever ``path`` holds, a pointer that
     is damaged, or missing beside the store's objects, is first rebuilt from the newest snapshot that
-    verifies (remote_pointer.repair_pointer; ``report.pointer`` says what it did).
+    verifies (remote_pointer.repair_pointer; ``report.pointer`` says what it did; ``check_records=False``
+    checks each snapshot's index and its segments' lengths, not every record's checksum).
 
     Takes the store's lock (raises StoreLocked while a writer holds it). Close every handle of the store
     in this process first. ``progress(done, total)`` is called as segment bytes are scanned. Every
     effect on the store's files (renames, the new index's directory and commit, removals) goes through
     ``filesystem`` (default: the real one; tests record it to enumerate repair's crash states).
     """
+    if not isinstance(check_records, bool):
+        raise InvalidArgument(f"check_records must be True or False, got {check_records!r}")
     filesystem = filesystem if filesystem is not None else fs.DEFAULT
     root = os.path.abspath(os.fspath(path))
     rebuilt = None
     if remote is not None and pointer_needs_repair(remote, remote_options):
-        rebuilt = repair_pointer(remote, remote_options)
+        rebuilt = repair_pointer(remote, remote_options, check_records=check_records)
     report = _repair(root, progress, filesystem, remote, remote_options)
     if rebuilt is not None:
         report.pointer = rebuilt
