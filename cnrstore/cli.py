@@ -26,7 +26,9 @@
                                  checkpoint, in the Checkpointer's layout (cnrstore/torch/imports.py): the
                                  model and what an export in the checkpoint layout adds (optimizers, extra,
                                  step, meta); a source holding anything else is refused unless --model-only
-    cnrstore repair STORE [--json] [--progress]          rebuild a lost or damaged index from the log
+    cnrstore repair STORE [--json] [--progress] [--no-record-check]
+                                 rebuild a lost or damaged index from the log; on a bucket, first a lost
+                                 pointer, from the newest snapshot that verifies
     cnrstore migrate-payload STORE [--trust-pickle] [--json] [--progress]
                                  rewrite pickled trainer payloads (stores written before payload format 2)
                                  as data, once; without --trust-pickle only list them (export and restore
