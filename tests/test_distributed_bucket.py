@@ -661,3 +661,38 @@ def test_without_remote_every_a_failed_local_write_is_raised_by_the_second_save_
         del store.checkpoint
     assert [g.step for g in ck.versions()] == [0, 2, 4]
     ck.close()
+
+
+def test_a_root_repair_killed_at_any_object_effect_then_run_again_repairs_the_root(tmp_path, group):
+    """The crash-state explorer of repair_root with a rank store's CURRENT and ROOT both deleted: its effects
+    are conditional puts (the rank store's pointer, then ROOT); the bucket as of every prefix of them, repaired
+    again, lists versions 1-4, each restoring bit for bit, and nothing is ever deleted."""
+    from cnrstore.distributed import repair_root
+
+    objects, states = four_versions(tmp_path)
+    rank_pointer = next(k for k in objects.objects if k.startswith("gen-") and k.endswith("/rank-00000/CURRENT"))
+    objects.objects.pop(rank_pointer)
+    objects.objects.pop("ROOT")
+    damaged = dict(objects.objects)
+    effects = []
+    real_put, real_delete = objects.put, objects.delete
+    objects.put = lambda key, data: (effects.append(("put", key, bytes(data))), real_put(key, data))[1]
+    objects.delete = lambda key: (effects.append(("delete", key, None)), real_delete(key))[1]
+    try:
+        repair_root(RemoteRoot(tmp_path / "recorded", objects=objects))
+    finally:
+        del objects.put, objects.delete
+    assert [(kind, key) for kind, key, _ in effects] == [("put", rank_pointer), ("put", "ROOT")]
+    for k in range(len(effects) + 1):
+        state = DictObjectStore(damaged)
+        for _kind, key, data in effects[:k]:
+            state.objects[key] = data
+        report = repair_root(RemoteRoot(tmp_path / f"again-{k}", objects=state))
+        assert report.ok and report.versions in ([1, 2, 3, 4], [])  # ([] : ROOT was there and sound already)
+        assert set(damaged) <= set(state.objects)
+        assert [g.version for g in versions(tmp_path / f"fresh-{k}", remote=state)] == [1, 2, 3, 4]
+        reader, m2, _ = job(tmp_path / f"reader-{k}", state, seed=5)
+        for v, want in states.items():
+            assert reader.restore(v).version == v
+            assert_state(m2, want)
+        reader.close()
