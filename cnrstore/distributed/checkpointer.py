@@ -42,7 +42,7 @@ from .. import errors
 from ..torch import payload as _payload
 from ..torch import preemption, reports
 from ..torch.async_save import PendingSave, SaveReport, WeakPendingWork
-from ..torch.bucket_lag import DEFAULT_REMOTE_LAG_S, BucketBound
+from ..torch.bucket_lag import DEFAULT_REMOTE_LAG_S, check_remote_lag_s
 from ..torch.checkpointer import Checkpointer
 from ..engine.uploads import BucketLag
 from ..torch.optim_state import is_keyed, row_state_width
@@ -199,12 +199,11 @@ class DistributedCheckpointer:
         #: given ``remote_every``, at most that many saves behind)
         self._pipelined = remote is not None
         self.remote_every = remote_every
-        self.remote_lag_s = BucketBound(remote_lag_s, "wait").remote_lag_s
+        self.remote_lag_s = check_remote_lag_s(remote_lag_s)
         #: the saves committed on every rank that the bucket does not list yet (by ``_InFlight.seq``)
         self._bucket_lag = BucketLag()
         self._seq = 0
         self._last_publish_error: BaseException | None = None
-        self._decide_error: BaseException | None = None  # (rank 0: why the last listing failed)
         self._group = self._publish_group = None
         self._world = None
         self._new_group()  # (collective) every collective of this checkpointer runs on it, whatever the backend
@@ -609,12 +608,13 @@ class DistributedCheckpointer:
     def _incomplete(self, step, exc: BaseException) -> GlobalCommitError:
         """The error of a collective of the commit that failed (``exc``, torch.distributed's), in words."""
         text = str(exc)
-        if "not initialized" in text or "not registered" in text or "destroyed" in text:
+        low = text.lower()
+        if "not initialized" in low or "not registered" in low or "destroyed" in low:
             why = ("this rank's process group was destroyed before the commit ended (destroy_process_group, or "
                    "the job's exit, ran while it was in flight; close() the checkpointer first)")
-        elif "closed by peer" in text.lower() or "connection reset" in text.lower() or "broken pipe" in text.lower():
+        elif "closed by peer" in low or "connection reset" in low or "broken pipe" in low:
             why = "another rank closed its connection: it died, or left the job"
-        elif "timed out" in text.lower() or "timeout" in text.lower():
+        elif "timed out" in low or "timeout" in low:
             why = f"another rank did not take part within timeout_s={self.timeout_s:g}: it died or is stalled"
         else:
             why = f"a rank may have died or be slower than timeout_s={self.timeout_s:g}"
@@ -675,9 +675,11 @@ class DistributedCheckpointer:
         outcome (collective over ``group``); returns their global versions, or raises GlobalCommitError."""
         step = batch[0].step
         decision: list = [None]
+        cause = None  # (rank 0: the object store's own error, if the listing failed)
         try:
             if self.rank == 0:
-                decision = [self._decide_many(batch)]
+                outcome, cause = self._decide_many(batch)
+                decision = [outcome]
             failures.broadcast_object_list(decision, src=0, group=group)
         except Exception as exc:
             raise self._incomplete(step, exc) from exc
@@ -687,24 +689,22 @@ class DistributedCheckpointer:
         error = GlobalCommitError(f"the save of step {step} is not a global version: {value}", failed)
         if status == "taken":  # (every rank learns that another job owns the root: the next save raises it)
             raise error from errors.RemoteTakenOver(value)
-        raise error from self._decide_error  # (rank 0: the object store's own error; None elsewhere)
+        raise error from cause
 
     def _decide_many(self, batch: list[_Unpublished]):
         """Rank 0: write the manifests of ``batch``'s saves (every rank committed them); returns
-        (status, [versions] | reason, ranks)."""
-        self._decide_error = None
+        ((status, [versions] | reason, ranks), the exception that failed it or None)."""
         try:
             first = max(self.root.version_numbers(), default=0) + 1
             gvs = [self._global_version(first + i, item.outcomes, item.step, item.meta)
                    for i, item in enumerate(batch)]
             self.root.commit_many(gvs)
         except BaseException as exc:
-            self._decide_error = exc
             what = "manifest" if len(batch) == 1 else "manifests"
             status = "taken" if isinstance(exc, (errors.RemoteTakenOver, errors.RemoteConflict)) else "error"
-            return status, f"rank 0 could not write the {what}: {type(exc).__name__}: {exc}", [0]
+            return (status, f"rank 0 could not write the {what}: {type(exc).__name__}: {exc}", [0]), exc
         self._apply_retention()
-        return "ok", [gv.version for gv in gvs], []
+        return ("ok", [gv.version for gv in gvs], []), None
 
     def _global_version(self, number: int, outcomes, step, meta) -> GlobalVersion:
         return GlobalVersion(version=number, step=step, meta=meta, created=time.time(), generation=self.generation,

@@ -130,15 +130,21 @@ def fetch_snapshot(objects: ObjectStore, pointer: Pointer) -> bytes:
     return data
 
 
+def open_snapshot(data: bytes, index_dir: str) -> Index:
+    """The index snapshot ``data`` written into ``index_dir`` (an existing, empty directory) and opened
+    readonly; the caller closes it. LMDB's own error if the bytes are no environment."""
+    with builtins.open(filenames.index_data_path(index_dir), "wb") as f:
+        f.write(data)
+    return Index(index_dir, readonly=True)
+
+
 def snapshot_segments(objects: ObjectStore, pointer: Pointer) -> dict[int, int]:
     """{segment: committed length} that the index snapshot ``pointer`` names reads (fetched, checked against
     the pointer, and opened in a temporary directory)."""
     data = fetch_snapshot(objects, pointer)
     tmp = tempfile.mkdtemp(prefix="cnrstore-snapshot-")
     try:
-        with builtins.open(filenames.index_data_path(tmp), "wb") as f:
-            f.write(data)
-        index = Index(tmp, readonly=True)
+        index = open_snapshot(data, tmp)
         try:
             with index.read() as view:
                 return dict(view.segments())
@@ -823,11 +829,7 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
         returns the seconds waited. RemoteTakenOver if this store lost its prefix meanwhile."""
         if self._behind is not None:
             self._behind.due()
-
-        def stop():
-            return self.lost
-
-        return self.lag.wait_within(bound_s, stop, what)
+        return self.lag.wait_within(bound_s, lambda: self.lost, what)
 
     def after_commit(self) -> None:
         if self.readonly:
@@ -841,18 +843,17 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
             # (in the committing thread, before its next checkpoint opens: each save's segment is sealed whole,
             # so the copy point behind uploads it once, never a committed prefix that keeps growing)
             self._seal_writer()
-        if behind is not None and self.lost is None:
-            behind.due()
-        elif self.lost is None and (self._commits % self.every or time.monotonic() < self._retry_at):
-            return
-        try:
-            if self.lost is None and behind is None:
+        if behind is not None:
+            if self.lost is None:
+                behind.due()
+        elif self.lost is None and not (self._commits % self.every or time.monotonic() < self._retry_at):
+            try:
                 self.copy_point()
-        except RemoteTakenOver:
-            pass
-        except Exception as exc:  # noqa: BLE001 - the commit has happened: never fail it for a remote fault
-            log.warning("cnrstore: the remote copy point after a commit failed; the commit stands locally and "
-                        "the copy is retried at a later one: %s: %s", type(exc).__name__, exc)
+            except RemoteTakenOver:
+                pass
+            except Exception as exc:  # noqa: BLE001 - the commit has happened: never fail it for a remote fault
+                log.warning("cnrstore: the remote copy point after a commit failed; the commit stands locally and "
+                            "the copy is retried at a later one: %s: %s", type(exc).__name__, exc)
         if self.lost is not None and not self._lost_reported:
             self._lost_reported = True
             with self._index.read() as view:
@@ -1327,10 +1328,11 @@ class RemoteSegmentStorage(LocalSegmentStorage, Replicator):
                 if seg is None or (seg in keep and self.writers.writer_of(seg) == writer):
                     continue
                 doomed[filenames.remote_segment_key(seg, folder)] = (seg, writer)
-        garbage = list(doomed) + [
-            f"{filenames.remote_index_dir(filenames.remote_folder(w))}/{name}" for w, names in snapshots.items()
-            for name in names if filenames.parse_remote_snapshot_name(name) is not None
-            and f"{filenames.remote_index_dir(filenames.remote_folder(w))}/{name}" != snapshot_key]
+        garbage = list(doomed)
+        for w, names in snapshots.items():
+            index_dir = filenames.remote_index_dir(filenames.remote_folder(w))
+            garbage += [key for name in names if filenames.parse_remote_snapshot_name(name) is not None
+                        and (key := f"{index_dir}/{name}") != snapshot_key]
         generation = self.generation
 
         def proof(keys: list[str]) -> None:

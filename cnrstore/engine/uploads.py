@@ -85,7 +85,7 @@ class BucketLag:
                     log.warning("cnrstore: %s has waited %.0f s for the bucket: %d version(s) not uploaded, the "
                                 "oldest %.0f s ago (remote_lag_s=%g)", what, now - start, len(self._pending),
                                 self._seconds(), bound_s)
-                self._cond.wait(timeout=min(1.0, WAIT_LOG_S))
+                self._cond.wait(timeout=1.0)
         return time.monotonic() - start
 
 
@@ -103,7 +103,6 @@ class CopyPointsBehind:
         self._cond = threading.Condition()
         self._due = False
         self._stopping = False
-        self._busy = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -111,11 +110,6 @@ class CopyPointsBehind:
         with self._cond:
             self._due = True
             self._cond.notify_all()
-
-    @property
-    def busy(self) -> bool:
-        with self._cond:
-            return self._busy or self._due
 
     def stop(self) -> None:
         with self._cond:
@@ -132,14 +126,10 @@ class CopyPointsBehind:
                     self._cond.wait(timeout=wait)
                 if self._stopping:
                     return
-                self._due, self._busy = False, True
+                self._due = False
             try:
                 self._copy_point()
             except BaseException as exc:  # noqa: BLE001 - the thread outlives any failure: retried later
                 again = self._failed(exc)
                 with self._cond:
                     self._due = self._due or again  # (what was due still is)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()

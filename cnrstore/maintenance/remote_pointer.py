@@ -54,10 +54,9 @@ import xxhash
 
 from ..engine import filenames, fs
 from ..engine.core import Engine
-from ..engine.index import Index
 from ..engine.marker import marker_bytes
 from ..engine.objects import FsspecObjectStore, ObjectStore
-from ..engine.remote import Prepared, RemoteSegmentStorage, pointer_missing
+from ..engine.remote import Prepared, RemoteSegmentStorage, open_snapshot, pointer_missing
 from ..engine.remote_layout import CACHE, Identity, Pointer, Writers, decode_pointer
 from ..engine.storage import LocalSegmentStorage
 from ..errors import (CnrError, CorruptionError, InvalidArgument, RemoteConflict, RemoteObjectMissing,
@@ -246,10 +245,8 @@ def _verified(objects: ObjectStore, key: str, writer: str, size: int, folders: d
         root = os.path.join(scratch, "store")
         index_dir = filenames.index_dir(root)
         os.makedirs(index_dir)
-        with open(filenames.index_data_path(index_dir), "wb") as f:
-            f.write(data)
         try:
-            index = Index(index_dir, readonly=True)
+            index = open_snapshot(data, index_dir)
         except Exception as exc:  # noqa: BLE001 - LMDB's own errors on bytes that are not an environment
             reason = str(exc).replace(f"{index_dir}: ", "").replace(index_dir, "the snapshot")
             raise CorruptionError(f"it does not open as an LMDB index ({reason})", objects.where(key), None) from None

@@ -12,16 +12,21 @@ the default: what a node loss costs stays what the user chose, and the wait is r
 
 from __future__ import annotations
 
-import math
-
+from .. import checks
 from ..errors import InvalidArgument, RemoteLagging
 
-__all__ = ["DEFAULT_REMOTE_LAG_S", "ON_REMOTE_LAG", "BucketBound"]
+__all__ = ["DEFAULT_REMOTE_LAG_S", "ON_REMOTE_LAG", "BucketBound", "check_remote_lag_s"]
 
 #: Default bound on the bucket's lag, seconds: ten minutes, well past a multi-GB baseline's upload at
 #: a few hundred MB/s, so that only uploads that do not keep up (or a failing endpoint) reach it.
 DEFAULT_REMOTE_LAG_S = 600.0
 ON_REMOTE_LAG = ("wait", "raise")
+
+
+def check_remote_lag_s(value) -> float:
+    """``remote_lag_s`` as seconds (> 0; ``math.inf``: no bound), else InvalidArgument."""
+    return checks.number(value, "remote_lag_s (the seconds the bucket may trail the saves; math.inf: no bound)",
+                         positive=True, finite=False)
 
 
 class BucketBound:
@@ -30,13 +35,10 @@ class BucketBound:
     multi-rank root, whose publication bounds it)."""
 
     def __init__(self, remote_lag_s, on_remote_lag):
-        if isinstance(remote_lag_s, bool) or not isinstance(remote_lag_s, (int, float)) or not remote_lag_s > 0:
-            raise InvalidArgument(f"remote_lag_s must be a number of seconds > 0 (math.inf: no bound), the most "
-                                  f"the bucket may trail the saves; got {remote_lag_s!r}")
+        self.remote_lag_s = check_remote_lag_s(remote_lag_s)
         if on_remote_lag not in ON_REMOTE_LAG:
             raise InvalidArgument(f"on_remote_lag must be 'wait' (a save past remote_lag_s waits for the bucket) "
                                   f"or 'raise' (it raises RemoteLagging, taking nothing); got {on_remote_lag!r}")
-        self.remote_lag_s = float(remote_lag_s)
         self.on_remote_lag = on_remote_lag
         self.active = False
         self._engine = None
@@ -62,7 +64,7 @@ class BucketBound:
         if lag is None:
             return None, None, 0.0
         lag_s, lag_versions = lag
-        if lag_s <= self.remote_lag_s or math.isinf(self.remote_lag_s):
+        if lag_s <= self.remote_lag_s:
             return lag_s, lag_versions, 0.0
         if self.on_remote_lag == "raise":
             raise RemoteLagging(
