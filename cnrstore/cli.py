@@ -551,6 +551,11 @@ def cmd_info(args) -> int:
     print(f"store {args.store}")
     print(f"{'table':<24} {'rows':>12} {'dim':>6} {'codec':<10} {'block_rows':>10}")
     for t in tables.values():
+        if t.keyed:  # rows by key: its partitions and columns instead of rows and blocks
+            cols = ", ".join(f"{n}:{dt.lstrip('<|')}" + (f"x{w}" if w > 1 else "") for n, dt, w in t.columns)
+            print(f"{t.name:<24} {'keyed':>12} {t.dim:>6} {t.codec:<10} {t.partitions:>10,} partitions"
+                  + (f"; columns {cols}" if cols else ""))
+            continue
         print(f"{t.name:<24} {t.num_rows:>12,} {t.dim:>6} {t.codec:<10} {t.block_rows:>10}")
     for key in ("versions", "bytes_written", "save_bytes", "merge_bytes", "bytes_on_disk", "live_bytes", "index_bytes",
                 "max_read_chain"):

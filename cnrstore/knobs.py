@@ -89,6 +89,11 @@ READ_AMP_BOUND = 3.0
 #: Earlier engines merged on every save at 3 (READ_CHAIN_BOUND = 3, READ_AMP_BOUND = None,
 #: MERGE_TRIGGER = None): flat reads, but a save's bytes grew 4.7x over 20 versions.
 READ_CHAIN_BOUND = 64
+#: A keyed table's partition whose read chain holds this many key runs is merged into a baseline by the
+#: save that writes it next (engine/keyed_writer.py): a read walks at most this many records.
+KEYED_CHAIN_BOUND = 32
+#: Partitions of a keyed table created without ``partitions=``: about 2**16 live keys each at 6.7e7 keys.
+DEFAULT_PARTITIONS = 1024
 #: Background merges write at most this many bytes per second (a token bucket, RocksDB's RateLimiter in
 #: miniature), so that they yield the disk to the trainer's saves; None: no limit.
 MERGE_RATE_BYTES = 256 << 20

@@ -13,7 +13,8 @@ import numpy as np
 
 from . import codecs, knobs, lifecycle
 from .options import Options, resolve as resolve_options
-from .engine import arguments, filenames, fs, merge, reader, schema, table_decode
+from .engine import arguments, filenames, fs, keyed_reader, keyed_runs, keyed_writer, merge, reader, schema, table_decode
+from .engine.keyed_records import columns_arg as keyed_columns, partitions_arg as keyed_partitions
 from .engine import changes as changes_rule
 from .engine import remote as remote_tier
 from .engine import blocks as blocks_math
@@ -29,7 +30,7 @@ from .maintenance import compaction
 from .maintenance.background import BackgroundCompactor
 from .policy import compaction as compaction_policy
 from .lifecycle import PendingWork
-from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
+from .types import KeyedRows, KeyLookup, Snapshot, TableInfo, VerifyReport, VersionInfo
 
 
 def open(path, *, create: bool = False, readonly: bool = False, compaction=None, remote=None,  # noqa: A001
@@ -248,11 +249,22 @@ class Store:
         self._engine.check_still_ours()  # StoreMoved once the directory was renamed away: paths would name another
 
     # tables -----------------------------------------------------------------------------------------
-    def create_table(self, name: str, num_rows: int, dim: int, *, codec: str = "fp32",
-                     block_rows: int | None = None, exist_ok: bool = False) -> TableInfo:
+    def create_table(self, name: str, num_rows: int | None = None, dim: int | None = None, *, codec: str = "fp32",
+                     block_rows: int | None = None, exist_ok: bool = False, keyed: bool = False,
+                     partitions: int | None = None, columns=None) -> TableInfo:
         """Create a table (durably, at once); ``codec`` defaults to lossless fp32. Bad sizes raise
         InvalidArgument, and so does a name in use -- unless ``exist_ok`` and the table there has this
-        shape and codec (its TableInfo is then returned; another shape or codec is still InvalidArgument)."""
+        shape and codec (its TableInfo is then returned; another shape or codec is still InvalidArgument).
+
+        ``keyed=True`` makes a keyed table (API.md, "Keyed tables"): rows addressed by int64 keys, no
+        ``num_rows``; ``partitions`` (default ``knobs.DEFAULT_PARTITIONS``, fixed forever) and ``columns``
+        ({name: dtype} or {name: (dtype, width)}: per-key numbers stored losslessly beside each value)."""
+        if keyed:
+            return self._create_keyed(name, num_rows, dim, codec, block_rows, exist_ok, partitions, columns)
+        if partitions is not None or columns is not None:
+            raise InvalidArgument(f"table {name!r}: partitions= and columns= are for keyed tables (keyed=True)")
+        if num_rows is None or dim is None:
+            raise InvalidArgument(f"table {name!r}: a positional table needs num_rows and dim")
         if exist_ok:
             existing = self.tables().get(name)
             if existing is not None:
@@ -282,6 +294,30 @@ class Store:
                                       f"at most {most}, or leave it to the default")
 
         return self._engine.create_table(name, num_rows, dim, c.name, block_rows).info()
+
+    def _create_keyed(self, name, num_rows, dim, codec, block_rows, exist_ok, partitions, columns) -> TableInfo:
+        if num_rows is not None or block_rows is not None:
+            raise InvalidArgument(f"keyed table {name!r} has no num_rows or block_rows (its rows are keys); pass "
+                                  "dim= and, if you like, partitions=")
+        if dim is None:
+            raise InvalidArgument(f"keyed table {name!r} needs dim=")
+        dim = arguments.positive_int(dim, "dim")
+        arguments.table_shape(name, 1, dim)
+        parts = knobs.DEFAULT_PARTITIONS if partitions is None else arguments.positive_int(partitions, "partitions")
+        if parts > keyed_runs.MAX_PARTITIONS:
+            raise InvalidArgument(f"partitions must be at most {keyed_runs.MAX_PARTITIONS}, got {parts}")
+        cols = keyed_columns(name, columns)
+        c = codecs.get(codec)
+        if exist_ok:
+            existing = self.tables().get(name)
+            if existing is not None:
+                if (existing.keyed, existing.dim, existing.codec, existing.partitions, existing.columns) != (
+                        True, dim, c.name, parts, cols):
+                    raise InvalidArgument(f"table {name!r} exists with another shape ({existing}); choose another name")
+                return existing
+        self._check_writable()
+        arguments.name(name, "table name")
+        return self._engine.create_table(name, parts, dim, c.name, 1, keyed=True, columns=cols).info()
 
     def tables(self) -> dict[str, TableInfo]:
         self._check_open()
@@ -359,6 +395,49 @@ class Store:
             return dict(zip(tables, table_decode.read_tables(view, self._engine.storage, jobs, v,
                                                              options=self.options)))
 
+    # keyed tables ----------------------------------------------------------------------------------
+    def read_keys(self, table: str, keys, version: int | None = None) -> KeyLookup:
+        """KeyLookup(found, values, columns) of ``keys`` of keyed table ``table`` as of ``version`` (default:
+        newest): ``found[i]`` whether key i is live there; values float32 (n, dim) and each column, zeros
+        where not found. Keys may repeat and come in any order."""
+        with self._read(version, table) as (view, v):
+            info = self._keyed_or_raise(table, view, "read_keys")
+            k = keyed_writer.keys_arg(keys, table)
+            found, rows = keyed_reader.read_keys(view, self._engine.storage, info, k, v)
+            return KeyLookup(found, rows.values, rows.columns)
+
+    def keys(self, table: str, version: int | None = None) -> np.ndarray:
+        """int64, ascending: every key of keyed table ``table`` live at ``version`` (default: newest)."""
+        with self._read(version, table) as (view, v):
+            info = self._keyed_or_raise(table, view, "keys")
+            return keyed_reader.read_all(view, self._engine.storage, info, v, keys_only=True).keys
+
+    def read_keyed(self, table: str, version: int | None = None, *, partitions=None) -> KeyedRows:
+        """KeyedRows(keys, values, columns): every key of keyed table ``table`` live at ``version``
+        (default: newest), ascending, with its value (float32 (n, dim)) and columns. ``partitions`` (an
+        iterable of partition numbers, ``partition_of`` tells a key's) reads only those: what a rank that
+        owns them reads, and nothing else."""
+        with self._read(version, table) as (view, v):
+            info = self._keyed_or_raise(table, view, "read_keyed")
+            parts = None if partitions is None else keyed_partitions(partitions, info)
+            return keyed_reader.read_all(view, self._engine.storage, info, v, parts)
+
+    def partition_of(self, table: str, keys) -> np.ndarray:
+        """int64: the partition of each key of keyed table ``table`` (fixed for the table's life)."""
+        self._check_open()
+        info = self._table_record(table)
+        if info is None:
+            raise TableNotFound(f"no table {table!r} in this store")
+        keyed_reader.check_keyed(info, "partition_of")
+        return keyed_runs.partition_of(keyed_writer.keys_arg(keys, table), info.partitions)
+
+    def _keyed_or_raise(self, table: str, view: IndexView, what: str) -> TableRecord:
+        info = self._table_record(table, view)
+        if info is None:
+            raise TableNotFound(f"no table {table!r} in this store")
+        keyed_reader.check_keyed(info, what)
+        return info
+
     def read_dense(self, name: str, version: int | None = None) -> np.ndarray:
         """The dense array as put (dtype, shape, bytes), as of ``version``."""
         with self._read(version) as (view, v):
@@ -379,7 +458,10 @@ class Store:
         with self._read(version) as (view, v):
             info = view.version(v)
             snap = Snapshot(version=v, step=info["step"], meta=info["meta"])
-            jobs = [(tinfo, None, 0) for _name, tinfo in sorted(view.tables().items()) if _written_by(view, tinfo, v)]
+            written = [tinfo for _name, tinfo in sorted(view.tables().items()) if _written_by(view, tinfo, v)]
+            jobs = [(tinfo, None, 0) for tinfo in written if not tinfo.keyed]
+            snap.keyed.update((t.name, keyed_reader.read_all(view, self._engine.storage, t, v)) for t in written
+                              if t.keyed)
             dense = [(name, dense_id, found[1]) for name, dense_id in sorted(view.dense_names().items())
                      if (found := view.dense_at(dense_id, v)) is not None]
             table_bytes = sum(tinfo.num_rows * tinfo.dim * 4 for tinfo, _, _ in jobs)
@@ -432,9 +514,12 @@ class Store:
                 self._check_open()
                 with self._engine.read() as view:  # (ended before the yield: no transaction waits on the caller)
                     _check_changes_versions(view, since, until, self.path)
-                    info = self._table_or_raise(name, view)
-                    found = changes_rule.table_changes(view, self._engine.storage, info, since, until,
-                                                       encoded=encoded)
+                    info = self._table_or_raise(name, view, positional=False)
+                    if info.keyed:
+                        found = keyed_reader.keyed_changes(view, self._engine.storage, info, since, until)
+                    else:
+                        found = changes_rule.table_changes(view, self._engine.storage, info, since, until,
+                                                           encoded=encoded)
                 yield found  # (its arrays are copies: nothing of it points into a segment's map)
 
         return each()
@@ -470,13 +555,15 @@ class Store:
             else:
                 names = tables
                 for name in names:
-                    self._table_or_raise(name, view)
+                    self._table_or_raise(name, view, positional=False)
         return names, since, until, encoded
 
-    def _table_or_raise(self, table: str, view: IndexView) -> dict:
+    def _table_or_raise(self, table: str, view: IndexView, *, positional: bool = True) -> TableRecord:
         info = self._engine.table_record(table, view)
         if info is None:
             raise TableNotFound(f"no table {table!r} in this store (tables: {sorted(view.tables())[:10]})")
+        if positional:
+            keyed_reader.check_positional(info, "reading rows by position")
         return info
 
     def _read(self, version, table: str | list[str] | None = None):
@@ -485,7 +572,8 @@ class Store:
         self._check_open()
         version = arguments.version_arg(version)
         names = arguments.table_names(table, "table")  # (a name that is no str: InvalidArgument, not TypeError)
-        check = None if not names else (lambda view: [self._table_or_raise(name, view) for name in names])
+        check = None if not names else (lambda view: [self._table_or_raise(name, view, positional=False)
+                                                      for name in names])
         return _ReadContext(self._engine, version, check)
 
     def read_amplification(self, version: int | None = None) -> dict[str, np.ndarray]:
@@ -498,6 +586,10 @@ class Store:
         with self._read(version) as (view, v):
             out = {}
             for name, info in sorted(view.tables().items()):
+                if info.keyed:  # a keyed table: the records a read of each partition walks
+                    out[name] = np.asarray([sum(1 for _ in view.row_chain(info.id, p, v))
+                                            for p, oldest in view.row_blocks(info.id) if oldest <= v], np.float64)
+                    continue
                 amps = [merge.read_amplification(info, block, merge.walk_chain(view, info.id, block, v), self.options)
                         for block, oldest in view.row_blocks(info.id) if oldest <= v]
                 out[name] = np.asarray(amps, dtype=np.float64)

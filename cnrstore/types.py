@@ -3,20 +3,44 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 
 @dataclass(frozen=True)
 class TableInfo:
-    """A table's shape and defaults. ``codec`` is the codec used when ``put_rows`` names none."""
+    """A table's shape and defaults. ``codec`` is the codec used when ``put_rows`` names none.
+
+    A keyed table (``keyed`` True: rows addressed by int64 keys) has ``num_rows`` 0, ``block_rows`` 1, its
+    ``partitions`` and its per-key ``columns`` (``((name, numpy dtype string, width), ...)``)."""
 
     name: str
     num_rows: int
     dim: int
     codec: str
     block_rows: int
+    keyed: bool = False
+    partitions: int = 0
+    columns: tuple = ()
+
+
+class KeyedRows(NamedTuple):
+    """Rows of a keyed table (``Store.read_keyed``): ``keys`` int64 ascending, ``values`` float32 (n, dim),
+    ``columns`` {name: array (n,) for a column of width 1, else (n, width), of the column's dtype}."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    columns: dict
+
+
+class KeyLookup(NamedTuple):
+    """``Store.read_keys``: ``found`` bool per key asked, ``values`` float32 (n, dim) and ``columns`` as in
+    KeyedRows, zeros where not found."""
+
+    found: np.ndarray
+    values: np.ndarray
+    columns: dict
 
 
 @dataclass(frozen=True)
@@ -39,13 +63,15 @@ class VersionInfo:
 
 @dataclass
 class Snapshot:
-    """Everything a version reads as: every table (float32) and dense array, with the version's info."""
+    """Everything a version reads as: every table (float32) and dense array, with the version's info;
+    ``keyed``: every keyed table as KeyedRows."""
 
     version: int
     step: int | None
     meta: dict | None
     tables: dict[str, np.ndarray] = field(default_factory=dict)
     dense: dict[str, Any] = field(default_factory=dict)
+    keyed: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

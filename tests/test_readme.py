@@ -493,6 +493,11 @@ API_SPECS = {
     "store = cnrstore.open(path, create=False": ('import cnrstore\npath = "s"\ncnrstore.open(path, create=True).close()',
                                                  "assert isinstance(store, cnrstore.Store); store.close()"),
     "store.create_table(name, num_rows, dim": (API_STORE + 'name = "u"', "assert 'u' in store.tables()"),
+    "store.create_table(name, dim=64, keyed=True": (
+        API_STORE + 'name, s, n = "ids", 7, 3\nkeys = np.array([5, 1 << 40, -2])\nvalues = np.ones((n, 64))\n'
+        'score, last_step, momentum = np.ones(n), np.arange(n), np.zeros((n, 64))\nevicted = [9]',
+        "assert store.keys(name).tolist() == sorted(keys.tolist()) and store.read_keys(name, [5, 9]).found.tolist() "
+        "== [True, False]\nassert store.partition_of(name, keys).max() < store.tables()[name].partitions"),
     'codec = cnrstore.codecs.get("int4")': ("import numpy as np\nimport cnrstore\n"
                                            "values = np.random.default_rng(0).standard_normal((6, 8), dtype=np.float32)\n"
                                            "dim = 8", "assert out.shape == (6, 8)"),

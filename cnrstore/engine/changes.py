@@ -71,7 +71,7 @@ class TableChanges:
     ``encoded=True``, ``parts`` (``EncodedRows``, one per codec the rows are stored in: the table's
     ``codec`` almost always; a fallback (``fp16`` -> ``int8`` -> ``fp32``), a ``put_rows(codec=)`` override or a
     merge mixing codecs (``fp32``) adds others) and ``values`` None. ``decoded()`` gives the float32 rows
-    either way."""
+    either way. A keyed table's (``keyed`` True) adds ``columns`` and ``deleted`` (below)."""
 
     table: str
     since: int
@@ -81,6 +81,12 @@ class TableChanges:
     rows: np.ndarray
     values: np.ndarray | None = None
     parts: tuple[EncodedRows, ...] | None = None
+    #: A keyed table's changes: ``rows`` are the keys live at ``until`` whose row (value or a column) differs
+    #: from ``since`` or that were absent there, ``values`` their values (decoded, even with encoded=True),
+    #: ``columns`` {name: array} their columns, ``deleted`` the keys live at ``since`` and absent at ``until``.
+    keyed: bool = False
+    columns: dict | None = None
+    deleted: np.ndarray | None = None
 
     @property
     def encoded(self) -> bool:

@@ -276,7 +276,8 @@ class Engine:
     def remember_table(self, table: TableRecord) -> None:
         self._tables[table.name] = table
 
-    def create_table(self, name: str, num_rows: int, dim: int, codec: str, block_rows: int) -> TableRecord:
+    def create_table(self, name: str, num_rows: int, dim: int, codec: str, block_rows: int, *, keyed: bool = False,
+                     columns: tuple = ()) -> TableRecord:
         """Record a new table in the catalog, durably, in one synced index transaction (the Store has checked
         the arguments): InvalidArgument for a name in use, or when the store has used up its u32 table ids.
         A table is in no log record until a checkpoint writes it (the COMMIT names its tables)."""
@@ -289,7 +290,7 @@ class Engine:
                 raise InvalidArgument(f"store {self.path!r} has used up its 2**32 table ids; put new tables "
                                       "in a new store")
             schema.NEXT_TABLE_ID.put(w, tid + 1)
-            table = TableRecord(tid, name, num_rows, dim, codec, block_rows, time.time())
+            table = TableRecord(tid, name, num_rows, dim, codec, block_rows, time.time(), keyed, columns)
             w.put_table(table)
             return table
 

@@ -87,7 +87,7 @@ class RowLoc(NamedTuple):
 
 
 #: Flags a ROWS record may carry (record.FLAG_*); u16 row offsets bound a record's rows.
-_ROW_FLAGS = record.FLAG_BASELINE | record.FLAG_FULL | record.FLAG_COMPACTED | record.FLAG_DELTA
+_ROW_FLAGS = record.FLAG_BASELINE | record.FLAG_FULL | record.FLAG_COMPACTED | record.FLAG_DELTA | record.FLAG_KEYS
 
 
 def _row_loc(raw: bytes, version: int | None = None) -> RowLoc:
@@ -98,10 +98,11 @@ def _row_loc(raw: bytes, version: int | None = None) -> RowLoc:
         loc = RowLoc(*ROW_LOC.unpack(raw))
     else:
         loc = RowLoc(*ROW_LOC_DELTA.unpack(raw))
-    if loc.count > MAX_ROW_COUNT or loc.flags & ~_ROW_FLAGS or (loc.base and version is not None and loc.base >= version):
-        field = ("count" if loc.count > MAX_ROW_COUNT else "flags" if loc.flags & ~_ROW_FLAGS else "base")
+    most = MAX_ROW_COUNT if not loc.flags & record.FLAG_KEYS else (1 << 32) - 1  # a key run: u32 entries
+    if loc.count > most or loc.flags & ~_ROW_FLAGS or (loc.base and version is not None and loc.base >= version):
+        field = ("count" if loc.count > most else "flags" if loc.flags & ~_ROW_FLAGS else "base")
         raise damaged("rows", f"entry at version {version}", field, getattr(loc, field),
-                       {"count": f"at most {MAX_ROW_COUNT}", "flags": f"only bits of {_ROW_FLAGS:#x}",
+                       {"count": f"at most {most}", "flags": f"only bits of {_ROW_FLAGS:#x}",
                         "base": "a version below the entry's"}[field])
     return loc
 

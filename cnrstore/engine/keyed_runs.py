@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import CorruptionError, InvalidArgument
 
 __all__ = ["KeyRun", "partition_of", "make_run", "merge", "live", "lookup", "encode_keys", "decode_keys",
-           "values_bytes", "MAX_PARTITIONS"]
+           "values_bytes", "live_run", "MAX_PARTITIONS"]
 
 #: The most partitions a keyed table may have (partition ids must fit the index's u32 block field).
 MAX_PARTITIONS = 1 << 31
@@ -42,7 +42,9 @@ class KeyRun(NamedTuple):
     deleted: np.ndarray
     values: np.ndarray
 
-    def __len__(self) -> int:
+    @property
+    def count(self) -> int:
+        """Entries in the run (not ``len``: a NamedTuple's length is its field count)."""
         return int(self.keys.size)
 
 
@@ -111,7 +113,7 @@ def merge(runs: Sequence[KeyRun]) -> KeyRun:
     if len(runs) == 1:
         return runs[0]
     keys = np.concatenate([r.keys for r in runs])
-    age = np.repeat(np.arange(len(runs)), [len(r) for r in runs])
+    age = np.repeat(np.arange(len(runs)), [r.count for r in runs])
     order = np.lexsort((age, keys))  # by key, then oldest to newest
     keys = keys[order]
     last = np.ones(keys.size, bool)
@@ -125,6 +127,14 @@ def live(run: KeyRun) -> tuple[np.ndarray, np.ndarray]:
     """(keys, values) of the keys present: what a read of a chain merged from its baseline returns."""
     keep = ~run.deleted
     return run.keys[keep], run.values[keep]
+
+
+def live_run(run: KeyRun) -> KeyRun:
+    """The run of the keys present (no deletion): what a baseline holds."""
+    if not run.deleted.any():
+        return run
+    keep = ~run.deleted
+    return KeyRun(run.keys[keep], np.zeros(int(keep.sum()), bool), run.values[keep])
 
 
 def lookup(run: KeyRun, keys) -> tuple[np.ndarray, np.ndarray]:
@@ -144,7 +154,7 @@ def lookup(run: KeyRun, keys) -> tuple[np.ndarray, np.ndarray]:
 def encode_keys(run: KeyRun) -> bytes:
     """The run's key part, as a record's aux will hold it: count u64 LE, the keys (i64 LE, strictly
     increasing), the deletion flags (``ceil(count / 8)`` bytes, LSB first)."""
-    return (_COUNT.pack(len(run)) + run.keys.astype("<i8").tobytes()
+    return (_COUNT.pack(run.count) + run.keys.astype("<i8").tobytes()
             + np.packbits(run.deleted, bitorder="little").tobytes())
 
 

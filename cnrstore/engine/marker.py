@@ -19,7 +19,8 @@ from ..errors import CorruptionError
 #: 2: COMMIT / ANCHOR / DROP records and the index's ``log`` database (repair). Format 1 is still read;
 #: a writable open upgrades its marker (docs/FORMAT.md).
 #: 3: cumulative delta records (record.FLAG_DELTA, index ROW_LOC_DELTA). Formats 1 and 2 are still read.
-FORMAT_VERSION = 3
+#: 4: keyed tables (record.FLAG_KEYS key runs; "keyed" and "columns" catalog fields). Formats 1-3 are still read.
+FORMAT_VERSION = 4
 MARKER_MAGIC = b"CNRSTORE"
 _MARKER_HEAD = struct.Struct("<8sII")  # magic, format version, msgpack length
 #: A marker is about 60 bytes; a file larger than this is not one (it is never read past this).

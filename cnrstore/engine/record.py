@@ -48,7 +48,10 @@ FLAG_COMPACTED = 0x4
 #: base (u64, first in aux) is the version of a baseline record of the block: a read walking back from here
 #: goes on at the block's record at version base, skipping the records in between.
 FLAG_DELTA = 0x8
-_KNOWN_FLAGS = FLAG_BASELINE | FLAG_FULL | FLAG_COMPACTED | FLAG_DELTA
+#: Format 4: a key run of a keyed table (engine/keyed_records.py): the block is a hash partition, aux holds
+#: the run's keys and deletion flags, the body the rows of the keys put. Never with FULL or DELTA.
+FLAG_KEYS = 0x10
+_KNOWN_FLAGS = FLAG_BASELINE | FLAG_FULL | FLAG_COMPACTED | FLAG_DELTA | FLAG_KEYS
 #: The head of a DELTA record's aux: base version u64, rows copied by the block's deltas since that base u64.
 BASE = struct.Struct("<QQ")
 
@@ -81,7 +84,9 @@ class Record(NamedTuple):
     body: np.ndarray
 
     def offsets(self) -> np.ndarray:
-        """Row offsets inside the block (int64, sorted); for a FULL record, 0..count-1."""
+        """Row offsets inside the block (int64, sorted); for a FULL record, 0..count-1. Not for a key run
+        (FLAG_KEYS): keyed_records.parse_run reads those."""
+        assert not self.flags & FLAG_KEYS, "a key run has no row offsets"
         if self.flags & FLAG_FULL:
             return np.arange(self.count, dtype=np.int64)
         return self.stored_offsets().astype(np.int64)
@@ -122,6 +127,23 @@ class Record(NamedTuple):
         except (ValueError, TypeError) as exc:
             raise CorruptionError(f"bad dense descriptor: {exc}", None, None) from None
         return {"dtype": desc["dtype"], "shape": shape}
+
+
+def rows_aux_bytes(flags: int, count: int) -> int:
+    """The aux length a ROWS record of ``count`` rows (or keys) with ``flags`` has: u16 offsets unless FULL,
+    a delta's base and copied count; a key run's count, keys and deletion bitmap (FLAG_KEYS). -1 (no length)
+    for flags a record never has together."""
+    if flags & FLAG_KEYS:
+        return -1 if flags & (FLAG_FULL | FLAG_DELTA) else 8 + 8 * count + (count + 7) // 8
+    return (0 if flags & FLAG_FULL else 2 * count) + (BASE.size if flags & FLAG_DELTA else 0)
+
+
+def keys_record(codec_id: int, flags: int, table_id: int, partition: int, version: int, count: int, aux: bytes,
+                body: np.ndarray) -> tuple[list, int]:
+    """Buffers of one key-run record (FLAG_KEYS set in ``flags``): ``aux`` the run's keys and deletion
+    flags (keyed_runs.encode_keys), ``body`` C-contiguous uint8 rows of the keys put; and its length."""
+    assert flags & FLAG_KEYS and not flags & (FLAG_FULL | FLAG_DELTA)
+    return _assemble(KIND_ROWS, codec_id, flags, table_id, count, partition, version, aux, body)
 
 
 def rows_record(
@@ -267,7 +289,7 @@ def parse(buf: np.ndarray, path: str, offset: int) -> Record:
         raise CorruptionError(f"bad record header at {path}:{offset}", path, offset)
     if HEADER_BYTES + aux_len + body_len + TRAILER_BYTES != n:
         raise CorruptionError(f"record lengths disagree with its extent at {path}:{offset}", path, offset)
-    if kind == KIND_ROWS and aux_len != (0 if flags & FLAG_FULL else 2 * count) + (BASE.size if flags & FLAG_DELTA else 0):
+    if kind == KIND_ROWS and aux_len != rows_aux_bytes(flags, count):
         raise CorruptionError(f"record offsets length disagrees with its row count at {path}:{offset}", path, offset)
     aux = buf[HEADER_BYTES : HEADER_BYTES + aux_len]
     body = buf[HEADER_BYTES + aux_len : n - TRAILER_BYTES]

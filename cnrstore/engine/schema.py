@@ -95,14 +95,32 @@ class TableRecord:
     codec: str
     block_rows: int
     created: float
+    #: Format 4: a keyed table (rows addressed by int64 keys, engine/keyed_records.py). Its ``num_rows`` is its
+    #: partition count and ``block_rows`` 1, so that its blocks are its partitions.
+    keyed: bool = False
+    #: A keyed table's per-key columns stored beside each value, losslessly: (name, numpy dtype string, width).
+    columns: tuple = ()
 
     def as_dict(self) -> dict:
-        """The entry as stored (in ``tables``, and in COMMIT and ANCHOR records): on disk, never reorder."""
-        return {"id": self.id, "name": self.name, "num_rows": self.num_rows, "dim": self.dim, "codec": self.codec,
-                "block_rows": self.block_rows, "created": self.created}
+        """The entry as stored (in ``tables``, and in COMMIT and ANCHOR records): on disk, never reorder. A
+        keyed table's entry adds "keyed" and "columns" (a positional table's is as format 3 wrote it)."""
+        out = {"id": self.id, "name": self.name, "num_rows": self.num_rows, "dim": self.dim, "codec": self.codec,
+               "block_rows": self.block_rows, "created": self.created}
+        if self.keyed:
+            out["keyed"] = True
+            out["columns"] = [list(c) for c in self.columns]
+        return out
+
+    @property
+    def partitions(self) -> int:
+        """A keyed table's partition count (its blocks)."""
+        return self.num_rows
 
     def info(self) -> TableInfo:
         """The public TableInfo (API.md) of this table."""
+        if self.keyed:
+            return TableInfo(self.name, 0, self.dim, self.codec, 1, keyed=True, partitions=self.num_rows,
+                             columns=self.columns)
         return TableInfo(self.name, self.num_rows, self.dim, self.codec, self.block_rows)
 
 
@@ -124,7 +142,36 @@ def check_table(name: str, info, fail: Callable = damaged) -> TableRecord:
                "the name of a codec this cnrstore knows", fail),
         _field("tables", name, info, "block_rows", lambda v: _is_int(v, 1, MAX_ROW_COUNT) and not v & (v - 1),
                f"a power of two in [1, {MAX_ROW_COUNT}]", fail),
-        _field("tables", name, info, "created", _is_time, "unix seconds", fail))
+        _field("tables", name, info, "created", _is_time, "unix seconds", fail),
+        *_keyed_fields(name, info, fail))
+
+
+#: numpy dtypes a keyed table's column may have (little-endian numbers and bools)
+COLUMN_DTYPES = frozenset(["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"])
+#: at most this many columns, each at most this wide (elements per key)
+MAX_COLUMNS, MAX_COLUMN_WIDTH = 64, 1 << 16
+
+
+def _is_column(c) -> bool:
+    return (type(c) is list and len(c) == 3 and type(c[0]) is str and 0 < len(c[0]) <= 100  # noqa: E721
+            and c[1] in COLUMN_DTYPES and _is_int(c[2], 1, MAX_COLUMN_WIDTH))
+
+
+def _keyed_fields(name: str, info: dict, fail: Callable) -> tuple:
+    """(keyed, columns) of a catalog entry: absent in a positional table's; a keyed table's has 1 row per
+    block and unique column names."""
+    if "keyed" not in info:
+        return ()
+    _field("tables", name, info, "keyed", lambda v: v is True, "true", fail)
+    _field("tables", name, info, "block_rows", lambda v: v == 1, "1 (a keyed table's blocks are its partitions)",
+           fail)
+    _field("tables", name, info, "num_rows", lambda v: _is_int(v, 1, 1 << 31), "a partition count in [1, 2**31]",
+           fail)
+    columns = _field("tables", name, info, "columns",
+                     lambda v: type(v) is list and len(v) <= MAX_COLUMNS and all(map(_is_column, v))  # noqa: E721
+                     and len({c[0] for c in v}) == len(v),
+                     f"a list of at most {MAX_COLUMNS} [name, dtype, width] with unique names", fail)
+    return True, tuple((c[0], c[1], c[2]) for c in columns)
 
 
 def table_from_log(info) -> TableRecord:

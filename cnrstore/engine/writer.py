@@ -21,7 +21,8 @@ import numpy as np
 
 from . import blocks as blocks_math
 from .. import codecs
-from . import fs, merge, reader, record, arguments
+from . import fs, keyed_reader, merge, reader, record, arguments
+from .keyed_writer import KeyedPuts
 from ..errors import CnrError, InvalidArgument, StoreClosed, TableNotFound
 from .index import DenseLoc, RowLoc
 from .block_records import block_records
@@ -58,10 +59,20 @@ class CheckpointWriter:
         #: (table, block) -> the newest record of the block's chain at the parent, where this version's record
         #: goes on top of it unmerged: once committed, the engine's chain costs extend by it (chain_costs.py)
         self._below: dict[tuple[str, int], Head] = {}
+        self._keyed = KeyedPuts(self)  # puts and deletions of keyed tables (keyed_writer.py)
 
     @property
     def committed(self) -> bool:
         return self._state == "committed"
+
+    @property
+    def parent(self) -> int | None:
+        """The version this one goes on top of (the newest committed when it began), or None."""
+        return self._parent
+
+    @property
+    def engine(self) -> "Engine":
+        return self._engine
 
     def blocks_written(self) -> set[tuple[int, int]]:
         """(table id, block) of every record this version holds (so far)."""
@@ -88,9 +99,8 @@ class CheckpointWriter:
         version as it was; TableNotFound for an unknown table.
         """
         self._check_open()
-        info = self._engine.table_record(table)
-        if info is None:
-            raise TableNotFound(f"no table {table!r} in this store; create it with store.create_table()")
+        info = self._table(table)
+        keyed_reader.check_positional(info, "put_rows")
         rows = arguments.row_ids(rows, info.num_rows, table)
         values, value_range = arguments.row_values(values, rows, info.dim, table)
         order = arguments.sorted_unique_rows(rows, table)
@@ -137,6 +147,51 @@ class CheckpointWriter:
             except BaseException as exc:
                 self._fail(exc)
                 raise
+
+    def put_keys(self, table: str, keys, values, *, columns=None, codec: str | None = None) -> None:
+        """Write ``values[i]`` (and each column's entry i) as the row of key ``keys[i]`` of keyed table
+        ``table`` in this version (see API.md, "Keyed tables"). A key changes at most once per version.
+
+        Bad input raises InvalidArgument and leaves the version as it was; TableNotFound for an unknown table.
+        """
+        self._check_open()
+        info = self._table(table)
+        keyed_reader.check_keyed(info, "put_keys")
+        self._keyed_call(lambda: self._keyed.put(info, keys, values, columns, codec))
+
+    def delete_keys(self, table: str, keys) -> None:
+        """Delete ``keys`` of keyed table ``table`` in this version: a read of this version or a later one
+        does not find them (until put again); older versions still do. Deleting an absent key is allowed."""
+        self._check_open()
+        info = self._table(table)
+        keyed_reader.check_keyed(info, "delete_keys")
+        self._keyed_call(lambda: self._keyed.delete(info, keys))
+
+    def _keyed_call(self, call) -> None:
+        before = {t: dict(b) for t, b in self._rows.items()}
+        own = dict(self._keyed.own)
+        try:
+            call()
+        except InvalidArgument:
+            self._rows, self._keyed.own = before, own  # what it appended is unreferenced
+            raise
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def rows_of(self, table: str) -> dict:
+        """{block or partition: RowLoc} of the records this version wrote of ``table`` so far."""
+        return self._rows.get(table, {})
+
+    def append_records(self, table: str, records: list) -> None:
+        """Append ((block, count, flags), buffers, length) records of ``table`` (keyed_writer.py)."""
+        self._append(table, records)
+
+    def _table(self, table: str) -> TableRecord:
+        info = self._engine.table_record(table)
+        if info is None:
+            raise TableNotFound(f"no table {table!r} in this store; create it with store.create_table()")
+        return info
 
     def put_dense(self, name: str, array) -> None:
         """Store ``array`` (numpy array or torch tensor) exactly, as dense array ``name`` of this version."""
@@ -223,7 +278,7 @@ class CheckpointWriter:
         engine = self._engine
         for (table, block), below in self._below.items():
             loc = self._rows.get(table, {}).get(block)
-            if loc is None or loc.flags & (record.FLAG_DELTA | record.FLAG_BASELINE):
+            if loc is None or loc.flags & (record.FLAG_DELTA | record.FLAG_BASELINE | record.FLAG_KEYS):
                 continue  # merged, or a new baseline: the next save walks the chain afresh
             info = engine.table_record(table)
             self._parts.chain_costs.extend((info.id, block), below, Head(self.version, loc.segment, loc.offset),
@@ -260,6 +315,10 @@ class CheckpointWriter:
         increment costs; the denominator of stats()["write_amplification"]). A merged record counts as a
         record of its own rows, with offsets."""
         total = self._bytes
+        for table, blocks in self._rows.items():
+            for block, loc in blocks.items():
+                if loc.flags & record.FLAG_KEYS:
+                    total -= self._keyed.carried_bytes(table, block, loc.length)
         for (table, block), carried in self._carried.items():
             loc = self._rows[table][block]
             if not carried.size:

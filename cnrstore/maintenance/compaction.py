@@ -24,7 +24,7 @@ import numpy as np
 from ..engine import blocks as blocks_math
 from .. import codecs
 from ..engine import chain as chain_rule
-from ..engine import fs, merge, reader, record, schema
+from ..engine import fs, keyed_reader, keyed_records, keyed_runs, merge, reader, record, schema
 from . import liveness
 from ..errors import InvalidArgument, StorageFull
 from ..engine.index import DenseLoc, IndexView, RowLoc
@@ -148,10 +148,15 @@ def materialize(m: "MaintenanceHandle", version: int, progress: Progress | None 
         try:
             for (tid, block), chain in sorted(chains.items()):
                 info = tables[tid]
-                resolver = reader.BlockResolver(view, m.storage, info)
-                pieces, _never_written = resolver.resolve(block, None, version)
-                codec, rows, encoded = _merge_pieces(pieces, blocks_math.base(block, info.block_rows), info.dim)
-                records = block_records(info, codec, rows, encoded, version, compacted=True)
+                if info.keyed:  # the partition's runs merged: its live keys
+                    codec, run = keyed_reader.partition_run(view, m.storage, info, block, version)
+                    records = [keyed_records.build(info, codec, block, version, keyed_runs.live_run(run),
+                                                   baseline=True, compacted=True)]
+                else:
+                    resolver = reader.BlockResolver(view, m.storage, info)
+                    pieces, _never_written = resolver.resolve(block, None, version)
+                    codec, rows, encoded = _merge_pieces(pieces, blocks_math.base(block, info.block_rows), info.dim)
+                    records = block_records(info, codec, rows, encoded, version, compacted=True)
                 locations = appender.append_many([(buffers, length) for _key, buffers, length in records])
                 for ((blk, count, flags), _buffers, length), (seg, off) in zip(records, locations):
                     new_entries.append((tid, blk, RowLoc(seg, off, length, count, flags)))
@@ -224,7 +229,7 @@ def merge_chains(m: "MaintenanceHandle", version: int, blocks: set[tuple[int, in
         due = []
         for tid, block in sorted(blocks):
             info = tables.get(tid)
-            if info is None:
+            if info is None or info.keyed:  # (a keyed table's saves bound its chains: keyed_writer.py)
                 continue
             chain = merge.walk_chain(view, tid, block, version)
             if (len(chain.records) >= 2 and merge.merge_due(info, block, chain, trigger, options) if bound is None

@@ -90,7 +90,9 @@ def _block(result: Liveness, info: TableRecord | None, key: tuple[int, int], ent
         if i not in read:
             live[i] = None  # no kept version reads it (drop_versions deletes such entries): never freed here
     for i in read:
-        if i in heads or (tid, block, entries[i][0]) in pinned or info is None:
+        if i in heads or (tid, block, entries[i][0]) in pinned or info is None or info.keyed:
+            # (a key run is wholly live while any chain reads it: which of its keys newer runs shadow is not
+            # worth a rewrite; compaction's baselines and the saves' merged ones leave the old runs unread)
             live[i] = None  # a chain's head: every row of it is read
         elif merge.outweighs_baseline(info, block, entries[i][1]):
             live[i] = None  # kept whole: what the read amplification above it is weighed against

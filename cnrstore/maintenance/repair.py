@@ -425,8 +425,7 @@ def _bad_stretch(found: _Found, report: RepairReport, mm, seg: int, seg_path: st
             record.HEADER.unpack_from(mm, start)
         length = record.HEADER_BYTES + aux_len + body_len + record.TRAILER_BYTES
         if kind == record.KIND_ROWS:  # a header whose fields disagree is no evidence of anything
-            plausible = not flags & ~_KNOWN_FLAGS and aux_len == (0 if flags & record.FLAG_FULL else 2 * count) + (
-                record.BASE.size if flags & record.FLAG_DELTA else 0)
+            plausible = not flags & ~_KNOWN_FLAGS and aux_len == record.rows_aux_bytes(flags, count)
         elif kind == record.KIND_DENSE:
             plausible = not flags and not count and not block
         else:
@@ -573,7 +572,7 @@ class Chain:
 _EMPTY = Chain()
 
 
-_KNOWN_FLAGS = record.FLAG_BASELINE | record.FLAG_FULL | record.FLAG_COMPACTED | record.FLAG_DELTA
+_KNOWN_FLAGS = record.FLAG_BASELINE | record.FLAG_FULL | record.FLAG_COMPACTED | record.FLAG_DELTA | record.FLAG_KEYS
 _SHAPE = record.FLAG_BASELINE | record.FLAG_DELTA  # what a GC rewrite keeps of a record's flags
 
 
@@ -792,7 +791,10 @@ class _LogProof:
     def apply_anchor(self, st: _State, v: int) -> _State:
         heads: dict[tuple[int, int], Chain] = {}
         dense_heads: dict[int, Link] = {}
-        for anchor, _loc in self.found.anchors[v]:
+        # the newest ANCHOR at v first (the last found: a later one, retain's then compact's at one version, is
+        # appended after, and GC moves only the indexed one, which is the newest, to a newer segment): its chains
+        # win, as _index_log_records indexes it, so that GC never frees a record the indexed ANCHOR names
+        for anchor, _loc in reversed(self.found.anchors[v]):
             for (tid, block), entries in anchor.heads.items():  # a block's read chain at v, newest first
                 if (tid, block) in heads and heads[(tid, block)].healthy:
                     continue

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..engine import blocks as blocks_math
 from .. import codecs
-from ..engine import reader, record, segments
+from ..engine import keyed_records, reader, record, segments
 from ..errors import CnrError, CorruptionError, RemoteStorageError
 from ..engine.schema import DAMAGED, TableRecord
 from ..types import VerifyReport
@@ -229,6 +229,14 @@ def _check_rows_record(rec: record.Record, info: TableRecord, block: int, versio
     problem = mismatch(rec, loc, Expect(record.KIND_ROWS, info.id, version, block))
     if problem:
         return problem
+    if info.keyed or rec.flags & record.FLAG_KEYS:
+        if not info.keyed or not rec.flags & record.FLAG_KEYS:
+            return "a key run in a positional table, or rows in a keyed table: the catalog and the record disagree"
+        try:
+            keyed_records.parse_run(rec, info, "record")
+        except CnrError as exc:
+            return str(exc)
+        return None
     try:
         codec = codecs.by_id(rec.codec_id)
     except CnrError:

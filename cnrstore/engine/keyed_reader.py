@@ -1,0 +1,145 @@
+"""Point-in-time reads of keyed tables: a partition's run at a version, keys looked up, whole tables.
+
+A partition's read chain at version v is its block's (index.row_chain): the key-run records at or before v,
+newest first, down to a baseline. Merged oldest first (keyed_runs.merge), each key's newest entry wins and a
+key deleted at or before v is absent. Every record is checksum-verified and checked against its index entry
+(storage.fetch) and its partition (keyed_records.parse_run) before a byte of it is used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import keyed_records, keyed_runs, record
+from ..errors import InvalidArgument
+from .index import IndexView
+from .schema import TableRecord
+from .storage import Expect, SegmentStorage, fetch
+
+
+def check_keyed(info: TableRecord, what: str) -> None:
+    """InvalidArgument unless ``info`` is a keyed table (``what``: the call)."""
+    if not info.keyed:
+        raise InvalidArgument(f"{what}: table {info.name!r} is positional (rows by position); use put_rows, "
+                              "read_rows and read_table for it, or create a table with keyed=True")
+
+
+def check_positional(info: TableRecord, what: str) -> None:
+    """InvalidArgument if ``info`` is a keyed table (``what``: the positional call refused)."""
+    if info.keyed:
+        raise InvalidArgument(f"{what}: table {info.name!r} is keyed (rows by int64 key); use put_keys, "
+                              "delete_keys, read_keys, keys and read_keyed for it")
+
+
+def load_run(storage: SegmentStorage, info: TableRecord, loc, partition: int, version: int | None) -> tuple:
+    """(codec, KeyRun) of the key-run record at ``loc``, the one the index entry (partition, version) names."""
+    rec = fetch(storage, loc, Expect(record.KIND_ROWS, info.id, version, partition))
+    return keyed_records.parse_run(rec, info, f"{storage.path(loc.segment)}:{loc.offset}")
+
+
+def partition_run(view: IndexView, storage: SegmentStorage, info: TableRecord, partition: int,
+                  version: int) -> tuple | None:
+    """(codec, the partition's run at ``version`` merged from its chain, with deletions) or None if the
+    partition has no record at or before ``version``."""
+    runs = [load_run(storage, info, loc, partition, v) for v, loc in view.row_chain(info.id, partition, version)]
+    if not runs:
+        return None
+    runs.reverse()  # oldest first
+    codec, same = keyed_records.common_codec(info, runs)
+    return codec, keyed_runs.merge(same)
+
+
+def read_keys(view: IndexView, storage: SegmentStorage, info: TableRecord, keys: np.ndarray,
+              version: int) -> tuple[np.ndarray, keyed_records.KeyedRows]:
+    """(found: bool per key, KeyedRows of ``keys`` in their order, zeros where not found) at ``version``."""
+    n = keys.size
+    found = np.zeros(n, bool)
+    values = np.zeros((n, info.dim), np.float32)
+    columns = {name: np.zeros((n,) if w == 1 else (n, w), np.dtype(dt)) for name, dt, w in info.columns}
+    if n:
+        parts = keyed_runs.partition_of(keys, info.partitions)
+        order = np.argsort(parts, kind="stable")
+        sorted_parts = parts[order]
+        cuts = np.flatnonzero(np.diff(sorted_parts)) + 1
+        for idx in np.split(order, cuts):  # one group per partition asked: a loop over partitions, not keys
+            got = partition_run(view, storage, info, int(parts[idx[0]]), version)
+            if got is None:
+                continue
+            codec, run = got
+            hit, rows = keyed_runs.lookup(run, keys[idx])
+            found[idx] = hit
+            decoded = keyed_records.decode_rows(info, codec, rows[hit], keys[idx][hit])
+            values[idx[hit]] = decoded.values
+            for name in columns:
+                columns[name][idx[hit]] = decoded.columns[name]
+    return found, keyed_records.KeyedRows(keys, values, columns)
+
+
+def read_all(view: IndexView, storage: SegmentStorage, info: TableRecord, version: int,
+             partitions: np.ndarray | None = None, *, keys_only: bool = False) -> keyed_records.KeyedRows:
+    """Every key live at ``version`` (of ``partitions`` only, if given), ascending, with its row (``keys_only``:
+    values and columns empty)."""
+    wanted = None if partitions is None else set(partitions.tolist())
+    key_parts, row_parts = [], []
+    for partition, oldest in view.row_blocks(info.id):
+        if oldest > version or (wanted is not None and partition not in wanted):
+            continue
+        got = partition_run(view, storage, info, partition, version)
+        if got is None:
+            continue
+        codec, run = got
+        keep = ~run.deleted
+        key_parts.append(run.keys[keep])
+        if not keys_only:
+            row_parts.append(keyed_records.decode_rows(info, codec, run.values[keep], run.keys[keep]))
+    keys = np.concatenate(key_parts) if key_parts else np.zeros(0, np.int64)
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    if keys_only:
+        return keyed_records.KeyedRows(keys, np.zeros((0, info.dim), np.float32), {})
+    if row_parts:
+        values = np.concatenate([r.values for r in row_parts])[order]
+        columns = {name: np.concatenate([r.columns[name] for r in row_parts])[order] for name, _d, _w in info.columns}
+    else:
+        values = np.zeros((0, info.dim), np.float32)
+        columns = {name: np.zeros((0,) if w == 1 else (0, w), np.dtype(dt)) for name, dt, w in info.columns}
+    return keyed_records.KeyedRows(keys, values, columns)
+
+
+def keyed_changes(view: IndexView, storage: SegmentStorage, info: TableRecord, since: int, until: int):
+    """The TableChanges (keyed) of ``info`` from ``since`` to ``until``: exact. Only partitions with an entry
+    in (since, until] are read, each at both versions; a key put again with the same row is left out."""
+    from .changes import TableChanges
+
+    put_keys, put_rows, codecs_of, gone = [], [], [], []
+    for p in view.blocks_written_in(info.id, since, until):
+        now = partition_run(view, storage, info, p, until)
+        if now is None:
+            continue
+        before = partition_run(view, storage, info, p, since) if since else None
+        codec, run = now
+        keys, rows = keyed_runs.live(run)
+        if before is not None:
+            codec_b, run_b = before
+            codec, (run_b, run) = keyed_records.common_codec(info, [(codec_b, run_b), (codec, run)])
+            keys, rows = keyed_runs.live(run)
+            hit, old_rows = keyed_runs.lookup(run_b, keys)
+            fresh = ~hit | (old_rows != rows).any(axis=1)
+            keys, rows = keys[fresh], rows[fresh]
+            old_keys, _ = keyed_runs.live(run_b)
+            still, _ = keyed_runs.lookup(run, old_keys)
+            gone.append(old_keys[~still])
+        if keys.size:
+            put_keys.append(keys)
+            put_rows.append(keyed_records.decode_rows(info, codec, rows, keys))
+    keys = np.concatenate(put_keys) if put_keys else np.zeros(0, np.int64)
+    order = np.argsort(keys, kind="stable")
+    if put_rows:
+        values = np.concatenate([r.values for r in put_rows])[order]
+        columns = {n: np.concatenate([r.columns[n] for r in put_rows])[order] for n, _d, _w in info.columns}
+    else:
+        values = np.zeros((0, info.dim), np.float32)
+        columns = {n: np.zeros((0,) if w == 1 else (0, w), np.dtype(dt)) for n, dt, w in info.columns}
+    deleted = np.sort(np.concatenate(gone)) if gone else np.zeros(0, np.int64)
+    return TableChanges(info.name, since, until, info.dim, info.codec, keys[order], values, keyed=True,
+                        columns=columns, deleted=deleted)

@@ -1,0 +1,253 @@
+"""Keyed tables (issue 50): puts, deletions, point-in-time reads, changes, compaction, retention, GC, repair and
+reopening, against an in-memory model of every version (hypothesis state machine); and the argument checks."""
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import cnrstore
+from cnrstore import knobs
+from cnrstore.engine import keyed_runs, record
+from cnrstore.errors import InvalidArgument, TableNotFound, VersionNotFound
+
+DIM = 3
+COLUMNS = {"score": "float32", "last": ("int64", 2)}
+#: a small pool (collisions, re-puts, deletions of live keys) and a few far-apart ids of a 2**62 space
+KEY_POOL = list(range(-4, 24)) + [1 << 40, -(1 << 62), (1 << 62) + 5]
+
+
+def _row(key: int, salt: int) -> tuple:
+    """A key's row, exact in fp16 and fp32 (small halves), so either codec reads it back bit for bit."""
+    base = (key % 97 + salt) % 200 - 100
+    return (tuple(float(base + i) / 2 for i in range(DIM)), float(salt), (salt, key % 1000))
+
+
+class KeyedMachine(RuleBasedStateMachine):
+    """Every retained version reads exactly as the model says, after any sequence of operations."""
+
+    def __init__(self):
+        super().__init__()
+        self.path = None
+        self.store = None
+        self.model: dict[int, dict[int, tuple]] = {}  # version -> {key: row}
+        self.salt = 0
+
+    @initialize(tmp=st.just(None))
+    def setup(self, tmp):
+        import tempfile
+        self._dir = tempfile.TemporaryDirectory()
+        self.path = os.path.join(self._dir.name, "store")
+        self.store = cnrstore.open(self.path, create=True)
+        self.store.create_table("ids", dim=DIM, keyed=True, partitions=4, columns=COLUMNS)
+
+    def teardown(self):
+        if self.store is not None:
+            self.store.close()
+        self._dir.cleanup()
+
+    def _latest(self) -> dict:
+        return self.model[max(self.model)] if self.model else {}
+
+    @rule(puts=st.lists(st.sampled_from(KEY_POOL), unique=True, max_size=12),
+          deletes=st.lists(st.sampled_from(KEY_POOL), unique=True, max_size=6),
+          split=st.booleans(), codec=st.sampled_from([None, "fp16"]))
+    def checkpoint(self, puts, deletes, split, codec):
+        deletes = [k for k in deletes if k not in puts]
+        state = dict(self._latest())
+        with self.store.checkpoint(step=len(self.model)) as ck:
+            halves = [puts[: len(puts) // 2], puts[len(puts) // 2:]] if split else [puts]
+            for i, part in enumerate(halves):
+                if not part:
+                    continue
+                self.salt += 1
+                rows = [_row(k, self.salt) for k in part]
+                ck.put_keys("ids", np.array(part, np.int64), np.array([r[0] for r in rows], np.float32),
+                            columns={"score": np.array([r[1] for r in rows], np.float32),
+                                     "last": np.array([r[2] for r in rows], np.int64)},
+                            codec=codec if i == 0 else None)
+                state.update(zip(part, rows))
+            if deletes:
+                ck.delete_keys("ids", deletes)
+                for k in deletes:
+                    state.pop(k, None)
+        self.model[ck.version] = state
+
+    @precondition(lambda self: self.model)
+    @rule(pick=st.integers(0, 1000))
+    def compact(self, pick):
+        versions = sorted(self.model)
+        self.store.compact(versions[pick % len(versions)])
+
+    @precondition(lambda self: len(self.model) > 1)
+    @rule(keep=st.integers(1, 3))
+    def retain(self, keep):
+        self.store.retain(keep_last=keep)
+        for v in sorted(self.model)[:-keep]:
+            del self.model[v]
+
+    @rule()
+    def gc(self):
+        self.store.gc()
+
+    @rule()
+    def reopen(self):
+        self.store.close()
+        self.store = cnrstore.open(self.path)
+
+    @rule()
+    def repair_with_index_lost(self):
+        self.store.close()
+        self.store = None
+        import shutil
+        shutil.rmtree(os.path.join(self.path, "index"))
+        cnrstore.repair(self.path)
+        self.store = cnrstore.open(self.path)
+        # (a table no version wrote is in no COMMIT record: repair cannot know it, as for positional tables)
+        self.store.create_table("ids", dim=DIM, keyed=True, partitions=4, columns=COLUMNS, exist_ok=True)
+
+    @precondition(lambda self: self.model)
+    @rule(pick=st.integers(0, 1000), ask=st.lists(st.sampled_from(KEY_POOL + [99, -99]), max_size=8))
+    def read_keys(self, pick, ask):
+        v = sorted(self.model)[pick % len(self.model)]
+        got = self.store.read_keys("ids", np.array(ask, np.int64), version=v)
+        want = self.model[v]
+        assert got.found.tolist() == [k in want for k in ask]
+        for i, k in enumerate(ask):
+            if k in want:
+                assert tuple(got.values[i].tolist()) == want[k][0]
+                assert float(got.columns["score"][i]) == want[k][1]
+                assert tuple(got.columns["last"][i].tolist()) == want[k][2]
+            else:
+                assert not got.values[i].any()
+
+    @precondition(lambda self: len(self.model) > 1)
+    @rule(a=st.integers(0, 1000), b=st.integers(0, 1000))
+    def changes(self, a, b):
+        versions = sorted(self.model)
+        since, until = sorted((versions[a % len(versions)], versions[b % len(versions)]))
+        (ch,) = list(self.store.changes(since, until))
+        old, new = self.model[since], self.model[until]
+        want = sorted(k for k, row in new.items() if old.get(k) != row)
+        assert ch.keyed and ch.rows.tolist() == want
+        assert ch.deleted.tolist() == sorted(set(old) - set(new))
+        for i, k in enumerate(want):
+            assert tuple(ch.values[i].tolist()) == new[k][0]
+
+    @invariant()
+    def every_version_reads_as_the_model(self):
+        if self.store is None:
+            return
+        assert [v.version for v in self.store.versions()] == sorted(self.model)
+        for v, want in self.model.items():
+            got = self.store.read_keyed("ids", v)
+            assert got.keys.tolist() == sorted(want)
+            assert [tuple(r) for r in got.values.tolist()] == [want[k][0] for k in sorted(want)]
+            assert got.columns["score"].tolist() == [want[k][1] for k in sorted(want)]
+            assert [tuple(r) for r in got.columns["last"].tolist()] == [want[k][2] for k in sorted(want)]
+            assert self.store.keys("ids", v).tolist() == sorted(want)
+
+
+@pytest.fixture
+def short_chains(monkeypatch):
+    monkeypatch.setattr(knobs, "KEYED_CHAIN_BOUND", 3)  # saves merge chains into baselines often
+
+
+def test_keyed_state_machine(short_chains):
+    KeyedMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)
+    KeyedMachine.TestCase().runTest()
+
+
+def test_the_store_verifies_and_a_save_bounds_its_chains(tmp_path, short_chains):
+    with cnrstore.open(tmp_path / "s", create=True) as s:
+        s.create_table("ids", dim=2, keyed=True, partitions=1)
+        for i in range(7):
+            with s.checkpoint() as ck:
+                ck.put_keys("ids", [i], np.full((1, 2), i, np.float32))
+        amps = s.read_amplification()["ids"]
+        assert amps.max() <= 3  # the bound's merged baselines: a read walks at most 3 records
+        with s.engine.read() as view:
+            flags = [loc.flags for _t, _b, _v, loc in view.row_entries()]
+        assert all(f & record.FLAG_KEYS for f in flags) and sum(bool(f & record.FLAG_BASELINE) for f in flags) >= 3
+        assert s.keys("ids").tolist() == list(range(7))
+        assert s.verify().ok
+
+
+def test_a_damaged_key_run_is_reported_never_returned(tmp_path):
+    with cnrstore.open(tmp_path / "s", create=True) as s:
+        s.create_table("ids", dim=2, keyed=True, partitions=1)
+        with s.checkpoint() as ck:
+            ck.put_keys("ids", [3, 4], np.ones((2, 2), np.float32))
+        with s.engine.read() as view:
+            (_t, _b, _v, loc), = list(view.row_entries())
+        seg = s.engine.storage.path(loc.segment)
+    with open(seg, "r+b") as f:  # a key's byte flipped
+        f.seek(loc.offset + record.HEADER_BYTES + 8)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    with cnrstore.open(tmp_path / "s", readonly=True) as s:
+        with pytest.raises(cnrstore.errors.CorruptionError):
+            s.read_keyed("ids")
+        assert not s.verify().ok
+
+
+def test_a_partition_run_of_another_partition_is_damage(tmp_path):
+    """A key run whose keys hash elsewhere (a crafted or misplaced record) is CorruptionError."""
+    from cnrstore.engine import keyed_records
+    with cnrstore.open(tmp_path / "s", create=True) as s:
+        s.create_table("ids", dim=2, keyed=True, partitions=16)
+        info = s.engine.table_record("ids")
+        key = 7
+        wrong = (int(keyed_runs.partition_of(np.array([key]), 16)[0]) + 1) % 16
+        run = keyed_runs.make_run([key], np.zeros((1, 8), np.uint8))
+        (_, buffers, length) = keyed_records.build(info, cnrstore.codecs.get("fp32"), wrong, 1, run, baseline=True)
+        rec = record.parse(np.frombuffer(b"".join(bytes(b) for b in buffers), np.uint8), "x", 0)
+        with pytest.raises(cnrstore.errors.CorruptionError, match="another partition"):
+            keyed_records.parse_run(rec, info, "x")
+
+
+def test_keyed_arguments_are_checked(tmp_path):
+    with cnrstore.open(tmp_path / "s", create=True) as s:
+        with pytest.raises(InvalidArgument, match="no num_rows"):
+            s.create_table("a", 10, 4, keyed=True)
+        with pytest.raises(InvalidArgument, match="dtype"):
+            s.create_table("a", dim=4, keyed=True, columns={"x": "complex64"})
+        with pytest.raises(InvalidArgument, match="keyed tables"):
+            s.create_table("a", 10, 4, partitions=3)
+        s.create_table("ids", dim=2, keyed=True, columns={"n": "int32"})
+        assert s.create_table("ids", dim=2, keyed=True, columns={"n": "int32"}, exist_ok=True).keyed
+        s.create_table("pos", 10, 2)
+        with s.checkpoint() as ck:
+            with pytest.raises(InvalidArgument, match="column 'n'"):
+                ck.put_keys("ids", [1], np.ones((1, 2)), columns={"n": [2 ** 40]})  # does not fit int32
+            with pytest.raises(InvalidArgument, match="needs every column"):
+                ck.put_keys("ids", [1], np.ones((1, 2)))
+            with pytest.raises(InvalidArgument, match="twice"):
+                ck.put_keys("ids", [1, 1], np.ones((2, 2)), columns={"n": [1, 2]})
+            with pytest.raises(InvalidArgument, match="positional"):
+                ck.put_keys("pos", [1], np.ones((1, 2)))
+            with pytest.raises(InvalidArgument, match="keyed"):
+                ck.put_rows("ids", [1], np.ones((1, 2)))
+            with pytest.raises(InvalidArgument, match="not finite"):
+                ck.put_keys("ids", [1], np.full((1, 2), np.nan), columns={"n": [1]})
+            with pytest.raises(InvalidArgument, match="int64"):
+                ck.put_keys("ids", np.array([2 ** 63], np.uint64), np.ones((1, 2)), columns={"n": [1]})
+            ck.put_keys("ids", [1], np.ones((1, 2)), columns={"n": [5]})
+            with pytest.raises(InvalidArgument, match="changes twice"):
+                ck.delete_keys("ids", [1])
+            ck.delete_keys("ids", [2])  # an absent key: allowed
+        with pytest.raises(TableNotFound):
+            s.read_keys("nope", [1])
+        with pytest.raises(InvalidArgument, match="partitions"):
+            s.read_keyed("ids", partitions=[5000])
+        with pytest.raises(VersionNotFound):
+            s.read_keys("ids", [1], version=9)
+        got = s.read_keys("ids", [1, 2])
+        assert got.found.tolist() == [True, False] and got.columns["n"].tolist() == [5, 0]
+        # a rank owning some partitions reads those only
+        p = int(s.partition_of("ids", [1])[0])
+        assert s.read_keyed("ids", partitions=[p]).keys.tolist() == [1]
+        assert s.read_keyed("ids", partitions=[q for q in range(s.tables()["ids"].partitions) if q != p]).keys.size == 0
