@@ -92,6 +92,9 @@ READ_CHAIN_BOUND = 64
 #: A keyed table's partition whose read chain holds this many key runs is merged into a baseline by the
 #: save that writes it next (engine/keyed_writer.py): a read walks at most this many records.
 KEYED_CHAIN_BOUND = 32
+#: A checkpoint holds up to this many bytes of keyed rows in memory before it appends them (keyed_writer.py):
+#: the calls of one save that touch one partition then cost one record.
+KEYED_BUFFER_BYTES = 256 << 20
 #: Partitions of a keyed table created without ``partitions=``: about 2**16 live keys each at 6.7e7 keys.
 DEFAULT_PARTITIONS = 1024
 #: Background merges write at most this many bytes per second (a token bucket, RocksDB's RateLimiter in

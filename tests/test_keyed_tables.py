@@ -153,10 +153,11 @@ class KeyedMachine(RuleBasedStateMachine):
 @pytest.fixture
 def short_chains(monkeypatch):
     monkeypatch.setattr(knobs, "KEYED_CHAIN_BOUND", 3)  # saves merge chains into baselines often
+    monkeypatch.setattr(knobs, "KEYED_BUFFER_BYTES", 100)  # and flush mid-version, then merge with what they wrote
 
 
 def test_keyed_state_machine(short_chains):
-    KeyedMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)
+    KeyedMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
     KeyedMachine.TestCase().runTest()
 
 
@@ -251,3 +252,25 @@ def test_keyed_arguments_are_checked(tmp_path):
         p = int(s.partition_of("ids", [1])[0])
         assert s.read_keyed("ids", partitions=[p]).keys.tolist() == [1]
         assert s.read_keyed("ids", partitions=[q for q in range(s.tables()["ids"].partitions) if q != p]).keys.size == 0
+
+
+def test_the_calls_of_one_save_cost_one_record_per_partition(tmp_path):
+    """A put, a second put and an eviction touching the same partitions in one save are buffered and merged:
+    the save appends one record per partition, of the bytes of the keys it changed."""
+    rng = np.random.default_rng(1)
+    keys = np.unique(rng.integers(0, 1 << 40, 3000))
+    with cnrstore.open(tmp_path / "s", create=True) as s:
+        s.create_table("ids", dim=8, keyed=True, partitions=16, columns={"score": "float32"})
+        with s.checkpoint() as ck:
+            ck.put_keys("ids", keys, np.ones((keys.size, 8)), columns={"score": np.zeros(keys.size)})
+        with s.checkpoint() as ck:
+            a, b, gone = keys[:500], keys[500:1000], keys[1000:1300]
+            ck.put_keys("ids", a, np.full((a.size, 8), 2.0), columns={"score": np.ones(a.size)})
+            ck.put_keys("ids", b, np.full((b.size, 8), 3.0), columns={"score": np.ones(b.size)})
+            ck.delete_keys("ids", gone)
+        with s.engine.read() as view:
+            entries = [e for e in view.row_entries() if e[2] == ck.version]
+        assert len(entries) == 16  # one record per partition, not one per call
+        own = 1000 * (8 * 4 + 4 + 8) + 300 * 8 + 16 * (record.HEADER_BYTES + record.TRAILER_BYTES + 8 + 2 * 16)
+        assert s.versions()[-1].bytes <= 1.05 * own + 200  # (+ the COMMIT record)
+        assert s.keys("ids").size == keys.size - 300

@@ -1,9 +1,11 @@
 """A checkpoint's puts and deletions of keyed tables (``CheckpointWriter.put_keys`` / ``delete_keys``).
 
-Each call splits its keys by partition (keyed_runs.partition_of) and appends one key-run record per
-partition it touches (keyed_records.build), in one gathered write. A version holds one record per
-(table, partition): a second call touching a partition this version wrote merges into a new record (the
-earlier one is unreferenced bytes). A key changes at most once per version.
+Each call splits its keys by partition (keyed_runs.partition_of) and buffers a run per partition, merged in
+memory with the runs earlier calls of the version buffered there (a put then an eviction of other keys of one
+partition costs one record, not two). ``flush`` appends one key-run record per buffered partition
+(keyed_records.build), a gathered write per table: at commit, or once ``knobs.KEYED_BUFFER_BYTES`` are
+buffered. A version holds one record per (table, partition): a partition buffered again after a flush wrote
+it merges into a new record (the earlier one is unreferenced bytes). A key changes at most once per version.
 
 Which records are baselines (a read stops there):
 - a partition's first record: nothing is below it;
@@ -31,6 +33,9 @@ class KeyedPuts:
         self._writer = writer
         #: (table, partition) -> (keys this version changed there (sorted), bytes of a record of them alone)
         self.own: dict[tuple[str, int], tuple[np.ndarray, int]] = {}
+        #: (table, partition) -> (codec, run) changed by this version and not appended yet (``flush``)
+        self._buffer: dict[tuple[str, int], tuple] = {}
+        self._buffered_bytes = 0
 
     def put(self, info: TableRecord, keys, values, columns, codec: str | None) -> None:
         keys = keys_arg(keys, info.name)
@@ -49,6 +54,8 @@ class KeyedPuts:
         self._write(info, chosen, keys, np.zeros((keys.size, width), np.uint8), np.ones(keys.size, bool))
 
     def _write(self, info: TableRecord, codec, keys: np.ndarray, rows, deleted: np.ndarray) -> None:
+        """Checks the call's keys (each once, none this version changed before), then buffers its runs:
+        merged per partition in memory, written by ``flush``."""
         if not keys.size:
             return
         w = self._writer
@@ -60,40 +67,63 @@ class KeyedPuts:
             raise InvalidArgument(f"key {int(keys[dup[0]])} of table {info.name!r} is given twice in one call; a key "
                                   "changes at most once per version")
         cuts = np.flatnonzero(np.diff(parts)) + 1
-        starts = np.concatenate([[0], cuts]).tolist()
-        stops = np.concatenate([cuts, [keys.size]]).tolist()
-        pending = w.rows_of(info.name)
-        for start, stop in zip(starts, stops):  # each partition's own keys vs what this version wrote there
+        spans = list(zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [keys.size]]).tolist()))
+        for start, stop in spans:  # each partition's keys against what this version changed there
             own = self.own.get((info.name, int(parts[start])))
             if own is not None:
                 again = np.intersect1d(own[0], keys[start:stop], assume_unique=True)
                 if again.size:
                     raise InvalidArgument(f"key {int(again[0])} of table {info.name!r} changes twice in version "
                                           f"{w.version}; a key changes at most once per version")
-        records, owns = [], []
+        for start, stop in spans:
+            key = (info.name, int(parts[start]))
+            run = keyed_runs.KeyRun(keys[start:stop], deleted[start:stop], rows[start:stop])
+            prior = self.own.get(key)
+            self.own[key] = ((run.keys, _alone_bytes(run)) if prior is None
+                             else (np.union1d(prior[0], run.keys), prior[1] + _alone_bytes(run)))
+            held = self._buffer.get(key)
+            if held is not None:
+                codec_b, (old, run) = keyed_records.common_codec(info, [held, (codec, run)])
+                self._buffered_bytes -= old.values.nbytes
+                self._buffer[key] = (codec_b, keyed_runs.merge([old, run]))
+            else:
+                self._buffer[key] = (codec, run)
+            self._buffered_bytes += self._buffer[key][1].values.nbytes
+        if self._buffered_bytes >= knobs.KEYED_BUFFER_BYTES:
+            self.flush()
+
+    def snapshot(self) -> tuple:
+        """What ``restore`` puts back: the state before a call that raised InvalidArgument."""
+        return dict(self.own), dict(self._buffer), self._buffered_bytes
+
+    def restore(self, state: tuple) -> None:
+        self.own, self._buffer, self._buffered_bytes = dict(state[0]), dict(state[1]), state[2]
+
+    def flush(self) -> None:
+        """Append a record per buffered (table, partition): on top of its chain, merged into a baseline at the
+        chain bound, or merged with the record this version wrote there before (the buffer was full)."""
+        if not self._buffer:
+            return
+        w = self._writer
+        by_table: dict[str, list] = {}
         with w.engine.read() as view:
-            for start, stop in zip(starts, stops):
-                p = int(parts[start])
-                run = keyed_runs.KeyRun(keys[start:stop], deleted[start:stop], rows[start:stop])
-                own_keys = run.keys
-                own_bytes = _alone_bytes(run)
-                loc = pending.get(p)
-                if loc is not None:  # this version wrote the partition already: one record holds both
-                    old_codec, old = keyed_reader.load_run(w.engine.storage, info, loc, p, w.version)
-                    prior = self.own[(info.name, p)]
-                    own_keys = np.union1d(prior[0], run.keys)
-                    own_bytes += prior[1]
-                    baseline = bool(loc.flags & record.FLAG_BASELINE)
-                    codec_p, (old, run) = keyed_records.common_codec(info, [(old_codec, old), (codec, run)])
-                    run = keyed_runs.merge([old, run])
+            for (table, p), (codec, run) in sorted(self._buffer.items()):
+                info = w.engine.table_record(table)
+                loc = w.rows_of(table).get(p)
+                if loc is not None:  # written at an earlier flush: one record holds both
+                    old = keyed_reader.load_run(w.engine.storage, info, loc, p, w.version)
+                    codec, (old_run, run) = keyed_records.common_codec(info, [old, (codec, run)])
+                    run, baseline = keyed_runs.merge([old_run, run]), bool(loc.flags & record.FLAG_BASELINE)
                 else:
-                    codec_p, run, baseline = self._on_chain(view, info, p, codec, run)
+                    codec, run, baseline = self._on_chain(view, info, p, codec, run)
                 if baseline:
                     run = keyed_runs.live_run(run)  # a baseline holds the live keys only
-                records.append(keyed_records.build(info, codec_p, p, w.version, run, baseline=baseline))
-                owns.append(((info.name, p), (own_keys, own_bytes)))
-        w.append_records(info.name, records)
-        self.own.update(owns)
+                by_table.setdefault(table, []).append(keyed_records.build(info, codec, p, w.version, run,
+                                                                          baseline=baseline))
+        for table, records in by_table.items():
+            w.append_records(table, records)
+        self._buffer.clear()
+        self._buffered_bytes = 0
 
     def _on_chain(self, view, info: TableRecord, partition: int, codec, run: keyed_runs.KeyRun) -> tuple:
         """(codec, run, baseline) of a partition's first record this version: the run alone on top of the

@@ -169,11 +169,12 @@ class CheckpointWriter:
 
     def _keyed_call(self, call) -> None:
         before = {t: dict(b) for t, b in self._rows.items()}
-        own = dict(self._keyed.own)
+        keyed = self._keyed.snapshot()
         try:
             call()
         except InvalidArgument:
-            self._rows, self._keyed.own = before, own  # what it appended is unreferenced
+            self._rows = before  # what it appended is unreferenced
+            self._keyed.restore(keyed)
             raise
         except BaseException as exc:
             self._fail(exc)
@@ -226,6 +227,7 @@ class CheckpointWriter:
         self._check_open()
         engine = self._engine
         try:
+            self._keyed.flush()  # the keyed rows still buffered (keyed_writer.py)
             edit = self._edit()
         except BaseException as exc:
             self._fail(exc)
