@@ -300,14 +300,17 @@ class Store:
             raise InvalidArgument(f"keyed table {name!r} has no num_rows or block_rows (its rows are keys); pass "
                                   "dim= and, if you like, partitions=")
         if dim is None:
-            raise InvalidArgument(f"keyed table {name!r} needs dim=")
-        dim = arguments.positive_int(dim, "dim")
+            raise InvalidArgument(f"keyed table {name!r} needs dim= (0: a key's row is its columns alone)")
+        dim = 0 if dim == 0 and not isinstance(dim, bool) else arguments.positive_int(dim, "dim")
         arguments.table_shape(name, 1, dim)
         parts = knobs.DEFAULT_PARTITIONS if partitions is None else arguments.positive_int(partitions, "partitions")
         if parts > keyed_runs.MAX_PARTITIONS:
             raise InvalidArgument(f"partitions must be at most {keyed_runs.MAX_PARTITIONS}, got {parts}")
         cols = keyed_columns(name, columns)
         c = codecs.get(codec)
+        if not dim and (not cols or c.name != "fp32"):
+            raise InvalidArgument(f"keyed table {name!r} of dim 0 needs columns= (its rows are its columns) and the "
+                                  "default codec")
         if exist_ok:
             existing = self.tables().get(name)
             if existing is not None:

@@ -274,3 +274,23 @@ def test_the_calls_of_one_save_cost_one_record_per_partition(tmp_path):
         own = 1000 * (8 * 4 + 4 + 8) + 300 * 8 + 16 * (record.HEADER_BYTES + record.TRAILER_BYTES + 8 + 2 * 16)
         assert s.versions()[-1].bytes <= 1.05 * own + 200  # (+ the COMMIT record)
         assert s.keys("ids").size == keys.size - 300
+
+
+def test_a_keyed_table_of_dim_0_holds_its_columns_alone(tmp_path):
+    """An id -> slot map with metadata (TorchRec MCH's remap table): no value, only lossless columns."""
+    with cnrstore.open(tmp_path / "s", create=True) as s:
+        with pytest.raises(InvalidArgument, match="dim 0 needs columns"):
+            s.create_table("bad", dim=0, keyed=True)
+        s.create_table("remap", dim=0, keyed=True, partitions=4, columns={"slot": "int64", "count": "int32"})
+        with s.checkpoint() as ck:
+            ck.put_keys("remap", [1 << 50, 3, -7], None, columns={"slot": [0, 1, 2], "count": [5, 6, 7]})
+        with s.checkpoint() as ck:
+            ck.put_keys("remap", [3], None, columns={"slot": [9], "count": [1]})
+            ck.delete_keys("remap", [-7])
+        got = s.read_keyed("remap")
+        assert got.keys.tolist() == [3, 1 << 50] and got.values.shape == (2, 0)
+        assert got.columns["slot"].tolist() == [9, 0] and got.columns["count"].dtype == np.int32
+        (ch,) = s.changes(1, 2)
+        assert ch.rows.tolist() == [3] and ch.deleted.tolist() == [-7]
+        s.compact()
+        assert s.read_keyed("remap", 1).columns["slot"].tolist() == [2, 1, 0] and s.verify().ok

@@ -63,9 +63,14 @@ def column_bytes(info: TableRecord) -> int:
     return sum(np.dtype(dt).itemsize * w for _n, dt, w in info.columns)
 
 
+def value_bytes(info: TableRecord, codec) -> int:
+    """Bytes of one key's encoded value (0 for a table of dim 0: its rows are their columns)."""
+    return codec.row_bytes(info.dim) if info.dim else 0
+
+
 def row_width(info: TableRecord, codec) -> int:
     """Bytes of one key's row in a record of ``codec``."""
-    return codec.row_bytes(info.dim) + column_bytes(info)
+    return value_bytes(info, codec) + column_bytes(info)
 
 
 def check_columns(info: TableRecord, columns, n: int) -> dict:
@@ -107,7 +112,7 @@ def check_columns(info: TableRecord, columns, n: int) -> dict:
 def encode_rows(info: TableRecord, codec, values: np.ndarray, columns: dict) -> np.ndarray:
     """uint8 (n, row_width): each key's encoded value, then its columns' bytes (``columns`` checked)."""
     n = values.shape[0]
-    parts = [codec.encode(values, check=False).reshape(n, -1)]
+    parts = [codec.encode(values, check=False).reshape(n, -1)] if info.dim else [np.zeros((n, 0), np.uint8)]
     parts += [columns[name].view(np.uint8).reshape(n, -1) for name, _dt, _w in info.columns]
     return np.ascontiguousarray(np.concatenate(parts, axis=1)) if len(parts) > 1 else np.ascontiguousarray(parts[0])
 
@@ -115,10 +120,10 @@ def encode_rows(info: TableRecord, codec, values: np.ndarray, columns: dict) -> 
 def decode_rows(info: TableRecord, codec, rows: np.ndarray, keys: np.ndarray) -> KeyedRows:
     """The KeyedRows of ``rows`` (uint8 (n, row_width) in ``codec``) of ``keys``."""
     n = rows.shape[0]
-    value_bytes = codec.row_bytes(info.dim)
-    values = codec.decode(np.ascontiguousarray(rows[:, :value_bytes]), info.dim) if n else \
-        np.zeros((0, info.dim), np.float32)
-    columns, at = {}, value_bytes
+    width = value_bytes(info, codec)
+    values = codec.decode(np.ascontiguousarray(rows[:, :width]), info.dim) if n and width else \
+        np.zeros((n, info.dim), np.float32)
+    columns, at = {}, width
     for name, dt, width in info.columns:
         size = np.dtype(dt).itemsize * width
         col = np.ascontiguousarray(rows[:, at:at + size]).view(np.dtype(dt)).reshape(n, width)
@@ -130,7 +135,7 @@ def decode_rows(info: TableRecord, codec, rows: np.ndarray, keys: np.ndarray) ->
 def recode(info: TableRecord, run: keyed_runs.KeyRun, codec, to) -> keyed_runs.KeyRun:
     """``run`` (rows in ``codec``) with its values re-encoded in ``to``: only ever fp32, which holds every
     codec's decoded values exactly, so that the run reads back bit for bit."""
-    if codec is to:
+    if codec is to or not info.dim:
         return run
     assert to.name == "fp32"
     value_bytes = codec.row_bytes(info.dim)

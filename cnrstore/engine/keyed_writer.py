@@ -39,10 +39,12 @@ class KeyedPuts:
 
     def put(self, info: TableRecord, keys, values, columns, codec: str | None) -> None:
         keys = keys_arg(keys, info.name)
+        if values is None and not info.dim:  # a table of dim 0: a key's row is its columns
+            values = np.zeros((keys.size, 0), np.float32)
         vals, _range = arguments.row_values(values, keys, info.dim, info.name)
         cols = keyed_records.check_columns(info, columns, keys.size)
         chosen = codecs.get(codec if codec is not None else info.codec)
-        while chosen.fallback is not None and vals.size and chosen.unrepresentable(vals).any():
+        while chosen.fallback is not None and vals.size and info.dim and chosen.unrepresentable(vals).any():
             chosen = codecs.get(chosen.fallback)  # the whole put in one codec that holds it faithfully
         rows = keyed_records.encode_rows(info, chosen, vals, cols) if keys.size else None
         self._write(info, chosen, keys, rows, np.zeros(keys.size, bool))

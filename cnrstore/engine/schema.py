@@ -137,7 +137,8 @@ def check_table(name: str, info, fail: Callable = damaged) -> TableRecord:
         _field("tables", name, info, "name", lambda v: v == name, f"the table's key {name!r}", fail),
         _field("tables", name, info, "num_rows", lambda v: _is_int(v, 1, _MAX_NUM_ROWS), "a row count in [1, 2**63-1]",
                fail),
-        _field("tables", name, info, "dim", lambda v: _is_int(v, 1, MAX_DIM), f"a dim in [1, {MAX_DIM}]", fail),
+        _field("tables", name, info, "dim", lambda v: _is_int(v, 0 if "keyed" in info else 1, MAX_DIM),
+               f"a dim in [1, {MAX_DIM}] (a keyed table's: [0, {MAX_DIM}])", fail),
         _field("tables", name, info, "codec", lambda v: type(v) is str and v in _CODEC_NAMES,  # noqa: E721
                "the name of a codec this cnrstore knows", fail),
         _field("tables", name, info, "block_rows", lambda v: _is_int(v, 1, MAX_ROW_COUNT) and not v & (v - 1),
