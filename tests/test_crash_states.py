@@ -269,3 +269,34 @@ def test_deep_sweep_random_workloads(ram_tmp_path):
         repaired += states if seed % 2 else 0
         shutil.rmtree(ram_tmp_path / f"seed{seed}")
     print(f"\ndeep sweep: {total} distinct crash states checked ({repaired} also repaired from the log), 0 failures")
+
+
+def random_keyed_workload(seed: int):
+    def script(w: KeyedWorkload) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(12):
+            op = rng.choice(["save", "save", "save", "split", "compact", "retain", "gc"])
+            if op in ("save", "split") or len(w.listed()) < 2:
+                w.save(int(rng.integers(0, 14)), int(rng.integers(0, 6)), split=op == "split", shared=False)
+            elif op == "compact":
+                w.compact()
+            elif op == "retain":
+                w.retain(int(rng.integers(1, 4)))
+            else:
+                w.gc()
+    script.__name__ = f"random_keyed_workload_{seed}"
+    return script
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("short_keyed_chains")
+def test_deep_sweep_random_keyed_workloads(ram_tmp_path):
+    """The keyed tables' opt-in sweep (``pytest --runslow -k deep_sweep``): random workloads of 12 saves (split
+    into two put_keys and a delete_keys, or not), compactions, drops and gcs over ``CNRSTORE_CRASH_SEEDS`` seeds
+    (default 40), every prefix of each, every state of an odd seed also repaired from its log alone."""
+    total = 0
+    for seed in range(int(os.environ.get("CNRSTORE_CRASH_SEEDS", "40"))):
+        total += run(ram_tmp_path / f"seed{seed}", seed, random_keyed_workload(seed), repair_from_log=seed % 2 == 1,
+                     keyed=True).states
+        shutil.rmtree(ram_tmp_path / f"seed{seed}")
+    print(f"\nkeyed deep sweep: {total} distinct crash states checked, 0 failures")
