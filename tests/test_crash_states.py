@@ -23,30 +23,37 @@ from cnrstore.store import Store
 from support import crash_states as cs
 from support.options import options_changed
 from support.crash_workload import TABLES, Workload, make_base, small_segments, write_more  # noqa: F401 (a fixture)
+from support.crash_workload import (KeyedWorkload, keyed_content, make_keyed_base, short_keyed_chains,  # noqa: F401
+                                    write_more_keyed)
 
 pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
 
-def run(tmp_path, seed: int, script, policy=None, keep_last=None, repair_from_log=False) -> cs.Sweep:
-    """Record ``script(workload)`` on a fresh base store, then explore every crash state of it."""
+def run(tmp_path, seed: int, script, policy=None, keep_last=None, repair_from_log=False, keyed=False) -> cs.Sweep:
+    """Record ``script(workload)`` on a fresh base store, then explore every crash state of it. ``keyed``: the
+    store of one keyed table (support/crash_workload.py, ``KeyedWorkload``) instead of the positional one."""
     path = str(tmp_path / "store")
-    make_base(path)
+    (make_keyed_base if keyed else make_base)(path)
     base = str(tmp_path / "base")
     shutil.copytree(path, base)
     with Store(base, create=False, readonly=True, filesystem=cs.fs.DEFAULT) as s:
         initial = frozenset(v.version for v in s.versions())
-        content = {v: {name: s.read_table(name, version=v) for name in TABLES} for v in initial}
+        content = {v: keyed_content(s, v) if keyed else {name: s.read_table(name, version=v) for name in TABLES}
+                   for v in initial}
     with cs.RecordingFileSystem(path) as rec:
-        w = Workload(path, rec, seed, policy)
-        w.content.update(content)
+        w = (KeyedWorkload if keyed else Workload)(path, rec, seed, policy)
+        if keyed:
+            w.start_from(content)
+        else:
+            w.content.update(content)
         try:
             script(w)
         finally:
             w.store.close()
     work = str(tmp_path / "states")
     os.makedirs(work)
-    sweep = cs.explore(base, rec.effects, w.content, work, write_more, initial=initial, keep_last=keep_last,
-                       repair_from_log=repair_from_log)
+    sweep = cs.explore(base, rec.effects, w.content, work, write_more_keyed if keyed else write_more,
+                       initial=initial, keep_last=keep_last, repair_from_log=repair_from_log)
     print(f"\n{script.__name__}{' (each also repaired from the log)' if repair_from_log else ''}: "
           f"{sweep.effects} effects, {sweep.states} distinct crash states checked "
           f"{sweep.by_variant}")
@@ -171,6 +178,55 @@ def test_every_crash_state_of_a_named_workload_recovers(ram_tmp_path, script):
     assert sweep.states > 50  # the workload did record effects to explore
 
 
+# -- keyed tables (issue 50) ------------------------------------------------------------------------------
+# KEYED_CHAIN_BOUND is 3 here (32 in the engine): a partition's chain crosses it in three saves.
+
+def keyed_saves(w: KeyedWorkload) -> None:
+    """Saves of a keyed table with puts and deletions: plain runs on a partition's chain; a save whose chains
+    at the parent hold 3 records, so it merges each into a baseline (reading the older runs while it writes)
+    and puts each partition twice (two put_keys calls) and deletes in it (a third), merging its own record
+    each time; a save of deletions only; saves on top of the merged baselines, and one of deletions only that
+    merges the chains again."""
+    w.save(10, 3)
+    w.save(8, 2)
+    v = w.save(12, 4, split=True)  # the chains at the parent hold 3 records: merged into baselines
+    assert w.merged_baselines(v), "the save merged a chain into a baseline"
+    w.save(0, 5)
+    w.save(9, 2, split=True)
+    v = w.save(0, 4)  # deletions only, past the bound: baselines of the keys left
+    assert w.merged_baselines(v)
+    w.save(10, 2)
+
+
+def keyed_maintenance(w: KeyedWorkload) -> None:
+    """A keyed table's saves beside compact (its baselines: the live keys of each partition), retain (a drop
+    that leaves older runs unread) and gc (freeing and cleaning segments of key runs), then a save that merges
+    a chain past the bound after the drop, and maintenance again."""
+    w.save(10, 3)
+    w.save(8, 2)
+    w.compact()
+    w.save(10, 4, split=True)
+    w.retain(2)
+    assert w.gc().segments_rewritten, "gc cleaned segments: verified copies of live key runs"
+    w.save(8, 3)
+    v = w.save(6, 2)  # chains at the parent: compacted baseline, 2 runs: merged
+    assert w.merged_baselines(v), "the save merged a chain into a baseline"
+    w.retain(1)
+    assert w.gc().segments_rewritten
+    w.compact()
+
+
+@pytest.mark.usefixtures("short_keyed_chains")
+@pytest.mark.parametrize("script", [keyed_saves, keyed_maintenance], ids=lambda s: s.__name__)
+def test_every_crash_state_of_a_keyed_workload_recovers(ram_tmp_path, script):
+    """Every crash state of a keyed table's saves and maintenance opens with the versions before or after the
+    operation in flight, each reading exactly as the model says (read_keyed, keys, read_keys of live and
+    absent keys, one partition's read_keyed), and takes a new save; each state, its index lost, also repairs
+    from the segment log alone to the same (issue 50)."""
+    sweep = run(ram_tmp_path, 0, script, repair_from_log=True, keyed=True)
+    assert sweep.states > 50
+
+
 def background_policy(w: Workload) -> None:
     """Issue 21's fault 1 with its policy: background materialization, retention and GC beside the
     writer (effects of both threads recorded in the order they happened), plus explicit maintenance."""
@@ -213,3 +269,34 @@ def test_deep_sweep_random_workloads(ram_tmp_path):
         repaired += states if seed % 2 else 0
         shutil.rmtree(ram_tmp_path / f"seed{seed}")
     print(f"\ndeep sweep: {total} distinct crash states checked ({repaired} also repaired from the log), 0 failures")
+
+
+def random_keyed_workload(seed: int):
+    def script(w: KeyedWorkload) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(12):
+            op = rng.choice(["save", "save", "save", "split", "compact", "retain", "gc"])
+            if op in ("save", "split") or len(w.listed()) < 2:
+                w.save(int(rng.integers(0, 14)), int(rng.integers(0, 6)), split=op == "split", shared=False)
+            elif op == "compact":
+                w.compact()
+            elif op == "retain":
+                w.retain(int(rng.integers(1, 4)))
+            else:
+                w.gc()
+    script.__name__ = f"random_keyed_workload_{seed}"
+    return script
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("short_keyed_chains")
+def test_deep_sweep_random_keyed_workloads(ram_tmp_path):
+    """The keyed tables' opt-in sweep (``pytest --runslow -k deep_sweep``): random workloads of 12 saves (split
+    into two put_keys and a delete_keys, or not), compactions, drops and gcs over ``CNRSTORE_CRASH_SEEDS`` seeds
+    (default 40), every prefix of each, every state of an odd seed also repaired from its log alone."""
+    total = 0
+    for seed in range(int(os.environ.get("CNRSTORE_CRASH_SEEDS", "40"))):
+        total += run(ram_tmp_path / f"seed{seed}", seed, random_keyed_workload(seed), repair_from_log=seed % 2 == 1,
+                     keyed=True).states
+        shutil.rmtree(ram_tmp_path / f"seed{seed}")
+    print(f"\nkeyed deep sweep: {total} distinct crash states checked, 0 failures")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import codecs, knobs
-from . import arguments, keyed_reader, keyed_records, keyed_runs, record
+from . import arguments, fs, keyed_reader, keyed_records, keyed_runs, record
 from ..errors import InvalidArgument
 from .schema import TableRecord
 
@@ -137,6 +137,7 @@ class KeyedPuts:
         if len(chain) < knobs.KEYED_CHAIN_BOUND:
             return codec, run, False
         storage = self._writer.engine.storage
+        fs.pause_point("keyed_chain_merge")  # the chain listed on this snapshot, its runs not read yet (tests/test_races.py)
         runs = [keyed_reader.load_run(storage, info, loc, partition, v) for v, loc in reversed(chain)]
         codec_p, same = keyed_records.common_codec(info, runs + [(codec, run)])
         return codec_p, keyed_runs.merge(same), True

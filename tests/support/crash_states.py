@@ -389,11 +389,54 @@ def check_repair_from_log(root: str, expect: Expectation) -> None:
 
 #: content keys with this prefix name a dense array (read_dense) rather than a table (read_table)
 DENSE = "dense:"
+#: content keys with this prefix name a keyed table; the content is a ``KeyedContent``
+KEYED = "keyed:"
+
+
+@dataclass
+class KeyedContent:
+    """What a keyed table reads at a version: every live key (ascending) with its value and columns, and
+    keys that must be absent there (deleted ones, never-put ones)."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    columns: dict
+    absent: np.ndarray
+
+
+def _check_keyed(store: Store, name: str, v: int, want: KeyedContent, what: str) -> None:
+    """read_keyed, keys, read_keys (live and absent keys) and a one-partition read_keyed at ``v``, exactly."""
+    got = store.read_keyed(name, version=v)
+    np.testing.assert_array_equal(got.keys, want.keys, err_msg=f"{what}: keys")
+    np.testing.assert_array_equal(got.values, want.values, err_msg=f"{what}: values")
+    assert sorted(got.columns) == sorted(want.columns), f"{what}: columns {sorted(got.columns)}"
+    for col, arr in want.columns.items():
+        np.testing.assert_array_equal(got.columns[col], arr, err_msg=f"{what}: column {col!r}")
+    np.testing.assert_array_equal(store.keys(name, version=v), want.keys, err_msg=f"{what}: keys()")
+    probe = np.concatenate([want.keys, want.absent])
+    look = store.read_keys(name, probe, version=v)
+    n = want.keys.size
+    assert look.found[:n].all() and not look.found[n:].any(), (
+        f"{what}: read_keys found {probe[~look.found[:n].nonzero()[0]][:5].tolist() if n else []} missing, "
+        f"{probe[n:][look.found[n:]][:5].tolist()} present that must be absent")
+    np.testing.assert_array_equal(look.values[:n], want.values, err_msg=f"{what}: read_keys values")
+    assert not look.values[n:].any(), f"{what}: read_keys values of absent keys"
+    for col, arr in want.columns.items():
+        np.testing.assert_array_equal(look.columns[col][:n], arr, err_msg=f"{what}: read_keys column {col!r}")
+    if n:  # the partition of the first key alone (what a rank owning it reads)
+        part = store.partition_of(name, want.keys)
+        own = part == part[0]
+        mine = store.read_keyed(name, version=v, partitions=[int(part[0])])
+        np.testing.assert_array_equal(mine.keys, want.keys[own], err_msg=f"{what}: one partition's keys")
+        np.testing.assert_array_equal(mine.values, want.values[own], err_msg=f"{what}: one partition's values")
 
 
 def _check_versions(store: Store, listed, expect: Expectation, when: str) -> None:
     for v in sorted(listed):
         for key, values in expect.content[v].items():
+            if key.startswith(KEYED):
+                _check_keyed(store, key[len(KEYED):], v, values, f"version {v} {key!r} {when}")
+                continue
             got = (store.read_dense(key[len(DENSE):], version=v) if key.startswith(DENSE)
                    else store.read_table(key, version=v))
             np.testing.assert_array_equal(got, values, err_msg=f"version {v} {key!r} {when}")

@@ -122,3 +122,130 @@ def write_more(store: Store) -> None:
     store.gc()
     store.compact()
     store.gc()
+
+
+# -- a keyed table (issue 50) ------------------------------------------------------------------------------
+
+KEYED_TABLE, KEYED_DIM, KEYED_PARTITIONS = "ids", 4, 4
+KEYED_COLUMNS = {"score": "float32", "step": ("int64", 2)}
+#: the ids the keyed workloads put and delete: far apart in the int64 space, negatives too
+KEY_POOL = np.unique(np.random.default_rng(50).integers(-(1 << 62), 1 << 62, 48, dtype=np.int64))
+#: ids never put: a read must find none of them
+NEVER_PUT = np.array([0, 1, -1, 1 << 40], np.int64)
+
+
+@pytest.fixture
+def short_keyed_chains(monkeypatch):
+    """A save merges a partition's chain into a baseline once it holds 3 records (32 in the engine)."""
+    monkeypatch.setattr(knobs, "KEYED_CHAIN_BOUND", 3)
+
+
+def make_keyed_base(path: str) -> None:
+    """A store of keyed table "ids" (4 partitions, two columns), and version 1 putting 20 keys of KEY_POOL."""
+    store = Store(path, create=True, readonly=False, filesystem=cs.fs.DEFAULT)
+    try:
+        store.create_table(KEYED_TABLE, dim=KEYED_DIM, keyed=True, partitions=KEYED_PARTITIONS,
+                           columns=KEYED_COLUMNS)
+        keys = KEY_POOL[::2][:20]
+        with store.checkpoint() as ck:
+            values, columns = _rows(keys, 1)
+            ck.put_keys(KEYED_TABLE, keys, values, columns=columns)
+    finally:
+        store.close()
+
+
+def _rows(keys: np.ndarray, salt: int) -> tuple[np.ndarray, dict]:
+    """(values, columns) of ``keys`` put by save ``salt``: exact in fp32, different at every save."""
+    rng = np.random.default_rng([salt, keys.size])
+    values = rng.standard_normal((keys.size, KEYED_DIM)).astype(np.float32)
+    columns = {"score": rng.standard_normal(keys.size).astype(np.float32),
+               "step": np.stack([np.full(keys.size, salt, np.int64), keys], axis=1)}
+    return values, columns
+
+
+def keyed_content(store: Store, version: int) -> dict:
+    """The content (support/crash_states.py) of ``version`` of a keyed store, as it reads now."""
+    got = store.read_keyed(KEYED_TABLE, version=version)
+    return {cs.KEYED + KEYED_TABLE: cs.KeyedContent(got.keys, got.values, got.columns,
+                                                    np.setdiff1d(np.concatenate([KEY_POOL, NEVER_PUT]), got.keys))}
+
+
+class KeyedWorkload(Workload):
+    """Saves of keyed table "ids" (puts and deletions), with the model: every key's row at every version."""
+
+    def __init__(self, path: str, rec: cs.RecordingFileSystem, seed: int, policy=None):
+        super().__init__(path, rec, seed, policy)
+        self.model = {}  # key -> (value row, score, step row): the newest version's live keys
+        self.salt = 1
+
+    def start_from(self, content: dict) -> None:
+        """Take the model of the base store's newest version from its ``content``."""
+        self.content.update(content)
+        c = self.content[max(content)][cs.KEYED + KEYED_TABLE]
+        self.model = {int(k): (c.values[i], c.columns["score"][i], c.columns["step"][i])
+                      for i, k in enumerate(c.keys.tolist())}
+
+    def save(self, puts: int, deletes: int, *, split: bool = False, shared: bool = True) -> int:
+        """A save putting ``puts`` keys of KEY_POOL (live ones and new ones) and deleting ``deletes`` live keys
+        it does not put; ``split``: the puts in two put_keys calls that share a partition (the version's
+        record there merged from both; ``shared=False``: not checked) and the deletions in a third call."""
+        keys = np.sort(self.rng.choice(KEY_POOL, size=puts, replace=False))
+        live = np.setdiff1d(np.fromiter(self.model, np.int64, len(self.model)), keys)
+        gone = np.sort(self.rng.choice(live, size=min(deletes, live.size), replace=False))
+        self.salt += 1
+        values, columns = _rows(keys, self.salt)
+
+        def write():
+            with self.store.checkpoint() as ck:
+                if split:
+                    first = np.arange(keys.size) % 2 == 0
+                    parts = self.store.partition_of(KEYED_TABLE, keys)
+                    assert not shared or set(parts[first].tolist()) & set(parts[~first].tolist()), "halves share one"
+                    for half in (first, ~first):
+                        ck.put_keys(KEYED_TABLE, keys[half], values[half],
+                                    columns={n: c[half] for n, c in columns.items()})
+                elif keys.size:
+                    ck.put_keys(KEYED_TABLE, keys, values, columns=columns)
+                if gone.size:
+                    ck.delete_keys(KEYED_TABLE, gone)
+            return ck.version
+
+        v = self._op("checkpoint", write)
+        for i, k in enumerate(keys.tolist()):
+            self.model[k] = (values[i], columns["score"][i], columns["step"][i])
+        for k in gone.tolist():
+            del self.model[k]
+        live = np.array(sorted(self.model), np.int64)
+        want = cs.KeyedContent(live, np.array([self.model[k][0] for k in live.tolist()], np.float32).reshape(-1, KEYED_DIM),
+                               {"score": np.array([self.model[k][1] for k in live.tolist()], np.float32),
+                                "step": np.array([self.model[k][2] for k in live.tolist()], np.int64).reshape(-1, 2)},
+                               np.setdiff1d(np.concatenate([KEY_POOL, NEVER_PUT]), live))
+        self.content[v] = {cs.KEYED + KEYED_TABLE: want}
+        cs._check_keyed(self.store, KEYED_TABLE, v, want, f"version {v} as saved")  # the model is right
+        return v
+
+    def merged_baselines(self, version: int) -> int:
+        """Partitions where save ``version`` wrote a baseline on top of older records (a chain merged)."""
+        from cnrstore.engine import record
+        tid = self.store.engine.table_record(KEYED_TABLE).id
+        with self.store.engine.read() as view:
+            entries = [(b, v, loc.flags) for t, b, v, loc in view.row_entries(tid)]
+        return sum(1 for b, v, flags in entries if v == version and flags & record.FLAG_BASELINE
+                   and not flags & record.FLAG_COMPACTED and any(b2 == b and v2 < v for b2, v2, _f in entries))
+
+
+def write_more_keyed(store: Store) -> None:
+    """After recovery the keyed store takes a new save (put and delete, read back), and gc and compact run."""
+    keys = np.array([7, 1 << 41], np.int64)
+    values, columns = _rows(keys, 999)
+    live = store.keys(KEYED_TABLE)
+    with store.checkpoint() as ck:
+        ck.put_keys(KEYED_TABLE, keys, values, columns=columns)
+        if live.size:
+            ck.delete_keys(KEYED_TABLE, live[:1])
+    got = store.read_keys(KEYED_TABLE, np.concatenate([keys, live[:1]]))
+    assert got.found.tolist() == [True, True] + [False] * min(1, live.size)
+    np.testing.assert_array_equal(got.values[:2], values)
+    store.gc()
+    store.compact()
+    store.gc()
