@@ -234,7 +234,10 @@ def test_maintenance_at_each_point_of_a_keyed_save(tmp_path, monkeypatch, point,
         listed = [3, v] if "retain" in what else [1, 2, 3, v]
         m.check(store, listed)
         amps = store.read_amplification()["ids"].tolist()
-        assert amps == [1, 1] if merges else all(a > 1 for a in amps), amps  # (a baseline, or a run on a chain)
+        # (a baseline, or a run on a chain; a save buffers its runs to its commit, so compaction between its
+        # puts leaves a one-record chain there, on which the save puts a run)
+        merged = merges and not (point == "between_puts" and "compact" in what)
+        assert amps == [1, 1] if merged else all(a > 1 for a in amps), amps
         store.gc()
         m.check(store, listed)
     finally:
