@@ -729,11 +729,16 @@ def cmd_import(args) -> int:
              "table(s))" if report.optimizers else "") + (f", extra state {', '.join(report.extra)}"
                                                          if report.extra else "")
     _emit(args, dataclasses.asdict(report),
-          f"imported {len(report.tables)} table(s) and {len(report.dense)} dense array(s){state} from "
+          f"imported {len(report.tables)} table(s)"
+          + (f", {len(report.keyed)} keyed table(s)" if report.keyed else "")
+          + f" and {len(report.dense)} dense array(s){state} from "
           f"{args.source} ({report.source_format}) into {args.store} as version {report.version}"
           + (f" (step {report.step})" if report.step is not None else "")
           + "".join(f"\n  table {name}: {rows:,} x {dim} from {key!r}, {codec}"
                     for name, (key, rows, dim, codec) in sorted(report.tables.items()))
+          + "".join(f"\n  keyed table {name}: {n:,} keys x {dim}, {codec}"
+                    + (f", columns {', '.join(cols)}" if cols else "")
+                    for name, (n, dim, codec, cols) in sorted(report.keyed.items()))
           + (f"\n  left out (--model-only): {', '.join(report.ignored)}" if report.ignored else ""))
     return 0
 
@@ -770,6 +775,9 @@ def cmd_rows(args) -> int:
     _refuse_root(args)
     with _open(args, readonly=True) as store:
         version = _named_version(store, args.version)
+        info = store.tables().get(args.table)
+        if info is not None and info.keyed:
+            return _print_keys(args, store.read_keys(args.table, args.row, version), version)
         values = store.read_rows(args.table, args.row, version)
     if args.json:
         print(json.dumps({"table": args.table, "version": version, "rows": args.row, "values": values.tolist()},
@@ -778,6 +786,20 @@ def cmd_rows(args) -> int:
     with np.printoptions(precision=6, suppress=False, linewidth=160):
         for row, vec in zip(args.row, values):
             print(f"{row}: {vec}")
+    return 0
+
+
+def _print_keys(args, got, version) -> int:
+    """``rows`` of a keyed table: each key's value and columns, or "not found" (absent at the version)."""
+    cols = {n: c.tolist() for n, c in got.columns.items()}
+    if args.json:
+        print(json.dumps({"table": args.table, "version": version, "keys": args.row, "found": got.found.tolist(),
+                          "values": got.values.tolist(), "columns": cols}, indent=2))
+        return 0
+    with np.printoptions(precision=6, suppress=False, linewidth=160):
+        for i, key in enumerate(args.row):
+            more = "".join(f"  {n}={cols[n][i]}" for n in cols)
+            print(f"{key}: {got.values[i]}{more}" if got.found[i] else f"{key}: not found")
     return 0
 
 
@@ -794,11 +816,7 @@ def cmd_diff(args) -> int:
         until = _named_version(store, args.until)
         tables = {}
         for tc in store.changes(args.since, until, encoded=True):
-            entry = {"rows_changed": int(tc.rows.size), "bytes": tc.nbytes, "codec": tc.codec,
-                     "codecs": {p.codec: int(p.rows.size) for p in tc.parts}}
-            if args.rows:
-                entry["rows"] = tc.rows.tolist()
-            tables[tc.table] = entry
+            tables[tc.table] = _keyed_diff(tc, args.rows) if tc.keyed else _rows_diff(tc, args.rows)
             until = tc.until
         with store.engine.read() as view:
             dense = changes_rule.dense_changed(view, args.since or 0, until) if until is not None else []
@@ -810,15 +828,53 @@ def cmd_diff(args) -> int:
           + (" (every row: a full sync)" if not args.since else ""))
     width = max([len(n) for n in tables] + [5])
     for name, entry in tables.items():
+        if entry.get("keyed"):
+            _print_keyed_diff(name, entry, width, args.rows)
+            continue
         others = {c: n for c, n in entry["codecs"].items() if c != entry["codec"]}
         more = (" (" + ", ".join(f"{n} in {c}" for c, n in others.items()) + ")") if others else ""
         print(f"  {name:<{width}}  {entry['rows_changed']:>10} rows  {_size(entry['bytes']):>10} {entry['codec']}{more}")
         if args.rows and entry["rows"]:
             print(f"  {'':<{width}}  rows: {' '.join(map(str, entry['rows']))}")
-    total = sum(e["bytes"] for e in tables.values())
-    print(f"{sum(e['rows_changed'] for e in tables.values())} rows changed in {len(tables)} table(s), "
-          f"{_size(total)} encoded; dense arrays put: {', '.join(dense) if dense else 'none'}")
+    keyed = [e for e in tables.values() if e.get("keyed")]
+    plain = [e for e in tables.values() if not e.get("keyed")]
+    keyed_line = (f"; {sum(e['keys_changed'] for e in keyed)} keys put or changed and "
+                  f"{sum(e['keys_deleted'] for e in keyed)} deleted in {len(keyed)} keyed table(s), "
+                  f"{_size(sum(e['bytes'] for e in keyed))} decoded") if keyed else ""
+    print(f"{sum(e['rows_changed'] for e in plain)} rows changed in {len(plain)} table(s), "
+          f"{_size(sum(e['bytes'] for e in plain))} encoded{keyed_line}; dense arrays put: "
+          f"{', '.join(dense) if dense else 'none'}")
     return 0
+
+
+def _rows_diff(tc, rows: bool) -> dict:
+    """``diff``'s entry for a positional table's changes (encoded)."""
+    entry = {"rows_changed": int(tc.rows.size), "bytes": tc.nbytes, "codec": tc.codec,
+             "codecs": {p.codec: int(p.rows.size) for p in tc.parts}}
+    if rows:
+        entry["rows"] = tc.rows.tolist()
+    return entry
+
+
+def _keyed_diff(tc, rows: bool) -> dict:
+    """``diff``'s entry for a keyed table's changes: keys put or changed, keys deleted (evicted), and the
+    bytes of their decoded values and columns."""
+    nbytes = int(tc.values.nbytes) + sum(int(c.nbytes) for c in tc.columns.values())
+    entry = {"keyed": True, "keys_changed": int(tc.rows.size), "keys_deleted": int(tc.deleted.size),
+             "bytes": nbytes, "codec": tc.codec}
+    if rows:
+        entry["keys"] = tc.rows.tolist()
+        entry["deleted"] = tc.deleted.tolist()
+    return entry
+
+
+def _print_keyed_diff(name: str, entry: dict, width: int, rows: bool) -> None:
+    print(f"  {name:<{width}}  {entry['keys_changed']:>10} keys put or changed, {entry['keys_deleted']} deleted  "
+          f"{_size(entry['bytes']):>10} decoded (keyed)")
+    if rows and entry["keys"]:
+        print(f"  {'':<{width}}  keys: {' '.join(map(str, entry['keys']))}")
+    if rows and entry["deleted"]:
+        print(f"  {'':<{width}}  deleted: {' '.join(map(str, entry['deleted']))}")
 
 
 def cmd_repair_root(args, root) -> int:
@@ -928,9 +984,10 @@ def build_parser() -> argparse.ArgumentParser:
         store_help=root_help)
     add("verify", cmd_verify, "check every checksum and the index against the log (exit 1 on problems)",
         progress=True, store_help=root_help)
-    p = add("rows", cmd_rows, "print rows of a table as the store reads them")
+    p = add("rows", cmd_rows, "print rows of a table as the store reads them (a keyed table: the keys given, "
+            "each with its value and columns, or 'not found')")
     p.add_argument("table", help="table name")
-    p.add_argument("row", type=int, nargs="+", help="row ids")
+    p.add_argument("row", type=int, nargs="+", help="row ids (a keyed table's: int64 keys)")
     p.add_argument("--version", type=int, default=None, help="version to read (default: the newest)")
     add("compact", cmd_compact, "materialize baselines at a version (default: the newest)", progress=True
         ).add_argument("--version", type=int, default=None, help="version to compact at")
@@ -949,7 +1006,8 @@ def build_parser() -> argparse.ArgumentParser:
         "versions no global version names (bytes freed per rank store; in a bucket, the objects deleted too)",
         progress=True, store_help=root_help).add_argument("--take-over", action="store_true", help=take_over)
     p = add("export", cmd_export, "write a version to a file (a directory for dcp), atomically: a Checkpointer's "
-            "version as the model's state dict, any other as its fp32 tables and dense arrays; a multi-rank "
+            "version as the model's state dict, any other as its fp32 tables and dense arrays (keyed tables as "
+            "keyed/<name>/keys, /values and /columns/<column>: --layout nested); a multi-rank "
             "root's global version as one merged model", progress=True, store_help=root_help)
     p.add_argument("--format", choices=FORMATS, required=True, help=f"one of {', '.join(FORMATS)}")
     p.add_argument("--version", type=int, default=None,
@@ -970,7 +1028,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("import", cmd_import, "seed a new, empty store's first version (a baseline in the Checkpointer's "
             "layout, restorable by cnrstore.torch.Checkpointer) from a torch.save file, a safetensors file or "
             "a DCP directory: the model, and the optimizer and extra state of an `export --layout checkpoint` "
-            "file; a source that cannot be read, or holds what the import does not understand, is refused "
+            "file; a nested export (`export --layout nested`: tables/, dense/ and keyed/ entries) is taken back "
+            "as it is, keyed tables included (their keys, values and columns, default partitions); a source "
+            "that cannot be read, or holds what the import does not understand, is refused "
             "(exit 2) and the store is left as it was", store_help="path of the store (created if missing; must "
             "hold no version)")
     p.add_argument("source", help="torch.save file, safetensors file or DCP checkpoint directory")
@@ -1000,12 +1060,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("diff", cmd_diff, "what changed between two versions (Store.changes): per table the rows whose value "
             "at V2 came from a version newer than V1 and their bytes in the codec they are stored in, and the dense "
             "arrays put in between; what a serving replica at V1 loads to reach V2. Over-reports only rows put "
-            "again with the value they had; never under-reports")
+            "again with the value they had; never under-reports. A keyed table: the keys put or changed (exact) "
+            "and the keys deleted (evicted)")
     p.add_argument("since", type=int, metavar="V1",
                    help="the version the replica holds (0: none, every row: a full sync); must be retained")
     p.add_argument("until", type=int, nargs="?", default=None, metavar="V2", help="the version to reach "
                    "(default: the newest)")
-    p.add_argument("--rows", action="store_true", help="also list the changed row ids of each table")
+    p.add_argument("--rows", action="store_true", help="also list the changed row ids of each table (a keyed table: the keys put or changed, "
+                   "and the keys deleted)")
     p = add("repair", cmd_repair, "rebuild the index from the segment log (after index loss or damage); keeps "
             "every version it can prove whole and says which it cannot (exit 1 then); with --remote, first "
             "rebuild a lost or damaged pointer from the newest snapshot that verifies", progress=True)

@@ -17,7 +17,12 @@ Two questions decide what is written: the *format* (``FORMATS``) and the *layout
   same order, and ``cnrstore import`` takes the whole file back (optimizer and extra state included);
 - ``"nested"``: what the store holds, for any store (the plain key-value API has no parameter names):
   tables as fp32 arrays ``tables/<name>`` and dense arrays as stored ``dense/<name>`` (npz,
-  safetensors); ``{"version", "step", "meta", "tables": {...}, "dense": {...}}`` (torch, dcp).
+  safetensors); ``{"version", "step", "meta", "tables": {...}, "dense": {...}}`` (torch, dcp). A keyed
+  table is three kinds of flat entries in every format (beside ``tables`` and ``dense`` in torch and dcp):
+  ``keyed/<name>/keys`` (int64, ascending), ``keyed/<name>/values`` (float32 ``(n, dim)``) and
+  ``keyed/<name>/columns/<column>`` (the column's dtype, ``(n,)`` or ``(n, width)``): what
+  ``Store.read_keyed`` gives, which ``cnrstore import`` (``cnrstore.nested_import``) reads back.
+  A keyed table has no place in a state-dict or checkpoint layout (InvalidArgument: export it nested).
 
 ``layout="auto"`` (the default) is ``"state_dict"`` for a version holding the Checkpointer's state blob
 (``"torch.state"``) and ``"nested"`` otherwise. The state-dict layouts, the torch and dcp formats need
@@ -73,6 +78,8 @@ DEFAULT_MIN_ROWS = 100_000
 #: The dense array holding ``cnrstore.torch.Checkpointer``'s state blob (``checkpointer.STATE_BLOB``; a
 #: test checks the two agree). Its presence marks a version in the Checkpointer's layout.
 TORCH_STATE = "torch.state"
+#: The prefix of a keyed table's entries in a nested export: ``keyed/<name>/keys``, ``/values``, ``/columns/<c>``.
+KEYED_PREFIX = "keyed/"
 _LAYOUT_FORMATS = {"state_dict": FORMATS, "checkpoint": ("torch",), "nested": FORMATS}
 
 _PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
@@ -286,6 +293,7 @@ def _content(snapshot: Snapshot, fmt: str, layout: str, model, trust_pickle: boo
     if layout == "nested":
         tables = dict(snapshot.tables)
         dense = {name: np.ascontiguousarray(arr) for name, arr in snapshot.dense.items()}
+        keyed = keyed_arrays(snapshot.keyed)
         if fmt in ("npz", "safetensors"):
             arrays = {f"tables/{name}": arr for name, arr in tables.items()}
             arrays.update({f"dense/{name}": arr for name, arr in dense.items()})
@@ -293,7 +301,11 @@ def _content(snapshot: Snapshot, fmt: str, layout: str, model, trust_pickle: boo
         else:
             data = {"version": snapshot.version, "step": snapshot.step, "meta": snapshot.meta,
                     "tables": tables, "dense": dense}
-        return _Content(layout, data, meta, len(tables) + len(dense), len(tables))
+        data.update(keyed)
+        return _Content(layout, data, meta, len(tables) + len(dense) + len(keyed), len(tables) + len(snapshot.keyed))
+    if snapshot.keyed:
+        raise InvalidArgument(f"version {snapshot.version} holds keyed table(s) {sorted(snapshot.keyed)[:5]}, which a "
+                              f"model's state dict has no place for; export it with layout nested (--layout nested)")
     torch_exporter = _torch_exporter("this export needs PyTorch (pip install torch), or choose --format npz or "
                                      "safetensors with the nested layout")
     view = torch_exporter.CheckpointView(snapshot, model=model, trust_pickle=trust_pickle)
@@ -310,6 +322,17 @@ def _content(snapshot: Snapshot, fmt: str, layout: str, model, trust_pickle: boo
                                   f"{sd[odd[0]].dtype}); export as torch, safetensors or dcp")
         data = {k: v.numpy() for k, v in sd.items()}
     return _Content(layout, data, meta, len(sd), view.table_key_count())
+
+
+def keyed_arrays(keyed: dict) -> dict[str, np.ndarray]:
+    """The flat entries of keyed tables ({name: KeyedRows}) in a nested export (module doc)."""
+    out: dict[str, np.ndarray] = {}
+    for name, rows in keyed.items():
+        out[f"{KEYED_PREFIX}{name}/keys"] = np.ascontiguousarray(rows.keys, np.int64)
+        out[f"{KEYED_PREFIX}{name}/values"] = np.ascontiguousarray(rows.values, np.float32)
+        for col, arr in rows.columns.items():
+            out[f"{KEYED_PREFIX}{name}/columns/{col}"] = np.ascontiguousarray(arr)
+    return out
 
 
 def _os_cause(exc: BaseException) -> tuple[int | None, BaseException]:

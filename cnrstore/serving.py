@@ -14,6 +14,9 @@ them meanwhile), and then scattered into the target under the exclusive side of 
 shared side is ``serving()``: a batch run under ``serving()`` sees one version, never a mix of two.
 
 The target holds the decoded float32 values (what ``Store.read_rows`` gives), whatever the table's codec.
+A keyed table's serving copy is a ``KeyedReplica`` (cnrstore/keyed_replica.py): each update admits, changes
+and evicts keys (``TableChanges.deleted``) in the same exclusive step, so an evicted key is never found
+again once the update that evicted it is applied; a full sync replaces its keys wholesale.
 Importing this module does not import torch; an ``nn.Module`` target does.
 """
 
@@ -34,11 +37,13 @@ from .engine import arguments
 from .engine import blocks as blocks_math
 from .engine import changes as changes_rule
 from .engine import fs
+from .engine import keyed_reader
 from .engine import reader
 from .engine.index import SharedExclusiveLock
 from .errors import CnrError, InvalidArgument, StoreClosed, VersionNotFound, VersionNotRetained
+from .keyed_replica import KeyedReplica
 
-__all__ = ["Follower", "FollowerLag"]
+__all__ = ["Follower", "FollowerLag", "KeyedReplica"]
 
 log = logging.getLogger("cnrstore.serving")
 
@@ -77,6 +82,14 @@ class _ServingLock:
         self._local.depth -= 1
         if self._local.depth == 0:
             self._lock.release_shared()
+
+    @contextlib.contextmanager
+    def shared(self):
+        self.acquire_shared()
+        try:
+            yield
+        finally:
+            self.release_shared()
 
 
 class _Slot:
@@ -126,6 +139,7 @@ class _Update(NamedTuple):
     version: int
     tables: list  # (slot, rows, values)
     dense: list  # (slot, array)
+    keyed: list  # (KeyedReplica, its plan)
     rows: int
     bytes_read: int
     full: bool
@@ -200,9 +214,11 @@ class Follower:
         self.stats: dict[str, Any] = {"updates": 0, "rows_applied": 0, "bytes_read": 0, "last_update_seconds": 0.0,
                                       "full_syncs": 0, "errors": 0}
         try:
-            self._slots, self._dense, filled = self._bind(target, tables)
+            self._slots, self._dense, self._keyed, filled = self._bind(target, tables)
             self._version = 0
             self._sync(version)
+            for replica in self._keyed.values():  # (its lookups hold serving()'s lock from now on)
+                replica.bind(self._lock)
             if filled:  # (an empty dict target: its arrays, once they hold the version)
                 target.update(filled)
             self.on_update = on_update
@@ -258,9 +274,10 @@ class Follower:
         return self._store
 
     # -- the target ------------------------------------------------------------------------------------
-    def _bind(self, target, tables: list[str] | None) -> tuple[dict[str, _Slot], dict[str, _Slot], dict]:
-        """({table: slot}, {dense name: slot}, {table: array} to add to an empty dict ``target`` once the first
-        sync filled them) of ``target``, checked against the store; ``target`` itself is not changed."""
+    def _bind(self, target, tables: list[str] | None) -> tuple[dict, dict, dict, dict]:
+        """({table: slot}, {dense name: slot}, {keyed table: KeyedReplica}, {table: array or replica} to add
+        to an empty dict ``target`` once the first sync filled them) of ``target``, checked against the
+        store; ``target`` itself is not changed."""
         infos = self._store.tables()
         dense_names = set(self._store.dense_names())
         if tables is not None:
@@ -271,10 +288,14 @@ class Follower:
         wanted = set(infos) if tables is None else set(tables)
         slots: dict[str, _Slot] = {}
         dense: dict[str, _Slot] = {}
+        keyed: dict[str, KeyedReplica] = {}
         if isinstance(target, dict):
-            filled = {} if target else {name: np.zeros((infos[name].num_rows, infos[name].dim), dtype=np.float32)
-                                        for name in sorted(wanted)}
+            filled = {} if target else {name: _new_copy(infos[name]) for name in sorted(wanted)}
             for name, arr in (target or filled).items():
+                if name in infos and infos[name].keyed:
+                    if name in wanted:
+                        keyed[name] = _keyed_entry(name, arr)
+                    continue
                 if not isinstance(arr, np.ndarray) or not arr.flags.writeable:
                     raise InvalidArgument(f"target[{name!r}] must be a writable numpy array, got {type(arr).__name__}")
                 if name in infos:
@@ -290,7 +311,7 @@ class Follower:
                 else:
                     raise InvalidArgument(f"target[{name!r}] names no table or dense array of store "
                                           f"{self._store.path!r} (tables: {sorted(infos)[:10]})")
-            return slots, dense, filled
+            return slots, dense, keyed, filled
         import torch
 
         from .torch.export import embedding_tables
@@ -305,6 +326,10 @@ class Follower:
                 raise InvalidArgument(f"the model's embedding {name!r} is no table of store {self._store.path!r} "
                                       f"(tables: {sorted(infos)[:10]}); follow the store the model was saved to, "
                                       "or pass tables=[...]")
+            if infos[name].keyed:
+                raise InvalidArgument(f"table {name!r} is keyed (rows by int64 key) and the model's {name!r} is a "
+                                      "positional embedding; follow it into a dict target ({name: "
+                                      "KeyedReplica()}), or leave it out with tables=[...]")
             w = sd[keys[0]].data
             info = infos[name]
             if tuple(w.shape) != (info.num_rows, info.dim):
@@ -316,7 +341,7 @@ class Follower:
             if key in aliased or dname not in dense_names:
                 continue
             dense[dname] = _Slot(dname, t.data if hasattr(t, "data") else t, torch, dense=True)
-        return slots, dense, {}
+        return slots, dense, {}, {}
 
     # -- reading (outside the lock) --------------------------------------------------------------------
     def _compute(self, since: int, until: int | None, *, direct: bool = False) -> _Update:
@@ -328,7 +353,7 @@ class Follower:
         from the target (the constructor's sync, before any ``serving()``)."""
         engine = self._store.engine
         storage = engine.storage
-        out_tables, out_dense, rows_total, nbytes = [], [], 0, 0
+        out_tables, out_dense, out_keyed, rows_total, nbytes = [], [], [], 0, 0
         with engine.read() as view:
             fs.pause_point("follower_reading", since, until)
             if since and view.version(since) is None:  # (the version held: dropped -> a full sync)
@@ -344,9 +369,7 @@ class Follower:
             lo, hi = min(since, until), max(since, until)
             target = until
             for name, slot in self._slots.items():
-                info = engine.table_record(name, view)
-                if info is None:
-                    raise VersionNotFound(f"table {name!r} is gone from store {self._store.path!r}")
+                info = self._table(engine, view, name)
                 tc = changes_rule.table_changes(view, storage, info, lo, hi, encoded=True)
                 if target == hi:
                     rows, values = tc.rows, tc.decoded()
@@ -361,6 +384,13 @@ class Follower:
                         out_tables.append((slot, rows, values))
                     rows_total += int(rows.size)
                 del rows, values
+            for name, replica in self._keyed.items():
+                plan, n, b = _keyed_plan(view, storage, self._table(engine, view, name), replica, since, target)
+                rows_total, nbytes = rows_total + n, nbytes + b
+                if direct:
+                    replica.commit(plan)
+                else:
+                    out_keyed.append((replica, plan))
             if self._dense:
                 ids = view.dense_names()
                 for dname in changes_rule.dense_changed(view, lo, hi, sorted(n for n in self._dense if n in ids)):
@@ -368,7 +398,13 @@ class Follower:
                     if arr is not None:
                         out_dense.append((self._dense[dname], np.array(arr, copy=True)))
                         nbytes += int(arr.nbytes)
-        return _Update(target, out_tables, out_dense, rows_total, nbytes, since == 0)
+        return _Update(target, out_tables, out_dense, out_keyed, rows_total, nbytes, since == 0)
+
+    def _table(self, engine, view, name: str):
+        info = engine.table_record(name, view)
+        if info is None:
+            raise VersionNotFound(f"table {name!r} is gone from store {self._store.path!r}")
+        return info
 
     # -- applying (under the exclusive lock) -----------------------------------------------------------
     def _apply(self, up: _Update, started: float) -> int:
@@ -378,6 +414,8 @@ class Follower:
                 slot.scatter(rows, values)
             for slot, arr in up.dense:
                 slot.assign(arr)
+            for replica, plan in up.keyed:
+                replica.commit(plan)
             self._version = up.version
         seconds = time.perf_counter() - started
         s = self.stats
@@ -547,7 +585,7 @@ class Follower:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Follower({self._path!r}, version={self._version}, tables={len(self._slots)})"
+        return f"Follower({self._path!r}, version={self._version}, tables={len(self._slots) + len(self._keyed)})"
 
 
 def _check_target(target) -> None:
@@ -587,3 +625,29 @@ def _rows_at(view, storage, info, rows: np.ndarray, version: int) -> tuple[np.nd
     out_rows = np.concatenate(got_rows)
     order = np.argsort(out_rows, kind="stable")
     return out_rows[order], np.concatenate(got_vals)[order], nbytes
+
+
+def _new_copy(info):
+    """The serving copy an empty dict target gets for table ``info``: float32 zeros, or a KeyedReplica."""
+    if info.keyed:
+        return KeyedReplica()
+    return np.zeros((info.num_rows, info.dim), dtype=np.float32)
+
+
+def _keyed_entry(name: str, entry) -> KeyedReplica:
+    """A dict target's entry for keyed table ``name``: a KeyedReplica (else InvalidArgument)."""
+    if not isinstance(entry, KeyedReplica):
+        raise InvalidArgument(f"target[{name!r}] is keyed table {name!r} (rows by int64 key): pass "
+                              f"cnrstore.serving.KeyedReplica() for it, got {type(entry).__name__}")
+    return entry
+
+
+def _keyed_plan(view, storage, info, replica: KeyedReplica, since: int, until: int) -> tuple:
+    """(the replica's plan from ``since`` (0: a full sync, replacing every key) to ``until``, keys put and
+    deleted, bytes read): keyed_reader.keyed_changes, either direction (a rollback too)."""
+    tc = keyed_reader.keyed_changes(view, storage, info, since, until)
+    nbytes = int(tc.values.nbytes) + sum(int(c.nbytes) for c in tc.columns.values())
+    if not since:
+        return replica.plan_replace(tc.rows, tc.values, tc.columns, info.dim, info.columns), int(tc.rows.size), nbytes
+    plan = replica.plan_update(tc.rows, tc.values, tc.columns, tc.deleted)
+    return plan, int(tc.rows.size + tc.deleted.size), nbytes

@@ -108,15 +108,19 @@ def read_all(view: IndexView, storage: SegmentStorage, info: TableRecord, versio
 
 def keyed_changes(view: IndexView, storage: SegmentStorage, info: TableRecord, since: int, until: int):
     """The TableChanges (keyed) of ``info`` from ``since`` to ``until``: exact. Only partitions with an entry
-    in (since, until] are read, each at both versions; a key put again with the same row is left out."""
+    in (min, max] of the two are read, each at both versions; a key put again with the same row is left out.
+    ``until < since`` (a follower's rollback) gives what takes a copy at ``since`` back to ``until``: keys
+    ``until`` does not hold are ``deleted``, a partition ``until`` never wrote included."""
     from .changes import TableChanges
 
-    put_keys, put_rows, codecs_of, gone = [], [], [], []
-    for p in view.blocks_written_in(info.id, since, until):
+    put_keys, put_rows, gone = [], [], []
+    for p in view.blocks_written_in(info.id, min(since, until), max(since, until)):
         now = partition_run(view, storage, info, p, until)
-        if now is None:
-            continue
         before = partition_run(view, storage, info, p, since) if since else None
+        if now is None:  # (a rollback to before the partition's first record: it holds no key there)
+            if before is None:
+                continue
+            now = _empty_run(info, before[0])
         codec, run = now
         keys, rows = keyed_runs.live(run)
         if before is not None:
@@ -143,3 +147,9 @@ def keyed_changes(view: IndexView, storage: SegmentStorage, info: TableRecord, s
     deleted = np.sort(np.concatenate(gone)) if gone else np.zeros(0, np.int64)
     return TableChanges(info.name, since, until, info.dim, info.codec, keys[order], values, keyed=True,
                         columns=columns, deleted=deleted)
+
+
+def _empty_run(info: TableRecord, codec) -> tuple:
+    """(codec, a run of no key): a partition with no record at a version."""
+    width = keyed_records.row_width(info, codec)
+    return codec, keyed_runs.make_run(np.zeros(0, np.int64), np.zeros((0, width), np.uint8), width=width)

@@ -83,6 +83,7 @@ import shutil
 import struct
 import warnings
 from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,6 +91,7 @@ import torch
 from torch import nn
 
 from .. import codecs as _codecs
+from .. import nested_import
 from ..engine import filenames, fs
 from .. import store as _store
 from ..engine import arguments
@@ -130,6 +132,11 @@ class ImportReport:
     optimizers: int = 0
     extra: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
+    #: a nested cnrstore export imported as it is (``cnrstore.nested_import``): ``tables`` then maps each
+    #: table to ``("tables/<name>", num_rows, dim, codec)``, ``dense`` lists the dense arrays' names, and
+    #: ``keyed`` maps each keyed table to ``(keys, dim, codec, column names)``
+    nested: bool = False
+    keyed: dict[str, tuple] = field(default_factory=dict)
 
 
 def parse_table_codecs(items) -> dict[str, str]:
@@ -392,8 +399,7 @@ class _Source:
 
 
 def _is_nested_export(obj: Mapping) -> bool:
-    return bool(obj) and (all(isinstance(k, str) and k.startswith(("tables/", "dense/")) for k in obj)
-                          or ("tables" in obj and "dense" in obj and isinstance(obj.get("tables"), Mapping)))
+    return nested_import.is_nested(obj)
 
 
 def _state_dict_of(obj, where: str) -> dict:
@@ -419,8 +425,9 @@ def _split(obj, where: str, model_only: bool) -> _Source:
         raise InvalidArgument(f"{where} holds a {type(obj).__name__}, not a model state dict; save "
                               "model.state_dict()")
     if _is_nested_export(obj):
-        raise InvalidArgument(f"{where} is a nested cnrstore export (tables/ and dense/ arrays of a key-value "
-                              "store), not a model state dict; import takes what model.state_dict() returns")
+        raise InvalidArgument(f"{where} is a nested cnrstore export (tables/, dense/ and keyed/ arrays of a "
+                              "key-value store), not a model state dict; import it with import_checkpoint (cnrstore "
+                              "import), which takes it back as it is")
     if obj and all(torch.is_tensor(v) for v in obj.values()):
         return _Source(_state_dict_of(obj, where))
     if len(obj) == 1:  # a Stateful's state under one name (DCP's {"app": AppState(model, optimizer)} layout)
@@ -583,9 +590,10 @@ def _name_positional(src: _Source, model, optimizers, where: str) -> list:
     return [n for n, _ in params]
 
 
-def _read(source, format: str | None, model_only: bool) -> tuple[_Source, str]:
+def _load_source(source, format: str | None) -> tuple[Any, str, str]:
+    """(the object ``source`` holds, its format, how messages name it)."""
     if isinstance(source, Mapping):
-        return _split(source, "the state dict given", model_only), "state_dict"
+        return source, "state_dict", "the state dict given"
     try:
         path = os.fspath(source)
     except TypeError:
@@ -593,7 +601,48 @@ def _read(source, format: str | None, model_only: bool) -> tuple[_Source, str]:
     fmt = detect_format(path) if format is None else format
     if fmt not in SOURCE_FORMATS:
         raise InvalidArgument(f"unknown source format {fmt!r}; choose one of {', '.join(SOURCE_FORMATS)}")
-    return _split(_load(path, fmt), f"{path!r}", model_only), fmt
+    return _load(path, fmt), fmt, f"{path!r}"
+
+
+def _read(source, format: str | None, model_only: bool) -> tuple[_Source, str]:
+    obj, fmt, where = _load_source(source, format)
+    return _split(obj, where, model_only), fmt
+
+
+def _as_numpy(key: str, value):
+    """A nested export's entry as a numpy array (a tensor's own dtype; bfloat16 has none in numpy)."""
+    if not torch.is_tensor(value):
+        return value
+    if value.dtype == torch.bfloat16:
+        raise InvalidArgument(f"entry {key!r} is bfloat16, which a nested export never holds (its dense arrays "
+                              "keep bfloat16 as int16 bits): export the store again with --layout nested")
+    return value.detach().cpu().numpy()
+
+
+def _import_nested(store, obj, fmt: str, where: str, *, codec: str, codecs, step, meta) -> ImportReport:
+    """``import_checkpoint`` of a nested cnrstore export: its tables, dense arrays and keyed tables as they
+    are (cnrstore.nested_import), one version; a failed import leaves the store as ``import_checkpoint``'s."""
+    flat, scalars = nested_import.flatten(obj)
+    nested = nested_import.split({k: _as_numpy(k, v) for k, v in flat.items()}, where, scalars)
+    st, created, before = _open_store(store)
+    ok = False
+    try:
+        if st.versions():
+            raise InvalidArgument(f"the store holds {len(st.versions())} version(s) already; an import seeds a new "
+                                  "store: import into a new path")
+        version = nested_import.write(st, nested, codec=codec, codecs=codecs, step=step, meta=meta)
+        infos = st.tables()
+        ok = True
+        return ImportReport(version=version, step=nested.step if step is None else step, source_format=fmt,
+                            tables={n: (f"tables/{n}", *a.shape, infos[n].codec) for n, a in nested.tables.items()},
+                            dense=tuple(nested.dense), nested=True,
+                            keyed={n: (int(r.keys.size), int(r.values.shape[1]), infos[n].codec,
+                                       tuple(r.columns)) for n, r in nested.keyed.items()})
+    finally:
+        if st is not store:
+            st.close()
+            if not ok:
+                _undo(os.fspath(store), created, before)
 
 
 def read_state_dict(source, format: str | None = None) -> tuple[dict[str, torch.Tensor], str]:
@@ -847,9 +896,14 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
     if optimizers and model is None:
         raise InvalidArgument("optimizer= needs model=: the optimizer's state is recorded by the model's "
                               "parameter names")
-    src, fmt = _read(source, format, bool(model_only))
+    obj, fmt, where = _load_source(source, format)
+    if nested_import.is_nested(obj):
+        if model is not None or optimizers or tables is not None:
+            raise InvalidArgument(f"{where} is a nested cnrstore export (its tables named as the store named them): "
+                                  "model=, optimizer= and tables= (--table) do not apply; drop them")
+        return _import_nested(store, obj, fmt, where, codec=codec, codecs=codec_of, step=step, meta=meta)
+    src = _split(obj, where, bool(model_only))
     state_dict = src.state_dict
-    where = "the state dict given" if fmt == "state_dict" else repr(os.fspath(source))
     if src.positional:  # its parameters named by optimizer= or model= (optimizer= is not recorded then)
         src.param_names = [_name_positional(src, model, optimizers, where)]
         optimizers = []
