@@ -515,6 +515,9 @@ API_SPECS = {
                                                         'path, path2 = "out.npz", "out2.npz"; source = store',
                                                         "import os; assert os.path.exists(path) and os.path.exists(path2)"),
     "from cnrstore.torch import Checkpointer\nckpt = Checkpointer(store_or_path": (API_MODEL, "assert info is not None"),
+    "from cnrstore.torch import Checkpointer, KeyedEmbedding": (
+        "", "import cnrstore\nwith cnrstore.open('kckpt') as s:\n    assert s.latest().step == 19 and "
+        "s.keys('emb').size == int((model.emb.slot_ids >= 0).sum())\nassert model.emb.lookup(ids).min() >= 0"),
     "options = cnrstore.Options(segment_bytes=64 << 20": ('import dataclasses\nimport cnrstore\npath = "s"',
                                                          "assert store.options.merge_trigger == 2.0; store.close()"),
 }

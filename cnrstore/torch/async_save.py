@@ -24,6 +24,7 @@ from ..errors import SaveSkipped
 from . import keyed_saves
 from .payload import DENSE_PREFIX, STATE_BLOB
 from .streamed import StreamedTable
+from .keyed_save import KeyedJob, write_job as write_keyed
 
 __all__ = ["PendingSave", "SaveQueue", "SaveReport", "WeakPendingWork", "write"]
 
@@ -189,6 +190,9 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
                 check()
                 if isinstance(job, StreamedTable):
                     _write_streamed(ck, job, check, step)
+                    continue
+                if isinstance(job, KeyedJob):  # (a KeyedEmbedding's ids: keyed_save.py)
+                    write_keyed(store, ck, job)
                     continue
                 name, rows, values, codec = job
                 if rows.size:

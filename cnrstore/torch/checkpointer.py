@@ -92,6 +92,8 @@ from .reports import RestoreReport
 from .save_plan import MODES, SavePlanner
 from .staging import Stager
 from .guard import StepGuard, as_rows, preserve
+from . import keyed_save as keyed_state
+from .keyed_save import KeyedJob, find_keyed
 from .streamed import StreamedTable, block_multiple
 from .tracking import SSU_SEED, ShardTable, Table, tbe_tracker
 
@@ -314,12 +316,19 @@ class Checkpointer:
                 self._by_weight[id(t.weight)] = t
                 self._ensure_table(existing, t.name, t.num_rows, t.dim, self._weight_codec())
             sharded_keys = self._add_shards(model, existing)
+            #: each KeyedEmbedding of the model: saved as keyed tables (keyed_save.py)
+            self._keyed = find_keyed(model)
+            for k in self._keyed:
+                k.ensure_tables(store, existing, self._weight_codec(), k.states(self._optimizers))
         except BaseException:
             self._remove_hooks()
             raise
+        keyed_rows = {id(x) for k in self._keyed for x in k.row_tensors()}
         self._dense = {k: v for k, v in model.state_dict(keep_vars=True).items()
-                       if id(v) not in self._by_weight and k not in sharded_keys}
+                       if id(v) not in self._by_weight and k not in sharded_keys and id(v) not in keyed_rows}
+        self._keyed_full = False  # the next save writes every keyed table whole (a coalesced save)
         self._plan = SavePlanner(mode, self._tables, self._optimizers)  # which rows each save writes
+        self._plan.keyed = bool(self._keyed)
         try:  # row-wise state that exists already (Adagrad's) gets its tables now, not in the first save's stall
             for t in self._tables:
                 for key, state in self._plan.row_states(t):
@@ -646,6 +655,7 @@ class Checkpointer:
         if baseline:
             picks = [None] * len(picks)
             self._plan.note_baseline()
+        self._keyed_full = self._keyed_full or bool(superseded)  # (their keyed changes: written whole now)
         return baseline, picks, sorted(steps, key=lambda x: (x is None, x))
 
     # -- save -----------------------------------------------------------------------------------------
@@ -719,6 +729,7 @@ class Checkpointer:
         staging = self.stager.begin()
         try:
             row_jobs, dense, blob = self._copy(staging, picks, codec, report, holds)
+            keyed_bytes = self._copy_keyed(row_jobs, baseline or self._keyed_full, codec, report)
         except BaseException:
             staging.finish().wait()  # (copies already enqueued land before their buffers are lent again)
             for t, name in holds:
@@ -729,14 +740,17 @@ class Checkpointer:
             raise
         staged = staging.finish()
         self._plan.settle(picks, priority)
-        copied = [job for job in row_jobs if not isinstance(job, StreamedTable)]
+        for k in self._keyed:
+            k.settle()
+        self._keyed_full = False
+        copied = [job for job in row_jobs if not isinstance(job, (StreamedTable, KeyedJob))]
         written = {name for name, _, _, _ in copied} | {
             name for job in row_jobs if isinstance(job, StreamedTable) for name, _s, _c in job.sources}
         for t in self._tables:
             t.full_written.update(n for n in written if n.startswith(f"{t.name}.optim."))
         self._blob_bytes = blob.nbytes
         report.host_bytes = sum(values.nbytes for _n, _r, values, _c in copied) + blob.nbytes + sum(
-            a.nbytes for a in dense.values())
+            a.nbytes for a in dense.values()) + keyed_bytes
         report.stall_s = time.perf_counter() - start
         self._seq += 1
         pending = PendingSave(report, self._seq, picks)
@@ -814,6 +828,23 @@ class Checkpointer:
                     "row-wise state on nn.Embedding weights (saved as tables) or split the dense layers")
         return row_jobs, dense, blob
 
+    def _copy_keyed(self, row_jobs: list, full: bool, codec: str, report: SaveReport) -> int:
+        """Each KeyedEmbedding's part of the snapshot (``keyed_save``: the ids changed since the last save, or
+        every id when ``full``), copied now and appended to ``row_jobs``; the host bytes it holds."""
+        if not self._keyed:
+            return 0
+        existing = self.store.tables()
+        nbytes = 0
+        for k in self._keyed:
+            jobs, n = k.snapshot(self._optimizers, full, codec, self.store, existing)
+            row_jobs.extend(jobs)
+            report.rows[k.name] = n
+            for job in jobs[1:]:
+                report.rows[job.name] = int(job.keys.size)
+            nbytes += sum(j.keys.nbytes + j.values.nbytes + j.deleted.nbytes
+                          + sum(c.nbytes for c in (j.columns or {}).values()) for j in jobs)
+        return nbytes
+
     def _stream(self, t: Table, rows, codec: str, existing: dict, report: SaveReport) -> StreamedTable:
         """A save of ``rows`` of ``t`` (a rows tensor, or None for all) written from the live tensors
         (``streamed``): nothing is copied now; from here on each optimizer step first preserves the rows of
@@ -840,10 +871,12 @@ class Checkpointer:
     def _state_blob(self) -> np.ndarray:
         """This save's trainer payload, encoded (``payload.build``, then ``payload.encode``)."""
         row_tables = {w: (t.name, {k for k, _ in self._plan.row_states(t)}) for w, t in self._by_weight.items()}
+        keyed_tables = {id(k.weight): (k.name, {key: k.free_value(key, s) for key, s in k.states(self._optimizers)})
+                        for k in self._keyed}
         return _payload.encode(_payload.build(
             mode=self.mode, tables=[t.name for t in self._tables], dense=self._dense, optimizers=self._optimizers,
             extra=self._extra, param_names={id(p): name for name, p in self.model.named_parameters()},
-            row_tables=row_tables))
+            row_tables=row_tables, keyed_tables=keyed_tables))
 
     # -- writes of the trainer's own ------------------------------------------------------------------
     def _table_of(self, table) -> Table:
@@ -957,10 +990,12 @@ class Checkpointer:
                                           f"{exc}); nothing was changed") from exc
 
         try:
+            # the KeyedEmbeddings' rows are read (and checked) first: before anything live changes
+            keyed = self._read_keyed(version, only, strict, trust_pickle) if self._keyed else None
             got = _restore.read_version(self.store, self._tables, self._dense, self._optimizers, self._extra,
                                         version, trust_pickle=trust_pickle, only=only, strict=strict,
                                         param_names={id(p): n for n, p in self.model.named_parameters()},
-                                        before_decode=load_extra)
+                                        before_decode=load_extra, keyed_names=[k.name for k in self._keyed])
         except BaseException:
             for name, state in before.items():
                 try:
@@ -971,9 +1006,20 @@ class Checkpointer:
         if got is None:
             return None
         info, stored, outcome = got
+        if keyed is not None:  # (the keyed embeddings' optimizer state, from the rows read above)
+            reads, load, missing, unexpected = keyed
+            stored = stored._replace(optimizer_states=[
+                None if sd is None else keyed_state.with_keyed_state(sd, reads) for sd in stored.optimizer_states])
         # everything read and checked (the fp32 host weights and row-wise optimizer state already decoded
         # into place, after every record was verified): now change the rest of the live objects
         self.load_state(*stored)
+        if keyed is not None:
+            for k in self._keyed:
+                if k.name in load:
+                    k.load(reads[k.name])
+            outcome.restored = sorted(outcome.restored + sorted(load))
+            outcome.missing += missing
+            outcome.unexpected += unexpected
         if info.step is not None:  # (on_sigterm="save" counts the steps after it)
             self._last_step, self._steps_since = info.step, 0
         latest = self.store.latest()
@@ -983,6 +1029,40 @@ class Checkpointer:
                                           outcome.missing, outcome.unexpected)
         reports.deliver(self._on_report, self.last_restore)
         return info
+
+    def _read_keyed(self, version, only, strict: bool, trust_pickle: bool):
+        """For ``restore``, before anything live changes: the KeyedEmbeddings' rows at ``version`` (read and
+        checked: ``keyed_save.KeyedTracker.read``) -> ({table: rows read}, the tables to load into the modules,
+        missing, unexpected), or None for an empty store. Reads a module's tables when it is restored (``only``:
+        None, "model" or its name) or when the optimizer state restored holds its ``KEYED_MARK`` markers."""
+        info = _restore.version_info(self.store, version)
+        if info is None:
+            return None
+        v = info.version
+        payload = _payload.decode(self.store.read_dense(STATE_BLOB, v), v, trust_pickle=trust_pickle)
+        asked = None if only is None else ({only} if isinstance(only, str) else set(only))
+        live = {k.name for k in self._keyed}
+        want = live if asked is None or "model" in asked else live & asked
+        stored = set(payload.get("keyed", []))
+        whole = asked is None or "model" in asked
+        missing, unexpected = sorted(want - stored), sorted(stored - live) if whole else []
+        if strict and (missing or unexpected):
+            raise InvalidArgument(
+                f"version {v} does not match: " + "; ".join(
+                    ([f"it holds no keyed table {missing[:5]} of the live KeyedEmbeddings"] if missing else [])
+                    + ([f"it holds keyed tables {unexpected[:5]} that nothing live takes"] if unexpected else []))
+                + ". Nothing was changed; restore with strict=False to load what matches, or only=[...]")
+        load = want & stored
+        marks = keyed_state.marked_tables(payload) if asked is None or "optimizers" in asked else set()
+        catalog = self.store.tables()
+        reads = {k.name: k.read(self.store, v, catalog) for k in self._keyed
+                 if k.name in load or any(m.startswith(f"{k.name}.optim.") for m in marks)}
+        for m in marks:  # (a marker naming a table nothing read: refused now, before anything changed)
+            if not any(m.startswith(f"{n}.optim.") and m[len(n) + 1:] in r for n, r in reads.items()):
+                if strict:
+                    raise InvalidArgument(f"version {v}: optimizer state {m!r} of a keyed embedding the model does "
+                                          "not have (or its table is missing). Nothing was changed")
+        return reads, load, missing, unexpected
 
     # -- for sibling packages (cnrstore.distributed; docs/ARCHITECTURE.md, "Seams between packages") -----
     def trainer_state(self) -> "TrainerState":
@@ -1029,6 +1109,8 @@ class Checkpointer:
         ``matches_newest``, the state is the store's newest version, and the mode is incremental: the next
         increment then follows it) and records the restore with a ``BitWidthPolicy``."""
         self._plan.note_restore(matches_newest=matches_newest)
+        for k in self._keyed:
+            k.note_restore(self._optimizers)
         if self._policy is not None and callable(getattr(self._policy, "record_restore", None)):
             self._policy.record_restore()
 

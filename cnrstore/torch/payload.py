@@ -26,7 +26,7 @@ import torch
 
 from ..errors import InvalidArgument, UnsafePayload
 
-__all__ = ["DENSE_PREFIX", "LIVE_MARK", "PAYLOAD_FORMAT", "ROW_MARK", "STATE_BLOB", "build", "check_structure",
+__all__ = ["DENSE_PREFIX", "KEYED_MARK", "LIVE_MARK", "PAYLOAD_FORMAT", "ROW_MARK", "STATE_BLOB", "build", "check_structure",
            "decode", "dense_copy", "dense_view", "encode", "is_sharded_value", "torch_dtype", "unsafe_globals"]
 
 #: Format of the payload (docs/FORMAT.md): 1 = any pickle (older stores), 2 = data only (weights_only).
@@ -39,6 +39,10 @@ DENSE_PREFIX = "torch.model/"
 #: Key of the marker standing for a row-wise optimizer state tensor in ``optimizers``: ``{ROW_MARK: table
 #: name, "dtype": torch dtype name, "shape": [int, ...]}`` (the tensor is read back from that table).
 ROW_MARK = "__cnrstore_row_state__"
+#: Key of the marker standing for the row-wise optimizer state of a ``KeyedEmbedding``'s weight: ``{KEYED_MARK:
+#: keyed table name, "dtype", "shape", "free": the value of every free slot's state}`` (the rows of the live ids
+#: are read back from that keyed table, by their ``slot`` column: ``keyed_save.py``).
+KEYED_MARK = "__cnrstore_keyed_state__"
 #: Key of the marker standing for a fused optimizer's sharded state (``{LIVE_MARK: True}``): restored through
 #: the shard tables, in place.
 LIVE_MARK = "__cnrstore_sharded_state__"
@@ -53,14 +57,18 @@ def is_sharded_value(v) -> bool:
 
 
 def build(*, mode: str, tables: list[str], dense: Mapping, optimizers: list, extra: Mapping,
-          param_names: Mapping[int, str], row_tables: Mapping[int, tuple[str, set]]) -> dict:
+          param_names: Mapping[int, str], row_tables: Mapping[int, tuple[str, set]],
+          keyed_tables: Mapping | None = None) -> dict:
     """The payload a save writes (docs/FORMAT.md, "Trainer payload"), before :func:`encode`: ``mode``, the
     names of the embedding ``tables``, the dtype of each ``dense`` tensor (by state-dict key), each optimizer's
     ``state_dict()`` with every row-wise tensor replaced by a ``ROW_MARK`` marker naming its table and each
     sharded value by a ``LIVE_MARK`` marker, the ``extra`` objects' ``state_dict()``, and ``param_names``:
     per optimizer, the model's name of each parameter in ``param_groups`` order (None for one that is not
     the model's). ``param_names`` maps ``id(parameter)`` to its name; ``row_tables`` maps ``id(weight)`` of
-    an embedding weight to (its table, the names of its row-wise optimizer state)."""
+    an embedding weight to (its table, the names of its row-wise optimizer state); ``keyed_tables`` maps
+    ``id(weight)`` of a ``KeyedEmbedding`` to (its keyed table, {state name: the free slots' value}), whose
+    row-wise state becomes ``KEYED_MARK`` markers."""
+    keyed_tables = keyed_tables or {}
     optims = []
     for opt in optimizers:
         sd = opt.state_dict()
@@ -73,12 +81,15 @@ def build(*, mode: str, tables: list[str], dense: Mapping, optimizers: list, ext
             else:
                 param = named.get(idx) if isinstance(named, Mapping) else None
             table, row_keys = row_tables.get(id(param), (None, set())) if param is not None else (None, set())
-            state[idx] = {k: ({ROW_MARK: f"{table}.optim.{k}", "dtype": str(v.dtype).split(".")[-1],
+            ktable, kstates = keyed_tables.get(id(param), (None, {})) if param is not None else (None, {})
+            state[idx] = {k: ({KEYED_MARK: f"{ktable}.optim.{k}", "dtype": str(v.dtype).split(".")[-1],
+                               "shape": tuple(v.shape), "free": kstates[str(k)]} if str(k) in kstates
+                              else {ROW_MARK: f"{table}.optim.{k}", "dtype": str(v.dtype).split(".")[-1],
                                "shape": tuple(v.shape)} if str(k) in row_keys
                               else {LIVE_MARK: True} if is_sharded_value(v) else v)
                           for k, v in st.items()}
         optims.append({**{k: v for k, v in sd.items() if k != "state"}, "state": state})
-    return {
+    out = {
         "format": PAYLOAD_FORMAT,
         "mode": mode,
         "tables": list(tables),
@@ -91,6 +102,9 @@ def build(*, mode: str, tables: list[str], dense: Mapping, optimizers: list, ext
         # payloads of earlier cnrstore, whose kinds are then not checked
         "optimizer_types": [f"{type(opt).__module__}.{type(opt).__qualname__}" for opt in optimizers],
     }
+    if keyed_tables:  # (the keyed tables of KeyedEmbeddings; absent otherwise, and in earlier payloads)
+        out["keyed"] = sorted(t for t, _s in keyed_tables.values())
+    return out
 
 
 def unsafe_globals(blob) -> list[str]:
@@ -273,6 +287,16 @@ def check_structure(payload, version) -> None:
                                        for n in shape):
                         raise _bad(version, "a row-wise state marker is malformed")
                     torch_dtype(val.get("dtype"), version)
+                if isinstance(val, dict) and KEYED_MARK in val:
+                    shape = val.get("shape")
+                    if not isinstance(val[KEYED_MARK], str) or not isinstance(shape, (list, tuple)) \
+                            or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2 ** 63
+                                       for n in shape) or not isinstance(val.get("free"), (int, float)):
+                        raise _bad(version, "a keyed state marker is malformed")
+                    torch_dtype(val.get("dtype"), version)
+    keyed = payload.get("keyed", [])
+    if not isinstance(keyed, (list, tuple)) or not all(isinstance(t, str) for t in keyed):
+        raise _bad(version, "the keyed table list is not a list of names")
     if not isinstance(payload.get("extra", {}), dict):
         raise _bad(version, "extra is not a map")
     kinds = payload.get("optimizer_types")

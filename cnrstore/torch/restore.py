@@ -57,7 +57,7 @@ def version_info(store, version: int | None) -> VersionInfo | None:
 
 def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping, version: int | None, *,
                  trust_pickle: bool = False, only=None, strict: bool = True, param_names: Mapping | None = None,
-                 before_decode=None) -> tuple[VersionInfo, StoredState, Outcome] | None:
+                 before_decode=None, keyed_names=()) -> tuple[VersionInfo, StoredState, Outcome] | None:
     """Version ``version`` (default newest; None if the store holds none) of ``store`` for a Checkpointer
     whose live objects are ``tables`` (``tracking.Table``s), ``dense`` ({state-dict key: tensor}),
     ``optimizers`` (the optimizers, or how many) and ``extra`` ({name: object}); ``Checkpointer.restore``
@@ -76,7 +76,8 @@ def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping
     tensors themselves, which ``Checkpointer.load_state`` then leaves as they are); other tables are decoded
     into new tensors (pinned host memory for a CUDA weight) for ``load_state`` to copy. A table not loaded
     comes back as None in ``weights``; an optimizer not loaded as None in ``optimizer_states`` (an empty list:
-    none is)."""
+    none is). ``keyed_names``: the keyed tables of the model's KeyedEmbeddings, which ``only`` may name (the
+    caller reads them: ``keyed_save``); their optimizer state comes back as its ``KEYED_MARK`` markers."""
     info = version_info(store, version)
     if info is None:
         return None
@@ -91,7 +92,7 @@ def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping
             only = list(only)  # (read twice below: a generator once)
         except TypeError:
             pass  # (select() says what to pass)
-    sel = select(only, [t.name for t in tables], list(dense), list(extra), bool(n_opts))
+    sel = select(only, [t.name for t in tables] + list(keyed_names), list(dense), list(extra), bool(n_opts))
     hint = "The model, optimizers or extra objects differ from the ones that saved it. "
     plain = [t for t in tables if not isinstance(t, ShardTable)]
     asked = None if only is None else ({only} if isinstance(only, str) else set(only))  # (select() checked it)

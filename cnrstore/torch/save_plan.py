@@ -33,6 +33,9 @@ class SavePlanner:
         self.tables = tables
         self.optimizers = optimizers
         self.force_full = True
+        #: the model has keyed embeddings (keyed_save.py): with no positional tables, a save is then a baseline
+        #: only when it must be (their increments are the Checkpointer's, not this planner's)
+        self.keyed = False
         self.diffs: list[float] = []
         self._now: list = []  # per table, the fingerprints of its rows taken by the last pick()
 
@@ -101,8 +104,10 @@ class SavePlanner:
         return baseline, False, picks
 
     def _pick_rows(self, changed: list) -> tuple[bool, list]:
-        if self.force_full or not self.tables:
+        if self.force_full or (not self.tables and not self.keyed):
             baseline = True
+        elif not self.tables:
+            return False, []
         elif self.mode == "incremental":
             return False, [self._rows(c) for c in changed]
         else:
