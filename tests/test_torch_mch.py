@@ -1,5 +1,5 @@
 """TorchRec managed-collision (MCH) models checkpointed by the torch Checkpointer with their remap state as
-keyed rows (cnrstore/torch/keyed_saves.py): each save writes the ids admitted, evicted or touched, and a
+keyed rows (cnrstore/torch/mc_saves.py): each save writes the ids admitted, evicted or touched, and a
 restore reproduces every buffer (slots, counts, last access, the free-slot tail) bit for bit."""
 
 import numpy as np

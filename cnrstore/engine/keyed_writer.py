@@ -37,7 +37,7 @@ class KeyedPuts:
         self._buffer: dict[tuple[str, int], tuple] = {}
         self._buffered_bytes = 0
 
-    def put(self, info: TableRecord, keys, values, columns, codec: str | None, delete=None) -> None:
+    def put(self, info: TableRecord, keys, values, columns, codec: str | None) -> None:
         keys = keys_arg(keys, info.name)
         if values is None and not info.dim:  # a table of dim 0: a key's row is its columns
             values = np.zeros((keys.size, 0), np.float32)
@@ -48,13 +48,7 @@ class KeyedPuts:
             chosen = codecs.get(chosen.fallback)  # the whole put in one codec that holds it faithfully
         width = keyed_records.row_width(info, chosen)
         rows = keyed_records.encode_rows(info, chosen, vals, cols) if keys.size else np.zeros((0, width), np.uint8)
-        flags = np.zeros(keys.size, bool)
-        if delete is not None:  # (deletions in the same call: one record per partition holds both)
-            gone = keys_arg(delete, info.name)
-            keys = np.concatenate([keys, gone.astype(np.int64, copy=False)])
-            rows = np.concatenate([rows, np.zeros((gone.size, rows.shape[1]), np.uint8)])
-            flags = np.concatenate([flags, np.ones(gone.size, bool)])
-        self._write(info, chosen, keys, rows, flags)
+        self._write(info, chosen, keys, rows, np.zeros(keys.size, bool))
 
     def delete(self, info: TableRecord, keys) -> None:
         keys = keys_arg(keys, info.name)

@@ -148,18 +148,16 @@ class CheckpointWriter:
                 self._fail(exc)
                 raise
 
-    def put_keys(self, table: str, keys, values, *, columns=None, codec: str | None = None, delete=None) -> None:
+    def put_keys(self, table: str, keys, values, *, columns=None, codec: str | None = None) -> None:
         """Write ``values[i]`` (and each column's entry i) as the row of key ``keys[i]`` of keyed table
         ``table`` in this version (see API.md, "Keyed tables"). A key changes at most once per version.
-        ``delete``: keys to delete in the same call (as ``delete_keys``), so that each partition gets one
-        record for both (a later call touching a partition rewrites its record, leaving the first unused).
 
         Bad input raises InvalidArgument and leaves the version as it was; TableNotFound for an unknown table.
         """
         self._check_open()
         info = self._table(table)
         keyed_reader.check_keyed(info, "put_keys")
-        self._keyed_call(lambda: self._keyed.put(info, keys, values, columns, codec, delete))
+        self._keyed_call(lambda: self._keyed.put(info, keys, values, columns, codec))
 
     def delete_keys(self, table: str, keys) -> None:
         """Delete ``keys`` of keyed table ``table`` in this version: a read of this version or a later one

@@ -21,7 +21,7 @@ import torch
 
 from ..engine import fs
 from ..errors import SaveSkipped
-from . import keyed_saves
+from . import mc_saves
 from .payload import DENSE_PREFIX, STATE_BLOB
 from .streamed import StreamedTable
 from .keyed_save import KeyedJob, write_job as write_keyed
@@ -197,13 +197,13 @@ def write(store, pending: PendingSave, step, meta, row_jobs, dense: dict, blob: 
                 name, rows, values, codec = job
                 if rows.size:
                     ck.put_rows(name, rows, values.numpy(), codec=codec)
-            dense, keyed = keyed_saves.put_groups(ck, store, dense)  # MCH / MPZCH buffers: their changed ids
+            dense, keyed = mc_saves.put_groups(ck, store, dense)  # MCH / MPZCH buffers: their changed ids
             for key, arr in dense.items():
                 check()
                 ck.put_dense(DENSE_PREFIX + key, arr)
             ck.put_dense(STATE_BLOB, blob)
             check()
-        keyed_saves.written(store, ck.version, keyed)
+        mc_saves.written(store, ck.version, keyed)
         version = pending.report.version = ck.version
         pending.report.write_s = time.perf_counter() - start
         pending.report.lag_s = time.perf_counter() - pending.created

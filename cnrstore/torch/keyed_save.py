@@ -77,8 +77,9 @@ def write_job(store, ck, job: KeyedJob) -> None:
     if job.full:
         stored = store.keys(job.name) if store.latest() is not None else np.empty(0, np.int64)
         deleted = np.setdiff1d(stored, job.keys, assume_unique=True)
-    if job.keys.size or deleted.size:  # (one call: one record per partition for the puts and deletions)
-        ck.put_keys(job.name, job.keys, job.values, columns=job.columns, codec=job.codec, delete=deleted)
+    if job.keys.size or deleted.size:
+        ck.put_keys(job.name, job.keys, job.values, columns=job.columns, codec=job.codec)
+        ck.delete_keys(job.name, deleted)  # (buffered with the puts: one record per partition holds both)
 
 
 class KeyedTracker:

@@ -25,7 +25,7 @@ from . import sharded
 from ..errors import InvalidArgument, MissingRows, VersionNotFound
 from ..types import VersionInfo
 from .optim_state import is_keyed, row_state_width
-from . import keyed_saves
+from . import mc_saves
 from .payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
 from .restore_check import Outcome, check_names, check_optimizers, select
 from .tracking import ShardTable
@@ -122,7 +122,7 @@ def read_version(store, tables: list, dense: Mapping, optimizers, extra: Mapping
             raise InvalidArgument(
                 f"table {t.name!r}: the store has {ti.num_rows} rows x {ti.dim} dims, the model "
                 f"{t.num_rows} x {t.dim}; restore into a model of the stored shape")
-    keyed = keyed_saves.restore_groups(store, {k: t for k, t in dense.items() if k in keep_dense}, v)
+    keyed = mc_saves.restore_groups(store, {k: t for k, t in dense.items() if k in keep_dense}, v)
     read_dense = {key: keyed[key] if key in keyed else _dense(store, key, target, v)
                   for key, target in dense.items() if key in keep_dense}
     stored_opts = payload["optimizers"] or []

@@ -1,6 +1,6 @@
 """Managed-collision buffers saved as keyed tables by the torch ``Checkpointer`` (issue 50).
 
-A model's TorchRec MCH and MPZCH modules (found by their buffers: keyed_buffers.find_groups) are not written
+A model's TorchRec MCH and MPZCH modules (found by their buffers: mc_buffers.find_groups) are not written
 as whole dense arrays at every save. Each module's slot buffers go to a keyed table of dim 0
 (``<module path>.keyed``), and a save writes only the ids admitted, evicted or changed since the version it
 goes on top of (``put_groups``); an MCH module's free-slot tail is a small dense array
@@ -19,7 +19,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import keyed_buffers as kb
+from . import mc_buffers as kb
 from ..errors import InvalidArgument
 
 #: Prefix of the dense arrays holding an MCH module's free-slot tail: TAIL_PREFIX + state-dict key

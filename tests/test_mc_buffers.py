@@ -1,4 +1,4 @@
-"""Managed-collision buffers as keyed rows (cnrstore/torch/keyed_buffers.py): TorchRec MCH and MPZCH states
+"""Managed-collision buffers as keyed rows (cnrstore/torch/mc_buffers.py): TorchRec MCH and MPZCH states
 split into keyed rows and a tail, compared save to save, and rebuilt bit for bit."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cnrstore.torch import keyed_buffers as kb  # noqa: E402
+from cnrstore.torch import mc_buffers as kb  # noqa: E402
 
 
 def _mch_state(rng, size=16, n=10, prefix="m."):
