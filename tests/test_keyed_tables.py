@@ -294,3 +294,19 @@ def test_a_keyed_table_of_dim_0_holds_its_columns_alone(tmp_path):
         assert ch.rows.tolist() == [3] and ch.deleted.tolist() == [-7]
         s.compact()
         assert s.read_keyed("remap", 1).columns["slot"].tolist() == [2, 1, 0] and s.verify().ok
+
+
+def test_the_parent_of_an_open_checkpoint_cannot_be_dropped(tmp_path):
+    """drop_versions(allow_newest=True) of the version an open save builds on would leave the save's runs on
+    chains no kept version holds: refused, the store unchanged (found by the race schedules' review)."""
+    with cnrstore.open(tmp_path / "s", create=True) as s:
+        s.create_table("ids", dim=2, keyed=True, partitions=2)
+        with s.checkpoint() as ck:
+            ck.put_keys("ids", [1, 2, 3], np.ones((3, 2)))
+        ck = s.checkpoint()
+        ck.put_keys("ids", [4], np.ones((1, 2)))
+        with pytest.raises(cnrstore.errors.CheckpointInProgress, match="cannot be dropped while checkpoint"):
+            s.drop_versions([1], allow_newest=True)
+        ck.commit()
+        assert s.keys("ids").tolist() == [1, 2, 3, 4]
+        assert s.drop_versions([1]) == [1] and s.keys("ids").tolist() == [1, 2, 3, 4] and s.verify().ok

@@ -43,7 +43,7 @@ from ..policy import compaction as compaction_policy
 from .schema import TableRecord
 from .storage import LocalSegmentStorage, SegmentStorage
 from ..types import GCReport, VersionInfo
-from .version_edit import VersionEdit, crash_points
+from .version_edit import ParentPin, VersionEdit, crash_points
 
 W = TypeVar("W")
 _UNRECORDED = "the index could not record the deletion of freed segments"
@@ -364,7 +364,11 @@ class Engine:
     def _pinned(self) -> frozenset:
         """``pinned()``, for a caller holding ``_pin_lock``."""
         writer = self._writer
-        return frozenset(writer.pins) if writer is not None else frozenset()
+        if writer is None:
+            return frozenset()
+        parent = getattr(writer, "parent", None)
+        parent = () if parent is None else (ParentPin(writer.version, parent),)
+        return frozenset(writer.pins).union(parent)
 
     def begin_writer(self, make: Callable[[int, int | None, EngineParts], W]) -> W:
         """Put ``make(version, parent, parts)`` (a CheckpointWriter) in the writer slot and return it:

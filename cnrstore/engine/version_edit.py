@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import record
-from ..errors import CnrError, InvalidArgument
+from ..errors import CheckpointInProgress, CnrError, InvalidArgument
 from .index import DenseLoc, IndexView, IndexWriter, RowLoc
 from .reader import unread_versions
 from .schema import (
@@ -285,6 +285,15 @@ def _unpack(packed, n: int) -> list[tuple]:
     return list(zip(*(np.frombuffer(b, dtype=dt).tolist() for b, dt in zip(packed, _PACKED_DTYPES[n]))))
 
 
+class ParentPin(NamedTuple):
+    """In an edit's ``pinned``: the open checkpoint ``version`` is written on top of version ``parent``, which a
+    drop must not take away (its new records would read older chains, and no kept version would hold the
+    parent's entries)."""
+
+    version: int
+    parent: int
+
+
 # the parts decided in the transaction ------------------------------------------------------------------
 def _drop_versions(w: IndexWriter, drop: frozenset, allow_newest: bool, pinned: frozenset) -> list[int]:
     """Drop the versions of ``drop`` still present and every entry no kept version reads (an entry at v of
@@ -294,6 +303,11 @@ def _drop_versions(w: IndexWriter, drop: frozenset, allow_newest: bool, pinned: 
     dropped = sorted(set(versions) & set(drop))
     if dropped and dropped[-1] == versions[-1] and not allow_newest:
         raise CnrError("the newest version cannot be dropped")  # a policy bug, not a user input
+    for pin in pinned:
+        if isinstance(pin, ParentPin) and pin.parent in dropped:  # its records go on top of the parent's chains
+            raise CheckpointInProgress(f"version {pin.parent} cannot be dropped while checkpoint {pin.version}, "
+                                       "written on top of it, is open; drop it once that checkpoint has committed "
+                                       "or aborted")
     kept = sorted(set(versions) - set(dropped))
     by_block: dict[tuple[int, int], list] = {}
     for t, b, v, loc in w.row_entries():
