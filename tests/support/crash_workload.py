@@ -4,12 +4,15 @@ store it starts from, and the new write each recovered crash state must take."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 
 from cnrstore import knobs
 from cnrstore.maintenance.background import BackgroundCompactor
 from cnrstore.maintenance.compaction import merge_chains
+from cnrstore.maintenance import repair as repair_module
 from cnrstore.maintenance.repair import repair
 from cnrstore.store import Store
 
@@ -75,10 +78,13 @@ class Workload:
 
     def repair(self):
         """``cnrstore repair`` of the store with its index intact (closed first, reopened after): the
-        new index is built beside the old one, the old one moved aside and the new one renamed in."""
+        new index is built beside the old one, the old one moved aside and the new one renamed in. (Repair
+        leaves a store it verifies healthy as it is; here it is told the store is not, so that the rebuild an
+        index that fails verification gets, with its renames and READY mark, is what the explorer records.)"""
         def run_repair():
             self.store.close()
-            report = repair(self.store.path, filesystem=self.rec)
+            with mock.patch.object(repair_module, "_store_is_healthy", lambda *_a, **_k: False):
+                report = repair(self.store.path, filesystem=self.rec)
             assert report.ok, report.versions_lost
             self.store = Store(self.store.path, create=False, readonly=False, filesystem=self.rec)
         return self._op("repair", run_repair)
