@@ -32,15 +32,24 @@ class KeyedPuts:
         #: (table, partition) -> (keys this version changed there (sorted), bytes of a record of them alone)
         self.own: dict[tuple[str, int], tuple[np.ndarray, int]] = {}
 
-    def put(self, info: TableRecord, keys, values, columns, codec: str | None) -> None:
+    def put(self, info: TableRecord, keys, values, columns, codec: str | None, delete=None) -> None:
+        """Put ``keys``; and delete ``delete`` (if given) in the same records: one record per partition the
+        two touch, where a put_keys then a delete_keys call writes each partition both touch twice."""
         keys = keys_arg(keys, info.name)
         vals, _range = arguments.row_values(values, keys, info.dim, info.name)
         cols = keyed_records.check_columns(info, columns, keys.size)
         chosen = codecs.get(codec if codec is not None else info.codec)
         while chosen.fallback is not None and vals.size and chosen.unrepresentable(vals).any():
             chosen = codecs.get(chosen.fallback)  # the whole put in one codec that holds it faithfully
-        rows = keyed_records.encode_rows(info, chosen, vals, cols) if keys.size else None
-        self._write(info, chosen, keys, rows, np.zeros(keys.size, bool))
+        width = keyed_records.row_width(info, chosen)
+        rows = keyed_records.encode_rows(info, chosen, vals, cols) if keys.size else np.zeros((0, width), np.uint8)
+        deleted = np.zeros(keys.size, bool)
+        if delete is not None:
+            gone = keys_arg(delete, info.name)
+            keys = np.concatenate([keys, gone])
+            rows = np.concatenate([rows, np.zeros((gone.size, width), np.uint8)])
+            deleted = np.concatenate([deleted, np.ones(gone.size, bool)])
+        self._write(info, chosen, keys, rows, deleted)
 
     def delete(self, info: TableRecord, keys) -> None:
         keys = keys_arg(keys, info.name)

@@ -148,16 +148,18 @@ class CheckpointWriter:
                 self._fail(exc)
                 raise
 
-    def put_keys(self, table: str, keys, values, *, columns=None, codec: str | None = None) -> None:
+    def put_keys(self, table: str, keys, values, *, columns=None, codec: str | None = None, delete=None) -> None:
         """Write ``values[i]`` (and each column's entry i) as the row of key ``keys[i]`` of keyed table
         ``table`` in this version (see API.md, "Keyed tables"). A key changes at most once per version.
+        ``delete``: keys deleted in this version too, written in the same records as the puts (``delete_keys``
+        after ``put_keys`` rewrites each partition both touch, doubling the version's bytes there).
 
         Bad input raises InvalidArgument and leaves the version as it was; TableNotFound for an unknown table.
         """
         self._check_open()
         info = self._table(table)
         keyed_reader.check_keyed(info, "put_keys")
-        self._keyed_call(lambda: self._keyed.put(info, keys, values, columns, codec))
+        self._keyed_call(lambda: self._keyed.put(info, keys, values, columns, codec, delete))
 
     def delete_keys(self, table: str, keys) -> None:
         """Delete ``keys`` of keyed table ``table`` in this version: a read of this version or a later one
