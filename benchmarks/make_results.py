@@ -178,6 +178,14 @@ SECTIONS = [
      "interleaved: each save's stall, worst against median and against the local run's worst, the bucket's lag, "
      "bytes uploaded against bytes written, the seconds close() takes to make the bucket current.",
      [], ["--quick", "--rounds", "1"], None),
+    ("bench_dynamic.py", "Dynamic embedding tables (bench_dynamic.py)",
+     "Issue 50's benchmark: a numpy emulation of a dynamic-embedding trainer (ids from a 2^40 space drawn by a Zipf "
+     "stream, 10-20% of the live count admitted per interval, the lowest decayed scores evicted to hold the live "
+     "count; dim 64 fp32 with a score and a last-step column) checkpointed three ways: a cnrstore keyed table "
+     "(the interval's puts and evictions), DCP full dumps, dynamicemb-style full dumps with key-only deltas: bytes "
+     "and stall per save, cnrstore's bytes against the changes' bytes, restore of the newest checked against the "
+     "emulator, and a restore at another world size (2 writer ranks, 3 readers by partition range) against "
+     "reading every old rank's file.", ["--keys", "4000000"], ["--quick"], None),
 ]
 
 

@@ -53,24 +53,31 @@ class KeyedMachine(RuleBasedStateMachine):
 
     @rule(puts=st.lists(st.sampled_from(KEY_POOL), unique=True, max_size=12),
           deletes=st.lists(st.sampled_from(KEY_POOL), unique=True, max_size=6),
-          split=st.booleans(), codec=st.sampled_from([None, "fp16"]))
-    def checkpoint(self, puts, deletes, split, codec):
+          split=st.booleans(), codec=st.sampled_from([None, "fp16"]), together=st.booleans())
+    def checkpoint(self, puts, deletes, split, codec, together):
+        """``together``: the deletions go in the last put_keys call (``delete=``), not a delete_keys call."""
         deletes = [k for k in deletes if k not in puts]
         state = dict(self._latest())
+        deletes_done = False
         with self.store.checkpoint(step=len(self.model)) as ck:
             halves = [puts[: len(puts) // 2], puts[len(puts) // 2:]] if split else [puts]
             for i, part in enumerate(halves):
-                if not part:
+                last = i == len(halves) - 1
+                if not part and not (together and last and deletes):
                     continue
                 self.salt += 1
                 rows = [_row(k, self.salt) for k in part]
-                ck.put_keys("ids", np.array(part, np.int64), np.array([r[0] for r in rows], np.float32),
+                ck.put_keys("ids", np.array(part, np.int64), np.array([r[0] for r in rows], np.float32).reshape(-1, DIM),
                             columns={"score": np.array([r[1] for r in rows], np.float32),
-                                     "last": np.array([r[2] for r in rows], np.int64)},
+                                     "last": np.array([r[2] for r in rows], np.int64).reshape(-1, 2)},
                             codec=codec if i == 0 else None)
+                if together and last and deletes:  # (evictions right after the last put of the save)
+                    ck.delete_keys("ids", deletes)
+                    deletes_done = True
                 state.update(zip(part, rows))
             if deletes:
-                ck.delete_keys("ids", deletes)
+                if not deletes_done:
+                    ck.delete_keys("ids", deletes)
                 for k in deletes:
                     state.pop(k, None)
         self.model[ck.version] = state
