@@ -78,32 +78,30 @@ def read_keys(view: IndexView, storage: SegmentStorage, info: TableRecord, keys:
 def read_all(view: IndexView, storage: SegmentStorage, info: TableRecord, version: int,
              partitions: np.ndarray | None = None, *, keys_only: bool = False) -> keyed_records.KeyedRows:
     """Every key live at ``version`` (of ``partitions`` only, if given), ascending, with its row (``keys_only``:
-    values and columns empty)."""
+    values and columns empty). Each partition's rows are decoded once, straight to their place in key order."""
     wanted = None if partitions is None else set(partitions.tolist())
-    key_parts, row_parts = [], []
+    runs = []  # (codec, live keys, live rows) per partition read
     for partition, oldest in view.row_blocks(info.id):
         if oldest > version or (wanted is not None and partition not in wanted):
             continue
         got = partition_run(view, storage, info, partition, version)
-        if got is None:
-            continue
-        codec, run = got
-        keep = ~run.deleted
-        key_parts.append(run.keys[keep])
-        if not keys_only:
-            row_parts.append(keyed_records.decode_rows(info, codec, run.values[keep], run.keys[keep]))
-    keys = np.concatenate(key_parts) if key_parts else np.zeros(0, np.int64)
+        if got is not None:
+            codec, run = got
+            runs.append((codec, *keyed_runs.live(run)))
+    keys = np.concatenate([k for _c, k, _r in runs]) if runs else np.zeros(0, np.int64)
     order = np.argsort(keys, kind="stable")
-    keys = keys[order]
     if keys_only:
-        return keyed_records.KeyedRows(keys, np.zeros((0, info.dim), np.float32), {})
-    if row_parts:
-        values = np.concatenate([r.values for r in row_parts])[order]
-        columns = {name: np.concatenate([r.columns[name] for r in row_parts])[order] for name, _d, _w in info.columns}
-    else:
-        values = np.zeros((0, info.dim), np.float32)
-        columns = {name: np.zeros((0,) if w == 1 else (0, w), np.dtype(dt)) for name, dt, w in info.columns}
-    return keyed_records.KeyedRows(keys, values, columns)
+        return keyed_records.KeyedRows(keys[order], np.zeros((0, info.dim), np.float32), {})
+    n = keys.size
+    dest = np.empty(n, np.int64)
+    dest[order] = np.arange(n)  # where each entry goes in key order
+    values = np.empty((n, info.dim), np.float32)
+    columns = {name: np.empty((n,) if w == 1 else (n, w), np.dtype(dt)) for name, dt, w in info.columns}
+    at = 0
+    for codec, k, rows in runs:
+        keyed_records.decode_into(info, codec, rows, dest[at:at + k.size], values, columns)
+        at += k.size
+    return keyed_records.KeyedRows(keys[order], values, columns)
 
 
 def keyed_changes(view: IndexView, storage: SegmentStorage, info: TableRecord, since: int, until: int):

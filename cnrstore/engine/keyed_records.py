@@ -126,10 +126,30 @@ def decode_rows(info: TableRecord, codec, rows: np.ndarray, keys: np.ndarray) ->
     columns, at = {}, width
     for name, dt, width in info.columns:
         size = np.dtype(dt).itemsize * width
-        col = np.ascontiguousarray(rows[:, at:at + size]).view(np.dtype(dt)).reshape(n, width)
+        col = np.array(rows[:, at:at + size]).view(np.dtype(dt)).reshape(n, width)  # (a copy: never a view of a segment)
         columns[name] = col[:, 0].copy() if width == 1 else col
         at += size
     return KeyedRows(keys, values, columns)
+
+
+def decode_into(info: TableRecord, codec, rows: np.ndarray, dest: np.ndarray, values: np.ndarray,
+                columns: dict) -> None:
+    """Decode ``rows`` (uint8 (n, row_width) in ``codec``) straight into ``values[dest]`` and each
+    ``columns[name][dest]``: fp32 values and the columns are viewed in place and copied once (a whole-table read
+    of many partitions costs one copy of the table, not one per step)."""
+    n = rows.shape[0]
+    width = value_bytes(info, codec)
+    if n and width:
+        if codec.name == "fp32":
+            values[dest] = rows[:, :width].view("<f4")
+        else:
+            values[dest] = codec.decode(np.ascontiguousarray(rows[:, :width]), info.dim)
+    at = width
+    for name, dt, w in info.columns:
+        size = np.dtype(dt).itemsize * w
+        col = rows[:, at:at + size].view(np.dtype(dt))
+        columns[name][dest] = col[:, 0] if w == 1 else col
+        at += size
 
 
 def recode(info: TableRecord, run: keyed_runs.KeyRun, codec, to) -> keyed_runs.KeyRun:

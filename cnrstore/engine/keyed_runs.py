@@ -124,7 +124,10 @@ def merge(runs: Sequence[KeyRun]) -> KeyRun:
 
 
 def live(run: KeyRun) -> tuple[np.ndarray, np.ndarray]:
-    """(keys, values) of the keys present: what a read of a chain merged from its baseline returns."""
+    """(keys, values) of the keys present: what a read of a chain merged from its baseline returns (the run's
+    own arrays when it holds no deletion)."""
+    if not run.deleted.any():
+        return run.keys, run.values
     keep = ~run.deleted
     return run.keys[keep], run.values[keep]
 
@@ -184,6 +187,8 @@ def decode_keys(aux: bytes, body: bytes, width: int, where: str) -> KeyRun:
     if len(body) != put * width:
         raise CorruptionError(f"{where}: {put} keys put need {put * width} bytes of rows, the record holds "
                               f"{len(body)}", where, None)
+    if put == n:  # no deletion: the rows as they lie (a view of the body, no copy: readers copy what they return)
+        return KeyRun(keys, deleted, np.frombuffer(body, np.uint8).reshape(n, width))
     values = np.zeros((n, width), np.uint8)
     values[~deleted] = np.frombuffer(body, np.uint8).reshape(put, width)
     return KeyRun(keys, deleted, values)
