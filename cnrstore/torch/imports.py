@@ -619,6 +619,13 @@ def _as_numpy(key: str, value):
     return value.detach().cpu().numpy()
 
 
+def _refuse_seeded(st) -> None:
+    """InvalidArgument if ``st`` holds a version: an import seeds a new store."""
+    if st.versions():
+        raise InvalidArgument(f"the store holds {len(st.versions())} version(s) already; an import seeds a new "
+                              "store: import into a new path")
+
+
 def _import_nested(store, obj, fmt: str, where: str, *, codec: str, codecs, step, meta) -> ImportReport:
     """``import_checkpoint`` of a nested cnrstore export: its tables, dense arrays and keyed tables as they
     are (cnrstore.nested_import), one version; a failed import leaves the store as ``import_checkpoint``'s."""
@@ -627,9 +634,7 @@ def _import_nested(store, obj, fmt: str, where: str, *, codec: str, codecs, step
     st, created, before = _open_store(store)
     ok = False
     try:
-        if st.versions():
-            raise InvalidArgument(f"the store holds {len(st.versions())} version(s) already; an import seeds a new "
-                                  "store: import into a new path")
+        _refuse_seeded(st)
         version = nested_import.write(st, nested, codec=codec, codecs=codecs, step=step, meta=meta)
         infos = st.tables()
         ok = True
@@ -977,9 +982,7 @@ def import_checkpoint(store, source, *, model: nn.Module | None = None, optimize
     st, created, before = _open_store(store)
     ok = False
     try:
-        if st.versions():
-            raise InvalidArgument(f"the store holds {len(st.versions())} version(s) already; an import seeds a new "
-                                  "store: import into a new path")
+        _refuse_seeded(st)
         existing = st.tables()
         specs = {name: (w.shape[0], w.shape[1], codec_of.get(name, codec)) for name, w in weights.items()}
         specs.update({name: (v.shape[0], v.shape[1], optimizer_codec) for name, v in row_tables.items()})
