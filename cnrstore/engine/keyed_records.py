@@ -110,11 +110,22 @@ def check_columns(info: TableRecord, columns, n: int) -> dict:
 
 
 def encode_rows(info: TableRecord, codec, values: np.ndarray, columns: dict) -> np.ndarray:
-    """uint8 (n, row_width): each key's encoded value, then its columns' bytes (``columns`` checked)."""
+    """uint8 (n, row_width): each key's encoded value, then its columns' bytes (``columns`` checked), laid out
+    in one array written once (fp32 values and the columns are copied in, not concatenated)."""
     n = values.shape[0]
-    parts = [codec.encode(values, check=False).reshape(n, -1)] if info.dim else [np.zeros((n, 0), np.uint8)]
-    parts += [columns[name].view(np.uint8).reshape(n, -1) for name, _dt, _w in info.columns]
-    return np.ascontiguousarray(np.concatenate(parts, axis=1)) if len(parts) > 1 else np.ascontiguousarray(parts[0])
+    width = value_bytes(info, codec)
+    out = np.empty((n, width + column_bytes(info)), np.uint8)
+    if width:
+        if codec.name == "fp32":
+            out[:, :width].view("<f4")[...] = values
+        else:
+            out[:, :width] = codec.encode(values, check=False).reshape(n, width)
+    at = width
+    for name, dt, w in info.columns:
+        size = np.dtype(dt).itemsize * w
+        out[:, at:at + size] = columns[name].view(np.uint8).reshape(n, size)
+        at += size
+    return out
 
 
 def decode_rows(info: TableRecord, codec, rows: np.ndarray, keys: np.ndarray) -> KeyedRows:

@@ -46,25 +46,26 @@ class KeyedPuts:
         chosen = codecs.get(codec if codec is not None else info.codec)
         while chosen.fallback is not None and vals.size and info.dim and chosen.unrepresentable(vals).any():
             chosen = codecs.get(chosen.fallback)  # the whole put in one codec that holds it faithfully
-        width = keyed_records.row_width(info, chosen)
-        rows = keyed_records.encode_rows(info, chosen, vals, cols) if keys.size else np.zeros((0, width), np.uint8)
-        self._write(info, chosen, keys, rows, np.zeros(keys.size, bool))
+        self._write(info, chosen, keys, False,
+                    lambda idx: keyed_records.encode_rows(info, chosen, vals[idx], {c: a[idx] for c, a in cols.items()}))
 
     def delete(self, info: TableRecord, keys) -> None:
         keys = keys_arg(keys, info.name)
         chosen = codecs.get(info.codec)
         width = keyed_records.row_width(info, chosen)
-        self._write(info, chosen, keys, np.zeros((keys.size, width), np.uint8), np.ones(keys.size, bool))
+        self._write(info, chosen, keys, True, lambda idx: np.zeros((idx.size, width), np.uint8))
 
-    def _write(self, info: TableRecord, codec, keys: np.ndarray, rows, deleted: np.ndarray) -> None:
-        """Checks the call's keys (each once, none this version changed before), then buffers its runs:
-        merged per partition in memory, written by ``flush``."""
+    def _write(self, info: TableRecord, codec, keys: np.ndarray, deleting: bool, rows_of) -> None:
+        """Checks the call's keys (each once, none this version changed before), then buffers its runs, merged
+        per partition in memory with what the version buffered there (written by ``flush``). ``rows_of(idx)``
+        encodes the rows of the call's entries ``idx``: one partition at a time, so each is gathered and laid
+        out while it is small (no sorted copy of the whole call)."""
         if not keys.size:
             return
         w = self._writer
         parts = keyed_runs.partition_of(keys, info.partitions)
         order = np.lexsort((keys, parts))
-        keys, parts, rows, deleted = keys[order], parts[order], rows[order], deleted[order]
+        keys, parts = keys[order], parts[order]
         dup = np.flatnonzero((keys[1:] == keys[:-1]))
         if dup.size:
             raise InvalidArgument(f"key {int(keys[dup[0]])} of table {info.name!r} is given twice in one call; a key "
@@ -80,7 +81,7 @@ class KeyedPuts:
                                           f"{w.version}; a key changes at most once per version")
         for start, stop in spans:
             key = (info.name, int(parts[start]))
-            run = keyed_runs.KeyRun(keys[start:stop], deleted[start:stop], rows[start:stop])
+            run = keyed_runs.KeyRun(keys[start:stop], np.full(stop - start, deleting), rows_of(order[start:stop]))
             prior = self.own.get(key)
             self.own[key] = ((run.keys, _alone_bytes(run)) if prior is None
                              else (np.union1d(prior[0], run.keys), prior[1] + _alone_bytes(run)))
