@@ -113,14 +113,23 @@ def merge(runs: Sequence[KeyRun]) -> KeyRun:
     if len(runs) == 1:
         return runs[0]
     keys = np.concatenate([r.keys for r in runs])
-    age = np.repeat(np.arange(len(runs)), [r.count for r in runs])
+    counts = [r.count for r in runs]
+    age = np.repeat(np.arange(len(runs)), counts)
     order = np.lexsort((age, keys))  # by key, then oldest to newest
     keys = keys[order]
     last = np.ones(keys.size, bool)
     last[:-1] = keys[1:] != keys[:-1]  # the newest entry of each key
     pick = order[last]
-    return KeyRun(keys[last], np.concatenate([r.deleted for r in runs])[pick],
-                  np.concatenate([r.values for r in runs])[pick])
+    # the rows of the entries that win, gathered from each run (never a copy of the superseded ones)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    run_of = age[pick]
+    local = pick - starts[run_of]
+    values = np.empty((pick.size, runs[0].values.shape[1]), np.uint8)
+    for i, r in enumerate(runs):
+        mine = run_of == i
+        if mine.any():
+            values[mine] = r.values[local[mine]]
+    return KeyRun(keys[last], np.concatenate([r.deleted for r in runs])[pick], values)
 
 
 def live(run: KeyRun) -> tuple[np.ndarray, np.ndarray]:
