@@ -37,7 +37,21 @@ baseline per partition). The issue's target is <= 1.1x. Against it, the dynamice
 state dumped as N=2 rank files (``torch.save``, ids owned by ``key % N``), each of the M=3 readers loading
 every old rank's file whole and keeping its own ids (W-fold reads).
 
-    python benchmarks/bench_dynamic.py [--quick] [--keys N] [--saves S] [--out FILE]
+Serving with evictions (issue 50: a follower never serves an evicted id's old vector, and its p99 freshness
+stays within the local goal bench_serving.py meets, 2.4 s): a table of ``--follow-keys`` ids from the same
+trainer, saved every ``--follow-save-s`` s into a store of its own while ``cnrstore.serving.Follower`` follows
+it into a ``KeyedReplica`` in a spawned process polling every ``--poll-s`` s (bench_serving.py's method; its
+full sync not measured). Freshness: a version's commit (``VersionInfo.created``) to the poll that applied it
+returning, ``time.time()`` on one machine, p50 and p99 over the versions. Before each commit the trainer
+writes what the version changes (every id put and deleted, and a sample of the put ids with their rows) to a
+file; after each update the follower checks that every id a covered version evicted (and no later one put
+again) is not found, and that the sampled rows (not changed since) read bit for bit; at the end its whole
+replica against the trainer's state. Any stale read or wrong row: exit 1. Bytes: the key-run records the
+follower fetched per update (``keyed_reader.fetch`` counted in the follower's process) against the changes'
+bytes, and the follower's own ``stats["bytes_read"]``.
+
+    python benchmarks/bench_dynamic.py [--quick] [--keys N] [--saves S] [--follow-keys N] [--no-follow |
+                                       --follow-only] [--out FILE]
 """
 
 from __future__ import annotations
@@ -329,7 +343,7 @@ def run(args) -> dict:
     global KEYED_CHAIN_BOUND
     KEYED_CHAIN_BOUND = cnrstore.knobs.KEYED_CHAIN_BOUND
     dim, target = args.dim, args.keys
-    P = args.partitions or max(16, 1 << math.ceil(math.log2(max(1, target) / (1 << 15))))
+    P = args.partitions or max(16, 1 << max(0, math.ceil(math.log2(max(1, target) / (1 << 15)))))
     row_bytes = 4 * dim + 4 + 8  # fp32 value, score, last_step
     root = tempfile.mkdtemp(prefix="bench-dynamic-", dir=args.dir)
     out: dict = {"P": P, "keys": target, "dim": dim, "row_bytes": row_bytes, "saves": []}
@@ -542,6 +556,173 @@ def partition_of_keys(keys: np.ndarray, P: int) -> np.ndarray:
     return keyed_runs.partition_of(keys, P)
 
 
+# ---- serving: a follower's freshness with evictions ------------------------------------------------------
+
+GOAL_FRESH_P50_S, GOAL_FRESH_P99_S = 1.0, 2.4  # bench_serving.py's local goals (issue 40), issue 50 keeps them
+EXPECT_SAMPLE = 2000  # put ids per version whose rows the follower checks bit for bit
+
+
+def _expect_path(d: str, version: int) -> str:
+    return os.path.join(d, f"v{version}.npz")
+
+
+def write_expect(d: str, version: int, put: np.ndarray, deleted: np.ndarray, values, score, last,
+                 rng: np.random.Generator) -> None:
+    """What version ``version`` changed, for the follower's checks: every id put and every id deleted, and a
+    sample of the put ids with their rows. Written (atomically) before the version commits, so it is there
+    whenever the follower applies the version."""
+    pick = np.sort(rng.choice(put.size, min(EXPECT_SAMPLE, put.size), replace=False)) if put.size else \
+        np.zeros(0, np.int64)
+    tmp = os.path.join(d, f".v{version}.tmp.npz")
+    np.savez(tmp, put=put, deleted=deleted, skeys=put[pick], svalues=values[pick], sscore=score[pick],
+             slast=last[pick])
+    os.replace(tmp, _expect_path(d, version))
+
+
+def check_update(rep, expect: dict, since: int, until: int) -> dict:
+    """The replica at ``until`` (the follower just applied ``(since, until]``), against what each version of
+    ``(since, until]`` changed: every id version u evicted and no later version of them put again is not found
+    (and reads as zeros); each sampled id u put and no later version of them put or deleted is found with its
+    row bit for bit (value, score, last_step)."""
+    stale = wrong = evicted_checked = put_checked = 0
+    later_put = later_del = np.zeros(0, np.int64)
+    for u in range(until, since, -1):  # newest first: what a later version changed is left out of u's checks
+        e = expect[u]
+        gone = e["deleted"][~np.isin(e["deleted"], later_put)]
+        found, values = rep.lookup(gone)
+        stale += int(found.sum()) + int(values[~found].any(axis=1).sum())
+        evicted_checked += int(gone.size)
+        keep = ~np.isin(e["skeys"], later_put) & ~np.isin(e["skeys"], later_del)
+        got = rep.read(e["skeys"][keep])
+        ok = got.found & (got.values.view(np.uint32) == e["svalues"][keep].view(np.uint32)).all(axis=1) \
+            & (got.columns["score"].view(np.uint32) == e["sscore"][keep].view(np.uint32)) \
+            & (got.columns["last_step"] == e["slast"][keep])
+        wrong += int((~ok).sum())
+        put_checked += int(keep.sum())
+        later_put, later_del = np.union1d(later_put, e["put"]), np.union1d(later_del, e["deleted"])
+    return {"stale": stale, "wrong": wrong, "evicted_checked": evicted_checked, "put_checked": put_checked}
+
+
+def follow_child(path: str, expect_dir: str, poll_s: float, ready, stop, results) -> None:
+    """The serving process: follows ``path`` into a KeyedReplica, polling every ``poll_s`` s until ``stop``;
+    after each update, ``check_update``; at the end, the whole replica against the trainer's final state.
+    Puts its per-update log."""
+    from cnrstore.serving import Follower, KeyedReplica
+
+    rep = KeyedReplica()
+    f = Follower(path, {"ids": rep}, version=None)  # the full sync, not measured
+    ready.set()
+    log, expect = [], {}
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    with CountReads() as count:
+        while True:
+            stopping = stop.is_set()  # (one more poll after stop: the last version)
+            t0, c0, v0 = time.perf_counter(), time.process_time(), f.version
+            b0, r0, n0 = f.stats["bytes_read"], count.bytes, count.records
+            got = f.poll()
+            if got is not None:
+                at = time.time()
+                u = {"from": v0, "to": got, "at": at, "wall_s": time.perf_counter() - t0,
+                     "cpu_s": time.process_time() - c0, "stats_bytes": f.stats["bytes_read"] - b0,
+                     "fetched": count.bytes - r0, "records": count.records - n0}
+                t1 = time.perf_counter()
+                for v in range(v0 + 1, got + 1):
+                    if v not in expect:
+                        with np.load(_expect_path(expect_dir, v)) as z:
+                            expect[v] = {k: z[k] for k in z.files}
+                u.update(check_update(rep, expect, v0, got))
+                u["check_s"] = time.perf_counter() - t1
+                for v in [v for v in expect if v <= got]:
+                    del expect[v]
+                log.append(u)
+            if stopping:
+                break
+            time.sleep(max(0.0, poll_s - (time.perf_counter() - t0)))
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    final = {"version": f.version, "exact": False}
+    with np.load(os.path.join(expect_dir, "final.npz")) as z:
+        rows = rep.rows()
+        final["want_version"] = int(z["version"])
+        final["exact"] = final["version"] == final["want_version"] and equal_state(
+            (rows.keys, rows.values, rows.columns["score"], rows.columns["last_step"]),
+            (z["keys"], z["values"], z["score"], z["last_step"]))
+    f.close()
+    results.put({"log": log, "cpu_s": cpu, "wall_s": wall, "final": final})
+
+
+def follow(args, root: str) -> dict:
+    """A keyed table of ``--follow-keys`` ids saved every ``--follow-save-s`` s (``--follow-saves`` saves
+    after the first) while a spawned process follows it (``follow_child``): freshness, checks, bytes."""
+    import multiprocessing as mp
+
+    import cnrstore
+
+    dim, target = args.dim, args.follow_keys
+    P = args.partitions or max(16, 1 << max(0, math.ceil(math.log2(max(1, target) / (1 << 15)))))
+    row_bytes = 4 * dim + 4 + 8
+    path, expect_dir = os.path.join(root, "follow"), os.path.join(root, "follow-expect")
+    os.makedirs(expect_dir)
+    em = Emulator(target, dim, args.seed + 1)
+    rng = np.random.default_rng(args.seed + 2)
+    tab = CnrstoreKeyed(path, dim, P)
+    ideal, counts, emu, stall = {}, {}, [], []
+
+    def save(iv: Interval, step: int) -> int:
+        values, score, last = em.rows(iv.put)
+        t0 = time.perf_counter()
+        with tab.store.checkpoint(step=step) as ck:
+            write_expect(expect_dir, ck.version, iv.put, iv.deleted, values, score, last, rng)
+            if iv.put.size:
+                ck.put_keys("ids", iv.put, values, columns={"score": score, "last_step": last})
+            if iv.deleted.size:
+                ck.delete_keys("ids", iv.deleted)
+        stall.append(time.perf_counter() - t0)
+        ideal[ck.version] = int(iv.put.size) * (8 + row_bytes) + int(iv.deleted.size) * 8
+        counts[ck.version] = (int(iv.put.size), int(iv.deleted.size))
+        return ck.version
+
+    save(Interval(em.sorted_keys.copy(), np.zeros(0, np.int64), int(em.sorted_keys.size), 0, 0, 0), 0)
+    ctx = mp.get_context("spawn")
+    ready, stop, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=follow_child, args=(path, expect_dir, args.poll_s, ready, stop, results), daemon=True)
+    child.start()
+    try:
+        if not ready.wait(600):
+            raise RuntimeError("the follower did not finish its full sync in 600 s")
+        t_start = time.perf_counter()
+        for i in range(1, args.follow_saves + 1):
+            t0 = time.perf_counter()
+            iv = em.advance()
+            emu.append(time.perf_counter() - t0)
+            time.sleep(max(0.0, t_start + i * args.follow_save_s - time.perf_counter()))  # the save's tick
+            v = save(iv, i)
+        keys, values, score, last = em.state()
+        np.savez(os.path.join(expect_dir, "final.npz"), version=v, keys=keys, values=values, score=score,
+                 last_step=last)
+        del keys, values, score, last
+        time.sleep(max(1.0, 4 * args.poll_s))  # the follower catches up with the last save
+        stop.set()
+        out = results.get(timeout=600)
+        child.join(60)
+        created = {x.version: x.created for x in tab.store.versions()}
+    finally:
+        if child.is_alive():
+            child.terminate()
+        tab.store.close()
+    fresh = {}
+    for u in out["log"]:
+        for v in range(u["from"] + 1, u["to"] + 1):
+            fresh[v] = u["at"] - created[v]
+            u["ideal"] = u.get("ideal", 0) + ideal[v]
+            u["put"] = u.get("put", 0) + counts[v][0]
+            u["deleted"] = u.get("deleted", 0) + counts[v][1]
+    return {"keys": target, "P": P, "row_bytes": row_bytes, "saves": args.follow_saves, "save_s": args.follow_save_s,
+            "poll_s": args.poll_s, "fresh": [fresh[v] for v in sorted(fresh)], "versions": sorted(fresh),
+            "updates": out["log"], "cpu_s": out["cpu_s"], "wall_s": out["wall_s"], "final": out["final"],
+            "emulate_s": float(np.median(emu)), "stall_s": float(np.median(stall[1:])),
+            "missing": sorted(set(ideal) - {min(ideal)} - set(fresh))}
+
+
 # ---- the report ------------------------------------------------------------------------------------------
 
 def report(r: dict, args) -> str:
@@ -643,6 +824,58 @@ def report(r: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report_follow(fo: dict) -> str:
+    """The follower's part of the report."""
+    fr = np.array(fo["fresh"])
+    ups = fo["updates"]
+    p50, p99 = float(np.percentile(fr, 50)), float(np.percentile(fr, 99))
+    stale, wrong = sum(u["stale"] for u in ups), sum(u["wrong"] for u in ups)
+    ratio = np.array([u["fetched"] / u["ideal"] for u in ups])
+    med = lambda k: float(np.median([u[k] for u in ups]))  # noqa: E731
+    ms = lambda x: f"{x * 1e3:.0f} ms"  # noqa: E731
+    jumps = sum(1 for u in ups if u["to"] - u["from"] > 1)
+    fin = fo["final"]
+    lines = ["", f"Serving with evictions: a keyed table of {fo['keys']:,} ids (`--follow-keys`; {fo['P']} partitions, the "
+             f"same trainer) saved every {fo['save_s']:g} s ({fo['saves']} saves after the first; save stall "
+             f"{ms(fo['stall_s'])} median, emulating an interval {ms(fo['emulate_s'])}) while "
+             f"`cnrstore.serving.Follower` follows the store into a `KeyedReplica` in a spawned process, polling every "
+             f"{fo['poll_s']:g} s (bench_serving.py's method). Freshness: a version's commit (`VersionInfo.created`) to "
+             "the poll that applied it returning (`time.time()`, one machine). After each update the follower checks "
+             "the replica against what the versions it covered changed (the trainer writes them to a file before each "
+             "commit): every id evicted and not put again since must not be found (nor read as anything but zeros); "
+             f"{EXPECT_SAMPLE:,} sampled put ids per version, not changed since, must read their rows bit for bit "
+             "(value, score, last_step); at the end the whole replica against the trainer's state.", "",
+             "| freshness: commit -> the follower's replica | p50 | p99 | max | versions |", "|---|---:|---:|---:|---:|",
+             f"| local store, keyed table with evictions | {ms(p50)} | {ms(p99)} | {ms(float(fr.max()))} | {fr.size} |", "",
+             "| update | versions | ids put / deleted (changes) | changes' bytes | records fetched | bytes fetched | "
+             "ratio | follower's `bytes_read` | update time | check time | evicted ids checked | put ids checked | "
+             "stale / wrong |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for i, u in enumerate(ups):
+        lines.append(f"| {i + 1} | {u['from'] + 1}-{u['to']} | {u['put']:,} / {u['deleted']:,} | {fmt_bytes(u['ideal'])} | "
+                     f"{u['records']} | {fmt_bytes(u['fetched'])} | {u['fetched'] / u['ideal']:.2f}x | "
+                     f"{fmt_bytes(u['stats_bytes'])} | {ms(u['wall_s'])} | {ms(u['check_s'])} | "
+                     f"{u['evicted_checked']:,} | {u['put_checked']:,} | {u['stale']} / {u['wrong']} |")
+    lines += ["", f"- versions followed: {fr.size} of {fo['saves']}" + (f" (missing: {fo['missing']})" if fo["missing"]
+              else "") + f", in {len(ups)} updates ({jumps} covering more than one version); evicted ids checked "
+              f"{sum(u['evicted_checked'] for u in ups):,}, put ids checked {sum(u['put_checked'] for u in ups):,}: "
+              f"**{stale} stale reads** (an evicted id found or read as non-zero), {wrong} wrong rows; the final "
+              f"replica (version {fin['version']}) equal to the trainer's state: {'yes' if fin['exact'] else '**NO**'}",
+              f"- bytes the follower fetched per update (the key-run records of every partition the update touched, "
+              f"each partition's whole chain at both versions) over the changes' bytes: median {np.median(ratio):.2f}x, "
+              f"max {ratio.max():.2f}x; its `stats[\"bytes_read\"]` counts the decoded changes only "
+              f"({fmt_bytes(med('stats_bytes'))} median); update time {ms(med('wall_s'))} median, follower CPU "
+              f"{fo['cpu_s'] / fo['wall_s']:.0%} of one core over the run",
+              f"- freshness p50 {ms(p50)} (goal <= {GOAL_FRESH_P50_S:g} s): **{'met' if p50 <= GOAL_FRESH_P50_S else 'missed'}**; "
+              f"p99 {ms(p99)} (goal <= {GOAL_FRESH_P99_S:g} s, the local goal bench_serving.py meets): "
+              f"**{'met' if p99 <= GOAL_FRESH_P99_S else 'missed'}**; never an evicted id's old vector: "
+              f"**{'met' if stale == 0 and wrong == 0 and fin['exact'] else 'MISSED'}**"]
+    return "\n".join(lines) + "\n"
+
+
+def follow_ok(fo: dict) -> bool:
+    return fo["final"]["exact"] and not fo["missing"] and all(u["stale"] == 0 and u["wrong"] == 0 for u in fo["updates"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keys", type=int, default=None, help="live ids (default 2,000,000; --quick 100,000)")
@@ -656,6 +889,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="where the stores and dumps go (default: the system's temp)")
     ap.add_argument("--quick", action="store_true", help="100,000 ids, 6 saves: seconds (the tests run it)")
     ap.add_argument("--out", help="also write the markdown report here")
+    ap.add_argument("--follow-keys", type=int, default=None, help="the follower's table: live ids (default "
+                    "1,000,000; --quick 5,000)")
+    ap.add_argument("--follow-saves", type=int, default=None, help="saves the follower follows after the first "
+                    "(default 30; --quick 3)")
+    ap.add_argument("--follow-save-s", type=float, default=None, help="seconds between those saves (default 2; "
+                    "--quick 0.2)")
+    ap.add_argument("--poll-s", type=float, default=None, help="the follower's polling interval (default 0.2, as "
+                    "bench_serving.py; --quick 0.05)")
+    ap.add_argument("--no-follow", action="store_true", help="leave out the follower's part")
+    ap.add_argument("--follow-only", action="store_true", help="only the follower's part")
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     args.argv = [a for i, a in enumerate(args.argv) if a != "--out" and (i == 0 or args.argv[i - 1] != "--out")]
@@ -663,15 +906,38 @@ def main(argv=None) -> int:
         args.keys = 100_000 if args.quick else 2_000_000
     if args.saves is None:
         args.saves = 6 if args.quick else 10
+    for name, full, quick in (("follow_keys", 1_000_000, 5_000), ("follow_saves", 30, 3), ("follow_save_s", 2.0, 0.2),
+                              ("poll_s", 0.2, 0.05)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     if args.keys < 1000 or args.saves < 2 or args.full_every < 1:
         ap.error("--keys >= 1000, --saves >= 2, --full-every >= 1")
-    r = run(args)
-    md = report(r, args)
+    if args.follow_keys < 1000 or args.follow_saves < 1 or args.follow_save_s < 0 or args.poll_s <= 0:
+        ap.error("--follow-keys >= 1000, --follow-saves >= 1, --follow-save-s >= 0, --poll-s > 0")
+    if args.no_follow and args.follow_only:
+        ap.error("--no-follow and --follow-only exclude each other")
+    ok, md = True, ""
+    if not args.follow_only:
+        r = run(args)
+        md = report(r, args)
+        ok = r["exact"]
+    if not args.no_follow:
+        root = tempfile.mkdtemp(prefix="bench-dynamic-follow-", dir=args.dir)
+        try:
+            fo = follow(args, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        if args.follow_only:
+            md = "### Dynamic embedding tables: a follower's freshness with evictions\n\n" + "\n".join(
+                f"- {x}" for x in machine_description()) + f"\n- load average at the end: {load_average()}\n"
+        md += report_follow(fo) + (f"- reproduce: `python benchmarks/bench_dynamic.py {' '.join(args.argv)}`\n"
+                                    if args.follow_only else "")
+        ok = ok and follow_ok(fo)
     print(md)
     if args.out:
         with open(args.out, "w") as f:
             f.write(md)
-    return 0 if r["exact"] else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

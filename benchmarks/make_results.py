@@ -185,7 +185,10 @@ SECTIONS = [
      "(the interval's puts and evictions), DCP full dumps, dynamicemb-style full dumps with key-only deltas: bytes "
      "and stall per save, cnrstore's bytes against the changes' bytes, restore of the newest checked against the "
      "emulator, and a restore at another world size (2 writer ranks, 3 readers by partition range) against "
-     "reading every old rank's file.", ["--keys", "4000000"], ["--quick"], None),
+     "reading every old rank's file; and a follower (cnrstore.serving.Follower into a KeyedReplica, a process of its "
+     "own) following a keyed table while it is saved every 2 s: freshness from commit, stale reads of evicted ids "
+     "(checked after every update), bytes fetched per update against the changes'.", ["--keys", "4000000"],
+     ["--quick"], None),
 ]
 
 

@@ -21,6 +21,13 @@ def test_bench_dynamic_quick(tmp_path):
     # the writer buffers a save's puts and evictions: one record per partition, a save's bytes its changes'
     assert "target <= 1.2x: **met**" in md
     assert "compacted 1.000x **met**" in md  # a reader of a partition range reads what it owns
+    # the follower's part (a spawned process following a small keyed table into a KeyedReplica): every version
+    # followed, no evicted id found after the update that evicted it, sampled rows bit for bit, the final
+    # replica equal to the trainer's state (the run exits 1 otherwise)
+    assert "versions followed: 3 of 3" in md and "**0 stale reads**" in md and ", 0 wrong rows" in md
+    assert "equal to the trainer's state: yes" in md and "never an evicted id's old vector: **met**" in md
+    assert "| local store, keyed table with evictions |" in md
     assert os.listdir(tmp_path) == ["r.md"]  # the stores and dumps were removed
     help_text = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, env=env)
     assert help_text.returncode == 0 and "--keys" in help_text.stdout and "--quick" in help_text.stdout
+    assert "--follow-keys" in help_text.stdout and "--no-follow" in help_text.stdout
