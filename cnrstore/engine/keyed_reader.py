@@ -105,14 +105,26 @@ def read_all(view: IndexView, storage: SegmentStorage, info: TableRecord, versio
 
 
 def keyed_changes(view: IndexView, storage: SegmentStorage, info: TableRecord, since: int, until: int):
-    """The TableChanges (keyed) of ``info`` from ``since`` to ``until``: exact. Only partitions with an entry
-    in (min, max] of the two are read, each at both versions; a key put again with the same row is left out.
-    ``until < since`` (a follower's rollback) gives what takes a copy at ``since`` back to ``until``: keys
-    ``until`` does not hold are ``deleted``, a partition ``until`` never wrote included."""
+    """The TableChanges (keyed) of ``info`` from ``since`` to ``until``. Only partitions with an entry in (min,
+    max] of the two are read. Going forward, a partition whose chain at ``until`` reaches ``since`` without a
+    baseline in between is read from its records newer than ``since`` alone (what a follower's update costs is
+    the changes' bytes, not the partition's): their puts, and their deletions (a key deleted in the interval
+    that ``since`` did not hold included: deleting it is a no-op); a key put again with the row it had is then
+    reported too. Any other partition (a baseline since ``since``: a save's merge, ``compact``) is read at both
+    versions and compared: exact. ``until < since`` (a follower's rollback) gives what takes a copy at
+    ``since`` back to ``until``: keys ``until`` does not hold are ``deleted``, a partition ``until`` never wrote
+    included."""
     from .changes import TableChanges
 
     put_keys, put_rows, gone = [], [], []
     for p in view.blocks_written_in(info.id, min(since, until), max(since, until)):
+        newer = _runs_since(view, storage, info, p, since, until)
+        if newer is not None:  # the records written since `since`: what changed, as they say it
+            codec, run = newer
+            put_keys.append(run.keys[~run.deleted])
+            put_rows.append(keyed_records.decode_rows(info, codec, run.values[~run.deleted], put_keys[-1]))
+            gone.append(run.keys[run.deleted])
+            continue
         now = partition_run(view, storage, info, p, until)
         before = partition_run(view, storage, info, p, since) if since else None
         if now is None:  # (a rollback to before the partition's first record: it holds no key there)
@@ -145,6 +157,26 @@ def keyed_changes(view: IndexView, storage: SegmentStorage, info: TableRecord, s
     deleted = np.sort(np.concatenate(gone)) if gone else np.zeros(0, np.int64)
     return TableChanges(info.name, since, until, info.dim, info.codec, keys[order], values, keyed=True,
                         columns=columns, deleted=deleted)
+
+
+def _runs_since(view: IndexView, storage: SegmentStorage, info: TableRecord, partition: int, since: int,
+                until: int) -> tuple | None:
+    """(codec, the runs of ``partition`` newer than ``since`` on its chain at ``until``, merged), or None when
+    they do not say what changed alone: a rollback, no ``since``, or a baseline among them."""
+    if not since or until < since:
+        return None
+    newer = []
+    for v, loc in view.row_chain(info.id, partition, until):
+        if v <= since:
+            break
+        if loc.flags & record.FLAG_BASELINE:
+            return None
+        newer.append(load_run(storage, info, loc, partition, v))
+    if not newer:
+        return None
+    newer.reverse()  # oldest first
+    codec, same = keyed_records.common_codec(info, newer)
+    return codec, keyed_runs.merge(same)
 
 
 def _empty_run(info: TableRecord, codec) -> tuple:
