@@ -860,8 +860,9 @@ def report_follow(fo: dict) -> str:
               f"{sum(u['evicted_checked'] for u in ups):,}, put ids checked {sum(u['put_checked'] for u in ups):,}: "
               f"**{stale} stale reads** (an evicted id found or read as non-zero), {wrong} wrong rows; the final "
               f"replica (version {fin['version']}) equal to the trainer's state: {'yes' if fin['exact'] else '**NO**'}",
-              f"- bytes the follower fetched per update (the key-run records of every partition the update touched, "
-              f"each partition's whole chain at both versions) over the changes' bytes: median {np.median(ratio):.2f}x, "
+              f"- bytes the follower fetched per update (the key-run records it read: of each partition the update "
+              f"touched, its runs newer than the version held, or, past a baseline written since, its chain at both "
+              f"versions) over the changes' bytes: median {np.median(ratio):.2f}x, "
               f"max {ratio.max():.2f}x; its `stats[\"bytes_read\"]` counts the decoded changes only "
               f"({fmt_bytes(med('stats_bytes'))} median); update time {ms(med('wall_s'))} median, follower CPU "
               f"{fo['cpu_s'] / fo['wall_s']:.0%} of one core over the run",
