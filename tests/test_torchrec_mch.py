@@ -79,3 +79,20 @@ def test_restoring_a_sharded_mch_model_at_another_world_size_is_refused(saved):
     for rank in range(3):
         text = (saved / f"error-rank{rank}.txt").read_text()
         assert "managed-collision" in text and "world size 2, this job 3" in text, text
+
+
+def test_partial_recovery_gives_a_replaced_rank_its_own_managed_collision_state(tmp_path):
+    _run(tmp_path, "recover", 2, seed=0)
+    dumps = {(kind, r): _npz(tmp_path / f"{kind}-rank{r}.npz") for kind in ("at-save", "live", "recovered")
+             for r in range(2)}
+    for k in dumps["live", 0]:  # the survivor keeps its live state, managed-collision buffers included
+        assert np.array_equal(dumps["recovered", 0][k], dumps["live", 0][k]), k
+    mc = [k for k in dumps["live", 1] if "_managed_collision_modules" in k]
+    assert any("_mch_sorted_raw_ids" in k for k in mc)
+    assert not np.array_equal(*(next(v for k, v in dumps["at-save", r].items() if "_mch_sorted_raw_ids" in k)
+                                for r in range(2)))
+    for k in dumps["live", 1]:
+        # the replaced rank: its saved buffers (not the survivor's), table shard and fused optimizer state; the
+        # dense layers (replicated) the survivor's
+        want = dumps["live", 0][k] if k.startswith("dense/") and k not in mc else dumps["at-save", 1][k]
+        assert np.array_equal(dumps["recovered", 1][k], want), k

@@ -216,6 +216,29 @@ def main(cfg: dict) -> None:
             report["ok"] = bool(s.verify().ok)
         with open(os.path.join(out, f"stores-rank{rank}.json"), "w") as f:
             json.dump(report, f)
+    elif scenario == "recover":
+        # partial recovery: both ranks save at step 2 and train on; rank 1 is then "replaced" (recovers its
+        # saved state), rank 0 keeps its live one. Managed-collision state is each rank's own: rank 1 must get
+        # its saved buffers back, not rank 0's (replicated dense state is copied from the survivor)
+        ckpt = DistributedCheckpointer(cfg["root"], dmp, dense, codec="fp32", mode="incremental", timeout_s=60,
+                                       extra={"rng": TorchRng()})
+        train(dmp, dense, range(2), rank, world, cfg)
+        ckpt.save(2).wait()
+        np.savez(os.path.join(out, f"at-save-rank{rank}.npz"), **state_of(dmp))
+        train(dmp, dense, range(2, 4), rank, world, cfg)
+        np.savez(os.path.join(out, f"live-rank{rank}.npz"), **state_of(dmp))
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{cfg['init']}-again", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        if rank == 0:
+            ckpt.recover([1], step=4)
+        else:
+            ckpt.close()
+            ckpt = DistributedCheckpointer(cfg["root"], dmp, dense, codec="fp32", timeout_s=60,
+                                           extra={"rng": TorchRng()})
+            ckpt.recover([1])
+        ckpt.close()
+        np.savez(os.path.join(out, f"recovered-rank{rank}.npz"), **state_of(dmp))
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
     dist.destroy_process_group()
