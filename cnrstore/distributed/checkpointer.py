@@ -39,6 +39,7 @@ from torch import nn
 from ..errors import CnrError, GlobalCommitError, InvalidArgument, MissingRows, TableNotFound
 from ..policy import compaction as compaction_policy
 from .. import errors
+from ..torch import mc_saves
 from ..torch import payload as _payload
 from ..torch import preemption, reports
 from ..torch.async_save import PendingSave, SaveReport, WeakPendingWork
@@ -47,6 +48,7 @@ from ..torch.checkpointer import Checkpointer
 from ..engine.uploads import BucketLag
 from ..torch.optim_state import is_keyed, row_state_width
 from ..torch.payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
+from ..torch.sharded import is_rank_local
 from ..torch.tracking import ShardTable
 from . import failures
 from .manifest import GlobalVersion
@@ -826,14 +828,15 @@ class DistributedCheckpointer:
                                           for k, v in opt.state.get(p, {}).items()}
                            for g in opt.param_groups for p in g["params"]
                            if id(p) in dense_ids and id(p) in names})
-        return {"dense": {k: v.detach().cpu().clone() for k, v in local.dense.items()}, "optim": optims}
+        return {"dense": {k: v.detach().cpu().clone() for k, v in local.dense.items() if not is_rank_local(k)},
+                "optim": optims}
 
     def _load_replicated_state(self, state: dict) -> None:
         names = self._param_names()
         local = self._local.trainer_state()
         with torch.no_grad():
             for k, v in state["dense"].items():
-                if k in local.dense:
+                if k in local.dense and not is_rank_local(k):  # (managed-collision state is the rank's own)
                     local.dense[k].copy_(v)
         for opt, by_name in zip(local.optimizers, state["optim"]):
             for g in opt.param_groups:
@@ -889,6 +892,15 @@ class _Resharder:
             diff = sorted(set(new.items()) ^ set(old.items()))
             raise InvalidArgument(f"global version {gv.version} has tables {old}, this plan {new} (differences: "
                                   f"{diff}); restore into a model with the same tables")
+        #: managed-collision state (each rank's own): read from this rank's store, under the same plan only
+        self.rank_local = sorted(k for k in self.state.dense if is_rank_local(k))
+        if self.rank_local and gv.plan != owner.plan:
+            raise InvalidArgument(
+                f"global version {gv.version} was written under another sharding plan (world size "
+                f"{gv.plan.world_size}, this job {owner.plan.world_size}) by a model with TorchRec managed-collision "
+                f"modules ({self.rank_local[0].rsplit('.', 1)[0]!r}): their state is positional (each rank's slots are its row "
+                "range of the table, the raw ids it holds those torchrec routes to it by the world size), so it "
+                "cannot be moved to another plan by rows; restore it at the world size and plan it was saved with")
 
     def _store(self, rank: int):
         if rank not in self._stores:
@@ -932,6 +944,23 @@ class _Resharder:
                                       f"{tuple(arr.shape)}, the model {tuple(shape)}")
             return torch.from_numpy(arr.copy())
         raise InvalidArgument(f"global version {self.gv.version} has no state {key!r} of the model on any rank")
+
+    def _rank_local_state(self) -> dict:
+        """{key: tensor} of this rank's managed-collision state, from its own store (same plan: __init__)."""
+        if not self.rank_local:
+            return {}
+        rank = self.owner.rank
+        st, v = self._store(rank), self.gv.local_versions[rank]
+        targets = {k: self.state.dense[k] for k in self.rank_local}
+        out = mc_saves.restore_groups(st, targets, v)
+        for k in self.rank_local:
+            if k not in out:
+                arr = st.read_dense(DENSE_PREFIX + k, v)
+                if tuple(arr.shape) != tuple(targets[k].shape):
+                    raise InvalidArgument(f"state {k!r}: global version {self.gv.version} has shape "
+                                          f"{tuple(arr.shape)} on rank {rank}, the model {tuple(targets[k].shape)}")
+                out[k] = torch.from_numpy(arr.copy())
+        return out
 
     def _optimizer_states(self, payloads: dict[int, dict]) -> list[dict]:
         names = self.owner._param_names()
@@ -990,7 +1019,8 @@ class _Resharder:
         state = self.state
         try:
             weights = [torch.from_numpy(self.rows(t.name, t.name, t.dim)) for t in state.tables]
-            dense = {k: self._dense(k, v.shape) for k, v in state.dense.items()}
+            dense = {k: self._dense(k, v.shape) for k, v in state.dense.items() if k not in self.rank_local}
+            dense.update(self._rank_local_state())
             for k, v in state.dense.items():
                 if v.dtype == torch.bfloat16:
                     dense[k] = dense[k].view(torch.bfloat16)

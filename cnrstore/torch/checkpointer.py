@@ -324,7 +324,8 @@ class Checkpointer:
             self._remove_hooks()
             raise
         keyed_rows = {id(x) for k in self._keyed for x in k.row_tensors()}
-        self._dense = {k: v for k, v in model.state_dict(keep_vars=True).items()
+        mc_local = sharded.mc_local_buffers(model)  # (a sharded managed-collision buffer: this rank's shard)
+        self._dense = {k: mc_local.get(k, v) for k, v in model.state_dict(keep_vars=True).items()
                        if id(v) not in self._by_weight and k not in sharded_keys and id(v) not in keyed_rows}
         self._keyed_full = False  # the next save writes every keyed table whole (a coalesced save)
         self._plan = SavePlanner(mode, self._tables, self._optimizers)  # which rows each save writes

@@ -79,7 +79,12 @@ def _before(store, table: str, parent: int | None):
     if noted is not None and noted[0] == parent:
         return noted[1], noted[2]
     got = store.read_keyed(table, parent)  # (empty if no version up to the parent wrote it)
-    return got.keys, {n: c.reshape(c.shape[0], -1) for n, c in got.columns.items()}
+    return got.keys, {n: _rows(c) for n, c in got.columns.items()}
+
+
+def _rows(c: np.ndarray) -> np.ndarray:
+    """A keyed column read back as (rows, width) (a table with no key left reads as 0 rows)."""
+    return c.reshape(c.shape[0], int(np.prod(c.shape[1:], dtype=np.int64)))
 
 
 def restore_groups(store, targets: dict, version: int) -> dict:
@@ -99,7 +104,7 @@ def restore_groups(store, targets: dict, version: int) -> dict:
         if g.kind == "mch":
             for name in g.names:
                 tail[name] = store.read_dense(TAIL_PREFIX + g.prefix + name, version)
-        cols = {n: c.reshape(c.shape[0], -1) for n, c in got.columns.items()}
+        cols = {n: _rows(c) for n, c in got.columns.items()}
         missing = [n for n, _d, _w in g.columns if n not in cols]
         if missing:
             raise InvalidArgument(f"{table}: version {version} holds no column {missing[0]!r} of the model's "

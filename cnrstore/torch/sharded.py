@@ -22,8 +22,15 @@ features in the module's config order. Fused TBE optimizers update only the rows
 kernels visit the batch's unique ids), weight decay included, so the looked-up rows are exactly the rows
 that change.
 
+Managed collisions (``ShardedManagedCollisionEmbeddingBagCollection`` / ``...EmbeddingCollection``): the
+embedding collection inside is sharded as above; the managed-collision modules' slot buffers (MCH's
+``_mch_sorted_raw_ids``, ``_mch_remapped_ids_mapping``, ``_mch_<metadata>``; MPZCH's ``_hash_zch_*``) are
+1-D ``ShardedTensor`` s, one local shard per rank: the module that rank runs on its own range of slots
+(:func:`mc_local_buffers`). They are the rank's state, saved and restored as that rank's own (its store's
+managed-collision groups, ``mc_saves``), not rows of a table.
+
 Anything else is refused with :class:`InvalidArgument` saying why: ``DTensor`` state dicts, sharded modules
-other than the two collections (managed collisions, quantized inference, key-value/SSD kernels), a shard
+other than these collections (quantized inference, key-value/SSD kernels), a shard
 whose kernel could not be found (its lookups could not be tracked). This module imports torchrec only when
 the process already has (a model built from torchrec means it is imported).
 """
@@ -39,10 +46,16 @@ from torch import nn
 
 from ..errors import InvalidArgument
 
-__all__ = ["Shard", "find_shards", "is_sharded", "column_name", "parse_column_name", "table_of", "join_column_slices"]
+__all__ = ["Shard", "find_shards", "is_sharded", "is_rank_local", "mc_local_buffers", "column_name", "parse_column_name", "table_of", "join_column_slices"]
 
 #: Sharded modules whose tables this module knows how to find and track (torchrec class names).
 _SUPPORTED = ("ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection")
+#: Sharded managed-collision modules: their embedding collection is one of the above, their managed-collision
+#: buffers are per-rank state (module doc)
+_MANAGED = ("ShardedManagedCollisionEmbeddingBagCollection", "ShardedManagedCollisionEmbeddingCollection",
+            "ShardedManagedCollisionCollection")
+#: The state-dict path of a managed-collision module's buffers
+MC_MARK = "._managed_collision_modules."
 #: TBE compute kernels whose weights live in memory as one tensor per table and whose optimizer is fused
 #: (updates the batch's rows only). The "dense" kernel leaves the update to a regular optimizer, which may
 #: move every row (Adam's moments, weight decay): refused rather than saved inexactly.
@@ -116,7 +129,7 @@ def find_shards(model: nn.Module) -> tuple[list[Shard], set[str], list]:
 
     sharded_tensor = _sharded_tensor_type()
     for path, mod in model.named_modules():
-        if isinstance(mod, ShardedModule) and type(mod).__name__ not in _SUPPORTED:
+        if isinstance(mod, ShardedModule) and type(mod).__name__ not in _SUPPORTED + _MANAGED:
             raise InvalidArgument(
                 f"module {path!r} is a {type(mod).__name__}; cnrstore.torch checkpoints the sharded tables of "
                 f"{' and '.join(_SUPPORTED)} only. Checkpoint this model with torch.distributed.checkpoint, "
@@ -128,7 +141,7 @@ def find_shards(model: nn.Module) -> tuple[list[Shard], set[str], list]:
             raise InvalidArgument(
                 f"state {key!r} is a DTensor; cnrstore.torch reads sharded tables from torchrec's ShardedTensor "
                 "state dicts (its default): unset the option that makes torchrec return DTensors")
-        if not isinstance(value, sharded_tensor):
+        if not isinstance(value, sharded_tensor) or _is_mc_buffer(key, value):
             continue
         if value.dim() != 2 or not key.endswith(".weight"):
             raise InvalidArgument(f"state {key!r} is a ShardedTensor of shape {tuple(value.shape)} that is not an "
@@ -142,6 +155,36 @@ def find_shards(model: nn.Module) -> tuple[list[Shard], set[str], list]:
         return [], keys, []
     _attach_optimizer_state(model, shards)
     return shards, keys, _tbe_feeds(model, shards)
+
+
+def _is_mc_buffer(key: str, value) -> bool:
+    """Whether state ``key`` (a ShardedTensor) is a sharded managed-collision module's buffer."""
+    return MC_MARK in "." + key and value.dim() == 1
+
+
+def is_rank_local(key: str) -> bool:
+    """Whether state-dict ``key`` belongs to a managed-collision module: under TorchRec sharding each rank's
+    is its own (the ids routed to it, its range of slots), neither replicated nor a table's rows."""
+    return MC_MARK in "." + key
+
+
+def mc_local_buffers(model: nn.Module) -> dict:
+    """{state-dict key: this rank's local tensor (the live buffer)} of every managed-collision buffer the
+    sharded model's ``state_dict`` holds as a ShardedTensor (module doc); {} for a model without one.
+    InvalidArgument for a buffer with other than one local shard."""
+    if not is_sharded(model):
+        return {}
+    sharded_tensor = _sharded_tensor_type()
+    out = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, sharded_tensor) or not _is_mc_buffer(key, value):
+            continue
+        locals_ = value.local_shards()
+        if len(locals_) != 1:
+            raise InvalidArgument(f"managed-collision buffer {key!r} has {len(locals_)} local shards on this rank; "
+                                  "cnrstore.torch saves one (torchrec's row-wise managed-collision sharding)")
+        out[key] = locals_[0].tensor
+    return out
 
 
 def _tbe_feeds(model: nn.Module, shards: list[Shard]) -> list:
