@@ -11,7 +11,9 @@ Which records are baselines (a read stops there):
 - a partition's first record: nothing is below it;
 - a partition whose read chain at the parent holds ``knobs.KEYED_CHAIN_BOUND`` records or more: the save
   merges the chain with its own run into a baseline (the live keys only), so a read of any version walks at
-  most that many records without a background merge.
+  most that many records without a background merge. A partition that never merged merges its first chain a
+  little earlier, by a fixed share per partition (``_bound``), so that partitions written at every save do
+  not all merge at the same save.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ class KeyedPuts:
         chain = [] if parent is None else list(view.row_chain(info.id, partition, parent))
         if not chain:
             return codec, run, True
-        if len(chain) < knobs.KEYED_CHAIN_BOUND:
+        if len(chain) < _bound(view, info, partition, chain[-1][0]):
             return codec, run, False
         storage = self._writer.engine.storage
         fs.pause_point("keyed_chain_merge")  # the chain listed on this snapshot, its runs not read yet (tests/test_races.py)
@@ -149,6 +151,20 @@ class KeyedPuts:
         change (a merged baseline's): what writer._increment_bytes takes off."""
         own = self.own.get((table, partition))
         return 0 if own is None else max(0, length - own[1])
+
+
+def _bound(view, info: TableRecord, partition: int, bottom: int) -> int:
+    """The chain length at which a save merges ``partition``'s chain (whose oldest record is at ``bottom``):
+    ``knobs.KEYED_CHAIN_BOUND``, or, while the chain still starts at the partition's first record (it never
+    merged), the bound less a fixed share of it per partition (a hash, up to half the bound). Partitions
+    written at every save then first merge over half a bound's saves rather than all at one, and keep those
+    phases: each save rewrites a small share of the table, never the whole of it at once."""
+    bound = knobs.KEYED_CHAIN_BOUND
+    first = next(view.row_blocks(info.id, partition), None)
+    if bound < 4 or first is None or first[0] != partition or first[1] != bottom:
+        return bound
+    phase = int(keyed_runs.partition_of(np.array([partition], np.int64), bound // 2)[0])
+    return bound - phase
 
 
 def _alone_bytes(run: keyed_runs.KeyRun) -> int:
