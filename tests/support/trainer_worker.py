@@ -18,11 +18,17 @@ import sys
 import threading
 import time
 
-import torch
-from torch import nn
+# Ctrl-C as in an interactive Python, whatever the test process passed on: an ignored or blocked SIGINT is
+# inherited across fork and exec (and Python then installs no KeyboardInterrupt handler), and a pytest worker
+# that ran a test leaving it so (a launcher, a spawned group) made the SIGINT tests here hang or exit 0
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
-from cnrstore.engine import fs
-from cnrstore.torch import Checkpointer, async_save
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from cnrstore.engine import fs  # noqa: E402
+from cnrstore.torch import Checkpointer, async_save  # noqa: E402
 
 
 def signal_at(point: str, signame: str) -> None:
