@@ -150,7 +150,7 @@ def test_without_a_handler_sigterm_loses_the_saves_in_flight(tmp_path):
     assert len(versions) < len(returned)
 
 
-def signalled_run(tmp_path, *signals: str, steps: int | None = None, slow: float = 0.5):
+def signalled_run(tmp_path, *signals: str, steps: int | None = None, slow: float = 0.5, sigint_ignored: bool = False):
     """The trainer saving every step with writes slower than a step (0.5 s each), so that with ``max_lag=2``
     each ``save()`` waits for room; ``steps`` of them (None: until a signal ends it). Each ``POINT:SIGNAL`` of
     ``signals`` is sent the first time the trainer reaches that pause point. Returns (exit status, steps whose
@@ -160,7 +160,9 @@ def signalled_run(tmp_path, *signals: str, steps: int | None = None, slow: float
            "--slow-write", str(slow)] + (["--forever"] if steps is None else ["--steps", str(steps)])
     for spec in signals:
         cmd += ["--signal-at", spec]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    # (sigint_ignored: the trainer started with SIGINT ignored, as a background job of a shell is)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, preexec_fn=ignore)
     returned = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("saved ")]
     with cnrstore.open(tmp_path / "store", readonly=True) as store:
         versions = store.versions()
@@ -229,3 +231,12 @@ def test_sigterm_with_save_saves_the_index_of_the_step_just_finished(tmp_path, r
     newest = store.latest()
     assert newest.step == (12 if restored else 1) and newest.meta.get("sigterm") is True
     store.close()
+
+
+def test_ctrl_c_reaches_a_trainer_started_with_sigint_ignored(tmp_path):
+    """A process started with SIGINT ignored (a shell's background job) passes that on across exec, and Python
+    then installs no KeyboardInterrupt handler: the worker restores Ctrl-C, so the first one still commits the
+    saves and ends the process (before: it exited 0, or trained on until the test's timeout)."""
+    status, _returned, _versions, out = signalled_run(tmp_path, "checkpointer_waits_for_save:SIGINT", steps=3,
+                                                      sigint_ignored=True)
+    assert status == STATUS["SIGINT"], out[-3000:]
