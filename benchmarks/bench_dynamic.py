@@ -243,11 +243,11 @@ class CnrstoreKeyed:
 
     def save(self, em: Emulator, put: np.ndarray, deleted: np.ndarray, step: int) -> int:
         values, score, last = em.rows(put)
-        with self.store.checkpoint(step=step) as ck:  # (buffered by the writer: one record per partition)
+        with self.store.checkpoint(step=step) as ck:  # (buffered by the writer: one record per partition;
+            if deleted.size:                          # evictions first, as API.md advises)
+                ck.delete_keys("ids", deleted)
             if put.size:
                 ck.put_keys("ids", put, values, columns={"score": score, "last_step": last})
-            if deleted.size:
-                ck.delete_keys("ids", deleted)
         return ck.version
 
 
@@ -672,10 +672,10 @@ def follow(args, root: str) -> dict:
         t0 = time.perf_counter()
         with tab.store.checkpoint(step=step) as ck:
             write_expect(expect_dir, ck.version, iv.put, iv.deleted, values, score, last, rng)
-            if iv.put.size:
-                ck.put_keys("ids", iv.put, values, columns={"score": score, "last_step": last})
             if iv.deleted.size:
                 ck.delete_keys("ids", iv.deleted)
+            if iv.put.size:
+                ck.put_keys("ids", iv.put, values, columns={"score": score, "last_step": last})
         stall.append(time.perf_counter() - t0)
         ideal[ck.version] = int(iv.put.size) * (8 + row_bytes) + int(iv.deleted.size) * 8
         counts[ck.version] = (int(iv.put.size), int(iv.deleted.size))

@@ -78,8 +78,10 @@ def write_job(store, ck, job: KeyedJob) -> None:
         stored = store.keys(job.name) if store.latest() is not None else np.empty(0, np.int64)
         deleted = np.setdiff1d(stored, job.keys, assume_unique=True)
     if job.keys.size or deleted.size:
+        # evictions first: they are keys alone, so the writer's buffer holds them whatever the puts' size, and
+        # a put too large for the buffer flushes both in one record per partition (never a partition twice)
+        ck.delete_keys(job.name, deleted)
         ck.put_keys(job.name, job.keys, job.values, columns=job.columns, codec=job.codec)
-        ck.delete_keys(job.name, deleted)  # (buffered with the puts: one record per partition holds both)
 
 
 class KeyedTracker:

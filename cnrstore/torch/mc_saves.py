@@ -50,10 +50,10 @@ def put_groups(ck, store, dense: dict) -> tuple[dict, list]:
                            columns={name: (dt, w) for name, dt, w in g.columns})
         before = _before(store, table, ck.parent)
         changed, deleted = kb.delta(before, keys, cols)
+        if deleted.size:  # (evictions first: keyed_save.write_job says why)
+            ck.delete_keys(table, deleted)
         if changed.size:
             ck.put_keys(table, keys[changed], None, columns={n: c[changed] for n, c in cols.items()})
-        if deleted.size:
-            ck.delete_keys(table, deleted)
         for name, arr in tail.items():
             ck.put_dense(TAIL_PREFIX + g.prefix + name, arr)
         for key in g.keys_of(arrays):
