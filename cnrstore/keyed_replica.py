@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .engine.keyed_runs import as_keys
 from .errors import InvalidArgument
 from .types import KeyedRows, KeyLookup
 
@@ -54,15 +55,6 @@ def _empty_state(dim: int, columns: tuple) -> _State:
     cols = {name: np.zeros((0,) if w == 1 else (0, w), np.dtype(dt)) for name, dt, w in columns}
     return _State(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, dim), np.float32), cols,
                   np.zeros(0, np.int64))
-
-
-def _as_keys(keys) -> np.ndarray:
-    k = np.asarray(keys)
-    if k.ndim != 1 or (k.size and k.dtype.kind not in "iu"):
-        raise InvalidArgument(f"keys must be a 1-D array of int64 keys, got {k.dtype} {k.shape}")
-    if k.dtype.kind == "u" and k.size and int(k.max()) > np.iinfo(np.int64).max:
-        raise InvalidArgument("keys must fit int64")
-    return k.astype(np.int64, copy=False)
 
 
 def _find(keys: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -108,7 +100,7 @@ class KeyedReplica:
     def lookup(self, keys) -> tuple[np.ndarray, np.ndarray]:
         """(found: bool per key, float32 ``(len(keys), dim)`` values, zeros where not found) at the version
         the follower holds; ``keys`` any int64 array (any order, repeats allowed)."""
-        q = _as_keys(keys)
+        q = as_keys(keys, "keys")
         with self._shared():
             st = self._state
             found, at = _find(st.keys, q)
@@ -118,7 +110,7 @@ class KeyedReplica:
 
     def read(self, keys) -> KeyLookup:
         """KeyLookup(found, values, columns) of ``keys``, as ``Store.read_keys`` gives them."""
-        q = _as_keys(keys)
+        q = as_keys(keys, "keys")
         with self._shared():
             st = self._state
             found, at = _find(st.keys, q)

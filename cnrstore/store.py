@@ -428,16 +428,12 @@ class Store:
     def partition_of(self, table: str, keys) -> np.ndarray:
         """int64: the partition of each key of keyed table ``table`` (fixed for the table's life)."""
         self._check_open()
-        info = self._table_record(table)
-        if info is None:
-            raise TableNotFound(f"no table {table!r} in this store")
-        keyed_reader.check_keyed(info, "partition_of")
+        with self._engine.read() as view:
+            info = self._keyed_or_raise(table, view, "partition_of")
         return keyed_runs.partition_of(keyed_writer.keys_arg(keys, table), info.partitions)
 
     def _keyed_or_raise(self, table: str, view: IndexView, what: str) -> TableRecord:
-        info = self._table_record(table, view)
-        if info is None:
-            raise TableNotFound(f"no table {table!r} in this store")
+        info = self._table_or_raise(table, view, positional=False)
         keyed_reader.check_keyed(info, what)
         return info
 

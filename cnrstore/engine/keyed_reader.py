@@ -68,10 +68,7 @@ def read_keys(view: IndexView, storage: SegmentStorage, info: TableRecord, keys:
             codec, run = got
             hit, rows = keyed_runs.lookup(run, keys[idx])
             found[idx] = hit
-            decoded = keyed_records.decode_rows(info, codec, rows[hit], keys[idx][hit])
-            values[idx[hit]] = decoded.values
-            for name in columns:
-                columns[name][idx[hit]] = decoded.columns[name]
+            keyed_records.decode_into(info, codec, rows[hit], idx[hit], values, columns)
     return found, keyed_records.KeyedRows(keys, values, columns)
 
 

@@ -20,9 +20,10 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ..errors import CorruptionError, InvalidArgument
+from .arguments import to_numpy
 
 __all__ = ["KeyRun", "partition_of", "make_run", "merge", "live", "lookup", "encode_keys", "decode_keys",
-           "values_bytes", "live_run", "MAX_PARTITIONS"]
+           "values_bytes", "live_run", "as_keys", "MAX_PARTITIONS"]
 
 #: The most partitions a keyed table may have (partition ids must fit the index's u32 block field).
 MAX_PARTITIONS = 1 << 31
@@ -54,7 +55,7 @@ def partition_of(keys: np.ndarray, partitions: int) -> np.ndarray:
     by it (the golden values are a test)."""
     if isinstance(partitions, bool) or not isinstance(partitions, (int, np.integer)) or not 0 < partitions <= MAX_PARTITIONS:
         raise InvalidArgument(f"partitions must be an int in [1, {MAX_PARTITIONS}], got {partitions!r}")
-    k = _as_keys(keys, "keys").view(np.uint64)
+    k = as_keys(keys, "keys").view(np.uint64)
     with np.errstate(over="ignore"):
         z = k + _GOLDEN
         z = (z ^ (z >> np.uint64(30))) * _M1
@@ -64,12 +65,14 @@ def partition_of(keys: np.ndarray, partitions: int) -> np.ndarray:
     return ((z >> np.uint64(32)) * np.uint64(partitions) >> np.uint64(32)).astype(np.int64)
 
 
-def _as_keys(keys, what: str) -> np.ndarray:
-    a = np.asarray(keys)
-    if a.ndim != 1 or a.dtype.kind not in "iu" or a.dtype == np.bool_:
-        raise InvalidArgument(f"{what} must be a 1-d array of integer keys, got {a.dtype} of shape {a.shape}")
+def as_keys(keys, what: str) -> np.ndarray:
+    """``keys`` (an array-like or a tensor) as a C-contiguous 1-D int64 array; InvalidArgument naming ``what``
+    unless they are integers that fit int64 (an empty array of any dtype is no key)."""
+    a = to_numpy(keys, what)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise InvalidArgument(f"{what} must be a 1-D array of integer keys (int64), got {a.dtype} of shape {a.shape}")
     if a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:
-        raise InvalidArgument(f"{what}: keys must fit int64 (the largest is {int(a.max())})")
+        raise InvalidArgument(f"{what} must fit int64; the largest is {int(a.max())}")
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
@@ -77,7 +80,7 @@ def make_run(keys, values: np.ndarray | None = None, deleted=None, *, width: int
     """The run of one version's changes to a partition: ``keys`` put (with ``values``, one encoded row of
     ``width`` bytes each) or deleted (``deleted`` True; their values are ignored), in any order. A key given
     twice is InvalidArgument (one change per key per version)."""
-    k = _as_keys(keys, "keys")
+    k = as_keys(keys, "keys")
     n = k.size
     d = np.zeros(n, bool) if deleted is None else np.asarray(deleted)
     if d.shape != (n,) or d.dtype != np.bool_:
@@ -152,7 +155,7 @@ def live_run(run: KeyRun) -> KeyRun:
 def lookup(run: KeyRun, keys) -> tuple[np.ndarray, np.ndarray]:
     """For each of ``keys`` (any order, repeats allowed): (found: bool array, values: rows, zeros where not
     found); a deleted key is not found."""
-    q = _as_keys(keys, "keys")
+    q = as_keys(keys, "keys")
     at = np.searchsorted(run.keys, q)
     inside = at < run.keys.size
     found = np.zeros(q.size, bool)

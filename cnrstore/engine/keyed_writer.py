@@ -174,10 +174,5 @@ def _alone_bytes(run: keyed_runs.KeyRun) -> int:
 
 
 def keys_arg(keys, table: str) -> np.ndarray:
-    arr = arguments.to_numpy(keys, f"keys of table {table!r}")
-    if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu")):
-        raise InvalidArgument(f"keys of table {table!r} must be a 1-D array of int64 keys, got {arr.dtype} of shape "
-                              f"{arr.shape}")
-    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
-        raise InvalidArgument(f"keys of table {table!r} must fit int64; the largest is {int(arr.max())}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    """The keys of a call on ``table`` (keyed_runs.as_keys)."""
+    return keyed_runs.as_keys(keys, f"keys of table {table!r}")
