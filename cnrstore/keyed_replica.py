@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .engine.keyed_records import new_columns
 from .engine.keyed_runs import as_keys
 from .errors import InvalidArgument
 from .types import KeyedRows, KeyLookup
@@ -52,7 +53,7 @@ class _Plan(NamedTuple):
 
 
 def _empty_state(dim: int, columns: tuple) -> _State:
-    cols = {name: np.zeros((0,) if w == 1 else (0, w), np.dtype(dt)) for name, dt, w in columns}
+    cols = new_columns(columns, 0)
     return _State(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, dim), np.float32), cols,
                   np.zeros(0, np.int64))
 

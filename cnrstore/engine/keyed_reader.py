@@ -55,7 +55,7 @@ def read_keys(view: IndexView, storage: SegmentStorage, info: TableRecord, keys:
     n = keys.size
     found = np.zeros(n, bool)
     values = np.zeros((n, info.dim), np.float32)
-    columns = {name: np.zeros((n,) if w == 1 else (n, w), np.dtype(dt)) for name, dt, w in info.columns}
+    columns = keyed_records.new_columns(info.columns, n)
     if n:
         parts = keyed_runs.partition_of(keys, info.partitions)
         order = np.argsort(parts, kind="stable")
@@ -93,7 +93,7 @@ def read_all(view: IndexView, storage: SegmentStorage, info: TableRecord, versio
     dest = np.empty(n, np.int64)
     dest[order] = np.arange(n)  # where each entry goes in key order
     values = np.empty((n, info.dim), np.float32)
-    columns = {name: np.empty((n,) if w == 1 else (n, w), np.dtype(dt)) for name, dt, w in info.columns}
+    columns = keyed_records.new_columns(info.columns, n, np.empty)
     at = 0
     for codec, k, rows in runs:
         keyed_records.decode_into(info, codec, rows, dest[at:at + k.size], values, columns)
@@ -150,7 +150,7 @@ def keyed_changes(view: IndexView, storage: SegmentStorage, info: TableRecord, s
         columns = {n: np.concatenate([r.columns[n] for r in put_rows])[order] for n, _d, _w in info.columns}
     else:
         values = np.zeros((0, info.dim), np.float32)
-        columns = {n: np.zeros((0,) if w == 1 else (0, w), np.dtype(dt)) for n, dt, w in info.columns}
+        columns = keyed_records.new_columns(info.columns, 0)
     deleted = np.sort(np.concatenate(gone)) if gone else np.zeros(0, np.int64)
     return TableChanges(info.name, since, until, info.dim, info.codec, keys[order], values, keyed=True,
                         columns=columns, deleted=deleted)

@@ -128,18 +128,19 @@ def encode_rows(info: TableRecord, codec, values: np.ndarray, columns: dict) -> 
     return out
 
 
+def new_columns(columns: tuple, n: int, make=np.zeros) -> dict:
+    """{name: array (n,) for a column of width 1, else (n, width), of its dtype} for catalog ``columns``
+    ((name, dtype, width), ...): what reads return, made by ``make`` (np.zeros, or np.empty to be filled)."""
+    return {name: make((n,) if w == 1 else (n, w), np.dtype(dt)) for name, dt, w in columns}
+
+
 def decode_rows(info: TableRecord, codec, rows: np.ndarray, keys: np.ndarray) -> KeyedRows:
-    """The KeyedRows of ``rows`` (uint8 (n, row_width) in ``codec``) of ``keys``."""
+    """The KeyedRows of ``rows`` (uint8 (n, row_width) in ``codec``) of ``keys``: arrays of their own, never
+    views of a segment."""
     n = rows.shape[0]
-    width = value_bytes(info, codec)
-    values = codec.decode(np.ascontiguousarray(rows[:, :width]), info.dim) if n and width else \
-        np.zeros((n, info.dim), np.float32)
-    columns, at = {}, width
-    for name, dt, width in info.columns:
-        size = np.dtype(dt).itemsize * width
-        col = np.array(rows[:, at:at + size]).view(np.dtype(dt)).reshape(n, width)  # (a copy: never a view of a segment)
-        columns[name] = col[:, 0].copy() if width == 1 else col
-        at += size
+    values = np.zeros((n, info.dim), np.float32)
+    columns = new_columns(info.columns, n)
+    decode_into(info, codec, rows, slice(None), values, columns)
     return KeyedRows(keys, values, columns)
 
 

@@ -170,7 +170,8 @@ def _bound(view, info: TableRecord, partition: int, bottom: int) -> int:
 def _alone_bytes(run: keyed_runs.KeyRun) -> int:
     """Bytes a record of ``run`` alone takes."""
     n = run.count
-    return 48 + 8 + 8 * n + (n + 7) // 8 + int((~run.deleted).sum()) * run.values.shape[1]
+    return (record.HEADER_BYTES + record.TRAILER_BYTES + 8 + 8 * n + (n + 7) // 8
+            + int((~run.deleted).sum()) * run.values.shape[1])
 
 
 def keys_arg(keys, table: str) -> np.ndarray:
