@@ -247,3 +247,64 @@ def test_a_save_writes_about_the_bytes_of_the_ids_changed(tmp_path):
             assert raw <= keyed_bytes <= 1.2 * raw + overhead, results
             assert_store_matches(ck.store, m)
         print("bytes per save (ids put, ids deleted, keyed bytes, raw bytes, record overhead):", results)
+
+
+def test_every_version_is_the_state_at_save_under_accumulation_closures_two_optimizers_and_in_place_writes(tmp_path):
+    """The contract ("a committed version is the state at save()") for a KeyedEmbedding: the trainer
+    accumulates gradients over two backward passes, steps one optimizer through a closure, keeps two optimizers
+    (Adagrad on the keyed rows, Adam on the dense head), and writes rows in place without announcing it (a
+    decay of every slot, a manual edit) -- and each save returns while training goes on. Every version, restored
+    into fresh objects, equals clones of the model and both optimizers taken at its save()."""
+    torch.manual_seed(0)
+    m = Model(capacity=64, dim=8)
+    emb_opt = torch.optim.Adagrad([m.emb.weight], lr=0.1)
+    top_opt = torch.optim.Adam(m.top.parameters(), lr=0.05)
+    m.emb.bind_optimizer(emb_opt)
+    ck = Checkpointer(str(tmp_path / "s"), m, [emb_opt, top_opt])
+    clones = {}
+    g = torch.Generator().manual_seed(1)
+    for step in range(8):
+        for _ in range(2):  # accumulation: two backward passes, then one step
+            ids = torch.randint(0, 40 + 12 * step, (6, 3), generator=g)
+            m(ids).pow(2).mean().backward()
+
+        def closure():
+            return torch.zeros(())
+
+        emb_opt.step(closure)
+        top_opt.step()
+        emb_opt.zero_grad()
+        top_opt.zero_grad()
+        with torch.no_grad():
+            m.emb.weight.mul_(0.999)  # unannounced: every slot
+            m.emb.weight[step % 64] += 1.0  # unannounced: one slot
+        pending = ck.save(step)
+        clones[step] = ({k: v.clone() for k, v in m.state_dict().items()},
+                        [copy_optimizer_state(o) for o in (emb_opt, top_opt)])
+        if step % 3 == 2:
+            pending.wait()
+    ck.close()
+    with cnrstore.open(tmp_path / "s", readonly=True) as s:
+        versions = {v.step: v.version for v in s.versions()}
+    assert sorted(versions) == list(range(8))
+    for step, (model_sd, opt_sds) in clones.items():
+        torch.manual_seed(123)
+        m2 = Model(capacity=64, dim=8)
+        o2 = [torch.optim.Adagrad([m2.emb.weight], lr=0.1), torch.optim.Adam(m2.top.parameters(), lr=0.05)]
+        m2.emb.bind_optimizer(o2[0])
+        ck2 = Checkpointer(str(tmp_path / "s"), m2, o2)
+        ck2.restore(versions[step])
+        for k, v in m2.state_dict().items():
+            assert torch.equal(v, model_sd[k]), (step, k)
+        for got, want in zip((copy_optimizer_state(o) for o in o2), opt_sds):
+            assert got.keys() == want.keys(), step
+            for pid in want:
+                for name, t in want[pid].items():
+                    assert torch.equal(torch.as_tensor(got[pid][name]), torch.as_tensor(t)), (step, pid, name)
+        ck2.close()
+
+
+def copy_optimizer_state(opt) -> dict:
+    """{param index: {state name: a clone}} of an optimizer, as it is at the call."""
+    return {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+            for i, st in opt.state_dict()["state"].items()}
