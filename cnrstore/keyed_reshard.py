@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .engine import keyed_reader
+from .engine.keyed_runs import as_keys, partition_of
 from .errors import InvalidArgument
 from .types import KeyedRows
 
-__all__ = ["owner", "owned_partitions", "read_owned", "ReadReport"]
+__all__ = ["owner", "owner_of_keys", "owned_partitions", "read_owned", "ReadReport"]
 
 
 def owner(partitions: np.ndarray, total: int, world_size: int) -> np.ndarray:
@@ -29,6 +30,13 @@ def owner(partitions: np.ndarray, total: int, world_size: int) -> np.ndarray:
     ranges, ``partition * world_size // total``."""
     _check(total, world_size, 0)
     return np.asarray(partitions, np.int64) * world_size // total
+
+
+def owner_of_keys(keys, partitions: int, world_size: int) -> np.ndarray:
+    """The rank (int64) owning each of ``keys`` (int64) in a table of ``partitions`` at ``world_size``:
+    ``owner(partition_of(keys), partitions, world_size)``. A job whose ranks each hold the keys this gives them
+    (route each id to ``owner_of_keys``'s rank) can be restored at any other world size by partitions."""
+    return owner(partition_of(as_keys(keys, "keys"), partitions), partitions, world_size)
 
 
 def owned_partitions(total: int, rank: int, world_size: int) -> np.ndarray:
@@ -57,20 +65,38 @@ class ReadReport:
     partitions: int = 0
 
 
-def read_owned(sources, table: str, rank: int, world_size: int) -> tuple[KeyedRows, ReadReport]:
+def read_owned(sources, table: str, rank: int, world_size: int, *,
+               writers_owned: bool = False) -> tuple[KeyedRows, ReadReport]:
     """(KeyedRows of every key rank ``rank`` of ``world_size`` owns, keys ascending; ReadReport) from
     ``sources``: (store, version) pairs, one per rank that wrote ``table`` (version None: the newest). A key
-    found in two sources (the writers did not own keys by partition) is InvalidArgument."""
+    found in two sources (the writers did not own keys by partition) is InvalidArgument, and so are sources
+    whose tables differ in partitions. ``writers_owned``: the sources are the writer ranks in rank order, each
+    of which held only the keys it owned (``owner`` at ``len(sources)`` ranks); a key read from a source that
+    did not own it is InvalidArgument (the job routed its ids some other way)."""
     parts, rows, report = [], [], ReadReport()
-    mine = None
-    for store, version in sources:
+    mine = total = None
+    for index, (store, version) in enumerate(sources):
         info = store.engine.table_record(table)
         if info is None:
             continue
         keyed_reader.check_keyed(info, "read_owned")
         if mine is None:
+            total = info.partitions
             mine = owned_partitions(info.partitions, rank, world_size)
+        elif info.partitions != total:
+            raise InvalidArgument(f"keyed table {table!r} has {total} partitions in one source and {info.partitions} "
+                                  "in another: a key's partition differs between them, so no reader can own a "
+                                  "range of them; read each source whole instead")
         got = store.read_keyed(table, version, partitions=mine)
+        if writers_owned and got.keys.size:
+            wrong = owner_of_keys(got.keys, total, len(sources)) != index
+            if wrong.any():
+                raise InvalidArgument(
+                    f"key {int(got.keys[wrong][0])} of keyed table {table!r} was held by rank {index} of "
+                    f"{len(sources)}, which does not own it (cnrstore.keyed_reshard.owner_of_keys gives rank "
+                    f"{int(owner_of_keys(got.keys[wrong][:1], total, len(sources))[0])}): the job routed its ids "
+                    "otherwise, so cnrstore cannot tell which rank each id belongs to at another world size; "
+                    "restore at the world size it was saved with")
         report.bytes_read += chain_bytes(store, info, version, mine)
         report.stores += 1
         report.partitions = int(mine.size)

@@ -91,3 +91,29 @@ def test_sources_that_did_not_own_by_partition_are_refused(tmp_path):
                 ck.put_keys("ids", [5], np.ones((1, 1)))
         with pytest.raises(InvalidArgument, match="two of the sources"):
             keyed_reshard.read_owned([(a, None), (b, None)], "ids", 0, 1)
+
+
+def test_writers_that_held_ids_they_did_not_own_are_refused_when_asked(tmp_path):
+    keys = np.arange(200, dtype=np.int64)
+    owner = keyed_reshard.owner_of_keys(keys, 8, 2)
+    with cnrstore.open(tmp_path / "a", create=True) as a, cnrstore.open(tmp_path / "b", create=True) as b:
+        for r, s in enumerate((a, b)):
+            s.create_table("ids", dim=1, keyed=True, partitions=8)
+            mine = keys[owner == r]
+            with s.checkpoint() as ck:
+                ck.put_keys("ids", mine, np.ones((mine.size, 1)))
+        got, _ = keyed_reshard.read_owned([(a, None), (b, None)], "ids", 0, 1, writers_owned=True)
+        assert np.array_equal(got.keys, keys)
+        # listed the other way round, each source holds the ids the other rank owns
+        with pytest.raises(InvalidArgument, match="does not own it"):
+            keyed_reshard.read_owned([(b, None), (a, None)], "ids", 0, 1, writers_owned=True)
+
+
+def test_sources_with_different_partition_counts_are_refused(tmp_path):
+    with cnrstore.open(tmp_path / "a", create=True) as a, cnrstore.open(tmp_path / "b", create=True) as b:
+        for s, parts in ((a, 4), (b, 8)):
+            s.create_table("ids", dim=1, keyed=True, partitions=parts)
+            with s.checkpoint() as ck:
+                ck.put_keys("ids", [parts], np.ones((1, 1)))
+        with pytest.raises(InvalidArgument, match="4 partitions in one source and 8"):
+            keyed_reshard.read_owned([(a, None), (b, None)], "ids", 0, 2)

@@ -526,6 +526,7 @@ API_SPECS = {
 API_NOT_RUN = {
     "from cnrstore.distributed import DistributedCheckpointer, ShardingPlan, ECRM": "collectives over several ranks",
     "from cnrstore.distributed import failures": "a launcher and its ranks, and a failure to report",
+    "emb = KeyedEmbedding(capacity, dim, partitions=64": "a rank of a multi-rank job (tests/test_distributed_keyed.py)",
 }
 
 

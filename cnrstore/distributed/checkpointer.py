@@ -47,12 +47,13 @@ from ..torch.bucket_lag import DEFAULT_REMOTE_LAG_S, check_remote_lag_s
 from ..torch.checkpointer import Checkpointer
 from ..engine.uploads import BucketLag
 from ..torch.optim_state import is_keyed, row_state_width
-from ..torch.payload import DENSE_PREFIX, ROW_MARK, STATE_BLOB
+from ..torch.payload import DENSE_PREFIX, KEYED_MARK, ROW_MARK, STATE_BLOB
 from ..torch.sharded import is_rank_local
 from ..torch.tracking import ShardTable
 from . import failures
 from .manifest import GlobalVersion
 from .plan import ShardingPlan
+from .reshard_keyed import KeyedReshard
 from .remote_root import open_root
 
 __all__ = ["DistributedCheckpointer", "DistributedPendingSave", "RecoveryReport"]
@@ -1005,6 +1006,8 @@ class _Resharder:
                         width = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
                         arr = torch.from_numpy(self.rows(val[ROW_MARK], t.name, width))
                         val = arr.reshape(shape).to(_payload.torch_dtype(val["dtype"], self.gv.version))
+                    elif isinstance(val, dict) and KEYED_MARK in val:  # a KeyedEmbedding's: its rows read by id
+                        val = self.keyed.optimizer_value(val)
                     st[k] = val
                 state[name if keyed else idx] = st
             sd = {**current, "state": state}
@@ -1018,9 +1021,16 @@ class _Resharder:
     def load(self) -> None:
         state = self.state
         try:
+            # the KeyedEmbeddings' ids this rank owns at this world size, from every rank store (reshard_keyed)
+            self.keyed = KeyedReshard(state.keyed, [(self._store(r), self.gv.local_versions[r])
+                                                    for r in range(self.gv.world_size)],
+                                      self.owner.rank, self.owner.world_size, self.gv.version)
+            self.keyed.read()
             weights = [torch.from_numpy(self.rows(t.name, t.name, t.dim)) for t in state.tables]
             dense = {k: self._dense(k, v.shape) for k, v in state.dense.items() if k not in self.rank_local}
             dense.update(self._rank_local_state())
+            own_seeds = {id(k.module.seed) for k in state.keyed}  # (each rank's KeyedEmbedding keeps its own seed)
+            dense.update({k: v.detach().clone() for k, v in state.dense.items() if id(v) in own_seeds})
             for k, v in state.dense.items():
                 if v.dtype == torch.bfloat16:
                     dense[k] = dense[k].view(torch.bfloat16)
@@ -1036,4 +1046,5 @@ class _Resharder:
             for st in self._stores.values():
                 st.close()
         self.local.load_state(weights, shard_states, dense, optim_sds, {k: extra_src[k] for k in state.extra})
+        self.keyed.load()
         self.local.note_restore()

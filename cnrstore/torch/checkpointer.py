@@ -109,13 +109,15 @@ BACKPRESSURE = ("wait", "coalesce")
 class TrainerState(NamedTuple):
     """What a Checkpointer saves and restores, as live objects (``Checkpointer.trainer_state()``, for sibling
     packages): ``tables`` (a ``tracking.Table`` per embedding weight or local shard, in the model's order),
-    ``dense`` ({state-dict key: parameter or buffer} stored as ``DENSE_PREFIX`` arrays), ``optimizers``
-    and ``extra`` ({name: object with ``state_dict()`` / ``load_state_dict()``})."""
+    ``dense`` ({state-dict key: parameter or buffer} stored as ``DENSE_PREFIX`` arrays), ``optimizers``,
+    ``extra`` ({name: object with ``state_dict()`` / ``load_state_dict()``}) and ``keyed`` (a
+    ``keyed_save.KeyedTracker`` per ``KeyedEmbedding``, saved as keyed tables)."""
 
     tables: tuple
     dense: Mapping
     optimizers: tuple
     extra: Mapping
+    keyed: tuple = ()
 
 
 def _is_fraction(x) -> bool:
@@ -1071,7 +1073,7 @@ class Checkpointer:
         this Checkpointer saves and restores (:class:`TrainerState`). The tensors, optimizers and ``extra``
         objects are the model's own; the containers are read-only views."""
         return TrainerState(tuple(self._tables), MappingProxyType(self._dense), tuple(self._optimizers),
-                            MappingProxyType(self._extra))
+                            MappingProxyType(self._extra), tuple(self._keyed))
 
     def load_state(self, weights, shard_states, dense, optimizer_states, extra) -> None:
         """*For sibling packages* (``cnrstore.distributed``'s resharding restore) and ``restore``: put state

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidArgument
+from ..keyed_reshard import owner_of_keys
 
 __all__ = ["EVICTIONS", "KeyedEmbedding"]
 
@@ -98,6 +99,15 @@ class KeyedEmbedding(nn.Module):
         if self._index is None:
             self.rebuild_index()
         return self._index[0].clone()
+
+    def owner(self, ids, world_size: int) -> torch.Tensor:
+        """The rank of ``world_size`` that holds each of ``ids`` (any shape; int64 ranks on ``ids``' device) in a
+        multi-rank job: ``cnrstore.keyed_reshard.owner_of_keys`` over this module's ``partitions``. A job whose
+        ranks each look up only the ids this gives them can be restored by ``DistributedCheckpointer`` at any
+        other world size (docs/API.md, "Keyed embeddings in a multi-rank job")."""
+        ids = torch.as_tensor(ids)
+        ranks = owner_of_keys(ids.detach().reshape(-1).cpu().to(torch.int64).numpy(), self.partitions, world_size)
+        return torch.from_numpy(ranks).reshape(ids.shape).to(ids.device)
 
     def bind_optimizer(self, optimizer) -> "KeyedEmbedding":
         """Make each admission reset the row-wise state ``optimizer`` keeps for ``weight`` (module doc)."""
