@@ -16,7 +16,8 @@ shared side is ``serving()``: a batch run under ``serving()`` sees one version, 
 The target holds the decoded float32 values (what ``Store.read_rows`` gives), whatever the table's codec.
 A keyed table's serving copy is a ``KeyedReplica`` (cnrstore/keyed_replica.py): each update admits, changes
 and evicts keys (``TableChanges.deleted``) in the same exclusive step, so an evicted key is never found
-again once the update that evicted it is applied; a full sync replaces its keys wholesale.
+again once the update that evicted it is applied; a full sync replaces its keys wholesale. A target model's
+``KeyedEmbedding`` follows its keyed table slot by slot (cnrstore/torch/keyed_serving.py), with the same rule.
 Importing this module does not import torch; an ``nn.Module`` target does.
 """
 
@@ -320,7 +321,7 @@ class Follower:
         emb = embedding_tables(target)
         aliased = {k for keys in emb.values() for k in keys}
         for name, keys in emb.items():
-            if name not in wanted:
+            if tables is not None and name not in tables:
                 continue
             if name not in infos:
                 raise InvalidArgument(f"the model's embedding {name!r} is no table of store {self._store.path!r} "
@@ -341,7 +342,19 @@ class Follower:
             if key in aliased or dname not in dense_names:
                 continue
             dense[dname] = _Slot(dname, t.data if hasattr(t, "data") else t, torch, dense=True)
-        return slots, dense, {}, {}
+        from .torch.keyed_save import find_keyed
+        from .torch.keyed_serving import KeyedModuleCopy
+
+        keyed = {}
+        for k in find_keyed(target):  # each KeyedEmbedding: its keyed table, slot by slot (keyed_serving.py)
+            if tables is not None and k.name not in tables:
+                continue
+            if k.name not in infos or not infos[k.name].keyed:
+                raise InvalidArgument(f"the model's KeyedEmbedding {k.name!r} is no keyed table of store "
+                                      f"{self._store.path!r} (tables: {sorted(infos)[:10]}); follow the store the "
+                                      "model was saved to, or pass tables=[...]")
+            keyed[k.name] = KeyedModuleCopy(k.name, k.module)
+        return slots, dense, keyed, {}
 
     # -- reading (outside the lock) --------------------------------------------------------------------
     def _compute(self, since: int, until: int | None, *, direct: bool = False) -> _Update:

@@ -218,3 +218,56 @@ def test_a_keyed_table_needs_a_keyed_replica(keyed):
         assert list(target) == ["t"]
     with pytest.raises(InvalidArgument, match="keys must be a 1-D array"):
         KeyedReplica().lookup([[1]])
+
+
+def test_a_serving_models_keyed_embedding_follows_slot_by_slot_and_never_keeps_an_evicted_vector(tmp_path):
+    """A model's KeyedEmbedding as the target (cnrstore/torch/keyed_serving.py): after each poll it equals the
+    training module at that save (ids in their slots, rows, metadata); an evicted id is not found and its old
+    slot holds another id's row or zeros; rollback and a second follower's full sync agree."""
+    import torch
+    from torch import nn
+
+    from cnrstore.torch import Checkpointer, KeyedEmbedding
+
+    class Model(nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            self.emb = KeyedEmbedding(24, DIM, eviction="lru", partitions=4, seed=seed, init_std=0.5)
+            self.top = nn.Linear(DIM, 1)
+
+    def state(m):
+        e = m.emb
+        return (e.weight.detach().clone(), e.slot_ids.clone(), e.last_step.clone(), e.count.clone(),
+                m.top.weight.detach().clone())
+
+    train, serve = Model(0), Model(1)
+    opt = torch.optim.SGD(train.parameters(), lr=0.1)
+    saved, evicted = {}, set()
+    with Checkpointer(tmp_path / "k", train, opt) as ck:
+        for step in range(8):
+            before = set(train.emb.ids().tolist())
+            ids = torch.arange(10) + 7 * step  # new ids every step: the pool of 24 slots evicts
+            train.top(train.emb(ids)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            evicted |= before - set(train.emb.ids().tolist())
+            if step % 2 == 1:
+                ck.save(step).wait()
+                saved[ck.store.latest().version] = state(train)
+        versions = sorted(saved)
+        with Follower(ck.store, serve, version=versions[0]) as f:
+            with pytest.raises(InvalidArgument, match="has capacity 8"):  # (a model of another capacity: refused)
+                Follower(ck.store, nn.ModuleDict({"emb": KeyedEmbedding(8, DIM)}), tables=["emb"])
+            for v in [versions[0], versions[-1]] + versions[-2::-1]:  # a poll to the newest, then rollbacks
+                if v > f.version:
+                    assert f.poll() == v
+                elif v < f.version:
+                    f.rollback(v)
+                for a, b in zip(state(serve), saved[v]):
+                    assert torch.equal(a, b), v
+                gone = torch.tensor(sorted(evicted - set(saved[v][1].tolist())))
+                assert gone.numel() and (serve.emb.lookup(gone) == -1).all()
+            other = Model(2)
+            with Follower(ck.store, other, version=f.version):  # a full sync lands on the same state
+                for a, b in zip(state(other), state(serve)):
+                    assert torch.equal(a, b)
