@@ -72,7 +72,6 @@ sys.path.insert(0, HERE)
 from common import dir_bytes, fmt_bytes, load_average, machine_description, peak_rss  # noqa: E402
 
 KEY_BITS = 40
-KEYED_CHAIN_BOUND = 32  # cnrstore.knobs.KEYED_CHAIN_BOUND's default (read at run time below)
 COLUMNS = {"score": "float32", "last_step": "int64"}
 WRITERS, READERS = 2, 3
 METHODS = ("cnrstore keyed", "DCP full dump", "dynamicemb-style")
@@ -340,8 +339,6 @@ def run(args) -> dict:
     import cnrstore
     import torch
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    global KEYED_CHAIN_BOUND
-    KEYED_CHAIN_BOUND = cnrstore.knobs.KEYED_CHAIN_BOUND
     dim, target = args.dim, args.keys
     P = args.partitions or max(16, 1 << max(0, math.ceil(math.log2(max(1, target) / (1 << 15)))))
     row_bytes = 4 * dim + 4 + 8  # fp32 value, score, last_step
@@ -726,6 +723,8 @@ def follow(args, root: str) -> dict:
 # ---- the report ------------------------------------------------------------------------------------------
 
 def report(r: dict, args) -> str:
+    import cnrstore
+
     saves = r["saves"]
     inc = saves[1:] or saves
     med = lambda xs: float(np.median(xs))  # noqa: E731
@@ -760,7 +759,7 @@ def report(r: dict, args) -> str:
                      f"{med(st[1:] or st) * 1e3:.0f} ms | {max(st) * 1e3:.0f} ms | {r[f'{key}_restore'] * 1e3:.0f} ms | "
                      f"{exact} |")
     lines += ["", f"- cnrstore's restore of the newest after `compact()` (one baseline per partition instead of a "
-              f"baseline and up to {min(len(saves), KEYED_CHAIN_BOUND) - 1} runs): {r['cnr_restore_compacted'] * 1e3:.0f} ms "
+              f"baseline and the runs since its last merge): {r['cnr_restore_compacted'] * 1e3:.0f} ms "
               f"({r['dcp_restore'] / r['cnr_restore_compacted']:.2f}x dcp.load's speed; as saved: "
               f"{r['dcp_restore'] / r['cnr_restore']:.2f}x)"]
     cnr_b = med([s["cnr_bytes"] for s in inc])
@@ -787,9 +786,10 @@ def report(r: dict, args) -> str:
     lines += ["", f"- bytes per save over the changes' bytes: median {med(ratios):.3f}x, worst {max(ratios):.3f}x "
               f"(save {worst + 1}; first save {saves[0]['cnr_bytes'] / saves[0]['ideal']:.3f}x), all saves after the "
               f"first together {sum(s['cnr_bytes'] for s in inc) / sum(s['ideal'] for s in inc):.3f}x; target <= 1.2x: "
-              f"**{'met' if target_bytes else 'missed'}**" + ("" if len(saves) > KEYED_CHAIN_BOUND else
-              f" (a save at which partitions' chains reach {KEYED_CHAIN_BOUND} runs rewrites them as baselines: "
-              f"this run of {len(saves)} saves has none; `--saves {KEYED_CHAIN_BOUND + 2}` shows it)")]
+              f"**{'met' if target_bytes else 'missed'}**; saves that merged partitions into baselines (their runs "
+              f"at {cnrstore.knobs.KEYED_MERGE_RATIO:g}x the baseline, within {cnrstore.knobs.KEYED_MERGE_BUDGET:g} of "
+              f"the save's bytes): {sum(r_ > 1.01 for r_ in ratios)} of {len(inc)}"
+              + ("" if len(saves) > 30 else f" (a short run: `--saves 70` shows them)")]
     # resharding
     rs = r["reshard"]
     lines += ["", f"Restore at another world size: {WRITERS} writer ranks (one store each, partitions by range) read "
@@ -811,8 +811,8 @@ def report(r: dict, args) -> str:
     compacted = max(c["read"] / c["owned"] for c in rs["cnr_compacted"])
     dyn_r = max(d["read"] / d["owned"] for d in rs["dyn"])
     lines += ["", f"- bytes read per reader over bytes owned, target <= 1.1x: compacted {compacted:.3f}x "
-              f"**{'met' if compacted <= 1.1 else 'missed'}**; as saved (chains of up to {len(saves)} runs, a save merging "
-              f"one of {KEYED_CHAIN_BOUND} into a baseline) "
+              f"**{'met' if compacted <= 1.1 else 'missed'}**; as saved (each partition's baseline and the runs since its "
+              f"last merge, up to {cnrstore.knobs.KEYED_MERGE_RATIO:g}x the baseline) "
               f"{as_saved:.3f}x **{'met' if as_saved <= 1.1 else 'missed'}**; dynamicemb/DCP-style "
               f"{dyn_r:.3f}x ({WRITERS} files of {READERS}: each reader reads the whole table)",
               f"- every restore checked against the emulator's state (keys, values, score, last_step bit for bit): "

@@ -89,9 +89,19 @@ READ_AMP_BOUND = 3.0
 #: Earlier engines merged on every save at 3 (READ_CHAIN_BOUND = 3, READ_AMP_BOUND = None,
 #: MERGE_TRIGGER = None): flat reads, but a save's bytes grew 4.7x over 20 versions.
 READ_CHAIN_BOUND = 64
-#: A keyed table's partition whose read chain holds this many key runs is merged into a baseline by the
-#: save that writes it next (engine/keyed_writer.py): a read walks at most this many records.
-KEYED_CHAIN_BOUND = 32
+#: A keyed table's partition whose key runs above its baseline weigh this many times the baseline is merged
+#: into a new baseline by the save that writes it next (engine/keyed_writer.py): a merge (about the baseline's
+#: bytes) comes once per KEYED_MERGE_RATIO baselines' worth of changes, so merges add about
+#: 1 / KEYED_MERGE_RATIO to what saves write (1.125x at 8), whatever share of the table a save changes; a read
+#: of any version fetches at most about 1 + KEYED_MERGE_RATIO times the partition's bytes.
+KEYED_MERGE_RATIO = 8.0
+#: A save merges partitions due by KEYED_MERGE_RATIO while the baselines they rewrite stay within this share of
+#: its own records' bytes (the others wait; at twice the ratio they merge anyway): merges add at most about
+#: this much to a save's bytes, unless a single partition weighs more (engine/keyed_writer.py).
+KEYED_MERGE_BUDGET = 0.18
+#: ... and one whose read chain holds this many key runs is merged whatever their bytes (a backstop against
+#: many tiny runs): a read walks at most this many records.
+KEYED_CHAIN_BOUND = 128
 #: A checkpoint holds up to this many bytes of keyed rows in memory before it appends them (keyed_writer.py):
 #: the calls of one save that touch one partition then cost one record.
 KEYED_BUFFER_BYTES = 256 << 20

@@ -9,6 +9,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import cnrstore
+from cnrstore.engine import keyed_writer
 from cnrstore import knobs
 from cnrstore.engine import keyed_runs, record
 from cnrstore.errors import InvalidArgument, TableNotFound, VersionNotFound
@@ -267,9 +268,10 @@ def test_keyed_arguments_are_checked(tmp_path):
         assert s.read_keyed("ids", partitions=[q for q in range(s.tables()["ids"].partitions) if q != p]).keys.size == 0
 
 
-def test_the_calls_of_one_save_cost_one_record_per_partition(tmp_path):
+def test_the_calls_of_one_save_cost_one_record_per_partition(tmp_path, monkeypatch):
     """A put, a second put and an eviction touching the same partitions in one save are buffered and merged:
     the save appends one record per partition, of the bytes of the keys it changed."""
+    monkeypatch.setattr(knobs, "KEYED_MERGE_RATIO", float("inf"))  # (no chain merge either)
     rng = np.random.default_rng(1)
     keys = np.unique(rng.integers(0, 1 << 40, 3000))
     with cnrstore.open(tmp_path / "s", create=True) as s:
@@ -346,3 +348,50 @@ def test_partitions_written_at_every_save_do_not_all_merge_at_one_save(tmp_path,
         assert max(merged_per_save) <= P // 2, merged_per_save  # (without phases: all 64 at save 8)
         assert sum(merged_per_save) >= P  # every partition merged at least once
         assert s.read_amplification()["ids"].max() <= 8 and s.keys("ids").size == keys.size
+
+
+def _chain_save(s, keys, value) -> None:
+    with s.checkpoint() as ck:
+        ck.put_keys("ids", keys, np.full((keys.size, 4), value, np.float32))
+
+
+def test_a_save_merges_a_partition_once_its_runs_weigh_the_merge_ratio_times_its_baseline(tmp_path, monkeypatch):
+    """KEYED_MERGE_RATIO: the runs above a baseline, this save's with them, reaching the ratio times the
+    baseline's bytes make the save merge the chain into a baseline (keyed_writer._merges)."""
+    monkeypatch.setattr(keyed_writer, "_PHASES", 1)  # (no first-merge share: the bounds as they are)
+    monkeypatch.setattr(knobs, "KEYED_MERGE_RATIO", 2.0)
+    monkeypatch.setattr(knobs, "KEYED_MERGE_BUDGET", 100.0)
+    keys = np.arange(100, dtype=np.int64)
+    with cnrstore.open(tmp_path / "s", create=True) as s:
+        s.create_table("ids", dim=4, keyed=True, partitions=1)
+        _chain_save(s, keys, 0)
+        amps = []
+        for i in range(1, 6):
+            _chain_save(s, keys[:60], i)  # each run about 0.6 of the baseline
+            amps.append(int(s.read_amplification()["ids"][0]))
+        assert amps == [2, 3, 4, 1, 2]  # the 4th run brings 2.4 baselines' worth: merged
+        assert s.read_keyed("ids").values[:, 0].tolist() == [5.0] * 60 + [0.0] * 40
+
+
+def test_a_save_merges_due_partitions_within_its_budget_and_the_rest_later(tmp_path, monkeypatch):
+    """KEYED_MERGE_BUDGET: of the partitions due, a save merges the heaviest while the baselines they rewrite
+    stay within the budget's share of its own bytes; the others wait, and at twice the ratio merge anyway."""
+    monkeypatch.setattr(keyed_writer, "_PHASES", 1)
+    monkeypatch.setattr(knobs, "KEYED_MERGE_RATIO", 0.9)  # (half the keys of a partition weigh about half of it)
+    keys = np.arange(4000, dtype=np.int64)
+    with cnrstore.open(tmp_path / "s", create=True) as s:
+        s.create_table("ids", dim=4, keyed=True, partitions=4)
+        _chain_save(s, keys, 0)
+        half = keys[::2]  # a save putting half the keys: half a baseline's worth on every partition
+        monkeypatch.setattr(knobs, "KEYED_MERGE_BUDGET", 0.6)  # pays for one partition's baseline, not two
+        _chain_save(s, half, 1)
+        assert s.read_amplification()["ids"].tolist() == [2, 2, 2, 2]
+        _chain_save(s, half, 2)  # every partition due: one merges, the others wait
+        assert sorted(s.read_amplification()["ids"].tolist()) == [1, 3, 3, 3]
+        _chain_save(s, half, 3)  # one more of the waiting three
+        assert sorted(s.read_amplification()["ids"].tolist()) == [1, 2, 4, 4]
+        monkeypatch.setattr(knobs, "KEYED_MERGE_BUDGET", 0.0)  # none within the budget: only forced merges
+        _chain_save(s, half, 4)  # the two waiting reach twice the ratio: merged anyway
+        assert sorted(s.read_amplification()["ids"].tolist()) == [1, 1, 2, 3]
+        assert s.read_keyed("ids").values[:, 0].tolist() == [4.0, 0.0] * (keys.size // 2)
+        assert s.verify().ok

@@ -9,11 +9,15 @@ it merges into a new record (the earlier one is unreferenced bytes). A key chang
 
 Which records are baselines (a read stops there):
 - a partition's first record: nothing is below it;
-- a partition whose read chain at the parent holds ``knobs.KEYED_CHAIN_BOUND`` records or more: the save
-  merges the chain with its own run into a baseline (the live keys only), so a read of any version walks at
-  most that many records without a background merge. A partition that never merged merges its first chain a
-  little earlier, by a fixed share per partition (``_bound``), so that partitions written at every save do
-  not all merge at the same save.
+- a partition whose runs above its baseline, with this save's own, weigh ``knobs.KEYED_MERGE_RATIO`` times
+  the baseline or more, or whose read chain at the parent holds ``knobs.KEYED_CHAIN_BOUND`` records or more:
+  the save merges the chain with its own run into a baseline (the live keys only). A merge rewrites about the
+  baseline's bytes once per KEYED_MERGE_RATIO baselines' worth of changes, so merges add about
+  1 / KEYED_MERGE_RATIO to the bytes saves write, whatever share of the table each save changes, and a read
+  of any version fetches at most about 1 + KEYED_MERGE_RATIO times a partition's bytes in at most
+  KEYED_CHAIN_BOUND records. A partition that never merged merges its first chain earlier, by a fixed share
+  per partition (``_merges``: a hash spreads the first merges over the whole first period), so that partitions
+  written at every save do not all merge at the same save, and keep those phases.
 """
 
 from __future__ import annotations
@@ -106,22 +110,34 @@ class KeyedPuts:
         self.own, self._buffer, self._buffered_bytes = dict(state[0]), dict(state[1]), state[2]
 
     def flush(self) -> None:
-        """Append a record per buffered (table, partition): on top of its chain, merged into a baseline at the
-        chain bound, or merged with the record this version wrote there before (the buffer was full)."""
+        """Append a record per buffered (table, partition): on top of its chain, merged into a baseline when
+        the save merges it (``_merges``), or merged with the record this version wrote there before (the
+        buffer was full)."""
         if not self._buffer:
             return
         w = self._writer
         by_table: dict[str, list] = {}
         with w.engine.read() as view:
-            for (table, p), (codec, run) in sorted(self._buffer.items()):
-                info = w.engine.table_record(table)
+            items = sorted(self._buffer.items())
+            infos = {table: w.engine.table_record(table) for table in {t for (t, _p), _b in items}}
+            chains = {}
+            for (table, p), _b in items:
+                if w.rows_of(table).get(p) is None:
+                    parent = w.parent
+                    info = infos[table]
+                    chains[(table, p)] = [] if parent is None else list(view.row_chain(info.id, p, parent))
+            merging = _merges(view, infos, chains, self._buffer)
+            for (table, p), (codec, run) in items:
+                info = infos[table]
                 loc = w.rows_of(table).get(p)
                 if loc is not None:  # written at an earlier flush: one record holds both
                     old = keyed_reader.load_run(w.engine.storage, info, loc, p, w.version)
                     codec, (old_run, run) = keyed_records.common_codec(info, [old, (codec, run)])
                     run, baseline = keyed_runs.merge([old_run, run]), bool(loc.flags & record.FLAG_BASELINE)
+                elif (table, p) in merging:
+                    codec, run, baseline = self._merged(info, p, chains[(table, p)], codec, run)
                 else:
-                    codec, run, baseline = self._on_chain(view, info, p, codec, run)
+                    baseline = False
                 if baseline:
                     run = keyed_runs.live_run(run)  # a baseline holds the live keys only
                 by_table.setdefault(table, []).append(keyed_records.build(info, codec, p, w.version, run,
@@ -131,15 +147,11 @@ class KeyedPuts:
         self._buffer.clear()
         self._buffered_bytes = 0
 
-    def _on_chain(self, view, info: TableRecord, partition: int, codec, run: keyed_runs.KeyRun) -> tuple:
-        """(codec, run, baseline) of a partition's first record this version: the run alone on top of the
-        chain at the parent, or the chain merged with it into a baseline (see the module docstring)."""
-        parent = self._writer.parent
-        chain = [] if parent is None else list(view.row_chain(info.id, partition, parent))
+    def _merged(self, info: TableRecord, partition: int, chain: list, codec, run: keyed_runs.KeyRun) -> tuple:
+        """(codec, run, True): a partition's ``chain`` at the parent merged with this version's ``run`` (a
+        partition's first record is its run alone, a baseline)."""
         if not chain:
             return codec, run, True
-        if len(chain) < _bound(view, info, partition, chain[-1][0]):
-            return codec, run, False
         storage = self._writer.engine.storage
         fs.pause_point("keyed_chain_merge")  # the chain listed on this snapshot, its runs not read yet (tests/test_races.py)
         runs = [keyed_reader.load_run(storage, info, loc, partition, v) for v, loc in reversed(chain)]
@@ -153,18 +165,53 @@ class KeyedPuts:
         return 0 if own is None else max(0, length - own[1])
 
 
-def _bound(view, info: TableRecord, partition: int, bottom: int) -> int:
-    """The chain length at which a save merges ``partition``'s chain (whose oldest record is at ``bottom``):
-    ``knobs.KEYED_CHAIN_BOUND``, or, while the chain still starts at the partition's first record (it never
-    merged), the bound less a fixed share of it per partition (a hash, up to half the bound). Partitions
-    written at every save then first merge over half a bound's saves rather than all at one, and keep those
-    phases: each save rewrites a small share of the table, never the whole of it at once."""
-    bound = knobs.KEYED_CHAIN_BOUND
-    first = next(view.row_blocks(info.id, partition), None)
-    if bound < 4 or first is None or first[0] != partition or first[1] != bottom:
-        return bound
-    phase = int(keyed_runs.partition_of(np.array([partition], np.int64), bound // 2)[0])
-    return bound - phase
+#: the first merge of a partition comes at a share (k + 1) / _PHASES of its bounds, k a hash of the partition
+_PHASES = 64
+
+
+def _merges(view, infos: dict, chains: dict, buffer: dict) -> set:
+    """The (table, partition) of ``chains`` (each partition's read chain at the parent, newest first, its
+    baseline last; [] for a partition with nothing below) that this flush merges into baselines (module doc):
+
+    - a partition's first record (nothing below it) is a baseline anyway;
+    - *forced*: a chain of ``knobs.KEYED_CHAIN_BOUND`` records, or whose runs above the baseline (with this
+      version's) weigh twice ``knobs.KEYED_MERGE_RATIO`` times the baseline;
+    - *due* (weighing ``KEYED_MERGE_RATIO`` times the baseline): merged, the heaviest first, while the
+      baselines they rewrite stay within ``knobs.KEYED_MERGE_BUDGET`` of this flush's own records' bytes
+      (with the forced ones), and the heaviest one anyway if nothing else merges; the others wait for a later
+      save. Merges then add at most about that share to a save's bytes, unless one partition weighs more than
+      it (a table of few partitions: one partition a save) or merges are forced.
+
+    While a chain still starts at its partition's first record (it never merged) its bounds are scaled by a
+    fixed share per partition in (0, 1] (a hash): partitions written at every save then make their first
+    merges over the whole first period instead of at one save, and keep those phases."""
+    out, due = set(), []
+    own = sum(_alone_bytes(run) for _codec, run in buffer.values())
+    spent = 0
+    for (table, p), chain in chains.items():
+        if not chain:
+            out.add((table, p))
+            continue
+        info = infos[table]
+        share = 1.0
+        first = next(view.row_blocks(info.id, p), None)
+        if first is not None and first[0] == p and first[1] == chain[-1][0]:
+            share = (int(keyed_runs.partition_of(np.array([p], np.int64), _PHASES)[0]) + 1) / _PHASES
+        base = chain[-1][1].length
+        above = sum(loc.length for _v, loc in chain[:-1]) + _alone_bytes(buffer[(table, p)][1])
+        pressure = above / (knobs.KEYED_MERGE_RATIO * share * base)
+        bound = knobs.KEYED_CHAIN_BOUND
+        if len(chain) >= (bound if bound < 4 else max(2, bound * share)) or pressure >= 2:
+            out.add((table, p))
+            spent += base
+        elif pressure >= 1:
+            due.append((-pressure, table, p, base))
+    for _neg, table, p, base in sorted(due):
+        if spent + base > knobs.KEYED_MERGE_BUDGET * own and spent:
+            continue  # (the first due one merges even past the budget: a partition per save at the least)
+        out.add((table, p))
+        spent += base
+    return out
 
 
 def _alone_bytes(run: keyed_runs.KeyRun) -> int:
