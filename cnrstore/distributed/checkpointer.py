@@ -732,7 +732,8 @@ class DistributedCheckpointer:
         A version written under this checkpointer's plan is restored from this rank's own store; one
         written under another plan or world size is resharded: each shard's rows are read, at their
         point in time, from the stores of the ranks that held them (read-only), dense state from rank 0's
-        store and optimizer state by parameter name. Every rank must restore the same version.
+        store and optimizer state by parameter name; TorchRec MCH state is remapped (reshard_mch: ids re-routed,
+        slots renumbered, a RuntimeWarning if a rank must drop ids). Every rank must restore the same version.
 
         Each store's trainer payload is read as data (``Checkpointer.restore``): UnsafePayload for one whose
         pickle names code, unless ``trust_pickle=True`` (a warning, then a full unpickle)."""
