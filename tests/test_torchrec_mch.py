@@ -170,9 +170,15 @@ def _check_reshard(old_dir, old_world, new_dir, tag, new_world, zch) -> list[int
     # the restored job trained two more steps (torchrec's MCH forward, admissions and evictions on the remapped
     # buffers) and saved: its buffers are still an MCH module's, its ids still routed to it
     trained = _check_buffers([_npz(new_dir / f"{tag}-trained-rank{r}.npz") for r in range(new_world)], zch)
+    grew = 0
     for before, after in zip(layouts, trained):
         assert after["iter"].tolist() == [int(before["iter"][0]) + 2]
         assert not np.array_equal(after["weight"], before["weight"])
+        # torchrec's remap found kept ids in the remapped buffers: their counts went on from the saved ones
+        counts = dict(zip(after["ids"][:after["live"]].tolist(), after["counts"][:after["live"]].tolist()))
+        grew += sum(counts.get(i, -1) > c for i, c in zip(before["ids"][:before["live"]].tolist(),
+                                                         before["counts"][:before["live"]].tolist()))
+    assert grew > 0
     return dropped
 
 
