@@ -50,6 +50,12 @@ OUTSIDE = {
     ("cnrstore/torch/guard.py", "_indices"):
         "a sparse COO gradient's indices without coalescing it first (.indices() needs a coalesced tensor: a sort "
         "of every accumulated id, inside the optimizer step's pre-hook); torch documents ._indices() for this",
+    ("cnrstore/distributed/reshard_mch.py", "_input_hash_func"):
+        "torchrec's MCHManagedCollisionModule keeps its input hash function as ._input_hash_func (no public "
+        "accessor): a module that hashes its ids cannot be re-routed at another world size, so it is refused",
+    ("cnrstore/distributed/reshard_mch.py", "_output_global_offset"):
+        "torchrec's MCHManagedCollisionModule keeps its first slot as ._output_global_offset (no public accessor; "
+        "output_size() is its slot count): checked against the table's row shard before its rows are remapped",
     ("cnrstore/codecs/rowwise.py", "_initializing"):
         "importlib's module spec says whether torch is still importing (._initializing): no public flag",
 }

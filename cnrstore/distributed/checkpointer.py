@@ -50,7 +50,7 @@ from ..torch.optim_state import is_keyed, row_state_width
 from ..torch.payload import DENSE_PREFIX, KEYED_MARK, ROW_MARK, STATE_BLOB
 from ..torch.sharded import is_rank_local
 from ..torch.tracking import ShardTable
-from . import failures
+from . import failures, reshard_mch
 from .manifest import GlobalVersion
 from .plan import ShardingPlan
 from .reshard_keyed import KeyedReshard
@@ -733,7 +733,8 @@ class DistributedCheckpointer:
         A version written under this checkpointer's plan is restored from this rank's own store; one
         written under another plan or world size is resharded: each shard's rows are read, at their
         point in time, from the stores of the ranks that held them (read-only), dense state from rank 0's
-        store and optimizer state by parameter name. Every rank must restore the same version.
+        store and optimizer state by parameter name; TorchRec MCH state is remapped (reshard_mch: ids re-routed,
+        slots renumbered, a RuntimeWarning if a rank must drop ids). Every rank must restore the same version.
 
         Each store's trainer payload is read as data (``Checkpointer.restore``): UnsafePayload for one whose
         pickle names code, unless ``trust_pickle=True`` (a warning, then a full unpickle)."""
@@ -893,15 +894,11 @@ class _Resharder:
             diff = sorted(set(new.items()) ^ set(old.items()))
             raise InvalidArgument(f"global version {gv.version} has tables {old}, this plan {new} (differences: "
                                   f"{diff}); restore into a model with the same tables")
-        #: managed-collision state (each rank's own): read from this rank's store, under the same plan only
+        #: managed-collision state (each rank's own): read from this rank's store under the same plan, remapped
+        #: from the old ranks' stores under another (reshard_mch; refused there if it cannot be)
         self.rank_local = sorted(k for k in self.state.dense if is_rank_local(k))
-        if self.rank_local and gv.plan != owner.plan:
-            raise InvalidArgument(
-                f"global version {gv.version} was written under another sharding plan (world size "
-                f"{gv.plan.world_size}, this job {owner.plan.world_size}) by a model with TorchRec managed-collision "
-                f"modules ({self.rank_local[0].rsplit('.', 1)[0]!r}): their state is positional (each rank's slots are its row "
-                "range of the table, the raw ids it holds those torchrec routes to it by the world size), so it "
-                "cannot be moved to another plan by rows; restore it at the world size and plan it was saved with")
+        self.mc = reshard_mch.plan(gv, owner.plan, owner.rank, owner.model, self.state, self.rank_local,
+                                   owner._shards, self._store)
 
     def _store(self, rank: int):
         if rank not in self._stores:
@@ -932,7 +929,7 @@ class _Resharder:
             except InvalidArgument as exc:
                 raise InvalidArgument(f"{name!r} in global version {self.gv.version} (rank {s.rank}'s store) does "
                                       f"not hold rows [{lo}, {hi}) of width {width}, as here: {exc}") from exc
-        return out
+        return out if self.mc is None else self.mc.rows(name, table, out)  # (an MCH table's kept ids' rows moved)
 
     def _dense(self, key: str, shape) -> torch.Tensor:
         for rank in range(self.gv.world_size):  # rank 0 first: replicas are equal
@@ -947,9 +944,12 @@ class _Resharder:
         raise InvalidArgument(f"global version {self.gv.version} has no state {key!r} of the model on any rank")
 
     def _rank_local_state(self) -> dict:
-        """{key: tensor} of this rank's managed-collision state, from its own store (same plan: __init__)."""
+        """{key: tensor} of this rank's managed-collision state: from its own store under the same plan, else
+        remapped from the old ranks' (reshard_mch)."""
         if not self.rank_local:
             return {}
+        if self.mc is not None:
+            return self.mc.state()
         rank = self.owner.rank
         st, v = self._store(rank), self.gv.local_versions[rank]
         targets = {k: self.state.dense[k] for k in self.rank_local}

@@ -8,7 +8,10 @@ Scenarios: ``save`` trains ``steps`` steps saving every other one, dumps its sta
 trains two more steps and dumps again (``continued-saved``), then exits without closing anything (a kill:
 the job's last global version is what a restart finds); ``restore`` builds a fresh model (another seed),
 restores the newest global version, dumps (``restored``), trains the same two steps and dumps
-(``continued-restored``), and writes what each rank's store holds (``stores-rank<r>.json``).
+(``continued-restored``), and writes what each rank's store holds (``stores-rank<r>.json``); ``reshard``
+restores a version saved at another world size (``<tag>-restored``, with the RuntimeWarnings of the restore in
+``<tag>-warnings-rank<r>.json``), trains two more steps (``<tag>-trained``) and saves; ``recover``: partial
+recovery of rank 1.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import glob
 import json
 import os
 import sys
+import warnings
 from datetime import timedelta
 
 import numpy as np
@@ -216,6 +220,22 @@ def main(cfg: dict) -> None:
             report["ok"] = bool(s.verify().ok)
         with open(os.path.join(out, f"stores-rank{rank}.json"), "w") as f:
             json.dump(report, f)
+    elif scenario == "reshard":
+        # a job at another world size than the save's: restore (MCH state remapped, cnrstore's RuntimeWarnings
+        # recorded), dump, train two more steps, dump, save
+        tag = cfg["tag"]
+        ckpt = DistributedCheckpointer(cfg["root"], dmp, dense, codec="fp32", extra={"rng": TorchRng()})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gv = ckpt.restore()
+        assert gv.step == steps and gv.plan.world_size != world, gv
+        with open(os.path.join(out, f"{tag}-warnings-rank{rank}.json"), "w") as f:
+            json.dump([str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], f)
+        np.savez(os.path.join(out, f"{tag}-restored-rank{rank}.npz"), **state_of(dmp))
+        train(dmp, dense, range(steps, steps + 2), rank, world, cfg)
+        np.savez(os.path.join(out, f"{tag}-trained-rank{rank}.npz"), **state_of(dmp))
+        ckpt.save(steps + 2).wait()
+        ckpt.close()
     elif scenario == "recover":
         # partial recovery: both ranks save at step 2 and train on; rank 1 is then "replaced" (recovers its
         # saved state), rank 0 keeps its live one. Managed-collision state is each rank's own: rank 1 must get
