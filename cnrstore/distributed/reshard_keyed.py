@@ -31,8 +31,8 @@ import torch
 
 from .. import keyed_reshard
 from ..errors import InvalidArgument
+from ..torch import keyed_save
 from ..torch.payload import KEYED_MARK
-from ..torch import payload as _payload
 
 __all__ = ["KeyedReshard", "keep_by_policy"]
 
@@ -128,16 +128,11 @@ class KeyedReshard:
     def optimizer_value(self, marker: dict):
         """The tensor a payload's ``KEYED_MARK`` marker stands for on this rank: the rows read for its table at
         their new slots, the free slots holding the marker's value, shaped for this rank's module."""
-        name = marker[KEYED_MARK]
-        for mod, read in self.reads.items():
-            if name.startswith(f"{mod}.optim.") and name[len(mod) + 1:] in read:
-                rows = read[name[len(mod) + 1:]].clone()
-                rows[read["slot_ids"] < 0] = float(marker["free"])
-                capacity = read["slot_ids"].shape[0]
-                shape = (capacity,) + tuple(marker["shape"][1:])
-                return rows.reshape(shape).to(_payload.torch_dtype(marker["dtype"], None))
-        raise InvalidArgument(f"global version {self.version}: optimizer state {name!r} of a keyed embedding the "
-                              "model does not have, or whose table is missing")
+        value = keyed_save.marker_tensor(marker, self.reads)
+        if value is None:
+            raise InvalidArgument(f"global version {self.version}: optimizer state {marker[KEYED_MARK]!r} of a keyed "
+                                  "embedding the model does not have, or whose table is missing")
+        return value
 
     def load(self) -> None:
         """Put the rows read into the live modules (in place) and rebuild their id maps."""

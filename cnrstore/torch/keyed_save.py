@@ -45,7 +45,8 @@ from .fingerprint import fingerprints
 from .keyed_embedding import KeyedEmbedding
 from .payload import KEYED_MARK
 
-__all__ = ["COLUMNS", "KeyedJob", "KeyedTracker", "find_keyed", "marked_tables", "with_keyed_state", "write_job"]
+__all__ = ["COLUMNS", "KeyedJob", "KeyedTracker", "find_keyed", "marked_tables", "marker_tensor", "with_keyed_state",
+           "write_job"]
 
 #: The columns of a KeyedEmbedding's main keyed table.
 COLUMNS = {"slot": "int64", "last_step": "int64", "count": "int64"}
@@ -282,24 +283,31 @@ def marked_tables(payload: dict) -> set:
     return out
 
 
+def marker_tensor(marker: dict, reads: dict):
+    """The tensor a payload's ``KEYED_MARK`` marker stands for, or None if nothing in ``reads`` ({module table:
+    ``KeyedTracker.read``-shaped rows}) holds its table: the rows read at their slots, the free slots holding
+    the marker's value, shaped ``(the module's capacity,) + the marker's trailing shape``, in its dtype."""
+    name = marker[KEYED_MARK]
+    for n, r in reads.items():
+        if name.startswith(f"{n}.optim.") and name[len(n) + 1:] in r:
+            rows = r[name[len(n) + 1:]].clone()
+            rows[r["slot_ids"] < 0] = float(marker["free"])
+            shape = (r["slot_ids"].shape[0],) + tuple(marker["shape"][1:])
+            return rows.reshape(shape).to(_payload.torch_dtype(marker["dtype"], None))
+    return None
+
+
 def with_keyed_state(sd: dict, reads: dict) -> dict:
-    """The stored optimizer state dict ``sd`` with each ``KEYED_MARK`` marker replaced by its tensor: the rows
-    of the live ids from the keyed state table (``reads``: {module table: ``KeyedTracker.read``}) at their
-    slots, the free slots holding the marker's value, in the marker's shape and dtype (a marker nothing read
-    is dropped: ``restore(strict=False)``)."""
+    """The stored optimizer state dict ``sd`` with each ``KEYED_MARK`` marker replaced by its tensor
+    (``marker_tensor``; a marker nothing read is dropped: ``restore(strict=False)``)."""
     state = {}
     for idx, st in sd["state"].items():
         out = {}
         for k, val in st.items():
             if isinstance(val, dict) and KEYED_MARK in val:
-                name = val[KEYED_MARK]
-                hit = [(n, r) for n, r in reads.items() if name.startswith(f"{n}.optim.") and name[len(n) + 1:] in r]
-                if not hit:
+                val = marker_tensor(val, reads)
+                if val is None:
                     continue
-                n, r = hit[0]
-                rows = r[name[len(n) + 1:]].clone()
-                rows[r["slot_ids"] < 0] = float(val["free"])
-                val = rows.reshape(val["shape"]).to(_payload.torch_dtype(val["dtype"], None))
             out[k] = val
         state[idx] = out
     return {**sd, "state": state}
