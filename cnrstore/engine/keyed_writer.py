@@ -175,7 +175,8 @@ def _merges(view, infos: dict, chains: dict, buffer: dict) -> set:
 
     - a partition's first record (nothing below it) is a baseline anyway;
     - *forced*: a chain of ``knobs.KEYED_CHAIN_BOUND`` records, or whose runs above the baseline (with this
-      version's) weigh twice ``knobs.KEYED_MERGE_RATIO`` times the baseline;
+      version's) weigh twice ``knobs.KEYED_MERGE_RATIO`` times the baseline (not scaled by the share below: a
+      first merge that waits for the budget is not forced early);
     - *due* (weighing ``KEYED_MERGE_RATIO`` times the baseline): merged, the heaviest first, while the
       baselines they rewrite stay within ``knobs.KEYED_MERGE_BUDGET`` of this flush's own records' bytes
       (with the forced ones), and the heaviest one anyway if nothing else merges; the others wait for a later
@@ -201,7 +202,7 @@ def _merges(view, infos: dict, chains: dict, buffer: dict) -> set:
         above = sum(loc.length for _v, loc in chain[:-1]) + _alone_bytes(buffer[(table, p)][1])
         pressure = above / (knobs.KEYED_MERGE_RATIO * share * base)
         bound = knobs.KEYED_CHAIN_BOUND
-        if len(chain) >= (bound if bound < 4 else max(2, bound * share)) or pressure >= 2:
+        if len(chain) >= (bound if bound < 4 else max(2, bound * share)) or above >= 2 * knobs.KEYED_MERGE_RATIO * base:
             out.add((table, p))
             spent += base
         elif pressure >= 1:
