@@ -25,7 +25,8 @@ that change.
 Managed collisions (``ShardedManagedCollisionEmbeddingBagCollection`` / ``...EmbeddingCollection``): the
 embedding collection inside is sharded as above; the managed-collision modules' slot buffers (MCH's
 ``_mch_sorted_raw_ids``, ``_mch_remapped_ids_mapping``, ``_mch_<metadata>``; MPZCH's ``_hash_zch_*``) are
-1-D ``ShardedTensor`` s, one local shard per rank: the module that rank runs on its own range of slots
+``ShardedTensor`` s of one row per slot (1-D; MPZCH's identities ``(slots, 1)``), one local shard per rank: the
+module that rank runs on its own range of slots
 (:func:`mc_local_buffers`). They are the rank's state, saved and restored as that rank's own (its store's
 managed-collision groups, ``mc_saves``), not rows of a table.
 
@@ -158,8 +159,9 @@ def find_shards(model: nn.Module) -> tuple[list[Shard], set[str], list]:
 
 
 def _is_mc_buffer(key: str, value) -> bool:
-    """Whether state ``key`` (a ShardedTensor) is a sharded managed-collision module's buffer."""
-    return MC_MARK in "." + key and value.dim() == 1
+    """Whether state ``key`` (a ShardedTensor) is a sharded managed-collision module's buffer: 1-D (MCH's),
+    or an MPZCH buffer of one row per slot (``_hash_zch_identities`` is ``(slots, 1)``)."""
+    return MC_MARK in "." + key and (value.dim() == 1 or (value.dim() == 2 and "._hash_zch_" in "." + key))
 
 
 def is_rank_local(key: str) -> bool:
