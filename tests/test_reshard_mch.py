@@ -221,6 +221,17 @@ def test_refusals(tmp_path):
                                                                                                       dtype=torch.int32)}
     with pytest.raises(InvalidArgument, match="MPZCH"):
         rm.plan(*_job(0, 3, stores, extra_state=zch)[0])
+
+    class FakeZch(nn.Module):  # an MPZCH module whose buckets do not divide 3 ranks
+        _hash_zch_identities = None
+
+        def buckets(self):
+            return 4
+
+    args = _job(0, 3, stores, extra_state=zch)[0]
+    args[3]._dmp_wrapped_module.mc._managed_collision_collection._managed_collision_modules["u"] = FakeZch()
+    with pytest.raises(InvalidArgument, match="total_num_buckets 4, not a multiple of world size 3"):
+        rm.plan(*args)
     args = _job(0, 2, stores)[0]
     assert rm.plan(args[0], args[0].plan, *args[2:]) is None  # (the same plan: each rank's state is its own)
 

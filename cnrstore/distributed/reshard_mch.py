@@ -23,8 +23,15 @@ size"); for each MCH module of this rank, :class:`Remap`:
    held it (one read per old rank and stored table). Rows of free slots are left as the positional read
    gave them (MCH resets a slot's row when it hands the slot to an id).
 
-Refused with ``InvalidArgument`` before anything changes: MPZCH modules (``HashZchManagedCollisionModule``:
-not built at another world size), a module with an ``input_hash_func`` (its stored ids are hashed values, so
+MPZCH modules (``HashZchManagedCollisionModule``) are not remapped but resharded by position: torchrec routes
+an id to a hash *bucket* (``total_num_buckets`` of them, a multiple of the world size) and the module places it
+among its bucket's slots, so a slot keeps its global row at any world size whose ranks hold whole buckets.
+Rank r's identity and metadata buffers are then the saved buffers' global slots ``[row_start, row_end)`` of
+its shard (:class:`_ZchGroup`, read from the old ranks whose shards overlap, keyed rows or dense buffers), its
+rows and optimizer state the positional read's, and ``_hash_zch_bucket`` the live module's. Refused: a
+``total_num_buckets`` that is not a multiple of both world sizes (torchrec's own rule).
+
+Refused with ``InvalidArgument`` before anything changes: a module with an ``input_hash_func`` (its stored ids are hashed values, so
 their routing cannot be recomputed) or an input size of 0, a module whose ``buckets()`` is not the world size,
 a managed table that is not one row-wise shard per rank on the module's slots, and any rank-local state key
 this module does not know. The remapped model is not the saved one (ids dropped in 2, slots renumbered in 3):
@@ -50,6 +57,7 @@ COUNTS = "_mch_counts"
 LAST_ACCESS = "_mch_last_access_iter"
 CURRENT_ITER = "_current_iter_tensor"
 OUTPUT_SEGMENTS = "_output_segments_tensor"
+ZCH_BUCKET = "_hash_zch_bucket"
 #: the path from a managed-collision embedding collection to its MCH modules (by table name)
 _MODULES = "_managed_collision_collection._managed_collision_modules."
 #: the paths from that collection to its embedding tables (bag and sequence collections)
@@ -124,17 +132,32 @@ class _Group:
     current_iter: np.ndarray | None = None
 
 
+@dataclass
+class _ZchGroup:
+    """One MPZCH module of this rank: its state-dict ``prefix``, the managed ``table``, this rank's global slots
+    ``[start, end)``, and each buffer's (dtype, trailing shape) as live."""
+
+    prefix: str
+    module: str
+    table: str
+    start: int
+    end: int
+    buffers: dict  # buffer name -> (numpy dtype, trailing shape)
+
+
 class Remap:
     """This rank's MCH remap of one restore (module doc): :meth:`state` gives the rank-local state to load,
     :meth:`rows` moves the kept ids' rows in what the positional read gave. Reads happen at first use, through
     ``store_of(old rank)`` (the caller's read-only stores, which it closes)."""
 
-    def __init__(self, gv, world: int, rank: int, store_of, groups: list[_Group], live: dict):
+    def __init__(self, gv, world: int, rank: int, store_of, groups: list[_Group], live: dict,
+                 zch: list[_ZchGroup] = ()):
         self.gv = gv
         self.world = world
         self.rank = rank
         self.store_of = store_of
         self.groups = groups
+        self.zch = list(zch)
         self._live = live  # rank-local key -> live tensor
         self._by_table = {g.table: g for g in groups}
         self._read_done = False
@@ -273,7 +296,42 @@ class Remap:
             out[cur] = torch.from_numpy(g.current_iter.copy()).to(self._live[cur].dtype)
             if g.prefix + OUTPUT_SEGMENTS in self._live:
                 out[g.prefix + OUTPUT_SEGMENTS] = self._live[g.prefix + OUTPUT_SEGMENTS].detach().clone()
+        for z in self.zch:
+            out.update(self._zch_state(z))
         return out
+
+    def _zch_state(self, z: _ZchGroup) -> dict:
+        """An MPZCH module's buffers for this rank's slots, by global slot from the old ranks' (module doc)."""
+        gv = self.gv
+        out = {n: np.empty((z.end - z.start,) + shape, dtype) for n, (dtype, shape) in z.buffers.items()}
+        filled = 0
+        for shard in gv.plan.shards_of_table(z.table):
+            lo, hi = max(z.start, shard.row_start), min(z.end, shard.row_end)
+            if lo >= hi:
+                continue
+            st, v = self.store_of(shard.rank), gv.local_versions[shard.rank]
+            targets = {z.prefix + n: torch.empty((shard.num_rows,) + shape, dtype=_torch_dtype(dtype))
+                       for n, (dtype, shape) in z.buffers.items()}
+            got = mc_saves.restore_groups(st, targets, v)  # (the keyed group; a version before it: dense)
+            for n in z.buffers:
+                key = z.prefix + n
+                try:
+                    arr = got[key].numpy() if key in got else st.read_dense(DENSE_PREFIX + key, v)
+                except (MissingRows, TableNotFound) as exc:
+                    raise InvalidArgument(f"global version {gv.version}: rank {shard.rank}'s store lacks {key!r} "
+                                          f"({exc})") from exc
+                if arr.shape != tuple(targets[key].shape):
+                    raise InvalidArgument(f"global version {gv.version}: rank {shard.rank}'s {key!r} has shape "
+                                          f"{arr.shape}, not its {shard.num_rows} slots of {z.table!r}")
+                out[n][lo - z.start:hi - z.start] = arr[lo - shard.row_start:hi - shard.row_start]
+            filled += hi - lo
+        if filled != z.end - z.start:
+            raise InvalidArgument(f"global version {gv.version}: its shards of {z.table!r} do not cover slots "
+                                  f"[{z.start}, {z.end}) of {z.module!r}")
+        state = {z.prefix + n: torch.from_numpy(a) for n, a in out.items()}
+        if z.prefix + ZCH_BUCKET in self._live:
+            state[z.prefix + ZCH_BUCKET] = self._live[z.prefix + ZCH_BUCKET].detach().clone()
+        return state
 
     def rows(self, name: str, table: str, out: np.ndarray) -> np.ndarray:
         """``out`` (this rank's rows of ``table`` from stored table ``name``, read by position) with the rows
@@ -299,6 +357,52 @@ class Remap:
         return out
 
 
+def _torch_dtype(dtype) -> torch.dtype:
+    return torch.from_numpy(np.zeros(0, dtype)).dtype
+
+
+def _zch_module_of(model, prefix: str):
+    """The one MPZCH module whose state-dict prefix is ``prefix``, or None."""
+    found = [m for p, m in model.named_modules()
+             if ("." + p + ".").endswith("." + prefix) and hasattr(m, kb.ZCH_IDENTITIES)]
+    return found[0] if len(found) == 1 else None
+
+
+def _managed_table(where: str, path: str, tables: set) -> str:
+    """The one embedding table of ``tables`` the managed-collision module at ``path`` manages (else refused)."""
+    head, sep, tname = ("." + path).rpartition("." + _MODULES.rstrip("."))
+    base = head[1:]
+    tname = tname.lstrip(".")
+    looked = [f"{base}.{t}{tname}" if base else f"{t}{tname}" for t in _TABLES] if sep else []
+    cands = [c for c in looked if c in tables]
+    if len(cands) != 1:
+        raise InvalidArgument(f"{where}: no one row-wise sharded embedding table of the model is managed by "
+                              f"{path!r} (looked for {' or '.join(map(repr, looked)) or 'a collection around it'}"
+                              "); cannot move its rows, restore at the saved world size")
+    return cands[0]
+
+
+def _plan_zch(where: str, bg, path: str, model, tables: set, shards: dict, arrays: dict, gv, world: int):
+    """The positional reshard of an MPZCH module (module doc), or InvalidArgument."""
+    module = _zch_module_of(model, bg.prefix)
+    if module is None:
+        raise InvalidArgument(f"{where}: no single MPZCH module of the model has the state {path!r}")
+    buckets = int(module.buckets())
+    for w in (world, gv.plan.world_size):
+        if buckets % w:
+            raise InvalidArgument(f"{where}: {path!r} has total_num_buckets {buckets}, not a multiple of world size "
+                                  f"{w}: MPZCH moves between world sizes by whole buckets (torchrec's rule), so "
+                                  "restore at the saved world size")
+    table = _managed_table(where, path, tables)
+    shard = shards.get(table)
+    if shard is None or shard.row_end - shard.row_start != bg.size:
+        raise InvalidArgument(f"{where}: {path!r} holds {bg.size} slots on this rank, its table {table!r} shard is "
+                              f"{None if shard is None else (shard.row_start, shard.row_end)}; cnrstore reshards an "
+                              "MPZCH module over its table's row-wise shard only")
+    bufs = {n: (arrays[bg.prefix + n].dtype, tuple(arrays[bg.prefix + n].shape[1:])) for n in bg.names}
+    return _ZchGroup(bg.prefix, path, table, shard.row_start, shard.row_end, bufs)
+
+
 def _module_of(model, prefix: str):
     """The one MCH module whose state-dict prefix is ``prefix`` (its path may hold DMP's wrapper names before
     it), or None."""
@@ -321,13 +425,14 @@ def plan(gv, new_plan, rank: int, model, state, rank_local: list[str], shards: d
     live = {k: state.dense[k] for k in rank_local}
     arrays = {k: v.detach().cpu().numpy() for k, v in live.items() if v.dtype != torch.bfloat16}
     tables = {t.name for t in state.tables}
-    groups, known = [], set()
+    groups, zch, known = [], [], set()
     for bg in kb.find_groups(arrays):
         path = bg.prefix.rstrip(".")
         if bg.kind != "mch":
-            raise InvalidArgument(f"{where}: {path!r} is an MPZCH module (HashZchManagedCollisionModule), whose state "
-                                  "cnrstore restores at the world size and plan it was saved with only; restore it "
-                                  "there")
+            zch.append(_plan_zch(where, bg, path, model, tables, shards, arrays, gv, world))
+            known.update(bg.keys_of(arrays))
+            known.add(bg.prefix + ZCH_BUCKET)
+            continue
         module = _module_of(model, bg.prefix)
         if module is None:
             raise InvalidArgument(f"{where}: no single MCH module of the model has the state {path!r}; cannot "
@@ -342,16 +447,7 @@ def plan(gv, new_plan, rank: int, model, state, rank_local: list[str], shards: d
         if buckets != world:
             raise InvalidArgument(f"{where}: {path!r} has {buckets} buckets for {world} ranks; "
                                   "cnrstore remaps MCH state routed one id range per rank only")
-        head, sep, tname = ("." + path).rpartition("." + _MODULES.rstrip("."))
-        base = head[1:]
-        tname = tname.lstrip(".")
-        looked = [f"{base}.{t}{tname}" if base else f"{t}{tname}" for t in _TABLES] if sep else []
-        cands = [c for c in looked if c in tables]
-        if len(cands) != 1:
-            raise InvalidArgument(f"{where}: no one row-wise sharded embedding table of the model is managed by "
-                                  f"{path!r} (looked for {' or '.join(map(repr, looked)) or 'a collection around it'}"
-                                  "); cannot move its rows, restore at the saved world size")
-        table = cands[0]
+        table = _managed_table(where, path, tables)
         shard = shards.get(table)
         offset, size = int(module._output_global_offset), int(module.output_size())
         if shard is None or (shard.row_start, shard.row_end) != (offset, offset + size) or bg.size != size:
@@ -373,4 +469,4 @@ def plan(gv, new_plan, rank: int, model, state, rank_local: list[str], shards: d
         raise InvalidArgument(f"{where}: state {unknown[0]!r} belongs to a managed-collision module but is no MCH "
                               "buffer cnrstore knows how to move to another world size; restore at the world size "
                               "and plan the version was written with")
-    return Remap(gv, world, rank, store_of, groups, live)
+    return Remap(gv, world, rank, store_of, groups, live, zch)

@@ -13,7 +13,9 @@ optimizer's state -- and a restore must bring all of it back bit for bit.
 
 Scenarios as in mch_worker.py: ``save`` (train ``steps`` steps saving every other one, dump, train two more,
 dump, exit without closing) and ``restore`` (a fresh model of another seed restores the newest global version,
-dumps, trains the same two steps, dumps, saves once more and reports its store).
+at the config's world size, which may differ: MPZCH then reshards by buckets; dumps, trains the same two
+steps, dumps, saves once more and reports its store). The config's ``zch`` and ``buckets`` size the module,
+``tag`` names the dumps.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from mch_worker import DIM, HASH, TorchRng, batch, state_of  # noqa: E402
 ZCH = 64
 
 
-def build(rank: int, world: int, seed: int):
+def build(rank: int, world: int, seed: int, zch_size: int = ZCH, buckets: int = 4):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingCollection, EmbeddingConfig
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -56,10 +58,10 @@ def build(rank: int, world: int, seed: int):
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            cfg = [EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=ZCH, feature_names=["f"])]
+            cfg = [EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=zch_size, feature_names=["f"])]
             ec = EmbeddingCollection(tables=cfg, device=torch.device("cpu"))
-            zch = HashZchManagedCollisionModule(zch_size=ZCH, device=torch.device("cpu"), total_num_buckets=4,
-                                                input_hash_size=HASH)
+            zch = HashZchManagedCollisionModule(zch_size=zch_size, device=torch.device("cpu"),
+                                                total_num_buckets=buckets, input_hash_size=HASH)
             self.mc = ManagedCollisionEmbeddingCollection(
                 ec, ManagedCollisionCollection({"t": zch}, embedding_configs=cfg), return_remapped_features=False)
             self.head = torch.nn.Linear(DIM, 1)
@@ -130,8 +132,9 @@ def main(cfg: dict) -> None:
     out, steps = cfg["out"], cfg["steps"]
     from cnrstore.distributed import DistributedCheckpointer
 
-    dmp, dense = build(rank, world, seed=cfg.get("seed", 0))
-    tag = f"mpzch-{cfg['scenario']}"
+    dmp, dense = build(rank, world, seed=cfg.get("seed", 0), zch_size=cfg.get("zch", ZCH),
+                       buckets=cfg.get("buckets", 4))
+    tag = cfg.get("tag", f"mpzch-{cfg['scenario']}")
     if cfg["scenario"] == "save":
         ckpt = DistributedCheckpointer(cfg["root"], dmp, dense, codec="fp32", mode="incremental",
                                        extra={"rng": TorchRng()})
