@@ -25,11 +25,11 @@ STEPS = 6
 P = 16
 
 
-def _run(out, scenario: str, world: int, *, seed: int, capacity: int, tag: str) -> None:
+def _run(out, scenario: str, world: int, *, seed: int, capacity: int, tag: str, **cfg) -> None:
     procs = []
     for rank in range(world):
         c = {"scenario": scenario, "rank": rank, "world": world, "init": str(out / f"init-{tag}"), "out": str(out),
-             "root": str(out / "root"), "steps": STEPS, "seed": seed, "capacity": capacity}
+             "root": str(out / "root"), "steps": STEPS, "seed": seed, "capacity": capacity, **cfg}
         procs.append(prespawn.spawn(WORKER, json.dumps(c), env=dict(os.environ, OMP_NUM_THREADS="1")))
     bad = [(rc, text[-3000:]) for rc, text in finish(procs) if rc != 0]
     assert not bad, bad
@@ -92,6 +92,17 @@ def test_a_keyed_embedding_job_restored_at_another_world_size_gets_each_id_on_it
             assert np.array_equal(d[k], saved[0][k])
     for rank in range(new):  # the restored job trained on and saved again
         assert _npz(out / f"continued-w{new}-rank{rank}.npz")["step"] == STEPS + 2
+
+
+def test_a_reshard_one_rank_refuses_is_refused_on_every_rank_with_nothing_loaded(tmp_path):
+    """Rank 1 of a 2-rank job also held ids rank 0 owns: at 3 ranks only the rank that reads them sees it, and
+    every rank raises before any loads (DistributedCheckpointer._reshard_agreed)."""
+    _run(tmp_path, "save", 2, seed=10, capacity=40, tag="save", misroute=True)
+    _run(tmp_path, "restore", 3, seed=90, capacity=40, tag="to3", expect_refusal=True)
+    said = [(tmp_path / f"refused-w3-rank{r}.txt").read_text() for r in range(3)]
+    assert "does not own it" in said[0] and "restore at the world size it was saved with" in said[0]
+    for text in said[1:]:
+        assert "refused on rank 0" in text and "nothing was loaded on any rank" in text
 
 
 def test_a_rank_that_owns_more_ids_than_its_capacity_keeps_those_its_policy_keeps():

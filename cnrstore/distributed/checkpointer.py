@@ -734,7 +734,10 @@ class DistributedCheckpointer:
         written under another plan or world size is resharded: each shard's rows are read, at their
         point in time, from the stores of the ranks that held them (read-only), dense state from rank 0's
         store and optimizer state by parameter name; TorchRec MCH state is remapped (reshard_mch: ids re-routed,
-        slots renumbered, a RuntimeWarning if a rank must drop ids). Every rank must restore the same version.
+        slots renumbered, a RuntimeWarning if a rank must drop ids), MPZCH moved by whole buckets, and each
+        KeyedEmbedding gets the ids its rank owns (reshard_keyed). Every rank reads and checks its share before
+        any loads: a refusal on one rank is raised on every rank, nothing loaded. Every rank must restore the
+        same version.
 
         Each store's trainer payload is read as data (``Checkpointer.restore``): UnsafePayload for one whose
         pickle names code, unless ``trust_pickle=True`` (a warning, then a full unpickle)."""
@@ -748,9 +751,31 @@ class DistributedCheckpointer:
         if gv.generation == self.generation and gv.plan == self.plan:
             self._local.restore(gv.local_versions[self.rank], trust_pickle=trust_pickle)
         else:
-            _Resharder(self, gv, trust_pickle=trust_pickle).load()
+            self._reshard_agreed(gv, trust_pickle)
         reports.deliver(self._on_report, reports.RestoreReport(gv.version, gv.step, time.perf_counter() - start))
         return gv
+
+    def _reshard_agreed(self, gv: GlobalVersion, trust_pickle: bool) -> None:
+        """``restore`` of a version of another plan: every rank reads and checks its share first (each reads
+        different rows and partitions, so one may refuse what another accepted); if any rank refused, every
+        rank raises, and no rank has loaded anything (collective)."""
+        failure = staged = resharder = None
+        try:
+            resharder = _Resharder(self, gv, trust_pickle=trust_pickle)
+            staged = resharder.read()
+        except Exception as exc:  # noqa: BLE001 - raised below, once every rank has said whether it can load
+            failure = exc
+        said: list = [None] * self.world_size
+        failures.all_gather_object(said, None if failure is None else f"{type(failure).__name__}: {failure}",
+                                   group=self._group)
+        if failure is not None:
+            raise failure
+        refused = [(r, m) for r, m in enumerate(said) if m is not None]
+        if refused:
+            rank, why = refused[0]
+            raise InvalidArgument(f"restore of global version {gv.version} refused on rank {rank} ({why}); nothing "
+                                  "was loaded on any rank")
+        resharder.apply(staged)
 
     # -- partial recovery (CPR) -----------------------------------------------------------------------
     def recover(self, failed_ranks, step: int | None = None) -> RecoveryReport:
@@ -1019,6 +1044,11 @@ class _Resharder:
         return out
 
     def load(self) -> None:
+        """Read, check and load (one rank alone: ``recover``'s replaced ranks)."""
+        self.apply(self.read())
+
+    def read(self) -> tuple:
+        """Everything to load, read from the stores and checked, nothing live changed (``apply`` loads it)."""
         state = self.state
         try:
             # the KeyedEmbeddings' ids this rank owns at this world size, from every rank store (reshard_keyed)
@@ -1045,6 +1075,10 @@ class _Resharder:
         finally:
             for st in self._stores.values():
                 st.close()
-        self.local.load_state(weights, shard_states, dense, optim_sds, {k: extra_src[k] for k in state.extra})
+        return weights, shard_states, dense, optim_sds, {k: extra_src[k] for k in state.extra}
+
+    def apply(self, staged: tuple) -> None:
+        """Load what ``read`` returned into the live objects."""
+        self.local.load_state(*staged)
         self.keyed.load()
         self.local.note_restore()

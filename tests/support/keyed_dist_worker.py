@@ -26,6 +26,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 from cnrstore.distributed import DistributedCheckpointer, ShardingPlan  # noqa: E402
+from cnrstore.errors import InvalidArgument  # noqa: E402
 from cnrstore.torch import KeyedEmbedding  # noqa: E402
 
 P = 16      # the keyed table's partitions: the same on every rank and world size
@@ -83,8 +84,13 @@ def main(cfg: dict) -> None:
     plan = ShardingPlan.row_wise({}, world)  # (no positional table: the keyed embedding is each rank's own)
     if cfg["scenario"] == "save":
         ckpt = DistributedCheckpointer(cfg["root"], model, opt, plan=plan, timeout_s=60)
+        cand = torch.arange(10_000, dtype=torch.int64)  # ids rank 0 owns (at 2 ranks, and at 3)
+        bad = cand[(model.emb.owner(cand, 2) == 0) & (model.emb.owner(cand, 3) == 0)][:3]
         for step in range(steps):
             train(model, opt, [step], rank, world)
+            if cfg.get("misroute") and rank == 1:  # rank 1 holds them too (looked up last: never evicted)
+                with torch.no_grad():
+                    model.emb(bad)
             if step % 2 == 1:
                 ckpt.save(step + 1).wait()
         dump(model, opt, os.path.join(out, f"saved-rank{rank}.npz"))
@@ -94,6 +100,17 @@ def main(cfg: dict) -> None:
         os._exit(0)  # killed: nothing closed
     ckpt = DistributedCheckpointer(cfg["root"], model, opt, plan=plan, timeout_s=60)
     (at,) = [g.version for g in ckpt.versions() if g.step == steps]  # (another test's job may have saved since)
+    if cfg.get("expect_refusal"):
+        before = model.emb.slot_ids.clone()
+        try:
+            ckpt.restore(at)
+        except InvalidArgument as exc:
+            assert torch.equal(model.emb.slot_ids, before)  # (nothing loaded)
+            with open(os.path.join(out, f"refused-w{world}-rank{rank}.txt"), "w") as f:
+                f.write(str(exc))
+        ckpt.close()
+        dist.destroy_process_group()
+        return
     gv = ckpt.restore(at)
     dump(model, opt, os.path.join(out, f"restored-w{world}-rank{rank}.npz"))
     train(model, opt, range(steps, steps + 2), rank, world)
