@@ -20,7 +20,8 @@ Two questions decide what is written: the *format* (``FORMATS``) and the *layout
   safetensors); ``{"version", "step", "meta", "tables": {...}, "dense": {...}}`` (torch, dcp). A keyed
   table is three kinds of flat entries in every format (beside ``tables`` and ``dense`` in torch and dcp):
   ``keyed/<name>/keys`` (int64, ascending), ``keyed/<name>/values`` (float32 ``(n, dim)``) and
-  ``keyed/<name>/columns/<column>`` (the column's dtype, ``(n,)`` or ``(n, width)``): what
+  ``keyed/<name>/columns/<column>`` (the column's dtype, ``(n,)`` or ``(n, width)``) and
+  ``keyed/<name>/partitions`` (int64 ``(1,)``: the table's partition count): what
   ``Store.read_keyed`` gives, which ``cnrstore import`` (``cnrstore.nested_import``) reads back.
   A keyed table has no place in a state-dict or checkpoint layout (InvalidArgument: export it nested).
 
@@ -293,7 +294,7 @@ def _content(snapshot: Snapshot, fmt: str, layout: str, model, trust_pickle: boo
     if layout == "nested":
         tables = dict(snapshot.tables)
         dense = {name: np.ascontiguousarray(arr) for name, arr in snapshot.dense.items()}
-        keyed = keyed_arrays(snapshot.keyed)
+        keyed = keyed_arrays(snapshot.keyed, snapshot.partitions)
         if fmt in ("npz", "safetensors"):
             arrays = {f"tables/{name}": arr for name, arr in tables.items()}
             arrays.update({f"dense/{name}": arr for name, arr in dense.items()})
@@ -324,10 +325,13 @@ def _content(snapshot: Snapshot, fmt: str, layout: str, model, trust_pickle: boo
     return _Content(layout, data, meta, len(sd), view.table_key_count())
 
 
-def keyed_arrays(keyed: dict) -> dict[str, np.ndarray]:
-    """The flat entries of keyed tables ({name: KeyedRows}) in a nested export (module doc)."""
+def keyed_arrays(keyed: dict, partitions: dict | None = None) -> dict[str, np.ndarray]:
+    """The flat entries of keyed tables ({name: KeyedRows}) in a nested export (module doc), with each table's
+    partition count (``partitions``: {name: int}) where known."""
     out: dict[str, np.ndarray] = {}
     for name, rows in keyed.items():
+        if partitions and name in partitions:
+            out[f"{KEYED_PREFIX}{name}/partitions"] = np.array([partitions[name]], np.int64)
         out[f"{KEYED_PREFIX}{name}/keys"] = np.ascontiguousarray(rows.keys, np.int64)
         out[f"{KEYED_PREFIX}{name}/values"] = np.ascontiguousarray(rows.values, np.float32)
         for col, arr in rows.columns.items():

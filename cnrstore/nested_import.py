@@ -3,11 +3,13 @@ nested`` wrote; cnrstore/export.py's module doc names the entries).
 
 A nested export holds ``tables/<name>`` (fp32 ``(num_rows, dim)``), ``dense/<name>`` (as stored) and, per
 keyed table, ``keyed/<name>/keys`` (int64), ``keyed/<name>/values`` (float32 ``(n, dim)``) and
-``keyed/<name>/columns/<column>`` (``(n,)`` or ``(n, width)`` of the column's dtype). ``split`` checks and
-groups those (numpy arrays; the torch-based readers convert tensors first); ``write`` writes them as one
-version of a store: each table with ``codec`` (default fp32: lossless), each keyed table with its columns'
-dtypes and widths and the default partitions, so that ``read_keyed`` of the import equals the exported
-version's bit for bit. Torch-free.
+``keyed/<name>/columns/<column>`` (``(n,)`` or ``(n, width)`` of the column's dtype), and
+``keyed/<name>/partitions`` (int64 ``(1,)``; an export before it has none). ``split`` checks and groups those
+(numpy arrays; the torch-based readers convert tensors first); ``write`` writes them as one version of a
+store: each table with ``codec`` (default fp32: lossless), each keyed table with its columns' dtypes and
+widths and its exported partition count (the default where the export has none), so that ``read_keyed`` of
+the import equals the exported version's bit for bit and a job whose ranks own ids by partition reads the
+import as it read the original. Torch-free.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class Nested:
     tables: dict = field(default_factory=dict)
     dense: dict = field(default_factory=dict)
     keyed: dict = field(default_factory=dict)
+    #: {keyed table: its partition count} where the export recorded it
+    partitions: dict = field(default_factory=dict)
     step: int | None = None
     meta: dict | None = None
     version: int | None = None
@@ -87,19 +91,20 @@ def split(entries: Mapping[str, np.ndarray], where: str, scalars: Mapping | None
             out.dense[key[len("dense/"):]] = arr
         else:
             keyed[key] = arr
-    out.keyed = _keyed_tables(keyed, where)
+    out.keyed, out.partitions = _keyed_tables(keyed, where)
     return out
 
 
-def _keyed_tables(entries: dict, where: str) -> dict[str, KeyedRows]:
-    """{name: KeyedRows} of the ``keyed/`` entries: a table per ``keyed/<name>/keys``, each other entry its
-    ``/values`` or one of its ``/columns/<c>`` (an entry that could belong to two tables is refused)."""
+def _keyed_tables(entries: dict, where: str) -> tuple[dict[str, KeyedRows], dict[str, int]]:
+    """({name: KeyedRows}, {name: partitions}) of the ``keyed/`` entries: a table per ``keyed/<name>/keys``,
+    each other entry its ``/values``, ``/partitions`` or one of its ``/columns/<c>`` (an entry that could belong
+    to two tables is refused)."""
     names = [k[len(KEYED_PREFIX):-len("/keys")] for k in entries if k.endswith("/keys")]
     parts: dict[str, dict] = {n: {"keys": entries[f"{KEYED_PREFIX}{n}/keys"], "columns": {}} for n in names}
     for key, arr in entries.items():
         owners = [(n, key[len(f"{KEYED_PREFIX}{n}/"):]) for n in names if key.startswith(f"{KEYED_PREFIX}{n}/")
                   and key != f"{KEYED_PREFIX}{n}/keys"]
-        owners = [(n, rest) for n, rest in owners if rest == "values" or rest.startswith("columns/")]
+        owners = [(n, rest) for n, rest in owners if rest in ("values", "partitions") or rest.startswith("columns/")]
         if key.endswith("/keys") and key[len(KEYED_PREFIX):-len("/keys")] in parts and not owners:
             continue
         if len(owners) != 1:
@@ -108,11 +113,19 @@ def _keyed_tables(entries: dict, where: str) -> dict[str, KeyedRows]:
             raise InvalidArgument(f"entry {key!r} of {where} belongs to {why}; a keyed table is keyed/<name>/keys, "
                                   "keyed/<name>/values and keyed/<name>/columns/<column>: export it again")
         name, rest = owners[0]
-        if rest == "values":
-            parts[name]["values"] = arr
+        if rest in ("values", "partitions"):
+            parts[name][rest] = arr
         else:
             parts[name]["columns"][rest[len("columns/"):]] = arr
-    return {name: _keyed_rows(name, p, where) for name, p in parts.items()}
+    out = {name: _keyed_rows(name, p, where) for name, p in parts.items()}
+    return out, {name: _partitions(name, p["partitions"], where) for name, p in parts.items() if "partitions" in p}
+
+
+def _partitions(name: str, arr: np.ndarray, where: str) -> int:
+    if arr.shape != (1,) or arr.dtype.kind not in "iu" or not 1 <= int(arr[0]) <= 1 << 16:
+        raise InvalidArgument(f"{KEYED_PREFIX}{name}/partitions of {where} must be one int in [1, 65536], got "
+                              f"{arr.dtype} {arr.shape}")
+    return int(arr[0])
 
 
 def _keyed_rows(name: str, p: dict, where: str) -> KeyedRows:
@@ -152,7 +165,8 @@ def write(store, nested: Nested, *, codec: str = "fp32", codecs: Mapping | None 
         store.create_table(name, int(arr.shape[0]), int(arr.shape[1]), codec=codec_of.get(name, codec), exist_ok=True)
     for name, rows in nested.keyed.items():
         store.create_table(name, dim=int(rows.values.shape[1]), keyed=True, codec=codec_of.get(name, codec),
-                           columns=_column_spec(rows.columns) or None, exist_ok=True)
+                           columns=_column_spec(rows.columns) or None, partitions=nested.partitions.get(name),
+                           exist_ok=True)
     with store.checkpoint(step=nested.step if step is None else step,
                           meta=nested.meta if meta is None else meta) as ck:
         for name, arr in nested.tables.items():

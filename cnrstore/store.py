@@ -461,6 +461,7 @@ class Store:
             jobs = [(tinfo, None, 0) for tinfo in written if not tinfo.keyed]
             snap.keyed.update((t.name, keyed_reader.read_all(view, self._engine.storage, t, v)) for t in written
                               if t.keyed)
+            snap.partitions.update((t.name, int(t.partitions)) for t in written if t.keyed)
             dense = [(name, dense_id, found[1]) for name, dense_id in sorted(view.dense_names().items())
                      if (found := view.dense_at(dense_id, v)) is not None]
             table_bytes = sum(tinfo.num_rows * tinfo.dim * 4 for tinfo, _, _ in jobs)

@@ -64,7 +64,8 @@ class VersionInfo:
 @dataclass
 class Snapshot:
     """Everything a version reads as: every table (float32) and dense array, with the version's info;
-    ``keyed``: every keyed table as KeyedRows."""
+    ``keyed``: every keyed table as KeyedRows, ``partitions`` the partition count of each (what an export
+    records, so that an import keeps it)."""
 
     version: int
     step: int | None
@@ -72,6 +73,7 @@ class Snapshot:
     tables: dict[str, np.ndarray] = field(default_factory=dict)
     dense: dict[str, Any] = field(default_factory=dict)
     keyed: dict[str, Any] = field(default_factory=dict)
+    partitions: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

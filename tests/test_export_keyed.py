@@ -76,6 +76,7 @@ def test_round_trip_store_export_import_bit_for_bit(keyed_store, tmp_path, fmt):
             same_keyed(keyed_store.read_keyed(name), back.read_keyed(name))
         info, want = back.tables()["ids"], keyed_store.tables()["ids"]
         assert info.keyed and sorted(info.columns) == sorted(want.columns) and info.dim == 5
+        assert (info.partitions, back.tables()["empty"].partitions) == (16, 4)  # (as exported: not the default)
         assert not back.read_keys("ids", np.arange(0, 40)).found.any()  # the evicted stay evicted
         assert np.array_equal(back.read_table("emb"), keyed_store.read_table("emb"))
         if fmt != "safetensors":  # (a safetensors export keeps version and step in a header the import skips)
@@ -90,9 +91,10 @@ def test_npz_and_safetensors_hold_the_keyed_arrays(keyed_store, tmp_path):
     want = keyed_store.read_keyed("ids")
     for arrays in (dict(np.load(tmp_path / "o.npz")), load_file(str(tmp_path / "o.st"))):
         assert {k for k in arrays if k.startswith("keyed/ids/")} == {
-            "keyed/ids/keys", "keyed/ids/values", *(f"keyed/ids/columns/{c}" for c in COLUMNS)}
-        back = nested_import.split(arrays, "the export").keyed["ids"]
-        same_keyed(want, back)
+            "keyed/ids/keys", "keyed/ids/values", "keyed/ids/partitions", *(f"keyed/ids/columns/{c}" for c in COLUMNS)}
+        nested = nested_import.split(arrays, "the export")
+        same_keyed(want, nested.keyed["ids"])
+        assert nested.partitions == {"ids": 16, "empty": 4}
         assert arrays["keyed/empty/values"].shape == (0, 2)
 
 
@@ -110,5 +112,8 @@ def test_malformed_keyed_entries_are_refused_naming_the_fix():
     with pytest.raises(InvalidArgument, match="more than one keyed table"):
         nested_import.split({**ok, "keyed/t/columns/x/keys": keys, "keyed/t/columns/x/values": ok["keyed/t/values"]},
                             "x")
+    with pytest.raises(InvalidArgument, match=r"partitions of x must be one int in \[1, 65536\]"):
+        nested_import.split({**ok, "keyed/t/partitions": np.array([0], np.int64)}, "x")
+    assert nested_import.split(ok, "x").partitions == {}  # (an export before partitions were recorded)
     with pytest.raises(InvalidArgument, match="not an entry of a nested cnrstore export"):
         nested_import.split({**ok, "weight": keys}, "x")
