@@ -73,7 +73,7 @@ from .types import Snapshot
 FORMATS = ("torch", "safetensors", "dcp", "npz")
 LAYOUTS = ("state_dict", "checkpoint", "nested")
 #: What ``cnrstore.torch.import_checkpoint`` reads (here, not there, so the CLI's options need no torch).
-SOURCE_FORMATS = ("torch", "safetensors", "dcp")
+SOURCE_FORMATS = ("torch", "safetensors", "dcp", "npz")
 #: Without model= or tables=, an import files a 2-D ``*.weight`` tensor this tall as an embedding table.
 DEFAULT_MIN_ROWS = 100_000
 #: The dense array holding ``cnrstore.torch.Checkpointer``'s state blob (``checkpointer.STATE_BLOB``; a

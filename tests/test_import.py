@@ -109,6 +109,18 @@ def test_a_legacy_torch_save_file_imports(trained, tmp_path):
     assert_same(restored(tmp_path / "s", seed=1), sd_a)
 
 
+def test_an_npz_of_a_state_dict_imports_and_a_torch_save_zip_is_not_taken_for_one(trained, tmp_path):
+    _, _, sd_a = trained
+    plain = {k: v for k, v in sd_a.items() if v.dtype != torch.bfloat16}  # (numpy has no bfloat16)
+    np.savez(tmp_path / "a.npz", **{k: v.numpy() for k, v in plain.items()})
+    torch.save(plain, tmp_path / "a.pt")  # (a zip archive too)
+    report = import_checkpoint(tmp_path / "s", tmp_path / "a.npz", model_only=True)
+    assert report.source_format == "npz"
+    assert import_checkpoint(tmp_path / "t", tmp_path / "a.pt", model_only=True).source_format == "torch"
+    with cnrstore.open(tmp_path / "s") as store:
+        assert np.array_equal(store.read_table("emb_l.0"), plain["emb_l.0.weight"].numpy())
+
+
 def test_per_table_codec_restores_as_the_codec_decodes(trained, tmp_path):
     _, _, sd_a = trained
     report = import_checkpoint(tmp_path / "s", sd_a, codecs={"emb_l.0": "int4"})

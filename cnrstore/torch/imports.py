@@ -3,8 +3,8 @@
     report = import_checkpoint("ckpt", "model.pt", model=model, codec="fp32", codecs={"emb.0": "int4"})
     Checkpointer(cnrstore.open("ckpt"), model, optimizer).restore()    # then train, saving increments
 
-The source is a ``torch.save`` file, a safetensors file or a ``torch.distributed.checkpoint`` (DCP)
-directory holding a model's ``state_dict()`` -- or a dict holding one under ``"model"`` (or
+The source is a ``torch.save`` file, a safetensors file, a ``numpy.savez`` file (arrays) or a
+``torch.distributed.checkpoint`` (DCP) directory holding a model's ``state_dict()`` -- or a dict holding one under ``"model"`` (or
 ``"state_dict"``) -- or such a dict in memory. The import writes one version, a baseline, exactly as a
 Checkpointer's save would:
 
@@ -157,7 +157,8 @@ def parse_table_codecs(items) -> dict[str, str]:
 # -- reading a source -------------------------------------------------------------------------------------
 def detect_format(path: str) -> str:
     """``"dcp"`` for a directory holding DCP's ``.metadata``, ``"safetensors"`` for a file opening with a
-    safetensors header, ``"torch"`` otherwise."""
+    safetensors header, ``"npz"`` for a zip archive whose first member is a ``.npy`` array (``numpy.savez``;
+    a torch.save archive's is ``.../data.pkl``), ``"torch"`` otherwise."""
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, ".metadata")):
             return "dcp"
@@ -167,12 +168,18 @@ def detect_format(path: str) -> str:
         with open(_open_source(path), "rb") as f:
             head = f.read(9)
             size = os.fstat(f.fileno()).st_size
+            f.seek(0)
+            local = f.read(30 + 1024)  # (a zip's first local file header, and the member's name)
     except FileNotFoundError:
         raise InvalidArgument(f"checkpoint to import {path!r} does not exist; check the path") from None
     except OSError as exc:
         raise InvalidArgument(f"cannot read the checkpoint to import {path!r} ({exc})") from exc
     if len(head) == 9 and head[8:9] == b"{" and 0 < struct.unpack("<Q", head[:8])[0] <= size - 8:
         return "safetensors"
+    if len(local) >= 30 and local[:4] == b"PK\x03\x04":
+        name_len = struct.unpack("<H", local[26:28])[0]
+        if local[30:30 + name_len].endswith(b".npy"):
+            return "npz"
     return "torch"
 
 
@@ -349,6 +356,10 @@ def _load(path: str, fmt: str):
 
             with _checked_source(path) as checked:
                 return load_file(checked)
+        if fmt == "npz":  # (arrays only: no pickle; a nested export as numpy, anything else as tensors)
+            with _checked_source(path) as checked, np.load(checked, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+            return arrays if _is_nested_export(arrays) else {k: torch.from_numpy(a) for k, a in arrays.items()}
         with _quiet_dcp():
             return _load_dcp(path)
     except InvalidArgument:
