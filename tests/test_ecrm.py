@@ -10,15 +10,20 @@ parity itself -- bit for bit with the same job run without a failure.
 from __future__ import annotations
 
 import itertools
+import types
 
 import numpy as np
 import pytest
+import torch
 
 from support.ecrm_jobs import STEPS, assert_bit_equal, reference, run_job
 
-from cnrstore.distributed import gf256
+from cnrstore.distributed import ECRM, gf256
+from cnrstore.distributed.ecrm import _Item, _row_bits
+from cnrstore.distributed.ecrm_space import DataSpace
 from cnrstore.distributed.stripes import StripeLayout
 from cnrstore.errors import InvalidArgument
+from cnrstore.torch.guard import grad_rows
 
 
 # -- the code ------------------------------------------------------------------------------------------------
@@ -76,19 +81,77 @@ def test_bad_codes_are_refused():
         gf256.invert(np.array([[1, 1], [1, 1]], dtype=np.uint8))
 
 
+# -- the step's bookkeeping, in one process ------------------------------------------------------------------
+
+def _space(block: int, shift: int = 0):
+    """Two row-tracked tables (5 x 4 and 3 x 8 words, each with a row-wise state) and a one-word fixed
+    item, placed at multiples of ``block`` (plus ``shift``) as ECRM places them."""
+    tensors = [(torch.arange(20, dtype=torch.int32).view(5, 4), 0), (torch.arange(100, 120, dtype=torch.int32).view(5, 4), 0),
+               (torch.arange(200, 224, dtype=torch.int32).view(3, 8), 1), (torch.tensor([7], dtype=torch.int32), None),
+               (torch.arange(300, 324, dtype=torch.int32).view(3, 8), 1)]
+    items, base = [], 0
+    for n, (t, table) in enumerate(tensors):
+        base = -(-base // block) * block + (shift if n == 1 else 0)
+        words = t.view(t.shape[0] if t.dim() else 1, -1)
+        items.append(_Item(f"item{n}", words, base, table, t))
+        base += words.numel()
+    words = -(-base // block) * block
+    return DataSpace(items, [5, 3], words, block), [t.clone() for t, _table in tensors], items
+
+
+def test_a_step_gathers_and_scatters_whole_blocks_of_the_rows_it_names():
+    space, before, items = _space(4)
+    rows = np.array([1, 4, 5 + 2])                               # rows 1, 4 of table 0, row 2 of table 1
+    blocks = space.blocks(rows)
+    got = space.gather(blocks)
+    assert got.shape == (blocks.size, 4) and len(set(blocks.tolist())) == blocks.size
+    want = np.concatenate([before[0][1], before[1][1], before[0][4], before[1][4], before[2][2], before[4][2],
+                           before[3], np.zeros(3, dtype=np.int32)]).view(np.uint32)
+    assert np.array_equal(got.reshape(-1), want)                # row after row, its items in order, then fixed
+    space.scatter(blocks, got ^ np.uint32(0xFFFFFFFF))
+    assert (items[2].tensor[2] == ~before[2][2]).all() and (items[0].tensor[0] == before[0][0]).all()
+    space.scatter(blocks, got)
+    assert all(torch.equal(it.tensor, b) for it, b in zip(items, before))
+    with pytest.raises(InvalidArgument, match="must divide"):
+        _space(4, shift=2)                                       # a table's state not at a block boundary
+
+
+def test_the_gradient_rows_are_read_from_the_raw_bits_like_grad_rows():
+    """Every row a gradient has a non-zero bit in is marked (-0.0 and NaN too), for the layouts the
+    row-wise ``any`` reads (fp32, an odd bfloat16 row) and those it leaves to ``grad_rows`` (sparse)."""
+    grads = [torch.zeros(6, 4), torch.zeros(5, 3, dtype=torch.bfloat16),
+             torch.sparse_coo_tensor(torch.tensor([[4, 1]]), torch.ones(2, 2), (6, 2), check_invariants=True), None]
+    grads[0][1, 3], grads[0][2, 0], grads[0][5, 2] = -0.0, float("nan"), 1e-30
+    grads[1][3, 2] = -0.0
+    assert _row_bits(grads[0], 6).dtype == torch.int64 and _row_bits(grads[1], 5).dtype == torch.int16
+    assert _row_bits(grads[2], 6) is None and _row_bits(grads[0], 7) is None
+    rows = [6, 5, 6, 4]
+    space = types.SimpleNamespace(grad_mask=torch.ones(sum(rows), dtype=torch.bool))
+    ends = np.cumsum(rows)
+    masks = [space.grad_mask[e - n:e] for e, n in zip(ends, rows)]
+    tables = [types.SimpleNamespace(weight=types.SimpleNamespace(grad=g)) for g in grads]
+    ECRM._mark_grad_rows(types.SimpleNamespace(space=space, _tables=tables, _grad_masks=masks))
+    for g, m, n in zip(grads, masks, rows):
+        want = torch.zeros(n, dtype=torch.bool)
+        want[grad_rows(g, n)] = True
+        assert torch.equal(m, want)
+    assert masks[0].nonzero().flatten().tolist() == [1, 2, 5] and masks[2].nonzero().flatten().tolist() == [1, 4]
+
+
 # -- spawned jobs -------------------------------------------------------------------------------------------
 
 def test_parity_memory_and_traffic_are_what_the_layout_implies(tmp_path_factory):
     states, reports = reference(tmp_path_factory, 3, 2, 1)
     for q, rep in reports.items():
         lengths = rep["data_words"]
-        lay = StripeLayout(3, 2, 1, lengths)
+        lay = StripeLayout(3, 2, 1, lengths, block=rep["block"])
+        assert rep["block"] == 2 and lay.unit % 2 == 0   # rows of 8, 4 and 6 words: whole blocks of 2
         assert rep["parity_bytes"] == lay.parity_words * 4 == states[q]["parity"].nbytes
         assert rep["parity_bytes"] <= (max(lengths) / 2 + 2 * lay.unit) * 4   # about r/k of the largest shard
         assert len(rep["traffic"]) == STEPS
         for t in rep["traffic"]:
             assert t["changed_words"] > 0
-            assert t["payload"] == 1 * 4 * t["changed_words"]      # r copies of each changed word
+            assert t["payload"] == 1 * 4 * t["changed_words"]      # r copies of each changed block
             assert t["sent"] > t["payload"]                         # plus the positions
     _s2, reports2 = reference(tmp_path_factory, 4, 2, 2)
     for rep in reports2.values():

@@ -82,6 +82,9 @@ class PairExchange:
         self._send = {q: _Pair() for q in self.peers}
         self._recv = {q: _Pair() for q in self.peers}
         self._round = None
+        # one send buffer per peer, reused by every round: a round's sends are finished (``wait``) before
+        # the next is posted; ``drop`` forgets them (a dropped round's sends may still read them)
+        self._buffers: dict[int, np.ndarray] = {}
 
     @property
     def pending(self) -> bool:
@@ -89,9 +92,10 @@ class PairExchange:
         return self._round is not None
 
     def post(self, step: int, bodies: dict, fingerprint: int, flags: int = 0, only=None) -> int:
-        """Start round ``step``: send ``bodies[q]`` (uint32 words; empty if absent) to every peer ``q``
-        and receive every peer's message. ``only`` limits the sends to those peers (a crash test's partial
-        send). Returns the words sent."""
+        """Start round ``step``: send ``bodies[q]`` (uint32 words, or a list of uint32 arrays sent end to
+        end; empty if absent) to every peer ``q`` and receive every peer's message. The words are copied
+        once, into the peer's send buffer: the caller may reuse them. ``only`` limits the sends to those
+        peers (a crash test's partial send). Returns the words sent."""
         if self._round is not None:
             raise InvalidArgument("PairExchange.post() while a round is pending: wait() for it first")
         works, keep, sent = [], [], 0
@@ -99,13 +103,19 @@ class PairExchange:
         empty = np.zeros(0, dtype=np.uint32)
         for q in self.peers:
             body = bodies.get(q, empty)
-            need = HEADER_WORDS + body.size
+            parts = body if isinstance(body, (list, tuple)) else [body]
+            need = HEADER_WORDS + sum(int(b.size) for b in parts)
             pair = self._send[q]
             cap = pair.capacity
             if q in targets:
-                buf = np.zeros(max(cap, need), dtype=np.uint32)
+                buf = self._buffers.get(q)
+                if buf is None or buf.size < max(cap, need):
+                    buf = self._buffers[q] = np.zeros(max(cap, need) * 5 // 4, dtype=np.uint32)
                 buf[:HEADER_WORDS] = _header(need, step, fingerprint, flags)
-                buf[HEADER_WORDS:need] = body
+                at = HEADER_WORDS
+                for b in parts:
+                    buf[at:at + b.size] = b.reshape(-1)
+                    at += b.size
                 keep.append(buf)
                 works.append(self._isend(buf[:cap], q))
                 if need > cap:
@@ -171,5 +181,7 @@ class PairExchange:
         return out
 
     def drop(self) -> None:
-        """Forget the pending round without waiting (its process group is gone)."""
+        """Forget the pending round without waiting (its process group is gone), and the send buffers
+        its sends may still read."""
         self._round = None
+        self._buffers = {}
