@@ -294,10 +294,11 @@ class ECRM:
         self.fingerprint = 0
         self._fps: dict[int, list[int]] = {}   # step -> every rank's fingerprint after it
         # seconds_*: time the training thread spent in each part of the update (``seconds``: all but the
-        # capture); seconds_overlapped: time a round travelled while the trainer went on
+        # capture); seconds_wait: the part of seconds_exchange spent blocked on a round's messages;
+        # seconds_overlapped: time a round travelled while the trainer went on
         self.stats = {"steps": 0, "bytes_sent": 0, "bytes_received": 0, "last_step_bytes_sent": 0,
                       "last_step_payload_bytes": 0, "seconds_capture": 0.0, "seconds_encode": 0.0,
-                      "seconds_exchange": 0.0, "seconds_apply": 0.0, "seconds_overlapped": 0.0,
+                      "seconds_exchange": 0.0, "seconds_wait": 0.0, "seconds_apply": 0.0, "seconds_overlapped": 0.0,
                       "last_step_seconds": 0.0, "seconds": 0.0}
         self._closed = False
         if not replacement:
@@ -716,6 +717,7 @@ class ECRM:
         got = self._exchange.wait(timeout)
         t1 = time.perf_counter()
         self.stats["seconds_exchange"] += t1 - t0
+        self.stats["seconds_wait"] += t1 - t0
         step = rnd.undo.step
         # every rank posted this round after finishing the previous one: no going back before this step
         self._undo = [u for u in self._undo if u.step >= step]
