@@ -138,6 +138,35 @@ def test_the_gradient_rows_are_read_from_the_raw_bits_like_grad_rows():
     assert masks[0].nonzero().flatten().tolist() == [1, 2, 5] and masks[2].nonzero().flatten().tolist() == [1, 4]
 
 
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("world,k,r", [(2, 1, 1), (4, 3, 1), (5, 2, 2)])
+def test_a_steps_messages_carry_each_holder_its_scaled_blocks(world, k, r, wide, monkeypatch):
+    """``_messages`` then ``_parse``: every changed block reaches the holder of each of its parity slots,
+    at its parity block, times its coefficient (uint32 block indices, or int64 ones for a parity of 2^32
+    blocks or more)."""
+    g, rank = 4, 1
+    lay = StripeLayout(world, k, r, [4000] * world, unit_words=64, block=g)
+    me = types.SimpleNamespace(layout=lay, r=r, rank=rank, world_size=world, _wide_index=lambda: wide)
+    me._parse = lambda body: ECRM._parse(me, body)
+    rng = np.random.default_rng(world * 10 + r)
+    blocks = rng.choice(lay.data_words // g, 300, replace=False)
+    payload = rng.integers(0, 2**32, (300, g), dtype=np.uint64).astype(np.uint32)
+    out = ECRM._messages(me, blocks, payload)
+    assert rank not in out
+    got = {}
+    for dst, parts in out.items():
+        assert all(p.dtype == np.uint32 for p in parts)
+        index, words = me._parse(np.concatenate(parts))
+        assert index.dtype == (np.int64 if wide else np.uint32) and len(set(index.tolist())) == index.size
+        got.update({(dst, int(i)): w for i, w in zip(index, words)})
+    assert len(got) == 300 * r
+    for b, w in zip(blocks, payload):
+        for j in range(r):
+            dest, ppos, idx = lay.route(rank, np.array([b * g]), j)
+            coef = lay.matrix[j, idx[0]]
+            assert np.array_equal(got[(int(dest[0]), int(ppos[0]) // g)].view(np.uint8), gf256.MUL[coef][w.view(np.uint8)])
+
+
 # -- spawned jobs -------------------------------------------------------------------------------------------
 
 def test_parity_memory_and_traffic_are_what_the_layout_implies(tmp_path_factory):

@@ -728,14 +728,11 @@ class ECRM:
         fps = [0] * self.world_size
         fps[self.rank] = rnd.fingerprint
         received = 0
-        g, wide, parity = self.layout.block, self._wide_index(), self._parity_blocks()
+        parity = self._parity_blocks()
         for m in got:
             fps[m.src] = m.fingerprint
             if m.body.size:
-                n = int(m.body[:2].view(np.int64)[0])
-                end = 2 + n * (2 if wide else 1)
-                index = m.body[2:end].view(np.int64) if wide else m.body[2:end]
-                words = m.body[end:end + n * g].reshape(n, g)
+                index, words = self._parse(m.body)
                 parity[index] ^= words                # a message names each parity block once
                 rnd.undo.applied.append((index, words))
                 received += m.body.size * 4
@@ -780,6 +777,15 @@ class ECRM:
                         + [c[0].astype(index_dtype).view(np.uint32) for c in chunks]
                         + [c[1].reshape(-1) for c in chunks])
         return out
+
+    def _parse(self, body: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A message body of ``_messages`` (a holder's part, one array) as (parity blocks, ``[n, block]``
+        words), views of ``body``."""
+        g = self.layout.block
+        n = int(body[:2].view(np.int64)[0])
+        end = 2 + n * (2 if self._wide_index() else 1)
+        index = body[2:end].view(np.int64) if self._wide_index() else body[2:end]
+        return index, body[end:end + n * g].reshape(n, g)
 
     # -- taking steps back ----------------------------------------------------------------------------------
     def _undo_data(self, undo: _Undo | None) -> None:
