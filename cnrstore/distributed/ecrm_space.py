@@ -54,9 +54,11 @@ class DataSpace:
             raise InvalidArgument(f"ECRM protects tensors on one device per rank; this rank's embedding shards and "
                                   f"their optimizer state are on {sorted(str(d) for d in devices)}: move them to one")
         self.block = g = int(block)
+        if g < 1:
+            raise InvalidArgument(f"DataSpace: a block is a positive number of words, got {block!r}")
         bad = [it.name for it in items if it.rows * it.width
                and (it.base % g or (it.table is not None and it.width % g))]
-        if g < 1 or words % g or bad:
+        if words % g or bad:
             raise InvalidArgument(f"DataSpace: a block of {block} words must divide the space ({words} words), "
                                   f"every item's base and every row-tracked width; it does not for {bad}")
         self.device = devices.pop() if devices else torch.device("cpu")
