@@ -65,8 +65,11 @@ the survivors' contributions and before writing them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -77,7 +80,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..engine import fs
-from ..errors import InvalidArgument, RecoveryFailed
+from ..errors import InvalidArgument, PeerFailure, RecoveryFailed
 from ..torch.guard import grad_rows
 from ..torch.optim_state import table_drift
 from . import failures, gf256
@@ -160,6 +163,56 @@ class _Round:
     fingerprint: int                         # this rank's, after the step
     rebuild: bool
     posted: float                            # perf_counter() when posted
+
+
+class _Poster:
+    """A daemon thread that starts ECRM's message rounds (``PairExchange.send``) off the training thread,
+    one at a time. A gloo send to a peer that has already posted its receive writes the message in the
+    calling thread until the peer's I/O thread reads it: on a busy machine, milliseconds of the trainer's
+    time that the round's overlap was meant to hide. ``submit`` hands a round over; ``join`` waits until it
+    is posted and raises what posting it raised."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._job: list | None = None          # [done, exception] of the round handed over last
+
+    def submit(self, fn) -> None:
+        if self._job is not None:
+            raise InvalidArgument("ECRM: a message round was handed to the posting thread before the last was joined")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cnrstore-ecrm-post", daemon=True)
+            self._thread.start()
+        self._job = [threading.Event(), None]
+        self._jobs.put((fn, self._job))
+
+    def join(self, timeout: float | None = None) -> None:
+        job, self._job = self._job, None
+        if job is None:
+            return
+        if not job[0].wait(timeout):
+            raise PeerFailure(f"ECRM's message round was not out after {timeout} s: a peer does not read its messages",
+                              learned="collective", cause="timeout")
+        if job[1] is not None:
+            raise job[1]
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fn, job = item
+            try:
+                fn()
+            except BaseException as exc:       # handed to the training thread at ``join``
+                job[1] = exc
+            finally:
+                job[0].set()
 
 
 def _word_view(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
@@ -275,6 +328,7 @@ class ECRM:
         self._world = None
         self._exchange: PairExchange | None = None
         self._round: _Round | None = None
+        self._poster = _Poster()
         self._join()
         self.layout: StripeLayout | None = None
         self.parity = np.zeros(0, dtype=np.uint32)
@@ -682,7 +736,13 @@ class ECRM:
         partial = os.environ.get(fs.CRASH_ENV) == "ecrm_partial_send"
         holders = sorted(messages)
         only = holders[:max(1, len(holders) // 2)] if partial and len(holders) > 1 else ([] if partial else None)
-        sent = self._exchange.post(undo.step, messages, self.fingerprint, int(rebuild), only=only)
+        posting = self._exchange.prepare(undo.step, messages, self.fingerprint, int(rebuild), only=only)
+        sent = posting.sent
+        if self.overlap and not partial:
+            # started by the posting thread: the trainer goes on at once (``_finish_round`` joins it)
+            self._poster.submit(functools.partial(self._exchange.send, posting))
+        else:
+            self._exchange.send(posting)
         if partial:
             self._exchange.wait_sends()
             fs.crash_point("ecrm_partial_send")
@@ -714,6 +774,7 @@ class ECRM:
             return
         t0 = time.perf_counter()
         self.stats["seconds_overlapped"] += t0 - rnd.posted
+        self._poster.join(None if timeout is None else timeout.total_seconds())   # the round is posted
         got = self._exchange.wait(timeout)
         t1 = time.perf_counter()
         self.stats["seconds_exchange"] += t1 - t0
@@ -1016,6 +1077,7 @@ class ECRM:
             return
         with contextlib.suppress(Exception):   # let the peers finish the round in flight
             self._finish_round()
+        self._poster.close()
         self._closed = True
         for t in self._tables:
             if t.hook is not None:
