@@ -196,10 +196,12 @@ class _Poster:
         if job[1] is not None:
             raise job[1]
 
-    def close(self) -> None:
-        if self._thread is not None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread (after the round it may be posting) and wait for it, at most ``timeout``."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._jobs.put(None)
-            self._thread = None
+            thread.join(timeout)
 
     def _run(self) -> None:
         while True:
@@ -213,6 +215,9 @@ class _Poster:
                 job[1] = exc
             finally:
                 job[0].set()
+                # hold nothing between rounds: a frame of this daemon thread that kept the exchange (and
+                # so its process group) alive would leave gloo's threads to interpreter shutdown
+                item = fn = job = None
 
 
 def _word_view(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
