@@ -9,8 +9,12 @@ parity itself -- bit for bit with the same job run without a failure.
 
 from __future__ import annotations
 
+import functools
+import gc
 import itertools
+import threading
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -19,10 +23,10 @@ import torch
 from support.ecrm_jobs import STEPS, assert_bit_equal, reference, run_job
 
 from cnrstore.distributed import ECRM, gf256
-from cnrstore.distributed.ecrm import _Item, _row_bits
+from cnrstore.distributed.ecrm import _Item, _Poster, _row_bits
 from cnrstore.distributed.ecrm_space import DataSpace
 from cnrstore.distributed.stripes import StripeLayout
-from cnrstore.errors import InvalidArgument
+from cnrstore.errors import InvalidArgument, PeerFailure
 from cnrstore.torch.guard import grad_rows
 
 
@@ -165,6 +169,44 @@ def test_a_steps_messages_carry_each_holder_its_scaled_blocks(world, k, r, wide,
             dest, ppos, idx = lay.route(rank, np.array([b * g]), j)
             coef = lay.matrix[j, idx[0]]
             assert np.array_equal(got[(int(dest[0]), int(ppos[0]) // g)].view(np.uint8), gf256.MUL[coef][w.view(np.uint8)])
+
+
+def test_the_posting_thread_hands_back_errors_holds_nothing_between_rounds_and_stops():
+    """``_Poster``: a round's error is raised at ``join`` (on the training thread), a round not out in time
+    is a PeerFailure, the thread keeps no reference to the last round (which holds the exchange and its
+    process group: a daemon frame keeping it aborted the process at exit), and ``close`` ends the thread."""
+    poster = _Poster()
+
+    class Round:
+        def __init__(self):
+            self.ran = threading.Event()
+
+        def post(self):
+            self.ran.set()
+
+    rnd = Round()
+    poster.submit(functools.partial(rnd.post))
+    poster.join(5)
+    assert rnd.ran.is_set()
+    ref = weakref.ref(rnd)
+    del rnd
+    gc.collect()
+    assert ref() is None                                 # the thread let go of the round it posted
+
+    def fail():
+        raise RuntimeError("peer gone")
+
+    poster.submit(fail)
+    with pytest.raises(RuntimeError, match="peer gone"):
+        poster.join(5)
+    release = threading.Event()
+    poster.submit(release.wait)
+    with pytest.raises(PeerFailure, match="not out after"):
+        poster.join(0.05)
+    release.set()
+    thread = poster._thread
+    poster.close()
+    assert not thread.is_alive()
 
 
 # -- spawned jobs -------------------------------------------------------------------------------------------
