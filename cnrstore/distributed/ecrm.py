@@ -43,7 +43,9 @@ step loops over rows, and only the gradient scan below runs once per table:
 Overlap (``overlap=True``, the default): step 3 is posted when the step's ``with`` block ends and is
 finished -- received and applied (step 4) -- when the next step's block begins, so the messages travel
 during the next forward and backward pass, which change no protected word. Nothing else waits for them:
-the parity of step ``s`` is applied before step ``s + 1`` changes any protected row.
+the parity of step ``s`` is applied before step ``s + 1`` changes any protected row. The round's gloo
+calls are made by a posting thread (``_Poster``): a send or receive whose peer is ready blocks its
+caller until the peer's I/O thread runs, which on a busy machine cost the trainer milliseconds per step.
 
 Consistency: a rank can die anywhere in this. A rank posts round ``s`` only after it finished round
 ``s - 1``, so a completed round ``s`` proves every rank applied step ``s - 1``: its undo log is dropped
