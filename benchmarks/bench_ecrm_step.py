@@ -11,11 +11,11 @@ load hits both; a barrier starts every block. Reported per world size:
   share of A's step: what ECRM costs the trainer, waits included;
 - ECRM's own accounting (``ECRM.stats``, per step, on the rank that spent most): capture (the undo log),
   encode (the code deltas and messages), exchange (the one round that carries them, with the
-  fingerprints), apply (the received deltas XORed into the parity), and what of the exchange was left
-  to overlap with the next step's forward;
+  fingerprints; "of which waiting": blocked on its messages), apply (the received deltas XORed into
+  the parity), and what of the exchange was left to overlap with the next step's forward;
 - whether A and B still hold the same weights (the parity update must not change training).
 
-    python benchmarks/bench_ecrm_step.py --quick          # 2 and 3 ranks, a few seconds each
+    python benchmarks/bench_ecrm_step.py --quick          # 2 and 4 ranks, a few seconds each
     python benchmarks/bench_ecrm_step.py --world-size 3 --blocks 8 --block 20
 """
 
@@ -107,29 +107,30 @@ def run(args, world: int, k: int, r: int) -> dict:
     n = max(st["steps"], 1)
     cost = {p: st[f"seconds_{p}"] / n for p in PHASES}
     cost["overlapped"] = st["seconds_overlapped"] / n
+    cost["wait"] = st.get("seconds_wait", 0.0) / n
     return {"world": world, "k": k, "r": r, "a": a, "b": b, "cost": cost, "same": all(x["same"] for x in ranks),
             "own": sum(cost[p] for p in PHASES), "bytes": st["bytes_sent"] / n,
             "parity_share": max(x["parity_bytes"] / max(x["data_bytes"], 1) for x in ranks)}
 
 
-def report(args, rows: list[dict], load_start: str, elapsed: float) -> str:
+def report(args, rows: list[dict], load_start: str, elapsed: float, load_end: str = "unknown") -> str:
     ms = lambda x: f"{x * 1e3:.2f} ms"  # noqa: E731
     lines = [
-        f"- machine: {machine_description()}; load average at start {load_start}",
+        f"- machine: {machine_description()}; load average at start {load_start}, at the end {load_end}",
         f"- model: bench_ecrm's DLRM shard (26 tables, --max-rows {args.max_rows:,}, dim {args.dim}, batch "
         f"{args.batch_size}, Adagrad), gloo; {args.blocks} blocks of {args.block} steps per arm, A and B "
         "alternating",
         "",
         "| ranks | k,r | step without ECRM (A) | step with ECRM (B) | B - A, share of A | ECRM's own time | "
-        + " | ".join(PHASES) + " | left to overlap | sent per step | A == B bit for bit |",
-        "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|",
+        + " | ".join(PHASES) + " | of which waiting | left to overlap | sent per step | A == B bit for bit |",
+        "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|",
     ]
     for x in rows:
         c = x["cost"]
         lines.append(f"| {x['world']} | {x['k']},{x['r']} | {ms(x['a'])} | {ms(x['b'])} | "
                      f"{ms(x['b'] - x['a'])}, **{(x['b'] - x['a']) / x['a']:.1%}** | {ms(x['own'])} "
                      f"({x['own'] / x['a']:.1%}) | " + " | ".join(ms(c[p]) for p in PHASES)
-                     + f" | {ms(c['overlapped'])} | {x['bytes'] / 1e3:.1f} KB | {x['same']} |")
+                     + f" | {ms(c['wait'])} | {ms(c['overlapped'])} | {x['bytes'] / 1e3:.1f} KB | {x['same']} |")
     lines += [""]
     for x in rows:
         c = x["cost"]
@@ -145,7 +146,8 @@ def main(argv=None) -> int:
         return worker(json.loads(argv[1]))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer, shorter blocks")
-    p.add_argument("--world-size", type=int, default=None, help="one world size (default: 2 and 3)")
+    p.add_argument("--world-size", type=int, nargs="+", default=None,
+                   help="the world sizes to run, k = world - 1 and r = 1 each (default: 2 and 4)")
     p.add_argument("--blocks", type=int, default=None, help="blocks per arm (default 8; --quick 4)")
     p.add_argument("--block", type=int, default=None, help="steps per block (default 20; --quick 10)")
     p.add_argument("--max-rows", type=int, default=5_000, help="table size cap (bench_ecrm --quick's)")
@@ -160,9 +162,9 @@ def main(argv=None) -> int:
         args.block = 10 if args.quick else 20
     load_start = load_average()
     t0 = time.perf_counter()
-    worlds = [args.world_size] if args.world_size else [2, 3]
+    worlds = args.world_size or [2, 4]
     rows = [run(args, w, w - 1, 1) for w in worlds]
-    publish(report(args, rows, load_start, time.perf_counter() - t0), args.out, None, None)
+    publish(report(args, rows, load_start, time.perf_counter() - t0, load_average()), args.out, None, None)
     return 0
 
 

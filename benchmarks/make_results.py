@@ -131,9 +131,10 @@ SECTIONS = [
      "updates, final logloss/AUC, parity memory and the parity update's cost per step.",
      ["--plot", "ecrm.png"], ["--quick", "--plot", "none"], "ecrm.png"),
     ("bench_ecrm_step.py", "ECRM: the parity update as a share of a training step",
-     "bench_ecrm's DLRM shard on 2 and 3 gloo processes, trained with and without ECRM in alternating blocks "
-     "(A/B in one run): the step time of each, the difference as a share of the step, and ECRM's own time by "
-     "part (capture, encode, message round, apply).", [], ["--quick"], None),
+     "bench_ecrm's DLRM shard on 2 and 4 gloo processes (the issue's world sizes; k = world - 1, r = 1), "
+     "trained with and without ECRM in alternating blocks (A/B in one run): the step time of each, the "
+     "difference as a share of the step, and ECRM's own time by part (capture, encode, message round, apply; "
+     "\"of which waiting\": blocked on the round's messages).", [], ["--quick"], None),
     ("bench_gf256.py", "ECRM: GF(2^8) kernels against zfec and galois",
      "Encoding r parity blocks of k data blocks, and scaling a step's code deltas run by run: "
      "cnrstore.distributed.gf256's pair tables against its byte table and, where installed, zfec and galois.",

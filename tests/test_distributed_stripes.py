@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from cnrstore.distributed import gf256
-from cnrstore.distributed.stripes import MAX_UNIT_WORDS, StripeLayout, fingerprint, fingerprint_range, fingerprint_runs
+from cnrstore.distributed.stripes import (MAX_UNIT_WORDS, StripeLayout, fingerprint, fingerprint_blocks,
+                                          fingerprint_range, fingerprint_runs)
 from cnrstore.errors import InvalidArgument
 
 
@@ -146,3 +147,31 @@ def test_fingerprint_of_runs_equals_the_general_one(seed):
     pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
     assert fingerprint_runs(words, starts, lens) == fingerprint(words, pos)
     assert fingerprint_runs(words[:0], starts[:0], lens[:0]) == 0
+
+
+@pytest.mark.parametrize("g", [1, 2, 3, 16, 31, 32, 33, 64])
+def test_fingerprint_of_blocks_equals_the_general_one(g):
+    rng = np.random.default_rng(g)
+    blocks = rng.choice(10**7, 200, replace=False)            # any order, as a step's blocks come
+    words = rng.integers(0, 2**32, (200, g), dtype=np.uint64).astype(np.uint32)
+    pos = (blocks[:, None] * g + np.arange(g)).reshape(-1)
+    assert fingerprint_blocks(words, blocks) == fingerprint(words.reshape(-1), pos)
+    assert fingerprint_blocks(words[:0], blocks[:0]) == 0
+    flipped = words.copy()
+    flipped[7, g - 1] ^= np.uint32(1 << 5)
+    assert fingerprint_blocks(flipped, blocks) != fingerprint_blocks(words, blocks)
+    with pytest.raises(InvalidArgument, match="blocks for words"):
+        fingerprint_blocks(words, blocks[:-1])
+
+
+def test_a_block_rounds_the_default_unit_up_and_must_divide_a_given_one():
+    lay = StripeLayout(3, 2, 1, [100, 90, 7], block=16)
+    assert lay.block == 16 and lay.unit == 64 and lay.data_words % 16 == 0 and lay.parity_words % 16 == 0
+    assert StripeLayout(3, 2, 1, [100, 90, 7]).unit == 50          # no block: as before
+    assert StripeLayout(2, 1, 1, [3 * MAX_UNIT_WORDS, 0], block=12).unit % 12 == 0
+    assert StripeLayout(3, 2, 1, [100, 90, 7], unit_words=48, block=16).unit == 48
+    with pytest.raises(InvalidArgument, match="multiple of the block"):
+        StripeLayout(3, 2, 1, [100, 90, 7], unit_words=40, block=16)
+    with pytest.raises(InvalidArgument, match="block must be a positive integer"):
+        StripeLayout(3, 2, 1, [100, 90, 7], block=0)
+

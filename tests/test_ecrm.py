@@ -9,16 +9,25 @@ parity itself -- bit for bit with the same job run without a failure.
 
 from __future__ import annotations
 
+import functools
+import gc
 import itertools
+import threading
+import types
+import weakref
 
 import numpy as np
 import pytest
+import torch
 
 from support.ecrm_jobs import STEPS, assert_bit_equal, reference, run_job
 
-from cnrstore.distributed import gf256
+from cnrstore.distributed import ECRM, gf256
+from cnrstore.distributed.ecrm import _Item, _Poster, _row_bits
+from cnrstore.distributed.ecrm_space import DataSpace
 from cnrstore.distributed.stripes import StripeLayout
-from cnrstore.errors import InvalidArgument
+from cnrstore.errors import InvalidArgument, PeerFailure
+from cnrstore.torch.guard import grad_rows
 
 
 # -- the code ------------------------------------------------------------------------------------------------
@@ -76,19 +85,144 @@ def test_bad_codes_are_refused():
         gf256.invert(np.array([[1, 1], [1, 1]], dtype=np.uint8))
 
 
+# -- the step's bookkeeping, in one process ------------------------------------------------------------------
+
+def _space(block: int, shift: int = 0):
+    """Two row-tracked tables (5 x 4 and 3 x 8 words, each with a row-wise state) and a one-word fixed
+    item, placed at multiples of ``block`` (plus ``shift``) as ECRM places them."""
+    tensors = [(torch.arange(20, dtype=torch.int32).view(5, 4), 0), (torch.arange(100, 120, dtype=torch.int32).view(5, 4), 0),
+               (torch.arange(200, 224, dtype=torch.int32).view(3, 8), 1), (torch.tensor([7], dtype=torch.int32), None),
+               (torch.arange(300, 324, dtype=torch.int32).view(3, 8), 1)]
+    items, base = [], 0
+    for n, (t, table) in enumerate(tensors):
+        base = -(-base // block) * block + (shift if n == 1 else 0)
+        words = t.view(t.shape[0] if t.dim() else 1, -1)
+        items.append(_Item(f"item{n}", words, base, table, t))
+        base += words.numel()
+    words = -(-base // block) * block
+    return DataSpace(items, [5, 3], words, block), [t.clone() for t, _table in tensors], items
+
+
+def test_a_step_gathers_and_scatters_whole_blocks_of_the_rows_it_names():
+    space, before, items = _space(4)
+    rows = np.array([1, 4, 5 + 2])                               # rows 1, 4 of table 0, row 2 of table 1
+    blocks = space.blocks(rows)
+    got = space.gather(blocks)
+    assert got.shape == (blocks.size, 4) and len(set(blocks.tolist())) == blocks.size
+    want = np.concatenate([before[0][1], before[1][1], before[0][4], before[1][4], before[2][2], before[4][2],
+                           before[3], np.zeros(3, dtype=np.int32)]).view(np.uint32)
+    assert np.array_equal(got.reshape(-1), want)                # row after row, its items in order, then fixed
+    space.scatter(blocks, got ^ np.uint32(0xFFFFFFFF))
+    assert (items[2].tensor[2] == ~before[2][2]).all() and (items[0].tensor[0] == before[0][0]).all()
+    space.scatter(blocks, got)
+    assert all(torch.equal(it.tensor, b) for it, b in zip(items, before))
+    with pytest.raises(InvalidArgument, match="must divide"):
+        _space(4, shift=2)                                       # a table's state not at a block boundary
+
+
+def test_the_gradient_rows_are_read_from_the_raw_bits_like_grad_rows():
+    """Every row a gradient has a non-zero bit in is marked (-0.0 and NaN too), for the layouts the
+    row-wise ``any`` reads (fp32, an odd bfloat16 row) and those it leaves to ``grad_rows`` (sparse)."""
+    grads = [torch.zeros(6, 4), torch.zeros(5, 3, dtype=torch.bfloat16),
+             torch.sparse_coo_tensor(torch.tensor([[4, 1]]), torch.ones(2, 2), (6, 2), check_invariants=True), None]
+    grads[0][1, 3], grads[0][2, 0], grads[0][5, 2] = -0.0, float("nan"), 1e-30
+    grads[1][3, 2] = -0.0
+    assert _row_bits(grads[0], 6).dtype == torch.int64 and _row_bits(grads[1], 5).dtype == torch.int16
+    assert _row_bits(grads[2], 6) is None and _row_bits(grads[0], 7) is None
+    rows = [6, 5, 6, 4]
+    space = types.SimpleNamespace(grad_mask=torch.ones(sum(rows), dtype=torch.bool))
+    ends = np.cumsum(rows)
+    masks = [space.grad_mask[e - n:e] for e, n in zip(ends, rows)]
+    tables = [types.SimpleNamespace(weight=types.SimpleNamespace(grad=g)) for g in grads]
+    ECRM._mark_grad_rows(types.SimpleNamespace(space=space, _tables=tables, _grad_masks=masks))
+    for g, m, n in zip(grads, masks, rows):
+        want = torch.zeros(n, dtype=torch.bool)
+        want[grad_rows(g, n)] = True
+        assert torch.equal(m, want)
+    assert masks[0].nonzero().flatten().tolist() == [1, 2, 5] and masks[2].nonzero().flatten().tolist() == [1, 4]
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("world,k,r", [(2, 1, 1), (4, 3, 1), (5, 2, 2)])
+def test_a_steps_messages_carry_each_holder_its_scaled_blocks(world, k, r, wide, monkeypatch):
+    """``_messages`` then ``_parse``: every changed block reaches the holder of each of its parity slots,
+    at its parity block, times its coefficient (uint32 block indices, or int64 ones for a parity of 2^32
+    blocks or more)."""
+    g, rank = 4, 1
+    lay = StripeLayout(world, k, r, [4000] * world, unit_words=64, block=g)
+    me = types.SimpleNamespace(layout=lay, r=r, rank=rank, world_size=world, _wide_index=lambda: wide)
+    me._parse = lambda body: ECRM._parse(me, body)
+    rng = np.random.default_rng(world * 10 + r)
+    blocks = rng.choice(lay.data_words // g, 300, replace=False)
+    payload = rng.integers(0, 2**32, (300, g), dtype=np.uint64).astype(np.uint32)
+    out = ECRM._messages(me, blocks, payload)
+    assert rank not in out
+    got = {}
+    for dst, parts in out.items():
+        assert all(p.dtype == np.uint32 for p in parts)
+        index, words = me._parse(np.concatenate(parts))
+        assert index.dtype == (np.int64 if wide else np.uint32) and len(set(index.tolist())) == index.size
+        got.update({(dst, int(i)): w for i, w in zip(index, words)})
+    assert len(got) == 300 * r
+    for b, w in zip(blocks, payload):
+        for j in range(r):
+            dest, ppos, idx = lay.route(rank, np.array([b * g]), j)
+            coef = lay.matrix[j, idx[0]]
+            assert np.array_equal(got[(int(dest[0]), int(ppos[0]) // g)].view(np.uint8), gf256.MUL[coef][w.view(np.uint8)])
+
+
+def test_the_posting_thread_hands_back_errors_holds_nothing_between_rounds_and_stops():
+    """``_Poster``: a round's error is raised at ``join`` (on the training thread), a round not out in time
+    is a PeerFailure, the thread keeps no reference to the last round (which holds the exchange and its
+    process group: a daemon frame keeping it aborted the process at exit), and ``close`` ends the thread."""
+    poster = _Poster()
+
+    class Round:
+        def __init__(self):
+            self.ran = threading.Event()
+
+        def post(self):
+            self.ran.set()
+
+    rnd = Round()
+    poster.submit(functools.partial(rnd.post))
+    poster.join(5)
+    assert rnd.ran.is_set()
+    ref = weakref.ref(rnd)
+    del rnd
+    gc.collect()
+    assert ref() is None                                 # the thread let go of the round it posted
+
+    def fail():
+        raise RuntimeError("peer gone")
+
+    poster.submit(fail)
+    with pytest.raises(RuntimeError, match="peer gone"):
+        poster.join(5)
+    release = threading.Event()
+    poster.submit(release.wait)
+    with pytest.raises(PeerFailure, match="not out after"):
+        poster.join(0.05)
+    release.set()
+    thread = poster._thread
+    poster.close()
+    assert not thread.is_alive()
+
+
 # -- spawned jobs -------------------------------------------------------------------------------------------
 
 def test_parity_memory_and_traffic_are_what_the_layout_implies(tmp_path_factory):
     states, reports = reference(tmp_path_factory, 3, 2, 1)
     for q, rep in reports.items():
         lengths = rep["data_words"]
-        lay = StripeLayout(3, 2, 1, lengths)
+        lay = StripeLayout(3, 2, 1, lengths, block=rep["block"])
+        assert rep["block"] == 2 and lay.unit % 2 == 0   # rows of 8, 4 and 6 words: whole blocks of 2
         assert rep["parity_bytes"] == lay.parity_words * 4 == states[q]["parity"].nbytes
         assert rep["parity_bytes"] <= (max(lengths) / 2 + 2 * lay.unit) * 4   # about r/k of the largest shard
         assert len(rep["traffic"]) == STEPS
         for t in rep["traffic"]:
             assert t["changed_words"] > 0
-            assert t["payload"] == 1 * 4 * t["changed_words"]      # r copies of each changed word
+            assert t["payload"] == 1 * 4 * t["changed_words"]      # r copies of each changed block
             assert t["sent"] > t["payload"]                         # plus the positions
     _s2, reports2 = reference(tmp_path_factory, 4, 2, 2)
     for rep in reports2.values():

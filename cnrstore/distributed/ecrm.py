@@ -18,25 +18,34 @@ Reed-Solomon code for r >= 2), so a decoded row equals the lost one exactly.
     report = ecrm.recover(failed_ranks=[3])   # every rank is now at step report.step: redo the steps after it
 
 The update of one step (``ECRM.step``), on every rank. The protected tensors live in one arena
-(``ecrm_space.DataSpace``), so no step loops over tables:
+(``ecrm_space.DataSpace``), cut into *blocks*: the greatest common divisor of the ranks' row widths
+(words), each tensor placed at a block boundary, so that every row is whole blocks (usually one). No
+step loops over rows, and only the gradient scan below runs once per table:
 
 1. before the optimizer step, the rows it may change (the looked-up rows and the rows of each weight's
-   gradient, whatever made it -- an L2 penalty, a tied layer --, widened for optimizers that move rows
-   without a gradient) become word ranges of the data space and are copied in one gather: the *undo log*,
-   with one flat copy of the dense parameters and their optimizer state. Only the optimizer step inside
-   ``ecrm.step()`` may change protected rows: an in-place write of the trainer's own between steps is not in
-   the parity (it is in the next checkpoint: ``cnrstore.torch`` saves find every changed row);
-2. after it, one gather gives the code delta ``old ^ new`` of every changed row, multiplied by its parity
-   coefficients (``gf256.mul_words``; none for parity slot 0, whose coefficients are all 1);
+   gradient, whatever made it -- an L2 penalty, a tied layer --: one row-wise ``any`` over each
+   gradient's raw bits, written into one mask of every table's rows; widened for optimizers that move
+   rows without a gradient) become blocks of the data space and are copied in one gather: the *undo
+   log*, with one flat copy of the dense parameters and their optimizer state. Only the optimizer step
+   inside ``ecrm.step()`` may change protected rows: an in-place write of the trainer's own between
+   steps is not in the parity (it is in the next checkpoint: ``cnrstore.torch`` saves find every
+   changed row);
+2. after it, one gather gives the code delta ``old ^ new`` of every block; the blocks that changed are
+   kept, fingerprinted (``stripes.fingerprint_blocks``) and multiplied by their parity coefficients
+   (``gf256.mul_words``; none for parity slot 0, whose coefficients are all 1: with ``r = 1`` the code
+   is XOR and nothing is multiplied);
 3. one round of point-to-point messages (``exchange.PairExchange``: sizes agreed in advance, every rank
-   to every other, on a gloo group of the ECRM's own) carries each holder the deltas of its stripes and
-   every rank's data fingerprint;
-4. each holder applies ``parity ^= coef · delta`` and keeps what it applied (XOR undoes itself).
+   to every other, on a gloo group of the ECRM's own, copied once into a send buffer per peer that every
+   round reuses) carries each holder the deltas of its stripes -- one uint32 parity block index per
+   block, then the blocks -- and every rank's data fingerprint;
+4. each holder applies ``parity[blocks] ^= coef · delta`` and keeps what it applied (XOR undoes itself).
 
 Overlap (``overlap=True``, the default): step 3 is posted when the step's ``with`` block ends and is
 finished -- received and applied (step 4) -- when the next step's block begins, so the messages travel
 during the next forward and backward pass, which change no protected word. Nothing else waits for them:
-the parity of step ``s`` is applied before step ``s + 1`` changes any protected row.
+the parity of step ``s`` is applied before step ``s + 1`` changes any protected row. The round's gloo
+calls are made by a posting thread (``_Poster``): a send or receive whose peer is ready blocks its
+caller until the peer's I/O thread runs, which on a busy machine cost the trainer milliseconds per step.
 
 Consistency: a rank can die anywhere in this. A rank posts round ``s`` only after it finished round
 ``s - 1``, so a completed round ``s`` proves every rank applied step ``s - 1``: its undo log is dropped
@@ -58,7 +67,11 @@ the survivors' contributions and before writing them).
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -69,14 +82,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..engine import fs
-from ..errors import InvalidArgument, RecoveryFailed
+from ..errors import InvalidArgument, PeerFailure, RecoveryFailed
 from ..torch.guard import grad_rows
 from ..torch.optim_state import table_drift
 from . import failures, gf256
 from .ecrm_space import DataSpace
-from .ecrm_space import positions as _positions
 from .exchange import PairExchange
-from .stripes import StripeLayout, fingerprint_runs
+from .stripes import StripeLayout, fingerprint_blocks
 
 __all__ = ["ECRM", "ECRMReport", "CRASH_POINTS"]
 
@@ -139,13 +151,11 @@ class _Table:
 class _Undo:
     """What one step changed on this rank: enough to take it back."""
     step: int
-    starts: np.ndarray                       # word ranges of the data space the step may change
-    lens: np.ndarray
-    pos: np.ndarray                          # their words, one by one
-    old: np.ndarray                          # the words at ``pos`` before the step
+    blocks: np.ndarray                       # blocks of the data space the step may change (int64)
+    old: np.ndarray                          # their words before the step, ``[len(blocks), block]`` uint32
     dense: object                            # dense parameters and optimizer state before the step
     rebuild: bool = False                    # the protected tensors changed: encode afresh
-    applied: list = field(default_factory=list)   # (starts, lens, payload) applied to the parity
+    applied: list = field(default_factory=list)   # (parity blocks, ``[n, block]`` payload) applied to the parity
 
 
 @dataclass
@@ -155,6 +165,66 @@ class _Round:
     fingerprint: int                         # this rank's, after the step
     rebuild: bool
     posted: float                            # perf_counter() when posted
+
+
+class _Poster:
+    """A daemon thread that starts ECRM's message rounds (``PairExchange.send``) off the training thread,
+    one at a time. A gloo send to a peer that has already posted its receive writes the message in the
+    calling thread until the peer's I/O thread reads it: on a busy machine, milliseconds of the trainer's
+    time that the round's overlap was meant to hide. ``submit`` hands a round over; ``join`` waits until it
+    is posted and raises what posting it raised. The thread runs under SCHED_BATCH where the system
+    allows it (best effort): woken by ``submit``, it does not preempt the trainer that woke it (on a busy
+    machine that preemption cost the trainer about a millisecond per round at 4 ranks on 2 cores), and it
+    keeps its normal share of the cores otherwise (a nice value of 19 starved it: the next step waited)."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._job: list | None = None          # [done, exception] of the round handed over last
+
+    def submit(self, fn) -> None:
+        if self._job is not None:
+            raise InvalidArgument("ECRM: a message round was handed to the posting thread before the last was joined")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cnrstore-ecrm-post", daemon=True)
+            self._thread.start()
+        self._job = [threading.Event(), None]
+        self._jobs.put((fn, self._job))
+
+    def join(self, timeout: float | None = None) -> None:
+        job, self._job = self._job, None
+        if job is None:
+            return
+        if not job[0].wait(timeout):
+            raise PeerFailure(f"ECRM's message round was not out after {timeout} s: a peer does not read its messages",
+                              learned="collective", cause="timeout")
+        if job[1] is not None:
+            raise job[1]
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread (after the round it may be posting) and wait for it, at most ``timeout``."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        with contextlib.suppress(Exception):
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_BATCH, os.sched_param(0))
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fn, job = item
+            try:
+                fn()
+            except BaseException as exc:       # handed to the training thread at ``join``
+                job[1] = exc
+            finally:
+                job[0].set()
+                # hold nothing between rounds: a frame of this daemon thread that kept the exchange (and
+                # so its process group) alive would leave gloo's threads to interpreter shutdown
+                item = fn = job = None
 
 
 def _word_view(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
@@ -167,6 +237,26 @@ def _word_view(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
     if flat.shape[1] == 0:
         return flat.new_zeros((rows, 0), dtype=torch.int32)   # nothing to protect
     return flat.view(torch.int32)
+
+
+_BIT_INTS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def _row_bits(grad: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """A dense gradient of a ``rows``-row weight as ``[rows, n]`` integers holding its raw bits (the widest
+    integer that divides a row, so that ``any`` reads few elements), or None for any other layout (sparse,
+    strided, scalar, empty rows)."""
+    if (grad.layout != torch.strided or grad.dim() == 0 or grad.shape[0] != rows or not grad.is_contiguous()
+            or grad.numel() == 0):
+        return None
+    try:
+        raw = grad.detach().reshape(rows, -1).view(torch.uint8)
+        for size, dtype in _BIT_INTS:
+            if raw.shape[1] % size == 0 and raw.storage_offset() % size == 0:
+                return raw.view(dtype)
+    except RuntimeError:
+        return None
+    return None
 
 
 def _to_numpy(t: torch.Tensor):
@@ -242,12 +332,15 @@ class ECRM:
         self.timeout_s = float(timeout_s)
         self.overlap = bool(overlap)
         self._tables = self._find_tables(model)
+        self._local_block = 1
+        self._grad_masks: list = []
         self._emb_ids = {id(t.weight) for t in self._tables}
         self._dense_params = [p for p in model.parameters() if id(p) not in self._emb_ids]
         self._group = None
         self._world = None
         self._exchange: PairExchange | None = None
         self._round: _Round | None = None
+        self._poster = _Poster()
         self._join()
         self.layout: StripeLayout | None = None
         self.parity = np.zeros(0, dtype=np.uint32)
@@ -267,10 +360,11 @@ class ECRM:
         self.fingerprint = 0
         self._fps: dict[int, list[int]] = {}   # step -> every rank's fingerprint after it
         # seconds_*: time the training thread spent in each part of the update (``seconds``: all but the
-        # capture); seconds_overlapped: time a round travelled while the trainer went on
+        # capture); seconds_wait: the part of seconds_exchange spent blocked on a round's messages;
+        # seconds_overlapped: time a round travelled while the trainer went on
         self.stats = {"steps": 0, "bytes_sent": 0, "bytes_received": 0, "last_step_bytes_sent": 0,
                       "last_step_payload_bytes": 0, "seconds_capture": 0.0, "seconds_encode": 0.0,
-                      "seconds_exchange": 0.0, "seconds_apply": 0.0, "seconds_overlapped": 0.0,
+                      "seconds_exchange": 0.0, "seconds_wait": 0.0, "seconds_apply": 0.0, "seconds_overlapped": 0.0,
                       "last_step_seconds": 0.0, "seconds": 0.0}
         self._closed = False
         if not replacement:
@@ -311,10 +405,13 @@ class ECRM:
         self._round = None
 
     def _build_items(self) -> list[_Item]:
-        items, base = [], 0
+        """The protected tensors, table after table, each at a base aligned to this rank's block: the
+        greatest common divisor of the row-tracked widths (words; and of ``unit_words`` if given), so that
+        every row of every item is whole blocks (``ecrm_space.DataSpace``). Sets ``_local_block``."""
+        entries = []
         for ti, t in enumerate(self._tables):
             rows = t.weight.shape[0]
-            entries = [(f"{t.name}/weight", t.weight, ti)]
+            mine = [(f"{t.name}/weight", t.weight, ti)]
             for oi, opt in enumerate(self._optimizers):
                 for key in sorted(opt.state.get(t.weight, {}), key=str):
                     v = opt.state[t.weight][key]
@@ -324,13 +421,22 @@ class ECRM:
                         raise InvalidArgument(f"optimizer {oi} keeps {key!r}={v!r} for {t.name!r}, not a tensor; "
                                               "ECRM protects tensor state only")
                     row_wise = v.dim() >= 1 and v.shape[0] == rows
-                    entries.append((f"{t.name}/optim{oi}.{key}", v, ti if row_wise else None))
-            for name, tensor, table in entries:
-                words = _word_view(tensor, rows if table is not None else 1, name)
-                align = max(1, tensor.element_size() // 4)     # the arena views it in its own dtype
-                base = -(-base // align) * align
-                items.append(_Item(name, words, base, table, tensor))
-                base += words.shape[0] * words.shape[1]
+                    mine.append((f"{t.name}/optim{oi}.{key}", v, ti if row_wise else None))
+            entries += [(name, tensor, table, _word_view(tensor, rows if table is not None else 1, name))
+                        for name, tensor, table in mine]
+        block = 0
+        for _name, _tensor, table, words in entries:
+            if table is not None:
+                block = math.gcd(block, int(words.shape[1]))
+        if self.unit_words:
+            block = math.gcd(block, int(self.unit_words))
+        self._local_block = block = max(block, 1)
+        items, base = [], 0
+        for name, tensor, table, words in entries:
+            align = math.lcm(block, max(1, tensor.element_size() // 4))   # the arena views it in its own dtype
+            base = -(-base // align) * align
+            items.append(_Item(name, words, base, table, tensor))
+            base += words.shape[0] * words.shape[1]
         return items
 
     def _current(self) -> tuple[list, list]:
@@ -351,11 +457,12 @@ class ECRM:
     def _make_space(self, words: int) -> None:
         """Move the protected tensors into an arena of ``words`` words (keeping the tracking marks)."""
         marks = self.space.touched.clone() if self.space is not None else None
-        self.space = DataSpace(self._items, [t.weight.shape[0] for t in self._tables], words)
+        self.space = DataSpace(self._items, [t.weight.shape[0] for t in self._tables], words, self.layout.block)
         if marks is not None and marks.shape == self.space.touched.shape:
             self.space.touched.copy_(marks)
         for ti, t in enumerate(self._tables):
             t.touched = self.space.table_mask(ti)
+        self._grad_masks = [self.space.table_mask(ti, self.space.grad_mask) for ti in range(len(self._tables))]
         self._state_items = [it for it in self._items if it.table is not None and not it.name.endswith("/weight")]
         self._dense = self._dense_tensors()
         self._guard = self._current()
@@ -460,9 +567,13 @@ class ECRM:
     def _encode_afresh(self, step: int | None) -> None:
         """``rebuild`` without touching the tracking marks (which may already hold the next step's rows)."""
         self._items = self._build_items()
-        lengths: list = [None] * self.world_size
-        failures.all_gather_object(lengths, self.data_words, group=self._group)
-        self.layout = StripeLayout(self.world_size, self.k, self.r, lengths, self.unit_words)
+        sizes: list = [None] * self.world_size
+        failures.all_gather_object(sizes, (self.data_words, self._local_block), group=self._group)
+        block = 0
+        for _words, b in sizes:          # every rank's rows are whole blocks of this size
+            block = math.gcd(block, b)
+        self.layout = StripeLayout(self.world_size, self.k, self.r, [w for w, _b in sizes], self.unit_words,
+                                   block=block)
         self._make_space(self.layout.data_words)
         self.parity = np.zeros(self.layout.parity_words, dtype=np.uint32)
         self._send_blocks(self._encode_plan(range(self.world_size)), self._flat(),
@@ -552,14 +663,8 @@ class ECRM:
             self._drift_rows = np.concatenate(
                 [np.zeros(0, dtype=np.int64)] + [np.arange(starts[ti], starts[ti + 1], dtype=np.int64)
                                                  for ti, d in enumerate(self._drift) if d == "all"])
-        rows = self.space.touched_rows()
-        starts = self.space.row_start
-        grads = []
-        for ti, t in enumerate(self._tables):
-            g = grad_rows(t.weight.grad, t.weight.shape[0])
-            grads.append(np.arange(starts[ti], starts[ti + 1], dtype=np.int64) if g is None
-                         else g.numpy().astype(np.int64) + starts[ti])
-        rows = np.union1d(rows, np.concatenate(grads))
+        self._mark_grad_rows()
+        rows = self.space.touched_rows(self.space.grad_mask)
         if not self._drift_rows.size and "state" not in self._drift:
             return rows
         extra = [self._drift_rows]
@@ -567,6 +672,35 @@ class ECRM:
             if self._drift[it.table] == "state":
                 extra.append(self.space.rows_where_nonzero(it) + self.space.row_start[it.table])
         return np.union1d(rows, np.concatenate(extra))
+
+    def _mark_grad_rows(self) -> None:
+        """Mark in ``space.grad_mask`` the rows of every table's gradient as it stands: per table, one
+        row-wise ``any`` over the gradient's raw bits (so -0.0 and NaN count, as in ``guard.grad_rows``)
+        written straight into the table's slice of the mask; a gradient of another layout goes through
+        ``grad_rows`` (a sparse one's indices; every row if it cannot tell)."""
+        self.space.grad_mask.zero_()
+        for t, out in zip(self._tables, self._grad_masks):
+            g = t.weight.grad
+            if g is None:
+                continue
+            bits = _row_bits(g, out.shape[0])
+            if bits is not None:
+                torch.any(bits, dim=1, out=out)
+                continue
+            rows = grad_rows(g, out.shape[0])
+            if rows is None:
+                out.fill_(True)
+            elif rows.numel():
+                out[rows.to(out.device)] = True
+
+    def _parity_blocks(self) -> np.ndarray:
+        """The parity as ``[blocks, block]`` words (a view)."""
+        return self.parity.reshape(-1, self.layout.block)
+
+    def _wide_index(self) -> bool:
+        """Whether a message names parity blocks with int64 (2 words) rather than uint32: the parity has
+        2^32 blocks or more. The same on every rank (the layout is)."""
+        return self.layout.parity_words // self.layout.block >= 1 << 32
 
     def begin(self, step: int) -> None:
         """Before the optimizer step of ``step``: finish the previous step's round, then copy what this one
@@ -581,12 +715,11 @@ class ECRM:
         if protected != self._guard[0]:
             # a protected tensor was replaced, or optimizer state appeared (Adam's first step): the parity is
             # encoded afresh once this step's round tells every rank
-            self._open = _Undo(int(step), *(np.zeros(0, dtype=np.int64),) * 3, np.zeros(0, dtype=np.uint32),
-                               dense, rebuild=True)
+            self._open = _Undo(int(step), np.zeros(0, dtype=np.int64),
+                               np.zeros((0, self.layout.block), dtype=np.uint32), dense, rebuild=True)
             return
-        starts, lens = self.space.pieces(self._candidate_rows())
-        pos = _positions(starts, lens)
-        self._open = _Undo(int(step), starts, lens, pos, self.space.gather(pos), dense)
+        blocks = self.space.blocks(self._candidate_rows())
+        self._open = _Undo(int(step), blocks, self.space.gather(blocks), dense)
         self.stats["seconds_capture"] += time.perf_counter() - t0
 
     def commit(self) -> None:
@@ -600,14 +733,14 @@ class ECRM:
         self._undo.append(undo)                     # kept until every rank is known to have finished
         self.data_step = undo.step
         messages, payload_bytes = {}, 0
-        if not rebuild and undo.pos.size:
-            delta = undo.old ^ self.space.gather(undo.pos)
-            moved = np.logical_or.reduceat(delta != 0, np.cumsum(undo.lens) - undo.lens)
-            keep = np.repeat(moved, undo.lens)
-            payload = delta[keep]
-            if payload.size:
-                self.fingerprint ^= fingerprint_runs(payload, undo.starts[moved], undo.lens[moved])
-                messages = self._messages(undo.starts[moved], undo.lens[moved], payload)
+        if not rebuild and undo.blocks.size:
+            delta = undo.old ^ self.space.gather(undo.blocks)
+            moved = delta.any(axis=1)                 # the blocks the step changed
+            blocks = undo.blocks[moved]
+            if blocks.size:
+                payload = delta[moved]
+                self.fingerprint ^= fingerprint_blocks(payload, blocks)
+                messages = self._messages(blocks, payload)
                 payload_bytes = payload.nbytes * self.r
         t1 = time.perf_counter()
         self.stats["seconds_encode"] += t1 - t0
@@ -615,7 +748,13 @@ class ECRM:
         partial = os.environ.get(fs.CRASH_ENV) == "ecrm_partial_send"
         holders = sorted(messages)
         only = holders[:max(1, len(holders) // 2)] if partial and len(holders) > 1 else ([] if partial else None)
-        sent = self._exchange.post(undo.step, messages, self.fingerprint, int(rebuild), only=only)
+        posting = self._exchange.prepare(undo.step, messages, self.fingerprint, int(rebuild), only=only)
+        sent = posting.sent
+        if self.overlap and not partial:
+            # started by the posting thread: the trainer goes on at once (``_finish_round`` joins it)
+            self._poster.submit(functools.partial(self._exchange.send, posting))
+        else:
+            self._exchange.send(posting)
         if partial:
             self._exchange.wait_sends()
             fs.crash_point("ecrm_partial_send")
@@ -647,9 +786,11 @@ class ECRM:
             return
         t0 = time.perf_counter()
         self.stats["seconds_overlapped"] += t0 - rnd.posted
+        self._poster.join(None if timeout is None else timeout.total_seconds())   # the round is posted
         got = self._exchange.wait(timeout)
         t1 = time.perf_counter()
         self.stats["seconds_exchange"] += t1 - t0
+        self.stats["seconds_wait"] += t1 - t0
         step = rnd.undo.step
         # every rank posted this round after finishing the previous one: no going back before this step
         self._undo = [u for u in self._undo if u.step >= step]
@@ -660,15 +801,13 @@ class ECRM:
         fps = [0] * self.world_size
         fps[self.rank] = rnd.fingerprint
         received = 0
+        parity = self._parity_blocks()
         for m in got:
             fps[m.src] = m.fingerprint
             if m.body.size:
-                n = int(m.body[:2].view(np.int64)[0])
-                pos = m.body[2:2 + 2 * n].view(np.int64)
-                ln = m.body[2 + 2 * n:2 + 4 * n].view(np.int64)
-                words = m.body[2 + 4 * n:]
-                self.parity[_positions(pos, ln)] ^= words
-                rnd.undo.applied.append((pos, ln, words))
+                index, words = self._parse(m.body)
+                parity[index] ^= words                # a message names each parity block once
+                rnd.undo.applied.append((index, words))
                 received += m.body.size * 4
         self._fps[step] = fps
         for old in [s for s in self._fps if s is not None and s < step - 2]:
@@ -680,46 +819,61 @@ class ECRM:
         self.stats["seconds_apply"] += t2 - t1
         self.stats["seconds"] += t2 - t0
 
-    def _messages(self, starts, lens, payload) -> dict[int, np.ndarray]:
-        """The uint32 message body to every holder: ``[n, positions (int64), lengths (int64), payload]``."""
-        lay = self.layout
-        pstarts, plens = lay.split(starts, lens)
-        offsets = np.cumsum(plens) - plens          # each piece's place in ``payload`` (order is kept)
+    def _messages(self, blocks: np.ndarray, payload: np.ndarray) -> dict[int, list]:
+        """The message body to every holder, as uint32 arrays laid end to end: ``[n (int64), the parity
+        blocks (one uint32 each; int64 where the parity has 2^32 blocks or more), their payload (n
+        blocks)]``. ``payload`` (``[len(blocks), block]``: the code deltas of ``blocks`` of the data space)
+        is multiplied by each block's coefficient of its parity slot (none for slot 0, all ones)."""
+        lay, g = self.layout, self.layout.block
         parts: dict[int, list] = {}
         for j in range(self.r):
-            dest, ppos, index = lay.route(self.rank, pstarts, j)
-            order = np.argsort(dest, kind="stable")
-            bounds = np.searchsorted(dest[order], np.arange(self.world_size + 1))
-            for dst in range(self.world_size):
-                sel = order[bounds[dst]:bounds[dst + 1]]
-                if not sel.size:
-                    continue
-                words = payload[_positions(offsets[sel], plens[sel])]
+            dest, ppos, index = lay.route(self.rank, blocks * g, j)
+            pblocks = ppos // g
+            if dest.size and dest.min() == dest.max():     # one holder (always with two ranks): no sort
+                groups = [(int(dest[0]), slice(None))]
+            else:
+                order = np.argsort(dest, kind="stable")
+                bounds = np.searchsorted(dest[order], np.arange(self.world_size + 1))
+                groups = [(dst, order[bounds[dst]:bounds[dst + 1]]) for dst in range(self.world_size)
+                          if bounds[dst + 1] > bounds[dst]]
+            for dst, sel in groups:
+                words = payload[sel]
                 if j:                               # row 0 of the code is all ones: XOR, no product
-                    words = gf256.mul_words(words, lay.matrix[j, index[sel]], plens[sel])
-                parts.setdefault(dst, []).append((ppos[sel], plens[sel], words))
+                    coefs = lay.matrix[j, index[sel]]
+                    words = gf256.mul_words(words, coefs, np.full(coefs.size, g, dtype=np.int64)).reshape(-1, g)
+                parts.setdefault(dst, []).append((pblocks[sel], words))
+        index_dtype = np.int64 if self._wide_index() else np.uint32
         out = {}
         for dst, chunks in parts.items():
-            pos = np.concatenate([c[0] for c in chunks])
-            ln = np.concatenate([c[1] for c in chunks])
-            head = np.concatenate([np.array([pos.size], dtype=np.int64), pos, ln]).view(np.uint32)
-            out[dst] = np.concatenate([head] + [c[2] for c in chunks])
+            n = sum(c[0].size for c in chunks)
+            out[dst] = ([np.array([n], dtype=np.int64).view(np.uint32)]
+                        + [c[0].astype(index_dtype).view(np.uint32) for c in chunks]
+                        + [c[1].reshape(-1) for c in chunks])
         return out
+
+    def _parse(self, body: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A message body of ``_messages`` (a holder's part, one array) as (parity blocks, ``[n, block]``
+        words), views of ``body``."""
+        g = self.layout.block
+        n = int(body[:2].view(np.int64)[0])
+        end = 2 + n * (2 if self._wide_index() else 1)
+        index = body[2:end].view(np.int64) if self._wide_index() else body[2:end]
+        return index, body[end:end + n * g].reshape(n, g)
 
     # -- taking steps back ----------------------------------------------------------------------------------
     def _undo_data(self, undo: _Undo | None) -> None:
         if undo is None:
             return
-        if undo.pos.size:
-            self.space.scatter(undo.pos, undo.old)
+        if undo.blocks.size:
+            self.space.scatter(undo.blocks, undo.old)
         self._restore_dense(undo.dense)
 
     def _roll_back_to(self, target: int) -> int:
         """Undo this rank's steps after ``target`` (data, dense state, parity); returns how many."""
         n = 0
         for undo in sorted((u for u in self._undo if u.step > target), key=lambda u: -u.step):
-            for pos, ln, words in undo.applied:
-                self.parity[_positions(pos, ln)] ^= words
+            for index, words in undo.applied:
+                self._parity_blocks()[index] ^= words
             self._undo_data(undo)
             n += 1
         self._undo = [u for u in self._undo if u.step <= target]
@@ -729,11 +883,11 @@ class ECRM:
 
     # -- recovery ---------------------------------------------------------------------------------------
     def _status(self) -> dict:
-        if self.layout is None:
-            return {"role": "replacement", "words": self.data_words}   # recover() built its items
+        if self.layout is None:   # recover() built its items
+            return {"role": "replacement", "words": self.data_words, "local_block": self._local_block}
         return {"role": "survivor", "data_step": self.data_step, "applied": self.applied_step,
                 "undo": sorted(u.step for u in self._undo), "fps": dict(self._fps), "lengths": self.layout.lengths,
-                "words": self.data_words}
+                "words": self.data_words, "unit": self.layout.unit, "block": self.layout.block}
 
     def _decide(self, failed: tuple[int, ...], statuses: list[dict]) -> tuple[int | None, str | None]:
         """The step every rank can reach, or a reason to fall back (the same on every rank)."""
@@ -756,8 +910,9 @@ class ECRM:
         if any(f is None for f in fps) or any(f != fps[0] for f in fps):
             return None, f"the survivors do not agree on the fingerprints of step {target}"
         lengths = statuses[survivors[0]]["lengths"]
+        block = statuses[survivors[0]]["block"]
         for r in failed:
-            if statuses[r].get("words") != lengths[r]:
+            if statuses[r].get("words") != lengths[r] or statuses[r].get("local_block", block) % block:
                 return None, (f"rank {r}'s replacement protects {statuses[r].get('words')} words, the failed rank "
                               f"had {lengths[r]}: build the same model and optimizer")
         return target, None
@@ -810,8 +965,9 @@ class ECRM:
         if not replacement:
             self._roll_back_to(target)
         else:
-            self.layout = StripeLayout(self.world_size, self.k, self.r, statuses[survivors[0]]["lengths"],
-                                       self.unit_words)
+            first = statuses[survivors[0]]
+            self.layout = StripeLayout(self.world_size, self.k, self.r, first["lengths"], first["unit"],
+                                       block=first["block"])
             self._make_space(self.layout.data_words)
             self.parity = np.zeros(self.layout.parity_words, dtype=np.uint32)
             self._fps = {target: statuses[survivors[0]]["fps"][target]}
@@ -919,7 +1075,7 @@ class ECRM:
     # -- accounting ---------------------------------------------------------------------------------------
     def memory_bytes(self) -> dict:
         """Bytes this rank holds for ECRM: the parity, the undo logs kept, the protected data."""
-        undo = sum(u.old.nbytes + u.pos.nbytes + sum(w.nbytes for _p, _l, w in u.applied) for u in self._undo)
+        undo = sum(u.old.nbytes + u.blocks.nbytes + sum(i.nbytes + w.nbytes for i, w in u.applied) for u in self._undo)
         return {"parity": int(self.parity.nbytes), "undo": int(undo), "data": self.data_words * 4}
 
     # -- lifecycle ----------------------------------------------------------------------------------------
@@ -933,6 +1089,7 @@ class ECRM:
             return
         with contextlib.suppress(Exception):   # let the peers finish the round in flight
             self._finish_round()
+        self._poster.close()
         self._closed = True
         for t in self._tables:
             if t.hook is not None:

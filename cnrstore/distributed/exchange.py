@@ -29,7 +29,7 @@ import torch
 from ..errors import InvalidArgument
 from . import failures
 
-__all__ = ["Message", "PairExchange", "HEADER_WORDS", "INITIAL_CAPACITY_WORDS", "CAPACITY_WINDOW"]
+__all__ = ["Message", "Posting", "PairExchange", "HEADER_WORDS", "INITIAL_CAPACITY_WORDS", "CAPACITY_WINDOW"]
 
 HEADER_WORDS = 8
 #: The capacity (words) of a pair before its first message: a larger first message takes two messages.
@@ -37,6 +37,20 @@ INITIAL_CAPACITY_WORDS = 1 << 12
 #: How many of a pair's latest message lengths set its capacity.
 CAPACITY_WINDOW = 16
 _ROUND = 256          # capacities are multiples of this many words
+
+
+@dataclass
+class Posting:
+    """A round ``PairExchange.prepare`` made ready and ``send`` starts: the messages to send (``(words,
+    peer)``, views of the send buffers ``keep``), a receive buffer per peer (of the pair's capacity,
+    ``recv_capacity``), and the words the round sends."""
+    step: int
+    sends: list
+    keep: list
+    recvs: dict
+    recv_capacity: dict
+    sent: int
+    epoch: int
 
 
 @dataclass
@@ -82,6 +96,11 @@ class PairExchange:
         self._send = {q: _Pair() for q in self.peers}
         self._recv = {q: _Pair() for q in self.peers}
         self._round = None
+        # one send buffer per peer, reused by every round: a round's sends are finished (``wait``) before
+        # the next is posted; ``drop`` forgets them (a dropped round's sends may still read them)
+        self._buffers: dict[int, np.ndarray] = {}
+        self._prepared: Posting | None = None    # a round prepared and not sent yet
+        self._epoch = 0            # ``drop`` counts up: a posting prepared before it is not sent
 
     @property
     def pending(self) -> bool:
@@ -89,40 +108,71 @@ class PairExchange:
         return self._round is not None
 
     def post(self, step: int, bodies: dict, fingerprint: int, flags: int = 0, only=None) -> int:
-        """Start round ``step``: send ``bodies[q]`` (uint32 words; empty if absent) to every peer ``q``
-        and receive every peer's message. ``only`` limits the sends to those peers (a crash test's partial
-        send). Returns the words sent."""
-        if self._round is not None:
+        """Start round ``step``: send ``bodies[q]`` (uint32 words, or a list of uint32 arrays sent end to
+        end; empty if absent) to every peer ``q`` and receive every peer's message. The words are copied
+        once, into the peer's send buffer: the caller may reuse them once ``post`` returns. ``only``
+        limits the sends to those peers (a crash test's partial send). Returns the words sent.
+        ``prepare`` then ``send``, in one go."""
+        posting = self.prepare(step, bodies, fingerprint, flags, only)
+        self.send(posting)
+        return posting.sent
+
+    def prepare(self, step: int, bodies: dict, fingerprint: int, flags: int = 0, only=None) -> "Posting":
+        """The first half of ``post``, on the caller's thread: size every message (``Posting.sent``: the
+        words the round sends; the pairs' next capacities), copy it into its peer's send buffer and make
+        the receive buffers. What is left for ``send`` is the gloo calls alone, which release the GIL:
+        ``send`` it next, on any thread, before the next ``prepare``."""
+        if self._round is not None or self._prepared is not None:
             raise InvalidArgument("PairExchange.post() while a round is pending: wait() for it first")
-        works, keep, sent = [], [], 0
-        targets = self.peers if only is None else [q for q in self.peers if q in set(only)]
+        targets = set(self.peers if only is None else [q for q in self.peers if q in set(only)])
         empty = np.zeros(0, dtype=np.uint32)
+        sends, keep, sent = [], [], 0
         for q in self.peers:
             body = bodies.get(q, empty)
-            need = HEADER_WORDS + body.size
+            parts = body if isinstance(body, (list, tuple)) else [body]
+            need = HEADER_WORDS + sum(int(b.size) for b in parts)
             pair = self._send[q]
             cap = pair.capacity
-            if q in targets:
-                buf = np.zeros(max(cap, need), dtype=np.uint32)
-                buf[:HEADER_WORDS] = _header(need, step, fingerprint, flags)
-                buf[HEADER_WORDS:need] = body
-                keep.append(buf)
-                works.append(self._isend(buf[:cap], q))
-                if need > cap:
-                    works.append(self._isend(buf[cap:need], q))
-                sent += max(cap, need)
             pair.saw(need)
-        recvs = {}
-        for q in self.peers:
-            buf = torch.empty(self._recv[q].capacity, dtype=torch.int32)
-            recvs[q] = (buf, self.group.recv([buf], q, 0))
-        self._round = (int(step), works, keep, recvs)
-        return sent
+            if q not in targets:
+                continue
+            buf = self._buffers.get(q)
+            if buf is None or buf.size < max(cap, need):
+                buf = self._buffers[q] = np.zeros(max(cap, need) * 5 // 4, dtype=np.uint32)
+            buf[:HEADER_WORDS] = _header(need, step, fingerprint, flags)
+            at = HEADER_WORDS
+            for b in parts:
+                buf[at:at + b.size] = b.reshape(-1)
+                at += b.size
+            keep.append(buf)
+            words = torch.from_numpy(buf.view(np.int32))
+            sends.append((words[:cap], q))
+            if need > cap:
+                sends.append((words[cap:need], q))
+            sent += max(cap, need)
+        capacity = {q: self._recv[q].capacity for q in self.peers}
+        recvs = {q: torch.empty(capacity[q], dtype=torch.int32) for q in self.peers}
+        posting = Posting(int(step), sends, keep, recvs, capacity, sent, self._epoch)
+        self._prepared = posting
+        return posting
 
-    def _isend(self, words: np.ndarray, peer: int):
-        # the group's own send: the group spans the whole job (its ranks are the global ones), and this
-        # skips torch.distributed's per-call rank translation -- a round makes 2 (W - 1) of these calls
-        return self.group.send([torch.from_numpy(words.view(np.int32))], peer, 0)
+    def send(self, posting: "Posting") -> None:
+        """The second half of ``post``: start the round's sends and receives (gloo calls only). A gloo
+        send to a peer whose receive is already posted may write in the calling thread until the peer's
+        I/O thread reads it -- milliseconds when that thread waits for a core -- so ``ecrm`` runs this off
+        the training thread. Nothing if the round was dropped since it was prepared."""
+        if posting.epoch != self._epoch or posting is not self._prepared:
+            return
+        try:
+            # the group's own send and recv: the group spans the whole job (its ranks are the global ones),
+            # and this skips torch.distributed's per-call rank translation
+            works = [self.group.send([words], q, 0) for words, q in posting.sends]
+            recvs = {q: (buf, self.group.recv([buf], q, 0)) for q, buf in posting.recvs.items()}
+            if posting.epoch == self._epoch:
+                self._round = (posting.step, works, posting.keep, recvs, posting.recv_capacity)
+        finally:
+            if self._prepared is posting:
+                self._prepared = None
 
     def wait_sends(self) -> None:
         """Wait until this round's sends are out (a crash test's partial send dies right after)."""
@@ -137,7 +187,7 @@ class PairExchange:
         handed out."""
         if self._round is None:
             raise InvalidArgument("PairExchange.wait() without a posted round")
-        step, works, _keep, recvs = self._round
+        step, works, _keep, recvs, recv_capacity = self._round
         self._round = None
         if timeout is None:                # a failure posted on the board ends the wait at once
             def wait(ws: list) -> None:
@@ -156,7 +206,7 @@ class PairExchange:
                 raise InvalidArgument(f"ECRM's round {step} received a message of round {got} from rank {q}: "
                                       "the ranks are out of step (every rank must call ECRM.step for every step)")
             heads[q] = (need, words)
-            cap = self._recv[q].capacity
+            cap = recv_capacity[q]
             if need > cap:
                 more = torch.empty(need - cap, dtype=torch.int32)
                 rest.append((q, more, self.group.recv([more], q, 0)))
@@ -171,5 +221,9 @@ class PairExchange:
         return out
 
     def drop(self) -> None:
-        """Forget the pending round without waiting (its process group is gone)."""
+        """Forget the pending round without waiting (its process group is gone), and the send buffers
+        its sends may still read."""
         self._round = None
+        self._buffers = {}
+        self._prepared = None
+        self._epoch += 1

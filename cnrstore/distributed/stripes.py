@@ -23,18 +23,23 @@ import numpy as np
 from ..errors import InvalidArgument
 from . import gf256
 
-__all__ = ["StripeLayout", "fingerprint", "fingerprint_range", "fingerprint_runs"]
+__all__ = ["StripeLayout", "fingerprint", "fingerprint_range", "fingerprint_runs", "fingerprint_blocks"]
 
 #: The largest unit (words): large enough that a unit's bookkeeping is nothing, small enough that the
-#: data of one rank is spread over many stripes (and so over every parity holder).
+#: data of one rank is spread over many stripes (and so over every parity holder). A layout with a
+#: ``block`` rounds its default unit up to a multiple of the block.
 MAX_UNIT_WORDS = 1 << 14
 
 
 class StripeLayout:
     """The stripes of ``k`` data + ``r`` parity units over ``world_size`` ranks whose data spaces hold
-    ``lengths[q]`` words (module doc). Pure arithmetic: the same on every rank."""
+    ``lengths[q]`` words (module doc). Pure arithmetic: the same on every rank.
 
-    def __init__(self, world_size: int, k: int, r: int, lengths, unit_words: int | None = None):
+    ``block``: the unit is a multiple of this many words (the default unit is rounded up to one; a given
+    ``unit_words`` must be one), so that a block of ``block`` words aligned in the data space lies in one
+    unit and maps to an aligned block of the parity (ECRM's steps move whole blocks)."""
+
+    def __init__(self, world_size: int, k: int, r: int, lengths, unit_words: int | None = None, block: int = 1):
         for name, v in (("world_size", world_size), ("k", k), ("r", r)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise InvalidArgument(f"ECRM needs a positive integer {name}, got {v!r}")
@@ -48,11 +53,17 @@ class StripeLayout:
         if len(self.lengths) != self.world_size or min(self.lengths) < 0:
             raise InvalidArgument(f"lengths must give every rank's data words, got {lengths!r}")
         longest = max(self.lengths)
+        if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+            raise InvalidArgument(f"block must be a positive integer, got {block!r}")
+        self.block = int(block)
         if unit_words is None:
             unit_words = min(MAX_UNIT_WORDS, max(1, -(-longest // self.k)))
+            unit_words = -(-unit_words // self.block) * self.block
         self.unit = int(unit_words)
         if self.unit < 1:
             raise InvalidArgument(f"unit_words must be positive, got {unit_words!r}")
+        if self.unit % self.block:
+            raise InvalidArgument(f"unit_words ({self.unit}) must be a multiple of the block ({self.block} words)")
         self.periods = max(1, -(-longest // (self.k * self.unit)))
         self.matrix = gf256.encode_matrix(self.k, self.r)
 
@@ -180,6 +191,35 @@ def fingerprint_runs(words: np.ndarray, starts: np.ndarray, lens: np.ndarray) ->
     by += np.uint32(1)
     hi = np.bitwise_xor.reduce(_rotl32(words, by))
     return (int(hi) << 32) | int(lo)
+
+
+_BLOCK_TURNS: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def _folded_blocks(words: np.ndarray, blocks: np.ndarray, period: int, shift: int) -> int:
+    """``XOR rotl(words[n, j], (blocks[n] · g + j) % period + shift)`` over a ``[n, g]`` array: a word's
+    rotation depends on its block only through ``blocks[n] · g % period``, so the rotations are one
+    lookup of that class's row in a cached ``[period, g]`` table (no division per word)."""
+    g = words.shape[1]
+    turns = _BLOCK_TURNS.get((period, shift, g))
+    if turns is None:
+        turns = ((np.arange(period)[:, None] + np.arange(g)[None, :]) % period + shift).astype(np.uint32)
+        turns = _BLOCK_TURNS.setdefault((period, shift, g), turns)
+    by = turns[(blocks % period) * (g % period) % period]
+    return int(np.bitwise_xor.reduce(_rotl32(words, by).reshape(-1), initial=np.uint32(0)))
+
+
+def fingerprint_blocks(words: np.ndarray, blocks: np.ndarray) -> int:
+    """``fingerprint`` of a ``[n, g]`` array whose row ``n`` holds the words at positions ``blocks[n] · g``
+    .. ``blocks[n] · g + g - 1`` (ECRM's code deltas come as blocks): equal to ``fingerprint(words,
+    positions)``, without a position array (the rotations come by block: ``_folded_blocks``)."""
+    words = np.asarray(words, dtype=np.uint32)
+    blocks = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    if words.ndim != 2 or words.shape[0] != blocks.size:
+        raise InvalidArgument(f"fingerprint_blocks: {blocks.size} blocks for words of shape {words.shape}")
+    if words.size == 0:
+        return 0
+    return (_folded_blocks(words, blocks, 31, 1) << 32) | _folded_blocks(words, blocks, 32, 0)
 
 
 def _folded(words: np.ndarray, start: int, period: int, shift: int) -> int:

@@ -120,6 +120,18 @@ def words(model, optimizer) -> dict[str, np.ndarray]:
     return out
 
 
+def changed_words(before: dict, after: dict, block: int) -> int:
+    """The words of the blocks (``block`` words, aligned in each tensor's rows; a row's tail block is
+    padded) in which some word changed: what ECRM's step must send, once per parity slot."""
+    total = 0
+    for k in before:
+        diff = before[k] != after[k]
+        pad = -diff.shape[1] % block
+        diff = np.pad(diff, ((0, 0), (0, pad))).reshape(diff.shape[0], -1, block)
+        total += int(diff.any(axis=2).sum()) * block
+    return total
+
+
 def main(cfg: dict) -> int:
     rank, world = cfg["rank"], cfg["world"]
     epoch = cfg.get("epoch", 0)
@@ -174,7 +186,7 @@ def main(cfg: dict) -> int:
         recover()
     report["parity_bytes"] = ecrm.memory_bytes()["parity"]
     report["data_words"] = list(ecrm.layout.lengths)
-    report["unit"], report["periods"] = ecrm.layout.unit, ecrm.layout.periods
+    report["unit"], report["periods"], report["block"] = ecrm.layout.unit, ecrm.layout.periods, ecrm.layout.block
     while step < cfg["steps"]:
         try:
             nxt = step + 1
@@ -194,7 +206,7 @@ def main(cfg: dict) -> int:
             step = nxt
             if cfg.get("count_traffic"):
                 after = words(model, optimizer)
-                changed = sum(int((before[k] != after[k]).any(axis=1).sum()) * before[k].shape[1] for k in before)
+                changed = changed_words(before, after, ecrm.layout.block)
                 report["traffic"].append({"step": step, "changed_words": changed,
                                           "payload": ecrm.stats["last_step_payload_bytes"],
                                           "sent": ecrm.stats["last_step_bytes_sent"]})
