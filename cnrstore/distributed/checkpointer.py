@@ -1057,10 +1057,10 @@ class _Resharder:
                                       self.owner.rank, self.owner.world_size, self.gv.version)
             self.keyed.read()
             weights = [torch.from_numpy(self.rows(t.name, t.name, t.dim)) for t in state.tables]
-            dense = {k: self._dense(k, v.shape) for k, v in state.dense.items() if k not in self.rank_local}
-            dense.update(self._rank_local_state())
             own_seeds = {id(k.module.seed) for k in state.keyed}  # (each rank's KeyedEmbedding keeps its own seed)
-            dense.update({k: v.detach().clone() for k, v in state.dense.items() if id(v) in own_seeds})
+            dense = {k: self._dense(k, v.shape) if id(v) not in own_seeds else v.detach().clone()
+                     for k, v in state.dense.items() if k not in self.rank_local}
+            dense.update(self._rank_local_state())
             for k, v in state.dense.items():
                 if v.dtype == torch.bfloat16:
                     dense[k] = dense[k].view(torch.bfloat16)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-import torch
 
 from .. import keyed_reshard
 from ..errors import InvalidArgument
@@ -100,17 +99,9 @@ class KeyedReshard:
                           f"ids of global version {self.version}, more than its capacity {m.capacity}; it keeps the "
                           f"{m.capacity} its eviction policy ({m.eviction!r}) keeps and drops {self.dropped[k.name]}",
                           RuntimeWarning, stacklevel=3)
-        keys = rows.keys[keep]
-        n = keys.size
-        slots = torch.arange(n)
-        out = {"weight": torch.zeros(m.capacity, m.dim, dtype=torch.float32),
-               "slot_ids": torch.full((m.capacity,), -1, dtype=torch.int64),
-               "last_step": torch.zeros(m.capacity, dtype=torch.int64),
-               "count": torch.zeros(m.capacity, dtype=torch.int64)}
-        out["weight"][slots] = torch.from_numpy(np.ascontiguousarray(rows.values[keep]))
-        out["slot_ids"][slots] = torch.from_numpy(keys)
-        out["last_step"][slots] = torch.from_numpy(np.ascontiguousarray(rows.columns["last_step"][keep]))
-        out["count"][slots] = torch.from_numpy(np.ascontiguousarray(rows.columns["count"][keep]))
+        slots = np.arange(keep.size)  # (the kept ids, ascending, take slots 0 .. n-1)
+        out = keyed_save.slot_tensors(m.capacity, m.dim, slots, rows.keys[keep], rows.values[keep],
+                                      rows.columns["last_step"][keep], rows.columns["count"][keep])
         prefix = f"{k.name}.optim."
         names = sorted({n_ for c in catalogs for n_, ti in c.items()
                         if n_.startswith(prefix) and getattr(ti, "keyed", False)})
@@ -120,9 +111,7 @@ class KeyedReshard:
                 raise InvalidArgument(f"global version {self.version}: keyed table {name!r} does not hold the ids "
                                       f"{k.name!r} holds on the ranks this rank reads")
             width = srows.values.shape[1] if srows.values.ndim == 2 else 1
-            st = torch.zeros(m.capacity, width, dtype=torch.float32)
-            st[slots] = torch.from_numpy(np.ascontiguousarray(srows.values[keep].reshape(n, width)))
-            out[name[len(k.name) + 1:]] = st
+            out[name[len(k.name) + 1:]] = keyed_save.state_rows(m.capacity, width, slots, srows.values[keep])
         return out
 
     def optimizer_value(self, marker: dict):

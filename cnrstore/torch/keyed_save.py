@@ -45,8 +45,8 @@ from .fingerprint import fingerprints
 from .keyed_embedding import KeyedEmbedding
 from .payload import KEYED_MARK
 
-__all__ = ["COLUMNS", "KeyedJob", "KeyedTracker", "find_keyed", "marked_tables", "marker_tensor", "with_keyed_state",
-           "write_job"]
+__all__ = ["COLUMNS", "KeyedJob", "KeyedTracker", "find_keyed", "marked_tables", "marker_tensor", "slot_tensors",
+           "state_rows", "with_keyed_state", "write_job"]
 
 #: The columns of a KeyedEmbedding's main keyed table.
 COLUMNS = {"slot": "int64", "last_step": "int64", "count": "int64"}
@@ -237,27 +237,20 @@ class KeyedTracker:
         if slots.size and (slots.min() < 0 or slots.max() >= m.capacity or np.unique(slots).size != slots.size):
             raise InvalidArgument(f"keyed table {self.name!r} at version {v}: its slots do not fit the model's "
                                   f"capacity {m.capacity} (saved from a larger KeyedEmbedding?)")
-        t = torch.from_numpy(slots)
-        weight = torch.zeros(m.capacity, m.dim, dtype=torch.float32)
-        weight[t] = torch.from_numpy(rows.values)
-        out = {"weight": weight, "slot_ids": torch.full((m.capacity,), -1, dtype=torch.int64),
-               "last_step": torch.zeros(m.capacity, dtype=torch.int64), "count": torch.zeros(m.capacity, dtype=torch.int64)}
-        out["slot_ids"][t] = torch.from_numpy(rows.keys)
-        out["last_step"][t] = torch.from_numpy(rows.columns["last_step"])
-        out["count"][t] = torch.from_numpy(rows.columns["count"])
+        out = slot_tensors(m.capacity, m.dim, slots, rows.keys, rows.values, rows.columns["last_step"],
+                           rows.columns["count"])
         prefix = f"{self.name}.optim."
         for name, ti in catalog.items():
             if not name.startswith(prefix) or not getattr(ti, "keyed", False):
                 continue
             srows = store.read_keyed(name, v)
-            st = torch.zeros(m.capacity, ti.dim, dtype=torch.float32)
+            pos = np.zeros(0, np.int64)
             if srows.keys.size:
                 pos = np.searchsorted(rows.keys, srows.keys)
                 pos = np.minimum(pos, max(rows.keys.size - 1, 0))
                 if not rows.keys.size or not np.array_equal(rows.keys[pos], srows.keys):
                     raise InvalidArgument(f"version {v}: keyed table {name!r} holds ids {self.name!r} does not")
-                st[torch.from_numpy(slots[pos])] = torch.from_numpy(srows.values)
-            out[name[len(self.name) + 1:]] = st
+            out[name[len(self.name) + 1:]] = state_rows(m.capacity, ti.dim, slots[pos], srows.values)
         return out
 
     def load(self, read: dict) -> None:
@@ -269,6 +262,29 @@ class KeyedTracker:
             m.last_step.copy_(read["last_step"])
             m.count.copy_(read["count"])
         m.rebuild_index()
+
+
+def slot_tensors(capacity: int, dim: int, slots: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                 last_step: np.ndarray, count: np.ndarray) -> dict:
+    """A ``KeyedEmbedding``'s row tensors (new host tensors, ``capacity`` slots) holding ``keys`` at ``slots``
+    with their ``values``, ``last_step`` and ``count``; every other slot free (id -1, zeros)."""
+    t = torch.from_numpy(np.ascontiguousarray(slots, np.int64))
+    out = {"weight": torch.zeros(capacity, dim, dtype=torch.float32),
+           "slot_ids": torch.full((capacity,), -1, dtype=torch.int64),
+           "last_step": torch.zeros(capacity, dtype=torch.int64), "count": torch.zeros(capacity, dtype=torch.int64)}
+    for name, arr in (("weight", values), ("slot_ids", keys), ("last_step", last_step), ("count", count)):
+        out[name][t] = torch.from_numpy(np.ascontiguousarray(arr))
+    return out
+
+
+def state_rows(capacity: int, width: int, slots: np.ndarray, values: np.ndarray) -> torch.Tensor:
+    """A row-wise optimizer state read from a keyed state table: ``(capacity, width)`` float32, ``values`` at
+    ``slots``, zeros elsewhere (the payload's marker gives the free slots their value)."""
+    st = torch.zeros(capacity, width, dtype=torch.float32)
+    if slots.size:
+        st[torch.from_numpy(np.ascontiguousarray(slots, np.int64))] = torch.from_numpy(
+            np.ascontiguousarray(values).reshape(slots.size, width))
+    return st
 
 
 # -- the payload's KEYED_MARK markers -------------------------------------------------------------------
