@@ -172,6 +172,14 @@ class _KeyedModel:
         self.expected[ck.version] = live
         return ck.version
 
+    def check_after_gc_and_reopen(self, path: str, listed: list[int]) -> None:
+        """``check`` after a gc that deletes what waited for the save, and again after closing and reopening."""
+        self.store.gc()
+        self.check(self.store, listed)
+        self.store.close()
+        with cnrstore.open(path, readonly=True) as store:
+            self.check(store, listed)
+
     def check(self, store, listed: list[int]) -> None:
         assert [i.version for i in store.versions()] == listed
         for v in listed:
@@ -238,12 +246,9 @@ def test_maintenance_at_each_point_of_a_keyed_save(tmp_path, monkeypatch, point,
         # puts leaves a one-record chain there, on which the save puts a run)
         merged = merges and not (point == "between_puts" and "compact" in what)
         assert amps == [1, 1] if merged else all(a > 1 for a in amps), amps
-        store.gc()
-        m.check(store, listed)
+        m.check_after_gc_and_reopen(path, listed)
     finally:
         store.close()
-    with cnrstore.open(path, readonly=True) as store:
-        m.check(store, listed)
 
 
 @pytest.mark.usefixtures("keyed_races")
@@ -265,9 +270,6 @@ def test_a_keyed_save_that_merges_a_chain_at_each_point_of_maintenance(tmp_path,
             maintenance.result(timeout=60)
         listed = [v] if point == "compact_after_append" else [3, v]  # (retain counted before or after the save)
         m.check(store, listed)
-        store.gc()
-        m.check(store, listed)
+        m.check_after_gc_and_reopen(path, listed)
     finally:
         store.close()
-    with cnrstore.open(path, readonly=True) as store:
-        m.check(store, listed)

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (its sibling modules)
+from exit_now import exit_now  # noqa: E402
 
 from cnrstore.distributed import DistributedCheckpointer, ShardingPlan  # noqa: E402
 from cnrstore.errors import GlobalCommitError  # noqa: E402
@@ -251,7 +253,4 @@ def partial(cfg, ck, model, opt, loader, plan, rank, out) -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)   # no interpreter teardown: a gloo process may abort there after its work (torchrec_worker.py)
+    exit_now(main())

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (its sibling modules)
+from exit_now import exit_now  # noqa: E402
 
 from cnrstore.distributed import DistributedCheckpointer, ShardingPlan  # noqa: E402
 from cnrstore.errors import InvalidArgument  # noqa: E402
@@ -122,6 +124,4 @@ def main(cfg: dict) -> None:
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

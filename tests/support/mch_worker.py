@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (its sibling modules)
+from exit_now import exit_now  # noqa: E402
 
 import cnrstore  # noqa: E402
 
@@ -128,8 +130,11 @@ def batch(step: int, rank: int, world: int, size: int = BATCH, vocab=VOCAB):
     return kjt, labels[mine]
 
 
-def train(dmp, dense, steps, rank, world, cfg) -> None:
+def train(dmp, dense, steps, rank, world, cfg, before_step=None) -> None:
+    """Train ``steps`` (the dense layers' gradients averaged over ranks); ``before_step(step)`` runs first at each."""
     for step in steps:
+        if before_step is not None:
+            before_step(step)
         kjt, labels = batch(step, rank, world, cfg.get("batch", BATCH), cfg.get("vocab", VOCAB))
         loss = torch.nn.functional.binary_cross_entropy_with_logits(dmp(kjt), labels)
         dense.zero_grad()
@@ -155,6 +160,23 @@ def state_of(dmp) -> dict[str, np.ndarray]:
             for local in value.local_shards():
                 out[f"optim/{name}@{local.metadata.shard_offsets[0]}"] = local.tensor.detach().clone().numpy()
     return out
+
+
+def write_store_report(root: str, rank: int, path: str) -> None:
+    """What this rank's store (of the newest generation) holds, as JSON at ``path``: per keyed table its live
+    keys and the keys each version changed, the dense array names, and whether it verifies."""
+    report = {}
+    store_dir = sorted(glob.glob(os.path.join(root, "gen-*", f"rank-{rank:05d}")))[-1]
+    with cnrstore.open(store_dir, readonly=True) as s:
+        vs = [v.version for v in s.versions()]
+        for name, t in s.tables().items():
+            if t.keyed:
+                report[name] = {"live": int(s.keys(name).size),
+                                "changed": [int(c.rows.size) for a, b in zip(vs, vs[1:]) for c in s.changes(a, b, [name])]}
+        report["dense"] = sorted(s.dense_names())
+        report["ok"] = bool(s.verify().ok)
+    with open(path, "w") as f:
+        json.dump(report, f)
 
 
 class TorchRng:
@@ -207,19 +229,7 @@ def main(cfg: dict) -> None:
         np.savez(os.path.join(out, f"continued-restored-rank{rank}.npz"), **state_of(dmp))
         ckpt.save(steps + 2).wait()   # a save after the restore: its delta is against the restored version
         ckpt.close()
-        report = {}
-        store_dir = sorted(glob.glob(os.path.join(cfg["root"], "gen-*", f"rank-{rank:05d}")))[-1]
-        with cnrstore.open(store_dir, readonly=True) as s:
-            vs = [v.version for v in s.versions()]
-            for name, t in s.tables().items():
-                if t.keyed:
-                    report[name] = {"live": int(s.keys(name).size),
-                                    "changed": [int(c.rows.size) for a, b in zip(vs, vs[1:])
-                                                for c in s.changes(a, b, [name])]}
-            report["dense"] = sorted(s.dense_names())
-            report["ok"] = bool(s.verify().ok)
-        with open(os.path.join(out, f"stores-rank{rank}.json"), "w") as f:
-            json.dump(report, f)
+        write_store_report(cfg["root"], rank, os.path.join(out, f"stores-rank{rank}.json"))
     elif scenario == "reshard":
         # a job at another world size than the save's: restore (MCH state remapped, cnrstore's RuntimeWarnings
         # recorded), dump, train two more steps, dump, save
@@ -266,6 +276,4 @@ def main(cfg: dict) -> None:
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

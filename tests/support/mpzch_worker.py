@@ -20,7 +20,6 @@ steps, dumps, saves once more and reports its store). The config's ``zch`` and `
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import sys
@@ -34,8 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository
 sys.path.insert(0, HERE)
 
-import cnrstore  # noqa: E402
-from mch_worker import DIM, HASH, TorchRng, batch, state_of  # noqa: E402
+from exit_now import exit_now  # noqa: E402
+from mch_worker import DIM, HASH, TorchRng, state_of, train as mch_train, write_store_report  # noqa: E402
 
 ZCH = 64
 
@@ -111,17 +110,8 @@ def admit(dmp, step: int, rank: int) -> None:
 
 
 def train(dmp, dense, steps, rank: int, world: int) -> None:
-    for step in steps:
-        admit(dmp, step, rank)
-        kjt, labels = batch(step, rank, world)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(dmp(kjt), labels)
-        dense.zero_grad()
-        loss.backward()
-        for p in dense.params.values():
-            if p.grad is not None and world > 1:
-                dist.all_reduce(p.grad)
-                p.grad /= world
-        dense.step()
+    """mch_worker's training, each step's admissions written first (``admit``)."""
+    mch_train(dmp, dense, steps, rank, world, {}, before_step=lambda step: admit(dmp, step, rank))
 
 
 def main(cfg: dict) -> None:
@@ -155,23 +145,10 @@ def main(cfg: dict) -> None:
     np.savez(os.path.join(out, f"{tag}-continued-rank{rank}.npz"), **state_of(dmp))
     ckpt.save(steps + 2).wait()
     ckpt.close()
-    report = {}
-    store_dir = sorted(glob.glob(os.path.join(cfg["root"], "gen-*", f"rank-{rank:05d}")))[-1]
-    with cnrstore.open(store_dir, readonly=True) as s:
-        vs = [v.version for v in s.versions()]
-        for name, t in s.tables().items():
-            if t.keyed:
-                report[name] = {"live": int(s.keys(name).size),
-                                "changed": [int(c.rows.size) for a, b in zip(vs, vs[1:]) for c in s.changes(a, b, [name])]}
-        report["dense"] = sorted(s.dense_names())
-        report["ok"] = bool(s.verify().ok)
-    with open(os.path.join(out, f"{tag}-stores-rank{rank}.json"), "w") as f:
-        json.dump(report, f)
+    write_store_report(cfg["root"], rank, os.path.join(out, f"{tag}-stores-rank{rank}.json"))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

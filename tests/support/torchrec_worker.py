@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (its sibling modules)
+from exit_now import exit_now  # noqa: E402
 
 import cnrstore  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
@@ -248,9 +250,4 @@ def main(cfg: dict) -> None:
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]))
-    # leave without interpreter teardown: every result is in its file already, and a process holding gloo
-    # and TBE state was seen to abort there ("terminate called without an active exception", SIGABRT) after
-    # its work was done (tools/dlrm_dist.py's exit_now says the same); an exception above still exits 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()
