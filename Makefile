@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	# pyproject.toml declares ranges; constraints-cpu.txt pins the tested set for every install below
 	# --no-compile, then one parallel compileall below: pip compiles each file on one core (23 s of the set-up here)
 	$(PY) -m pip install --quiet --no-compile -c constraints-cpu.txt "torch==2.13.0"
-	$(PY) -m pip install --quiet --no-compile -c constraints-cpu.txt -e ".[test,torchrec-cpu]"
+	$(PY) -m pip install --quiet --no-compile -c constraints-cpu.txt -e ".[test,torchrec-cpu,torchft]"
 	# torchrec without its declared deps: they name the CUDA fbgemm-gpu; the [torchrec-cpu] extra brings the CPU
 	# build (fbgemm-gpu-cpu) and the rest. torchrec/fbgemm 1.8 pair with torch 2.13 (README, "Install")
 	$(PY) -m pip install --quiet --no-compile -c constraints-cpu.txt --no-deps "torchrec==1.8.0"

@@ -21,12 +21,14 @@ from .remote_root import RemoteRoot, open_root
 from .repair import RootRepairReport, repair_root
 
 __all__ = ["ECRM", "ECRMReport", "DistributedCheckpointer", "DistributedPendingSave", "RecoveryReport", "GlobalVersion", "Root",
-           "RemoteRoot", "RootRepairReport", "Shard", "ShardingPlan", "open_root", "repair_root", "versions"]
+           "RemoteRoot", "RootRepairReport", "Shard", "ShardingPlan", "TorchftTransport", "HealReport", "open_root",
+           "repair_root", "versions"]
 
 #: Names whose modules import torch: loaded on first use, so that reading a root's manifests (the CLI's
 #: ``ls ROOT`` / ``verify ROOT``) does not pay torch's import.
 _LAZY = {"ECRM": "ecrm", "ECRMReport": "ecrm", "DistributedCheckpointer": "checkpointer",
-         "DistributedPendingSave": "checkpointer", "RecoveryReport": "checkpointer"}
+         "DistributedPendingSave": "checkpointer", "RecoveryReport": "checkpointer",
+         "TorchftTransport": "torchft_transport", "HealReport": "torchft_transport"}
 
 
 def __getattr__(name: str):

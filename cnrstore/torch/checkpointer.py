@@ -347,6 +347,9 @@ class Checkpointer:
         self._failed: PendingSave | None = None  # the save that failed with it
         self._closed = False
         self._durable: tuple[int, int | None] | None = None  # (version, step) of the newest committed save
+        #: what the tables' fingerprints (``Table.saved``) describe in the store: the newest save's PendingSave,
+        #: the version a whole restore loaded (int), or None (``image_rows``)
+        self._image_base = None
         #: the RestoreReport of the last restore() (None before one)
         self.last_restore: RestoreReport | None = None
         self._work = WeakPendingWork(self, Checkpointer._finish_saves, Checkpointer._cancel_saves,
@@ -712,6 +715,7 @@ class Checkpointer:
             self._plan.force_full = True  # the masks may be half-consumed: the next save writes everything
             raise
         self._last_step, self._steps_since = step, 0
+        self._image_base = pending
         return pending
 
     def _snapshot(self, step, meta, top=None) -> PendingSave:
@@ -1028,6 +1032,8 @@ class Checkpointer:
         latest = self.store.latest()
         whole = only is None and not outcome.missing and not outcome.unexpected
         self.note_restore(matches_newest=whole and latest is not None and latest.version == info.version)
+        if whole and not self._keyed:
+            self._image_base = info.version
         self.last_restore = RestoreReport(info.version, info.step, time.perf_counter() - start, outcome.restored,
                                           outcome.missing, outcome.unexpected)
         reports.deliver(self._on_report, self.last_restore)
@@ -1112,10 +1118,39 @@ class Checkpointer:
         ``matches_newest``, the state is the store's newest version, and the mode is incremental: the next
         increment then follows it) and records the restore with a ``BitWidthPolicy``."""
         self._plan.note_restore(matches_newest=matches_newest)
+        self._image_base = None  # (restore() names the version it loaded whole)
         for k in self._keyed:
             k.note_restore(self._optimizers)
         if self._policy is not None and callable(getattr(self._policy, "record_restore", None)):
             self._policy.record_restore()
+
+    def image_rows(self, changed: bool = True):
+        """*For sibling packages* (``cnrstore.distributed.torchft_transport``): how the live tables differ
+        from a stored version, so that a peer can rebuild them from the store -> ``(base, tables, exact)``.
+
+        ``base``: the newest ``save()``'s PendingSave (its version is the base once it commits; a failed one
+        is no base), the version a whole ``restore()`` loaded, or None (no save or restore yet: no base).
+        ``tables``: per table, ``(table, sources, rows)``: ``sources`` lists ``(store table name, live tensor
+        viewed as rows, the live tensor)`` for its weight and each row-wise optimizer state, and ``rows`` the
+        local rows (an int64 CPU tensor, ascending) whose weight or row-wise state differ from the base's
+        (their fingerprints, as a save finds them). ``exact``: whether base + those rows is the live state
+        bit for bit (the codecs are fp32 and every source is float32); when False, use whole tables.
+        ``changed=False`` skips the fingerprints (``rows`` None). Reads the live tensors: call it when no
+        optimizer step runs."""
+        exact = (self._policy is None and self._codec_str == "fp32" and self.optimizer_codec == "fp32")
+        out = []
+        for t in self._tables:
+            sources = []
+            for name, rows_view in self._plan.sources(t):
+                live = t.weight if name == t.name else dict(
+                    (f"{t.name}.optim.{k}", s) for k, s in self._plan.row_states(t))[name]
+                sources.append((name, rows_view, live))
+                exact = exact and rows_view.dtype == torch.float32
+            rows = None
+            if changed and t.saved is not None:
+                rows = self._plan._rows(self._plan._changed(t, self._plan._fingerprint(t))).cpu()
+            out.append((t, sources, rows))
+        return self._image_base, out, exact
 
     #: *For sibling packages* (``cnrstore.distributed``): False makes ``save()`` raise no failure of an earlier
     #: background write (each save's own ``wait()`` still does; the next save is still a baseline), because

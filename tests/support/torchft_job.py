@@ -1,0 +1,67 @@
+"""Runs replica groups of tests/support/torchft_worker.py under torchft's lighthouse, as a scheduler would:
+one group SIGKILLs itself after a step and is started again, the others run on (no process of theirs is
+restarted). For tests/test_torchft_recovery.py and benchmarks/bench_recovery.py."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_worker.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, kill_at: int | None = None,
+        reset_at: int | None = None, rows: int = 200, save_every: int = 5, step_sleep: float = 0.01,
+        timeout: float = 240.0) -> dict:
+    """Run the job in ``tmp`` -> {"events": {replica: [event, ...]}, "spawned": {replica: [times]},
+    "killed_at": the time the killed process ended (None without a kill)}."""
+    from torchft._torchft import LighthouseServer
+
+    os.makedirs(tmp, exist_ok=True)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=replicas if tables == "own" else 1,
+                                  join_timeout_ms=100)
+    env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    logs = {r: os.path.join(tmp, f"replica-{r}.jsonl") for r in range(replicas)}
+
+    def spawn(r: int, kill_at_step):
+        spec = {"lighthouse": lighthouse.address(), "replica": r, "replicas": replicas, "steps": steps,
+                "root": tmp, "log": logs[r], "tables": tables, "save_every": save_every, "rows": rows,
+                "step_sleep": step_sleep, "kill_at": kill_at_step, "reset_at": reset_at if r == kill else None}
+        spawned[r].append(time.time())
+        return subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=env)
+
+    spawned = {r: [] for r in range(replicas)}
+    procs = {r: spawn(r, kill_at if r == kill else None) for r in range(replicas)}
+    killed_at = None
+    deadline = time.monotonic() + timeout
+    try:
+        while procs:
+            for r, p in list(procs.items()):
+                rc = p.poll()
+                if rc is None:
+                    continue
+                del procs[r]
+                if rc == -9 and r == kill and killed_at is None:
+                    killed_at = time.time()
+                    procs[r] = spawn(r, None)  # the scheduler replaces the lost group
+                elif rc != 0:
+                    raise RuntimeError(f"replica {r} exited with {rc}; its log: {_tail(logs[r])}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the job did not end in {timeout:.0f} s")
+            time.sleep(0.02)
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        lighthouse.shutdown()
+    events = {r: [json.loads(line) for line in open(logs[r])] for r in range(replicas)}
+    return {"events": events, "spawned": spawned, "killed_at": killed_at}
+
+
+def _tail(path: str) -> str:
+    try:
+        return "".join(open(path).readlines()[-3:])
+    except OSError:
+        return "(none)"

@@ -1,0 +1,161 @@
+"""One torchft replica group (world size 1) healing through cnrstore's TorchftTransport, for
+tests/test_torchft_recovery.py and benchmarks/bench_recovery.py.
+
+    python torchft_worker.py SPEC_JSON
+
+SPEC: lighthouse, replica, replicas, steps, root, log, tables ("replicated" or "own"), save_every,
+rows (per table), step_sleep (seconds after each step), kill_at (this process SIGKILLs itself once it has
+committed that step; null: never), reset_at (``tables="own"``, the reference run of CPR's semantics: at the
+start of that step, put this group's table and its row-wise state back to its store's newest version, as a
+replacement healing then would).
+
+- ``tables="replicated"``: every group holds the same two tables and dense layer, gradients averaged over
+  the groups (torchft's data parallelism); a group that joins heals from a peer: rows from the peer's store
+  and the rows changed since its newest save.
+- ``tables="own"``: a DLRM split across the groups: group r owns table r, each step exchanges the pooled
+  embeddings and their gradients with two allreduces (model parallelism across groups), the dense layer is
+  averaged. The lighthouse waits for every group (min_replicas = replicas), so a lost group stalls the step
+  until its replacement has healed: its table from its own store's newest version (CPR), the rest from a peer.
+
+Each group saves every ``save_every`` committed steps into ``root/replica-R`` and logs JSON lines: ``start``
+(pid, times), ``healed`` (the transport's HealReport, and whether the tables then equal the store's version),
+``commit`` (each committed step) and ``done`` (its state's digests).
+"""
+
+import json
+import os
+import sys
+import time
+
+T0 = time.time()
+import hashlib  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed import ReduceOp, TCPStore  # noqa: E402
+from torchft import Manager, ProcessGroupGloo  # noqa: E402
+from torchft._torchft import LighthouseServer  # noqa: E402,F401  (imported as a trainer would)
+
+from cnrstore.distributed import TorchftTransport  # noqa: E402
+from cnrstore.torch import Checkpointer  # noqa: E402
+
+T_IMPORTED = time.time()
+BATCH, POOL, DIM = 16, 4, 16
+
+
+class Groups(nn.Module):
+    """The tables this group holds: both (replicated), or its own."""
+
+    def __init__(self, tables: int, rows: int, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.tables = nn.ModuleList(nn.EmbeddingBag(rows, DIM, mode="sum") for _ in range(tables))
+
+
+def batch(step: int, replica: int, table: int, rows: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step * 1_000_003 + replica * 1009 + table)
+    return torch.randint(rows, (BATCH, POOL), generator=g)
+
+
+def digests(obj) -> dict:
+    out = {}
+    for k, v in obj.items():
+        out[k] = hashlib.sha256(v.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
+    return out
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    rid, replicas, rows, own = spec["replica"], spec["replicas"], spec["rows"], spec["tables"] == "own"
+    log = open(spec["log"], "a")
+
+    def event(**kw):
+        log.write(json.dumps({"t": time.time(), "pid": os.getpid(), **kw}) + "\n")
+        log.flush()
+
+    model = Groups(1 if own else 2, rows, seed=1000 + (rid if own else 0))
+    torch.manual_seed(777)  # the dense layer starts equal in every group
+    top = nn.Linear(replicas * DIM if own else 2 * DIM, 1)
+    sparse = torch.optim.Adagrad(model.tables.parameters(), lr=0.05)
+    dense = torch.optim.Adam(top.parameters(), lr=0.01)
+    holder = nn.ModuleDict({"groups": model, "top": top})
+    ckpt = Checkpointer(os.path.join(spec["root"], f"replica-{rid}"), holder, [sparse, dense], keep_last=3)
+    transport = TorchftTransport(ckpt, tables=spec["tables"], host="127.0.0.1")
+
+    def state_dict():
+        return {"model": holder.state_dict(), "sparse": sparse.state_dict(), "dense": dense.state_dict()}
+
+    def load_state_dict(sd):
+        holder.load_state_dict(sd["model"])
+        sparse.load_state_dict(sd["sparse"])
+        dense.load_state_dict(sd["dense"])
+
+    store = TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
+    manager = Manager(pg=ProcessGroupGloo(), min_replica_size=replicas if own else 1,
+                      load_state_dict=load_state_dict, state_dict=state_dict, replica_id=str(rid),
+                      store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+                      lighthouse_addr=spec["lighthouse"], port=0, use_async_quorum=False,
+                      checkpoint_transport=transport, init_sync=False)
+    event(ev="start", t0=T0, imported=T_IMPORTED)
+    healed = False
+    while manager.current_step() < spec["steps"]:
+        sparse.zero_grad()
+        dense.zero_grad()
+        manager.start_quorum()
+        step = manager.current_step()
+        if transport.last_recv is not None and not healed:
+            healed = True
+            r = transport.last_recv
+            version = ckpt.store.latest() if own else None
+            same = None
+            if own:  # the rows restored are exactly the own store's newest version
+                same = bool(torch.equal(model.tables[0].weight,
+                                        torch.from_numpy(ckpt.store.read_table("groups.tables.0", version.version))))
+            event(ev="healed", step=step, version=r.version, seconds=r.seconds, fetch_seconds=r.fetch_seconds,
+                  read_seconds=r.read_seconds, bytes=r.bytes, rows=r.rows, whole=r.whole, equals_store=same,
+                  version_step=None if version is None else version.step)
+        if own and spec.get("reset_at") == step:
+            newest = ckpt.store.latest()
+            with torch.no_grad():
+                for name, tensor in (("groups.tables.0", model.tables[0].weight),
+                                     ("groups.tables.0.optim.sum", sparse.state[model.tables[0].weight]["sum"])):
+                    tensor.copy_(torch.from_numpy(ckpt.store.read_table(name, newest.version)))
+            event(ev="reset", step=step, version_step=newest.step)
+        if own:
+            ids = [batch(step, q, rid, rows) for q in range(replicas)]
+            mine = torch.stack([model.tables[0](i) for i in ids])  # (replicas, BATCH, DIM): every group's lookups
+            feats = torch.zeros(replicas, BATCH, replicas, DIM)
+            feats[:, :, rid] = mine.detach()
+            manager.allreduce(feats, reduce_op=ReduceOp.SUM).wait()
+            feats.requires_grad_(True)
+            top(feats[rid].reshape(BATCH, -1)).square().mean().backward()
+            grads = feats.grad.clone()
+            manager.allreduce(grads, reduce_op=ReduceOp.SUM).wait()
+            mine.backward(grads[:, :, rid])
+        else:
+            x = torch.cat([model.tables[t](batch(step, rid, t, rows)) for t in range(2)], 1)
+            top(x).square().mean().backward()
+            for p in model.tables.parameters():
+                manager.allreduce(p.grad).wait()
+        for p in top.parameters():
+            manager.allreduce(p.grad).wait()
+        if manager.should_commit():
+            sparse.step()
+            dense.step()
+            event(ev="commit", step=step)
+            if (step + 1) % spec["save_every"] == 0:
+                ckpt.save(step).wait()  # (committed at once: the runs compared restore the same version)
+            if spec.get("kill_at") is not None and step >= spec["kill_at"]:
+                os.kill(os.getpid(), 9)
+        time.sleep(spec["step_sleep"])
+    ckpt.close()
+    event(ev="done", step=manager.current_step(), digests=digests(holder.state_dict()),
+          sparse=digests({str(k): v["sum"] for k, v in sparse.state_dict()["state"].items()}))
+    manager.shutdown(wait=False)
+    transport.shutdown(wait=False)
+    log.close()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

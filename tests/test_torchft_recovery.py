@@ -1,0 +1,67 @@
+"""Partial recovery under torchft's Manager and lighthouse (gloo, CPU): a SIGKILLed replica group is started
+again and heals through cnrstore's TorchftTransport while the other groups keep their processes
+(tests/support/torchft_worker.py, torchft_job.py)."""
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from support import torchft_job  # noqa: E402
+
+STEPS, KILL_AT, SAVE_EVERY = 30, 12, 5  # saves after steps 4, 9, 14, ...: the newest before the kill is 9's
+
+
+def starts(events) -> list:
+    return [e["pid"] for e in events if e["ev"] == "start"]
+
+
+def commits(events) -> list:
+    return [e["step"] for e in events if e["ev"] == "commit"]
+
+
+def done(events) -> dict:
+    (d,) = [e for e in events if e["ev"] == "done"]
+    return d
+
+
+def test_a_replicated_group_heals_from_a_peers_store_and_changed_rows(tmp_path):
+    job = torchft_job.run(str(tmp_path), tables="replicated", replicas=2, steps=STEPS, kill=1, kill_at=KILL_AT,
+                          save_every=SAVE_EVERY)
+    survivor, replaced = job["events"][0], job["events"][1]
+    assert len(starts(survivor)) == 1 and len(starts(replaced)) == 2  # only the killed group was started again
+    assert commits(survivor) == list(range(STEPS))
+    (heal,) = [e for e in replaced if e["ev"] == "healed" and e["pid"] == starts(replaced)[1]]
+    assert heal["step"] > KILL_AT
+    # the tables came from the peer's store at its newest save, plus the rows changed since: not whole
+    assert heal["version"] is not None and not heal["whole"]
+    assert 0 < heal["rows"]["groups.tables.0"] <= 200
+    # both groups end bit for bit equal: tables, dense layer and the tables' optimizer state
+    assert done(survivor)["digests"] == done(replaced)["digests"]
+    assert done(survivor)["sparse"] == done(replaced)["sparse"]
+
+
+def test_own_shards_recover_cpr_while_the_other_groups_keep_their_state(tmp_path):
+    job = torchft_job.run(str(tmp_path / "failed"), tables="own", replicas=3, steps=STEPS, kill=1,
+                          kill_at=KILL_AT, save_every=SAVE_EVERY)
+    ev = job["events"]
+    for r in (0, 2):  # the survivors: never restarted, every step committed once, none lost or redone
+        assert len(starts(ev[r])) == 1
+        assert commits(ev[r]) == list(range(STEPS))
+    assert len(starts(ev[1])) == 2
+    (heal,) = [e for e in ev[1] if e["ev"] == "healed" and e["pid"] == starts(ev[1])[1]]
+    # the lighthouse waits for every group: the step after the kill is the one the replacement rejoins at
+    assert heal["step"] == KILL_AT + 1
+    assert heal["equals_store"] is True and heal["version_step"] == 9  # its shard: its own newest save
+    assert commits(ev[1])[-(STEPS - KILL_AT - 1):] == list(range(KILL_AT + 1, STEPS))
+
+    # CPR's semantics, bit for bit: the same job without a kill, where group 1's table and its optimizer
+    # state are put back to the same save at the step the replacement rejoined at, ends in the same state
+    ref = torchft_job.run(str(tmp_path / "reference"), tables="own", replicas=3, steps=STEPS, kill=1,
+                          reset_at=KILL_AT + 1, save_every=SAVE_EVERY)["events"]
+    (reset,) = [e for e in ref[1] if e["ev"] == "reset"]
+    assert reset["version_step"] == 9
+    for r in range(3):
+        assert done(ev[r])["digests"] == done(ref[r])["digests"], r
+        assert done(ev[r])["sparse"] == done(ref[r])["sparse"], r
+    tops = {r: {k: v for k, v in done(ev[r])["digests"].items() if k.startswith("top.")} for r in range(3)}
+    assert tops[0] == tops[1] == tops[2]
