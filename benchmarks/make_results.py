@@ -135,6 +135,14 @@ SECTIONS = [
      "trained with and without ECRM in alternating blocks (A/B in one run): the step time of each, the "
      "difference as a share of the step, and ECRM's own time by part (capture, encode, message round, apply; "
      "\"of which waiting\": blocked on the round's messages).", [], ["--quick"], None),
+    ("bench_recovery.py", "Recovery under torchft: partial recovery against a DCP full restart",
+     "3 torchft replica groups of one process each (tools/torchft_job.py), a DLRM split across them, one group "
+     "SIGKILLed after a step and started again: it heals through TorchftTransport(tables=\"own\") (CPR: its "
+     "table from its own store, the rest from a peer) while the others keep their processes; kill to its first "
+     "step split into phases (respawn, interpreter, imports, start-up, quorum and heal, first step), cnrstore's "
+     "share, beside every group restarted and loading torch.distributed.checkpoint saves in the same run; and a "
+     "1 GiB shard's recv_checkpoint (store rows at the peer's save, changed rows from the peer) against a local "
+     "restore() of the same version.", [], ["--quick"], None),
     ("bench_gf256.py", "ECRM: GF(2^8) kernels against zfec and galois",
      "Encoding r parity blocks of k data blocks, and scaling a step's code deltas run by run: "
      "cnrstore.distributed.gf256's pair tables against its byte table and, where installed, zfec and galois.",

@@ -320,6 +320,11 @@ assert ecrm.memory_bytes()
 ecrm.close()
 ckpt.close()
 '''),
+    "from torchft._torchft import LighthouseServer": Spec(needs="torchft", check='''
+import cnrstore
+with cnrstore.open("ckpt/replica-0", readonly=True) as s:
+    assert [v.step for v in s.versions()] == [10, 20, 30], s.versions()
+'''),
     'DistributedCheckpointer("trec", model': Spec(prelude=TORCHREC, ranks=2, needs="torchrec", check='''
 import cnrstore.distributed
 assert [g.step for g in cnrstore.distributed.versions("trec")] == [100]
@@ -527,6 +532,8 @@ API_NOT_RUN = {
     "from cnrstore.distributed import DistributedCheckpointer, ShardingPlan, ECRM": "collectives over several ranks",
     "from cnrstore.distributed import failures": "a launcher and its ranks, and a failure to report",
     "emb = KeyedEmbedding(capacity, dim, partitions=64": "a rank of a multi-rank job (tests/test_distributed_keyed.py)",
+    "from torchft import Manager, ProcessGroupGloo": "replica groups under a torchft lighthouse (the README's torchft "
+                                                    "block runs one; tests/test_torchft_recovery.py runs a job)",
 }
 
 

@@ -1,12 +1,16 @@
 """Partial recovery under torchft's Manager and lighthouse (gloo, CPU): a SIGKILLed replica group is started
 again and heals through cnrstore's TorchftTransport while the other groups keep their processes
-(tests/support/torchft_worker.py, torchft_job.py)."""
+(tools/torchft_replica.py, tools/torchft_job.py)."""
+
+import os
+import sys
 
 import pytest
 
 pytest.importorskip("torchft")
 
-from support import torchft_job  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+import torchft_job  # noqa: E402
 
 STEPS, KILL_AT, SAVE_EVERY = 30, 12, 5  # saves after steps 4, 9, 14, ...: the newest before the kill is 9's
 

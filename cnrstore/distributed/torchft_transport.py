@@ -267,8 +267,13 @@ class TorchftTransport(CheckpointTransport):
     # -- the receiver -----------------------------------------------------------------------------------
     def _rebuild(self, markers: list, header: dict, report: HealReport) -> None:
         """Give each marker its tensor: the stored rows (the peer's store at its version, or this group's own
-        newest) with the changed rows written over them, or the whole table sent."""
-        reads = {}
+        newest) with the changed rows written over them, or the whole table sent.
+
+        The rows are decoded straight into this group's own live tensor of the same table where it has one
+        of the same shape (fp32, contiguous, in host memory), as ``restore()`` does: the healing group's
+        state is being replaced anyway, and torchft's ``load_state_dict`` then finds it in place."""
+        own = {name: (t, view, live) for t, sources, _r in self.checkpointer.image_rows(changed=False)[1]
+               for name, view, live in sources}
         if self.tables == "own":
             store = self.checkpointer.store
             latest = store.latest()
@@ -276,19 +281,16 @@ class TorchftTransport(CheckpointTransport):
                 raise RecoveryFailed("tables='own': this replica group's store holds no version to restore its "
                                      f"tables from ({store.path})")
             version = None if latest is None else latest.version
-            own = {name: (t, live) for t, sources, _r in self.checkpointer.image_rows(changed=False)[1]
-                   for name, _v, live in sources}
             for m in markers:
                 if m[_TABLE] not in own:
                     raise RecoveryFailed(f"tables='own': the peer sent table {m[_TABLE]!r}, which this replica "
                                          "group's Checkpointer does not save")
-                t, live = own[m[_TABLE]]
+                t, _view, live = own[m[_TABLE]]
                 m["shape"], m["offset"], m["rows_total"] = tuple(live.shape), t.offset, t.num_rows
         else:
             version = header.get("version")
-            store = None
-            if any("whole" not in m for m in markers):
-                store = self._peer_store(header["store"])
+            store = self._peer_store(header["store"]) if any("whole" not in m for m in markers) else None
+        reads = {}
         for m in markers:
             if "whole" in m:
                 report.whole.append(m[_TABLE])
@@ -296,7 +298,14 @@ class TorchftTransport(CheckpointTransport):
             numel = 1
             for d in m["shape"]:
                 numel *= d
-            out = torch.empty((m["rows_total"], numel // m["rows_total"]), dtype=torch.float32)
+            width = numel // m["rows_total"]
+            _t, view, live = own.get(m[_TABLE], (None, None, None))
+            if (live is not None and tuple(live.shape) == tuple(m["shape"]) and live.dtype == torch.float32
+                    and live.device.type == "cpu" and live.is_contiguous()):
+                out, m["tensor"] = view.detach(), live.detach()
+            else:
+                out = torch.empty((m["rows_total"], width), dtype=torch.float32)
+                m["tensor"] = out.reshape(m["shape"])
             reads[m[_TABLE]] = (m["offset"], out)
             m["out"] = out
         if reads:
@@ -304,15 +313,13 @@ class TorchftTransport(CheckpointTransport):
             store.read_tables(reads, version=version)
             report.read_seconds = time.perf_counter() - start
             report.version = version
-        for m in markers:
-            if "whole" in m:
-                m["tensor"] = m["whole"].reshape(m["shape"])
-                continue
-            out = m["out"]
-            if "rows" in m:
-                out[m["rows"]] = m["values"]
-                report.rows[m[_TABLE]] = int(m["rows"].numel())
-            m["tensor"] = out.reshape(m["shape"])
+        with torch.no_grad():
+            for m in markers:
+                if "whole" in m:
+                    m["tensor"] = m["whole"].reshape(m["shape"])
+                elif "rows" in m:
+                    m["out"][m["rows"]] = m["values"]
+                    report.rows[m[_TABLE]] = int(m["rows"].numel())
 
     def _peer_store(self, path: str):
         store = self._peer_stores.get(path)

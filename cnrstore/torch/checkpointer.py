@@ -1141,15 +1141,12 @@ class Checkpointer:
         out = []
         for t in self._tables:
             sources = []
+            states = {f"{t.name}.optim.{k}": s for k, s in self._plan.row_states(t)}
             for name, rows_view in self._plan.sources(t):
-                live = t.weight if name == t.name else dict(
-                    (f"{t.name}.optim.{k}", s) for k, s in self._plan.row_states(t))[name]
+                live = states.get(name, t.weight)
                 sources.append((name, rows_view, live))
                 exact = exact and rows_view.dtype == torch.float32
-            rows = None
-            if changed and t.saved is not None:
-                rows = self._plan._rows(self._plan._changed(t, self._plan._fingerprint(t))).cpu()
-            out.append((t, sources, rows))
+            out.append((t, sources, self._plan.changed_rows(t) if changed else None))
         return self._image_base, out, exact
 
     #: *For sibling packages* (``cnrstore.distributed``): False makes ``save()`` raise no failure of an earlier

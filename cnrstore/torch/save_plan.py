@@ -77,6 +77,13 @@ class SavePlanner:
         changed = now != t.saved
         return torch.from_numpy(changed) if isinstance(changed, np.ndarray) else changed
 
+    def changed_rows(self, t: Table) -> torch.Tensor | None:
+        """The rows of ``t`` whose weight or row-wise state differ from the last save's, now (ascending int64,
+        on the CPU); None before a first save (every row). Changes nothing (``Checkpointer.image_rows``)."""
+        if t.saved is None:
+            return None
+        return self._rows(self._changed(t, self._fingerprint(t))).cpu()
+
     @staticmethod
     def _rows(mask: torch.Tensor) -> torch.Tensor:
         """The rows where ``mask`` is True, ascending (int64, on its device)."""

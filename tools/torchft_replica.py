@@ -1,11 +1,12 @@
 """One torchft replica group (world size 1) healing through cnrstore's TorchftTransport, for
-tests/test_torchft_recovery.py and benchmarks/bench_recovery.py.
+tests/test_torchft_recovery.py and benchmarks/bench_recovery.py (tools/torchft_job.py starts them).
 
-    python torchft_worker.py SPEC_JSON
+    python tools/torchft_replica.py SPEC_JSON
 
 SPEC: lighthouse, replica, replicas, steps, root, log, tables ("replicated" or "own"), save_every,
 rows (per table), step_sleep (seconds after each step), kill_at (this process SIGKILLs itself once it has
-committed that step; null: never), reset_at (``tables="own"``, the reference run of CPR's semantics: at the
+committed that step; null: never), ckpt ("cnrstore", or "dcp": torch.distributed.checkpoint saves into
+``root/dcp-R`` and, at start, loads the newest -- the full restart bench_recovery.py compares with), reset_at (``tables="own"``, the reference run of CPR's semantics: at the
 start of that step, put this group's table and its row-wise state back to its store's newest version, as a
 replacement healing then would).
 
@@ -33,9 +34,11 @@ import hashlib  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed import ReduceOp, TCPStore  # noqa: E402
-from torchft import Manager, ProcessGroupGloo  # noqa: E402
-from torchft._torchft import LighthouseServer  # noqa: E402,F401  (imported as a trainer would)
 
+T_TORCH = time.time()
+from torchft import Manager, ProcessGroupGloo  # noqa: E402
+
+T_TORCHFT = time.time()
 from cnrstore.distributed import TorchftTransport  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
 
@@ -64,6 +67,27 @@ def digests(obj) -> dict:
     return out
 
 
+def dcp_save(path: str, step: int, state: dict) -> None:
+    """torch.distributed.checkpoint's save of this group's state (no process group), then its step."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=os.path.join(path, f"step-{step}"), no_dist=True)
+    with open(os.path.join(path, "step.tmp"), "w") as f:
+        f.write(str(step))
+    os.replace(os.path.join(path, "step.tmp"), os.path.join(path, "step"))
+
+
+def dcp_load(path: str, state_dict, load_state_dict) -> int:
+    """Load the newest dcp_save into the live objects -> its step."""
+    import torch.distributed.checkpoint as dcp
+
+    step = int(open(os.path.join(path, "step")).read())
+    state = state_dict()
+    dcp.load(state, checkpoint_id=os.path.join(path, f"step-{step}"), no_dist=True)
+    load_state_dict(state)
+    return step
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     rid, replicas, rows, own = spec["replica"], spec["replicas"], spec["rows"], spec["tables"] == "own"
@@ -79,8 +103,14 @@ def main() -> None:
     sparse = torch.optim.Adagrad(model.tables.parameters(), lr=0.05)
     dense = torch.optim.Adam(top.parameters(), lr=0.01)
     holder = nn.ModuleDict({"groups": model, "top": top})
-    ckpt = Checkpointer(os.path.join(spec["root"], f"replica-{rid}"), holder, [sparse, dense], keep_last=3)
-    transport = TorchftTransport(ckpt, tables=spec["tables"], host="127.0.0.1")
+    use_dcp = spec.get("ckpt") == "dcp"
+    t_ckpt = time.time()
+    if use_dcp:
+        ckpt, transport, dcp_dir = None, None, os.path.join(spec["root"], f"dcp-{rid}")
+    else:
+        ckpt = Checkpointer(os.path.join(spec["root"], f"replica-{rid}"), holder, [sparse, dense], keep_last=3)
+        transport = TorchftTransport(ckpt, tables=spec["tables"], host="127.0.0.1")
+    t_ckpt = time.time() - t_ckpt
 
     def state_dict():
         return {"model": holder.state_dict(), "sparse": sparse.state_dict(), "dense": dense.state_dict()}
@@ -96,14 +126,21 @@ def main() -> None:
                       store_addr="localhost", store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=spec["lighthouse"], port=0, use_async_quorum=False,
                       checkpoint_transport=transport, init_sync=False)
-    event(ev="start", t0=T0, imported=T_IMPORTED)
+    loaded, load_s = None, None
+    if use_dcp and os.path.exists(os.path.join(dcp_dir, "step")):
+        load_s = time.time()
+        loaded = dcp_load(dcp_dir, state_dict, load_state_dict)
+        load_s = time.time() - load_s
+        manager.load_state_dict({"step": loaded + 1, "batches_committed": 0})
+    event(ev="start", t0=T0, torch=T_TORCH, torchft=T_TORCHFT, imported=T_IMPORTED, checkpointer_s=t_ckpt,
+          dcp_loaded=loaded, dcp_load_s=load_s)
     healed = False
     while manager.current_step() < spec["steps"]:
         sparse.zero_grad()
         dense.zero_grad()
         manager.start_quorum()
         step = manager.current_step()
-        if transport.last_recv is not None and not healed:
+        if transport is not None and transport.last_recv is not None and not healed:
             healed = True
             r = transport.last_recv
             version = ckpt.store.latest() if own else None
@@ -144,17 +181,22 @@ def main() -> None:
             dense.step()
             event(ev="commit", step=step)
             if (step + 1) % spec["save_every"] == 0:
-                ckpt.save(step).wait()  # (committed at once: the runs compared restore the same version)
+                if use_dcp:
+                    dcp_save(dcp_dir, step, state_dict())
+                else:
+                    ckpt.save(step).wait()  # (committed at once: the runs compared restore the same version)
             if spec.get("kill_at") is not None and step >= spec["kill_at"]:
+                event(ev="kill", step=step)
                 os.kill(os.getpid(), 9)
         time.sleep(spec["step_sleep"])
-    ckpt.close()
+    if ckpt is not None:
+        ckpt.close()
     event(ev="done", step=manager.current_step(), digests=digests(holder.state_dict()),
           sparse=digests({str(k): v["sum"] for k, v in sparse.state_dict()["state"].items()}))
     manager.shutdown(wait=False)
-    transport.shutdown(wait=False)
+    if transport is not None:
+        transport.shutdown(wait=False)
     log.close()
-    os._exit(0)
 
 
 if __name__ == "__main__":

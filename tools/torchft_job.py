@@ -1,6 +1,7 @@
-"""Runs replica groups of tests/support/torchft_worker.py under torchft's lighthouse, as a scheduler would:
+"""Runs replica groups of tools/torchft_replica.py under torchft's lighthouse, as a scheduler would:
 one group SIGKILLs itself after a step and is started again, the others run on (no process of theirs is
-restarted). For tests/test_torchft_recovery.py and benchmarks/bench_recovery.py."""
+restarted), or (``restart="all"``) every group is ended and started again. For tests/test_torchft_recovery.py
+and benchmarks/bench_recovery.py."""
 
 import json
 import os
@@ -8,27 +9,33 @@ import subprocess
 import sys
 import time
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_worker.py")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("RUST_LOG", "warn")  # (torchft's lighthouse logs every quorum at INFO otherwise)
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_replica.py")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, kill_at: int | None = None,
         reset_at: int | None = None, rows: int = 200, save_every: int = 5, step_sleep: float = 0.01,
-        timeout: float = 240.0) -> dict:
+        ckpt: str = "cnrstore", restart: str = "one", timeout: float = 240.0) -> dict:
     """Run the job in ``tmp`` -> {"events": {replica: [event, ...]}, "spawned": {replica: [times]},
-    "killed_at": the time the killed process ended (None without a kill)}."""
+    "killed_at": the time the killed process ended (None without a kill)}. ``restart="all"``: at the kill,
+    end every group and start them all again (torchrun's behaviour on a failure: the full restart)."""
     from torchft._torchft import LighthouseServer
 
     os.makedirs(tmp, exist_ok=True)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=replicas if tables == "own" else 1,
-                                  join_timeout_ms=100)
+
+    def new_lighthouse():
+        return LighthouseServer(bind="[::]:0", min_replicas=replicas if tables == "own" else 1, join_timeout_ms=100)
+
+    lighthouse = new_lighthouse()
     env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     logs = {r: os.path.join(tmp, f"replica-{r}.jsonl") for r in range(replicas)}
 
     def spawn(r: int, kill_at_step):
         spec = {"lighthouse": lighthouse.address(), "replica": r, "replicas": replicas, "steps": steps,
                 "root": tmp, "log": logs[r], "tables": tables, "save_every": save_every, "rows": rows,
-                "step_sleep": step_sleep, "kill_at": kill_at_step, "reset_at": reset_at if r == kill else None}
+                "step_sleep": step_sleep, "kill_at": kill_at_step, "reset_at": reset_at if r == kill else None,
+                "ckpt": ckpt}
         spawned[r].append(time.time())
         return subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=env)
 
@@ -45,7 +52,20 @@ def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, k
                 del procs[r]
                 if rc == -9 and r == kill and killed_at is None:
                     killed_at = time.time()
+                    if restart == "all":  # (a full restart: every other group is ended and started again)
+                        for q, other in list(procs.items()):
+                            other.kill()
+                            other.wait()
+                            del procs[q]
+                        # and the rendezvous with them, as torchrun's is (the old lighthouse would hold the
+                        # dead groups' quorum requests)
+                        lighthouse.shutdown()
+                        lighthouse = new_lighthouse()
+                        for q in range(replicas):
+                            if q != r:
+                                procs[q] = spawn(q, None)
                     procs[r] = spawn(r, None)  # the scheduler replaces the lost group
+                    break  # (the processes polled before this one were replaced too: poll afresh)
                 elif rc != 0:
                     raise RuntimeError(f"replica {r} exited with {rc}; its log: {_tail(logs[r])}")
             if time.monotonic() > deadline:
