@@ -69,3 +69,24 @@ def test_own_shards_recover_cpr_while_the_other_groups_keep_their_state(tmp_path
         assert done(ev[r])["sparse"] == done(ref[r])["sparse"], r
     tops = {r: {k: v for k, v in done(ev[r])["digests"].items() if k.startswith("top.")} for r in range(3)}
     assert tops[0] == tops[1] == tops[2]
+
+
+def test_ecrm_decodes_the_lost_shard_and_the_job_ends_as_without_the_failure(tmp_path):
+    job = torchft_job.run(str(tmp_path / "failed"), tables="own", replicas=3, steps=STEPS, kill=1,
+                          kill_at=KILL_AT, save_every=SAVE_EVERY, ecrm=True)
+    ev = job["events"]
+    for r in (0, 2):
+        assert len(starts(ev[r])) == 1 and commits(ev[r]) == list(range(STEPS))
+    new = starts(ev[1])[1]
+    recoveries = [e for r in range(3) for e in ev[r] if e["ev"] == "ecrm"]
+    # every group took part in one ECRM recovery, at the step the replacement rejoined at, the replacement
+    # decoding (its heal brought the rest: TorchftTransport(tables="keep"))
+    assert sorted((e["step"], e["victim"], e["replacement"]) for e in recoveries) == [
+        (KILL_AT + 1, 1, False), (KILL_AT + 1, 1, False), (KILL_AT + 1, 1, True)]
+    assert [e["pid"] for e in recoveries if e["replacement"]] == [new]
+    # ECRM's semantics: no update lost -- every group ends bit for bit as in the same job without a failure
+    ref = torchft_job.run(str(tmp_path / "reference"), tables="own", replicas=3, steps=STEPS, kill=None,
+                          save_every=SAVE_EVERY, ecrm=True)["events"]
+    for r in range(3):
+        assert done(ev[r])["digests"] == done(ref[r])["digests"], r
+        assert done(ev[r])["sparse"] == done(ref[r])["sparse"], r

@@ -178,6 +178,21 @@ def test_own_tables_come_from_the_healing_groups_own_store_cpr(pair):
     assert ta.last_send.rows == {} and not ta.last_send.whole
 
 
+def test_keep_leaves_the_healing_groups_tables_to_it(pair):
+    source, healer, ta, tb = pair("keep")
+    healer.train(2, seed=100)
+    mine = {k: v.clone() for k, v in healer.model.state_dict().items()}
+    source.train(4)
+    expected = source.state_dict()
+    got = heal(source, healer, ta, tb, 4)
+    model = got["user"]["default"]["model"]
+    for k in ("bag.weight", "emb.weight"):  # untouched: ECRM decodes them next
+        assert torch.equal(model[k], mine[k]) and model[k].data_ptr() == healer.model.state_dict()[k].data_ptr()
+    for k in ("top.weight", "top.bias"):
+        assert torch.equal(model[k], expected["user"]["default"]["model"][k])
+    assert got["torchft"] == expected["torchft"] and tb.last_recv.version is None
+
+
 def test_own_tables_without_a_stored_version_are_refused(pair):
     source, healer, ta, tb = pair("own")
     source.train(2)
@@ -205,6 +220,6 @@ def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(InvalidArgument, match="Checkpointer"):
         TorchftTransport(object())
     t = Trainer(tmp_path / "s", seed=0)
-    with pytest.raises(InvalidArgument, match="'replicated' or 'own'"):
+    with pytest.raises(InvalidArgument, match="'replicated', 'own', 'keep'"):
         TorchftTransport(t.ckpt, tables="mine")
     t.ckpt.close()

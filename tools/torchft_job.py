@@ -16,10 +16,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, kill_at: int | None = None,
         reset_at: int | None = None, rows: int = 200, save_every: int = 5, step_sleep: float = 0.01,
-        ckpt: str = "cnrstore", restart: str = "one", timeout: float = 240.0) -> dict:
+        ckpt: str = "cnrstore", restart: str = "one", ecrm: bool = False, timeout: float = 240.0) -> dict:
     """Run the job in ``tmp`` -> {"events": {replica: [event, ...]}, "spawned": {replica: [times]},
     "killed_at": the time the killed process ended (None without a kill)}. ``restart="all"``: at the kill,
-    end every group and start them all again (torchrun's behaviour on a failure: the full restart)."""
+    end every group and start them all again (torchrun's behaviour on a failure: the full restart). ``ecrm``:
+    the groups keep ECRM parity (``tables="own"``), formed through a TCPStore this launcher hosts."""
     from torchft._torchft import LighthouseServer
 
     os.makedirs(tmp, exist_ok=True)
@@ -28,6 +29,11 @@ def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, k
         return LighthouseServer(bind="[::]:0", min_replicas=replicas if tables == "own" else 1, join_timeout_ms=100)
 
     lighthouse = new_lighthouse()
+    rdzv = None
+    if ecrm:
+        from torch.distributed import TCPStore
+
+        rdzv = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     logs = {r: os.path.join(tmp, f"replica-{r}.jsonl") for r in range(replicas)}
 
@@ -35,8 +41,9 @@ def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, k
         spec = {"lighthouse": lighthouse.address(), "replica": r, "replicas": replicas, "steps": steps,
                 "root": tmp, "log": logs[r], "tables": tables, "save_every": save_every, "rows": rows,
                 "step_sleep": step_sleep, "kill_at": kill_at_step, "reset_at": reset_at if r == kill else None,
-                "ckpt": ckpt}
+                "ckpt": ckpt, "ecrm": ecrm, "rdzv_port": rdzv.port if rdzv else None}
         spawned[r].append(time.time())
+        spec["incarnation"] = len(spawned[r]) - 1
         return subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=env)
 
     spawned = {r: [] for r in range(replicas)}

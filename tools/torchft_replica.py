@@ -17,6 +17,12 @@ replacement healing then would).
   embeddings and their gradients with two allreduces (model parallelism across groups), the dense layer is
   averaged. The lighthouse waits for every group (min_replicas = replicas), so a lost group stalls the step
   until its replacement has healed: its table from its own store's newest version (CPR), the rest from a peer.
+  With ``ecrm`` (true), ``cnrstore.distributed.ECRM(k=replicas-1, r=1, overlap=False)`` keeps the tables'
+  parity over a gloo group of its own (a default process group formed through the launcher's ``rdzv_port``
+  store, one per epoch); the replacement heals with ``TorchftTransport(tables="keep")`` (the rest from a
+  peer, the epoch included), then every group sees the replacement's flag in a one-element allreduce after
+  the quorum, re-forms the default group and calls ``ECRM.recover``: the replacement's table and its
+  Adagrad state are decoded from the parity, with no update lost.
 
 Each group saves every ``save_every`` committed steps into ``root/replica-R`` and logs JSON lines: ``start``
 (pid, times), ``healed`` (the transport's HealReport, and whether the tables then equal the store's version),
@@ -30,16 +36,18 @@ import time
 
 T0 = time.time()
 import hashlib  # noqa: E402
+from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torch.distributed import ReduceOp, TCPStore  # noqa: E402
 
 T_TORCH = time.time()
 from torchft import Manager, ProcessGroupGloo  # noqa: E402
 
 T_TORCHFT = time.time()
-from cnrstore.distributed import TorchftTransport  # noqa: E402
+from cnrstore.distributed import ECRM, TorchftTransport, failures  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
 
 T_IMPORTED = time.time()
@@ -91,6 +99,7 @@ def dcp_load(path: str, state_dict, load_state_dict) -> int:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     rid, replicas, rows, own = spec["replica"], spec["replicas"], spec["rows"], spec["tables"] == "own"
+    use_ecrm, replacement = bool(spec.get("ecrm")), spec.get("incarnation", 0) > 0
     log = open(spec["log"], "a")
 
     def event(**kw):
@@ -109,16 +118,31 @@ def main() -> None:
         ckpt, transport, dcp_dir = None, None, os.path.join(spec["root"], f"dcp-{rid}")
     else:
         ckpt = Checkpointer(os.path.join(spec["root"], f"replica-{rid}"), holder, [sparse, dense], keep_last=3)
-        transport = TorchftTransport(ckpt, tables=spec["tables"], host="127.0.0.1")
+        transport = TorchftTransport(ckpt, tables="keep" if use_ecrm else spec["tables"], host="127.0.0.1")
     t_ckpt = time.time() - t_ckpt
 
+    epoch = [0]  # (ECRM: which default process group the groups are on; a replacement heals it from a peer)
+
     def state_dict():
-        return {"model": holder.state_dict(), "sparse": sparse.state_dict(), "dense": dense.state_dict()}
+        return {"model": holder.state_dict(), "sparse": sparse.state_dict(), "dense": dense.state_dict(),
+                "epoch": epoch[0]}
 
     def load_state_dict(sd):
         holder.load_state_dict(sd["model"])
         sparse.load_state_dict(sd["sparse"])
         dense.load_state_dict(sd["dense"])
+        epoch[0] = sd["epoch"]
+
+    rdzv = TCPStore("127.0.0.1", spec["rdzv_port"], is_master=False, wait_for_workers=False) if use_ecrm else None
+
+    def join(e: int) -> None:  # the default process group of epoch e, over every group
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"ecrm-{e}", rdzv), rank=rid, world_size=replicas,
+                                timeout=timedelta(seconds=120))
+
+    ecrm = None
+    if use_ecrm and not replacement:
+        join(0)
+        ecrm = ECRM(holder, [sparse], k=replicas - 1, r=1, overlap=False)
 
     store = TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
     manager = Manager(pg=ProcessGroupGloo(), min_replica_size=replicas if own else 1,
@@ -158,6 +182,24 @@ def main() -> None:
                                      ("groups.tables.0.optim.sum", sparse.state[model.tables[0].weight]["sum"])):
                     tensor.copy_(torch.from_numpy(ckpt.store.read_table(name, newest.version)))
             event(ev="reset", step=step, version_step=newest.step)
+        if use_ecrm:  # a replacement in the quorum? every group learns it here, and all recover together
+            flags = torch.zeros(replicas)
+            flags[rid] = float(ecrm is None)
+            manager.allreduce(flags, reduce_op=ReduceOp.SUM).wait()
+            if not manager.errored() and flags.any():
+                (victim,) = flags.nonzero().flatten().tolist()
+                t_rec = time.time()
+                failures.leave_group()
+                epoch[0] += 1
+                join(epoch[0])
+                if ecrm is None:
+                    ecrm = ECRM(holder, [sparse], k=replicas - 1, r=1, overlap=False, replacement=True)
+                rep = ecrm.recover([victim], step=step - 1)
+                if rep.mode != "ecrm" or rep.step != step - 1 or rep.redo_steps:
+                    raise RuntimeError(f"ECRM recovered step {rep.step} ({rep.mode}, redo {rep.redo_steps}), not the "
+                                       f"step torchft committed last ({step - 1}): refused")
+                event(ev="ecrm", step=step, victim=victim, seconds=time.time() - t_rec, decode=rep.decode_seconds,
+                      replacement=rep.replacement)
         if own:
             ids = [batch(step, q, rid, rows) for q in range(replicas)]
             mine = torch.stack([model.tables[0](i) for i in ids])  # (replicas, BATCH, DIM): every group's lookups
@@ -177,7 +219,11 @@ def main() -> None:
         for p in top.parameters():
             manager.allreduce(p.grad).wait()
         if manager.should_commit():
-            sparse.step()
+            if ecrm is not None:
+                with ecrm.step(step):  # (the parity follows the rows the step changes)
+                    sparse.step()
+            else:
+                sparse.step()
             dense.step()
             event(ev="commit", step=step)
             if (step + 1) % spec["save_every"] == 0:
@@ -189,6 +235,9 @@ def main() -> None:
                 event(ev="kill", step=step)
                 os.kill(os.getpid(), 9)
         time.sleep(spec["step_sleep"])
+    if ecrm is not None:
+        ecrm.close()
+        dist.destroy_process_group()
     if ckpt is not None:
         ckpt.close()
     event(ev="done", step=manager.current_step(), digests=digests(holder.state_dict()),

@@ -20,6 +20,9 @@ no peer has the healing group's rows): the receiver takes its tables and their r
 its own store's newest version -- CPR's partial recovery: those rows lose the updates since that save --
 and everything else from the peer.
 
+With ``tables="keep"`` the healing group keeps its tables as they are and restores them itself once healed
+(ECRM: its shard decoded from the other groups' parity); only the rest comes from the peer.
+
 Where the tables cannot be rebuilt exactly from a stored version (a lossy codec, no save yet, a table that
 is not float32) the sender copies them whole: the image is exact, only bigger.
 """
@@ -51,6 +54,8 @@ __all__ = ["HealReport", "TorchftTransport"]
 #: the key that marks a table's place in the image sent (a dict in place of the tensor)
 _TABLE = "__cnrstore_table__"
 _HEADER = struct.Struct("<Q")
+#: what ``tables=`` may be (the class doc)
+MODES = ("replicated", "own", "keep")
 
 
 @dataclass
@@ -93,7 +98,8 @@ class TorchftTransport(CheckpointTransport):
     ``DistributedCheckpointer``: its local one), saving the model and optimizers that torchft's
     ``state_dict`` returns. ``tables``: ``"replicated"`` (every replica group holds the same tables: rebuild
     them from the sender's store) or ``"own"`` (each holds its own shard: rebuild them from this group's own
-    store, CPR). ``host``: the address peers connect to (default: this host's name); ``port``: 0 picks one.
+    store, CPR) or ``"keep"`` (each holds its own shard and restores it itself after the heal: ECRM's decode).
+    ``host``: the address peers connect to (default: this host's name); ``port``: 0 picks one.
     ``timeout``: how long a fetch waits for the peer's image and its save's commit."""
 
     def __init__(self, checkpointer, *, tables: str = "replicated", host: str | None = None, port: int = 0,
@@ -101,8 +107,8 @@ class TorchftTransport(CheckpointTransport):
         local = getattr(checkpointer, "local", checkpointer)
         if not hasattr(local, "image_rows"):
             raise InvalidArgument(f"TorchftTransport needs a cnrstore Checkpointer, got {type(checkpointer).__name__}")
-        if tables not in ("replicated", "own"):
-            raise InvalidArgument(f"tables must be 'replicated' or 'own', got {tables!r}")
+        if tables not in MODES:
+            raise InvalidArgument(f"tables must be one of {MODES}, got {tables!r}")
         self.checkpointer = local
         self.tables = tables
         self.timeout = timeout
@@ -181,7 +187,7 @@ class TorchftTransport(CheckpointTransport):
         """Copy ``state_dict``: each table (a tensor sharing memory with a table the Checkpointer saves) as a
         marker with its changed rows (or whole), every other tensor cloned to host memory -> (the copy, the
         base its rows are relative to: a PendingSave, a version or None)."""
-        if self.tables == "own":  # (the receiver reads its own store: no rows of ours)
+        if self.tables != "replicated":  # (the receiver restores its own tables: no rows of ours)
             base, tables, exact = None, self.checkpointer.image_rows(changed=False)[1], False
         else:
             base, tables, exact = self.checkpointer.image_rows()
@@ -200,7 +206,7 @@ class TorchftTransport(CheckpointTransport):
                 return x.detach().to("cpu", copy=True)
             t, name, view, live, rows = hit
             marker = {_TABLE: name, "shape": tuple(x.shape), "offset": t.offset, "rows_total": t.num_rows}
-            if self.tables == "own":
+            if self.tables != "replicated":
                 return marker
             if not exact or rows is None:
                 marker["whole"] = view.detach().to("cpu", copy=True)
@@ -274,6 +280,13 @@ class TorchftTransport(CheckpointTransport):
         state is being replaced anyway, and torchft's ``load_state_dict`` then finds it in place."""
         own = {name: (t, view, live) for t, sources, _r in self.checkpointer.image_rows(changed=False)[1]
                for name, view, live in sources}
+        if self.tables == "keep":  # (its own live tensors, as they are: the caller restores them)
+            for m in markers:
+                if m[_TABLE] not in own:
+                    raise RecoveryFailed(f"tables='keep': the peer sent table {m[_TABLE]!r}, which this replica "
+                                         "group's Checkpointer does not save")
+                m["tensor"] = own[m[_TABLE]][2].detach()
+            return
         if self.tables == "own":
             store = self.checkpointer.store
             latest = store.latest()
