@@ -7,7 +7,9 @@ full restart measured in the same run; and a 1 GiB shard's ``recv_checkpoint`` a
    embeddings and their gradients exchanged by allreduce; the dense layer averaged). One group SIGKILLs
    itself after a step; the scheduler (the launcher) starts it again; it heals through
    ``TorchftTransport(tables="own")``: its table from its own store's newest save (CPR), the rest from a peer.
-   The other two keep their processes and wait in torchft's quorum. Phases of the replacement, from its
+   The other two keep their processes and wait in torchft's quorum. The same job again with ECRM
+   (``ECRM(k=2, r=1)`` over a gloo group of its own; the replacement heals with ``tables="keep"``, then every
+   group calls ``ECRM.recover``: its shard decoded from the parity, no update lost). Phases of the replacement, from its
    events: detect and respawn (the launcher seeing the exit, starting the process), interpreter start,
    imports (torch, torchft, cnrstore), start-up (model, Checkpointer, transport, torchft Manager), quorum and
    heal (of it: cnrstore's ``recv_checkpoint``), first step. "In cnrstore": cnrstore's imports, its
@@ -44,32 +46,42 @@ from common import load_average, machine_description, publish  # noqa: E402
 import torchft_job  # noqa: E402
 
 PHASES = ("detect and respawn", "interpreter", "import torch", "import torchft", "import cnrstore", "start-up",
-          "quorum and heal", "first step")
+          "quorum and heal", "ECRM decode", "first step")
 
 
 def _only(events, **match):
     return [e for e in events if all(e.get(k) == v for k, v in match.items())]
 
 
-def partial(tmp: str, args) -> dict:
+def partial(tmp: str, args, ecrm: bool = False) -> dict:
+    """One partial recovery: CPR (``TorchftTransport(tables="own")``) or, with ``ecrm``, ECRM's decode after a
+    heal with ``tables="keep"`` (then "quorum and heal" ends at the heal and "ECRM decode" is the
+    collective recovery that follows, re-formed group included)."""
     job = torchft_job.run(tmp, tables="own", replicas=3, steps=args.steps, kill=1, kill_at=args.kill_at,
-                          rows=args.rows, save_every=args.save_every, step_sleep=args.step_sleep)
+                          rows=args.rows, save_every=args.save_every, step_sleep=args.step_sleep, ecrm=ecrm)
     ev = job["events"]
     (kill,) = _only(ev[1], ev="kill")
     pids = [e["pid"] for e in _only(ev[1], ev="start")]
     new = [e for e in ev[1] if e["pid"] == pids[-1]]
     (start,) = _only(new, ev="start")
     (healed,) = _only(new, ev="healed")
+    decoded = _only(new, ev="ecrm")
     first = _only(new, ev="commit")[0]
     spawn = job["spawned"][1][-1]
     marks = [kill["t"], spawn, start["t0"], start["torch"], start["torchft"], start["imported"], start["t"],
-             healed["t"], first["t"]]
+             healed["t"], decoded[0]["t"] if decoded else healed["t"], first["t"]]
     phases = {name: b - a for name, a, b in zip(PHASES, marks, marks[1:])}
     survivors = [p for r in (0, 2) for p in {e["pid"] for e in _only(ev[r], ev="start")}]
     resumed = min(e["t"] for r in (0, 2) for e in _only(ev[r], ev="commit") if e["step"] == kill["step"] + 1)
+    # (cnrstore's part of ECRM's recovery: its constructor and recover(); torch's init_process_group before
+    # them is group formation, as torchft's quorum is)
+    recover = healed["seconds"] + (decoded[0]["construct_s"] + decoded[0]["recover_s"] if decoded else 0.0)
     return {"total": first["t"] - kill["t"], "phases": phases, "recv": healed["seconds"],
-            "in_cnrstore": phases["import cnrstore"] + start["checkpointer_s"] + healed["seconds"],
-            "checkpointer": start["checkpointer_s"], "lost": healed["step"] - 1 - healed["version_step"],
+            "decode": decoded[0]["construct_s"] + decoded[0]["recover_s"] if decoded else None,
+            "group": decoded[0]["group_s"] if decoded else None, "ecrm_phases": decoded[0]["phases"] if decoded else None,
+            "in_cnrstore": phases["import cnrstore"] + start["checkpointer_s"] + recover,
+            "checkpointer": start["checkpointer_s"],
+            "lost": 0 if ecrm else healed["step"] - 1 - healed["version_step"],
             "survivor_pids": len(survivors), "job_stalled": resumed - kill["t"], "step": healed["step"]}
 
 
@@ -147,31 +159,39 @@ def transfer(tmp: str, args) -> dict:
             "changed": report.rows.get("embedding", 0), "read": report.read_seconds, "fetch": report.fetch_seconds}
 
 
-def render(args, parts: list, fulls: list, shard: dict, load: str, wall: float) -> str:
+def render(args, parts: list, ecrms: list, fulls: list, shard: dict, load: str, wall: float) -> str:
     med = statistics.median
     lines = ["# Recovery under torchft: kill to the replacement's first step", ""]
     lines += machine_description()
     lines += [f"- load average at start: {load}; wall {wall:.0f} s; {len(parts)} run(s) of each",
               f"- job: 3 replica groups, one process each; table rows {args.rows:,} x 16 per group; save every "
               f"{args.save_every} steps; group 1 SIGKILLs itself after step {args.kill_at}", "",
-              "| phase (partial recovery, replacement) | median s | runs |", "|---|---:|---|"]
+              "| phase of the replacement | CPR: median s | runs | ECRM: median s | runs |", "|---|---:|---|---:|---|"]
     for name in PHASES:
-        xs = [p["phases"][name] for p in parts]
-        lines.append(f"| {name} | {med(xs):.3f} | {', '.join(f'{x:.3f}' for x in xs)} |")
-    tot = [p["total"] for p in parts]
-    lines.append(f"| **kill to first step** | **{med(tot):.2f}** | {', '.join(f'{x:.2f}' for x in tot)} |")
+        xs, ys = [p["phases"][name] for p in parts], [p["phases"][name] for p in ecrms]
+        lines.append(f"| {name} | {med(xs):.3f} | {', '.join(f'{x:.3f}' for x in xs)} | {med(ys):.3f} | "
+                     f"{', '.join(f'{y:.3f}' for y in ys)} |")
+    tot, etot = [p["total"] for p in parts], [p["total"] for p in ecrms]
+    lines.append(f"| **kill to first step** | **{med(tot):.2f}** | {', '.join(f'{x:.2f}' for x in tot)} | "
+                 f"**{med(etot):.2f}** | {', '.join(f'{x:.2f}' for x in etot)} |")
     cn = [p["in_cnrstore"] for p in parts]
     full = [f["total"] for f in fulls]
-    lines += ["", f"- in cnrstore: median {med(cn):.3f} s (import {med([p['phases']['import cnrstore'] for p in parts]):.3f}"
+    ecn = [p["in_cnrstore"] for p in ecrms]
+    lines += ["", f"- in cnrstore, CPR: median {med(cn):.3f} s (import {med([p['phases']['import cnrstore'] for p in parts]):.3f}"
               f", Checkpointer and transport {med([p['checkpointer'] for p in parts]):.3f}, recv_checkpoint "
-              f"{med([p['recv'] for p in parts]):.3f})",
+              f"{med([p['recv'] for p in parts]):.3f}); ECRM: median {med(ecn):.3f} s (recv_checkpoint "
+              f"{med([p['recv'] for p in ecrms]):.3f}, ECRM's constructor and recover() "
+              f"{med([p['decode'] for p in ecrms]):.3f}; not counted: re-forming torch's default group "
+              f"{med([p['group'] for p in ecrms]):.3f}); no update lost; ECRM.recover's phases (first run): "
+              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ecrms[0]["ecrm_phases"].items()),
               f"- the other groups: never restarted ({parts[0]['survivor_pids']} processes, one each); the job's "
               f"next step after the kill committed {med([p['job_stalled'] for p in parts]):.2f} s after it; "
               f"updates of the replaced shard lost (CPR): {parts[0]['lost']} steps",
               f"- **DCP full restart** (every group ended and started again, dcp.load of each): kill to the last "
               f"group's first step median {med(full):.2f} s ({', '.join(f'{x:.2f}' for x in full)}); "
               f"dcp.load {med([f['load'] for f in fulls]):.3f} s; every group rolled back {fulls[0]['rolled_back']} steps",
-              f"- ratio partial / full restart: {med(tot) / med(full):.2f}", "",
+              f"- ratio CPR / full restart: {med(tot) / med(full):.2f}; ECRM / full restart: {med(etot) / med(full):.2f}",
+              "",
               f"## A {args.shard_mib} MiB shard over TorchftTransport", "",
               f"- table {shard['rows']:,} x 64 fp32 and its Adagrad state; {shard['changed']:,} rows "
               f"({shard['changed'] / shard['rows']:.1%}) changed since the save; {shard['bytes'] / 2**20:.1f} MiB "
@@ -201,15 +221,16 @@ def main(argv=None) -> None:
     if args.quick:
         args.repeats, args.shard_mib = 1, 256
     load, t0 = load_average(), time.perf_counter()
-    parts, fulls = [], []
+    parts, ecrms, fulls = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_recovery") as tmp:
         for i in range(args.repeats):  # alternating, so that the machine's load hits both
             parts.append(partial(os.path.join(tmp, f"partial-{i}"), args))
+            ecrms.append(partial(os.path.join(tmp, f"ecrm-{i}"), args, ecrm=True))
             fulls.append(full_restart(os.path.join(tmp, f"full-{i}"), args))
-            print(f"run {i}: partial {parts[-1]['total']:.2f} s, full restart {fulls[-1]['total']:.2f} s",
-                  file=sys.stderr)
+            print(f"run {i}: CPR {parts[-1]['total']:.2f} s, ECRM {ecrms[-1]['total']:.2f} s, full restart "
+                  f"{fulls[-1]['total']:.2f} s", file=sys.stderr)
         shard = transfer(os.path.join(tmp, "shard"), args)
-    publish(render(args, parts, fulls, shard, load, time.perf_counter() - t0), args.out, None, None)
+    publish(render(args, parts, ecrms, fulls, shard, load, time.perf_counter() - t0), args.out, None, None)
 
 
 if __name__ == "__main__":

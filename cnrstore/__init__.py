@@ -54,7 +54,6 @@ from .errors import (
 from .engine.marker import FORMAT_VERSION
 from .options import Options
 from .store import Store, open
-from .maintenance.repair import RepairReport, repair
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
 from .engine.changes import EncodedRows, TableChanges
 from .engine.writer import CheckpointWriter
@@ -99,8 +98,17 @@ class _MovedModules(importlib.abc.MetaPathFinder):
 sys.meta_path.append(_MovedModules())
 
 
+#: Names imported on first use (a trainer's start-up does not pay for them): name -> its module
+_LAZY = {"repair": "maintenance.repair", "RepairReport": "maintenance.repair"}
+
+
 def __getattr__(name: str):
-    """``cnrstore.<old path>`` as an attribute (``from cnrstore import verify``): the moved module."""
+    """``cnrstore.<old path>`` as an attribute (``from cnrstore import verify``): the moved module; and the
+    names of ``_LAZY``."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
     if name in MOVED_MODULES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

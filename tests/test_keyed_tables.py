@@ -171,7 +171,7 @@ def short_chains(monkeypatch):
 
 
 def test_keyed_state_machine(short_chains):
-    KeyedMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+    KeyedMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
     KeyedMachine.TestCase().runTest()
 
 

@@ -12,7 +12,9 @@ pytest.importorskip("torchft")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 import torchft_job  # noqa: E402
 
-STEPS, KILL_AT, SAVE_EVERY = 30, 12, 5  # saves after steps 4, 9, 14, ...: the newest before the kill is 9's
+STEPS, KILL_AT, SAVE_EVERY = 14, 7, 3  # saves after steps 2, 5, 8, ...: the newest before the kill is 5's
+NEWEST_SAVE = 5
+FAST = {"step_sleep": 0.0}
 
 
 def starts(events) -> list:
@@ -30,7 +32,7 @@ def done(events) -> dict:
 
 def test_a_replicated_group_heals_from_a_peers_store_and_changed_rows(tmp_path):
     job = torchft_job.run(str(tmp_path), tables="replicated", replicas=2, steps=STEPS, kill=1, kill_at=KILL_AT,
-                          save_every=SAVE_EVERY)
+                          save_every=SAVE_EVERY, **FAST)
     survivor, replaced = job["events"][0], job["events"][1]
     assert len(starts(survivor)) == 1 and len(starts(replaced)) == 2  # only the killed group was started again
     assert commits(survivor) == list(range(STEPS))
@@ -46,7 +48,7 @@ def test_a_replicated_group_heals_from_a_peers_store_and_changed_rows(tmp_path):
 
 def test_own_shards_recover_cpr_while_the_other_groups_keep_their_state(tmp_path):
     job = torchft_job.run(str(tmp_path / "failed"), tables="own", replicas=3, steps=STEPS, kill=1,
-                          kill_at=KILL_AT, save_every=SAVE_EVERY)
+                          kill_at=KILL_AT, save_every=SAVE_EVERY, **FAST)
     ev = job["events"]
     for r in (0, 2):  # the survivors: never restarted, every step committed once, none lost or redone
         assert len(starts(ev[r])) == 1
@@ -55,15 +57,15 @@ def test_own_shards_recover_cpr_while_the_other_groups_keep_their_state(tmp_path
     (heal,) = [e for e in ev[1] if e["ev"] == "healed" and e["pid"] == starts(ev[1])[1]]
     # the lighthouse waits for every group: the step after the kill is the one the replacement rejoins at
     assert heal["step"] == KILL_AT + 1
-    assert heal["equals_store"] is True and heal["version_step"] == 9  # its shard: its own newest save
+    assert heal["equals_store"] is True and heal["version_step"] == NEWEST_SAVE  # its shard: its own newest save
     assert commits(ev[1])[-(STEPS - KILL_AT - 1):] == list(range(KILL_AT + 1, STEPS))
 
     # CPR's semantics, bit for bit: the same job without a kill, where group 1's table and its optimizer
     # state are put back to the same save at the step the replacement rejoined at, ends in the same state
     ref = torchft_job.run(str(tmp_path / "reference"), tables="own", replicas=3, steps=STEPS, kill=1,
-                          reset_at=KILL_AT + 1, save_every=SAVE_EVERY)["events"]
+                          reset_at=KILL_AT + 1, save_every=SAVE_EVERY, **FAST)["events"]
     (reset,) = [e for e in ref[1] if e["ev"] == "reset"]
-    assert reset["version_step"] == 9
+    assert reset["version_step"] == NEWEST_SAVE
     for r in range(3):
         assert done(ev[r])["digests"] == done(ref[r])["digests"], r
         assert done(ev[r])["sparse"] == done(ref[r])["sparse"], r
@@ -73,7 +75,7 @@ def test_own_shards_recover_cpr_while_the_other_groups_keep_their_state(tmp_path
 
 def test_ecrm_decodes_the_lost_shard_and_the_job_ends_as_without_the_failure(tmp_path):
     job = torchft_job.run(str(tmp_path / "failed"), tables="own", replicas=3, steps=STEPS, kill=1,
-                          kill_at=KILL_AT, save_every=SAVE_EVERY, ecrm=True)
+                          kill_at=KILL_AT, save_every=SAVE_EVERY, ecrm=True, **FAST)
     ev = job["events"]
     for r in (0, 2):
         assert len(starts(ev[r])) == 1 and commits(ev[r]) == list(range(STEPS))
@@ -86,7 +88,7 @@ def test_ecrm_decodes_the_lost_shard_and_the_job_ends_as_without_the_failure(tmp
     assert [e["pid"] for e in recoveries if e["replacement"]] == [new]
     # ECRM's semantics: no update lost -- every group ends bit for bit as in the same job without a failure
     ref = torchft_job.run(str(tmp_path / "reference"), tables="own", replicas=3, steps=STEPS, kill=None,
-                          save_every=SAVE_EVERY, ecrm=True)["events"]
+                          save_every=SAVE_EVERY, ecrm=True, **FAST)["events"]
     for r in range(3):
         assert done(ev[r])["digests"] == done(ref[r])["digests"], r
         assert done(ev[r])["sparse"] == done(ref[r])["sparse"], r

@@ -25,8 +25,8 @@ def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, k
 
     os.makedirs(tmp, exist_ok=True)
 
-    def new_lighthouse():
-        return LighthouseServer(bind="[::]:0", min_replicas=replicas if tables == "own" else 1, join_timeout_ms=100)
+    def new_lighthouse():  # (every group in each quorum: a lost one's step waits for its replacement)
+        return LighthouseServer(bind="[::]:0", min_replicas=replicas, join_timeout_ms=100)
 
     lighthouse = new_lighthouse()
     rdzv = None

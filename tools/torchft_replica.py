@@ -12,7 +12,8 @@ replacement healing then would).
 
 - ``tables="replicated"``: every group holds the same two tables and dense layer, gradients averaged over
   the groups (torchft's data parallelism); a group that joins heals from a peer: rows from the peer's store
-  and the rows changed since its newest save.
+  and the rows changed since its newest save. (The quorum waits for every group here too, so that the
+  survivor is still training when its peer comes back; torchft itself would let it go on alone.)
 - ``tables="own"``: a DLRM split across the groups: group r owns table r, each step exchanges the pooled
   embeddings and their gradients with two allreduces (model parallelism across groups), the dense layer is
   averaged. The lighthouse waits for every group (min_replicas = replicas), so a lost group stalls the step
@@ -145,7 +146,7 @@ def main() -> None:
         ecrm = ECRM(holder, [sparse], k=replicas - 1, r=1, overlap=False)
 
     store = TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
-    manager = Manager(pg=ProcessGroupGloo(), min_replica_size=replicas if own else 1,
+    manager = Manager(pg=ProcessGroupGloo(), min_replica_size=replicas,
                       load_state_dict=load_state_dict, state_dict=state_dict, replica_id=str(rid),
                       store_addr="localhost", store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=spec["lighthouse"], port=0, use_async_quorum=False,
@@ -192,14 +193,17 @@ def main() -> None:
                 failures.leave_group()
                 epoch[0] += 1
                 join(epoch[0])
+                t_joined = time.time()
                 if ecrm is None:
                     ecrm = ECRM(holder, [sparse], k=replicas - 1, r=1, overlap=False, replacement=True)
+                t_built = time.time()
                 rep = ecrm.recover([victim], step=step - 1)
                 if rep.mode != "ecrm" or rep.step != step - 1 or rep.redo_steps:
                     raise RuntimeError(f"ECRM recovered step {rep.step} ({rep.mode}, redo {rep.redo_steps}), not the "
                                        f"step torchft committed last ({step - 1}): refused")
                 event(ev="ecrm", step=step, victim=victim, seconds=time.time() - t_rec, decode=rep.decode_seconds,
-                      replacement=rep.replacement)
+                      replacement=rep.replacement, group_s=t_joined - t_rec, construct_s=t_built - t_joined,
+                      recover_s=rep.seconds, phases=rep.phases)
         if own:
             ids = [batch(step, q, rid, rows) for q in range(replicas)]
             mine = torch.stack([model.tables[0](i) for i in ids])  # (replicas, BATCH, DIM): every group's lookups

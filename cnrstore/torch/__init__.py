@@ -3,9 +3,21 @@ see ``checkpointer``), reading a version back as a model state dict (``export``;
 ``cnrstore.export``), a keyed embedding over raw int64 ids (``keyed_embedding``, saved as keyed tables),
 and seeding a store from a PyTorch checkpoint (``imports``)."""
 
+import importlib
+
 from .checkpointer import Checkpointer, PendingSave, RestoreReport, SaveReport
-from .export import CheckpointView
 from .keyed_embedding import KeyedEmbedding
-from .imports import ImportReport, import_checkpoint
+
+#: Names imported on first use (a trainer's start-up does not pay for them): name -> its module
+_LAZY = {"CheckpointView": "export", "ImportReport": "imports", "import_checkpoint": "imports"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["Checkpointer", "CheckpointView", "ImportReport", "KeyedEmbedding", "PendingSave", "RestoreReport", "SaveReport", "import_checkpoint"]
