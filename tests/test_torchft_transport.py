@@ -178,6 +178,22 @@ def test_own_tables_come_from_the_healing_groups_own_store_cpr(pair):
     assert ta.last_send.rows == {} and not ta.last_send.whole
 
 
+def test_a_table_twice_in_the_state_dict_is_rebuilt_once_into_both_places(pair):
+    source, healer, ta, tb = pair()
+    source.train(3)
+    source.ckpt.save(3).wait()
+    source.train(2)
+    state = source.state_dict()
+    state["user"]["default"]["tied"] = source.model.bag.weight  # an output layer tied to the table, say
+    ta.send_checkpoint([1], 5, state, TIMEOUT)
+    healer.ckpt.close()  # (a healing group with no tables of its own: the rows land in new tensors)
+    healer.ckpt = Checkpointer(healer.ckpt.store.path + "-other", nn.Linear(2, 2))
+    tb.checkpointer = healer.ckpt
+    got = tb.recv_checkpoint(0, ta.metadata(), 5, TIMEOUT)
+    user = got["user"]["default"]
+    assert torch.equal(user["tied"], source.model.bag.weight) and user["tied"] is user["model"]["bag.weight"]
+
+
 def test_keep_leaves_the_healing_groups_tables_to_it(pair):
     source, healer, ta, tb = pair("keep")
     healer.train(2, seed=100)

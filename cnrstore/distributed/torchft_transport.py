@@ -303,10 +303,13 @@ class TorchftTransport(CheckpointTransport):
         else:
             version = header.get("version")
             store = self._peer_store(header["store"]) if any("whole" not in m for m in markers) else None
-        reads = {}
+        reads, outs = {}, {}
         for m in markers:
             if "whole" in m:
                 report.whole.append(m[_TABLE])
+                continue
+            if m[_TABLE] in outs:  # (a table in the state dict twice: a tied weight) -- one read, one tensor
+                m["out"], m["tensor"] = outs[m[_TABLE]]
                 continue
             numel = 1
             for d in m["shape"]:
@@ -321,6 +324,7 @@ class TorchftTransport(CheckpointTransport):
                 m["tensor"] = out.reshape(m["shape"])
             reads[m[_TABLE]] = (m["offset"], out)
             m["out"] = out
+            outs[m[_TABLE]] = (out, m["tensor"])
         if reads:
             start = time.perf_counter()
             store.read_tables(reads, version=version)
