@@ -99,11 +99,11 @@ class TorchftTransport(CheckpointTransport):
     ``state_dict`` returns. ``tables``: ``"replicated"`` (every replica group holds the same tables: rebuild
     them from the sender's store) or ``"own"`` (each holds its own shard: rebuild them from this group's own
     store, CPR) or ``"keep"`` (each holds its own shard and restores it itself after the heal: ECRM's decode).
-    ``host``: the address peers connect to (default: this host's name); ``port``: 0 picks one.
-    ``timeout``: how long a fetch waits for the peer's image and its save's commit."""
+    ``host``: the address peers connect to (default: this host's name); ``port``: 0 picks one (the server
+    listens on every interface, as torchft's HTTP transport does). A fetch waits for the peer's image, and
+    for the save it builds on to commit, as long as torchft's ``timeout`` for the call."""
 
-    def __init__(self, checkpointer, *, tables: str = "replicated", host: str | None = None, port: int = 0,
-                 timeout: timedelta = timedelta(seconds=60)):
+    def __init__(self, checkpointer, *, tables: str = "replicated", host: str | None = None, port: int = 0):
         local = getattr(checkpointer, "local", checkpointer)
         if not hasattr(local, "image_rows"):
             raise InvalidArgument(f"TorchftTransport needs a cnrstore Checkpointer, got {type(checkpointer).__name__}")
@@ -111,7 +111,6 @@ class TorchftTransport(CheckpointTransport):
             raise InvalidArgument(f"tables must be one of {MODES}, got {tables!r}")
         self.checkpointer = local
         self.tables = tables
-        self.timeout = timeout
         self.last_send: HealReport | None = None
         self.last_recv: HealReport | None = None
         self._image: _Image | None = None
