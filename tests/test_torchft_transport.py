@@ -232,6 +232,18 @@ def test_a_fetch_of_another_step_or_from_a_stranger_fails_with_the_reason(pair):
         tb.recv_checkpoint(0, ta.metadata(), 2, timedelta(seconds=2))
 
 
+def test_a_base_version_dropped_before_the_fetch_fails_the_heal_with_the_reason(pair):
+    source, healer, ta, tb = pair()
+    source.train(2)
+    first = source.ckpt.save(2).wait()
+    source.train(1)
+    ta.send_checkpoint([1], 3, source.state_dict(), TIMEOUT)  # (its rows are relative to `first`)
+    source.ckpt.save(3).wait()
+    source.ckpt.store.drop_versions([first])  # retention, between the peer's image and the fetch
+    with pytest.raises(RecoveryFailed, match=f"version {first} .* is gone"):
+        tb.recv_checkpoint(0, ta.metadata(), 3, TIMEOUT)
+
+
 def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(InvalidArgument, match="Checkpointer"):
         TorchftTransport(object())

@@ -40,7 +40,7 @@ from datetime import timedelta
 
 import torch
 
-from ..errors import InvalidArgument, RecoveryFailed
+from ..errors import InvalidArgument, RecoveryFailed, VersionNotFound
 
 try:
     from torchft.checkpointing.transport import CheckpointTransport
@@ -326,7 +326,11 @@ class TorchftTransport(CheckpointTransport):
             outs[m[_TABLE]] = (out, m["tensor"])
         if reads:
             start = time.perf_counter()
-            store.read_tables(reads, version=version)
+            try:
+                store.read_tables(reads, version=version)
+            except VersionNotFound as exc:  # (dropped by the peer's retention since: heal at the next quorum)
+                raise RecoveryFailed(f"version {version} of {store.path}, which the image of step {report.step} "
+                                     f"builds on, is gone ({exc}): torchft heals again at its next quorum") from exc
             report.read_seconds = time.perf_counter() - start
             report.version = version
         with torch.no_grad():
