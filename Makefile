@@ -27,9 +27,10 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 demo: $(STAMP)
 	$(PY) tools/train_dlrm.py
 
-# test workers (pytest-xdist): 3 on CI's 2-core machine, as many tests wait on their subprocesses, fsync and
-# sleeps (a fresh clone here: 409 s of tests with 3 workers, 438 s with 2); TEST_WORKERS=0 runs in one process
-TEST_WORKERS ?= 3
+# test workers (pytest-xdist): 4 on CI's 2-core machine, as many tests wait on their subprocesses, fsync and
+# sleeps (here, 2026-11-29: 423 s of tests with 4 workers, 433-442 s with 3; earlier 409 s with 3, 438 s with 2);
+# TEST_WORKERS=0 runs in one process
+TEST_WORKERS ?= 4
 
 test: $(STAMP)
 	CNRSTORE_REQUIRE_TORCHREC=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
