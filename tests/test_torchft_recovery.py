@@ -11,10 +11,15 @@ pytest.importorskip("torchft")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 import torchft_job  # noqa: E402
+from support import prespawn  # noqa: E402
+
+
+def _forked(script, arg, env):  # (a group's process from the fork server that imported torch and torchft)
+    return prespawn.spawn(script, arg, env=env)
 
 STEPS, KILL_AT, SAVE_EVERY = 14, 7, 3  # saves after steps 2, 5, 8, ...: the newest before the kill is 5's
 NEWEST_SAVE = 5
-FAST = {"step_sleep": 0.0}
+FAST = {"step_sleep": 0.0, "spawner": _forked}
 
 
 def starts(events) -> list:

@@ -16,11 +16,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, kill_at: int | None = None,
         reset_at: int | None = None, rows: int = 200, save_every: int = 5, step_sleep: float = 0.01,
-        ckpt: str = "cnrstore", restart: str = "one", ecrm: bool = False, timeout: float = 240.0) -> dict:
+        ckpt: str = "cnrstore", restart: str = "one", ecrm: bool = False, timeout: float = 240.0,
+        spawner=None) -> dict:
     """Run the job in ``tmp`` -> {"events": {replica: [event, ...]}, "spawned": {replica: [times]},
     "killed_at": the time the killed process ended (None without a kill)}. ``restart="all"``: at the kill,
     end every group and start them all again (torchrun's behaviour on a failure: the full restart). ``ecrm``:
-    the groups keep ECRM parity (``tables="own"``), formed through a TCPStore this launcher hosts."""
+    the groups keep ECRM parity (``tables="own"``), formed through a TCPStore this launcher hosts.
+    ``spawner(script, arg, env)`` starts a group's process (a ``subprocess.Popen``-like: ``poll``, ``kill``,
+    ``wait``); default: a fresh interpreter, as a scheduler starts one (the tests fork theirs from a server
+    that imported torch already)."""
     from torchft._torchft import LighthouseServer
 
     os.makedirs(tmp, exist_ok=True)
@@ -44,6 +48,8 @@ def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, k
                 "ckpt": ckpt, "ecrm": ecrm, "rdzv_port": rdzv.port if rdzv else None}
         spawned[r].append(time.time())
         spec["incarnation"] = len(spawned[r]) - 1
+        if spawner is not None:
+            return spawner(WORKER, json.dumps(spec), env)
         return subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=env)
 
     spawned = {r: [] for r in range(replicas)}

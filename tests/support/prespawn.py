@@ -32,7 +32,7 @@ import threading
 
 #: Imported once by the fork server: what every worker would otherwise import for itself.
 PRELOAD = ["numpy", "torch", "torch.distributed", "torch.nn", "torch.optim", "lmdb", "msgpack", "xxhash",
-           "torchrec", "fbgemm_gpu"]
+           "torchrec", "fbgemm_gpu", "torchft"]  # (torchft's import starts no thread: its runtime starts with a Manager)
 
 _context = None
 _lock = threading.Lock()
