@@ -97,3 +97,25 @@ def test_ecrm_decodes_the_lost_shard_and_the_job_ends_as_without_the_failure(tmp
     for r in range(3):
         assert done(ev[r])["digests"] == done(ref[r])["digests"], r
         assert done(ev[r])["sparse"] == done(ref[r])["sparse"], r
+
+
+def test_a_group_of_two_ranks_with_a_sharded_table_heals_rank_by_rank(tmp_path):
+    """HSDP's shape: 2 groups of 2 ranks, a table sharded over each group's ranks (DistributedCheckpointer).
+    Rank 1 of group 1 is SIGKILLed; the scheduler restarts the whole group; each of its ranks heals from the
+    same rank of group 0: that rank's shard from its store, plus the rows changed since."""
+    job = torchft_job.run_groups(str(tmp_path), groups=2, group_size=2, steps=16, kill=(1, 1), kill_at=6,
+                                 spawner=_forked)
+    ev = job["events"]
+    for rank in (0, 1):
+        assert len(starts(ev[(0, rank)])) == 1 and commits(ev[(0, rank)]) == list(range(16))
+        new = starts(ev[(1, rank)])
+        assert len(new) == 2
+        (heal,) = [e for e in ev[(1, rank)] if e["ev"] == "healed" and e["pid"] == new[1]]
+        assert heal["step"] == 7 and heal["version"] is not None and not heal["whole"]
+        assert 0 < heal["rows"]["emb"] < 200  # of the shard's 200 rows
+        # each rank of the healed group ends bit for bit as the same rank of the other group
+        assert done(ev[(0, rank)])["digests"] == done(ev[(1, rank)])["digests"]
+        assert done(ev[(0, rank)])["sparse"] == done(ev[(1, rank)])["sparse"]
+    tops = [{k: v for k, v in done(ev[(g, r)])["digests"].items() if k.startswith("top.")}
+            for g in (0, 1) for r in (0, 1)]
+    assert tops[0] == tops[1] == tops[2] == tops[3]

@@ -98,3 +98,72 @@ def _tail(path: str) -> str:
         return "".join(open(path).readlines()[-3:])
     except OSError:
         return "(none)"
+
+
+GROUP_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_group.py")
+
+
+def run_groups(tmp: str, *, groups: int, group_size: int, steps: int, kill: tuple | None, kill_at: int | None = None,
+               rows: int = 400, save_every: int = 4, timeout: float = 240.0, spawner=None) -> dict:
+    """Replica groups of ``group_size`` ranks each (tools/torchft_group.py: a table sharded over a group's ranks).
+    ``kill``: (group, rank) that SIGKILLs itself after step ``kill_at``; the scheduler then ends the rest of that
+    group and starts the whole group again, as torchft expects (a group heals as a whole). -> {"events":
+    {(group, rank): [event, ...]}, "spawned": {(group, rank): [times]}}."""
+    from torch.distributed import TCPStore
+    from torchft._torchft import LighthouseServer
+
+    os.makedirs(tmp, exist_ok=True)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=groups, join_timeout_ms=100)
+    stores = {g: TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for g in range(groups)}
+    env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    members = [(g, r) for g in range(groups) for r in range(group_size)]
+    logs = {m: os.path.join(tmp, f"group-{m[0]}-rank-{m[1]}.jsonl") for m in members}
+    spawned = {m: [] for m in members}
+    incarnation = {g: 0 for g in range(groups)}
+
+    def spawn(m, kill_at_step):
+        g, r = m
+        spec = {"lighthouse": lighthouse.address(), "group": g, "rank": r, "group_size": group_size,
+                "groups": groups, "group_port": stores[g].port, "incarnation": incarnation[g], "steps": steps,
+                "root": tmp, "log": logs[m], "rows": rows, "save_every": save_every, "kill_at": kill_at_step}
+        spawned[m].append(time.time())
+        if spawner is not None:
+            return spawner(GROUP_WORKER, json.dumps(spec), env)
+        return subprocess.Popen([sys.executable, GROUP_WORKER, json.dumps(spec)], env=env)
+
+    procs = {m: spawn(m, kill_at if m == kill else None) for m in members}
+    restarted = False
+    deadline = time.monotonic() + timeout
+    try:
+        while procs:
+            for m, p in list(procs.items()):
+                rc = p.poll()
+                if rc is None:
+                    continue
+                del procs[m]
+                if rc == -9 and m == kill and not restarted:
+                    restarted = True
+                    g = m[0]
+                    for q in [q for q in procs if q[0] == g]:  # (the group's other ranks go too)
+                        procs.pop(q).kill()
+                    incarnation[g] += 1
+                    # a new store for the new group, as a restarted torchrun's is (torchft's Manager finds its
+                    # rank 0's address there: the dead one's must not be found)
+                    stores[g] = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+                    for q in members:
+                        if q[0] == g:
+                            procs[q] = spawn(q, None)
+                    break
+                if rc != 0:
+                    raise RuntimeError(f"group {m[0]} rank {m[1]} exited with {rc}; its log: {_tail(logs[m])}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the job did not end in {timeout:.0f} s")
+            time.sleep(0.02)
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        lighthouse.shutdown()
+    events = {m: [json.loads(line) for line in open(logs[m])] for m in members}
+    return {"events": events, "spawned": spawned}
