@@ -35,9 +35,11 @@ def done(events) -> dict:
     return d
 
 
-def test_a_replicated_group_heals_from_a_peers_store_and_changed_rows(tmp_path):
+@pytest.mark.parametrize("quorum", ["sync", "async"])
+def test_a_replicated_group_heals_from_a_peers_store_and_changed_rows(tmp_path, quorum):
+    # (async: torchft's default, where the heal runs beside the healing group's forward pass)
     job = torchft_job.run(str(tmp_path), tables="replicated", replicas=2, steps=STEPS, kill=1, kill_at=KILL_AT,
-                          save_every=SAVE_EVERY, **FAST)
+                          save_every=SAVE_EVERY, async_quorum=quorum == "async", **FAST)
     survivor, replaced = job["events"][0], job["events"][1]
     assert len(starts(survivor)) == 1 and len(starts(replaced)) == 2  # only the killed group was started again
     assert commits(survivor) == list(range(STEPS))

@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, kill_at: int | None = None,
         reset_at: int | None = None, rows: int = 200, save_every: int = 5, step_sleep: float = 0.01,
         ckpt: str = "cnrstore", restart: str = "one", ecrm: bool = False, timeout: float = 240.0,
-        spawner=None) -> dict:
+        spawner=None, async_quorum: bool = False) -> dict:
     """Run the job in ``tmp`` -> {"events": {replica: [event, ...]}, "spawned": {replica: [times]},
     "killed_at": the time the killed process ended (None without a kill)}. ``restart="all"``: at the kill,
     end every group and start them all again (torchrun's behaviour on a failure: the full restart). ``ecrm``:
@@ -45,7 +45,7 @@ def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, k
         spec = {"lighthouse": lighthouse.address(), "replica": r, "replicas": replicas, "steps": steps,
                 "root": tmp, "log": logs[r], "tables": tables, "save_every": save_every, "rows": rows,
                 "step_sleep": step_sleep, "kill_at": kill_at_step, "reset_at": reset_at if r == kill else None,
-                "ckpt": ckpt, "ecrm": ecrm, "rdzv_port": rdzv.port if rdzv else None}
+                "ckpt": ckpt, "ecrm": ecrm, "rdzv_port": rdzv.port if rdzv else None, "async_quorum": async_quorum}
         spawned[r].append(time.time())
         spec["incarnation"] = len(spawned[r]) - 1
         if spawner is not None:

@@ -5,7 +5,8 @@ tests/test_torchft_recovery.py and benchmarks/bench_recovery.py (tools/torchft_j
 
 SPEC: lighthouse, replica, replicas, steps, root, log, tables ("replicated" or "own"), save_every,
 rows (per table), step_sleep (seconds after each step), kill_at (this process SIGKILLs itself once it has
-committed that step; null: never), ckpt ("cnrstore", or "dcp": torch.distributed.checkpoint saves into
+committed that step; null: never), async_quorum (torchft's default: the quorum and a heal run beside the
+forward pass; ``tables="replicated"`` only), ckpt ("cnrstore", or "dcp": torch.distributed.checkpoint saves into
 ``root/dcp-R`` and, at start, loads the newest -- the full restart bench_recovery.py compares with), reset_at (``tables="own"``, the reference run of CPR's semantics: at the
 start of that step, put this group's table and its row-wise state back to its store's newest version, as a
 replacement healing then would).
@@ -149,7 +150,7 @@ def main() -> None:
     manager = Manager(pg=ProcessGroupGloo(), min_replica_size=replicas,
                       load_state_dict=load_state_dict, state_dict=state_dict, replica_id=str(rid),
                       store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-                      lighthouse_addr=spec["lighthouse"], port=0, use_async_quorum=False,
+                      lighthouse_addr=spec["lighthouse"], port=0, use_async_quorum=bool(spec.get("async_quorum")),
                       checkpoint_transport=transport, init_sync=False)
     loaded, load_s = None, None
     if use_dcp and os.path.exists(os.path.join(dcp_dir, "step")):
