@@ -8,9 +8,10 @@
     ecrm = ECRM(model, optimizer, k=2, r=1, checkpointer=ckpt)   # erasure-coded parity of the shards
     with ecrm.step(step): optimizer.step()      # every step: the parity follows the update
     ecrm.recover(failed_ranks=[3])              # decode the lost shards: no update lost
+    Manager(..., checkpoint_transport=TorchftTransport(ckpt))   # torchft: a replaced group heals from the store
 
-See ``checkpointer`` for the commit protocol, ``manifest`` for the files under the root and ``ecrm`` for the
-erasure-coded recovery.
+See ``checkpointer`` for the commit protocol, ``manifest`` for the files under the root, ``ecrm`` for the
+erasure-coded recovery and ``torchft_transport`` for healing under torchft.
 """
 
 import importlib
