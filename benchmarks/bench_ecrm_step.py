@@ -55,6 +55,7 @@ def worker(cfg: dict) -> int:
                             timeout=timedelta(seconds=120))
     args = train_dlrm.parse_args(["--world-size", str(world), "--max-rows", str(cfg["max_rows"]), "--dim",
                                   str(cfg["dim"]), "--batch-size", str(cfg["batch"]), "--no-progress"])
+    args.sparse_grads = cfg["sparse_grads"]
     plan = dlrm_dist.make_plan(args, world)
     models = [dlrm_dist.build_sharded(args, plan, rank, 0) for _ in range(2)]
     loaders = [dlrm_model.SyntheticCriteo(args) for _ in range(2)]
@@ -91,7 +92,7 @@ def run(args, world: int, k: int, r: int) -> dict:
         for rank in range(world):
             cfg = {"rank": rank, "world": world, "k": k, "r": r, "rdzv": os.path.join(tmp, "rdzv"), "out": tmp,
                    "blocks": args.blocks, "block": args.block, "max_rows": args.max_rows, "dim": args.dim,
-                   "batch": args.batch_size}
+                   "batch": args.batch_size, "sparse_grads": args.sparse_grads}
             env = dict(os.environ, OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", json.dumps(cfg)],
                                           env=env))
@@ -118,8 +119,8 @@ def report(args, rows: list[dict], load_start: str, elapsed: float, load_end: st
     lines = [
         f"- machine: {machine_description()}; load average at start {load_start}, at the end {load_end}",
         f"- model: bench_ecrm's DLRM shard (26 tables, --max-rows {args.max_rows:,}, dim {args.dim}, batch "
-        f"{args.batch_size}, Adagrad), gloo; {args.blocks} blocks of {args.block} steps per arm, A and B "
-        "alternating",
+        f"{args.batch_size}, Adagrad, {'sparse' if args.sparse_grads else 'dense'} embedding gradients), gloo; "
+        f"{args.blocks} blocks of {args.block} steps per arm, A and B alternating",
         "",
         "| ranks | k,r | step without ECRM (A) | step with ECRM (B) | B - A, share of A | ECRM's own time | "
         + " | ".join(PHASES) + " | of which waiting | left to overlap | sent per step | A == B bit for bit |",
@@ -154,6 +155,9 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--sparse-grads", action="store_true",
+                   help="EmbeddingBag(sparse=True): the tables' gradients name their rows (the reference DLRM's "
+                        "are dense, read whole by ECRM's gradient scan)")
     p.add_argument("--out", default=None, help="also write the markdown to FILE")
     args = p.parse_args(argv)
     if args.blocks is None:

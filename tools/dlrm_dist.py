@@ -128,7 +128,8 @@ class ShardedDLRM(nn.Module):
         self.bounds: dict[int, tuple[int, int, bool]] = {}   # table -> (row_start, row_end, whole table)
         for name, shard in plan.shards_of(rank).items():
             t = int(name.split(".", 1)[1])
-            bag = nn.EmbeddingBag(shard.num_rows, self.dim, mode="sum")
+            # (sparse gradients, as TorchRec's fused tables have none at all: only benchmarks ask for them)
+            bag = nn.EmbeddingBag(shard.num_rows, self.dim, mode="sum", sparse=getattr(args, "sparse_grads", False))
             with torch.no_grad():
                 bag.weight.copy_(full.embs[t].weight[shard.row_start:shard.row_end])
             self.embs[str(t)] = bag
