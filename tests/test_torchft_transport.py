@@ -2,6 +2,9 @@
 (cnrstore/distributed/torchft_transport.py). The heals under torchft's own Manager, with processes killed
 and replaced, are in test_torchft_recovery.py."""
 
+import copy
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -11,6 +14,7 @@ from torch import nn
 pytest.importorskip("torchft")
 
 from cnrstore.distributed import TorchftTransport  # noqa: E402
+from cnrstore.engine import fs  # noqa: E402
 from cnrstore.errors import InvalidArgument, RecoveryFailed  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
 
@@ -123,6 +127,39 @@ def test_heals_bit_for_bit_from_the_newest_save_and_the_rows_changed_since(pair)
     healer.train(2)
     source.train(2)
     assert_same(source.state_dict(), healer.state_dict())  # and they train on equal
+
+
+def test_a_heal_waits_for_the_streamed_save_it_builds_on_then_is_exact(pair):
+    """A schedule: the save the image builds on is still being written (a streamed save held at its first
+    chunk) while the sender trains on and takes the image; the peer's answer waits for that save's commit."""
+    source, healer, ta, tb = pair()
+    source.train(3)
+    source.ckpt.save(3).wait()
+    source.train(2)
+    reached, release = threading.Event(), threading.Event()
+
+    def hold(_name, *_detail):
+        reached.set()
+        release.wait(30)
+
+    fs.pause_at("streamed_chunk_written", hold)
+    got = {}
+    try:
+        pending = source.ckpt.save(5)  # an increment written from the live tensors: held at its first chunk
+        assert reached.wait(30) and pending.report.streamed
+        source.train(2)  # rows change under the save being written (copied aside before each step)
+        expected = copy.deepcopy(source.state_dict())
+        ta.send_checkpoint([1], 7, source.state_dict(), TIMEOUT)
+        fetch = threading.Thread(target=lambda: got.update(state=tb.recv_checkpoint(0, ta.metadata(), 7, TIMEOUT)))
+        fetch.start()
+        time.sleep(0.5)
+        assert fetch.is_alive() and not pending.done()  # the answer waits for the save's commit
+    finally:
+        release.set()
+        fs.pause_at("streamed_chunk_written", None)
+    fetch.join(30)
+    assert_same(expected, got["state"])
+    assert tb.last_recv.version == pending.wait() and not tb.last_recv.whole
 
 
 def test_the_image_is_the_step_sent_even_when_the_sender_trains_on_before_the_fetch(pair):
