@@ -52,6 +52,7 @@ from .errors import (
     VersionNotRetained,
 )
 from .engine.marker import FORMAT_VERSION
+from .lazy import lazy_names
 from .options import Options
 from .store import Store, open
 from .types import Snapshot, TableInfo, VerifyReport, VersionInfo
@@ -100,18 +101,15 @@ sys.meta_path.append(_MovedModules())
 
 #: Names imported on first use (a trainer's start-up does not pay for them): name -> its module
 _LAZY = {"repair": "maintenance.repair", "RepairReport": "maintenance.repair"}
+_lazy_getattr = lazy_names(__name__, _LAZY, globals())
 
 
 def __getattr__(name: str):
     """``cnrstore.<old path>`` as an attribute (``from cnrstore import verify``): the moved module; and the
     names of ``_LAZY``."""
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
     if name in MOVED_MODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _lazy_getattr(name)
 
 __all__ = [
     "open", "Options", "repair", "RepairReport", "Store", "CheckpointWriter", "TableInfo", "VersionInfo", "Snapshot", "VerifyReport",

@@ -14,8 +14,7 @@ See ``checkpointer`` for the commit protocol, ``manifest`` for the files under t
 erasure-coded recovery and ``torchft_transport`` for healing under torchft.
 """
 
-import importlib
-
+from ..lazy import lazy_names
 from .manifest import GlobalVersion, Root
 from .plan import Shard, ShardingPlan
 from .remote_root import RemoteRoot, open_root
@@ -32,12 +31,7 @@ _LAZY = {"ECRM": "ecrm", "ECRMReport": "ecrm", "DistributedCheckpointer": "check
          "TorchftTransport": "torchft_transport", "HealReport": "torchft_transport"}
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY, globals())
 
 
 def versions(root, *, remote=None, remote_options: dict | None = None) -> list[GlobalVersion]:

@@ -3,21 +3,12 @@ see ``checkpointer``), reading a version back as a model state dict (``export``;
 ``cnrstore.export``), a keyed embedding over raw int64 ids (``keyed_embedding``, saved as keyed tables),
 and seeding a store from a PyTorch checkpoint (``imports``)."""
 
-import importlib
-
+from ..lazy import lazy_names
 from .checkpointer import Checkpointer, PendingSave, RestoreReport, SaveReport
 from .keyed_embedding import KeyedEmbedding
 
 #: Names imported on first use (a trainer's start-up does not pay for them): name -> its module
 _LAZY = {"CheckpointView": "export", "ImportReport": "imports", "import_checkpoint": "imports"}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = lazy_names(__name__, _LAZY, globals())
 
 __all__ = ["Checkpointer", "CheckpointView", "ImportReport", "KeyedEmbedding", "PendingSave", "RestoreReport", "SaveReport", "import_checkpoint"]
