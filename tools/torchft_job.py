@@ -48,39 +48,64 @@ def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, k
                 "ckpt": ckpt, "ecrm": ecrm, "rdzv_port": rdzv.port if rdzv else None, "async_quorum": async_quorum}
         spawned[r].append(time.time())
         spec["incarnation"] = len(spawned[r]) - 1
-        if spawner is not None:
-            return spawner(WORKER, json.dumps(spec), env)
-        return subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=env)
+        return _start(WORKER, spec, env, spawner)
 
     spawned = {r: [] for r in range(replicas)}
     procs = {r: spawn(r, kill_at if r == kill else None) for r in range(replicas)}
     killed_at = None
+
+    def replace(r, rc) -> bool:
+        nonlocal killed_at, lighthouse
+        if not (rc == -9 and r == kill and killed_at is None):
+            return False
+        killed_at = time.time()
+        if restart == "all":  # (a full restart: every other group is ended and started again)
+            for q in list(procs):
+                other = procs.pop(q)
+                other.kill()
+                other.wait()
+            # and the rendezvous with them, as torchrun's is (the old lighthouse would hold the dead groups'
+            # quorum requests)
+            lighthouse.shutdown()
+            lighthouse = new_lighthouse()
+            for q in range(replicas):
+                if q != r:
+                    procs[q] = spawn(q, None)
+        procs[r] = spawn(r, None)  # the scheduler replaces the lost group
+        return True
+
+    try:
+        _supervise(procs, replace, lambda r: f"replica {r}", logs, timeout)
+    finally:
+        lighthouse.shutdown()
+    events = {r: [json.loads(line) for line in open(logs[r])] for r in range(replicas)}
+    return {"events": events, "spawned": spawned, "killed_at": killed_at}
+
+
+def _start(script: str, spec: dict, env: dict, spawner):
+    """``python script SPEC_JSON``: through ``spawner(script, arg, env)`` if given, else a fresh interpreter."""
+    if spawner is not None:
+        return spawner(script, json.dumps(spec), env)
+    return subprocess.Popen([sys.executable, script, json.dumps(spec)], env=env)
+
+
+def _supervise(procs: dict, replace, name, logs: dict, timeout: float) -> None:
+    """Poll ``procs`` ({key: process}) until each has ended. An exit is first offered to ``replace(key, rc)``
+    (True: it started what replaces it, and ``procs`` may have changed: poll afresh); any other non-zero exit
+    raises, naming ``name(key)`` and the tail of its log; past ``timeout`` seconds, TimeoutError. What still
+    runs when it raises is killed."""
     deadline = time.monotonic() + timeout
     try:
         while procs:
-            for r, p in list(procs.items()):
+            for key, p in list(procs.items()):
                 rc = p.poll()
                 if rc is None:
                     continue
-                del procs[r]
-                if rc == -9 and r == kill and killed_at is None:
-                    killed_at = time.time()
-                    if restart == "all":  # (a full restart: every other group is ended and started again)
-                        for q, other in list(procs.items()):
-                            other.kill()
-                            other.wait()
-                            del procs[q]
-                        # and the rendezvous with them, as torchrun's is (the old lighthouse would hold the
-                        # dead groups' quorum requests)
-                        lighthouse.shutdown()
-                        lighthouse = new_lighthouse()
-                        for q in range(replicas):
-                            if q != r:
-                                procs[q] = spawn(q, None)
-                    procs[r] = spawn(r, None)  # the scheduler replaces the lost group
-                    break  # (the processes polled before this one were replaced too: poll afresh)
-                elif rc != 0:
-                    raise RuntimeError(f"replica {r} exited with {rc}; its log: {_tail(logs[r])}")
+                del procs[key]
+                if replace(key, rc):
+                    break  # (the processes polled before this one may have been replaced too)
+                if rc != 0:
+                    raise RuntimeError(f"{name(key)} exited with {rc}; its log: {_tail(logs[key])}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the job did not end in {timeout:.0f} s")
             time.sleep(0.02)
@@ -88,9 +113,6 @@ def run(tmp: str, *, tables: str, replicas: int, steps: int, kill: int | None, k
         for p in procs.values():
             p.kill()
             p.wait()
-        lighthouse.shutdown()
-    events = {r: [json.loads(line) for line in open(logs[r])] for r in range(replicas)}
-    return {"events": events, "spawned": spawned, "killed_at": killed_at}
 
 
 def _tail(path: str) -> str:
@@ -128,42 +150,31 @@ def run_groups(tmp: str, *, groups: int, group_size: int, steps: int, kill: tupl
                 "groups": groups, "group_port": stores[g].port, "incarnation": incarnation[g], "steps": steps,
                 "root": tmp, "log": logs[m], "rows": rows, "save_every": save_every, "kill_at": kill_at_step}
         spawned[m].append(time.time())
-        if spawner is not None:
-            return spawner(GROUP_WORKER, json.dumps(spec), env)
-        return subprocess.Popen([sys.executable, GROUP_WORKER, json.dumps(spec)], env=env)
+        return _start(GROUP_WORKER, spec, env, spawner)
 
     procs = {m: spawn(m, kill_at if m == kill else None) for m in members}
     restarted = False
-    deadline = time.monotonic() + timeout
+
+    def replace(m, rc) -> bool:
+        nonlocal restarted
+        if not (rc == -9 and m == kill and not restarted):
+            return False
+        restarted = True
+        g = m[0]
+        for q in [q for q in procs if q[0] == g]:  # (the group's other ranks go too)
+            procs.pop(q).kill()
+        incarnation[g] += 1
+        # a new store for the new group, as a restarted torchrun's is (torchft's Manager finds its rank 0's
+        # address there: the dead one's must not be found)
+        stores[g] = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        for q in members:
+            if q[0] == g:
+                procs[q] = spawn(q, None)
+        return True
+
     try:
-        while procs:
-            for m, p in list(procs.items()):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                del procs[m]
-                if rc == -9 and m == kill and not restarted:
-                    restarted = True
-                    g = m[0]
-                    for q in [q for q in procs if q[0] == g]:  # (the group's other ranks go too)
-                        procs.pop(q).kill()
-                    incarnation[g] += 1
-                    # a new store for the new group, as a restarted torchrun's is (torchft's Manager finds its
-                    # rank 0's address there: the dead one's must not be found)
-                    stores[g] = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-                    for q in members:
-                        if q[0] == g:
-                            procs[q] = spawn(q, None)
-                    break
-                if rc != 0:
-                    raise RuntimeError(f"group {m[0]} rank {m[1]} exited with {rc}; its log: {_tail(logs[m])}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the job did not end in {timeout:.0f} s")
-            time.sleep(0.02)
+        _supervise(procs, replace, lambda m: f"group {m[0]} rank {m[1]}", logs, timeout)
     finally:
-        for p in procs.values():
-            p.kill()
-            p.wait()
         lighthouse.shutdown()
     events = {m: [json.loads(line) for line in open(logs[m])] for m in members}
     return {"events": events, "spawned": spawned}
