@@ -17,6 +17,7 @@ from cnrstore.distributed import TorchftTransport  # noqa: E402
 from cnrstore.engine import fs  # noqa: E402
 from cnrstore.errors import InvalidArgument, RecoveryFailed  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
+from support.torch_state import assert_state_equal  # noqa: E402
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -67,20 +68,12 @@ class Trainer:
         self.loader = dict(user["loader"])
 
 
-def assert_same(a, b) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    else:
-        assert a == b
+def trained_past_a_save(t: Trainer) -> int:
+    """3 steps, a save (committed), then 2 steps that change rows after it -> the save's version."""
+    t.train(3)
+    version = t.ckpt.save(3).wait()
+    t.train(2)
+    return version
 
 
 @pytest.fixture
@@ -117,8 +110,8 @@ def test_heals_bit_for_bit_from_the_newest_save_and_the_rows_changed_since(pair)
     source.train(3)  # a few rows change after the save
     expected = source.state_dict()
     got = heal(source, healer, ta, tb, 7)
-    assert_same(expected, got)
-    assert_same(expected["user"], healer.state_dict()["user"])
+    assert_state_equal(expected, got)
+    assert_state_equal(expected["user"], healer.state_dict()["user"])
     # only the changed rows travelled; the rest came from the store at the save's version
     assert tb.last_recv.version == saved.wait()
     assert not ta.last_send.whole and not tb.last_recv.whole
@@ -126,16 +119,14 @@ def test_heals_bit_for_bit_from_the_newest_save_and_the_rows_changed_since(pair)
     assert tb.last_recv.bytes < 2000 * 16 * 4  # less than one of the tables, whole
     healer.train(2)
     source.train(2)
-    assert_same(source.state_dict(), healer.state_dict())  # and they train on equal
+    assert_state_equal(source.state_dict(), healer.state_dict())  # and they train on equal
 
 
 def test_a_heal_waits_for_the_streamed_save_it_builds_on_then_is_exact(pair):
     """A schedule: the save the image builds on is still being written (a streamed save held at its first
     chunk) while the sender trains on and takes the image; the peer's answer waits for that save's commit."""
     source, healer, ta, tb = pair()
-    source.train(3)
-    source.ckpt.save(3).wait()
-    source.train(2)
+    trained_past_a_save(source)
     reached, release = threading.Event(), threading.Event()
 
     def hold(_name, *_detail):
@@ -158,18 +149,13 @@ def test_a_heal_waits_for_the_streamed_save_it_builds_on_then_is_exact(pair):
         release.set()
         fs.pause_at("streamed_chunk_written", None)
     fetch.join(30)
-    assert_same(expected, got["state"])
+    assert_state_equal(expected, got["state"])
     assert tb.last_recv.version == pending.wait() and not tb.last_recv.whole
 
 
 def test_the_image_is_the_step_sent_even_when_the_sender_trains_on_before_the_fetch(pair):
     source, healer, ta, tb = pair()
-    source.train(3)
-    source.ckpt.save(3).wait()
-    source.train(2)
-    expected = source.state_dict()
-    expected = {"user": {"default": {k: (v if not isinstance(v, dict) else {**v}) for k, v in
-                                     expected["user"]["default"].items()}}, "torchft": expected["torchft"]}
+    trained_past_a_save(source)
     frozen = {k: v.clone() for k, v in source.model.state_dict().items()}
     ta.send_checkpoint([1], 5, source.state_dict(), TIMEOUT)
     ta.disallow_checkpoint()  # returns at once: the image is a copy
@@ -189,7 +175,7 @@ def test_tables_travel_whole_when_the_store_cannot_rebuild_them_exactly(pair, wh
         source.train(1)
     expected = source.state_dict()
     got = heal(source, healer, ta, tb, source.loader["position"])
-    assert_same(expected, got)
+    assert_state_equal(expected, got)
     assert sorted(tb.last_recv.whole) == ["bag", "bag.optim.sum", "emb", "emb.optim.sum"]
     assert tb.last_recv.version is None
 
@@ -210,16 +196,14 @@ def test_own_tables_come_from_the_healing_groups_own_store_cpr(pair):
     assert torch.equal(got["user"]["default"]["sparse"]["state"][0]["sum"], own_sum)
     for k in ("top.weight", "top.bias"):  # the replicated layers come from the peer
         assert torch.equal(model[k], expected["user"]["default"]["model"][k])
-    assert_same(expected["user"]["default"]["dense"], got["user"]["default"]["dense"])
+    assert_state_equal(expected["user"]["default"]["dense"], got["user"]["default"]["dense"])
     assert got["torchft"] == expected["torchft"]
     assert ta.last_send.rows == {} and not ta.last_send.whole
 
 
 def test_a_table_twice_in_the_state_dict_is_rebuilt_once_into_both_places(pair):
     source, healer, ta, tb = pair()
-    source.train(3)
-    source.ckpt.save(3).wait()
-    source.train(2)
+    trained_past_a_save(source)
     state = source.state_dict()
     state["user"]["default"]["tied"] = source.model.bag.weight  # an output layer tied to the table, say
     ta.send_checkpoint([1], 5, state, TIMEOUT)
