@@ -26,6 +26,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (its sibling modules)
 from exit_now import exit_now  # noqa: E402
+import gloo_join  # noqa: E402
 
 from cnrstore.distributed import DistributedCheckpointer, ShardingPlan  # noqa: E402
 from cnrstore.errors import GlobalCommitError  # noqa: E402
@@ -128,10 +129,7 @@ def dump(model: Model, opt, loader: Loader, plan: ShardingPlan, rank: int, path:
 
 def main() -> int:
     cfg = json.loads(sys.argv[1])
-    rank, world = cfg["rank"], cfg["world"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg.get("pg_timeout", 60)))
+    rank, world = gloo_join.join(cfg, timeout_s=cfg.get("pg_timeout", 60))
     plan = make_plan(cfg.get("plan", "row"), world)
     model = Model(plan, rank, cfg.get("seed", 0)).to(cfg.get("device", "cpu"))  # "cuda": tests/test_cuda.py
     opt = make_optimizer(model, cfg.get("optimizers", "one"))

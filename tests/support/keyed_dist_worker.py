@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (its sibling modules)
 from exit_now import exit_now  # noqa: E402
+import gloo_join  # noqa: E402
 
 from cnrstore.distributed import DistributedCheckpointer, ShardingPlan  # noqa: E402
 from cnrstore.errors import InvalidArgument  # noqa: E402
@@ -74,10 +74,7 @@ def dump(model: Model, opt, path: str) -> None:
 
 
 def main(cfg: dict) -> None:
-    rank, world = cfg["rank"], cfg["world"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    rank, world = gloo_join.join(cfg)
     out, steps = cfg["out"], cfg["steps"]
     seed = cfg["seed"] + rank
     model = Model(cfg["capacity"], seed)

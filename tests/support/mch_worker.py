@@ -30,6 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (its sibling modules)
 from exit_now import exit_now  # noqa: E402
+import gloo_join  # noqa: E402
 
 import cnrstore  # noqa: E402
 
@@ -191,10 +192,7 @@ class TorchRng:
 
 
 def main(cfg: dict) -> None:
-    rank, world = cfg["rank"], cfg["world"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    rank, world = gloo_join.join(cfg)
     out, scenario, steps = cfg["out"], cfg["scenario"], cfg["steps"]
     from cnrstore.distributed import DistributedCheckpointer
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository
 sys.path.insert(0, HERE)
 
 from exit_now import exit_now  # noqa: E402
+import gloo_join  # noqa: E402
 from mch_worker import DIM, HASH, TorchRng, state_of, train as mch_train, write_store_report  # noqa: E402
 
 ZCH = 64
@@ -115,10 +115,7 @@ def train(dmp, dense, steps, rank: int, world: int) -> None:
 
 
 def main(cfg: dict) -> None:
-    rank, world = cfg["rank"], cfg["world"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    rank, world = gloo_join.join(cfg)
     out, steps = cfg["out"], cfg["steps"]
     from cnrstore.distributed import DistributedCheckpointer
 

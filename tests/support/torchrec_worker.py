@@ -25,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (its sibling modules)
 from exit_now import exit_now  # noqa: E402
+import gloo_join  # noqa: E402
 
 import cnrstore  # noqa: E402
 from cnrstore.torch import Checkpointer  # noqa: E402
@@ -145,10 +146,7 @@ def state_of(dmp) -> dict[str, np.ndarray]:
 
 
 def main(cfg: dict) -> None:
-    rank, world = cfg["rank"], cfg["world"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    rank, world = gloo_join.join(cfg, timeout_s=120)
     out = cfg["out"]
     scenario = cfg["scenario"]
     store_path = os.path.join(cfg["root"], f"rank-{rank}")
